@@ -1,0 +1,81 @@
+"""LoongSage plugin contract: hook markers, hookspecs, component specs and records.
+
+Plugin authors depend on this package only::
+
+    from loongsage_hookspecs import hookimpl, RewardSpec
+
+    @hookimpl
+    def loongsage_rewards():
+        yield RewardSpec(name="my_reward", fn=my_reward)
+
+and register the module under the ``loongsage`` entry-point group.
+"""
+
+from __future__ import annotations
+
+from . import hookspecs
+from .hookspecs import KINDS, Kind
+from .markers import PROJECT_NAME, hookimpl, hookspec
+from .protocols import (
+    Agent,
+    EngineContext,
+    MetricsLogger,
+    RolloutEngine,
+    RouterMiddleware,
+    Sandbox,
+    SandboxProvider,
+    Scheduler,
+    Teacher,
+    TrainWorker,
+    TrainWorkerContext,
+    WeightReceiver,
+    WeightSender,
+)
+from .records import (
+    BATCH_FIELDS,
+    AdvantageInputs,
+    AdvantageOutput,
+    AgentContext,
+    AgentResult,
+    AggregationNorm,
+    Batch,
+    CorrectionInputs,
+    CorrectionOutput,
+    ExecResult,
+    KLInputs,
+    PolicyLossInputs,
+    PolicyLossOutput,
+    Reward,
+    SamplingParams,
+    Segment,
+    TeacherOutputs,
+    TensorMeta,
+    Trajectory,
+    TrajectoryGroup,
+    TrajectoryStatus,
+    WeightBucket,
+)
+from .specs import (
+    AdvantageSpec,
+    AgentSpec,
+    AggregationSpec,
+    ComponentSpec,
+    CorrectionSpec,
+    FilterSpec,
+    KLSpec,
+    LoggerSpec,
+    PolicyLossSpec,
+    RewardSpec,
+    RolloutEngineSpec,
+    RouterMiddlewareSpec,
+    SandboxSpec,
+    SchedulerSpec,
+    TeacherSpec,
+    TrainBackendSpec,
+    WeightTransportSpec,
+    normalize_name,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [name for name in dir() if not name.startswith("_") and name not in {"annotations"}]

@@ -1,0 +1,314 @@
+"""The hook functions of the LoongSage contract.
+
+Each hook is a *provider*: a plugin implements it (with ``@hookimpl``) and returns an iterable of
+typed specs. The host calls every hook once per process, collects the specs, normalises their
+names, rejects a name provided twice, and selects components by the names a job file gives.
+Pipelines whose order matters (filters, corrections, router middleware, loggers) are composed in
+the order of the job file, never in plugin registration order.
+
+The :data:`KINDS` table maps each component kind (the word a job file and ``loongsage plugins``
+use) to its hook and spec class.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import attrs
+
+from .markers import hookspec
+from .specs import (
+    AdvantageSpec,
+    AgentSpec,
+    AggregationSpec,
+    ComponentSpec,
+    CorrectionSpec,
+    FilterSpec,
+    KLSpec,
+    LoggerSpec,
+    PolicyLossSpec,
+    RewardSpec,
+    RolloutEngineSpec,
+    RouterMiddlewareSpec,
+    SandboxSpec,
+    SchedulerSpec,
+    TeacherSpec,
+    TrainBackendSpec,
+    WeightTransportSpec,
+)
+
+
+@hookspec
+def loongsage_agents() -> Iterable[AgentSpec]:
+    """Provide agents: programs that run one trajectory against an OpenAI-compatible endpoint.
+
+    The host passes nothing. Return :class:`AgentSpec` objects whose ``factory(**args)`` builds an
+    object with ``async run(ctx: AgentContext) -> AgentResult``; ``args`` come from the data
+    source's ``agent_args`` table in the job file.
+
+    Example::
+
+        @hookimpl
+        def loongsage_agents():
+            yield AgentSpec(name="echo", description="answers once", factory=EchoAgent)
+    """
+
+
+@hookspec
+def loongsage_rewards() -> Iterable[RewardSpec]:
+    """Provide reward functions that score a finished trajectory.
+
+    The host calls ``fn(trajectory: Trajectory, **args)`` (``args`` from ``reward_args``) after
+    the agent returns; it must return a float or a :class:`Reward`. An exception marks the
+    trajectory failed with the error recorded; the run goes on.
+
+    Example::
+
+        @hookimpl
+        def loongsage_rewards():
+            yield RewardSpec(name="length", fn=lambda traj: len(traj.response_text) / 100)
+    """
+
+
+@hookspec
+def loongsage_sandboxes() -> Iterable[SandboxSpec]:
+    """Provide sandbox providers for agents that execute code or commands.
+
+    ``factory(**args)`` returns a ``SandboxProvider``; the host calls ``create`` before an agent
+    that needs a sandbox runs, and ``destroy`` after it returns or raises.
+
+    Example::
+
+        @hookimpl
+        def loongsage_sandboxes():
+            yield SandboxSpec(name="local", factory=LocalSandboxProvider)
+    """
+
+
+@hookspec
+def loongsage_advantages() -> Iterable[AdvantageSpec]:
+    """Provide advantage estimators.
+
+    The host calls ``fn(inputs: AdvantageInputs, **args)`` on the rows of one step (``args`` from
+    ``[algorithm] advantage_args``) and expects an :class:`AdvantageOutput` with per-token
+    advantages ``[B, T]``.
+
+    Example::
+
+        @hookimpl
+        def loongsage_advantages():
+            yield AdvantageSpec(name="grpo", fn=grpo_advantage, description="group-normalised")
+    """
+
+
+@hookspec
+def loongsage_policy_losses() -> Iterable[PolicyLossSpec]:
+    """Provide policy losses.
+
+    The host calls ``fn(inputs: PolicyLossInputs, **args)`` per micro-batch and expects a
+    :class:`PolicyLossOutput` with a per-token loss ``[B, T]``; the host applies masks and weights
+    and aggregates globally.
+
+    Example::
+
+        @hookimpl
+        def loongsage_policy_losses():
+            yield PolicyLossSpec(name="reinforce", fn=lambda x: PolicyLossOutput(-x.advantages * x.logprobs))
+    """
+
+
+@hookspec
+def loongsage_kls() -> Iterable[KLSpec]:
+    """Provide KL estimators (to a reference model or, for distillation, to a teacher).
+
+    The host calls ``fn(inputs: KLInputs, **args)`` and expects a per-token KL ``[B, T]``.
+
+    Example::
+
+        @hookimpl
+        def loongsage_kls():
+            yield KLSpec(name="k1", fn=lambda x: x.logprobs - x.ref_logprobs)
+    """
+
+
+@hookspec
+def loongsage_loss_aggregations() -> Iterable[AggregationSpec]:
+    """Provide loss aggregations (per-token loss -> scalar).
+
+    The host calls ``fn(loss, mask, norm: AggregationNorm, **args)`` on each micro-batch; the sum
+    over micro-batches is the mini-batch loss, so ``fn`` divides by ``norm`` only.
+
+    Example::
+
+        @hookimpl
+        def loongsage_loss_aggregations():
+            yield AggregationSpec(name="token_mean", fn=lambda l, m, n: (l * m).sum() / n.num_tokens)
+    """
+
+
+@hookspec
+def loongsage_corrections() -> Iterable[CorrectionSpec]:
+    """Provide off-policy corrections (importance-sampling weights, token or sequence masks).
+
+    The host calls ``fn(inputs: CorrectionInputs, **args)`` in job-file order and multiplies the
+    returned ``weights`` and ``mask`` into the per-token loss.
+
+    Example::
+
+        @hookimpl
+        def loongsage_corrections():
+            yield CorrectionSpec(name="tis", fn=truncated_is, stage="pre_advantage")
+    """
+
+
+@hookspec
+def loongsage_router_middlewares() -> Iterable[RouterMiddlewareSpec]:
+    """Provide AgentFlow router middleware (request/response inspection and rewriting).
+
+    ``factory(**args)`` returns an object with ``on_request`` and ``on_response``; the router
+    chains them in job-file order.
+
+    Example::
+
+        @hookimpl
+        def loongsage_router_middlewares():
+            yield RouterMiddlewareSpec(name="log_requests", factory=RequestLogger)
+    """
+
+
+@hookspec
+def loongsage_filters() -> Iterable[FilterSpec]:
+    """Provide trajectory-group filters (e.g. drop groups whose rewards have zero spread).
+
+    The host calls ``fn(groups, **args)`` in job-file order after rewards and expects the kept
+    groups; dropped groups are counted in ``rollout/filter_drop``.
+
+    Example::
+
+        @hookimpl
+        def loongsage_filters():
+            yield FilterSpec(name="nonzero_std", fn=lambda gs: [g for g in gs if len(set(g.scores)) > 1])
+    """
+
+
+@hookspec
+def loongsage_schedulers() -> Iterable[SchedulerSpec]:
+    """Provide asynchronous-training schedulers (bounded staleness strategies).
+
+    ``factory(**args)`` returns a ``Scheduler``; the host asks it what to dispatch and what the
+    next step may train on.
+
+    Example::
+
+        @hookimpl
+        def loongsage_schedulers():
+            yield SchedulerSpec(name="sync", factory=SyncScheduler)
+    """
+
+
+@hookspec
+def loongsage_teachers() -> Iterable[TeacherSpec]:
+    """Provide teacher backends for on-policy distillation.
+
+    ``factory(**args)`` returns a ``Teacher`` whose ``forward(batch)`` gives teacher log-probs over
+    the student's samples.
+
+    Example::
+
+        @hookimpl
+        def loongsage_teachers():
+            yield TeacherSpec(name="torch", factory=TorchTeacher)
+    """
+
+
+@hookspec
+def loongsage_weight_transports() -> Iterable[WeightTransportSpec]:
+    """Provide weight transports from the trainer to rollout engines.
+
+    ``sender(**args)`` runs in the trainer, ``receiver(**args)`` in the engine, which finds it by
+    the ``load_format`` of the update request.
+
+    Example::
+
+        @hookimpl
+        def loongsage_weight_transports():
+            yield WeightTransportSpec(name="shm", sender=ShmSender, receiver=ShmReceiver)
+    """
+
+
+@hookspec
+def loongsage_loggers() -> Iterable[LoggerSpec]:
+    """Provide metrics loggers.
+
+    ``factory(output_dir, **args)`` returns an object with ``log(step, metrics)`` and ``close()``;
+    every logger in the job file's ``[[loggers]]`` list receives every step.
+
+    Example::
+
+        @hookimpl
+        def loongsage_loggers():
+            yield LoggerSpec(name="jsonl", factory=JsonlLogger)
+    """
+
+
+@hookspec
+def loongsage_train_backends() -> Iterable[TrainBackendSpec]:
+    """Provide train backends.
+
+    ``factory(ctx: TrainWorkerContext)`` runs inside each trainer actor and returns a
+    ``TrainWorker`` (forward log-probs, train a mini-batch, export weights, checkpoints).
+
+    Example::
+
+        @hookimpl
+        def loongsage_train_backends():
+            yield TrainBackendSpec(name="torch", factory=TorchTrainWorker)
+    """
+
+
+@hookspec
+def loongsage_rollout_engines() -> Iterable[RolloutEngineSpec]:
+    """Provide rollout engines.
+
+    ``factory(ctx: EngineContext)`` runs inside each engine actor and returns a ``RolloutEngine``
+    that serves SGLang's native HTTP API on loopback.
+
+    Example::
+
+        @hookimpl
+        def loongsage_rollout_engines():
+            yield RolloutEngineSpec(name="torch", factory=EmbeddedEngine)
+    """
+
+
+@attrs.define(frozen=True)
+class Kind:
+    """One component kind: the job-file word, its hook's name and its spec class."""
+
+    name: str
+    hook: str
+    spec: type[ComponentSpec]
+
+
+KINDS: dict[str, Kind] = {
+    k.name: k
+    for k in (
+        Kind("agent", "loongsage_agents", AgentSpec),
+        Kind("reward", "loongsage_rewards", RewardSpec),
+        Kind("sandbox", "loongsage_sandboxes", SandboxSpec),
+        Kind("advantage", "loongsage_advantages", AdvantageSpec),
+        Kind("policy_loss", "loongsage_policy_losses", PolicyLossSpec),
+        Kind("kl", "loongsage_kls", KLSpec),
+        Kind("loss_aggregation", "loongsage_loss_aggregations", AggregationSpec),
+        Kind("correction", "loongsage_corrections", CorrectionSpec),
+        Kind("router_middleware", "loongsage_router_middlewares", RouterMiddlewareSpec),
+        Kind("filter", "loongsage_filters", FilterSpec),
+        Kind("scheduler", "loongsage_schedulers", SchedulerSpec),
+        Kind("teacher", "loongsage_teachers", TeacherSpec),
+        Kind("weight_transport", "loongsage_weight_transports", WeightTransportSpec),
+        Kind("logger", "loongsage_loggers", LoggerSpec),
+        Kind("train_backend", "loongsage_train_backends", TrainBackendSpec),
+        Kind("rollout_engine", "loongsage_rollout_engines", RolloutEngineSpec),
+    )
+}
+"""Every component kind, in the order ``loongsage plugins`` lists them."""

@@ -1,0 +1,194 @@
+"""Typed component specs: what each provider hook returns.
+
+Every hook returns an iterable of one spec class below. A spec names a component (the name a job
+file uses), describes it in one line (shown by ``loongsage plugins``) and carries the callable the
+host invokes. Function-style kinds (reward, advantage, policy loss, KL, filter, aggregation,
+correction) carry the function itself; object-style kinds carry a ``factory`` that builds an
+object implementing the matching protocol of :mod:`loongsage_hookspecs.protocols`.
+
+Names are normalised (lower case, ``-`` becomes ``_``) so ``"Dr-GRPO"`` and ``"dr_grpo"`` are
+the same component.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import attrs
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+    from .records import (
+        AdvantageInputs,
+        AdvantageOutput,
+        AggregationNorm,
+        CorrectionInputs,
+        CorrectionOutput,
+        KLInputs,
+        PolicyLossInputs,
+        PolicyLossOutput,
+        Reward,
+        Trajectory,
+        TrajectoryGroup,
+    )
+
+
+def normalize_name(name: str) -> str:
+    """Canonical component name: stripped, lower case, ``-`` replaced by ``_``."""
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"component name must be a non-empty string, got {name!r}")
+    return name.strip().lower().replace("-", "_")
+
+
+@attrs.define(frozen=True, kw_only=True)
+class ComponentSpec:
+    """Fields every spec has: the selectable ``name`` and a one-line ``description``."""
+
+    name: str = attrs.field(converter=normalize_name)
+    description: str = ""
+
+
+@attrs.define(frozen=True, kw_only=True)
+class RewardSpec(ComponentSpec):
+    """``fn(trajectory, **args) -> float | Reward``; may raise, the host records the error."""
+
+    fn: "Callable[..., float | Reward]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class AdvantageSpec(ComponentSpec):
+    """``fn(inputs: AdvantageInputs, **args) -> AdvantageOutput``.
+
+    ``needs_critic`` tells the host to train a value model and pass ``inputs.values``.
+    """
+
+    fn: "Callable[..., AdvantageOutput]"
+    needs_critic: bool = False
+
+
+@attrs.define(frozen=True, kw_only=True)
+class PolicyLossSpec(ComponentSpec):
+    """``fn(inputs: PolicyLossInputs, **args) -> PolicyLossOutput`` with a per-token loss."""
+
+    fn: "Callable[..., PolicyLossOutput]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class KLSpec(ComponentSpec):
+    """``fn(inputs: KLInputs, **args) -> torch.Tensor`` per-token KL ``[B, T]``.
+
+    ``requires`` says which inputs must be filled: ``"logprobs"`` (sampled-token log-probs only),
+    ``"topk"`` (reference top-k log-probs) or ``"logits"`` (full vocabulary on both sides).
+    """
+
+    fn: "Callable[..., torch.Tensor]"
+    requires: str = attrs.field(default="logprobs",
+                                validator=attrs.validators.in_(("logprobs", "topk", "logits")))
+
+
+@attrs.define(frozen=True, kw_only=True)
+class AggregationSpec(ComponentSpec):
+    """``fn(loss [B, T], mask [B, T], norm: AggregationNorm, **args) -> scalar tensor``.
+
+    Must divide by the global statistics in ``norm`` only, never by micro-batch statistics.
+    """
+
+    fn: "Callable[..., torch.Tensor]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class CorrectionSpec(ComponentSpec):
+    """``fn(inputs: CorrectionInputs, **args) -> CorrectionOutput``.
+
+    ``stage`` is ``"pre_advantage"`` (runs on old/rollout log-probs before advantages, e.g. M2PO)
+    or ``"post_forward"`` (also sees the current log-probs, e.g. OPSM).
+    """
+
+    fn: "Callable[..., CorrectionOutput]"
+    stage: str = attrs.field(default="pre_advantage",
+                             validator=attrs.validators.in_(("pre_advantage", "post_forward")))
+
+
+@attrs.define(frozen=True, kw_only=True)
+class FilterSpec(ComponentSpec):
+    """``fn(groups: list[TrajectoryGroup], **args) -> list[TrajectoryGroup]`` (the kept groups)."""
+
+    fn: "Callable[..., Sequence[TrajectoryGroup]]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class AgentSpec(ComponentSpec):
+    """``factory(**args) -> Agent`` (see :class:`~loongsage_hookspecs.protocols.Agent`).
+
+    ``needs_sandbox`` asks the host to create a sandbox for every trajectory of this agent.
+    """
+
+    factory: "Callable[..., Any]"
+    needs_sandbox: bool = False
+
+
+@attrs.define(frozen=True, kw_only=True)
+class SandboxSpec(ComponentSpec):
+    """``factory(**args) -> SandboxProvider`` that creates and destroys per-trajectory sandboxes."""
+
+    factory: "Callable[..., Any]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class RouterMiddlewareSpec(ComponentSpec):
+    """``factory(**args) -> RouterMiddleware``; composed in job-file order around each request."""
+
+    factory: "Callable[..., Any]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class SchedulerSpec(ComponentSpec):
+    """``factory(**args) -> Scheduler`` deciding dispatch and collection in asynchronous mode."""
+
+    factory: "Callable[..., Any]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class TeacherSpec(ComponentSpec):
+    """``factory(**args) -> Teacher`` computing teacher log-probs over student samples."""
+
+    factory: "Callable[..., Any]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class WeightTransportSpec(ComponentSpec):
+    """A way to move trainer weights into rollout engines.
+
+    ``sender(**args) -> WeightSender`` is built in the trainer process; ``receiver(**args) ->
+    WeightReceiver`` inside the engine process, looked up by this spec's name (sent as the
+    ``load_format`` of the engine's weight-update request).
+    """
+
+    sender: "Callable[..., Any]"
+    receiver: "Callable[..., Any]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class LoggerSpec(ComponentSpec):
+    """``factory(output_dir: str, **args) -> MetricsLogger``; all listed loggers receive each step."""
+
+    factory: "Callable[..., Any]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class TrainBackendSpec(ComponentSpec):
+    """``factory(ctx: TrainWorkerContext) -> TrainWorker``, called inside each trainer actor."""
+
+    factory: "Callable[..., Any]"
+
+
+@attrs.define(frozen=True, kw_only=True)
+class RolloutEngineSpec(ComponentSpec):
+    """``factory(ctx: EngineContext) -> RolloutEngine``, called inside each engine actor.
+
+    The engine serves SGLang's native HTTP API; ``supports`` lists optional endpoints it has.
+    """
+
+    factory: "Callable[..., Any]"
+    supports: tuple[str, ...] = ()

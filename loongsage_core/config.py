@@ -1,0 +1,482 @@
+"""Job-file schema and loading.
+
+A job file is TOML; its tables map onto the attrs classes below. Loading goes through cattrs
+with unknown keys rejected and strict scalar types, and every problem is raised as a
+:class:`ConfigError` that names the file, the dotted key and, for unknown keys, the closest
+valid key. ``key=value`` overrides (dotted paths, ``data.0.weight=0.5`` for list entries) are
+typed by the schema before they are applied.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A job file or override is invalid; the message names the file and the key at fault."""
+
+
+Args = dict[str, Any]
+
+
+@attrs.define
+class PluginsConfig:
+    """Which plugins are active: ``enable`` names distributions or entry points; ``modules``
+    lists user hookimpl modules by file path (relative to the job file)."""
+
+    enable: list[str] = attrs.field(factory=list)
+    modules: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
+class ModelConfig:
+    """The policy model: a local Hugging Face directory (``path``) or, for tests and tiny models,
+    a ``config`` table (a transformers config dict with ``model_type``) plus a ``tokenizer``
+    directory or tokenizer.json file."""
+
+    path: str | None = None
+    config: Args = attrs.field(factory=dict)
+    tokenizer: str | None = None
+    dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16", "float16")))
+    fp32_lm_head: bool = False
+    seed: int = 0
+
+
+@attrs.define
+class TrainConfig:
+    """Trainer settings. ``mini_batch_size`` rows per optimizer step, split into micro-batches of
+    ``micro_batch_size`` rows; the loss denominator is global to the mini-batch."""
+
+    backend: str = "torch"
+    num_workers: int = 1
+    lr: float = 1e-5
+    lr_schedule: str = attrs.field(default="constant", validator=attrs.validators.in_(("constant", "linear", "cosine")))
+    lr_warmup_steps: int = 0
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    total_steps: int = 50
+    mini_batch_size: int = 16
+    micro_batch_size: int = 4
+    ppo_epochs: int = 1
+    gradient_checkpointing: bool = False
+    backend_args: Args = attrs.field(factory=dict)
+
+
+@attrs.define
+class RolloutConfig:
+    """Rollout settings: ``prompts_per_step`` prompts x ``samples_per_prompt`` samples each step."""
+
+    engine: str = "torch"
+    num_engines: int = 1
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    max_context_length: int = 2048
+    partial: bool = False
+    weight_transport: str = "shm"
+    weight_transport_args: Args = attrs.field(factory=dict)
+    engine_args: Args = attrs.field(factory=dict)
+
+
+@attrs.define
+class PlacementConfig:
+    """Where actors live. ``colocate = true`` shares devices between trainer and engines;
+    ``false`` gives each role its own pool (``*_cpus`` / ``*_gpus`` per actor)."""
+
+    colocate: bool = True
+    trainer_cpus: float = 1.0
+    engine_cpus: float = 1.0
+    trainer_gpus: float = 0.0
+    engine_gpus: float = 0.0
+
+
+@attrs.define
+class AlgorithmConfig:
+    """Loss pipeline choices (DESIGN.md section 6). Each ``*_args`` table is passed as keyword
+    arguments to the named component."""
+
+    advantage: str = "grpo"
+    advantage_args: Args = attrs.field(factory=dict)
+    policy_loss: str = "ppo_clip"
+    policy_loss_args: Args = attrs.field(factory=dict)
+    loss_agg: str = "token_mean"
+    loss_agg_args: Args = attrs.field(factory=dict)
+    kl: str | None = None
+    kl_args: Args = attrs.field(factory=dict)
+    kl_coef: float = 0.0
+    kl_in_reward: bool = False
+    ref_update_every: int = 0
+    entropy_coef: float = 0.0
+    recompute_old_logprobs: bool = True
+    corrections: list[str] = attrs.field(factory=list)
+    correction_args: dict[str, Args] = attrs.field(factory=dict)
+    filters: list[str] = attrs.field(factory=list)
+    filter_args: dict[str, Args] = attrs.field(factory=dict)
+    max_filter_retries: int = 0
+
+
+@attrs.define
+class DataConfig:
+    """One data source. Either ``path`` (JSONL or parquet rows) or ``generator`` (a procedural
+    task from a plugin) gives the prompts; ``agent``, ``reward`` and sampling are per source."""
+
+    name: str = "default"
+    path: str | None = None
+    generator: str | None = None
+    generator_args: Args = attrs.field(factory=dict)
+    weight: float = 1.0
+    prompt_key: str = "prompt"
+    label_key: str = "label"
+    metadata_key: str | None = None
+    system_prompt: str | None = None
+    agent: str = "single_turn"
+    agent_args: Args = attrs.field(factory=dict)
+    reward: list[str] = attrs.field(factory=lambda: ["exact_match"])
+    reward_args: dict[str, Args] = attrs.field(factory=dict)
+    teacher: str | None = None
+    sampling: Args = attrs.field(factory=dict)
+    shuffle: bool = True
+
+
+@attrs.define
+class AsyncConfig:
+    """Asynchronous training: a scheduler bounds staleness to ``stale_steps`` policy versions."""
+
+    enable: bool = False
+    scheduler: str = "windowed_fifo"
+    scheduler_args: Args = attrs.field(factory=dict)
+    stale_steps: int = 1
+
+
+@attrs.define
+class LoggerConfig:
+    """One metrics logger, by component name, with its arguments."""
+
+    name: str
+    args: Args = attrs.field(factory=dict)
+
+
+@attrs.define
+class TeacherConfig:
+    """A distillation teacher: a name data sources refer to, a model and a teacher backend."""
+
+    name: str
+    path: str | None = None
+    backend: str = "torch"
+    args: Args = attrs.field(factory=dict)
+
+
+@attrs.define
+class RunConfig:
+    """Run-level settings: seed, checkpoints, resume and the local Ray cluster."""
+
+    seed: int = 0
+    output_dir: str = "runs/default"
+    resume: bool = False
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
+    save_hf_at_end: bool = True
+    ray_address: str | None = None
+    ray_num_cpus: int | None = None
+    ray_object_store_mb: int = 256
+
+
+@attrs.define
+class JobConfig:
+    """A whole job file. TOML table ``[async]`` maps to :attr:`async_`."""
+
+    plugins: PluginsConfig = attrs.field(factory=PluginsConfig)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    train: TrainConfig = attrs.field(factory=TrainConfig)
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    placement: PlacementConfig = attrs.field(factory=PlacementConfig)
+    algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
+    data: list[DataConfig] = attrs.field(factory=list)
+    async_: AsyncConfig = attrs.field(factory=AsyncConfig, alias="async_")
+    loggers: list[LoggerConfig] = attrs.field(factory=lambda: [LoggerConfig(name="console")])
+    teachers: list[TeacherConfig] = attrs.field(factory=list)
+    run: RunConfig = attrs.field(factory=RunConfig)
+    source_path: str | None = attrs.field(default=None, metadata={"internal": True})
+
+    @property
+    def base_dir(self) -> Path:
+        """Directory relative paths in the job file are resolved against."""
+        return Path(self.source_path).resolve().parent if self.source_path else Path.cwd()
+
+    def resolve_path(self, value: str) -> str:
+        """``value`` as an absolute path, relative ones taken from the job file's directory."""
+        p = Path(value).expanduser()
+        return str(p if p.is_absolute() else (self.base_dir / p).resolve())
+
+
+TOML_RENAMES = {"async": "async_"}
+"""TOML keys that are Python keywords, and the attribute they fill."""
+
+
+# --------------------------------------------------------------------------------------------
+# Strict structuring
+# --------------------------------------------------------------------------------------------
+
+
+def _strict(expected: type) -> Any:
+    def structure(value: Any, _: Any) -> Any:
+        ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+        if expected is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not ok:
+            raise TypeError(f"expected {expected.__name__}, got {type(value).__name__} {value!r}")
+        return value
+
+    return structure
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
+    for t in (int, float, bool, str):
+        conv.register_structure_hook(t, _strict(t))
+
+    def structure_args(value: Any, _: Any) -> Args:
+        if not isinstance(value, Mapping):
+            raise TypeError(f"expected a table, got {type(value).__name__} {value!r}")
+        return dict(value)
+
+    conv.register_structure_hook_func(lambda t: t == Args, structure_args)
+
+    def structure_reward_list(value: Any, _: Any) -> list[str]:
+        if isinstance(value, str):
+            return [value]
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        raise TypeError(f"expected a name or a list of names, got {value!r}")
+
+    conv.register_structure_hook_func(lambda t: t is list[str], structure_reward_list)
+    return conv
+
+
+_CONVERTER = _make_converter()
+
+
+def _rename_keys(raw: Any) -> Any:
+    if isinstance(raw, dict):
+        return {TOML_RENAMES.get(k, k): v for k, v in raw.items()}
+    return raw
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in attrs.fields(cls) if not f.metadata.get("internal")]
+
+
+def _toml_name(name: str) -> str:
+    inverse = {v: k for k, v in TOML_RENAMES.items()}
+    return inverse.get(name, name)
+
+
+def _check_keys(raw: Any, cls: type, path: str, where: str) -> None:
+    """Reject unknown keys anywhere in ``raw`` with the dotted key and a did-you-mean hint."""
+    if not isinstance(raw, dict):
+        return
+    names = _field_names(cls)
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        attr = TOML_RENAMES.get(key, key)
+        dotted = f"{path}.{key}" if path else key
+        if attr not in names:
+            valid = [_toml_name(n) for n in names]
+            close = difflib.get_close_matches(key, valid, n=1)
+            hint = f" (did you mean '{(path + '.') if path else ''}{close[0]}'?)" if close else ""
+            raise ConfigError(f"{where}: unknown key '{dotted}'{hint}; valid keys here: {', '.join(valid)}")
+        sub = _attrs_class_of(hints[attr])
+        if sub is not None:
+            if typing.get_origin(hints[attr]) is list:
+                if isinstance(value, list):
+                    for i, item in enumerate(value):
+                        _check_keys(item, sub, f"{dotted}[{i}]", where)
+            else:
+                _check_keys(value, sub, dotted, where)
+
+
+def _attrs_class_of(tp: Any) -> type | None:
+    """The attrs class inside ``tp`` (``X``, ``list[X]`` or ``X | None``), if any."""
+    if attrs.has(tp):
+        return tp
+    for arg in typing.get_args(tp):
+        if attrs.has(arg):
+            return arg
+    return None
+
+
+def _describe_errors(exc: BaseException, where: str) -> ConfigError:
+    messages = cattrs.transform_error(exc, path="$", format_exception=_format_exception)
+    first = messages[0] if messages else str(exc)
+    return ConfigError(f"{where}: {first}")
+
+
+def _format_exception(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, KeyError):
+        return "required key is missing"
+    if isinstance(exc, ValueError) and len(exc.args) >= 2 and isinstance(exc.args[1], attrs.Attribute):
+        return f"{exc.args[0]} for '{exc.args[1].name}'"  # attrs validator failure
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return f"unknown keys {sorted(exc.extra_fields)}"
+    return str(exc) if str(exc) else type(exc).__name__
+
+
+def _tidy_path(message: str) -> str:
+    # cattrs writes paths as $.train.lr / $.data[0].weight; show them as dotted keys
+    return message.replace("@ $.", "at key '").replace("@ $", "at the top level")
+
+
+def structure_job(raw: Mapping[str, Any], source: str | None = None) -> JobConfig:
+    """Build a :class:`JobConfig` from a parsed TOML mapping, with errors naming ``source``."""
+    where = source or "<job>"
+    raw = _rename_keys(dict(raw))
+    _check_keys(raw, JobConfig, "", where)
+    try:
+        job = _CONVERTER.structure(raw, JobConfig)
+    except (ClassValidationError, IterableValidationError) as exc:
+        err = _describe_errors(exc, where)
+        msg = str(err)
+        if "at key '" in _tidy_path(msg):
+            msg = _tidy_path(msg) + "'"
+        raise ConfigError(msg.replace("async_", "async")) from None
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    job.source_path = source
+    return job
+
+
+def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
+    """Read a TOML job file, apply ``key=value`` overrides, and structure it."""
+    path = Path(path)
+    where = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: job file not found") from None
+    except OSError as exc:
+        raise ConfigError(f"{where}: cannot read job file: {exc.strerror}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{where}: malformed TOML: {exc}") from None
+    for item in overrides:
+        apply_override(raw, item, where)
+    return structure_job(raw, str(path))
+
+
+# --------------------------------------------------------------------------------------------
+# key=value overrides
+# --------------------------------------------------------------------------------------------
+
+
+def _parse_dotted(key: str) -> list[str]:
+    return [part for part in key.replace("[", ".").replace("]", "").split(".") if part]
+
+
+def _type_at(parts: Sequence[str], where: str, original: str) -> Any:
+    """The schema type at a dotted path, or raise naming the unknown part."""
+    tp: Any = JobConfig
+    walked: list[str] = []
+    for part in parts:
+        cls = _attrs_class_of(tp) if not (typing.get_origin(tp) is list and part.isdigit()) else None
+        if typing.get_origin(tp) is list and part.isdigit():
+            tp = typing.get_args(tp)[0]
+        elif cls is not None:
+            attr = TOML_RENAMES.get(part, part)
+            hints = typing.get_type_hints(cls)
+            if attr not in _field_names(cls):
+                valid = [_toml_name(n) for n in _field_names(cls)]
+                close = difflib.get_close_matches(part, valid, n=1)
+                hint = f" (did you mean '{'.'.join(walked + [close[0]])}'?)" if close else ""
+                raise ConfigError(f"{where}: override '{original}': unknown key '{'.'.join(walked + [part])}'{hint}")
+            tp = hints[attr]
+        else:
+            return Any  # inside a free-form table (``*_args``)
+        walked.append(part)
+    return tp
+
+
+def _parse_value(text: str, tp: Any) -> Any:
+    if tp is str or tp == (str | None):
+        return text
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_override(raw: dict[str, Any], item: str, where: str = "<overrides>") -> None:
+    """Apply one ``dotted.key=value`` override to the raw TOML mapping, typed by the schema."""
+    if "=" not in item:
+        raise ConfigError(f"{where}: override '{item}' is not of the form key=value")
+    key, _, text = item.partition("=")
+    parts = _parse_dotted(key.strip())
+    if not parts:
+        raise ConfigError(f"{where}: override '{item}' has an empty key")
+    tp = _type_at(parts, where, item)
+    value = _parse_value(text.strip(), tp)
+    node: Any = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt = parts[i + 1]
+        if isinstance(node, list):
+            idx = int(part)
+            while len(node) <= idx:
+                node.append({})
+            node = node[idx]
+        else:
+            node = node.setdefault(part, [] if nxt.isdigit() else {})
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last)
+        while len(node) <= idx:
+            node.append({})
+        node[idx] = value
+    else:
+        node[last] = value
+
+
+# --------------------------------------------------------------------------------------------
+# Writing
+# --------------------------------------------------------------------------------------------
+
+
+def job_to_dict(job: JobConfig) -> dict[str, Any]:
+    """The job as plain TOML-ready data (``None`` values dropped, ``async_`` written ``async``)."""
+    data = _CONVERTER.unstructure(job)
+    data.pop("source_path", None)
+    data["async"] = data.pop("async_")
+    return _drop_none(data)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
+
+
+def dump_job_toml(job: JobConfig) -> str:
+    """The resolved job as TOML text (what ``config.resolved.toml`` holds)."""
+    import tomli_w
+
+    return tomli_w.dumps(job_to_dict(job))

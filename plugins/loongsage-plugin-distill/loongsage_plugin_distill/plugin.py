@@ -1,0 +1,5 @@
+"""Hook implementations of loongsage-plugin-distill (the module its entry point names)."""
+
+from __future__ import annotations
+
+from loongsage_hookspecs import hookimpl  # noqa: F401
