@@ -61,6 +61,7 @@ from .specs import (
     AggregationSpec,
     ComponentSpec,
     CorrectionSpec,
+    DataSourceSpec,
     FilterSpec,
     KLSpec,
     LoggerSpec,

@@ -23,6 +23,7 @@ from .specs import (
     AggregationSpec,
     ComponentSpec,
     CorrectionSpec,
+    DataSourceSpec,
     FilterSpec,
     KLSpec,
     LoggerSpec,
@@ -67,6 +68,22 @@ def loongsage_rewards() -> Iterable[RewardSpec]:
         @hookimpl
         def loongsage_rewards():
             yield RewardSpec(name="length", fn=lambda traj: len(traj.response_text) / 100)
+    """
+
+
+@hookspec
+def loongsage_data_sources() -> Iterable[DataSourceSpec]:
+    """Provide procedural data sources (synthetic task generators).
+
+    The host calls ``factory(**args)`` (``args`` from the data source's ``generator_args``) and
+    expects an iterable of rows ``{"prompt": ..., "label": ..., "metadata": {...}}``, deterministic
+    for the same arguments.
+
+    Example::
+
+        @hookimpl
+        def loongsage_data_sources():
+            yield DataSourceSpec(name="addition", factory=make_addition_rows)
     """
 
 
@@ -295,6 +312,7 @@ KINDS: dict[str, Kind] = {
     for k in (
         Kind("agent", "loongsage_agents", AgentSpec),
         Kind("reward", "loongsage_rewards", RewardSpec),
+        Kind("data_source", "loongsage_data_sources", DataSourceSpec),
         Kind("sandbox", "loongsage_sandboxes", SandboxSpec),
         Kind("advantage", "loongsage_advantages", AdvantageSpec),
         Kind("policy_loss", "loongsage_policy_losses", PolicyLossSpec),

@@ -118,6 +118,18 @@ class FilterSpec(ComponentSpec):
 
 
 @attrs.define(frozen=True, kw_only=True)
+class DataSourceSpec(ComponentSpec):
+    """``factory(**args) -> Iterable[dict]``: procedurally generated prompt rows.
+
+    Each row is a mapping with at least ``prompt`` and ``label`` (and optionally ``metadata``);
+    the rows must be deterministic for the same ``args`` (which include a ``seed``) so a resumed
+    run sees the same data. A data source named by ``[[data]] generator`` in the job file uses it.
+    """
+
+    factory: "Callable[..., Any]"
+
+
+@attrs.define(frozen=True, kw_only=True)
 class AgentSpec(ComponentSpec):
     """``factory(**args) -> Agent`` (see :class:`~loongsage_hookspecs.protocols.Agent`).
 

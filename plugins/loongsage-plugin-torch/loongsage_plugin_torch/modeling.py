@@ -1,0 +1,106 @@
+"""Loading the policy model and tokenizer with transformers, shared by trainer and engine.
+
+A model comes either from a local Hugging Face directory (``[model] path``: config.json +
+safetensors + tokenizer files) or, for tests and tiny models, from an inline ``[model] config``
+table plus a ``[model] tokenizer`` path; both go through the same transformers classes, so the
+code that loads a real checkpoint is the code the tests run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+class ModelLoadError(ValueError):
+    """The model or tokenizer named by the job file cannot be loaded; the message says which path."""
+
+
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def _resolver(job: Any) -> Callable[[str], str]:
+    return job.resolve_path if hasattr(job, "resolve_path") else (lambda p: str(Path(p).resolve()))
+
+
+def load_model(job: Any, *, seed: int | None = None) -> "PreTrainedModel":
+    """Build the causal LM of ``job.model`` in train mode on the CPU, in the configured dtype.
+
+    With ``path`` the weights are read from the directory (safetensors); with an inline
+    ``config`` the model is randomly initialised from ``seed`` (default ``job.model.seed``).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = job.model
+    dtype = torch_dtype(cfg.dtype)
+    if cfg.path:
+        path = _resolver(job)(cfg.path)
+        if not (Path(path) / "config.json").is_file():
+            raise ModelLoadError(f"[model] path: no config.json in model directory '{path}'")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"[model] path: cannot load model from '{path}': {exc}") from None
+    elif cfg.config:
+        conf = dict(cfg.config)
+        model_type = conf.pop("model_type", None)
+        if not model_type:
+            raise ModelLoadError("[model] config: needs a 'model_type' (e.g. \"qwen3\")")
+        try:
+            hf_config = AutoConfig.for_model(model_type, **conf)
+        except (KeyError, ValueError) as exc:
+            raise ModelLoadError(f"[model] config: {exc}") from None
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(cfg.seed if seed is None else seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    else:
+        raise ModelLoadError("[model]: set either 'path' (a Hugging Face directory) or 'config'")
+    return model
+
+
+def tokenizer_path(job: Any) -> str:
+    """Where the tokenizer lives: ``[model] tokenizer`` or the model directory."""
+    cfg = job.model
+    source = cfg.tokenizer or cfg.path
+    if not source:
+        raise ModelLoadError("[model]: no tokenizer: set 'tokenizer' (a directory) or 'path'")
+    return _resolver(job)(source)
+
+
+def load_tokenizer(job: Any) -> "PreTrainedTokenizerBase":
+    """The tokenizer of ``job.model`` (from ``tokenizer`` or, else, the model directory)."""
+    from transformers import AutoTokenizer
+
+    path = tokenizer_path(job)
+    if not Path(path).exists():
+        raise ModelLoadError(f"[model] tokenizer: path '{path}' does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"[model] tokenizer: cannot load tokenizer from '{path}': {exc}") from None
+
+
+TINY_QWEN3: dict[str, Any] = {
+    "model_type": "qwen3",
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "tie_word_embeddings": True,
+    "rope_theta": 10000.0,
+}
+"""A tiny Qwen3 configuration matching the vocabulary of tests/data/tokenizer (used by tests)."""
