@@ -261,14 +261,14 @@ def _make_converter() -> cattrs.Converter:
 
     conv.register_structure_hook_func(lambda t: t == Args, structure_args)
 
-    def structure_reward_list(value: Any, _: Any) -> list[str]:
+    def structure_name_list(value: Any, _: Any) -> list[str]:
         if isinstance(value, str):
             return [value]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
             return list(value)
         raise TypeError(f"expected a name or a list of names, got {value!r}")
 
-    conv.register_structure_hook_func(lambda t: t is list[str], structure_reward_list)
+    conv.register_structure_hook_func(lambda t: t == list[str], structure_name_list)
     return conv
 
 

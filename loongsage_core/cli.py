@@ -1,0 +1,119 @@
+"""The ``loongsage`` command line: ``run``, ``validate``, ``plugins``, ``serve``.
+
+Imports stay lazy so ``loongsage --help`` answers instantly; bad input is reported as one line
+naming the file and key at fault, with exit code 2 and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+EXIT_USAGE = 2
+
+
+def _add_job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", help="TOML job file")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="override a job-file value by dotted key, e.g. train.lr=1e-5 data.0.weight=0.5")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loongsage", description="LoongSage: RL post-training for agentic LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("run", help="train: run a job file")
+    _add_job_args(p)
+    p.add_argument("--output-dir", help="where metrics.jsonl, checkpoints/ and config.resolved.toml go "
+                                        "(default: the job's run.output_dir)")
+
+    p = sub.add_parser("validate", help="load a job file and its plugins, resolve every component, print the result")
+    _add_job_args(p)
+    p.add_argument("--json", action="store_true", help="print the resolved job as JSON")
+
+    p = sub.add_parser("plugins", help="list installed plugins and the components they provide")
+    p.add_argument("--json", action="store_true", help="machine-readable listing (stable interface)")
+
+    p = sub.add_parser("serve", help="start rollout engines and the AgentFlow router without training")
+    _add_job_args(p)
+    p.add_argument("--port", type=int, default=0, help="router port (default: any free port)")
+    return parser
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from .config import load_job
+    from .resolve import resolve_job
+
+    job = load_job(args.job, args.overrides)
+    return resolve_job(job)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .config import dump_job_toml, job_to_dict
+
+    resolved = _load(args)
+    if args.json:
+        print(json.dumps({"job": job_to_dict(resolved.job), "components": resolved.summary()}, indent=2))
+    else:
+        print(dump_job_toml(resolved.job))
+        print("# components")
+        for key, (kind, name, plugin) in resolved.components.items():
+            print(f"# {key:32s} {kind:18s} {name:20s} ({plugin})")
+        print(f"{args.job}: OK")
+    return 0
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from .plugins import PluginHost
+
+    host = PluginHost.create()
+    listing = host.describe()
+    if args.json:
+        print(json.dumps(listing, indent=2))
+        return 0
+    for plugin in listing["plugins"]:
+        print(f"{plugin['name']} {plugin['version']}")
+        for kind, names in plugin["components"].items():
+            print(f"  {kind:18s} {', '.join(names)}")
+    for name, reason in host.skipped.items():
+        print(f"{name} (skipped: {reason})")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .controller.run import run_job
+
+    resolved = _load(args)
+    run_job(resolved, output_dir=args.output_dir)
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .controller.serve import serve_job
+
+    resolved = _load(args)
+    serve_job(resolved, port=args.port)
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "serve": cmd_serve}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from .errors import USER_ERRORS
+
+    try:
+        return COMMANDS[args.command](args)
+    except USER_ERRORS as exc:
+        print(f"loongsage: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("loongsage: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,21 @@
+"""Errors the host raises for bad user input; the CLI prints them as one line and exits 2."""
+
+from __future__ import annotations
+
+from .config import ConfigError
+
+
+class PluginError(ValueError):
+    """A plugin is missing, broken, blocked, or provides something invalid."""
+
+
+class UnknownComponentError(PluginError):
+    """A job file names a component no active plugin provides."""
+
+
+class ConflictError(PluginError):
+    """Two plugins provide a component of the same kind under the same name."""
+
+
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, PluginError)
+"""Exceptions that describe bad input (shown without a traceback)."""

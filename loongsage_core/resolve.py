@@ -1,0 +1,96 @@
+"""Resolving a job: every component the job file names, looked up in the plugin host.
+
+``resolve_job`` is what ``loongsage validate`` runs and what ``loongsage run`` runs first: it
+fails on the first unknown name with the job-file key at fault and the list of choices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .config import ConfigError, JobConfig
+from .plugins import PluginHost
+
+
+@attrs.define
+class ResolvedJob:
+    """The job, the host, and every component it names as ``key -> (kind, name, provider)``."""
+
+    job: JobConfig
+    host: PluginHost
+    components: dict[str, tuple[str, str, str]] = attrs.field(factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        return {key: {"kind": kind, "name": name, "plugin": plugin}
+                for key, (kind, name, plugin) in self.components.items()}
+
+
+def named_components(job: JobConfig) -> list[tuple[str, str, str]]:
+    """``(job-file key, kind, name)`` for every component the job names, in file order."""
+    items: list[tuple[str, str, str]] = [
+        ("train.backend", "train_backend", job.train.backend),
+        ("rollout.engine", "rollout_engine", job.rollout.engine),
+        ("rollout.weight_transport", "weight_transport", job.rollout.weight_transport),
+        ("algorithm.advantage", "advantage", job.algorithm.advantage),
+        ("algorithm.policy_loss", "policy_loss", job.algorithm.policy_loss),
+        ("algorithm.loss_agg", "loss_aggregation", job.algorithm.loss_agg),
+    ]
+    if job.algorithm.kl:
+        items.append(("algorithm.kl", "kl", job.algorithm.kl))
+    items += [(f"algorithm.corrections[{i}]", "correction", n) for i, n in enumerate(job.algorithm.corrections)]
+    items += [(f"algorithm.filters[{i}]", "filter", n) for i, n in enumerate(job.algorithm.filters)]
+    for i, src in enumerate(job.data):
+        items.append((f"data[{i}].agent", "agent", src.agent))
+        items += [(f"data[{i}].reward[{j}]", "reward", r) for j, r in enumerate(src.reward)]
+        if src.generator:
+            items.append((f"data[{i}].generator", "data_source", src.generator))
+    if job.async_.enable:
+        items.append(("async.scheduler", "scheduler", job.async_.scheduler))
+    items += [(f"loggers[{i}].name", "logger", lg.name) for i, lg in enumerate(job.loggers)]
+    items += [(f"teachers[{i}].backend", "teacher", t.backend) for i, t in enumerate(job.teachers)]
+    return items
+
+
+def check_references(job: JobConfig) -> None:
+    """Cross-field checks that the schema alone cannot express."""
+    where = job.source_path or "<job>"
+    if not job.data:
+        raise ConfigError(f"{where}: no [[data]] source: add at least one with a 'path' or a 'generator'")
+    teachers = {t.name for t in job.teachers}
+    names: set[str] = set()
+    for i, src in enumerate(job.data):
+        if bool(src.path) == bool(src.generator):
+            raise ConfigError(f"{where}: data[{i}] ('{src.name}'): set exactly one of 'path' or 'generator'")
+        if src.name in names:
+            raise ConfigError(f"{where}: data[{i}].name: duplicate data source name '{src.name}'")
+        names.add(src.name)
+        if src.weight <= 0:
+            raise ConfigError(f"{where}: data[{i}].weight: must be > 0, got {src.weight}")
+        if src.teacher and src.teacher not in teachers:
+            listing = ", ".join(sorted(teachers)) or "none defined in [[teachers]]"
+            raise ConfigError(f"{where}: data[{i}].teacher: unknown teacher '{src.teacher}'; choose one of: {listing}")
+    if job.train.mini_batch_size <= 0 or job.train.micro_batch_size <= 0:
+        raise ConfigError(f"{where}: train.mini_batch_size and train.micro_batch_size must be > 0")
+    if job.rollout.prompts_per_step <= 0 or job.rollout.samples_per_prompt <= 0:
+        raise ConfigError(f"{where}: rollout.prompts_per_step and rollout.samples_per_prompt must be > 0")
+    for key in ("correction_args", "filter_args"):
+        table = getattr(job.algorithm, key)
+        listed = set(job.algorithm.corrections if key == "correction_args" else job.algorithm.filters)
+        for name in table:
+            if name not in listed:
+                raise ConfigError(f"{where}: algorithm.{key}.{name}: '{name}' is not listed in "
+                                  f"algorithm.{key.split('_')[0]}s")
+
+
+def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
+    """Load the job's plugins (unless given) and resolve every named component."""
+    check_references(job)
+    host = host or PluginHost.from_job(job)
+    where = job.source_path or "<job>"
+    resolved = ResolvedJob(job=job, host=host)
+    for key, kind, name in named_components(job):
+        host.get(kind, name, where=f"{where}: {key}")
+        resolved.components[key] = (kind, name, host.provider(kind, name))
+    return resolved

@@ -1,0 +1,153 @@
+"""Plugin discovery, selection, blocking and conflicts with real installed distributions."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+from loongsage_core.errors import ConflictError, PluginError, UnknownComponentError
+from loongsage_core.plugins import DISABLE_ENV, PluginHost, PluginWarning
+
+GOOD = '''
+from loongsage_hookspecs import hookimpl, RewardSpec, AdvantageSpec
+
+@hookimpl
+def loongsage_rewards():
+    yield RewardSpec(name="Always-One", fn=lambda traj: 1.0, description="constant one")
+
+@hookimpl
+def loongsage_advantages():
+    yield AdvantageSpec(name="zero_adv", fn=lambda inputs: None, description="zeros")
+'''
+
+CLASHING = '''
+from loongsage_hookspecs import hookimpl, RewardSpec
+
+@hookimpl
+def loongsage_rewards():
+    yield RewardSpec(name="always_one", fn=lambda traj: 2.0)
+'''
+
+BROKEN = '''
+raise RuntimeError("this plugin cannot be imported")
+'''
+
+MISSPELLED = '''
+from loongsage_hookspecs import hookimpl
+
+@hookimpl
+def loongsage_reward():
+    return []
+'''
+
+
+def test_installed_plugin_is_discovered_listed_and_selected(install_plugin):
+    install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
+    host = PluginHost.create(enable=["dummy"])
+    assert host.get("reward", "always_one").fn(None) == 1.0
+    # names are normalised: case and dashes do not matter
+    assert host.get("reward", "ALWAYS-ONE").name == "always_one"
+    listing = host.describe()
+    (entry,) = [p for p in listing["plugins"] if p["name"] == "loongsage-plugin-dummy"]
+    assert entry["version"] == "0.3.1"
+    assert entry["components"] == {"reward": ["always_one"], "advantage": ["zero_adv"]}
+
+
+def test_enable_accepts_distribution_and_short_names(install_plugin):
+    install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
+    for name in ("loongsage-plugin-dummy", "dummy", "Loongsage_Plugin_Dummy"):
+        assert "always_one" in PluginHost.create(enable=[name]).components("reward")
+
+
+def test_only_enabled_plugins_provide_components(install_plugin):
+    install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
+    host = PluginHost.create(enable=["rl"])
+    assert "always_one" not in host.components("reward")
+    with pytest.raises(UnknownComponentError, match="unknown reward 'always_one'"):
+        host.get("reward", "always_one")
+
+
+def test_unknown_component_lists_choices_with_hint(install_plugin):
+    install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
+    host = PluginHost.create(enable=["dummy"])
+    with pytest.raises(UnknownComponentError) as err:
+        host.get("reward", "always_on", where="job.toml: data[0].reward[0]")
+    msg = str(err.value)
+    assert msg.startswith("job.toml: data[0].reward[0]: unknown reward 'always_on'")
+    assert "did you mean 'always_one'" in msg and "choose one of: always_one" in msg
+
+
+def test_duplicate_component_names_name_both_providers(install_plugin):
+    install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
+    install_plugin("loongsage-plugin-clash", "clash", "ls_dummy_clash", CLASHING)
+    host = PluginHost.create(enable=["dummy", "clash"])
+    with pytest.raises(ConflictError, match="reward 'always_one' provided by 'dummy' and 'clash'|"
+                                            "reward 'always_one' provided by 'clash' and 'dummy'"):
+        host.components("reward")
+
+
+def test_named_broken_plugin_is_a_hard_error(install_plugin):
+    install_plugin("loongsage-plugin-broken", "broken", "ls_dummy_broken", BROKEN)
+    with pytest.raises(PluginError, match="plugin 'loongsage-plugin-broken' is enabled but broken.*cannot be imported"):
+        PluginHost.create(enable=["broken"])
+
+
+def test_unnamed_broken_plugin_is_a_warning_and_others_still_work(install_plugin):
+    install_plugin("loongsage-plugin-broken", "broken", "ls_dummy_broken", BROKEN)
+    install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
+    with pytest.warns(PluginWarning, match="skipping plugin 'loongsage-plugin-broken'"):
+        host = PluginHost.create(enable=["dummy"])
+    assert host.get("reward", "always_one").fn(None) == 1.0
+    assert "loongsage-plugin-broken" in host.skipped
+
+
+def test_missing_plugin_lists_what_is_installed(install_plugin):
+    install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
+    with pytest.raises(PluginError) as err:
+        PluginHost.create(enable=["dumy"])
+    assert "plugin 'dumy' is not installed" in str(err.value)
+    assert "did you mean 'dummy'" in str(err.value)
+    assert "installed: " in str(err.value) and "dummy" in str(err.value)
+
+
+def test_misspelled_hook_fails_loudly(install_plugin):
+    install_plugin("loongsage-plugin-typo", "typo", "ls_dummy_typo", MISSPELLED)
+    with pytest.raises(PluginError, match="unknown hook 'loongsage_reward'"):
+        PluginHost.create(enable=["typo"])
+
+
+def test_env_var_blocks_plugin_before_import(install_plugin, monkeypatch):
+    install_plugin("loongsage-plugin-broken", "broken", "ls_dummy_broken", BROKEN)
+    install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
+    monkeypatch.setenv(DISABLE_ENV, "broken, dummy")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the broken plugin must not even be imported
+        host = PluginHost.create()
+    assert host.skipped["loongsage-plugin-broken"].startswith("blocked")
+    assert "always_one" not in host.components("reward")
+    with pytest.raises(PluginError, match=f"plugin 'dummy' is enabled but blocked by {DISABLE_ENV}"):
+        PluginHost.create(enable=["dummy"])
+
+
+def test_user_module_by_path(tmp_path):
+    mod = tmp_path / "my_hooks.py"
+    mod.write_text(GOOD)
+    host = PluginHost.create(enable=[], modules=["my_hooks.py"], base_dir=tmp_path)
+    assert host.provider("reward", "always_one") == "module:my_hooks"
+
+
+def test_user_module_missing_or_raising(tmp_path):
+    with pytest.raises(PluginError, match=r"modules\[0\]: user module 'nope.py' not found"):
+        PluginHost.create(modules=["nope.py"], base_dir=tmp_path)
+    (tmp_path / "bad.py").write_text("1/0\n")
+    with pytest.raises(PluginError, match=r"modules\[0\]: importing .*bad.py' failed: ZeroDivisionError"):
+        PluginHost.create(modules=["bad.py"], base_dir=tmp_path)
+
+
+def test_hook_returning_wrong_spec_type_is_rejected(tmp_path):
+    (tmp_path / "wrong.py").write_text(
+        "from loongsage_hookspecs import hookimpl, RewardSpec\n"
+        "@hookimpl\ndef loongsage_advantages():\n    return [RewardSpec(name='x', fn=len)]\n")
+    host = PluginHost.create(modules=["wrong.py"], base_dir=tmp_path)
+    with pytest.raises(PluginError, match="loongsage_advantages returned RewardSpec, expected AdvantageSpec"):
+        host.components("advantage")
