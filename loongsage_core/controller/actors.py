@@ -1,0 +1,105 @@
+"""Ray actors that hold models: trainer ranks (optionally with a colocated engine) and engines.
+
+Each actor rebuilds the plugin host from the job (so user hookimpl modules load there too) and
+builds its components through their factories: the train backend's worker, a frozen reference
+worker when a KL term needs one, and the rollout engine, whose HTTP server runs in a background
+thread of the actor and is reached by URL like any SGLang server.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from loongsage_hookspecs import AggregationNorm, Batch, EngineContext, TrainWorkerContext
+
+from ..config import JobConfig
+from ..plugins import PluginHost
+
+
+def free_port() -> int:
+    """A free TCP port on loopback (for the torch.distributed rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ModelActor:
+    """One trainer rank and/or one rollout engine living in one process.
+
+    ``rank is None`` means engine only; ``engine_index is None`` means trainer only; both set is the
+    colocated layout where the engine receives weights in-process.
+    """
+
+    def __init__(self, job: JobConfig, rank: int | None, world_size: int, master_port: int,
+                 engine_index: int | None, needs_reference: bool) -> None:
+        self.job = job
+        self.host = PluginHost.from_job(job)
+        self.worker: Any = None
+        self.reference: Any = None
+        self.engine: Any = None
+        self.engine_url: str | None = None
+        self.rank = rank
+        if rank is not None:
+            spec = self.host.get("train_backend", job.train.backend)
+            ctx = TrainWorkerContext(job=job, components=self.host, rank=rank, world_size=world_size,
+                                     master_addr="127.0.0.1", master_port=master_port, role="actor")
+            self.worker = spec.factory(ctx)
+            if needs_reference:
+                ref_ctx = TrainWorkerContext(job=job, components=self.host, rank=0, world_size=1, role="reference")
+                self.reference = spec.factory(ref_ctx)
+        if engine_index is not None:
+            spec = self.host.get("rollout_engine", job.rollout.engine)
+            self.engine = spec.factory(EngineContext(job=job, components=self.host, engine_index=engine_index))
+            self.engine_url = self.engine.start()
+
+    def ready(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "engine_url": self.engine_url, "rank": self.rank}
+
+    def forward(self, batch: Batch) -> dict[str, Any]:
+        return self.worker.forward(batch)
+
+    def reference_forward(self, batch: Batch) -> dict[str, Any]:
+        return self.reference.forward(batch)
+
+    def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
+        return self.worker.train_mini_batch(batch, norm)
+
+    def refresh_reference(self) -> None:
+        """Copy the current policy weights into the frozen reference model."""
+        import torch
+
+        params = dict(self.reference.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in self.worker.named_weights():
+                if name in params:
+                    params[name].copy_(tensor)
+
+    def push_weights(self, version: int, targets: list[Any] | None) -> dict[str, float]:
+        """Send this rank's weights with the job's transport; ``None`` targets the local engine."""
+        spec = self.host.get("weight_transport", self.job.rollout.weight_transport)
+        if not hasattr(self, "_sender"):
+            self._sender = spec.sender(**self.job.rollout.weight_transport_args)
+        start = time.perf_counter()
+        out = self._sender.send(self.worker.named_weights(), version, [self.engine] if targets is None else targets)
+        stats = dict(out or {})
+        stats.setdefault("seconds", time.perf_counter() - start)
+        return stats
+
+    def save_checkpoint(self, path: str) -> None:
+        self.worker.save_checkpoint(path)
+
+    def load_checkpoint(self, path: str) -> None:
+        self.worker.load_checkpoint(path)
+
+    def save_hf(self, path: str) -> None:
+        self.worker.save_hf(path)
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        sender = getattr(self, "_sender", None)
+        if sender is not None:
+            sender.close()

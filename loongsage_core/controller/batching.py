@@ -1,0 +1,66 @@
+"""Turning trajectory groups into a padded training :class:`Batch`.
+
+Every trainable segment of a completed trajectory becomes one row; rows of the same prompt share
+a ``group_index`` so group-relative advantage estimators can find their peers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from loongsage_hookspecs import Batch, TrajectoryGroup, TrajectoryStatus
+
+
+def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0) -> Batch:
+    """Rows for every trainable segment of every completed trajectory, right-padded."""
+    rows: list[tuple[int, Any, Any]] = []
+    for g_idx, group in enumerate(groups):
+        for traj in group.trajectories:
+            if traj.status != TrajectoryStatus.COMPLETED:
+                continue
+            for s_idx, seg in enumerate(traj.segments):
+                if seg.trainable:
+                    rows.append((g_idx, traj, (s_idx, seg)))
+    if not rows:
+        return Batch()
+    width = max(len(seg.tokens) for _, _, (_, seg) in rows)
+    n = len(rows)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    attention = torch.zeros((n, width), dtype=torch.long)
+    loss_mask = torch.zeros((n, width), dtype=torch.float32)
+    logprobs = torch.zeros((n, width), dtype=torch.float32)
+    versions = torch.full((n, width), -1, dtype=torch.long)
+    rewards = torch.zeros(n, dtype=torch.float32)
+    group_index = torch.zeros(n, dtype=torch.long)
+    meta: dict[str, list[Any]] = {"trajectory_id": [], "prompt_id": [], "source": [], "segment": []}
+    for i, (g_idx, traj, (s_idx, seg)) in enumerate(rows):
+        L = len(seg.tokens)
+        input_ids[i, :L] = torch.tensor(seg.tokens, dtype=torch.long)
+        attention[i, :L] = 1
+        loss_mask[i, :L] = torch.tensor(seg.loss_mask, dtype=torch.float32)
+        logprobs[i, :L] = torch.tensor(seg.logprobs, dtype=torch.float32)
+        versions[i, :L] = torch.tensor(seg.weight_versions, dtype=torch.long)
+        rewards[i] = traj.score
+        group_index[i] = g_idx
+        meta["trajectory_id"].append(traj.id)
+        meta["prompt_id"].append(traj.prompt_id)
+        meta["source"].append(traj.source)
+        meta["segment"].append(s_idx)
+    return Batch(
+        tensors={"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
+                 "rollout_logprobs": logprobs, "weight_versions": versions, "rewards": rewards,
+                 "group_index": group_index},
+        meta=meta,
+    )
+
+
+def shard_rows(n: int, world_size: int) -> list[list[int]]:
+    """Contiguous, near-equal row ranges for each data-parallel rank."""
+    base, extra = divmod(n, world_size)
+    out, start = [], 0
+    for r in range(world_size):
+        size = base + (1 if r < extra else 0)
+        out.append(list(range(start, start + size)))
+        start += size
+    return out

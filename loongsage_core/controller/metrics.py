@@ -1,0 +1,82 @@
+"""Step metrics computed by the controller (rollout statistics and the train-inference gap)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+from loongsage_hookspecs import Batch, TrajectoryGroup, TrajectoryStatus
+
+
+def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float = 1.0) -> dict[str, float]:
+    """``rollout/*`` over every sampled trajectory, plus ``rollout_per_source/<name>/*``."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return {"rollout/num_trajectories": 0.0}
+    scored = [t for t in trajs if t.status == TrajectoryStatus.COMPLETED]
+    scores = [t.score for t in scored] or [0.0]
+    lengths = [t.response_length for t in trajs]
+    out = {
+        "rollout/num_trajectories": float(len(trajs)),
+        "rollout/reward_mean": sum(scores) / len(scores),
+        "rollout/reward_max": max(scores),
+        "rollout/reward_min": min(scores),
+        "rollout/response_length_mean": sum(lengths) / len(lengths),
+        "rollout/response_length_max": float(max(lengths)),
+        "rollout/truncated_ratio": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
+        "rollout/failed_ratio": sum(t.status == TrajectoryStatus.FAILED for t in trajs) / len(trajs),
+        "rollout/aborted_ratio": sum(t.status == TrajectoryStatus.ABORTED for t in trajs) / len(trajs),
+    }
+    groups_scores = [g.scores for g in groups if g.trajectories]
+    out["rollout/all_correct_ratio"] = sum(all(s >= correct_threshold for s in gs) for gs in groups_scores) / max(
+        1, len(groups_scores))
+    out["rollout/all_wrong_ratio"] = sum(all(s < correct_threshold for s in gs) for gs in groups_scores) / max(
+        1, len(groups_scores))
+    per_source: dict[str, list[float]] = defaultdict(list)
+    per_source_len: dict[str, list[int]] = defaultdict(list)
+    details: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for t in scored:
+        per_source[t.source].append(t.score)
+        per_source_len[t.source].append(t.response_length)
+        if t.reward is not None:
+            for k, v in t.reward.details.items():
+                details[t.source][k].append(v)
+    for name, vals in per_source.items():
+        out[f"rollout_per_source/{name}/reward_mean"] = sum(vals) / len(vals)
+        out[f"rollout_per_source/{name}/count"] = float(len(vals))
+        out[f"rollout_per_source/{name}/response_length_mean"] = sum(per_source_len[name]) / len(per_source_len[name])
+        for k, vs in details[name].items():
+            out[f"rollout_per_source/{name}/reward/{k}"] = sum(vs) / len(vs)
+    return out
+
+
+def train_inference_gap(batch: Batch) -> dict[str, float]:
+    """Gap between the trainer's old log-probs and the engine's rollout log-probs on the same tokens.
+
+    ``train/is_approx_k3_kl`` is the masked mean of ``exp(r) - r - 1`` with
+    ``r = logp_old - logp_rollout`` (DESIGN.md section 6).
+    """
+    mask = batch["loss_mask"] > 0
+    if not bool(mask.any()):
+        return {}
+    r = (batch["old_logprobs"] - batch["rollout_logprobs"]).double()[mask]
+    k3 = torch.expm1(r) - r
+    diff = r.abs()
+    return {
+        "train/is_approx_k3_kl": float(k3.mean()),
+        "train/logprob_abs_diff_mean": float(diff.mean()),
+        "train/logprob_abs_diff_max": float(diff.max()),
+    }
+
+
+def advantage_metrics(batch: Batch) -> dict[str, float]:
+    mask = batch["loss_mask"] > 0
+    if not bool(mask.any()):
+        return {}
+    adv = batch["advantages"][mask]
+    return {
+        "train/adv_mean": float(adv.mean()),
+        "train/adv_abs_mean": float(adv.abs().mean()),
+        "train/adv_zero_ratio": float((adv == 0).float().mean()),
+    }

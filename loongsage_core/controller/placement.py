@@ -1,0 +1,89 @@
+"""Creating the model actors on a local (or given) Ray cluster.
+
+``placement.colocate = true``: trainer rank ``i`` and engine ``i`` share one actor (one process,
+one set of devices; weights move in-process). ``false``: trainer ranks and engines are separate
+actors with their own CPU/GPU reservations, and weights move between processes.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import attrs
+
+from ..config import ConfigError, JobConfig
+from .actors import ModelActor, free_port
+
+
+def init_ray(job: JobConfig) -> None:
+    """Start (or join) the Ray cluster: loopback only, capped object store, no dashboard."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    if job.run.ray_address:
+        ray.init(address=job.run.ray_address, ignore_reinit_error=True)
+        return
+    ray.init(num_cpus=job.run.ray_num_cpus or os.cpu_count() or 1, include_dashboard=False,
+             object_store_memory=job.run.ray_object_store_mb * 2**20, ignore_reinit_error=True,
+             _node_ip_address="127.0.0.1", log_to_driver=True,
+             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+
+
+@attrs.define
+class Actors:
+    """Handles of the trainer ranks and engines, and the engines' base URLs."""
+
+    trainers: list[Any]
+    engine_actors: list[Any]
+    engine_urls: list[str]
+    colocated: bool
+
+    def all(self) -> list[Any]:
+        """Every distinct actor (a colocated actor is both a trainer and an engine)."""
+        if self.colocated:
+            return list(self.trainers)
+        return self.trainers + self.engine_actors
+
+
+def check_placement(job: JobConfig) -> None:
+    where = job.source_path or "<job>"
+    if job.placement.colocate and job.rollout.num_engines > job.train.num_workers:
+        raise ConfigError(f"{where}: placement.colocate = true needs rollout.num_engines "
+                          f"({job.rollout.num_engines}) <= train.num_workers ({job.train.num_workers})")
+    if not job.placement.colocate and job.rollout.weight_transport == "inprocess":
+        raise ConfigError(f"{where}: rollout.weight_transport = 'inprocess' needs placement.colocate = true "
+                          "(trainer and engine in one process); use 'shm' for separate actors")
+
+
+def create_actors(job: JobConfig, needs_reference: bool) -> Actors:
+    """Start every model actor and wait until they are ready."""
+    import ray
+
+    check_placement(job)
+    world = job.train.num_workers
+    port = free_port()
+    remote = ray.remote(ModelActor)
+    pl = job.placement
+    trainers: list[Any] = []
+    engines: list[Any] = []
+    if pl.colocate:
+        for rank in range(world):
+            engine_index = rank if rank < job.rollout.num_engines else None
+            actor = remote.options(num_cpus=pl.trainer_cpus, num_gpus=pl.trainer_gpus).remote(
+                job, rank, world, port, engine_index, needs_reference)
+            trainers.append(actor)
+            if engine_index is not None:
+                engines.append(actor)
+    else:
+        for rank in range(world):
+            trainers.append(remote.options(num_cpus=pl.trainer_cpus, num_gpus=pl.trainer_gpus).remote(
+                job, rank, world, port, None, needs_reference))
+        for i in range(job.rollout.num_engines):
+            engines.append(remote.options(num_cpus=pl.engine_cpus, num_gpus=pl.engine_gpus).remote(
+                job, None, 1, 0, i, False))
+    infos = ray.get([a.ready.remote() for a in engines])
+    ray.get([a.ready.remote() for a in trainers])
+    return Actors(trainers=trainers, engine_actors=engines, engine_urls=[i["engine_url"] for i in infos],
+                  colocated=pl.colocate)

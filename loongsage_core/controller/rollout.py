@@ -1,0 +1,117 @@
+"""Rollout: turning a step's prompts into scored trajectory groups.
+
+Single-turn sources take the fast path: the prompt is rendered with the chat template once and
+its ``samples_per_prompt`` copies are sent to one engine in one batched ``/generate`` call, so the
+engine shares the prompt prefix across the group. Other agents run through the AgentFlow router.
+Every sampled token keeps its rollout log-prob and the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from typing import Any, Sequence
+
+from loongsage_hookspecs import Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
+
+from ..config import ConfigError, DataConfig, JobConfig
+from ..engine_client import EngineClient
+from .data import Prompt
+from .rewards import score_trajectory
+
+
+def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+    """A per-sample sampling seed, stable across restarts (so resumed runs sample the same)."""
+    digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt_index}:{sample_index}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+
+
+def render_messages(prompt: Any, source: DataConfig) -> list[dict[str, Any]]:
+    """Chat messages for a data row's prompt (a string becomes one user message)."""
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        messages = [dict(m) for m in prompt]
+    else:
+        raise ConfigError(f"data source '{source.name}': a prompt must be a string or a list of chat messages, "
+                          f"got {type(prompt).__name__}")
+    if source.system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": source.system_prompt})
+    return messages
+
+
+def sampling_params(job: JobConfig, source: DataConfig) -> dict[str, Any]:
+    """SGLang ``sampling_params`` for a source: the rollout defaults, overridden per source."""
+    params: dict[str, Any] = {
+        "temperature": job.rollout.temperature,
+        "top_p": job.rollout.top_p,
+        "top_k": job.rollout.top_k,
+        "max_new_tokens": job.rollout.max_new_tokens,
+    }
+    params.update(source.sampling)
+    return params
+
+
+class RolloutManager:
+    """Generates and scores the groups of one step across the available engines."""
+
+    def __init__(self, job: JobConfig, components: Any, tokenizer: Any, engine_urls: Sequence[str]) -> None:
+        self.job = job
+        self.components = components
+        self.tokenizer = tokenizer
+        self.clients = [EngineClient(url) for url in engine_urls]
+        self.sources = {src.name: src for src in job.data}
+        eos = tokenizer.eos_token_id
+        self.stop_ids = [eos] if eos is not None else []
+
+    def encode_prompt(self, prompt: Prompt) -> list[int]:
+        source = self.sources[prompt.source]
+        messages = render_messages(prompt.prompt, source)
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        tokens = self.tokenizer(ids, add_special_tokens=False)["input_ids"]
+        limit = self.job.rollout.max_context_length - int(sampling_params(self.job, source)["max_new_tokens"])
+        if len(tokens) > limit:
+            raise ConfigError(f"prompt '{prompt.prompt_id}' has {len(tokens)} tokens, more than the "
+                              f"{limit} that rollout.max_context_length ({self.job.rollout.max_context_length}) "
+                              f"leaves after max_new_tokens")
+        return tokens
+
+    async def _group(self, client: EngineClient, prompt: Prompt, index: int, step: int) -> TrajectoryGroup:
+        source = self.sources[prompt.source]
+        n = self.job.rollout.samples_per_prompt
+        tokens = self.encode_prompt(prompt)
+        base = sampling_params(self.job, source)
+        params = []
+        for j in range(n):
+            p = dict(base)
+            p["stop_token_ids"] = list(self.stop_ids) + list(p.get("stop_token_ids", []))
+            p["sampling_seed"] = sample_seed(self.job.run.seed, step, index, j)
+            params.append(p)
+        group_id = f"{step}:{index}"
+        rids = [f"{group_id}:{j}" for j in range(n)]
+        results = await client.generate([tokens] * n, params, return_logprob=True, rids=rids)
+        group = TrajectoryGroup(group_id=group_id, prompt_id=prompt.prompt_id, source=prompt.source)
+        for j, res in enumerate(results):
+            seg = Segment()
+            seg.append(tokens, generated=False)
+            versions = res.weight_versions if res.weight_versions else res.weight_version
+            seg.append(res.output_ids, generated=True, logprobs=res.logprobs, weight_version=versions)
+            traj = Trajectory(id=rids[j], prompt_id=prompt.prompt_id, group_id=group_id, source=prompt.source,
+                              prompt=prompt.prompt, label=prompt.label, metadata=prompt.metadata, segments=[seg],
+                              response_text=self.tokenizer.decode(res.output_ids, skip_special_tokens=True),
+                              finish_reason=res.finish_reason)
+            traj.status = TrajectoryStatus.ABORTED if res.finish_reason == "abort" else TrajectoryStatus.COMPLETED
+            if traj.status == TrajectoryStatus.COMPLETED:
+                score_trajectory(traj, source, self.components)
+            group.trajectories.append(traj)
+        return group
+
+    async def generate(self, prompts: Sequence[Prompt], step: int, offset: int = 0) -> list[TrajectoryGroup]:
+        """All groups for ``prompts``; groups are spread round-robin over the engines."""
+        tasks = [self._group(self.clients[(offset + i) % len(self.clients)], p, offset + i, step)
+                 for i, p in enumerate(prompts)]
+        return list(await asyncio.gather(*tasks))
+
+    async def aclose(self) -> None:
+        for c in self.clients:
+            await c.aclose()

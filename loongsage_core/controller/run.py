@@ -1,0 +1,331 @@
+"""``loongsage run``: the synchronous RL loop of DESIGN.md section 4 on a Ray cluster.
+
+One step::
+
+    prompts -> engines generate (tokens, log-probs, weight version) -> rewards -> filters
+            -> rows -> old log-probs (recomputed) [-> reference log-probs] -> advantages
+            -> trainer mini-batches (policy loss, KL, corrections inside the train backend)
+            -> weights to engines (version += 1) -> metrics -> checkpoint
+
+Outputs in the run directory: ``metrics.jsonl`` (one object per step), ``checkpoints/``,
+``config.resolved.toml`` and, at the end, ``final_hf/`` (a Hugging Face directory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from loongsage_hookspecs import AdvantageInputs, AggregationNorm, Batch, TrajectoryGroup
+
+from ..config import ConfigError, JobConfig, dump_job_toml
+from ..resolve import ResolvedJob
+from . import checkpoint as ckpt
+from .batching import build_batch, shard_rows
+from .data import DataMixer
+from .metrics import advantage_metrics, rollout_metrics, train_inference_gap
+from .placement import Actors, create_actors, init_ray
+from .rollout import RolloutManager
+
+log = logging.getLogger("loongsage")
+
+
+def load_tokenizer(job: JobConfig) -> Any:
+    """The policy tokenizer (``[model] tokenizer`` or the model directory), with a clear error."""
+    from transformers import AutoTokenizer
+
+    where = job.source_path or "<job>"
+    source = job.model.tokenizer or job.model.path
+    if not source:
+        raise ConfigError(f"{where}: model: set 'tokenizer' or 'path' so prompts can be tokenized")
+    path = Path(job.resolve_path(source))
+    if not path.exists():
+        key = "model.tokenizer" if job.model.tokenizer else "model.path"
+        raise ConfigError(f"{where}: {key}: '{path}' does not exist")
+    if job.model.path and not (Path(job.resolve_path(job.model.path)) / "config.json").is_file():
+        raise ConfigError(f"{where}: model.path: no config.json in model directory "
+                          f"'{job.resolve_path(job.model.path)}'")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def aggregation_norm(batch: Batch) -> AggregationNorm:
+    """Global denominators of a mini-batch, computed once before it is sharded."""
+    mask = batch["loss_mask"]
+    per_seq = mask.sum(-1)
+    return AggregationNorm(num_tokens=float(per_seq.sum()), num_sequences=float((per_seq > 0).sum()),
+                           max_response_length=float(per_seq.max()) if len(per_seq) else 0.0)
+
+
+def mean_metrics(items: Sequence[dict[str, float]]) -> dict[str, float]:
+    sums: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    for m in items:
+        for k, v in m.items():
+            sums[k] += float(v)
+            counts[k] += 1
+    return {k: sums[k] / counts[k] for k in sums}
+
+
+class RLController:
+    """Owns the actors, the data and the loop of one run."""
+
+    def __init__(self, resolved: ResolvedJob, output_dir: Path) -> None:
+        self.job = resolved.job
+        self.host = resolved.host
+        self.output_dir = output_dir
+        self.tokenizer = load_tokenizer(self.job)
+        self.mixer = DataMixer(self.job, self.host)
+        alg = self.job.algorithm
+        self.needs_reference = bool(alg.kl) and (alg.kl_coef != 0.0)
+        self.advantage = self.host.get("advantage", alg.advantage)
+        self.filters = [self.host.get("filter", n) for n in alg.filters]
+        self.loggers: list[Any] = []
+        self.step = 0
+        self.version = 0
+        self.actors: Actors | None = None
+        self.rollout: RolloutManager | None = None
+
+    # ------------------------------------------------------------------ setup
+
+    def start(self) -> None:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
+        init_ray(self.job)
+        self.actors = create_actors(self.job, self.needs_reference)
+        self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls)
+        resumed = self._maybe_resume()
+        for lg in self.job.loggers:
+            spec = self.host.get("logger", lg.name)
+            args = {"total_steps": self.job.train.total_steps, **lg.args} if lg.name == "console" else dict(lg.args)
+            logger = spec.factory(str(self.output_dir), **args)
+            if resumed and hasattr(logger, "truncate_after"):
+                logger.truncate_after(self.step)
+            self.loggers.append(logger)
+
+    def _maybe_resume(self) -> bool:
+        import ray
+
+        if not self.job.run.resume:
+            return False
+        found = ckpt.latest_checkpoint(self.output_dir)
+        if found is None:
+            log.info("resume requested but no checkpoint in %s; starting fresh", self.output_dir)
+            return False
+        step, state = found
+        assert self.actors is not None
+        ray.get([a.load_checkpoint.remote(str(ckpt.rank_dir(self.output_dir, step, r)))
+                 for r, a in enumerate(self.actors.trainers)])
+        self.mixer.load_state_dict(state["data"])
+        self.step = step
+        self.version = int(state["version"])
+        self._push_weights()
+        log.info("resumed from step %d", step)
+        return True
+
+    # ------------------------------------------------------------------ one step
+
+    def collect(self, step: int) -> tuple[list[TrajectoryGroup], dict[str, float]]:
+        """Generate, score and filter this step's groups (refilling dropped ones when allowed)."""
+        assert self.rollout is not None
+        want = self.job.rollout.prompts_per_step
+        kept: list[TrajectoryGroup] = []
+        sampled: list[TrajectoryGroup] = []
+        dropped = 0
+        attempts = 0
+        offset = 0
+        while len(kept) < want:
+            prompts = self.mixer.next_prompts(want - len(kept))
+            groups = asyncio.run(self.rollout.generate(prompts, step, offset=offset))
+            offset += len(prompts)
+            sampled.extend(groups)
+            for f, name in zip(self.filters, self.job.algorithm.filters):
+                before = len(groups)
+                groups = list(f.fn(groups, **self.job.algorithm.filter_args.get(name, {})))
+                dropped += before - len(groups)
+            kept.extend(groups)
+            attempts += 1
+            if attempts > self.job.algorithm.max_filter_retries:
+                break
+        metrics = rollout_metrics(sampled)
+        metrics["rollout/filter_drop"] = float(dropped)
+        metrics["rollout/filter_attempts"] = float(attempts)
+        metrics["rollout/groups_trained"] = float(len(kept))
+        return kept, metrics
+
+    def _forward(self, batch: Batch, reference: bool = False) -> torch.Tensor:
+        import ray
+
+        assert self.actors is not None
+        shards = shard_rows(len(batch), len(self.actors.trainers))
+        calls = []
+        for actor, rows in zip(self.actors.trainers, shards):
+            if rows:
+                sub = batch.select(rows)
+                calls.append((actor.reference_forward if reference else actor.forward).remote(sub))
+        outs = ray.get(calls)
+        width = batch["input_ids"].shape[1]
+        parts = [torch.nn.functional.pad(o["logprobs"], (0, width - o["logprobs"].shape[1])) for o in outs]
+        return torch.cat(parts, 0).float()
+
+    def compute_advantages(self, batch: Batch) -> None:
+        alg = self.job.algorithm
+        mask = batch["loss_mask"]
+        token_rewards = None
+        if self.needs_reference and alg.kl_in_reward:
+            kl_spec = self.host.get("kl", alg.kl)
+            from loongsage_hookspecs import KLInputs
+
+            kl = kl_spec.fn(KLInputs(logprobs=batch["old_logprobs"], ref_logprobs=batch["ref_logprobs"],
+                                     response_mask=mask), **alg.kl_args)
+            token_rewards = -alg.kl_coef * kl * mask
+            last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+            token_rewards = token_rewards + last.float() * batch["rewards"][:, None]
+        out = self.advantage.fn(AdvantageInputs(rewards=batch["rewards"], response_mask=mask,
+                                                group_index=batch["group_index"], token_rewards=token_rewards),
+                                **alg.advantage_args)
+        batch.tensors["advantages"] = out.advantages.float() * mask
+        if out.returns is not None:
+            batch.tensors["returns"] = out.returns.float()
+
+    def train(self, batch: Batch, step: int) -> dict[str, float]:
+        import ray
+
+        assert self.actors is not None
+        order = list(range(len(batch)))
+        random.Random(f"{self.job.run.seed}:{step}:minibatch").shuffle(order)
+        mb = self.job.train.mini_batch_size
+        results: list[dict[str, float]] = []
+        for _epoch in range(self.job.train.ppo_epochs):
+            for start in range(0, len(order), mb):
+                mini = batch.select(order[start:start + mb])
+                norm = aggregation_norm(mini)
+                if norm.num_tokens == 0:
+                    continue
+                shards = shard_rows(len(mini), len(self.actors.trainers))
+                calls = [a.train_mini_batch.remote(mini.select(rows), norm)
+                         for a, rows in zip(self.actors.trainers, shards)]
+                per_rank = ray.get(calls)
+                results.append(mean_metrics(per_rank))
+        out = mean_metrics(results)
+        out["train/num_mini_batches"] = float(len(results))
+        return out
+
+    def _push_weights(self) -> dict[str, float]:
+        import ray
+
+        assert self.actors is not None
+        if self.actors.colocated:
+            # colocated: rank i hosts engine i, and every rank holds the full weights
+            hosts = self.actors.trainers[:len(self.actors.engine_actors)]
+            stats = ray.get([a.push_weights.remote(self.version, None) for a in hosts])
+        else:
+            stats = [ray.get(self.actors.trainers[0].push_weights.remote(self.version, self.actors.engine_urls))]
+        return {f"perf/weight_sync_{k}": v for k, v in mean_metrics(stats).items()}
+
+    def run_step(self, step: int) -> dict[str, float]:
+        import ray
+
+        assert self.actors is not None
+        t0 = time.perf_counter()
+        groups, metrics = self.collect(step)
+        t_rollout = time.perf_counter()
+        batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0)
+        metrics["rollout/num_rows"] = float(len(batch))
+        t_train = t_rollout
+        t_update = t_rollout
+        if len(batch):
+            alg = self.job.algorithm
+            if alg.recompute_old_logprobs:
+                batch.tensors["old_logprobs"] = self._forward(batch) * batch["loss_mask"]
+            else:
+                batch.tensors["old_logprobs"] = batch["rollout_logprobs"].clone()
+            if self.needs_reference:
+                batch.tensors["ref_logprobs"] = self._forward(batch, reference=True) * batch["loss_mask"]
+            t_logp = time.perf_counter()
+            metrics["timing/old_logprobs"] = t_logp - t_rollout
+            metrics.update(train_inference_gap(batch))
+            self.compute_advantages(batch)
+            metrics.update(advantage_metrics(batch))
+            metrics.update(self.train(batch, step))
+            t_train = time.perf_counter()
+            self.version += 1
+            metrics.update(self._push_weights())
+            t_update = time.perf_counter()
+            every = self.job.algorithm.ref_update_every
+            if self.needs_reference and every > 0 and (step + 1) % every == 0:
+                ray.get([a.refresh_reference.remote() for a in self.actors.trainers])
+        tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
+        metrics.update({
+            "timing/rollout": t_rollout - t0,
+            "timing/train": t_train - t_rollout,
+            "timing/update_weights": t_update - t_train,
+            "timing/step": time.perf_counter() - t0,
+            "perf/generated_tokens": tokens,
+            "perf/weight_version": float(self.version),
+        })
+        metrics["perf/tokens_per_s"] = tokens / max(metrics["timing/rollout"], 1e-9)
+        return metrics
+
+    def save(self, step: int) -> None:
+        import ray
+
+        assert self.actors is not None
+        ray.get([a.save_checkpoint.remote(str(ckpt.rank_dir(self.output_dir, step, r)))
+                 for r, a in enumerate(self.actors.trainers)])
+        ckpt.write_controller_state(self.output_dir, step, {"step": step, "version": self.version,
+                                                            "data": self.mixer.state_dict()},
+                                    keep=self.job.run.keep_checkpoints)
+
+    def fit(self) -> list[dict[str, float]]:
+        """Run from the current step to ``train.total_steps``; returns every step's metrics."""
+        history = []
+        every = self.job.run.checkpoint_every
+        while self.step < self.job.train.total_steps:
+            step = self.step
+            metrics = self.run_step(step)
+            metrics["step"] = step
+            history.append(metrics)
+            for lg in self.loggers:
+                lg.log(step, metrics)
+            self.step = step + 1
+            if every > 0 and self.step % every == 0:
+                self.save(self.step)
+        if self.job.run.save_hf_at_end and self.actors is not None:
+            import ray
+
+            ray.get(self.actors.trainers[0].save_hf.remote(str(self.output_dir / "final_hf")))
+        return history
+
+    def close(self) -> None:
+        import ray
+
+        for lg in self.loggers:
+            lg.close()
+        if self.rollout is not None:
+            asyncio.run(self.rollout.aclose())
+        if self.actors is not None:
+            for a in self.actors.all():
+                try:
+                    ray.get(a.shutdown.remote())
+                except Exception:  # an actor that already died has nothing left to close
+                    pass
+                ray.kill(a)
+            self.actors = None
+
+
+def run_job(resolved: ResolvedJob, output_dir: str | None = None) -> list[dict[str, float]]:
+    """Train the resolved job; returns the metrics of every step run."""
+    job = resolved.job
+    out = Path(output_dir or job.resolve_path(job.run.output_dir))
+    controller = RLController(resolved, out)
+    try:
+        controller.start()
+        return controller.fit()
+    finally:
+        controller.close()
