@@ -150,11 +150,25 @@ class DataConfig:
     system_prompt: str | None = None
     agent: str = "single_turn"
     agent_args: Args = attrs.field(factory=dict)
+    sandbox: str | None = None
+    sandbox_args: Args = attrs.field(factory=dict)
     reward: list[str] = attrs.field(factory=lambda: ["exact_match"])
     reward_args: dict[str, Args] = attrs.field(factory=dict)
     teacher: str | None = None
     sampling: Args = attrs.field(factory=dict)
     shuffle: bool = True
+
+
+@attrs.define
+class AgentFlowConfig:
+    """The AgentFlow router: middleware in the listed order, per-trajectory budgets, agent limits."""
+
+    middleware: list[str] = attrs.field(factory=list)
+    middleware_args: dict[str, Args] = attrs.field(factory=dict)
+    max_response_tokens: int = 0
+    agent_timeout_s: float = 600.0
+    max_concurrent_agents: int = 64
+    port: int = 0
 
 
 @attrs.define
@@ -211,6 +225,7 @@ class JobConfig:
     placement: PlacementConfig = attrs.field(factory=PlacementConfig)
     algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
     data: list[DataConfig] = attrs.field(factory=list)
+    agentflow: AgentFlowConfig = attrs.field(factory=AgentFlowConfig)
     async_: AsyncConfig = attrs.field(factory=AsyncConfig, alias="async_")
     loggers: list[LoggerConfig] = attrs.field(factory=lambda: [LoggerConfig(name="console")])
     teachers: list[TeacherConfig] = attrs.field(factory=list)

@@ -31,6 +31,7 @@ from typing import Any, Iterable, Sequence
 
 import attrs
 import pluggy
+
 from loongsage_hookspecs import KINDS, PROJECT_NAME, ComponentSpec, hookspecs, normalize_name
 
 from .errors import ConflictError, PluginError, UnknownComponentError

@@ -46,6 +46,9 @@ def named_components(job: JobConfig) -> list[tuple[str, str, str]]:
         items += [(f"data[{i}].reward[{j}]", "reward", r) for j, r in enumerate(src.reward)]
         if src.generator:
             items.append((f"data[{i}].generator", "data_source", src.generator))
+        if src.sandbox:
+            items.append((f"data[{i}].sandbox", "sandbox", src.sandbox))
+    items += [(f"agentflow.middleware[{i}]", "router_middleware", n) for i, n in enumerate(job.agentflow.middleware)]
     if job.async_.enable:
         items.append(("async.scheduler", "scheduler", job.async_.scheduler))
     items += [(f"loggers[{i}].name", "logger", lg.name) for i, lg in enumerate(job.loggers)]
@@ -75,13 +78,18 @@ def check_references(job: JobConfig) -> None:
         raise ConfigError(f"{where}: train.mini_batch_size and train.micro_batch_size must be > 0")
     if job.rollout.prompts_per_step <= 0 or job.rollout.samples_per_prompt <= 0:
         raise ConfigError(f"{where}: rollout.prompts_per_step and rollout.samples_per_prompt must be > 0")
-    for key in ("correction_args", "filter_args"):
-        table = getattr(job.algorithm, key)
-        listed = set(job.algorithm.corrections if key == "correction_args" else job.algorithm.filters)
-        for name in table:
+    for section, listed_key, args_key in (("algorithm", "corrections", "correction_args"),
+                                          ("algorithm", "filters", "filter_args"),
+                                          ("agentflow", "middleware", "middleware_args")):
+        listed = set(getattr(getattr(job, section), listed_key))
+        for name in getattr(getattr(job, section), args_key):
             if name not in listed:
-                raise ConfigError(f"{where}: algorithm.{key}.{name}: '{name}' is not listed in "
-                                  f"algorithm.{key.split('_')[0]}s")
+                raise ConfigError(f"{where}: {section}.{args_key}.{name}: '{name}' is not listed in "
+                                  f"{section}.{listed_key}")
+    for i, src in enumerate(job.data):
+        for name in src.reward_args:
+            if name not in src.reward:
+                raise ConfigError(f"{where}: data[{i}].reward_args.{name}: '{name}' is not listed in data[{i}].reward")
 
 
 def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:

@@ -39,3 +39,16 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[
     for m in added:
         sys.modules.pop(m, None)
     importlib.invalidate_caches()
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray cluster for the whole test session: loopback, small object store, no dashboard."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    ray.shutdown()

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from loongsage_hookspecs import KINDS
 
 REPO = Path(__file__).resolve().parent.parent

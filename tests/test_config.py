@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+
 from loongsage_core.config import ConfigError, apply_override, dump_job_toml, load_job, structure_job
 
 if sys.version_info >= (3, 11):

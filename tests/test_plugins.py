@@ -5,6 +5,7 @@ from __future__ import annotations
 import warnings
 
 import pytest
+
 from loongsage_core.errors import ConflictError, PluginError, UnknownComponentError
 from loongsage_core.plugins import DISABLE_ENV, PluginHost, PluginWarning
 

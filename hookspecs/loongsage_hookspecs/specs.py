@@ -20,16 +20,10 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
     from .records import (
-        AdvantageInputs,
         AdvantageOutput,
-        AggregationNorm,
-        CorrectionInputs,
         CorrectionOutput,
-        KLInputs,
-        PolicyLossInputs,
         PolicyLossOutput,
         Reward,
-        Trajectory,
         TrajectoryGroup,
     )
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import torch
+
 from loongsage_hookspecs import Batch, TrajectoryGroup, TrajectoryStatus
 
 

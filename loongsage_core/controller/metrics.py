@@ -6,6 +6,7 @@ from collections import defaultdict
 from typing import Sequence
 
 import torch
+
 from loongsage_hookspecs import Batch, TrajectoryGroup, TrajectoryStatus
 
 

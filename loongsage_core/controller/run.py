@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
+
 from loongsage_hookspecs import AdvantageInputs, AggregationNorm, Batch, TrajectoryGroup
 
 from ..config import ConfigError, JobConfig, dump_job_toml

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up a virtual environment in .venv with every LoongSage package (editable) and the test tools.
+# Needs only Python 3.10+ and pip with access to the package registry.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-}"
+if [ -z "$PY" ]; then
+  for candidate in python3.11 python3 python; do
+    if command -v "$candidate" >/dev/null 2>&1; then PY="$candidate"; break; fi
+  done
+fi
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
+.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+echo "LoongSage installed in .venv ($(.venv/bin/python --version))"

@@ -1,0 +1,100 @@
+"""Guards over the whole contract: every hook is documented, and for every hook a plugin that
+implements it is discovered through an entry point, listed, and selected by name from a job file."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+
+from loongsage_core.config import load_job
+from loongsage_core.plugins import PluginHost
+from loongsage_core.resolve import resolve_job
+from loongsage_hookspecs import KINDS, hookspecs
+
+REPO = Path(__file__).resolve().parent.parent
+DOCS = (REPO / "docs" / "hooks.md").read_text()
+
+# the job-file key (override) that selects a component of each kind, and the resolved key it shows as
+KIND_SELECTORS: dict[str, tuple[str, str]] = {
+    "agent": ("data.0.agent", "data[0].agent"),
+    "reward": ("data.0.reward", "data[0].reward[0]"),
+    "data_source": ("data.0.generator", "data[0].generator"),
+    "sandbox": ("data.0.sandbox", "data[0].sandbox"),
+    "advantage": ("algorithm.advantage", "algorithm.advantage"),
+    "policy_loss": ("algorithm.policy_loss", "algorithm.policy_loss"),
+    "kl": ("algorithm.kl", "algorithm.kl"),
+    "loss_aggregation": ("algorithm.loss_agg", "algorithm.loss_agg"),
+    "correction": ("algorithm.corrections", "algorithm.corrections[0]"),
+    "router_middleware": ("agentflow.middleware", "agentflow.middleware[0]"),
+    "filter": ("algorithm.filters", "algorithm.filters[0]"),
+    "scheduler": ("async.scheduler", "async.scheduler"),
+    "teacher": ("teachers.0.backend", "teachers[0].backend"),
+    "weight_transport": ("rollout.weight_transport", "rollout.weight_transport"),
+    "logger": ("loggers.0.name", "loggers[0].name"),
+    "train_backend": ("train.backend", "train.backend"),
+    "rollout_engine": ("rollout.engine", "rollout.engine"),
+}
+
+LIST_KEYS = {"data.0.reward", "algorithm.corrections", "agentflow.middleware", "algorithm.filters"}
+
+
+def test_every_kind_has_a_job_file_selector():
+    assert set(KIND_SELECTORS) == set(KINDS)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_hook_is_documented(kind):
+    hook = KINDS[kind].hook
+    fn = getattr(hookspecs, hook)
+    doc = inspect.getdoc(fn) or ""
+    assert "Example" in doc and len(doc) > 80, f"{hook} needs a docstring with an example"
+    assert f"## `{hook}` — {kind}" in DOCS, f"docs/hooks.md has no section for {hook}"
+    assert f"| `{kind}` | `{hook}` |" in DOCS
+
+
+def contract_module(kind: str) -> str:
+    spec_cls = KINDS[kind].spec
+    required = [f.name for f in attrs.fields(spec_cls) if f.default is attrs.NOTHING and f.name != "name"]
+    args = ", ".join(f"{name}=_callable" for name in required)
+    return (
+        "from loongsage_hookspecs import hookimpl, " + spec_cls.__name__ + "\n"
+        "def _callable(*args, **kwargs):\n    return None\n"
+        "@hookimpl\n"
+        f"def {KINDS[kind].hook}():\n"
+        f"    return [{spec_cls.__name__}(name='Contract-{kind}', description='contract probe', {args})]\n"
+    )
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_plugin_for_every_hook_is_discovered_listed_and_selected(kind, install_plugin, tmp_path):
+    install_plugin(f"loongsage-plugin-contract-{kind.replace('_', '-')}", f"contract_{kind}",
+                   f"ls_contract_{kind}", contract_module(kind))
+    # listed by the CLI (a real subprocess sees the installed dist-info through PYTHONPATH)
+    site = next(p for p in sys.path if p.endswith("site") and Path(p, f"ls_contract_{kind}.py").exists())
+    env = {"PYTHONPATH": site, "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-m", "loongsage_core", "plugins", "--json"], capture_output=True,
+                         text=True, env=env, check=True)
+    listing = json.loads(out.stdout)
+    (entry,) = [p for p in listing["plugins"] if p["name"] == f"loongsage-plugin-contract-{kind.replace('_', '-')}"]
+    assert entry["components"] == {kind: [f"contract_{kind}"]}
+
+    # selected by name from a job file
+    job_path = tmp_path / "job.toml"
+    job_path.write_text('[[data]]\nname = "d"\npath = "rows.jsonl"\n[[teachers]]\nname = "t"\n')
+    key, shown = KIND_SELECTORS[kind]
+    value = f'["contract-{kind}"]' if key in LIST_KEYS else f"contract-{kind}"
+    overrides = [f"{key}={value}"]
+    if kind == "scheduler":
+        overrides.append("async.enable=true")
+    job = load_job(job_path, overrides)
+    host = PluginHost.create()
+    resolved_kind, name, plugin = resolve_job(job, host).components[shown]
+    assert (resolved_kind, name) == (kind, f"contract-{kind}")
+    assert plugin == f"contract_{kind}"
+    assert host.get(kind, name).description == "contract probe"
