@@ -1,3 +1,13 @@
-"""LoongSage plugin: Advantage estimators, policy losses, KL estimators, loss aggregations, filters and off-policy corrections."""
+"""LoongSage plugin: advantage estimators, policy losses, KL estimators, loss aggregations,
+filters, off-policy corrections and reward shaping.
+
+The helpers a trainer or host calls directly are re-exported here; importing this package does
+not import torch.
+"""
+
+from .aggregation import aggregation_norm, merge_norms
+from .metrics import adv_zero_ratio, rollout_group_metrics
 
 __version__ = "0.1.0"
+
+__all__ = ["adv_zero_ratio", "aggregation_norm", "merge_norms", "rollout_group_metrics", "__version__"]

@@ -1,0 +1,299 @@
+"""Advantage estimators against float64 references written with plain Python loops."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from loongsage_plugin_rl import advantages as adv
+
+from loongsage_hookspecs import AdvantageInputs
+
+# A hand-made batch: 10 rows, interleaved group ids, a group of one (9, 3), a group whose rewards
+# are all equal (7), rows with holes in the mask (multi-turn) and a row with no trained token.
+REWARDS = [1.0, 0.7, 0.0, 0.3, 0.7, 0.5, 2.0, 1.0, 1.0, -0.4]
+GROUPS = [5, 2, 5, 9, 2, 5, 2, 7, 7, 3]
+MASK = [
+    [0, 0, 1, 1, 1, 0, 0],
+    [0, 1, 1, 0, 1, 1, 0],  # gap: tool output between two turns
+    [0, 0, 1, 1, 1, 1, 1],
+    [0, 1, 1, 1, 0, 0, 0],
+    [0, 0, 0, 1, 0, 0, 0],
+    [0, 0, 0, 0, 0, 0, 0],  # nothing trained
+    [1, 1, 0, 0, 1, 1, 1],
+    [0, 1, 1, 0, 0, 0, 0],
+    [0, 0, 1, 1, 1, 1, 0],
+    [0, 1, 0, 1, 0, 1, 0],
+]
+
+
+def make_inputs(rewards=REWARDS, groups=GROUPS, mask=MASK, token_rewards=None, values=None) -> AdvantageInputs:
+    return AdvantageInputs(
+        rewards=torch.tensor(rewards, dtype=torch.float32),
+        response_mask=torch.as_tensor(mask, dtype=torch.long),
+        group_index=torch.tensor(groups, dtype=torch.long),
+        token_rewards=None if token_rewards is None else torch.tensor(token_rewards, dtype=torch.float32),
+        values=None if values is None else torch.tensor(values, dtype=torch.float32),
+    )
+
+
+def ref_group_members(rewards, groups, i):
+    return [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i]]
+
+
+def ref_grpo(rewards, groups, norm_std=True, eps=1e-6):
+    out = []
+    for i, r in enumerate(rewards):
+        members = ref_group_members(rewards, groups, i)
+        n = len(members)
+        if n < 2 or max(members) == min(members):
+            out.append(0.0)
+            continue
+        mean = sum(members) / n
+        std = math.sqrt(sum((x - mean) ** 2 for x in members) / (n - 1))
+        out.append((r - mean) / (std + eps) if norm_std else r - mean)
+    return out
+
+
+def ref_rloo(rewards, groups):
+    out = []
+    for i, r in enumerate(rewards):
+        others = [rewards[j] for j in range(len(rewards)) if groups[j] == groups[i] and j != i]
+        if not others or len(set(others + [r])) == 1:
+            out.append(0.0)
+            continue
+        out.append(r - sum(others) / len(others))
+    return out
+
+
+def broadcast(seq, mask):
+    return [[seq[i] if mask[i][t] else 0.0 for t in range(len(mask[i]))] for i in range(len(mask))]
+
+
+def ref_token_rewards(rewards, mask, token_rewards=None):
+    out = []
+    for i, row in enumerate(mask):
+        r = [0.0] * len(row)
+        pos = [t for t, m in enumerate(row) if m]
+        if pos:
+            r[pos[-1]] += rewards[i]
+        if token_rewards is not None:
+            for t in pos:
+                r[t] += token_rewards[i][t]
+        out.append(r)
+    return out
+
+
+def ref_returns(token_rewards, mask, gamma):
+    """Closed form: G at the k-th trained token = sum_{j >= k} gamma^(j - k) r at the j-th."""
+    out = []
+    for i, row in enumerate(mask):
+        pos = [t for t, m in enumerate(row) if m]
+        g = [0.0] * len(row)
+        for k, t in enumerate(pos):
+            g[t] = sum(gamma ** (j - k) * token_rewards[i][pos[j]] for j in range(k, len(pos)))
+        out.append(g)
+    return out
+
+
+def ref_whiten(x, mask, eps=1e-8, rows=None):
+    cells = [(i, t) for i, row in enumerate(mask) for t, m in enumerate(row) if m and (rows is None or rows[i])]
+    vals = [x[i][t] for i, t in cells]
+    out = [[0.0] * len(row) for row in mask]
+    if not vals or max(vals) == min(vals):
+        return out
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / len(vals)
+    for i, t in cells:
+        out[i][t] = (x[i][t] - mean) / math.sqrt(var + eps)
+    return out
+
+
+def ref_gae(token_rewards, values, mask, gamma, lam):
+    """Closed form: A at the k-th trained token = sum_j (gamma lam)^(j - k) delta_j."""
+    adv_out, ret_out = [], []
+    for i, row in enumerate(mask):
+        pos = [t for t, m in enumerate(row) if m]
+        v = [values[i][t] for t in pos] + [0.0]
+        deltas = [token_rewards[i][pos[k]] + gamma * v[k + 1] - v[k] for k in range(len(pos))]
+        a_row = [0.0] * len(row)
+        r_row = [0.0] * len(row)
+        for k, t in enumerate(pos):
+            a_row[t] = sum((gamma * lam) ** (j - k) * deltas[j] for j in range(k, len(pos)))
+            r_row[t] = a_row[t] + v[k]
+        adv_out.append(a_row)
+        ret_out.append(r_row)
+    return adv_out, ret_out
+
+
+def assert_close(actual: torch.Tensor, expected, atol=1e-5, rtol=1e-5):
+    assert torch.isfinite(actual).all()
+    torch.testing.assert_close(actual.double(), torch.tensor(expected, dtype=torch.float64), atol=atol, rtol=rtol)
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("norm_std", [True, False])
+def test_grpo_matches_reference(norm_std):
+    out = adv.grpo(make_inputs(), norm_std=norm_std)
+    assert out.returns is None
+    assert_close(out.advantages, broadcast(ref_grpo(REWARDS, GROUPS, norm_std), MASK))
+    # the groups of one (rows 3, 9) and the all-equal group (rows 7, 8) are exactly zero
+    for row in (3, 7, 8, 9):
+        assert out.advantages[row].abs().sum() == 0
+
+
+def test_dr_grpo_is_grpo_without_std():
+    out = adv.dr_grpo(make_inputs())
+    assert_close(out.advantages, broadcast(ref_grpo(REWARDS, GROUPS, norm_std=False), MASK))
+    assert torch.equal(out.advantages, adv.grpo(make_inputs(), norm_std=False).advantages)
+
+
+def test_rloo_matches_leave_one_out_reference():
+    out = adv.rloo(make_inputs())
+    assert_close(out.advantages, broadcast(ref_rloo(REWARDS, GROUPS), MASK))
+
+
+@pytest.mark.parametrize("estimator", [adv.grpo, adv.dr_grpo, adv.rloo, adv.reinforce_pp_baseline])
+def test_group_estimators_are_zero_without_signal(estimator):
+    # all rewards equal within each group, and awkward floats whose mean is not exact
+    rewards = [0.1, 0.1, 0.1, 0.7, 0.7, 3.3]
+    groups = [0, 0, 0, 1, 1, 2]
+    mask = [[1, 1, 0]] * 6
+    out = estimator(make_inputs(rewards, groups, mask)).advantages
+    assert torch.equal(out, torch.zeros(6, 3))
+
+
+def test_reinforce_pp_baseline_matches_reference():
+    token_rewards = [[0.05 * (i - t) for t in range(7)] for i in range(10)]
+    out = adv.reinforce_pp_baseline(make_inputs(token_rewards=token_rewards))
+    seq_return = [REWARDS[i] + sum(token_rewards[i][t] for t in range(7) if MASK[i][t]) for i in range(10)]
+    centred = []
+    signal = []
+    for i in range(10):
+        members = ref_group_members(seq_return, GROUPS, i)
+        has = len(members) > 1 and max(members) != min(members)
+        signal.append(has)
+        centred.append(seq_return[i] - sum(members) / len(members) if has else 0.0)
+    expected = ref_whiten(broadcast(centred, MASK), MASK, rows=signal)
+    assert_close(out.advantages, expected)
+    silent = [i for i in range(10) if not signal[i]]
+    assert 3 in silent and 9 in silent  # the groups of one
+    for row in silent:  # no signal: exactly zero, even after whitening
+        assert out.advantages[row].abs().sum() == 0
+    raw = adv.reinforce_pp_baseline(make_inputs(token_rewards=token_rewards), whiten=False)
+    assert_close(raw.advantages, broadcast(centred, MASK))
+
+
+@pytest.mark.parametrize("gamma", [1.0, 0.9])
+@pytest.mark.parametrize("with_token_rewards", [False, True])
+def test_reinforce_pp_matches_reference(gamma, with_token_rewards):
+    rng = random.Random(3)
+    token_rewards = [[rng.uniform(-0.2, 0.2) for _ in range(7)] for _ in range(10)] if with_token_rewards else None
+    out = adv.reinforce_pp(make_inputs(token_rewards=token_rewards), gamma=gamma)
+    returns = ref_returns(ref_token_rewards(REWARDS, MASK, token_rewards), MASK, gamma)
+    assert_close(out.returns, returns)
+    assert_close(out.advantages, ref_whiten(returns, MASK))
+    raw = adv.reinforce_pp(make_inputs(token_rewards=token_rewards), gamma=gamma, whiten=False)
+    assert_close(raw.advantages, returns)
+
+
+def test_reinforce_pp_all_equal_returns_give_zero():
+    out = adv.reinforce_pp(make_inputs(rewards=[0.3] * 10))
+    assert torch.equal(out.advantages, torch.zeros(10, 7))
+
+
+@pytest.mark.parametrize(("gamma", "lam"), [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])
+def test_gae_matches_reference(gamma, lam):
+    rng = random.Random(7)
+    values = [[rng.uniform(-1, 1) for _ in range(7)] for _ in range(10)]
+    token_rewards = [[rng.uniform(-0.1, 0.1) for _ in range(7)] for _ in range(10)]
+    inputs = make_inputs(token_rewards=token_rewards, values=values)
+    exp_adv, exp_ret = ref_gae(ref_token_rewards(REWARDS, MASK, token_rewards), values, MASK, gamma, lam)
+    raw = adv.gae(inputs, gamma=gamma, lam=lam, whiten=False)
+    assert_close(raw.advantages, exp_adv)
+    assert_close(raw.returns, exp_ret)
+    whitened = adv.gae(inputs, gamma=gamma, lam=lam)
+    assert_close(whitened.advantages, ref_whiten(exp_adv, MASK))
+    assert_close(whitened.returns, exp_ret)
+
+
+def test_gae_lambda_one_is_monte_carlo_minus_value():
+    values = [[0.25 * t for t in range(7)] for _ in range(10)]
+    out = adv.gae(make_inputs(values=values), gamma=1.0, lam=1.0, whiten=False)
+    expected = [[(REWARDS[i] - values[i][t]) if MASK[i][t] else 0.0 for t in range(7)] for i in range(10)]
+    assert_close(out.advantages, expected)
+
+
+def test_values_under_mask_zero_change_nothing():
+    rng = random.Random(1)
+    values = [[rng.uniform(-1, 1) for _ in range(7)] for _ in range(10)]
+    token_rewards = [[rng.uniform(-1, 1) for _ in range(7)] for _ in range(10)]
+    base_gae = adv.gae(make_inputs(token_rewards=token_rewards, values=values))
+    base_pp = adv.reinforce_pp(make_inputs(token_rewards=token_rewards), gamma=0.9)
+    poisoned_values = [[values[i][t] if MASK[i][t] else float("nan") for t in range(7)] for i in range(10)]
+    poisoned_rewards = [[token_rewards[i][t] if MASK[i][t] else float("inf") for t in range(7)] for i in range(10)]
+    gae2 = adv.gae(make_inputs(token_rewards=poisoned_rewards, values=poisoned_values))
+    pp2 = adv.reinforce_pp(make_inputs(token_rewards=poisoned_rewards), gamma=0.9)
+    assert torch.equal(base_gae.advantages, gae2.advantages) and torch.equal(base_gae.returns, gae2.returns)
+    assert torch.equal(base_pp.advantages, pp2.advantages)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae"])
+def test_row_order_does_not_matter(name):
+    rng = random.Random(11)
+    values = [[rng.uniform(-1, 1) for _ in range(7)] for _ in range(10)]
+    perm = list(range(10))
+    rng.shuffle(perm)
+    fn = getattr(adv, name)
+    kwargs = {"values": values} if name == "gae" else {}
+    base = fn(make_inputs(**kwargs)).advantages
+    shuffled_kwargs = {"values": [values[i] for i in perm]} if name == "gae" else {}
+    shuffled = fn(make_inputs([REWARDS[i] for i in perm], [GROUPS[i] for i in perm], [MASK[i] for i in perm],
+                              **shuffled_kwargs)).advantages
+    torch.testing.assert_close(shuffled, base[perm], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"])
+def test_single_row_and_empty_batch(name):
+    fn = getattr(adv, name)
+    one = fn(make_inputs([2.5], [0], [[0, 1, 1]])).advantages
+    assert torch.equal(one, torch.zeros(1, 3))
+    empty = fn(make_inputs([], [], torch.zeros(0, 4, dtype=torch.long))).advantages
+    assert empty.shape == (0, 4)
+
+
+def test_output_dtype_follows_rewards():
+    inputs = make_inputs()
+    inputs.rewards = inputs.rewards.double()
+    assert adv.grpo(inputs).advantages.dtype == torch.float64
+    inputs.rewards = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0, 1, 0])
+    assert adv.grpo(inputs).advantages.dtype == torch.float32
+
+
+def test_errors_name_the_bad_input():
+    with pytest.raises(ValueError, match="rewards must be finite; rows \\[2\\]"):
+        adv.grpo(make_inputs(rewards=REWARDS[:2] + [float("nan")] + REWARDS[3:]))
+    with pytest.raises(ValueError, match="gae: inputs.values is None"):
+        adv.gae(make_inputs())
+    with pytest.raises(ValueError, match="gae: values hold NaN"):
+        adv.gae(make_inputs(values=[[float("nan")] * 7] * 10))
+    with pytest.raises(ValueError, match="group_index must have shape \\[10\\]"):
+        adv.grpo(make_inputs(groups=GROUPS[:9]))
+    with pytest.raises(ValueError, match="values has shape \\(10, 6\\)"):
+        adv.gae(make_inputs(values=[[0.0] * 6] * 10))
+    with pytest.raises(TypeError, match="grpo: argument 'norm_std' must be true or false"):
+        adv.grpo(make_inputs(), norm_std="yes")
+    with pytest.raises(ValueError, match="reinforce_pp: argument 'gamma' must be <= 1.0"):
+        adv.reinforce_pp(make_inputs(), gamma=1.5)
+    with pytest.raises(ValueError, match="gae: argument 'lam' must be >= 0.0"):
+        adv.gae(make_inputs(values=[[0.0] * 7] * 10), lam=-0.1)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gama'"):
+        adv.reinforce_pp(make_inputs(), gama=0.9)
+    with pytest.raises(TypeError, match="group_index must be an integer tensor"):
+        inputs = make_inputs()
+        inputs.group_index = inputs.group_index.float()
+        adv.grpo(inputs)
