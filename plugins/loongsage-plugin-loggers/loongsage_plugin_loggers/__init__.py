@@ -1,3 +1,3 @@
-"""LoongSage plugin: Metrics loggers: console with a live progress bar, JSONL, TensorBoard."""
+"""LoongSage plugin: metrics loggers (console progress bar, JSONL, TensorBoard) and plots."""
 
 __version__ = "0.1.0"

@@ -1,5 +1,24 @@
-"""Hook implementations of loongsage-plugin-loggers (the module its entry point names)."""
+"""Hook implementations of loongsage-plugin-loggers (the module its entry point names).
+
+The logger classes import rich, tensorboardX and matplotlib only when they first draw or write.
+"""
 
 from __future__ import annotations
 
-from loongsage_hookspecs import hookimpl  # noqa: F401
+from typing import Iterator
+
+from loongsage_hookspecs import LoggerSpec, hookimpl
+
+from .console import ConsoleLogger
+from .jsonl import JsonlLogger
+from .tensorboard import TensorBoardLogger
+
+
+@hookimpl
+def loongsage_loggers() -> Iterator[LoggerSpec]:
+    yield LoggerSpec(name="console", factory=ConsoleLogger,
+                     description="live progress bar with key metrics (plain lines when not a terminal)")
+    yield LoggerSpec(name="jsonl", factory=JsonlLogger,
+                     description="one JSON object per step appended to <output_dir>/metrics.jsonl")
+    yield LoggerSpec(name="tensorboard", factory=TensorBoardLogger,
+                     description="TensorBoard scalars under <output_dir>/tensorboard")

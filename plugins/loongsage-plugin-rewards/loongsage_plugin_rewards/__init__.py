@@ -1,3 +1,3 @@
-"""LoongSage plugin: Verifiable rewards (exact and numeric match, format) and synthetic task generators."""
+"""LoongSage plugin: verifiable rewards and procedural task generators (data sources)."""
 
 __version__ = "0.1.0"

@@ -1,0 +1,162 @@
+"""The ``console`` logger: a live progress bar over the run's steps with the key metrics.
+
+On a terminal it draws a rich progress bar (steps done / total, elapsed and remaining time, and
+the chosen metrics) that updates in place. When the output is not a terminal (a log file, CI) it
+prints one plain line per step instead (``step 3/50  reward=0.3125  loss=0.0412  1.8s``).
+
+Steps are numbered from 0: after ``log(step, ...)`` the bar shows ``step + 1`` steps done.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import sys
+import time
+from typing import IO, Any, Mapping, Sequence
+
+DEFAULT_KEYS: tuple[str, ...] = (
+    "rollout/reward_mean",
+    "rollout/reward",
+    "train/loss",
+    "train/pg_loss",
+    "train/grad_norm",
+    "train/is_approx_k3_kl",
+    "rollout/response_length_mean",
+    "timing/step",
+)
+"""Metrics shown when ``keys`` is not given (those present in a step, in this order)."""
+
+MAX_DEFAULT_KEYS = 4
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:.4g}"
+
+
+def _short(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
+
+
+class ConsoleLogger:
+    """Shows progress and chosen metrics on the console.
+
+    Args:
+        output_dir: the run's output directory (unused; part of the logger factory signature).
+        total_steps: the run's step count (the host passes ``train.total_steps``); without it the
+            bar has no end and plain lines show no total.
+        keys: metric names to show; shell-style patterns such as ``"rollout/*"`` match several.
+            Default: those of :data:`DEFAULT_KEYS` present in the step (at most four), else the
+            first four metric names in sorted order.
+        live: ``True`` forces the live bar, ``False`` plain lines; default: live on a terminal.
+        every: in plain mode, print every ``every``-th step (and always the last one).
+        stream: ``"stdout"`` or ``"stderr"``.
+        console: a ``rich.console.Console`` to draw on (for embedding and tests); overrides ``stream``.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike[str] | None = None, *, total_steps: int | None = None,
+                 keys: Sequence[str] | str | None = None, live: bool | None = None, every: int = 1,
+                 stream: str = "stdout", console: Any = None) -> None:
+        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                        or total_steps < 0):
+            raise ValueError(f"console logger: 'total_steps' must be a non-negative integer, got {total_steps!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(f"console logger: 'every' must be a positive integer, got {every!r}")
+        if stream not in ("stdout", "stderr"):
+            raise ValueError(f"console logger: 'stream' must be 'stdout' or 'stderr', got {stream!r}")
+        self.total_steps = total_steps
+        self.keys = [keys] if isinstance(keys, str) else (list(keys) if keys is not None else None)
+        self.every = every
+        self._stream: IO[str] = sys.stdout if stream == "stdout" else sys.stderr
+        self._console = console
+        self._live = live
+        self._progress: Any = None
+        self._task: Any = None
+        self._last_time: float | None = None
+        self._closed = False
+
+    # -------------------------------------------------------------- helpers
+
+    def _get_console(self) -> Any:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console(file=self._stream)
+        return self._console
+
+    @property
+    def live(self) -> bool:
+        """Whether the live bar is used (resolved on first use)."""
+        if self._live is None:
+            self._live = bool(self._get_console().is_terminal)
+        return self._live
+
+    def select(self, metrics: Mapping[str, Any]) -> list[str]:
+        """The metric names shown for ``metrics``, in display order."""
+        names = [k for k in metrics if k != "step"]
+        if self.keys is None:
+            chosen = [k for k in DEFAULT_KEYS if k in metrics][:MAX_DEFAULT_KEYS]
+            return chosen or sorted(names)[:MAX_DEFAULT_KEYS]
+        chosen = []
+        for key in self.keys:
+            matches = sorted(fnmatch.filter(names, key)) if any(c in key for c in "*?[") else (
+                [key] if key in metrics else [])
+            chosen += [m for m in matches if m not in chosen]
+        return chosen
+
+    def format_metrics(self, metrics: Mapping[str, Any]) -> str:
+        """``name=value`` pairs of the shown metrics (names without their ``ns/`` prefix when unique)."""
+        chosen = self.select(metrics)
+        shorts = [_short(k) for k in chosen]
+        labels = [s if shorts.count(s) == 1 else k for k, s in zip(chosen, shorts)]
+        return "  ".join(f"{label}={_fmt(metrics[k])}" for label, k in zip(labels, chosen))
+
+    def _start_progress(self) -> None:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("[bold]step"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TimeRemainingColumn(), TextColumn("{task.fields[metrics]}"),
+            console=self._get_console(), transient=False, refresh_per_second=4,
+        )
+        self._progress.start()
+        self._task = self._progress.add_task("train", total=self.total_steps, metrics="")
+
+    # -------------------------------------------------------------- protocol
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._closed:
+            raise RuntimeError("console logger: log() after close()")
+        now = time.perf_counter()
+        done = int(step) + 1
+        text = self.format_metrics(metrics)
+        if self.live:
+            if self._progress is None:
+                self._start_progress()
+            self._progress.update(self._task, completed=done, metrics=text)
+        else:
+            last = self.total_steps is not None and done >= self.total_steps
+            if done % self.every == 0 or last or self.every == 1:
+                total = f"/{self.total_steps}" if self.total_steps is not None else ""
+                took = f"  {now - self._last_time:.1f}s" if self._last_time is not None else ""
+                self._get_console().print(f"step {done}{total}  {text}{took}", markup=False, highlight=False,
+                                          soft_wrap=True)
+        self._last_time = now
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.refresh()
+            self._progress.stop()
+            self._progress = None
+        self._closed = True

@@ -1,0 +1,57 @@
+import io
+import re
+
+import pytest
+from loongsage_plugin_loggers.console import ConsoleLogger
+from rich.console import Console
+
+
+def test_plain_lines_when_not_a_terminal(tmp_path):
+    buf = io.StringIO()
+    lg = ConsoleLogger(tmp_path, total_steps=3, keys=["rollout/reward_mean", "train/loss"],
+                       console=Console(file=buf, force_terminal=False, width=200))
+    assert lg.live is False
+    for step in range(3):
+        lg.log(step, {"rollout/reward_mean": 0.125 * step, "train/loss": 2.0, "other": 1})
+    lg.close()
+    lines = buf.getvalue().splitlines()
+    assert lines[0] == "step 1/3  reward_mean=0  loss=2"
+    assert lines[2].startswith("step 3/3  reward_mean=0.25  loss=2") and re.search(r"\d+\.\ds$", lines[2])
+    assert "other" not in buf.getvalue()
+
+
+def test_every_and_default_keys(tmp_path):
+    buf = io.StringIO()
+    lg = ConsoleLogger(tmp_path, total_steps=5, every=2, console=Console(file=buf, force_terminal=False))
+    for step in range(5):
+        lg.log(step, {"train/loss": 1.0, "zzz": 2.0, "rollout/reward_mean": 0.5})
+    lg.close()
+    lines = buf.getvalue().splitlines()
+    assert [ln.split()[1] for ln in lines] == ["2/5", "4/5", "5/5"]  # every 2nd step, and the last
+    assert "reward_mean=0.5  loss=1" in lines[0] and "zzz" not in lines[0]
+
+
+def test_patterns_and_ambiguous_short_names(tmp_path):
+    lg = ConsoleLogger(tmp_path, keys=["rollout/*", "train/reward_mean"], live=False)
+    text = lg.format_metrics({"rollout/reward_mean": 1.0, "rollout/len": 3, "train/reward_mean": 2.0})
+    assert text == "len=3  rollout/reward_mean=1  train/reward_mean=2"
+
+
+def test_live_bar_on_a_terminal(tmp_path):
+    buf = io.StringIO()
+    lg = ConsoleLogger(tmp_path, total_steps=10, keys=["train/loss"],
+                       console=Console(file=buf, force_terminal=True, width=160))
+    assert lg.live is True
+    for step in range(4):
+        lg.log(step, {"train/loss": 0.5 + step})
+    lg.close()
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())
+    assert "4/10" in out and "loss=3.5" in out
+    with pytest.raises(RuntimeError):
+        lg.log(5, {})
+
+
+@pytest.mark.parametrize("kwargs", [{"total_steps": -1}, {"every": 0}, {"stream": "file"}])
+def test_bad_arguments(tmp_path, kwargs):
+    with pytest.raises(ValueError):
+        ConsoleLogger(tmp_path, **kwargs)
