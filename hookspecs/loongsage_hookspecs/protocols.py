@@ -53,17 +53,81 @@ class RouterMiddleware(Protocol):
 
 @runtime_checkable
 class Scheduler(Protocol):
-    """Asynchronous-mode policy: how many prompts to have in flight, and what a step may train on.
+    """Asynchronous-mode policy: what to generate next, what a step trains on, what to throw away.
 
-    ``can_dispatch(in_flight, buffered, trainer_version)`` says whether to start another prompt
-    group; ``select(buffer, trainer_version, batch_size)`` picks the groups for the next step (or
-    ``None`` to wait); groups carry the weight versions of their tokens.
+    A scheduler is a deterministic state machine (no threads, no clocks): its state changes only
+    through the event methods below, so the same calls always give the same decisions.
+
+    Versions: ``trainer_version`` is the policy version the rollout engines serve. The controller
+    raises it by one, and calls ``on_train_step``, after each train step once the engines hold the
+    new weights. A group trained at version ``t`` has staleness ``t - v``, with ``v`` the oldest
+    weight version among its generated tokens (``Segment.weight_versions``, -1 entries ignored);
+    a strategy may offer other definitions. ``stale_steps`` bounds the staleness of every trained
+    group.
+
+    The controller owns the buffer: the finished, kept groups in completion order. One loop::
+
+        for gid in scheduler.to_abort(version):             # can never be trained any more
+            abort gid on the engines; scheduler.on_discard(gid)
+        for group in scheduler.evict(buffer, version):      # too stale, or surplus
+            buffer.remove(group)                            # drop it, or dispatch its prompt again
+        batch = scheduler.select(buffer, version, batch_size)
+        if batch is not None:
+            remove batch from buffer; train; push weights; version += 1
+            scheduler.on_train_step(version); log scheduler.metrics()
+        while scheduler.can_dispatch(n_in_flight, len(buffer), version):
+            scheduler.on_dispatch(group_id, version); start generating group_id
+        # when a group finishes: kept by the filters -> scheduler.on_complete(group), buffer.append(group)
+        #                        filtered, failed or aborted -> scheduler.on_discard(group.group_id)
     """
 
-    def can_dispatch(self, in_flight: int, buffered: int, trainer_version: int) -> bool: ...
+    def can_dispatch(self, in_flight: int, buffered: int, trainer_version: int) -> bool:
+        """Whether one more prompt group may be dispatched now, given the controller's counts of
+        groups generating (``in_flight``) and waiting in the buffer (``buffered``)."""
+        ...
+
+    def on_dispatch(self, group_id: str, version: int) -> None:
+        """Group ``group_id`` was dispatched while the engines serve ``version``."""
+        ...
+
+    def on_complete(self, group: "TrajectoryGroup") -> None:
+        """``group`` finished, passed the filters and enters the buffer."""
+        ...
+
+    def on_discard(self, group_id: str) -> None:
+        """Live group ``group_id`` will never enter (or has left) the buffer: filtered out, failed,
+        aborted, or removed by the controller; its place in the pipeline is free again."""
+        ...
+
+    def to_abort(self, trainer_version: int) -> list[str]:
+        """Ids of groups still generating that can no longer be trained (a read; the controller may
+        abort them and call ``on_discard``, or let them finish and ``evict`` returns them)."""
+        ...
+
+    def evict(self, buffer: list["TrajectoryGroup"], trainer_version: int) -> list["TrajectoryGroup"]:
+        """The buffered groups that can no longer be trained (staleness above the bound, or unused
+        surplus); they leave the scheduler's view and the controller removes them from ``buffer``."""
+        ...
 
     def select(self, buffer: list["TrajectoryGroup"], trainer_version: int,
-               batch_size: int) -> list["TrajectoryGroup"] | None: ...
+               batch_size: int | None = None) -> list["TrajectoryGroup"] | None:
+        """The ``batch_size`` groups of ``buffer`` the next step trains on, or ``None`` to wait.
+
+        No selected group exceeds the staleness bound. ``batch_size``, when given, must equal the
+        one the scheduler was built with.
+        """
+        ...
+
+    def on_train_step(self, new_version: int) -> None:
+        """The step that trained the last selected batch is done and the engines serve
+        ``new_version`` (that batch's version + 1)."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """``rollout/*`` numbers for the step log (a read): at least ``rollout/staleness_mean`` and
+        ``rollout/staleness_max`` of the last selected batch, ``rollout/pipeline_buf_size`` and the
+        dropped-group counts."""
+        ...
 
 
 @runtime_checkable

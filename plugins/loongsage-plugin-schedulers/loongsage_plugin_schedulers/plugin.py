@@ -1,5 +1,37 @@
-"""Hook implementations of loongsage-plugin-schedulers (the module its entry point names)."""
+"""Hook implementations of loongsage-plugin-schedulers (the module its entry point names).
+
+The hook only lists specs; the strategies live in the modules beside this one, which import
+nothing heavier than attrs, so listing components stays cheap.
+"""
 
 from __future__ import annotations
 
-from loongsage_hookspecs import hookimpl  # noqa: F401
+from collections.abc import Iterator
+
+from loongsage_hookspecs import SchedulerSpec, hookimpl
+
+from .no_window import NoWindowScheduler
+from .sync import SyncScheduler
+from .windowed import WindowedFifoScheduler, WindowGatedScheduler
+
+_COMMON = "args batch_size, stale_steps, oversample, staleness"
+
+
+@hookimpl
+def loongsage_schedulers() -> Iterator[SchedulerSpec]:
+    yield SchedulerSpec(
+        name="sync", factory=SyncScheduler,
+        description=f"on-policy rounds: dispatch one step's groups into an empty pipeline, train on them "
+                    f"(staleness 0); {_COMMON}")
+    yield SchedulerSpec(
+        name="no_window", factory=NoWindowScheduler,
+        description=f"dispatch up to capacity, train in completion order, drop groups staler than "
+                    f"stale_steps; {_COMMON}")
+    yield SchedulerSpec(
+        name="window_gated", factory=WindowGatedScheduler,
+        description=f"dispatch at most stale_steps versions ahead, train groups due now first in completion "
+                    f"order; staleness <= stale_steps, never drops; {_COMMON}")
+    yield SchedulerSpec(
+        name="windowed_fifo", factory=WindowedFifoScheduler,
+        description=f"window-gated dispatch, train strictly oldest first (dispatch order); staleness <= "
+                    f"stale_steps, never drops; {_COMMON}")

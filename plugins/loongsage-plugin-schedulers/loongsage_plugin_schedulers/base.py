@@ -1,0 +1,434 @@
+"""Bookkeeping shared by every scheduler strategy of this package.
+
+A scheduler is a pure state machine: its state changes only through the event methods of the
+``loongsage_hookspecs.Scheduler`` protocol (``on_dispatch``, ``on_complete``, ``on_discard``,
+``evict``, ``select``, ``on_train_step``); ``can_dispatch``, ``to_abort`` and ``metrics`` only read
+it. There are no threads, clocks or random numbers, so the same sequence of calls always gives the
+same decisions, which is what makes the strategies testable in a simulated pipeline.
+
+:class:`BaseScheduler` keeps one :class:`GroupRecord` per live group (dispatched and not yet
+trained, discarded or evicted) and validates every call, raising an error that names the group or
+value at fault when the controller and the scheduler disagree. A strategy subclass supplies three
+rules: :meth:`BaseScheduler._may_dispatch`, :meth:`BaseScheduler._deadline_for` and
+:meth:`BaseScheduler._choose`.
+
+Deadlines. Strategies that bound staleness by construction (``sync``, ``window_gated``,
+``windowed_fifo``) give each group a *deadline* when it is dispatched: the last trainer version
+that may train it. A group that has not been trained when the step at its deadline has taken its
+batch can never be trained (it is the unused surplus of oversampling): :meth:`to_abort` lists it
+while it is in flight and :meth:`evict` returns it once it is in the buffer.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
+
+import attrs
+
+from .staleness import check_mode, generated_versions, token_staleness_mean
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from loongsage_hookspecs import TrajectoryGroup
+
+DROP_REASONS: tuple[str, ...] = ("stale", "surplus")
+"""Why :meth:`BaseScheduler.evict` removes a group: its staleness already exceeds the bound
+(``stale``), or it missed the step that was its deadline (``surplus``, only with oversampling)."""
+
+
+class GroupState(str, enum.Enum):
+    """Where a live group is: still generating, or finished and waiting in the buffer."""
+
+    IN_FLIGHT = "in_flight"
+    BUFFERED = "buffered"
+
+
+@attrs.define(eq=False)
+class GroupRecord:
+    """What a scheduler remembers about one live group.
+
+    ``order`` is its dispatch index (FIFO order), ``version`` the trainer version it was dispatched
+    at, ``deadline`` the last trainer version allowed to train it (``None`` when the strategy judges
+    staleness from the tokens alone), ``completed`` its completion index once finished, and
+    ``oldest`` / ``newest`` the lowest / highest weight version among its generated tokens.
+    """
+
+    group_id: str
+    order: int
+    version: int
+    deadline: int | None
+    state: GroupState = GroupState.IN_FLIGHT
+    completed: int = -1
+    oldest: int | None = None
+    newest: int | None = None
+
+
+def _int_arg(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class BaseScheduler:
+    """Shared state, validation and metrics of the scheduler strategies.
+
+    Arguments (keyword only, as a job file's ``[async]`` section gives them):
+
+    * ``batch_size``: prompt groups one train step consumes (``rollout.prompts_per_step``).
+    * ``stale_steps``: the staleness bound ``s``; no trained group is more than ``s`` versions old
+      (``sync`` accepts and ignores it: its bound is 0).
+    * ``oversample``: a ratio >= 0; ``per_step = ceil(batch_size * (1 + oversample))`` groups are
+      generated for each step so that filter drops still leave ``batch_size`` groups.
+    * ``staleness``: ``"oldest"`` (default) or ``"newest"``: which token's version defines a group's
+      staleness (see :mod:`loongsage_plugin_schedulers.staleness`).
+
+    ``capacity = per_step * (1 + bound)`` groups may be in flight and buffered together.
+    """
+
+    name: ClassVar[str] = "base"
+
+    def __init__(self, *, batch_size: int, stale_steps: int = 1, oversample: float = 0.0,
+                 staleness: str = "oldest") -> None:
+        self.batch_size = _int_arg("batch_size", batch_size, 1)
+        self.stale_steps = _int_arg("stale_steps", stale_steps, 0)
+        if isinstance(oversample, bool) or not isinstance(oversample, (int, float)):
+            raise TypeError(f"oversample must be a number >= 0, got {type(oversample).__name__} {oversample!r}")
+        if not math.isfinite(oversample) or oversample < 0:
+            raise ValueError(f"oversample must be a finite number >= 0, got {oversample}")
+        self.oversample = float(oversample)
+        self.staleness = check_mode(staleness)
+        # round() first so that e.g. 8 * 1.1 = 8.800000000000001 does not become 9 by float noise.
+        self.per_step = math.ceil(round(self.batch_size * (1.0 + self.oversample), 9))
+        self.capacity = self.per_step * (1 + self.bound)
+
+        self._version: int | None = None
+        self._records: dict[str, GroupRecord] = {}  # live groups, in dispatch order
+        self._buffered: dict[str, GroupRecord] = {}  # the buffered ones among them, in completion order
+        self._slot_live: dict[int, int] = {}  # deadline -> live groups holding it (discards free a place)
+        self._selected_at: int | None = None  # version whose batch was taken, until on_train_step
+        self._next_order = 0
+        self._next_completion = 0
+        self._n_in_flight = 0
+        self._dispatched_total = 0
+        self._discarded_total = 0
+        self._trained_total = 0
+        self._dropped_total = dict.fromkeys(DROP_REASONS, 0)
+        self._dropped_at_last_step = dict.fromkeys(DROP_REASONS, 0)
+        self._dropped_last_step = dict.fromkeys(DROP_REASONS, 0)
+        self._last_batch: dict[str, float] = {"mean": 0.0, "max": 0.0, "min": 0.0, "token_mean": 0.0}
+
+    # ------------------------------------------------------------------ read-only state
+
+    @property
+    def bound(self) -> int:
+        """The staleness bound this strategy guarantees (``stale_steps``; 0 for ``sync``)."""
+        return self.stale_steps
+
+    @property
+    def version(self) -> int | None:
+        """The trainer version the scheduler is at (``None`` until the first event)."""
+        return self._version
+
+    @property
+    def in_flight(self) -> int:
+        """Groups dispatched and not yet completed or discarded."""
+        return self._n_in_flight
+
+    @property
+    def buffered(self) -> int:
+        """Groups completed and not yet selected, evicted or discarded."""
+        return len(self._buffered)
+
+    def deadline_of(self, group_id: str) -> int | None:
+        """The last trainer version allowed to train live group ``group_id`` (``None``: judged by its
+        tokens only)."""
+        return self._record(group_id, "deadline_of").deadline
+
+    # ------------------------------------------------------------------ protocol: queries
+
+    def can_dispatch(self, in_flight: int, buffered: int, trainer_version: int) -> bool:
+        """Whether the producer may dispatch one more prompt group now.
+
+        ``in_flight`` and ``buffered`` are the controller's counts; the larger of them and the
+        scheduler's own counts is held against ``capacity``, so neither view can overfill the
+        pipeline.
+        """
+        _int_arg("in_flight", in_flight, 0)
+        _int_arg("buffered", buffered, 0)
+        t = self._peek_version(trainer_version, "can_dispatch")
+        occupied = max(in_flight + buffered, self._n_in_flight + len(self._buffered))
+        if occupied >= self.capacity:
+            return False
+        return self._may_dispatch(t, in_flight, buffered)
+
+    def to_abort(self, trainer_version: int) -> list[str]:
+        """Ids of in-flight groups that can no longer be trained (missed their deadline), in dispatch
+        order. The controller may abort them on the engines and call :meth:`on_discard`; if it lets
+        them finish instead, :meth:`evict` returns them."""
+        t = self._peek_version(trainer_version, "to_abort")
+        return [r.group_id for r in self._records.values()
+                if r.state is GroupState.IN_FLIGHT and self._missed_deadline(r, t)]
+
+    def metrics(self) -> dict[str, float]:
+        """Metrics for the step log (a pure read; the per-step drop counts are frozen at each
+        :meth:`on_train_step`).
+
+        * ``rollout/staleness_mean|max|min``: staleness (this scheduler's definition) of the groups of
+          the most recently selected batch; ``rollout/staleness_token_mean``: its per-token mean.
+        * ``rollout/pipeline_buf_size``, ``rollout/pipeline_in_flight``: groups buffered / generating
+          now; ``rollout/pipeline_capacity``: the most both may hold together.
+        * ``rollout/dropped_stale``, ``rollout/dropped_surplus``: groups :meth:`evict` returned during
+          the last completed step (between the two latest ``on_train_step`` calls); the
+          ``*_total`` variants count the whole run.
+        * ``rollout/dispatched_total``, ``rollout/discarded_total``, ``rollout/trained_total``.
+        """
+        out = {
+            "rollout/staleness_mean": self._last_batch["mean"],
+            "rollout/staleness_max": self._last_batch["max"],
+            "rollout/staleness_min": self._last_batch["min"],
+            "rollout/staleness_token_mean": self._last_batch["token_mean"],
+            "rollout/pipeline_buf_size": float(len(self._buffered)),
+            "rollout/pipeline_in_flight": float(self._n_in_flight),
+            "rollout/pipeline_capacity": float(self.capacity),
+            "rollout/dispatched_total": float(self._dispatched_total),
+            "rollout/discarded_total": float(self._discarded_total),
+            "rollout/trained_total": float(self._trained_total),
+        }
+        for reason in DROP_REASONS:
+            out[f"rollout/dropped_{reason}"] = float(self._dropped_last_step[reason])
+            out[f"rollout/dropped_{reason}_total"] = float(self._dropped_total[reason])
+        return out
+
+    # ------------------------------------------------------------------ protocol: events
+
+    def on_dispatch(self, group_id: str, version: int) -> None:
+        """Record that ``group_id`` was dispatched while the engines serve ``version``.
+
+        Raises ``RuntimeError`` if :meth:`can_dispatch` would have said no (by the scheduler's own
+        counts), and ``ValueError`` if ``group_id`` is already live. An id may be dispatched again
+        after its previous group was trained, discarded or evicted (a re-queued prompt).
+        """
+        if not isinstance(group_id, str) or not group_id:
+            raise ValueError(f"on_dispatch: group_id must be a non-empty string, got {group_id!r}")
+        if group_id in self._records:
+            raise ValueError(f"on_dispatch: group {group_id!r} is already live ({self._records[group_id].state.value})")
+        t = self._adopt_version(version, "on_dispatch")
+        if self._n_in_flight + len(self._buffered) >= self.capacity or not self._may_dispatch(
+                t, self._n_in_flight, len(self._buffered)):
+            raise RuntimeError(
+                f"on_dispatch: {self.name} does not allow dispatching group {group_id!r} at version {t} "
+                f"(in flight {self._n_in_flight}, buffered {len(self._buffered)}, capacity {self.capacity}); "
+                "dispatch only while can_dispatch() is true")
+        deadline = self._deadline_for(t)
+        self._records[group_id] = GroupRecord(group_id=group_id, order=self._next_order, version=t,
+                                              deadline=deadline)
+        self._next_order += 1
+        if deadline is not None:
+            self._slot_live[deadline] = self._slot_live.get(deadline, 0) + 1
+        self._n_in_flight += 1
+        self._dispatched_total += 1
+
+    def on_complete(self, group: "TrajectoryGroup") -> None:
+        """Record that ``group`` finished and was kept (it enters the controller's buffer now).
+
+        Raises ``ValueError`` if it was not in flight, or if a generated token carries a weight
+        version newer than the trainer's (a bookkeeping error upstream).
+        """
+        gid = getattr(group, "group_id", None)
+        rec = self._records.get(gid) if isinstance(gid, str) else None
+        if rec is None or rec.state is not GroupState.IN_FLIGHT:
+            state = "unknown" if rec is None else rec.state.value
+            raise ValueError(f"on_complete: group {gid!r} is not in flight ({state}); call on_dispatch first, "
+                             "and on_complete once")
+        versions = list(generated_versions(group))
+        if versions and self._version is not None and max(versions) > self._version:
+            raise ValueError(f"on_complete: group {gid!r} has a token of weight version {max(versions)}, newer than "
+                             f"the trainer version {self._version}")
+        rec.oldest = min(versions) if versions else None
+        rec.newest = max(versions) if versions else None
+        rec.state = GroupState.BUFFERED
+        rec.completed = self._next_completion
+        self._next_completion += 1
+        self._n_in_flight -= 1
+        self._buffered[rec.group_id] = rec
+
+    def on_discard(self, group_id: str) -> None:
+        """Forget live group ``group_id``: filtered out, failed, aborted, or removed from the buffer by
+        the controller. A discard frees its place, so the producer may dispatch a replacement."""
+        rec = self._record(group_id, "on_discard")
+        self._forget(rec)
+        self._discarded_total += 1
+        self._release_slot(rec)
+
+    def evict(self, buffer: Sequence["TrajectoryGroup"], trainer_version: int) -> list["TrajectoryGroup"]:
+        """Remove from the scheduler's view, and return, the buffered groups that can no longer be
+        trained: staleness already above the bound (``stale``) or past their deadline
+        (``surplus``). The controller takes them out of its buffer and drops them or dispatches their
+        prompts again. Returned in buffer order."""
+        t = self._adopt_version(trainer_version, "evict")
+        by_id = self._check_buffer(buffer, "evict")
+        out = []
+        for gid, group in by_id.items():
+            rec = self._buffered[gid]
+            reason = "surplus" if self._missed_deadline(rec, t) else "stale" if self._too_stale(rec, t) else None
+            if reason is None:
+                continue
+            self._forget(rec)
+            self._dropped_total[reason] += 1
+            self._release_slot(rec)
+            out.append(group)
+        return out
+
+    def select(self, buffer: Sequence["TrajectoryGroup"], trainer_version: int,
+               batch_size: int | None = None) -> list["TrajectoryGroup"] | None:
+        """The groups the next train step takes (exactly ``batch_size`` of them), or ``None`` to wait.
+
+        The chosen groups leave the scheduler's view; the controller removes them from its buffer.
+        No selected group exceeds the staleness bound. After a batch, call :meth:`on_train_step`
+        before selecting again. ``batch_size``, if given, must equal the configured one.
+        """
+        if batch_size is not None and batch_size != self.batch_size:
+            raise ValueError(f"select: batch_size {batch_size} differs from the scheduler's batch_size "
+                             f"{self.batch_size}; build the scheduler with the step's prompt count")
+        t = self._adopt_version(trainer_version, "select")
+        if self._selected_at == t:
+            raise RuntimeError(f"select: a batch was already taken at version {t}; train it and call "
+                               f"on_train_step({t + 1}) first")
+        by_id = self._check_buffer(buffer, "select")
+        chosen = self._choose(t)
+        if chosen is None:
+            return None
+        if len(chosen) != self.batch_size or any(
+                r.state is not GroupState.BUFFERED or self._too_stale(r, t) or self._missed_deadline(r, t)
+                for r in chosen):
+            raise RuntimeError(f"{self.name}: internal error, chose an invalid batch at version {t}")
+        groups = [by_id[r.group_id] for r in chosen]
+        for r in chosen:
+            self._forget(r)
+        self._trained_total += len(chosen)
+        self._selected_at = t
+        stale = [self._staleness(r, t) for r in chosen]
+        self._last_batch = {"mean": sum(stale) / len(stale), "max": float(max(stale)), "min": float(min(stale)),
+                            "token_mean": token_staleness_mean(groups, t)}
+        return groups
+
+    def on_train_step(self, new_version: int) -> None:
+        """The step that trained the last selected batch finished and the engines now serve
+        ``new_version``, which must be that batch's version + 1."""
+        _int_arg("new_version", new_version, 0)
+        if self._selected_at is None:
+            raise RuntimeError(f"on_train_step({new_version}): no batch was selected since the last step")
+        if new_version != self._selected_at + 1:
+            raise ValueError(f"on_train_step: new_version must be {self._selected_at + 1} (the selected batch's "
+                             f"version + 1), got {new_version}")
+        self._version = new_version
+        self._selected_at = None
+        for reason in DROP_REASONS:
+            self._dropped_last_step[reason] = self._dropped_total[reason] - self._dropped_at_last_step[reason]
+            self._dropped_at_last_step[reason] = self._dropped_total[reason]
+        for slot in [s for s in self._slot_live if s < new_version]:
+            del self._slot_live[slot]
+
+    # ------------------------------------------------------------------ strategy rules
+
+    def _may_dispatch(self, t: int, in_flight: int, buffered: int) -> bool:
+        """Strategy rule: may one more group be dispatched at version ``t`` (capacity already checked)?"""
+        raise NotImplementedError
+
+    def _deadline_for(self, t: int) -> int | None:
+        """Strategy rule: the deadline of a group dispatched now (``_may_dispatch`` said yes)."""
+        raise NotImplementedError
+
+    def _choose(self, t: int) -> list[GroupRecord] | None:
+        """Strategy rule: the records of the batch at version ``t`` (exactly ``batch_size`` buffered,
+        trainable ones), or ``None`` to wait."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ helpers for strategies
+
+    def _open_slot(self, t: int) -> int | None:
+        """Lowest deadline in the window ``[t, t + bound]`` with fewer than ``per_step`` live groups;
+        ``t`` itself is closed once its batch was taken. ``None`` when the window is full."""
+        start = t + 1 if self._selected_at == t else t
+        for slot in range(start, t + self.bound + 1):
+            if self._slot_live.get(slot, 0) < self.per_step:
+                return slot
+        return None
+
+    def _live(self) -> list[GroupRecord]:
+        """Live records in dispatch order."""
+        return list(self._records.values())
+
+    def _trainable_buffered(self, t: int) -> list[GroupRecord]:
+        """Buffered records that may be trained at ``t``, in completion order."""
+        return [r for r in self._buffered.values() if not self._too_stale(r, t) and not self._missed_deadline(r, t)]
+
+    def _staleness(self, rec: GroupRecord, t: int) -> int:
+        ref = rec.oldest if self.staleness == "oldest" else rec.newest
+        return 0 if ref is None else t - ref
+
+    def _too_stale(self, rec: GroupRecord, t: int) -> bool:
+        ref = rec.oldest if self.staleness == "oldest" else rec.newest
+        return ref is not None and t - ref > self.bound  # in-flight records have no ref yet
+
+    def _missed_deadline(self, rec: GroupRecord, t: int) -> bool:
+        if rec.deadline is None:
+            return False
+        return rec.deadline < t or (rec.deadline == t and self._selected_at == t)
+
+    # ------------------------------------------------------------------ internals
+
+    def _record(self, group_id: str, where: str) -> GroupRecord:
+        rec = self._records.get(group_id) if isinstance(group_id, str) else None
+        if rec is None:
+            raise ValueError(f"{where}: group {group_id!r} is not live (never dispatched, or already trained, "
+                             "discarded or evicted)")
+        return rec
+
+    def _release_slot(self, rec: GroupRecord) -> None:
+        """A group that will never be trained gives its place under its deadline back."""
+        if rec.deadline is not None and rec.deadline in self._slot_live:
+            self._slot_live[rec.deadline] -= 1
+
+    def _forget(self, rec: GroupRecord) -> None:
+        del self._records[rec.group_id]
+        if rec.state is GroupState.IN_FLIGHT:
+            self._n_in_flight -= 1
+        else:
+            del self._buffered[rec.group_id]
+
+    def _peek_version(self, version: int, where: str) -> int:
+        _int_arg(f"{where}: trainer_version", version, 0)
+        if self._version is not None and version != self._version:
+            raise ValueError(f"{where}: trainer_version {version} but the scheduler is at version {self._version} "
+                             "(call on_train_step once after each train step)")
+        return version
+
+    def _adopt_version(self, version: int, where: str) -> int:
+        t = self._peek_version(version, where)
+        if self._version is None:
+            self._version = t
+        return t
+
+    def _check_buffer(self, buffer: Sequence["TrajectoryGroup"], where: str) -> dict[str, "TrajectoryGroup"]:
+        """``group_id -> group`` of ``buffer`` after checking that it holds exactly the groups the
+        scheduler knows as buffered (so controller and scheduler cannot drift apart silently)."""
+        by_id: dict[str, TrajectoryGroup] = {getattr(g, "group_id", None): g for g in buffer}  # type: ignore[misc]
+        if len(by_id) == len(buffer) == len(self._buffered) and by_id.keys() == self._buffered.keys():
+            return by_id
+        seen: set[object] = set()
+        for g in buffer:
+            gid = getattr(g, "group_id", None)
+            if gid in seen:
+                raise ValueError(f"{where}: buffer holds group {gid!r} twice")
+            seen.add(gid)
+            if gid not in self._buffered:
+                raise ValueError(f"{where}: buffer holds group {gid!r}, which the scheduler does not know as "
+                                 "finished; call on_complete before adding a group to the buffer")
+        missing = [gid for gid in self._buffered if gid not in by_id]
+        raise ValueError(f"{where}: groups {missing[:5]} were reported complete but are not in the buffer; "
+                         "remove groups only as select/evict return them, or call on_discard")
