@@ -1,0 +1,167 @@
+"""Weight-transfer throughput: ``inprocess`` and ``shm`` transports against a plain tensor copy.
+
+Builds a synthetic set of weights (float32 embedding, bfloat16 layer matrices), then measures,
+side by side in one run:
+
+* ``plain_copy``: ``dst.copy_(src)`` of every tensor into preallocated tensors (the floor any
+  transport pays once, since an engine copies into its parameters);
+* ``inprocess``: the ``inprocess`` sender into an in-process engine object doing that copy;
+* ``shm``: the ``shm`` sender into an engine in another process (an HTTP endpoint with the
+  ``shm`` receiver copying into its parameters), for several bucket sizes.
+
+Prints JSON with bytes/s and the ratio of each transport to the plain copy (absolute numbers are
+not stable on a shared machine; the ratios are the result). Run::
+
+    python benchmarks/weight_transfer.py [--total-mb 128] [--repeats 3] [--buckets-mb 4,16,64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+def synthetic_weights(total_mb: int) -> list:
+    """Named tensors of about ``total_mb`` MiB shaped like a small transformer's."""
+    import torch
+
+    hidden = 1024
+    g = torch.Generator().manual_seed(0)
+    weights = [("model.embed_tokens.weight", torch.randn(4096, hidden, generator=g))]  # 16 MiB float32
+    layer = 0
+    while sum(t.numel() * t.element_size() for _, t in weights) < total_mb << 20:
+        prefix = f"model.layers.{layer}"
+        for name, shape in (("self_attn.q_proj", (hidden, hidden)), ("self_attn.k_proj", (hidden // 4, hidden)),
+                            ("self_attn.v_proj", (hidden // 4, hidden)), ("self_attn.o_proj", (hidden, hidden)),
+                            ("mlp.gate_proj", (2816, hidden)), ("mlp.up_proj", (2816, hidden)),
+                            ("mlp.down_proj", (hidden, 2816))):
+            weights.append((f"{prefix}.{name}.weight", torch.randn(*shape, generator=g).to(torch.bfloat16)))
+        weights.append((f"{prefix}.input_layernorm.weight", torch.ones(hidden, dtype=torch.bfloat16)))
+        layer += 1
+    return weights
+
+
+class CopyEngine:
+    """An engine stand-in that copies received tensors into its own preallocated parameters."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.torch = torch
+        self.params: dict = {}
+        self.version = -1
+
+    def load_weights(self, weights, version) -> None:
+        for name, tensor in weights:
+            dst = self.params.get(name)
+            if dst is None:
+                dst = self.params[name] = self.torch.empty_like(tensor)
+            dst.copy_(tensor)
+        self.version = version
+
+
+def serve() -> None:
+    """Child process: an HTTP endpoint whose shm receiver feeds a CopyEngine."""
+    import torch
+    from loongsage_plugin_torch.transport import shm_receiver
+
+    torch.set_num_threads(1)
+    receiver = shm_receiver()
+    engine = CopyEngine()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server API
+            payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            engine.load_weights(receiver.receive(payload), payload["weight_version"])
+            self._reply({"success": True})
+
+        def do_GET(self):  # noqa: N802
+            self._reply({"version": engine.version})
+            if self.path == "/shutdown":
+                threading.Thread(target=self.server.shutdown).start()
+
+        def _reply(self, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    print(server.server_address[1], flush=True)
+    server.serve_forever()
+
+
+def best_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--total-mb", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--buckets-mb", default="4,16,64")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve()
+        return
+
+    import httpx
+    import torch
+    from loongsage_plugin_torch.transport import inprocess_sender, shm_sender
+
+    torch.set_num_threads(1)
+    weights = synthetic_weights(args.total_mb)
+    nbytes = sum(t.numel() * t.element_size() for _, t in weights)
+    dst = [torch.empty_like(t) for _, t in weights]
+
+    def plain_copy() -> None:
+        for d, (_, t) in zip(dst, weights):
+            d.copy_(t)
+
+    plain_copy()
+    results: dict = {"bytes": nbytes, "tensors": len(weights), "repeats": args.repeats}
+    copy_s = best_time(plain_copy, args.repeats)
+    results["plain_copy"] = {"seconds": copy_s, "gb_per_s": nbytes / copy_s / 1e9}
+
+    engine = CopyEngine()
+    inproc = inprocess_sender()
+    inproc.send(weights, 0, [engine])
+    t = best_time(lambda: inproc.send(weights, 1, [engine]), args.repeats)
+    results["inprocess"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9, "ratio_vs_copy": copy_s / t}
+
+    child = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        url = f"http://127.0.0.1:{int(child.stdout.readline())}"
+        results["shm"] = {}
+        for mb in (float(x) for x in args.buckets_mb.split(",")):
+            with shm_sender(bucket_bytes=int(mb * (1 << 20))) as sender:
+                sender.send(weights, 0, [url])  # warm-up: the engine allocates, blocks are created
+                t = best_time(lambda: sender.send(weights, 1, [url]), args.repeats)
+            results["shm"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9, "ratio_vs_copy": copy_s / t}
+        httpx.get(url + "/shutdown", trust_env=False)
+        child.wait(timeout=30)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

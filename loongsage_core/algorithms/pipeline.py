@@ -1,0 +1,296 @@
+"""The loss pipeline of DESIGN.md section 6, composed from named components.
+
+Order (per micro-batch, after the trainer's forward pass)::
+
+    pre_advantage corrections (once per step, ``prepare``)  -> IS weights / masks
+    post_forward corrections (see current log-probs)        -> more weights / masks
+    policy loss per token -> x masks x IS weights -> aggregation (global norm)
+    + kl_coef * aggregated KL to the reference   (when [algorithm] kl is set and not in the reward)
+    - entropy_coef * aggregated entropy
+
+Components come from ``components.get(kind, name)`` (the host's plugin registry or any object
+with that method); their arguments from the ``*_args`` tables of ``[algorithm]``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from loongsage_hookspecs import (
+    AggregationNorm,
+    Batch,
+    CorrectionInputs,
+    CorrectionOutput,
+    KLInputs,
+    PolicyLossInputs,
+    PolicyLossOutput,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+CORRECTION_WEIGHTS_KEY = "correction_weights"
+"""Batch tensor ``[B, T]`` holding the product of the pre-advantage corrections' weights."""
+
+CORRECTION_MASK_KEY = "correction_mask"
+"""Batch tensor ``[B, T]`` holding the product of the pre-advantage corrections' masks."""
+
+
+class LossPipelineError(ValueError):
+    """The batch or the configuration cannot be run through the loss pipeline; says what is missing."""
+
+
+class LossPipeline:
+    """Per-micro-batch loss of one job, built from its ``[algorithm]`` table.
+
+    ``prepare(batch)`` runs the pre-advantage corrections once on a step's rows; ``loss(micro,
+    logprobs, entropy, norm)`` returns the scalar micro-batch loss (already divided by the global
+    ``norm``, so the sum over micro-batches and ranks is the mini-batch loss) and its metrics.
+    """
+
+    def __init__(self, job: Any, components: Any) -> None:
+        alg = job.algorithm
+        self.policy_loss = components.get("policy_loss", alg.policy_loss)
+        self.policy_loss_args = dict(alg.policy_loss_args)
+        self.aggregation = components.get("loss_aggregation", alg.loss_agg)
+        self.aggregation_args = dict(alg.loss_agg_args)
+        self.kl = components.get("kl", alg.kl) if alg.kl and not alg.kl_in_reward else None
+        self.kl_args = dict(alg.kl_args)
+        self.kl_coef = float(alg.kl_coef)
+        self.entropy_coef = float(alg.entropy_coef)
+        unknown_args = set(alg.correction_args) - set(alg.corrections)
+        if unknown_args:
+            raise LossPipelineError(f"[algorithm] correction_args names {sorted(unknown_args)} which are not in "
+                                    f"[algorithm] corrections {alg.corrections}")
+        self.corrections: list[tuple[str, Any, dict[str, Any]]] = []
+        for name in alg.corrections:
+            spec = components.get("correction", name)
+            self.corrections.append((name, spec, dict(alg.correction_args.get(name, {}))))
+        self.pre_corrections = [c for c in self.corrections if c[1].stage == "pre_advantage"]
+        self.post_corrections = [c for c in self.corrections if c[1].stage == "post_forward"]
+
+    # -- properties the trainer asks -------------------------------------------------------------
+
+    @property
+    def needs_ref_logprobs(self) -> bool:
+        """Whether micro-batches must carry ``ref_logprobs`` (a KL to the reference is in the loss)."""
+        return self.kl is not None
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether :meth:`loss` needs the full logits (a vocabulary-level KL estimator)."""
+        return self.kl is not None and self.kl.requires != "logprobs"
+
+    # -- once per step ---------------------------------------------------------------------------
+
+    def prepare(self, batch: Batch) -> dict[str, float]:
+        """Run the pre-advantage corrections on ``batch`` (all rows of a step, in job-file order).
+
+        Stores the product of their weights and masks in ``batch`` under
+        :data:`CORRECTION_WEIGHTS_KEY` / :data:`CORRECTION_MASK_KEY` (so they travel with the rows
+        into micro-batches) and returns their metrics as ``train/<name>`` (per-token values as
+        means over the loss mask). A no-op returning ``{}`` when there are none.
+        """
+        import torch
+
+        if not self.pre_corrections:
+            return {}
+        mask = _require(batch, "loss_mask").to(torch.float32)
+        rollout = _require(batch, "rollout_logprobs", "the off-policy corrections compare against it")
+        old = batch.get("old_logprobs")
+        old = rollout if old is None else old
+        weights = torch.ones_like(mask)
+        keep = torch.ones_like(mask)
+        metrics: dict[str, float] = {}
+        for name, spec, args in self.pre_corrections:
+            inputs = CorrectionInputs(old_logprobs=old, rollout_logprobs=rollout, response_mask=mask * keep,
+                                      advantages=batch.get("advantages"))
+            out = _check_correction(name, spec.fn(inputs, **args), mask.shape)
+            weights, keep = _combine(weights, keep, out)
+            for key, value in out.metrics.items():
+                metrics[f"train/{key}"] = _mean_metric(value, mask)
+        batch.tensors[CORRECTION_WEIGHTS_KEY] = weights.detach()
+        batch.tensors[CORRECTION_MASK_KEY] = keep.detach()
+        return metrics
+
+    # -- per micro-batch -------------------------------------------------------------------------
+
+    def loss(self, micro: Batch, logprobs: "torch.Tensor", entropy: "torch.Tensor | None",
+             norm: AggregationNorm, *, logits: "torch.Tensor | None" = None,
+             ) -> "tuple[torch.Tensor, dict[str, torch.Tensor]]":
+        """The micro-batch loss and its metrics.
+
+        ``logprobs`` / ``entropy`` ``[B, T]`` are the current policy's, with gradient, aligned with
+        ``micro["input_ids"]``. Metrics are ``[B, T]`` tensors (reported as means over the loss
+        mask) or 0-dim tensors (shares of a mini-batch total: ``loss``, ``pg_loss``, ``kl_loss``,
+        ``entropy_loss``); feed them to :meth:`MetricAccumulator.add` with ``micro["loss_mask"]``.
+        """
+        import torch
+
+        ids = _require(micro, "input_ids")
+        if tuple(logprobs.shape) != tuple(ids.shape):
+            raise LossPipelineError(f"logprobs have shape {tuple(logprobs.shape)} but input_ids {tuple(ids.shape)}")
+        dtype = logprobs.dtype
+        mask = _require(micro, "loss_mask").to(device=logprobs.device, dtype=dtype)
+        advantages = _on(_require(micro, "advantages"), logprobs)
+        rollout = micro.get("rollout_logprobs")
+        rollout = _on(rollout, logprobs) if rollout is not None else None
+        old = micro.get("old_logprobs")
+        if old is None:
+            if rollout is None:
+                raise LossPipelineError("the batch has neither 'old_logprobs' nor 'rollout_logprobs'; the policy "
+                                        "loss needs the log-probs the samples were drawn with")
+            old = rollout
+        old = _on(old, logprobs)
+
+        weights = torch.ones_like(mask)
+        keep = torch.ones_like(mask)
+        if self.pre_corrections:
+            if CORRECTION_WEIGHTS_KEY not in micro or CORRECTION_MASK_KEY not in micro:
+                names = [c[0] for c in self.pre_corrections]
+                raise LossPipelineError(f"pre-advantage corrections {names} are configured but the batch has no "
+                                        f"'{CORRECTION_WEIGHTS_KEY}'; call LossPipeline.prepare(batch) on the "
+                                        "step's rows before training")
+            weights = _on(micro[CORRECTION_WEIGHTS_KEY], logprobs)
+            keep = _on(micro[CORRECTION_MASK_KEY], logprobs)
+
+        metrics: dict[str, torch.Tensor] = {}
+        if self.post_corrections:
+            if rollout is None:
+                raise LossPipelineError("post-forward corrections need 'rollout_logprobs' in the batch")
+            for name, spec, args in self.post_corrections:
+                inputs = CorrectionInputs(old_logprobs=old, rollout_logprobs=rollout, response_mask=mask * keep,
+                                          advantages=advantages, logprobs=logprobs.detach())
+                out = _check_correction(name, spec.fn(inputs, **args), mask.shape)
+                weights, keep = _combine(weights, keep, out)
+                for key, value in out.metrics.items():
+                    metrics[key] = _per_token_metric(value, mask)
+        weights = weights.detach()
+        train_mask = mask * keep.detach()
+
+        out = self.policy_loss.fn(PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages,
+                                                   response_mask=train_mask, rollout_logprobs=rollout,
+                                                   weights=weights), **self.policy_loss_args)
+        if not isinstance(out, PolicyLossOutput):
+            raise LossPipelineError(f"policy loss {self.policy_loss.name!r} returned {type(out).__name__}, "
+                                    "expected PolicyLossOutput")
+        if tuple(out.loss.shape) != tuple(mask.shape):
+            raise LossPipelineError(f"policy loss {self.policy_loss.name!r} returned a loss of shape "
+                                    f"{tuple(out.loss.shape)}; it must be per token {tuple(mask.shape)}")
+        per_token = _masked(out.loss * weights, train_mask)
+        pg_loss = self._aggregate(per_token, train_mask, norm)
+        total = pg_loss
+        metrics["pg_loss"] = pg_loss.detach()
+        for key, value in out.metrics.items():
+            metrics[key] = _per_token_metric(value, mask)
+
+        if self.kl is not None:
+            kl_tok = self._kl(micro, logprobs, mask, logits)
+            kl_loss = self._aggregate(_masked(kl_tok, train_mask), train_mask, norm)
+            total = total + self.kl_coef * kl_loss
+            metrics["kl"] = kl_tok.detach()
+            metrics["kl_loss"] = kl_loss.detach()
+
+        if entropy is not None:
+            if tuple(entropy.shape) != tuple(mask.shape):
+                raise LossPipelineError(f"entropy has shape {tuple(entropy.shape)}, expected {tuple(mask.shape)}")
+            metrics["entropy"] = entropy.detach()
+            if self.entropy_coef != 0.0:
+                entropy_loss = self._aggregate(_masked(entropy, train_mask), train_mask, norm)
+                total = total - self.entropy_coef * entropy_loss
+                metrics["entropy_loss"] = entropy_loss.detach()
+        elif self.entropy_coef != 0.0:
+            raise LossPipelineError("[algorithm] entropy_coef is set but no entropy was passed to the loss")
+
+        if rollout is not None:
+            # float64 and expm1: exp(r) - r - 1 cancels catastrophically in fp32 for the tiny r of a
+            # consistent trainer and engine (the metric would read as negative noise)
+            r = (old - rollout).detach().double()
+            metrics["is_approx_k3_kl"] = torch.expm1(r) - r
+        metrics["loss"] = total.detach()
+        return total, metrics
+
+    # -- pieces ----------------------------------------------------------------------------------
+
+    def _aggregate(self, values: "torch.Tensor", mask: "torch.Tensor", norm: AggregationNorm) -> "torch.Tensor":
+        out = self.aggregation.fn(values, mask, norm, **self.aggregation_args)
+        if out.dim() != 0:
+            raise LossPipelineError(f"loss aggregation {self.aggregation.name!r} returned shape {tuple(out.shape)}, "
+                                    "expected a scalar")
+        return out
+
+    def _kl(self, micro: Batch, logprobs: "torch.Tensor", mask: "torch.Tensor",
+            logits: "torch.Tensor | None") -> "torch.Tensor":
+        assert self.kl is not None
+        ref = _require(micro, "ref_logprobs", f"[algorithm] kl = {self.kl.name!r} compares against the reference")
+        inputs = KLInputs(logprobs=logprobs, ref_logprobs=_on(ref, logprobs), response_mask=mask)
+        if self.kl.requires in ("topk", "logits"):
+            if logits is None:
+                raise LossPipelineError(f"KL {self.kl.name!r} needs the full logits; pass logits= to loss()")
+            inputs.logits = logits
+            if self.kl.requires == "topk":
+                inputs.ref_topk_ids = _require(micro, "ref_topk_ids", f"KL {self.kl.name!r} uses reference top-k")
+                inputs.ref_topk_logprobs = _require(micro, "ref_topk_logprobs",
+                                                    f"KL {self.kl.name!r} uses reference top-k")
+            else:
+                inputs.ref_logits = _require(micro, "ref_logits", f"KL {self.kl.name!r} uses reference logits")
+        kl_tok = self.kl.fn(inputs, **self.kl_args)
+        if tuple(kl_tok.shape) != tuple(mask.shape):
+            raise LossPipelineError(f"KL {self.kl.name!r} returned shape {tuple(kl_tok.shape)}, expected per-token "
+                                    f"{tuple(mask.shape)}")
+        return kl_tok
+
+
+def _require(batch: Batch, key: str, why: str = "") -> "torch.Tensor":
+    value = batch.get(key)
+    if value is None:
+        have = ", ".join(sorted(batch.tensors)) or "none"
+        raise LossPipelineError(f"the batch has no '{key}' tensor{f' ({why})' if why else ''}; it has: {have}")
+    return value
+
+
+def _masked(values: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":
+    """``values`` where ``mask`` is set and exactly 0 elsewhere (no NaN leaks from padding)."""
+    import torch
+
+    return torch.where(mask > 0, values, torch.zeros_like(values))
+
+
+def _on(tensor: "torch.Tensor", like: "torch.Tensor") -> "torch.Tensor":
+    return tensor.to(device=like.device, dtype=like.dtype)
+
+
+def _check_correction(name: str, out: Any, shape: Any) -> CorrectionOutput:
+    if not isinstance(out, CorrectionOutput):
+        raise LossPipelineError(f"correction {name!r} returned {type(out).__name__}, expected CorrectionOutput")
+    for field in ("weights", "mask"):
+        value = getattr(out, field)
+        if value is not None and tuple(value.shape) != tuple(shape):
+            raise LossPipelineError(f"correction {name!r} returned {field} of shape {tuple(value.shape)}, "
+                                    f"expected {tuple(shape)}")
+    return out
+
+
+def _combine(weights: "torch.Tensor", keep: "torch.Tensor", out: CorrectionOutput,
+             ) -> "tuple[torch.Tensor, torch.Tensor]":
+    if out.weights is not None:
+        weights = weights * out.weights.detach().to(device=weights.device, dtype=weights.dtype)
+    if out.mask is not None:
+        keep = keep * out.mask.detach().to(device=keep.device, dtype=keep.dtype)
+    return weights, keep
+
+
+def _per_token_metric(value: Any, mask: "torch.Tensor") -> "torch.Tensor":
+    """A metric as a ``[B, T]`` tensor: scalars are spread over the tokens (a token-weighted mean)."""
+    import torch
+
+    if hasattr(value, "dim") and value.dim() > 0:
+        return value.detach()
+    return torch.full_like(mask, float(value), dtype=torch.float32)
+
+
+def _mean_metric(value: Any, mask: "torch.Tensor") -> float:
+    if hasattr(value, "dim") and value.dim() > 0:
+        m = mask.to(value.device, dtype=value.dtype if value.is_floating_point() else mask.dtype)
+        return float((value * m).sum() / m.sum().clamp_min(1))
+    return float(value)

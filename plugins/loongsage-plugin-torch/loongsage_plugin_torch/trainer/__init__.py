@@ -1,0 +1,30 @@
+"""The embedded PyTorch train backend (``[train] backend = "torch"``).
+
+Importing this package is cheap: torch and transformers are imported when a worker is built.
+The plugin registers :func:`create_train_worker` as the backend's factory.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .worker import TorchTrainWorker
+
+
+def create_train_worker(ctx: Any) -> "TorchTrainWorker":
+    """Build one data-parallel rank (``ctx`` is a ``TrainWorkerContext``) of the torch backend."""
+    from .worker import TorchTrainWorker
+
+    return TorchTrainWorker(ctx)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TorchTrainWorker":
+        from .worker import TorchTrainWorker
+
+        return TorchTrainWorker
+    raise AttributeError(name)
+
+
+__all__ = ["TorchTrainWorker", "create_train_worker"]

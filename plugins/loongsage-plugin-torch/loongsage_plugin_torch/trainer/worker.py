@@ -1,0 +1,414 @@
+"""``TorchTrainWorker``: one data-parallel rank of the embedded PyTorch trainer.
+
+The model is a ``transformers`` causal LM loaded by :func:`loongsage_plugin_torch.modeling.load_model`
+(identical on every rank: same seed, then a broadcast from rank 0). A mini-batch is split into
+micro-batches of ``[train] micro_batch_size`` rows; each micro-batch loss comes from the host's
+:class:`~loongsage_core.algorithms.LossPipeline` already divided by the mini-batch's global norm,
+so gradients add up across micro-batches and ranks (summed with ``torch.distributed``), then one
+AdamW step follows.
+
+``[train] backend_args`` of this backend:
+
+* ``device``: ``"auto"`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``;
+* ``master_weights``: ``"float32"`` (default: parameters and optimizer in float32, the decoder runs
+  under autocast in ``[model] dtype``) or ``"model"`` (parameters stored in ``[model] dtype``);
+* ``forward_micro_batch_size``: rows per chunk of :meth:`forward` (default ``micro_batch_size``);
+* ``dist_backend``: ``"auto"`` (NCCL on CUDA, Gloo on CPU), ``"gloo"`` or ``"nccl"``;
+* ``grad_sync_bucket_mb``: size of the flat gradient buckets all-reduced across ranks (64).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import attrs
+import torch
+
+from loongsage_core.algorithms import LossPipeline, MetricAccumulator
+from loongsage_hookspecs import AggregationNorm, Batch
+
+from ..modeling import load_model, load_tokenizer, torch_dtype
+from . import distributed
+from .checkpoint import capture_rng, restore_rng, seed_everything
+from .logits import logprobs_and_entropy, next_token_logits
+from .schedule import make_scheduler
+
+STATE_FILE = "trainer_state.pt"
+RNG_FILE = "rng_rank{rank}.pt"
+CHECKPOINT_FORMAT = 1
+
+
+@attrs.define(frozen=True)
+class BackendOptions:
+    """The validated ``[train] backend_args`` of the torch backend (see the module docstring)."""
+
+    device: str = "auto"
+    master_weights: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "model")))
+    forward_micro_batch_size: int | None = None
+    dist_backend: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl")))
+    grad_sync_bucket_mb: float = 64.0
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any]) -> "BackendOptions":
+        valid = [f.name for f in attrs.fields(cls)]
+        unknown = sorted(set(args) - set(valid))
+        if unknown:
+            raise ValueError(f"[train] backend_args: unknown keys {unknown} for the torch backend; "
+                             f"valid keys: {', '.join(valid)}")
+        try:
+            return cls(**args)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"[train] backend_args: {exc}") from None
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device for ``backend_args.device`` (``auto`` picks the current CUDA device if any)."""
+    if name == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"[train] backend_args.device = {name!r} but CUDA is not available")
+    return device
+
+
+class TorchTrainWorker:
+    """One rank of the torch train backend (implements ``loongsage_hookspecs.TrainWorker``).
+
+    ``ctx.role`` ``"actor"`` builds a trainable policy; ``"reference"`` a frozen model that only
+    runs :meth:`forward` (and accepts :meth:`load_weights` for periodic reference updates).
+    """
+
+    def __init__(self, ctx: Any) -> None:
+        job = ctx.job
+        if ctx.role not in ("actor", "reference"):
+            raise ValueError(f"torch train backend: role {ctx.role!r} is not supported (actor, reference)")
+        self.job = job
+        self.role = ctx.role
+        self.rank = int(ctx.rank)
+        self.world_size = int(ctx.world_size)
+        self.options = BackendOptions.from_args(dict(job.train.backend_args))
+        if job.train.micro_batch_size < 1:
+            raise ValueError(f"[train] micro_batch_size must be >= 1, got {job.train.micro_batch_size}")
+        self.micro_batch_size = job.train.micro_batch_size
+        self.forward_micro_batch_size = self.options.forward_micro_batch_size or self.micro_batch_size
+        if self.forward_micro_batch_size < 1:
+            raise ValueError("[train] backend_args.forward_micro_batch_size must be >= 1")
+        self.device = resolve_device(self.options.device)
+        self.compute_dtype = torch_dtype(job.model.dtype)
+        self.fp32_lm_head = bool(job.model.fp32_lm_head)
+        trainable = self.role == "actor"
+        if trainable and self.compute_dtype == torch.float16:
+            raise ValueError("torch train backend: [model] dtype = 'float16' cannot be trained without loss "
+                             "scaling; use 'bfloat16' or 'float32'")
+
+        if trainable and self.world_size > 1:
+            backend = self.options.dist_backend
+            if backend == "auto":
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+            distributed.init_process_group(rank=self.rank, world_size=self.world_size,
+                                           master_addr=ctx.master_addr, master_port=int(ctx.master_port),
+                                           backend=backend)
+        seed_everything(int(job.run.seed) + self.rank)
+
+        model: Any = load_model(job)
+        param_dtype = torch.float32 if trainable and self.options.master_weights == "float32" else self.compute_dtype
+        self.model: Any = model.to(device=self.device, dtype=param_dtype)
+        self.global_step = 0
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: Any = None
+        self.pipeline: LossPipeline | None = None
+        self._offloaded = False
+        if not trainable:
+            self.model.requires_grad_(False)
+            self.model.eval()
+            return
+
+        if job.train.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x naming
+                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        if distributed.is_distributed():
+            distributed.broadcast_parameters(self.model.state_dict().values())
+        self.pipeline = LossPipeline(job, ctx.components)
+        train = job.train
+        if len(train.betas) != 2:
+            raise ValueError(f"[train] betas must have two values, got {train.betas}")
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=train.lr, betas=tuple(train.betas),
+            eps=train.eps, weight_decay=train.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, train)
+        self.model.train()
+
+    # ------------------------------------------------------------------------------------------
+    # Forward passes
+    # ------------------------------------------------------------------------------------------
+
+    def _to_device(self, micro: Batch) -> Batch:
+        return Batch(tensors={k: v.to(self.device, non_blocking=True) for k, v in micro.tensors.items()},
+                     meta=micro.meta)
+
+    def _token_outputs(self, micro: Batch, *, entropy_grad: bool, keep_logits: bool = False,
+                       ) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]":
+        """Log-probs, entropies ``[b, T]`` and (optionally) next-token logits of one micro-batch.
+
+        Padding positions hold 0; columns past the micro-batch's longest row are not computed.
+        """
+        ids = micro["input_ids"]
+        attention = micro.get("attention_mask")
+        if attention is None:
+            attention = torch.ones_like(ids)
+        width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
+        full_width = ids.shape[1]
+        width = max(width, 1)
+        logits = next_token_logits(self.model, ids[:, :width], attention[:, :width],
+                                   compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head)
+        logprobs, entropy = logprobs_and_entropy(logits, ids[:, :width], entropy_grad=entropy_grad)
+        assert entropy is not None
+        real = attention[:, :width] > 0
+        logprobs = torch.where(real, logprobs, torch.zeros_like(logprobs))
+        entropy = torch.where(real, entropy, torch.zeros_like(entropy))
+        if width < full_width:
+            pad = (0, full_width - width)
+            logprobs = torch.nn.functional.pad(logprobs, pad)
+            entropy = torch.nn.functional.pad(entropy, pad)
+            if keep_logits:
+                logits = torch.nn.functional.pad(logits, (0, 0, 0, full_width - width))
+        return logprobs, entropy, logits if keep_logits else None
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, on the CPU, no gradient)."""
+        if "input_ids" not in batch:
+            raise KeyError("TorchTrainWorker.forward: the batch has no 'input_ids' tensor")
+        if self._offloaded:
+            raise RuntimeError("TorchTrainWorker.forward: the worker is offloaded; call onload() first")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logprobs, entropy = [], []
+            for micro in batch.chunks(self.forward_micro_batch_size):
+                lp, ent, _ = self._token_outputs(self._to_device(micro), entropy_grad=False)
+                logprobs.append(lp.cpu())
+                entropy.append(ent.cpu())
+        finally:
+            self.model.train(was_training)
+        if not logprobs:
+            empty = torch.zeros(0, batch["input_ids"].shape[1])
+            return {"logprobs": empty, "entropy": empty.clone()}
+        return {"logprobs": torch.cat(logprobs), "entropy": torch.cat(entropy)}
+
+    # ------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------
+
+    def _require_trainable(self, what: str) -> tuple[torch.optim.Optimizer, LossPipeline]:
+        if self.optimizer is None or self.pipeline is None:
+            raise RuntimeError(f"TorchTrainWorker.{what}: the {self.role!r} worker is forward-only")
+        if self._offloaded:
+            raise RuntimeError(f"TorchTrainWorker.{what}: the worker is offloaded; call onload() first")
+        return self.optimizer, self.pipeline
+
+    def accumulate_gradients(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
+        """Forward and backward over ``batch`` in micro-batches, then sum gradients over ranks.
+
+        Gradients are added to the parameters' ``.grad`` (no optimizer step); returns the
+        ``train/*`` loss metrics of the whole mini-batch (all ranks).
+        """
+        _, pipeline = self._require_trainable("accumulate_gradients")
+        self.model.train()
+        entropy_grad = pipeline.entropy_coef != 0.0
+        acc = MetricAccumulator()
+        for micro in batch.chunks(self.micro_batch_size):
+            micro = self._to_device(micro)
+            logprobs, entropy, logits = self._token_outputs(micro, entropy_grad=entropy_grad,
+                                                            keep_logits=pipeline.needs_logits)
+            loss, metrics = pipeline.loss(micro, logprobs, entropy, norm, logits=logits)
+            loss.backward()
+            acc.add(metrics, micro["loss_mask"])
+        if distributed.is_distributed():
+            distributed.sum_gradients(self.model.parameters(),
+                                      bucket_bytes=int(self.options.grad_sync_bucket_mb * (1 << 20)))
+        acc.reduce()
+        return acc.result()
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip the accumulated gradients, take one AdamW step, advance the LR schedule.
+
+        A step whose gradient norm is not finite is skipped (``train/skipped_step`` = 1); the
+        schedule still advances so resumed and uninterrupted runs stay aligned.
+        """
+        optimizer, _ = self._require_trainable("optimizer_step")
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        clip = self.job.train.grad_clip
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        lr = float(optimizer.param_groups[0]["lr"])
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.global_step += 1
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if finite else 1.0}
+
+    def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
+        """One optimizer step on ``batch``: this rank's rows of a mini-batch whose global
+        denominators are ``norm`` (from :func:`loongsage_core.algorithms.compute_norm` over all
+        ranks' rows). Returns ``train/*`` metrics of the whole mini-batch, equal on every rank."""
+        metrics = self.accumulate_gradients(batch, norm)
+        metrics.update(self.optimizer_step())
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+    # Weights
+    # ------------------------------------------------------------------------------------------
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full tensors under Hugging Face names, floating ones in ``[model] dtype``.
+
+        Tied tensors are yielded once (under their first name); tensors already in the model
+        dtype are the live parameters (detached, no copy), others are cast on the fly.
+        """
+        seen: set[int] = set()
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            t = tensor.detach()
+            if t.is_floating_point() and t.dtype != self.compute_dtype:
+                t = t.to(self.compute_dtype)
+            yield name, t
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy named tensors (Hugging Face names) into the model; returns how many were loaded."""
+        state = self.model.state_dict(keep_vars=True)
+        count = 0
+        for name, tensor in weights:
+            if name not in state:
+                raise KeyError(f"TorchTrainWorker.load_weights: the model has no tensor named {name!r}")
+            target = state[name]
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"TorchTrainWorker.load_weights: {name!r} has shape {tuple(target.shape)}, "
+                                 f"got {tuple(tensor.shape)}")
+            target.data.copy_(tensor)
+            count += 1
+        return count
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints and export
+    # ------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save model, optimizer, LR schedule, step and every rank's RNG states under directory ``path``.
+
+        Rank 0 writes ``trainer_state.pt``; each rank writes ``rng_rank{rank}.pt``.
+        """
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            state = {"format": CHECKPOINT_FORMAT, "role": self.role, "step": self.global_step,
+                     "model": self.model.state_dict(),
+                     "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                     "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
+            _atomic_save(state, out / STATE_FILE)
+        _atomic_save(capture_rng(), out / RNG_FILE.format(rank=self.rank))
+        distributed.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore what :meth:`save_checkpoint` wrote, so training continues bit-identically.
+
+        A rank without its own RNG file (the run was saved with fewer ranks) is reseeded from
+        ``[run] seed``, rank and step instead.
+        """
+        src = Path(path)
+        state_file = src / STATE_FILE
+        if not state_file.is_file():
+            raise FileNotFoundError(f"TorchTrainWorker.load_checkpoint: no {STATE_FILE} in checkpoint directory "
+                                    f"'{src.resolve()}'")
+        state = torch.load(state_file, map_location="cpu", weights_only=True)
+        if state.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' has format {state.get('format')!r}, "
+                             f"expected {CHECKPOINT_FORMAT}")
+        self.model.load_state_dict(state["model"])
+        if self.optimizer is not None:
+            if state["optimizer"] is None:
+                raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' holds no optimizer state "
+                                 f"(saved by a {state.get('role')!r} worker)")
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step = int(state["step"])
+        rng_file = src / RNG_FILE.format(rank=self.rank)
+        if rng_file.is_file():
+            restore_rng(torch.load(rng_file, map_location="cpu", weights_only=True))
+        else:
+            seed_everything(int(self.job.run.seed) + self.rank + 1_000_003 * self.global_step)
+        distributed.barrier()
+
+    def save_hf(self, path: str) -> None:
+        """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) on rank 0.
+
+        Weights are saved in ``[model] dtype``; the tokenizer is copied when the job names one.
+        ``transformers.AutoModelForCausalLM.from_pretrained(path)`` (and ``[model] path``) load it.
+        """
+        if self.rank == 0:
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            state = {name: t.to(self.compute_dtype) if t.is_floating_point() else t
+                     for name, t in self.model.state_dict().items()}
+            saved_dtype = getattr(self.model.config, "dtype", None)
+            self.model.config.dtype = self.compute_dtype
+            try:
+                self.model.save_pretrained(str(out), state_dict=state)
+            finally:
+                self.model.config.dtype = saved_dtype
+            if self.job.model.tokenizer or self.job.model.path:
+                load_tokenizer(self.job).save_pretrained(str(out))
+        distributed.barrier()
+
+    # ------------------------------------------------------------------------------------------
+    # Placement
+    # ------------------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Move parameters, gradients and optimizer state to the CPU (frees the accelerator)."""
+        self._move(torch.device("cpu"))
+        self._offloaded = self.device.type != "cpu"
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Move everything :meth:`offload` moved back to the worker's device."""
+        self._move(self.device)
+        self._offloaded = False
+
+    def _move(self, device: torch.device) -> None:
+        if self.device.type == "cpu":
+            return
+        self.model.to(device)
+        if self.optimizer is not None:
+            for state in self.optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and key != "step":
+                        state[key] = value.to(device, non_blocking=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def close(self) -> None:
+        """Leave the process group (if this worker joined one)."""
+        import torch.distributed as dist
+
+        if self.optimizer is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)

@@ -1,0 +1,45 @@
+"""Weight transports of the torch plugin: trainer weights into rollout engines.
+
+* ``inprocess``: the engine objects live in the trainer's process; their ``load_weights`` is
+  called with the trainer's tensors directly.
+* ``shm``: tensors are packed into shared-memory buckets on one node and each bucket's metadata
+  is POSTed to every engine's ``/update_weights_from_tensor`` (``load_format = "shm"``); the
+  engine's receiver maps the bucket and yields the tensors.
+
+The factories below import torch only when called, so the plugin module stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def inprocess_sender(**args: Any) -> Any:
+    """``WeightSender`` calling ``target.load_weights(named_tensors, version)`` on in-process engines."""
+    from .inprocess import InProcessSender
+
+    return InProcessSender(**args)
+
+
+def inprocess_receiver(**args: Any) -> Any:
+    """``WeightReceiver`` yielding the ``named_tensors`` list an in-process payload carries."""
+    from .inprocess import InProcessReceiver
+
+    return InProcessReceiver(**args)
+
+
+def shm_sender(**args: Any) -> Any:
+    """``WeightSender`` packing tensors into shared-memory buckets announced over HTTP."""
+    from .shm import ShmSender
+
+    return ShmSender(**args)
+
+
+def shm_receiver(**args: Any) -> Any:
+    """``WeightReceiver`` mapping the shared-memory bucket a payload names."""
+    from .shm import ShmReceiver
+
+    return ShmReceiver(**args)
+
+
+__all__ = ["inprocess_receiver", "inprocess_sender", "shm_receiver", "shm_sender"]

@@ -1,0 +1,354 @@
+"""Tests of the embedded PyTorch train backend on a tiny Qwen3 model."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from loongsage_plugin_torch.modeling import TINY_QWEN3, ModelLoadError, load_model
+from loongsage_plugin_torch.trainer import TorchTrainWorker, create_train_worker
+from loongsage_plugin_torch.trainer.logits import decoder_of
+from loongsage_plugin_torch.trainer.schedule import lr_factor
+
+from loongsage_core.algorithms import compute_norm
+from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
+from loongsage_hookspecs import (
+    AggregationSpec,
+    Batch,
+    PolicyLossOutput,
+    PolicyLossSpec,
+    TrainWorker,
+    TrainWorkerContext,
+    normalize_name,
+)
+
+TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
+
+
+def ratio_pg(x, eps=0.2):
+    ratio = torch.exp(x.logprobs - x.old_logprobs)
+    clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
+    unclipped_loss, clipped_loss = -x.advantages * ratio, -x.advantages * clipped
+    return PolicyLossOutput(loss=torch.maximum(unclipped_loss, clipped_loss),
+                            metrics={"clip_ratio": (clipped_loss > unclipped_loss).float()})
+
+
+def token_mean(loss, mask, norm):
+    return (loss * mask).sum() / norm.num_tokens
+
+
+def seq_mean_token_mean(loss, mask, norm):
+    return ((loss * mask).sum(1) / mask.sum(1).clamp_min(1)).sum() / norm.num_sequences
+
+
+class Components:
+    """A dict-backed stand-in for the host's plugin registry."""
+
+    specs = {("policy_loss", "ratio_pg"): PolicyLossSpec(name="ratio_pg", fn=ratio_pg),
+             ("loss_aggregation", "token_mean"): AggregationSpec(name="token_mean", fn=token_mean),
+             ("loss_aggregation", "seq_mean_token_mean"): AggregationSpec(name="seq_mean_token_mean",
+                                                                          fn=seq_mean_token_mean)}
+
+    def get(self, kind, name):
+        return self.specs[(kind, normalize_name(name))]
+
+
+def make_job(*, model=None, train=None, **algorithm) -> JobConfig:
+    model = {"config": dict(TINY_QWEN3), "tokenizer": TOKENIZER, **(model or {})}
+    train = {"lr": 1e-3, "micro_batch_size": 2, "grad_clip": 1.0, **(train or {})}
+    algorithm = {"policy_loss": "ratio_pg", "loss_agg": "token_mean", "entropy_coef": 0.01, **algorithm}
+    return JobConfig(model=ModelConfig(**model), train=TrainConfig(**train), algorithm=AlgorithmConfig(**algorithm))
+
+
+def make_worker(job: JobConfig, **ctx) -> TorchTrainWorker:
+    return create_train_worker(TrainWorkerContext(job=job, components=Components(), **ctx))
+
+
+def make_batch(rows: int = 8, width: int = 24, seed: int = 0, vocab: int = 512) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(width // 2, width + 1, (rows,), generator=g)
+    lengths[0] = width
+    prompt = torch.randint(3, 8, (rows,), generator=g)
+    t = torch.arange(width)
+    attention = (t[None, :] < lengths[:, None]).long()
+    loss_mask = ((t[None, :] >= prompt[:, None]) & (t[None, :] < lengths[:, None])).long()
+    ids = torch.randint(1, vocab, (rows, width), generator=g) * attention
+    adv = (torch.randn(rows, 1, generator=g) * loss_mask).contiguous()
+    return Batch(tensors={"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask,
+                          "advantages": adv},
+                 meta={"sample_id": [f"s{i}" for i in range(rows)]})
+
+
+def with_old_logprobs(worker: TorchTrainWorker, batch: Batch) -> Batch:
+    out = worker.forward(batch)
+    old = out["logprobs"] + 0.05 * torch.randn(out["logprobs"].shape, generator=torch.Generator().manual_seed(7))
+    batch.tensors["old_logprobs"] = old * batch["loss_mask"]
+    batch.tensors["rollout_logprobs"] = batch["old_logprobs"].clone()
+    return batch
+
+
+def grads(worker: TorchTrainWorker) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in worker.model.named_parameters() if p.grad is not None}
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def test_worker_satisfies_protocol_and_forward_matches_float64_reference():
+    worker = make_worker(make_job())
+    assert isinstance(worker, TrainWorker)
+    batch = make_batch()
+    out = worker.forward(batch)
+    assert out["logprobs"].shape == batch["input_ids"].shape and out["logprobs"].dtype == torch.float32
+    assert torch.all(out["logprobs"][:, 0] == 0) and torch.all(out["entropy"][:, 0] == 0)
+
+    ref = copy.deepcopy(worker.model).double().eval()
+    with torch.no_grad():
+        logits = ref(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+    logp = torch.log_softmax(logits, -1)
+    expected = logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    valid = batch["attention_mask"][:, 1:].bool()
+    torch.testing.assert_close(out["logprobs"][:, 1:][valid].double(), expected[valid], rtol=0, atol=2e-5)
+    torch.testing.assert_close(out["entropy"][:, 1:][valid].double(), entropy[valid], rtol=0, atol=2e-5)
+    assert torch.all(out["logprobs"][:, 1:][~valid] == 0)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_gradients_do_not_depend_on_micro_batch_split(agg):
+    reference = None
+    for micro in (8, 4, 1):  # 1, 2 and 8 micro-batches
+        worker = make_worker(make_job(train={"micro_batch_size": micro}, loss_agg=agg))
+        batch = with_old_logprobs(worker, make_batch(rows=8))
+        metrics = worker.accumulate_gradients(batch, compute_norm(batch))
+        result = (grads(worker), metrics)
+        if reference is None:
+            reference = result
+            assert {"train/loss", "train/pg_loss", "train/entropy", "train/clip_ratio"} <= metrics.keys()
+            continue
+        for name, g in reference[0].items():
+            torch.testing.assert_close(result[0][name], g, rtol=1e-4, atol=1e-6, msg=f"{micro=} {name}")
+        for key, value in reference[1].items():
+            assert result[1][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+def test_train_steps_follow_schedule_clip_and_change_weights():
+    job = make_job(train={"lr": 1e-2, "lr_schedule": "cosine", "lr_warmup_steps": 2, "total_steps": 6,
+                          "min_lr_ratio": 0.1, "grad_clip": 1e-3})
+    worker = make_worker(job)
+    before = {n: t.clone() for n, t in worker.named_weights()}
+    lrs = []
+    for step in range(4):
+        batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=step))
+        metrics = worker.train_mini_batch(batch, compute_norm(batch))
+        lrs.append(metrics["train/lr"])
+        assert metrics["train/grad_norm"] > 1e-3  # pre-clip norm is reported
+        assert metrics["train/skipped_step"] == 0.0
+    expected = [1e-2 * lr_factor(k, schedule="cosine", warmup_steps=2, total_steps=6, min_lr_ratio=0.1)
+                for k in range(4)]
+    assert lrs == pytest.approx(expected)
+    assert lrs[0] == pytest.approx(5e-3) and lrs[1] == pytest.approx(1e-2) and lrs[3] < lrs[2] == lrs[1]
+    assert worker.global_step == 4
+    after = dict(worker.named_weights())
+    assert any(not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_grad_clip_scales_the_gradient_the_optimizer_sees():
+    seen, norms = {}, {}
+    for clip in (0.0, 1e-3):
+        worker = make_worker(make_job(train={"grad_clip": clip}))
+        batch = with_old_logprobs(worker, make_batch(rows=4))
+        worker.optimizer.register_step_pre_hook(
+            lambda opt, args, kwargs, _clip=clip: seen.__setitem__(
+                _clip, [p.grad.clone() for group in opt.param_groups for p in group["params"]]))
+        worker.accumulate_gradients(batch, compute_norm(batch))
+        norms[clip] = worker.optimizer_step()["train/grad_norm"]
+    assert norms[0.0] == pytest.approx(norms[1e-3]) and norms[0.0] > 1e-2
+    scale = 1e-3 / norms[0.0]
+    for clipped, raw in zip(seen[1e-3], seen[0.0]):
+        torch.testing.assert_close(clipped, raw * scale, rtol=1e-4, atol=1e-12)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in seen[1e-3]]))
+    assert float(total) == pytest.approx(1e-3, rel=1e-4)
+
+
+def test_lr_factor_shapes():
+    kw = dict(warmup_steps=0, total_steps=10, min_lr_ratio=0.0)
+    assert lr_factor(5, schedule="constant", **kw) == 1.0
+    assert lr_factor(5, schedule="linear", **kw) == pytest.approx(0.5)
+    assert lr_factor(5, schedule="cosine", **kw) == pytest.approx(0.5)
+    assert lr_factor(10, schedule="linear", **kw) == 0.0
+    assert lr_factor(0, schedule="linear", warmup_steps=4, total_steps=10, min_lr_ratio=0.0) == 0.25
+    with pytest.raises(ValueError, match="unknown schedule"):
+        lr_factor(0, schedule="step", **kw)
+
+
+def test_resume_from_checkpoint_is_bit_identical(tmp_path):
+    # attention dropout makes each step consume random numbers, so the RNG state must be restored too
+    job = make_job(model={"config": {**TINY_QWEN3, "attention_dropout": 0.1}},
+                   train={"lr_schedule": "cosine", "lr_warmup_steps": 1, "total_steps": 3})
+    batches = [make_batch(rows=4, width=16, seed=10 + k) for k in range(3)]
+
+    def run(worker, k):
+        b = copy.deepcopy(batches[k])
+        b.tensors["old_logprobs"] = torch.zeros_like(b["advantages"]) - 3.0 * b["loss_mask"]
+        return worker.train_mini_batch(b, compute_norm(b))
+
+    straight = make_worker(job)
+    for k in range(3):
+        last_straight = run(straight, k)
+
+    first = make_worker(job)
+    for k in range(2):
+        run(first, k)
+    first.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed = make_worker(job)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed.global_step == 2
+    last_resumed = run(resumed, 2)
+
+    assert last_resumed == last_straight
+    for (name, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
+        assert torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+
+    # the check above is meaningful: without the saved RNG state the third step differs
+    other = make_worker(job)
+    other.load_checkpoint(str(tmp_path / "ckpt"))
+    torch.manual_seed(12345)
+    run(other, 2)
+    assert any(not torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(),
+                                                   other.model.state_dict().values()))
+
+
+def test_load_checkpoint_errors_name_the_directory(tmp_path):
+    worker = make_worker(make_job())
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
+        worker.load_checkpoint(str(tmp_path / "nope"))
+
+
+def test_save_hf_round_trips_through_transformers_and_load_model(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    worker = make_worker(make_job())
+    batch = with_old_logprobs(worker, make_batch())
+    worker.train_mini_batch(batch, compute_norm(batch))
+    out = tmp_path / "hf"
+    worker.save_hf(str(out))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
+    assert json.loads((out / "config.json").read_text())["model_type"] == "qwen3"
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    worker.model.eval()
+    with torch.no_grad():
+        want = worker.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+        got = loaded(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    assert torch.equal(want, got)
+    assert AutoTokenizer.from_pretrained(str(out)).encode("hello world")
+
+    from_dir = make_job(model={"path": str(out), "config": {}, "tokenizer": None})
+    again = make_worker(from_dir)
+    for (name, a), (_, b) in zip(worker.named_weights(), again.named_weights()):
+        assert torch.equal(a, b), name
+    assert torch.equal(worker.forward(batch)["logprobs"], again.forward(batch)["logprobs"])
+    assert again.job.model.tokenizer is None  # tokenizer comes from the directory
+    again.save_hf(str(tmp_path / "hf2"))
+    assert (tmp_path / "hf2" / "tokenizer.json").is_file()
+
+
+def test_named_weights_are_hf_names_without_tied_duplicates():
+    worker = make_worker(make_job())
+    names = [n for n, _ in worker.named_weights()]
+    hf = load_model(make_job())
+    assert set(names) == set(hf.state_dict()) - {"lm_head.weight"}  # tied to the embeddings
+    assert len(names) == len(set(names))
+
+
+def test_bf16_with_fp32_lm_head_computes_logits_in_float32():
+    job = make_job(model={"dtype": "bfloat16", "fp32_lm_head": True})
+    worker = make_worker(job)
+    assert next(worker.model.parameters()).dtype == torch.float32  # float32 master weights
+    assert all(t.dtype == torch.bfloat16 for _, t in worker.named_weights())
+    batch = make_batch(rows=2, width=12)
+    out = worker.forward(batch)
+    model = worker.model.eval()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = decoder_of(model)(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                   use_cache=False).last_hidden_state[:, :-1]
+    w = model.lm_head.weight
+    fp32 = torch.log_softmax(hidden.float() @ w.float().T, -1)
+    bf16 = torch.log_softmax((hidden.bfloat16() @ w.bfloat16().T).float(), -1)
+    ids = batch["input_ids"][:, 1:, None]
+    valid = batch["attention_mask"][:, 1:].bool()
+    got = out["logprobs"][:, 1:][valid]
+    want_fp32 = fp32.gather(-1, ids).squeeze(-1)[valid]
+    want_bf16 = bf16.gather(-1, ids).squeeze(-1)[valid]
+    assert (want_fp32 - want_bf16).abs().max() > 1e-3  # the two heads are distinguishable
+    torch.testing.assert_close(got, want_fp32, rtol=0, atol=1e-5)
+
+    plain = make_worker(make_job(model={"dtype": "bfloat16"}))
+    torch.testing.assert_close(plain.forward(batch)["logprobs"][:, 1:][valid], want_bf16, rtol=0, atol=1e-5)
+    metrics = plain.train_mini_batch(with_old_logprobs(plain, batch), compute_norm(batch))
+    assert torch.isfinite(torch.tensor(metrics["train/loss"]))
+
+
+def test_reference_role_is_frozen_and_takes_weight_updates():
+    job = make_job()
+    ref = make_worker(job, role="reference")
+    actor = make_worker(job)
+    batch = with_old_logprobs(actor, make_batch())
+    assert torch.equal(ref.forward(batch)["logprobs"], actor.forward(batch)["logprobs"])
+    assert not any(p.requires_grad for p in ref.model.parameters())
+    with pytest.raises(RuntimeError, match="forward-only"):
+        ref.train_mini_batch(batch, compute_norm(batch))
+    actor.train_mini_batch(batch, compute_norm(batch))
+    assert not torch.equal(ref.forward(batch)["logprobs"], actor.forward(batch)["logprobs"])
+    assert ref.load_weights(actor.named_weights()) == len(list(actor.named_weights()))
+    assert torch.equal(ref.forward(batch)["logprobs"], actor.forward(batch)["logprobs"])
+    with pytest.raises(KeyError, match="no_such"):
+        ref.load_weights([("no_such.weight", torch.zeros(1))])
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    results = []
+    for flag in (False, True):
+        worker = make_worker(make_job(train={"gradient_checkpointing": flag}))
+        batch = with_old_logprobs(worker, make_batch())
+        worker.accumulate_gradients(batch, compute_norm(batch))
+        results.append(grads(worker))
+    for name, g in results[0].items():
+        torch.testing.assert_close(results[1][name], g, rtol=1e-5, atol=1e-7)
+
+
+def test_offload_and_onload_keep_training_state_on_cpu():
+    worker = make_worker(make_job())
+    batch = with_old_logprobs(worker, make_batch())
+    worker.train_mini_batch(batch, compute_norm(batch))
+    before = {n: t.clone() for n, t in worker.named_weights()}
+    worker.offload()
+    worker.onload()
+    assert all(torch.equal(before[n], t) for n, t in worker.named_weights())
+    worker.train_mini_batch(batch, compute_norm(batch))
+
+
+def test_bad_inputs_raise_clear_errors(tmp_path):
+    missing = tmp_path / "no_model_here"
+    with pytest.raises(ModelLoadError, match=str(missing)):
+        make_worker(make_job(model={"path": str(missing), "config": {}}))
+    with pytest.raises(ValueError, match="backend_args: unknown keys \\['devise'\\]"):
+        make_worker(make_job(train={"backend_args": {"devise": "cpu"}}))
+    with pytest.raises(ValueError, match="role 'critic'"):
+        make_worker(make_job(), role="critic")
+    with pytest.raises(ValueError, match="float16"):
+        make_worker(make_job(model={"dtype": "float16"}))
+    with pytest.raises(ValueError, match="micro_batch_size"):
+        make_worker(make_job(train={"micro_batch_size": 0}))
+    with pytest.raises(ValueError, match="master_port"):
+        make_worker(make_job(), rank=0, world_size=2, master_port=0)
+    worker = make_worker(make_job())
+    batch = make_batch()
+    with pytest.raises(Exception, match="old_logprobs"):
+        worker.train_mini_batch(batch, compute_norm(batch))

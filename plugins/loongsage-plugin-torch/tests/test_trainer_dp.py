@@ -1,0 +1,120 @@
+"""Data parallelism of the torch train backend: 2 real processes over Gloo equal 1 process.
+
+The test launches this file as a script once per rank (``python test_trainer_dp.py RANK WORLD PORT OUT``);
+each rank trains on its half of the rows with the mini-batch's global norm and writes its
+gradients, metrics and updated weights for the test to compare with a single-process run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from loongsage_plugin_torch.modeling import TINY_QWEN3
+from loongsage_plugin_torch.trainer import create_train_worker
+
+from loongsage_core.algorithms import compute_norm
+from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
+from loongsage_hookspecs import (
+    AggregationSpec,
+    Batch,
+    PolicyLossOutput,
+    PolicyLossSpec,
+    TrainWorkerContext,
+    normalize_name,
+)
+
+ROWS = 8
+
+
+def clipped_pg(x, eps=0.2):
+    ratio = torch.exp(x.logprobs - x.old_logprobs)
+    a, b = -x.advantages * ratio, -x.advantages * torch.clamp(ratio, 1 - eps, 1 + eps)
+    return PolicyLossOutput(loss=torch.maximum(a, b), metrics={"clip_ratio": (b > a).float()})
+
+
+def seq_mean_token_mean(loss, mask, norm):
+    return ((loss * mask).sum(1) / mask.sum(1).clamp_min(1)).sum() / norm.num_sequences
+
+
+class Components:
+    specs = {("policy_loss", "clipped_pg"): PolicyLossSpec(name="clipped_pg", fn=clipped_pg),
+             ("loss_aggregation", "seq_mean_token_mean"): AggregationSpec(name="seq_mean_token_mean",
+                                                                          fn=seq_mean_token_mean)}
+
+    def get(self, kind, name):
+        return self.specs[(kind, normalize_name(name))]
+
+
+def make_job() -> JobConfig:
+    return JobConfig(model=ModelConfig(config=dict(TINY_QWEN3)),
+                     train=TrainConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.5),
+                     algorithm=AlgorithmConfig(policy_loss="clipped_pg", loss_agg="seq_mean_token_mean",
+                                               entropy_coef=0.01))
+
+
+def make_batch() -> Batch:
+    g = torch.Generator().manual_seed(0)
+    width = 20
+    lengths = torch.randint(10, width + 1, (ROWS,), generator=g)
+    t = torch.arange(width)
+    attention = (t[None, :] < lengths[:, None]).long()
+    loss_mask = ((t[None, :] >= 4) & (t[None, :] < lengths[:, None])).long()
+    old = (-6.0 + 0.5 * torch.randn(ROWS, width, generator=g)) * loss_mask
+    return Batch(tensors={"input_ids": torch.randint(1, 512, (ROWS, width), generator=g) * attention,
+                          "attention_mask": attention, "loss_mask": loss_mask, "old_logprobs": old,
+                          "advantages": (torch.randn(ROWS, 1, generator=g) * loss_mask).contiguous()})
+
+
+def train_once(rank: int, world: int, port: int) -> dict:
+    """One optimizer step on this rank's rows; returns what the comparison needs."""
+    job = make_job()
+    worker = create_train_worker(TrainWorkerContext(job=job, components=Components(), rank=rank, world_size=world,
+                                                    master_port=port))
+    batch = make_batch()
+    global_norm = compute_norm(batch)
+    shard = batch.select(range(rank * ROWS // world, (rank + 1) * ROWS // world))
+    shard_norm = compute_norm(shard, world=True)
+    metrics = worker.accumulate_gradients(shard, global_norm)
+    grads = {n: p.grad.clone() for n, p in worker.model.named_parameters()}
+    metrics.update(worker.optimizer_step())
+    weights = {n: t.clone() for n, t in worker.named_weights()}
+    worker.close()
+    return {"grads": grads, "metrics": metrics, "weights": weights, "norm_ok": shard_norm == global_norm}
+
+
+def test_two_ranks_with_half_the_rows_equal_one_rank_with_all(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(port), str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
+    single = train_once(0, 1, 0)
+    for p in procs:
+        out, _ = p.communicate(timeout=180)
+        assert p.returncode == 0, out.decode()[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+    assert all(r["norm_ok"] for r in ranks)
+    for name, g in single["grads"].items():
+        torch.testing.assert_close(ranks[0]["grads"][name], g, rtol=1e-4, atol=1e-7, msg=name)
+        assert torch.equal(ranks[0]["grads"][name], ranks[1]["grads"][name]), name
+    for name, w in single["weights"].items():
+        torch.testing.assert_close(ranks[0]["weights"][name], w, rtol=0, atol=1e-6, msg=name)
+        assert torch.equal(ranks[0]["weights"][name], ranks[1]["weights"][name]), name
+    assert single["metrics"].keys() == ranks[0]["metrics"].keys()
+    for key, value in single["metrics"].items():
+        assert abs(ranks[0]["metrics"][key] - value) <= 1e-5 * max(1.0, abs(value)), key
+        assert ranks[0]["metrics"][key] == ranks[1]["metrics"][key], key
+    assert single["metrics"]["train/grad_norm"] > 0.5  # clipping was active and identical
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    rank_, world_, port_, out_ = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    torch.save(train_once(rank_, world_, port_), out_ / f"rank{rank_}.pt")
