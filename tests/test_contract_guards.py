@@ -86,7 +86,8 @@ def test_plugin_for_every_hook_is_discovered_listed_and_selected(kind, install_p
 
     # selected by name from a job file
     job_path = tmp_path / "job.toml"
-    job_path.write_text('[[data]]\nname = "d"\npath = "rows.jsonl"\n[[teachers]]\nname = "t"\n')
+    source = "" if kind == "data_source" else 'path = "rows.jsonl"\n'
+    job_path.write_text(f'[[data]]\nname = "d"\n{source}[[teachers]]\nname = "t"\n')
     key, shown = KIND_SELECTORS[kind]
     value = f'["contract-{kind}"]' if key in LIST_KEYS else f"contract-{kind}"
     overrides = [f"{key}={value}"]

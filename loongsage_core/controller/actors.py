@@ -69,13 +69,7 @@ class ModelActor:
 
     def refresh_reference(self) -> None:
         """Copy the current policy weights into the frozen reference model."""
-        import torch
-
-        params = dict(self.reference.model.named_parameters())
-        with torch.no_grad():
-            for name, tensor in self.worker.named_weights():
-                if name in params:
-                    params[name].copy_(tensor)
+        self.reference.load_weights(self.worker.named_weights())
 
     def push_weights(self, version: int, targets: list[Any] | None) -> dict[str, float]:
         """Send this rank's weights with the job's transport; ``None`` targets the local engine."""

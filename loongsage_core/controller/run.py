@@ -91,6 +91,8 @@ class RLController:
         self.version = 0
         self.actors: Actors | None = None
         self.rollout: RolloutManager | None = None
+        # one event loop for the whole run: the engine clients' connections belong to it
+        self.loop = asyncio.new_event_loop()
 
     # ------------------------------------------------------------------ setup
 
@@ -142,7 +144,7 @@ class RLController:
         offset = 0
         while len(kept) < want:
             prompts = self.mixer.next_prompts(want - len(kept))
-            groups = asyncio.run(self.rollout.generate(prompts, step, offset=offset))
+            groups = self.loop.run_until_complete(self.rollout.generate(prompts, step, offset=offset))
             offset += len(prompts)
             sampled.extend(groups)
             for f, name in zip(self.filters, self.job.algorithm.filters):
@@ -250,10 +252,11 @@ class RLController:
                 batch.tensors["ref_logprobs"] = self._forward(batch, reference=True) * batch["loss_mask"]
             t_logp = time.perf_counter()
             metrics["timing/old_logprobs"] = t_logp - t_rollout
-            metrics.update(train_inference_gap(batch))
             self.compute_advantages(batch)
             metrics.update(advantage_metrics(batch))
             metrics.update(self.train(batch, step))
+            # the whole step's gap in float64 supersedes the per-mini-batch means of the trainer
+            metrics.update(train_inference_gap(batch))
             t_train = time.perf_counter()
             self.version += 1
             metrics.update(self._push_weights())
@@ -309,7 +312,8 @@ class RLController:
         for lg in self.loggers:
             lg.close()
         if self.rollout is not None:
-            asyncio.run(self.rollout.aclose())
+            self.loop.run_until_complete(self.rollout.aclose())
+        self.loop.close()
         if self.actors is not None:
             for a in self.actors.all():
                 try:

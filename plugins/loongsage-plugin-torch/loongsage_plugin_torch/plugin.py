@@ -1,5 +1,37 @@
-"""Hook implementations of loongsage-plugin-torch (the module its entry point names)."""
+"""Hook implementations of loongsage-plugin-torch (the module its entry point names).
+
+Provides the ``torch`` train backend, the ``torch`` rollout engine and the ``inprocess`` and
+``shm`` weight transports. Only the factories are referenced here; torch and transformers are
+imported when a component is built.
+"""
 
 from __future__ import annotations
 
-from loongsage_hookspecs import hookimpl  # noqa: F401
+from typing import Iterator
+
+from loongsage_hookspecs import RolloutEngineSpec, TrainBackendSpec, WeightTransportSpec, hookimpl
+
+from .engine import SUPPORTS, create_engine
+from .trainer import create_train_worker
+from .transport import inprocess_receiver, inprocess_sender, shm_receiver, shm_sender
+
+
+@hookimpl
+def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
+    yield TrainBackendSpec(name="torch", factory=create_train_worker,
+                           description="embedded PyTorch trainer (transformers models, AdamW, DP over "
+                                       "torch.distributed)")
+
+
+@hookimpl
+def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
+    yield RolloutEngineSpec(name="torch", factory=create_engine, supports=SUPPORTS,
+                            description="embedded engine: continuous batching, KV cache, SGLang-native HTTP API")
+
+
+@hookimpl
+def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
+    yield WeightTransportSpec(name="inprocess", sender=inprocess_sender, receiver=inprocess_receiver,
+                              description="trainer and engine in one process: tensors handed over directly")
+    yield WeightTransportSpec(name="shm", sender=shm_sender, receiver=shm_receiver,
+                              description="bucketed shared memory between processes on one node")
