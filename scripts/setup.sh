@@ -9,6 +9,11 @@ if [ -z "$PY" ]; then
     if command -v "$candidate" >/dev/null 2>&1; then PY="$candidate"; break; fi
   done
 fi
+# the local sandbox isolates agent commands with bubblewrap (read-only root, no network)
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) >/dev/null \
+    || echo "warning: could not install bubblewrap; the local sandbox will enforce less" >&2
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build

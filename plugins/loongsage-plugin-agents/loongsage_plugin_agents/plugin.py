@@ -1,5 +1,82 @@
-"""Hook implementations of loongsage-plugin-agents (the module its entry point names)."""
+"""Hook implementations of loongsage-plugin-agents (the module its entry point names).
+
+Only names and descriptions live here; each factory imports its module when first called, so
+listing components stays instant.
+"""
 
 from __future__ import annotations
 
-from loongsage_hookspecs import hookimpl  # noqa: F401
+from typing import Any, Iterator
+
+from loongsage_hookspecs import AgentSpec, RouterMiddlewareSpec, SandboxSpec, hookimpl
+
+
+def _single_turn(**args: Any) -> Any:
+    from .single_turn import SingleTurnAgent
+
+    return SingleTurnAgent(**args)
+
+
+def _tool_agent(**args: Any) -> Any:
+    from .tool_agent import ToolAgent
+
+    return ToolAgent(**args)
+
+
+def _command(**args: Any) -> Any:
+    from .command_agent import CommandAgent
+
+    return CommandAgent(**args)
+
+
+def _local_sandbox(**args: Any) -> Any:
+    from .local_sandbox import LocalSandboxProvider
+
+    return LocalSandboxProvider(**args)
+
+
+def _tool_call_parser(**args: Any) -> Any:
+    from .tool_parser import ToolCallParser
+
+    return ToolCallParser(**args)
+
+
+def _reasoning_parser(**args: Any) -> Any:
+    from .reasoning_parser import ReasoningParser
+
+    return ReasoningParser(**args)
+
+
+def _request_logger(**args: Any) -> Any:
+    from .request_logger import RequestLogger
+
+    return RequestLogger(**args)
+
+
+@hookimpl
+def loongsage_agents() -> Iterator[AgentSpec]:
+    yield AgentSpec(name="single_turn", factory=_single_turn,
+                    description="one chat completion for the prompt; the answer is the response")
+    yield AgentSpec(name="tool_agent", factory=_tool_agent, needs_sandbox=True,
+                    description="multi-turn tool calling: Python tools by import path plus a bash tool in the sandbox")
+    yield AgentSpec(name="command", factory=_command,
+                    description="black-box program run as a subprocess with OPENAI_BASE_URL set; "
+                                "stdout is the response")
+
+
+@hookimpl
+def loongsage_sandboxes() -> Iterator[SandboxSpec]:
+    yield SandboxSpec(name="local", factory=_local_sandbox,
+                      description="per-trajectory directory; bubblewrap read-only root and no network "
+                                  "where available; rlimits")
+
+
+@hookimpl
+def loongsage_router_middlewares() -> Iterator[RouterMiddlewareSpec]:
+    yield RouterMiddlewareSpec(name="tool_call_parser", factory=_tool_call_parser,
+                               description="model-written tool calls (hermes, llama3_json, mistral) -> "
+                                           "OpenAI tool_calls")
+    yield RouterMiddlewareSpec(name="reasoning_parser", factory=_reasoning_parser,
+                               description="<think>...</think> -> reasoning_content")
+    yield RouterMiddlewareSpec(name="request_logger", factory=_request_logger,
+                               description="append every request and response to a JSONL file")

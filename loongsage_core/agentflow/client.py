@@ -1,0 +1,91 @@
+"""A client for a router in another process (a Ray actor, ``loongsage serve``): the ``/admin`` API.
+
+:class:`RouterClient` has the same trajectory methods as :class:`~.router.AgentFlowRouter`
+(``aregister``, ``aget``, ``apop``, ``aabort`` and their synchronous forms), so
+:func:`~.runner.run_agent_trajectory` works with either.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from .record import TrajectoryRecord
+
+
+class RouterClientError(RuntimeError):
+    """The router refused an admin call (the message is the router's error message)."""
+
+
+class RouterClient:
+    """Talks to a running router at ``base_url`` (``http://host:port``)."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 60.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout_s = timeout_s
+
+    def url_for(self, trajectory_id: str, attempt: int = 0) -> str:
+        return f"{self.base_url}/{trajectory_id}/{int(attempt)}/v1"
+
+    @staticmethod
+    def _check(resp: Any) -> Any:
+        data = resp.json()
+        if resp.status_code >= 400:
+            err = data.get("error", {}) if isinstance(data, dict) else {}
+            raise RouterClientError(f"router answered {resp.status_code}: {err.get('message', data)}")
+        return data
+
+    async def _arequest(self, method: str, path: str, body: Any = None) -> Any:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=self.timeout_s) as client:
+            resp = await client.request(method, self.base_url + path, json=body, headers=self.headers)
+        return self._check(resp)
+
+    def _request(self, method: str, path: str, body: Any = None) -> Any:
+        import httpx
+
+        with httpx.Client(timeout=self.timeout_s) as client:
+            resp = client.request(method, self.base_url + path, json=body, headers=self.headers)
+        return self._check(resp)
+
+    @staticmethod
+    def _register_body(trajectory_id: str, attempt: int, sampling: Mapping[str, Any] | None,
+                       max_response_tokens: int | None, max_context_length: int | None,
+                       metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"trajectory_id": trajectory_id, "attempt": attempt}
+        for key, value in (("sampling", sampling), ("max_response_tokens", max_response_tokens),
+                           ("max_context_length", max_context_length), ("metadata", metadata)):
+            if value is not None:
+                body[key] = dict(value) if isinstance(value, Mapping) else value
+        return body
+
+    async def aregister(self, trajectory_id: str, *, attempt: int = 0, sampling: Mapping[str, Any] | None = None,
+                        max_response_tokens: int | None = None, max_context_length: int | None = None,
+                        metadata: Mapping[str, Any] | None = None) -> str:
+        body = self._register_body(trajectory_id, attempt, sampling, max_response_tokens, max_context_length, metadata)
+        return (await self._arequest("POST", "/admin/trajectories", body))["base_url"]
+
+    def register(self, trajectory_id: str, **kwargs: Any) -> str:
+        body = self._register_body(trajectory_id, kwargs.get("attempt", 0), kwargs.get("sampling"),
+                                   kwargs.get("max_response_tokens"), kwargs.get("max_context_length"),
+                                   kwargs.get("metadata"))
+        return self._request("POST", "/admin/trajectories", body)["base_url"]
+
+    async def aget(self, trajectory_id: str) -> TrajectoryRecord:
+        return TrajectoryRecord.from_dict(await self._arequest("GET", f"/admin/trajectories/{trajectory_id}"))
+
+    async def apop(self, trajectory_id: str) -> TrajectoryRecord:
+        return TrajectoryRecord.from_dict(await self._arequest("DELETE", f"/admin/trajectories/{trajectory_id}"))
+
+    def pop(self, trajectory_id: str) -> TrajectoryRecord:
+        return TrajectoryRecord.from_dict(self._request("DELETE", f"/admin/trajectories/{trajectory_id}"))
+
+    async def aabort(self, trajectory_id: str) -> None:
+        await self._arequest("POST", f"/admin/trajectories/{trajectory_id}/abort")
+
+    def abort(self, trajectory_id: str) -> None:
+        self._request("POST", f"/admin/trajectories/{trajectory_id}/abort")
+
+    def stats(self) -> dict[str, Any]:
+        return self._request("GET", "/admin/stats")

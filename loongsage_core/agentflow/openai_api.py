@@ -1,0 +1,333 @@
+"""The OpenAI chat-completions surface of the router: request validation and response shapes.
+
+:func:`parse_chat_request` checks a request body the way the OpenAI API does (unknown fields,
+wrong types and unsupported values are 400 errors naming the parameter) and turns it into a
+:class:`ChatRequest`; :func:`completion_body` and :func:`stream_chunks` build the
+``chat.completion`` object and its ``chat.completion.chunk`` stream from one finished turn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from typing import Any, Iterator, Mapping
+
+import attrs
+
+from .errors import bad_request
+
+# Fields of OpenAI's chat-completions request that the router honours.
+_SUPPORTED = {
+    "messages", "model", "temperature", "top_p", "n", "stream", "stream_options", "stop",
+    "max_tokens", "max_completion_tokens", "seed", "logprobs", "top_logprobs", "tools",
+    "tool_choice", "presence_penalty", "frequency_penalty",
+}
+# OpenAI fields accepted but without effect on generation (bookkeeping for the provider side).
+_IGNORED = {
+    "user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
+    "safety_identifier", "reasoning_effort", "verbosity",
+}
+# OpenAI fields accepted only at their neutral value; anything else cannot be honoured.
+_NEUTRAL = {
+    "logit_bias": lambda v: v is None or v == {},
+    "response_format": lambda v: v is None or (isinstance(v, Mapping) and v.get("type") == "text"),
+    "modalities": lambda v: v is None or v == ["text"],
+    "audio": lambda v: v is None,
+    "prediction": lambda v: v is None,
+    "web_search_options": lambda v: v is None,
+    "functions": lambda v: v is None,
+    "function_call": lambda v: v is None,
+}
+# Extensions common to SGLang / vLLM OpenAI servers.
+_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"}
+
+KNOWN_FIELDS = frozenset(_SUPPORTED | _IGNORED | set(_NEUTRAL) | _EXTENSIONS)
+"""Every request field the router accepts; anything else is rejected with a 400."""
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@attrs.define
+class ChatRequest:
+    """A validated chat-completions request (OpenAI names; ``None`` means "not given")."""
+
+    messages: list[dict[str, Any]]
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None
+    stop: list[str] = attrs.field(factory=list)
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+
+def _number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: float | None = None,
+            integer: bool = False) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    ok_types = (int,) if integer else (int, float)
+    bad_float = isinstance(value, float) and not math.isfinite(value)
+    if isinstance(value, bool) or not isinstance(value, ok_types) or bad_float:
+        kind = "an integer" if integer else "a number"
+        raise bad_request(f"'{key}' must be {kind}, got {json.dumps(value)}", param=key, code="invalid_type")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise bad_request(f"'{key}' must be in {bounds}, got {value}", param=key, code="invalid_value")
+    return value
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool | None:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, bool):
+        raise bad_request(f"'{key}' must be a boolean, got {json.dumps(value)}", param=key, code="invalid_type")
+    return value
+
+
+def _text_content(content: Any, param: str) -> str | None:
+    """Plain text of a message ``content`` (a string, ``None`` or a list of text parts)."""
+    if content is None or isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") not in ("text", "input_text"):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise bad_request(f"{param}[{j}]: only text content parts are supported, got '{kind}'",
+                                  param=f"{param}[{j}]", code="unsupported_content")
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise bad_request(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text",
+                                  code="invalid_type")
+            parts.append(text)
+        return "".join(parts)
+    raise bad_request(f"{param} must be a string or a list of content parts", param=param, code="invalid_type")
+
+
+def _tool_calls(calls: Any, param: str) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise bad_request(f"{param} must be a list", param=param, code="invalid_type")
+    out = []
+    for j, call in enumerate(calls):
+        p = f"{param}[{j}]"
+        fn = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            raise bad_request(f"{p}.function.name is required", param=f"{p}.function.name", code="invalid_value")
+        args = fn.get("arguments", "")
+        if not isinstance(args, (str, Mapping)):
+            raise bad_request(f"{p}.function.arguments must be a JSON string", param=f"{p}.function.arguments",
+                              code="invalid_type")
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}})
+    return out
+
+
+def parse_messages(messages: Any) -> list[dict[str, Any]]:
+    """Validated messages in a uniform shape: text content, OpenAI ``tool_calls``."""
+    if not isinstance(messages, list) or not messages:
+        raise bad_request("'messages' must be a non-empty list", param="messages", code="invalid_value")
+    out = []
+    for i, msg in enumerate(messages):
+        p = f"messages[{i}]"
+        if not isinstance(msg, Mapping):
+            raise bad_request(f"{p} must be an object", param=p, code="invalid_type")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{p}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
+                              param=f"{p}.role", code="invalid_value")
+        clean: dict[str, Any] = {"role": role, "content": _text_content(msg.get("content"), f"{p}.content")}
+        if role == "assistant":
+            if msg.get("tool_calls"):
+                clean["tool_calls"] = _tool_calls(msg["tool_calls"], f"{p}.tool_calls")
+            reasoning = msg.get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning:
+                clean["reasoning_content"] = reasoning
+        elif clean["content"] is None:
+            raise bad_request(f"{p}.content is required for role '{role}'", param=f"{p}.content",
+                              code="invalid_value")
+        if role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad_request(f"{p}.tool_call_id is required for role 'tool'", param=f"{p}.tool_call_id",
+                                  code="invalid_value")
+            clean["tool_call_id"] = call_id
+        if isinstance(msg.get("name"), str):
+            clean["name"] = msg["name"]
+        out.append(clean)
+    return out
+
+
+def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list", param="tools", code="invalid_type")
+    out = []
+    for i, tool in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+            raise bad_request(f"{p}: only tools of type 'function' are supported", param=p, code="invalid_value")
+        fn = tool.get("function")
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_request(f"{p}.function.name is required", param=f"{p}.function.name", code="invalid_value")
+        if "parameters" in fn and not isinstance(fn["parameters"], Mapping):
+            raise bad_request(f"{p}.function.parameters must be a JSON schema object",
+                              param=f"{p}.function.parameters", code="invalid_type")
+        out.append({"type": "function", "function": dict(fn)})
+    return out or None
+
+
+def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
+    if value is None or value in ("auto", "none"):
+        return value
+    if value == "required":
+        if not tools:
+            raise bad_request("tool_choice 'required' needs 'tools'", param="tool_choice", code="invalid_value")
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("function"), Mapping):
+        name = value["function"].get("name")
+        names = {t["function"]["name"] for t in tools or []}
+        if name not in names:
+            raise bad_request(f"tool_choice names function {json.dumps(name)}, which is not in 'tools'",
+                              param="tool_choice", code="invalid_value")
+        return dict(value)
+    raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", ...}",
+                      param="tool_choice", code="invalid_value")
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a chat-completions request body; raise a 400 :class:`RouterError` naming the field."""
+    if not isinstance(body, Mapping):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    for key in body:
+        if key not in KNOWN_FIELDS:
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key,
+                              code="unknown_parameter")
+    for key, neutral in _NEUTRAL.items():
+        if key in body and not neutral(body[key]):
+            raise bad_request(f"'{key}' is not supported by this endpoint", param=key, code="unsupported_parameter")
+    n = _number(body, "n", lo=1, integer=True)
+    if n not in (None, 1):
+        raise bad_request("only n=1 is supported; sample several trajectories instead", param="n",
+                          code="unsupported_value")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad_request("'model' must be a string", param="model", code="invalid_type")
+    stop = body.get("stop")
+    if stop is None:
+        stops: list[str] = []
+    elif isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = list(stop)
+    else:
+        raise bad_request("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if any(not s for s in stops):
+        raise bad_request("'stop' strings must be non-empty", param="stop", code="invalid_value")
+    max_tokens = _number(body, "max_completion_tokens", lo=1, integer=True)
+    if max_tokens is None:
+        max_tokens = _number(body, "max_tokens", lo=1, integer=True)
+    stream_options = body.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, Mapping):
+        raise bad_request("'stream_options' must be an object", param="stream_options", code="invalid_type")
+    stream = bool(_bool(body, "stream"))
+    include_usage = bool(stream_options and stream_options.get("include_usage"))
+    logprobs = bool(_bool(body, "logprobs"))
+    top_logprobs = _number(body, "top_logprobs", lo=0, hi=20, integer=True) or 0
+    if top_logprobs and not logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs': true", param="top_logprobs", code="invalid_value")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs",
+                          code="invalid_type")
+    tools = parse_tools(body.get("tools"))
+    return ChatRequest(
+        messages=parse_messages(body.get("messages")),
+        model=model,
+        temperature=_number(body, "temperature", lo=0, hi=2),
+        top_p=_number(body, "top_p", lo=0, hi=1),
+        top_k=_number(body, "top_k", lo=-1, integer=True),
+        min_p=_number(body, "min_p", lo=0, hi=1),
+        repetition_penalty=_number(body, "repetition_penalty", lo=0),
+        presence_penalty=_number(body, "presence_penalty", lo=-2, hi=2),
+        frequency_penalty=_number(body, "frequency_penalty", lo=-2, hi=2),
+        max_tokens=max_tokens,
+        stop=stops,
+        seed=_number(body, "seed", integer=True),
+        stream=stream,
+        include_usage=include_usage,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        tools=tools,
+        tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        chat_template_kwargs=dict(kwargs or {}),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Responses
+# --------------------------------------------------------------------------------------------
+
+
+def new_completion_id() -> str:
+    return "chatcmpl-" + uuid.uuid4().hex[:24]
+
+
+def completion_body(*, completion_id: str, model: str, message: dict[str, Any], finish_reason: str,
+                    prompt_tokens: int, completion_tokens: int, logprobs: dict[str, Any] | None = None,
+                    extra: dict[str, Any] | None = None, created: int | None = None) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice and ``usage``."""
+    body: dict[str, Any] = {
+        "id": completion_id,
+        "object": "chat.completion",
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
+        "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                  "total_tokens": prompt_tokens + completion_tokens},
+    }
+    if extra:
+        body.update(extra)
+    return body
+
+
+def stream_chunks(body: Mapping[str, Any], *, include_usage: bool) -> Iterator[dict[str, Any]]:
+    """The ``chat.completion.chunk`` objects that stream the finished ``body``.
+
+    Order: the role, reasoning text, content, one chunk per tool call, then the finish reason
+    (and a final usage chunk with empty ``choices`` when ``include_usage``), as OpenAI sends them.
+    """
+    choice = body["choices"][0]
+    message = choice["message"]
+    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    yield chunk({"role": "assistant", "content": ""})
+    if message.get("reasoning_content"):
+        yield chunk({"reasoning_content": message["reasoning_content"]})
+    if message.get("content"):
+        yield chunk({"content": message["content"]}, logprobs=choice.get("logprobs"))
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                     "function": {"name": call["function"]["name"],
+                                                  "arguments": call["function"]["arguments"]}}]})
+    yield chunk({}, finish=choice["finish_reason"])
+    if include_usage:
+        yield {**head, "choices": [], "usage": body["usage"]}

@@ -1,0 +1,694 @@
+"""The AgentFlow router: an OpenAI-compatible HTTP server that records token-exact trajectories.
+
+Each registered trajectory gets its own base URL ``{router}/{trajectory_id}/{attempt}/v1``. An
+agent (any OpenAI client) calls ``chat/completions`` there; the router renders the request to
+token ids (:mod:`.tito`), continues or starts a segment (:mod:`.conversation`), asks an engine
+to generate from those ids, records the output tokens with their log-probs and weight versions,
+and answers in OpenAI's format (JSON or server-sent events). Router middleware sees every request
+and response in the configured order.
+
+The server runs on its own event loop in a background thread, so the same object works inside a
+synchronous host, an asyncio host or a Ray actor: ``start()`` returns the base URL, the
+trajectory API (``register``, ``get``, ``pop``, ``abort``) is callable from any thread (with
+``a``-prefixed coroutine twins), and the same operations exist over HTTP under ``/admin``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Awaitable, Callable, Mapping, Sequence, TypeVar
+
+import attrs
+
+from loongsage_hookspecs import SamplingParams, TrajectoryStatus
+
+from .conversation import ConversationTracker, TurnPlan
+from .engines import EngineBalancer, EngineOutput, engine_abort, engine_generate
+from .errors import RouterError, bad_request, not_found
+from .openai_api import ChatRequest, completion_body, new_completion_id, parse_chat_request, stream_chunks
+from .record import SamplingDefaults, TrajectoryRecord, TurnInfo
+from .tito import ChatRenderer, TemplateError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@attrs.define(eq=False)
+class _Entry:
+    """Live state of one registered trajectory (only touched on the router's event loop)."""
+
+    record: TrajectoryRecord
+    tracker: ConversationTracker
+    sampling: SamplingDefaults
+    lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
+    in_flight: dict[str, str] = attrs.field(factory=dict)  # rid -> engine url
+    aborted: bool = False
+
+
+@attrs.define
+class _Generation:
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str
+    engine: str = ""
+    continuations: int = 0
+    top_logprobs: list[list[tuple[float, int]]] | None = None
+    content: str | None = None
+
+
+def _load_tokenizer(tokenizer: Any) -> Any:
+    if isinstance(tokenizer, str):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(tokenizer)
+    return tokenizer
+
+
+def check_trajectory_id(trajectory_id: Any) -> str:
+    """A trajectory id must be a non-empty string usable as one URL path segment."""
+    if not isinstance(trajectory_id, str) or not trajectory_id or "/" in trajectory_id or trajectory_id in (".", ".."):
+        raise ValueError(f"trajectory id must be a non-empty string without '/', got {trajectory_id!r}")
+    return trajectory_id
+
+
+class AgentFlowRouter:
+    """OpenAI-compatible router in front of one or more rollout engines.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template, or a path to load one from.
+        engine_urls: base URLs of engines speaking SGLang's native API (``/generate``).
+        middlewares: router middleware objects (``on_request`` / ``on_response``), applied in order.
+        host, port: where to listen (port 0 picks a free port).
+        model_name: the model id reported by ``GET /models`` and in responses.
+        api_key: when set, every request must send ``Authorization: Bearer <api_key>``.
+        default_sampling: sampling defaults for trajectories registered without their own.
+        max_context_length: default per-segment token limit (prompt + generation).
+        engine_timeout_s: limit for one ``/generate`` call.
+        max_continuations: how often one turn may be resumed after the engine aborted it (weight
+            updates with partial rollouts); the tokens generated so far are kept.
+        engine_stop_strings: also send ``stop`` strings to the engine (SGLang honours them); the
+            router truncates at stop strings itself either way.
+        engine_top_logprobs: the engines return top-k log-probs (``top_logprobs_num``; SGLang
+            does); without it a request for ``top_logprobs`` is a 400.
+        chat_template, turn_end_ids: override the tokenizer's template / turn-end tokens.
+    """
+
+    def __init__(self, tokenizer: Any, engine_urls: Sequence[str], middlewares: Sequence[Any] = (), *,
+                 host: str = "127.0.0.1", port: int = 0, model_name: str = "policy", api_key: str | None = None,
+                 default_sampling: Mapping[str, Any] | None = None, max_context_length: int | None = None,
+                 engine_timeout_s: float = 600.0, max_continuations: int = 8, engine_stop_strings: bool = False,
+                 engine_top_logprobs: bool = False, chat_template: str | None = None,
+                 turn_end_ids: Sequence[int] | None = None) -> None:
+        self.tokenizer = _load_tokenizer(tokenizer)
+        self.renderer = ChatRenderer(self.tokenizer, chat_template=chat_template, turn_end_ids=turn_end_ids)
+        self.balancer = EngineBalancer(engine_urls)
+        for i, mw in enumerate(middlewares):
+            if not (callable(getattr(mw, "on_request", None)) and callable(getattr(mw, "on_response", None))):
+                raise TypeError(f"middleware #{i} ({type(mw).__name__}) lacks on_request/on_response")
+        self.middlewares = list(middlewares)
+        self.host, self.port = host, port
+        self.model_name = model_name
+        self.api_key = api_key
+        self.default_sampling = dict(default_sampling or {})
+        self.max_context_length = max_context_length
+        self.engine_timeout_s = engine_timeout_s
+        self.max_continuations = max_continuations
+        self.engine_stop_strings = engine_stop_strings
+        self.engine_top_logprobs = engine_top_logprobs
+        self.base_url: str | None = None
+        self._entries: dict[str, _Entry] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: Any = None
+        self._session: Any = None
+        self._engine_ctx: dict[str, int | None] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._stats = {"requests": 0, "errors": 0, "engine_calls": 0, "completion_tokens": 0}
+
+    # ------------------------------------------------------------------------ life cycle
+    def start(self, timeout_s: float = 30.0) -> str:
+        """Start serving in a background thread; returns the base URL ``http://HOST:PORT``."""
+        if self._thread is not None:
+            assert self.base_url is not None
+            return self.base_url
+        ready: concurrent.futures.Future[str] = concurrent.futures.Future()
+
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                ready.set_result(loop.run_until_complete(self._astart()))
+            except BaseException as exc:  # report startup failures to the caller
+                ready.set_exception(exc)
+                loop.close()
+                return
+            loop.run_forever()
+            loop.run_until_complete(self._astop())
+            loop.close()
+
+        self._thread = threading.Thread(target=serve, name="agentflow-router", daemon=True)
+        self._thread.start()
+        try:
+            return ready.result(timeout=timeout_s)
+        except BaseException:
+            self._thread = None
+            raise
+
+    async def _astart(self) -> str:
+        import aiohttp
+        from aiohttp import web
+
+        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._error_middleware])
+        app.router.add_post("/{tid}/{attempt}/v1/chat/completions", self._handle_chat)
+        app.router.add_get("/{tid}/{attempt}/v1/models", self._handle_models)
+        app.router.add_get("/health", self._handle_health)
+        app.router.add_get("/admin/stats", self._handle_stats)
+        app.router.add_post("/admin/engines", self._handle_set_engines)
+        app.router.add_post("/admin/trajectories", self._handle_register)
+        app.router.add_get("/admin/trajectories/{tid}", self._handle_get)
+        app.router.add_delete("/admin/trajectories/{tid}", self._handle_pop)
+        app.router.add_post("/admin/trajectories/{tid}/abort", self._handle_abort)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])  # the bound port when port=0
+        self.base_url = f"http://{self.host}:{self.port}"
+        return self.base_url
+
+    async def _astop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    def shutdown(self) -> None:
+        """Stop serving and join the server thread (idempotent)."""
+        thread, loop = self._thread, self._loop
+        if thread is None or loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=30)
+        self._thread = None
+        self._loop = None
+
+    def __enter__(self) -> "AgentFlowRouter":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _call(self, coro: Awaitable[T], timeout_s: float = 60.0) -> T:
+        """Run ``coro`` on the router loop from another thread and wait for it."""
+        if self._loop is None:
+            raise RuntimeError("AgentFlowRouter is not started; call start() first")
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("synchronous router API called on the router thread; use the a* coroutines")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout_s)  # type: ignore[arg-type]
+
+    async def _on_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the router loop from any event loop (or directly when already on it)."""
+        if self._loop is None:
+            raise RuntimeError("AgentFlowRouter is not started; call start() first")
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            return fn()
+
+        async def run() -> T:
+            return fn()
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), self._loop))
+
+    # ------------------------------------------------------------------------ trajectory API
+    def url_for(self, trajectory_id: str, attempt: int = 0) -> str:
+        """The OpenAI base URL of a trajectory: ``{router}/{trajectory_id}/{attempt}/v1``."""
+        if self.base_url is None:
+            raise RuntimeError("AgentFlowRouter is not started; call start() first")
+        return f"{self.base_url}/{check_trajectory_id(trajectory_id)}/{int(attempt)}/v1"
+
+    def _register(self, trajectory_id: str, attempt: int, sampling: Mapping[str, Any] | SamplingParams | None,
+                  max_response_tokens: int | None, max_context_length: int | None,
+                  metadata: Mapping[str, Any] | None) -> str:
+        check_trajectory_id(trajectory_id)
+        if isinstance(sampling, SamplingParams):
+            sampling = attrs.asdict(sampling)
+        merged = {**self.default_sampling, **dict(sampling or {})}
+        for name, value in (("max_response_tokens", max_response_tokens), ("max_context_length", max_context_length)):
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        old = self._entries.get(trajectory_id)
+        if old is not None:
+            self._abort_entry(old)
+        record = TrajectoryRecord(trajectory_id=trajectory_id, attempt=int(attempt),
+                                  max_response_tokens=max_response_tokens,
+                                  max_context_length=max_context_length if max_context_length is not None
+                                  else self.max_context_length, metadata=dict(metadata or {}))
+        self._entries[trajectory_id] = _Entry(record, ConversationTracker(self.renderer, record.segments),
+                                              SamplingDefaults.from_dict(merged))
+        return self.url_for(trajectory_id, attempt)
+
+    def register(self, trajectory_id: str, *, attempt: int = 0,
+                 sampling: Mapping[str, Any] | SamplingParams | None = None, max_response_tokens: int | None = None,
+                 max_context_length: int | None = None, metadata: Mapping[str, Any] | None = None) -> str:
+        """Register a trajectory and return its OpenAI base URL.
+
+        ``sampling`` holds defaults in SGLang names (``temperature``, ``top_p``, ``top_k``,
+        ``max_new_tokens``, ``seed``, ``stop_token_ids``; ``locked=True`` makes them override the
+        request). ``max_response_tokens`` caps the generated tokens over all turns,
+        ``max_context_length`` the tokens of a segment; a turn that hits either ends with
+        ``finish_reason="length"``. Registering an id again (a retry, usually with
+        ``attempt + 1``) aborts and replaces the old record; requests to the old attempt get 404.
+        """
+        return self._call(self._async(lambda: self._register(trajectory_id, attempt, sampling, max_response_tokens,
+                                                             max_context_length, metadata)))
+
+    async def aregister(self, trajectory_id: str, *, attempt: int = 0,
+                        sampling: Mapping[str, Any] | SamplingParams | None = None,
+                        max_response_tokens: int | None = None, max_context_length: int | None = None,
+                        metadata: Mapping[str, Any] | None = None) -> str:
+        """Coroutine form of :meth:`register`."""
+        return await self._on_loop(lambda: self._register(trajectory_id, attempt, sampling, max_response_tokens,
+                                                          max_context_length, metadata))
+
+    def _entry(self, trajectory_id: str) -> _Entry:
+        entry = self._entries.get(trajectory_id)
+        if entry is None:
+            raise KeyError(f"unknown trajectory {trajectory_id!r}")
+        return entry
+
+    def _snapshot(self, trajectory_id: str) -> TrajectoryRecord:
+        return TrajectoryRecord.from_dict(self._entry(trajectory_id).record.to_dict())
+
+    def get(self, trajectory_id: str) -> TrajectoryRecord:
+        """A copy of the trajectory's record as it stands (KeyError if unknown)."""
+        return self._call(self._async(lambda: self._snapshot(trajectory_id)))
+
+    async def aget(self, trajectory_id: str) -> TrajectoryRecord:
+        return await self._on_loop(lambda: self._snapshot(trajectory_id))
+
+    def _pop(self, trajectory_id: str) -> TrajectoryRecord:
+        entry = self._entry(trajectory_id)
+        self._abort_entry(entry, status=None)  # a turn still generating is never recorded
+        del self._entries[trajectory_id]
+        self.balancer.forget(trajectory_id)
+        return entry.record
+
+    def pop(self, trajectory_id: str) -> TrajectoryRecord:
+        """Remove the trajectory and return its record; later requests to it get 404.
+
+        A request still in flight is aborted at the engine and never recorded.
+        """
+        return self._call(self._async(lambda: self._pop(trajectory_id)))
+
+    async def apop(self, trajectory_id: str) -> TrajectoryRecord:
+        return await self._on_loop(lambda: self._pop(trajectory_id))
+
+    def _abort_entry(self, entry: _Entry, status: TrajectoryStatus | None = TrajectoryStatus.ABORTED) -> None:
+        entry.aborted = True
+        if status is not None:
+            entry.record.status = status
+        for rid, url in list(entry.in_flight.items()):
+            task = asyncio.get_running_loop().create_task(engine_abort(self._session, url, rid))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    def _abort(self, trajectory_id: str) -> None:
+        self._abort_entry(self._entry(trajectory_id))
+
+    def abort(self, trajectory_id: str) -> None:
+        """Mark the trajectory aborted, abort its in-flight generation; later calls get 409."""
+        self._call(self._async(lambda: self._abort(trajectory_id)))
+
+    async def aabort(self, trajectory_id: str) -> None:
+        await self._on_loop(lambda: self._abort(trajectory_id))
+
+    def set_engines(self, urls: Sequence[str]) -> None:
+        """Replace the engine list (e.g. after engines restarted)."""
+        self._call(self._async(lambda: self.balancer.set_engines(urls)))
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: requests, errors, engine calls, generated tokens, live trajectories, load."""
+        return self._call(self._async(self._stats_now))
+
+    def _stats_now(self) -> dict[str, Any]:
+        return {**self._stats, "trajectories": len(self._entries), "in_flight": dict(self.balancer.in_flight)}
+
+    @staticmethod
+    async def _async(fn: Callable[[], T]) -> T:
+        return fn()
+
+    # ------------------------------------------------------------------------ HTTP plumbing
+    @staticmethod
+    def _json(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Any:
+        from aiohttp import web
+
+        return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json",
+                            headers=headers)
+
+    @property
+    def _error_middleware(self) -> Any:
+        from aiohttp import web
+
+        @web.middleware
+        async def errors(request: Any, handler: Any) -> Any:
+            try:
+                if self.api_key is not None and request.path != "/health":
+                    if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
+                        raise RouterError(401, "invalid API key", type="invalid_request_error",
+                                          code="invalid_api_key", retry=False)
+                return await handler(request)
+            except RouterError as exc:
+                self._stats["errors"] += 1
+                return self._json(exc.body(), exc.status, exc.headers())
+            except web.HTTPException as exc:
+                if exc.status < 400:
+                    raise
+                http_err = RouterError(exc.status, f"{exc.reason}: {request.method} {request.path}",
+                                       code="not_found" if exc.status == 404 else None, retry=False)
+                return self._json(http_err.body(), http_err.status, http_err.headers())
+            except Exception as exc:  # a bug or a failing middleware: answer instead of dropping
+                log.exception("AgentFlow router: unhandled error on %s", request.path)
+                self._stats["errors"] += 1
+                bug = RouterError(500, f"internal router error: {type(exc).__name__}: {exc}", type="server_error",
+                                  retry=False)
+                return self._json(bug.body(), 500, bug.headers())
+
+        return errors
+
+    @staticmethod
+    async def _read_json(request: Any) -> Any:
+        raw = await request.read()
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            raise bad_request("We could not parse the JSON body of your request: it is not valid JSON.",
+                              code="invalid_json") from None
+
+    def _lookup(self, request: Any) -> _Entry:
+        tid = request.match_info["tid"]
+        attempt = request.match_info["attempt"]
+        entry = self._entries.get(tid)
+        if entry is None:
+            raise not_found(f"unknown trajectory '{tid}' (not registered, or already collected)",
+                            code="trajectory_not_found")
+        if attempt != str(entry.record.attempt):
+            raise not_found(f"trajectory '{tid}' has no attempt {attempt} (current attempt: "
+                            f"{entry.record.attempt})", code="stale_attempt")
+        return entry
+
+    async def _handle_health(self, request: Any) -> Any:
+        return self._json({"status": "ok"})
+
+    async def _handle_stats(self, request: Any) -> Any:
+        return self._json(self._stats_now())
+
+    async def _handle_models(self, request: Any) -> Any:
+        self._lookup(request)
+        return self._json({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "loongsage"}]})
+
+    async def _handle_set_engines(self, request: Any) -> Any:
+        body = await self._read_json(request)
+        urls = body.get("urls") if isinstance(body, dict) else None
+        if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
+            raise bad_request("'urls' must be a non-empty list of engine URLs", param="urls")
+        self.balancer.set_engines(urls)
+        return self._json({"urls": self.balancer.urls})
+
+    async def _handle_register(self, request: Any) -> Any:
+        body = await self._read_json(request)
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        allowed = {"trajectory_id", "attempt", "sampling", "max_response_tokens", "max_context_length", "metadata"}
+        for key in body:
+            if key not in allowed:
+                raise bad_request(f"Unrecognized request argument supplied: {key}", param=key,
+                                  code="unknown_parameter")
+        attempt = body.get("attempt", 0)
+        if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 0:
+            raise bad_request("'attempt' must be a non-negative integer", param="attempt")
+        if body.get("sampling") is not None and not isinstance(body["sampling"], dict):
+            raise bad_request("'sampling' must be an object", param="sampling")
+        try:
+            url = self._register(check_trajectory_id(body.get("trajectory_id")), attempt, body.get("sampling"),
+                                 body.get("max_response_tokens"), body.get("max_context_length"),
+                                 body.get("metadata"))
+        except (ValueError, TypeError) as exc:
+            raise bad_request(str(exc)) from None
+        return self._json({"trajectory_id": body["trajectory_id"], "attempt": attempt, "base_url": url})
+
+    def _admin_entry(self, request: Any) -> str:
+        tid = request.match_info["tid"]
+        if tid not in self._entries:
+            raise not_found(f"unknown trajectory '{tid}'", code="trajectory_not_found")
+        return tid
+
+    async def _handle_get(self, request: Any) -> Any:
+        return self._json(self._entries[self._admin_entry(request)].record.to_dict())
+
+    async def _handle_pop(self, request: Any) -> Any:
+        return self._json(self._pop(self._admin_entry(request)).to_dict())
+
+    async def _handle_abort(self, request: Any) -> Any:
+        self._abort(self._admin_entry(request))
+        return self._json({"trajectory_id": request.match_info["tid"], "status": "aborted"})
+
+    # ------------------------------------------------------------------------ chat completions
+    async def _handle_chat(self, request: Any) -> Any:
+        self._stats["requests"] += 1
+        entry = self._lookup(request)
+        tid = entry.record.trajectory_id
+        body = await self._read_json(request)
+        parse_chat_request(body)  # middleware sees only valid requests
+        for mw in self.middlewares:
+            body = mw.on_request(tid, body)
+            if not isinstance(body, dict):
+                raise RouterError(500, f"middleware {type(mw).__name__}.on_request returned "
+                                       f"{type(body).__name__}, expected a dict", type="server_error")
+        req = parse_chat_request(body)
+        if req.top_logprobs and not self.engine_top_logprobs:
+            raise bad_request("'top_logprobs' is not supported by the rollout engine", param="top_logprobs",
+                              code="unsupported_parameter")
+        async with entry.lock:
+            if entry.aborted:
+                raise RouterError(409, f"trajectory '{tid}' was aborted", code="trajectory_aborted", retry=False)
+            if self._entries.get(tid) is not entry:
+                raise not_found(f"unknown trajectory '{tid}'", code="trajectory_not_found")
+            response = await self._complete(entry, req, body)
+        if req.stream:
+            return await self._stream(request, response, req.include_usage)
+        return self._json(response)
+
+    def _sampling(self, entry: _Entry, req: ChatRequest, max_new: int) -> dict[str, Any]:
+        """SGLang ``sampling_params`` for this turn: request values over the registered defaults.
+
+        The registered seed is varied per turn (turn 0 uses it as is), so the turns of one
+        trajectory do not share a random stream; a seed the request sets is used unchanged.
+        """
+        d = entry.sampling
+
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None or d.locked else value
+
+        seed = pick(req.seed, None)
+        if seed is None and d.seed is not None:
+            seed = (d.seed + len(entry.record.turns) * 0x9E3779B1) % 2**31
+
+        params = SamplingParams(
+            temperature=float(pick(req.temperature, d.temperature)),
+            top_p=float(pick(req.top_p, d.top_p)),
+            top_k=int(pick(req.top_k, d.top_k)),
+            max_new_tokens=max_new,
+            stop_token_ids=list(dict.fromkeys([*self.renderer.turn_end_ids, *d.stop_token_ids])),
+            seed=seed,
+        ).to_sglang()
+        params.update(d.extra)
+        for name in ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(req, name)
+            if value is not None and not d.locked:
+                params[name] = value
+        if req.stop and self.engine_stop_strings:
+            params["stop"] = list(req.stop)
+        return params
+
+    async def _engine_context(self, url: str) -> int | None:
+        """The engine's context length (``/get_model_info``, else ``/get_server_info``), cached."""
+        if url in self._engine_ctx:
+            return self._engine_ctx[url]
+        import aiohttp
+
+        found: int | None = None
+        for path, keys in (("/get_model_info", ("max_context_length", "context_length")),
+                           ("/get_server_info", ("context_length", "max_context_length"))):
+            try:
+                async with self._session.get(url + path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                    info = await resp.json() if resp.status == 200 else {}
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+                return None  # unreachable now: ask again next time
+            values = [info.get(k) for k in keys if isinstance(info, dict)]
+            found = next((int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+            if found is not None:
+                break
+        self._engine_ctx[url] = found
+        return found
+
+    def _max_new(self, entry: _Entry, req: ChatRequest, plan: TurnPlan, engine_ctx: int | None) -> int:
+        d = entry.sampling
+        wanted = d.max_new_tokens if req.max_tokens is None else (
+            min(req.max_tokens, d.max_new_tokens) if d.locked else req.max_tokens)
+        rec = entry.record
+        if rec.max_response_tokens is not None:
+            wanted = min(wanted, rec.max_response_tokens - rec.response_tokens)
+        if rec.max_context_length is not None:
+            wanted = min(wanted, rec.max_context_length - len(plan.context))
+        if engine_ctx is not None:
+            wanted = min(wanted, engine_ctx - len(plan.context) - 1)
+        return max(0, wanted)
+
+    async def _generate(self, entry: _Entry, plan: TurnPlan, req: ChatRequest, max_new: int) -> _Generation:
+        """Generate one turn, resuming after engine aborts (weight updates) up to a limit."""
+        tid = entry.record.trajectory_id
+        url = self.balancer.pick(tid)
+        gen = _Generation([], [], [], "length", engine=url, top_logprobs=[] if req.top_logprobs else None)
+        turn = len(entry.record.turns)
+        while True:
+            remaining = max_new - len(gen.ids)
+            rid = f"{tid}-{entry.record.attempt}-{turn}-{gen.continuations}-{uuid.uuid4().hex[:8]}"
+            payload: dict[str, Any] = {"input_ids": plan.context + gen.ids,
+                                       "sampling_params": self._sampling(entry, req, remaining),
+                                       "return_logprob": True, "rid": rid}
+            if req.top_logprobs:
+                payload["top_logprobs_num"] = req.top_logprobs
+            entry.in_flight[rid] = url
+            self.balancer.acquire(url)
+            self._stats["engine_calls"] += 1
+            try:
+                out: EngineOutput = await engine_generate(self._session, url, payload, self.engine_timeout_s)
+            except asyncio.CancelledError:  # the client went away: free the engine
+                await asyncio.shield(engine_abort(self._session, url, rid))
+                raise
+            finally:
+                entry.in_flight.pop(rid, None)
+                self.balancer.release(url)
+            gen.ids += out.output_ids
+            gen.logprobs += out.logprobs
+            gen.versions += out.weight_versions
+            if gen.top_logprobs is not None:
+                gen.top_logprobs += out.top_logprobs or [[] for _ in out.output_ids]
+            if entry.aborted:
+                raise RouterError(409, f"trajectory '{tid}' was aborted", code="trajectory_aborted", retry=False)
+            if out.finish_reason != "abort":
+                gen.finish_reason = "length" if out.finish_reason == "length" else "stop"
+                return gen
+            if len(gen.ids) >= max_new:
+                gen.finish_reason = "length"
+                return gen
+            gen.continuations += 1
+            if gen.continuations > self.max_continuations:
+                raise RouterError(503, f"engine {url} aborted the generation {gen.continuations} times",
+                                  type="api_error", code="engine_aborted", retry=False)
+            await asyncio.sleep(min(0.05 * gen.continuations, 1.0))
+            url = self.balancer.pick(tid)
+
+    def _apply_stop_strings(self, gen: _Generation, stops: Sequence[str]) -> None:
+        """Cut the generation after the first stop string; the content ends before it."""
+        if not stops or not gen.ids:
+            return
+        text = self.renderer.content_of(gen.ids)
+        hits = [(text.find(s), s) for s in stops if text.find(s) >= 0]
+        if not hits:
+            return
+        at, stop = min(hits)
+        lo, hi = 1, len(gen.ids)  # smallest prefix whose text contains the stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if stop in self.renderer.decode(gen.ids[:mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        del gen.ids[lo:], gen.logprobs[lo:], gen.versions[lo:]
+        if gen.top_logprobs is not None:
+            del gen.top_logprobs[lo:]
+        gen.content = text[:at]
+        gen.finish_reason = "stop"
+
+    def _logprobs_body(self, gen: _Generation) -> dict[str, Any]:
+        ids = gen.ids
+        if ids and ids[-1] in self.renderer.turn_end_ids:
+            ids = ids[:-1]
+        content = []
+        for i, tok in enumerate(ids):
+            text = self.renderer.decode([tok])
+            tops = []
+            for lp, tid in (gen.top_logprobs[i] if gen.top_logprobs else []):
+                t = self.renderer.decode([tid])
+                tops.append({"token": t, "logprob": lp, "bytes": list(t.encode())})
+            content.append({"token": text, "logprob": gen.logprobs[i], "bytes": list(text.encode()),
+                            "top_logprobs": tops})
+        return {"content": content, "refusal": None}
+
+    async def _complete(self, entry: _Entry, req: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
+        """Plan, generate, run response middleware, commit: one chat-completion turn."""
+        rec = entry.record
+        started = time.perf_counter()
+        try:
+            plan = entry.tracker.plan(req.messages, req.tools, req.chat_template_kwargs)
+        except TemplateError as exc:
+            raise bad_request(str(exc), param="messages", code="chat_template_error") from None
+        engine_ctx = await self._engine_context(self.balancer.pick(rec.trajectory_id))
+        max_new = self._max_new(entry, req, plan, engine_ctx)
+        if max_new > 0:
+            rec.status = TrajectoryStatus.GENERATING
+            gen = await self._generate(entry, plan, req, max_new)
+            self._apply_stop_strings(gen, req.stop)
+        else:  # a budget is spent: end the turn without generating
+            gen = _Generation([], [], [], "length", content="")
+        content = gen.content if gen.content is not None else self.renderer.content_of(gen.ids)
+        response = completion_body(
+            completion_id=new_completion_id(), model=req.model or self.model_name,
+            message={"role": "assistant", "content": content}, finish_reason=gen.finish_reason,
+            prompt_tokens=len(plan.context), completion_tokens=len(gen.ids),
+            logprobs=self._logprobs_body(gen) if req.logprobs else None)
+        for mw in self.middlewares:
+            response = mw.on_response(rec.trajectory_id, body, response)
+            if not isinstance(response, dict):
+                raise RouterError(500, f"middleware {type(mw).__name__}.on_response returned "
+                                       f"{type(response).__name__}, expected a dict", type="server_error")
+        message = response["choices"][0]["message"]
+        if max_new > 0:
+            entry.tracker.commit(plan, gen.ids, gen.logprobs, gen.versions, message)
+            versions = [v for v in gen.versions if v >= 0] or [-1]
+            rec.turns.append(TurnInfo(segment=plan.segment_index, prompt_tokens=len(plan.context),
+                                      new_prompt_tokens=len(plan.delta), completion_tokens=len(gen.ids),
+                                      finish_reason=gen.finish_reason, weight_versions=(min(versions), max(versions)),
+                                      engine=gen.engine, latency_s=time.perf_counter() - started,
+                                      continuations=gen.continuations, new_segment=plan.new_segment))
+            self._stats["completion_tokens"] += len(gen.ids)
+        rec.messages = plan.messages + [dict(message)]
+        rec.finish_reason = response["choices"][0]["finish_reason"]
+        return response
+
+    async def _stream(self, request: Any, response: dict[str, Any], include_usage: bool) -> Any:
+        from aiohttp import web
+
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for chunk in stream_chunks(response, include_usage=include_usage):
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp

@@ -1,0 +1,160 @@
+"""Router middleware that turns tool calls written in the model's text into OpenAI ``tool_calls``.
+
+The router returns the model's raw text; models write tool calls in their own syntax. This
+middleware parses one of these formats and rewrites the response message the OpenAI way:
+``content`` keeps the text outside the calls (``None`` if nothing is left), ``tool_calls`` lists
+``{"id", "type": "function", "function": {"name", "arguments": "<JSON string>"}}`` and
+``finish_reason`` becomes ``"tool_calls"``. A block that is not valid JSON stays in the content,
+so the agent (and the reward) sees exactly what the model wrote.
+
+Formats:
+
+* ``hermes`` (Qwen 2.5/3, Hermes, the test tokenizer): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
+  any number of blocks anywhere in the text.
+* ``llama3_json`` (Llama 3.x JSON tool calling): the whole message is one JSON object
+  ``{"name": ..., "parameters": {...}}`` (or several separated by ``;``), optionally after ``<|python_tag|>``.
+* ``mistral``: text, then ``[TOOL_CALLS]`` and a JSON list ``[{"name": ..., "arguments": {...}}, ...]``.
+
+Parsing is skipped when the request has no ``tools`` or sets ``tool_choice`` to ``"none"``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Callable
+
+FORMATS = ("hermes", "llama3_json", "mistral")
+
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def _call(name: Any, args: Any) -> dict[str, Any] | None:
+    """An OpenAI tool call, or ``None`` when ``name``/``args`` are not a valid call."""
+    if not isinstance(name, str) or not name:
+        return None
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    if args is None:
+        args = {}
+    if not isinstance(args, dict):
+        return None
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+
+
+def parse_hermes(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Parse ``<tool_call>`` blocks; returns the remaining text and the calls."""
+    calls: list[dict[str, Any]] = []
+    kept: list[str] = []
+    pos = 0
+    for m in _HERMES.finditer(text):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            continue
+        call = _call(obj.get("name"), obj.get("arguments", obj.get("parameters"))) if isinstance(obj, dict) else None
+        if call is None:
+            continue
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append(call)
+    kept.append(text[pos:])
+    return "".join(kept).strip(), calls
+
+
+def parse_llama3_json(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Parse a message that is entirely JSON tool calls (``{"name", "parameters"}``)."""
+    body = text.strip()
+    if body.startswith("<|python_tag|>"):
+        body = body[len("<|python_tag|>"):].strip()
+    if not body.startswith("{"):
+        return text, []
+    decoder = json.JSONDecoder()
+    calls, pos = [], 0
+    while pos < len(body):
+        try:
+            obj, end = decoder.raw_decode(body, pos)
+        except ValueError:
+            return text, []
+        call = _call(obj.get("name"), obj.get("parameters", obj.get("arguments"))) if isinstance(obj, dict) else None
+        if call is None:
+            return text, []
+        calls.append(call)
+        pos = end
+        while pos < len(body) and body[pos] in " \n\t;":
+            pos += 1
+    return "", calls
+
+
+def parse_mistral(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """Parse ``[TOOL_CALLS][{"name", "arguments"}, ...]`` after optional text."""
+    marker = "[TOOL_CALLS]"
+    at = text.find(marker)
+    if at < 0:
+        return text, []
+    try:
+        items = json.loads(text[at + len(marker):].strip())
+    except ValueError:
+        return text, []
+    if isinstance(items, dict):
+        items = [items]
+    if not isinstance(items, list):
+        return text, []
+    calls = []
+    for item in items:
+        if not isinstance(item, dict):
+            return text, []
+        call = _call(item.get("name"), item.get("arguments", item.get("parameters")))
+        if call is None:
+            return text, []
+        calls.append(call)
+    return text[:at].strip(), calls
+
+
+PARSERS: dict[str, Callable[[str], tuple[str, list[dict[str, Any]]]]] = {
+    "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
+
+
+class ToolCallParser:
+    """Router middleware: parse tool calls out of the model's text (see the module docstring).
+
+    Args:
+        format: one of :data:`FORMATS`.
+        known_tools_only: leave calls to functions the request did not offer in the text.
+    """
+
+    def __init__(self, format: str = "hermes", known_tools_only: bool = False) -> None:
+        if format not in PARSERS:
+            raise ValueError(f"tool_call_parser: unknown format {format!r}; choose one of {', '.join(FORMATS)}")
+        self.format = format
+        self.parse = PARSERS[format]
+        self.known_tools_only = known_tools_only
+
+    def on_request(self, trajectory_id: str, request: dict[str, Any]) -> dict[str, Any]:
+        return request
+
+    def on_response(self, trajectory_id: str, request: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
+        if not request.get("tools") or request.get("tool_choice") == "none":
+            return response
+        choice = response["choices"][0]
+        message = choice["message"]
+        content = message.get("content")
+        if not isinstance(content, str) or not content:
+            return response
+        rest, calls = self.parse(content)
+        if self.known_tools_only:
+            names = {t.get("function", {}).get("name") for t in request["tools"]}
+            if any(c["function"]["name"] not in names for c in calls):
+                return response
+        if not calls:
+            return response
+        message["content"] = rest or None
+        message["tool_calls"] = calls
+        if choice.get("finish_reason") == "stop":
+            choice["finish_reason"] = "tool_calls"
+        return response

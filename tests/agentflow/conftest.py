@@ -1,0 +1,124 @@
+"""Shared fixtures of the AgentFlow tests: the test tokenizer and real embedded rollout engines.
+
+Two engines of loongsage-plugin-torch serve tiny Qwen3 models over SGLang's native HTTP API:
+
+* ``engine_url``: random weights (``TINY_QWEN3``); its output is arbitrary token soup, which is
+  what token-exactness tests want (special tokens, broken UTF-8, non-canonical tokenizations).
+* ``tool_engine_url``: weights set so that, after any prompt ending with the generation prompt
+  ``<|im_start|>assistant\\n``, greedy and sampled decoding alike write the tool call
+  :data:`TOOL_CALL_TEXT` and stop: every layer's output projections are zero, so the logits depend
+  on the current token only, and the output head maps each token of the call to the next one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "tokenizer"
+TOOL_CALL_PIECES = ["<tool_call>", '{"', "name", '":', ' "', "ad", "d", '"', "}", "</tool_call>", "<|im_end|>"]
+TOOL_CALL_TEXT = '<tool_call>{"name": "add"}</tool_call>'
+ENGINE_CONTEXT = 1024
+
+
+@pytest.fixture(scope="session")
+def tool_call() -> dict[str, Any]:
+    """What the ``tool_engine_url`` model writes: its text and the pieces (one token each)."""
+    return {"text": TOOL_CALL_TEXT, "pieces": list(TOOL_CALL_PIECES)}
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+
+@pytest.fixture(scope="session")
+def renderer(tokenizer):
+    from loongsage_core.agentflow import ChatRenderer
+
+    return ChatRenderer(tokenizer)
+
+
+def _job() -> Any:
+    from loongsage_plugin_torch.modeling import TINY_QWEN3
+
+    from loongsage_core.config import structure_job
+
+    return structure_job({"model": {"config": dict(TINY_QWEN3), "tokenizer": str(TOKENIZER_DIR)},
+                          "rollout": {"max_context_length": ENGINE_CONTEXT},
+                          "run": {"seed": 0}})
+
+
+def _serve(model: Any = None) -> Iterator[str]:
+    from loongsage_plugin_torch.engine.engine import EmbeddedEngine
+
+    from loongsage_hookspecs import EngineContext
+
+    engine = EmbeddedEngine(EngineContext(job=_job(), components=None), model=model)
+    try:
+        yield engine.start()
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="session")
+def engine_url() -> Iterator[str]:
+    """A real embedded engine with a randomly initialised tiny Qwen3."""
+    yield from _serve()
+
+
+def tool_call_model(tokenizer: Any) -> Any:
+    """A tiny Qwen3 whose next token depends only on the current one, chained through the tool call."""
+    import torch
+    from loongsage_plugin_torch.modeling import TINY_QWEN3
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab = {tokenizer.decode([i]): i for i in range(len(tokenizer))}
+    chain = [tokenizer.encode("\n", add_special_tokens=False)[-1]] + [vocab[p] for p in TOOL_CALL_PIECES]
+    assert len(set(chain)) == len(chain), "the chain needs distinct tokens"
+    assert tokenizer.decode(chain[1:-1]) == TOOL_CALL_TEXT
+    conf = dict(TINY_QWEN3)
+    model_type = conf.pop("model_type")
+    conf["tie_word_embeddings"] = False
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **conf), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        head.zero_()
+        for i, (cur, nxt) in enumerate(zip(chain[:-1], chain[1:])):
+            emb[cur] = 0.0
+            emb[cur, i] = 1.0
+            head[nxt, i] = 4.0
+    return model
+
+
+@pytest.fixture(scope="session")
+def tool_engine_url(tokenizer) -> Iterator[str]:
+    """A real embedded engine whose model answers every chat turn with :data:`TOOL_CALL_TEXT`."""
+    yield from _serve(tool_call_model(tokenizer))
+
+
+@pytest.fixture
+def router_factory(tokenizer):
+    """Builds started routers and shuts them all down after the test."""
+    from loongsage_core.agentflow import AgentFlowRouter
+
+    routers = []
+
+    def make(engine_urls, middlewares=(), **kwargs):
+        router = AgentFlowRouter(tokenizer, engine_urls, middlewares, **kwargs)
+        router.start()
+        routers.append(router)
+        return router
+
+    yield make
+    for r in routers:
+        r.shutdown()
