@@ -1,0 +1,320 @@
+"""Client of a rollout engine's SGLang-native HTTP API (the embedded engine or a real SGLang server).
+
+The same field names go over the wire to both engines: ``/generate`` with ``input_ids`` (always
+sent as a batch), ``sampling_params``, ``return_logprob`` and ``rid``; ``/abort_request``;
+``/pause_generation``; ``/continue_generation``; ``/flush_cache``; ``/get_weight_version``;
+``/update_weights_from_tensor``; ``/health``. Responses are read defensively: per-token weight
+versions come from the LoongSage field ``meta_info.output_token_weight_versions`` when present,
+else from SGLang's ``meta_info.weight_versions`` spans, else from ``meta_info.weight_version``
+repeated. Weight versions that are decimal strings (SGLang's type) become ints.
+
+Every method exists twice: ``await client.generate(...)`` (httpx.AsyncClient) and
+``client.generate_sync(...)`` (httpx.Client). A 4xx/5xx answer raises :class:`EngineError` with
+the engine's own message.
+
+Importing this module does not import torch; :func:`encode_direct_tensors` imports it when called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
+
+import attrs
+import httpx
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+class EngineError(RuntimeError):
+    """The engine answered with an error status; ``message`` is the engine's own explanation."""
+
+    def __init__(self, status_code: int, message: str, path: str, param: str | None = None) -> None:
+        super().__init__(f"engine {path} failed with HTTP {status_code}: {message}")
+        self.status_code = status_code
+        self.message = message
+        self.path = path
+        self.param = param
+
+
+def _version(value: Any) -> int | str | None:
+    """A weight version as an int when it is one (SGLang sends strings), else unchanged."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) or value is None:
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return value
+    return value
+
+
+@attrs.define
+class GenerationResult:
+    """One generated sequence.
+
+    ``logprobs[i]`` is the engine's log-probability of ``output_ids[i]`` (``None`` entries when the
+    engine gave none); ``weight_versions[i]`` the weight version that produced it;
+    ``finish_reason`` is ``"stop"``, ``"length"`` or ``"abort"`` (details in ``finish_detail``).
+    """
+
+    rid: str
+    output_ids: list[int]
+    logprobs: list[float | None] | None
+    finish_reason: str
+    finish_detail: dict[str, Any]
+    weight_version: int | str | None
+    weight_versions: list[int | str | None]
+    prompt_tokens: int
+    cached_tokens: int
+    text: str
+    meta_info: dict[str, Any] = attrs.field(repr=False)
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason == "abort"
+
+    @classmethod
+    def from_response(cls, obj: Mapping[str, Any], rid: str | None = None) -> "GenerationResult":
+        """Read one element of a ``/generate`` response (SGLang's format)."""
+        meta = dict(obj.get("meta_info") or {})
+        output_ids = [int(t) for t in obj.get("output_ids") or []]
+        finish = meta.get("finish_reason")
+        if isinstance(finish, Mapping):
+            detail = dict(finish)
+            kind = str(finish.get("type") or "")
+        else:  # no finish reason: the request is still streaming or the engine omitted it
+            detail, kind = {}, str(finish or "")
+        lp_triples = meta.get("output_token_logprobs")
+        logprobs = None
+        if lp_triples is not None:
+            logprobs = [None if e is None or e[0] is None else float(e[0]) for e in lp_triples]
+        version = _version(meta.get("weight_version"))
+        n = len(output_ids)
+        if meta.get("output_token_weight_versions") is not None:
+            versions = [_version(v) for v in meta["output_token_weight_versions"]]
+        elif meta.get("weight_versions"):
+            versions = [version] * n
+            for span in meta["weight_versions"]:
+                for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
+                    versions[i] = _version(span["version"])
+        else:
+            versions = [version] * n
+        return cls(rid=str(meta.get("id") or rid or ""), output_ids=output_ids, logprobs=logprobs,
+                   finish_reason=kind, finish_detail=detail, weight_version=version, weight_versions=versions,
+                   prompt_tokens=int(meta.get("prompt_tokens") or 0), cached_tokens=int(meta.get("cached_tokens") or 0),
+                   text=str(obj.get("text") or ""), meta_info=meta)
+
+
+def encode_direct_tensors(named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> str:
+    """``serialized_named_tensors`` for ``load_format="direct"`` of the embedded engine:
+    base64 of ``torch.save`` of the ``(name, tensor)`` list (tensors moved to CPU)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([(name, t.detach().cpu().contiguous()) for name, t in named_tensors], buf)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _check(resp: httpx.Response, path: str) -> httpx.Response:
+    if resp.status_code < 400:
+        return resp
+    message, param = resp.text.strip(), None
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if isinstance(body, Mapping):
+        err = body.get("error")
+        if isinstance(err, Mapping):
+            message = str(err.get("message") or message)
+            param = err.get("param")
+        elif isinstance(err, str):
+            message = err
+        elif body.get("message"):
+            message = str(body["message"])
+    raise EngineError(resp.status_code, message or resp.reason_phrase, path, param)
+
+
+def _json_or_text(resp: httpx.Response) -> Any:
+    if not resp.content:
+        return {}
+    try:
+        return resp.json()
+    except ValueError:
+        return {"message": resp.text}
+
+
+class EngineClient:
+    """Talks to one engine at ``base_url`` (``http://host:port``)."""
+
+    def __init__(self, base_url: str, *, timeout: float | None = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self._async: httpx.AsyncClient | None = None
+        self._async_loop: asyncio.AbstractEventLoop | None = None
+        self._sync: httpx.Client | None = None
+
+    # ------------------------------------------------------------------------------------------
+    # plumbing
+    # ------------------------------------------------------------------------------------------
+    def _aclient(self) -> httpx.AsyncClient:
+        loop = asyncio.get_running_loop()
+        if self._async is None or self._async_loop is not loop or self._async.is_closed:
+            self._async = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout)
+            self._async_loop = loop
+        return self._async
+
+    def _sclient(self) -> httpx.Client:
+        if self._sync is None or self._sync.is_closed:
+            self._sync = httpx.Client(base_url=self.base_url, timeout=self.timeout)
+        return self._sync
+
+    async def _request(self, method: str, path: str, json: Any = None, timeout: float | None | str = "default") -> Any:
+        kw: dict[str, Any] = {} if timeout == "default" else {"timeout": timeout}
+        resp = await self._aclient().request(method, path, json=json, **kw)
+        return _json_or_text(_check(resp, path))
+
+    def _request_sync(self, method: str, path: str, json: Any = None, timeout: float | None | str = "default") -> Any:
+        kw: dict[str, Any] = {} if timeout == "default" else {"timeout": timeout}
+        resp = self._sclient().request(method, path, json=json, **kw)
+        return _json_or_text(_check(resp, path))
+
+    async def aclose(self) -> None:
+        if self._async is not None:
+            await self._async.aclose()
+            self._async = None
+        self.close()
+
+    def close(self) -> None:
+        if self._sync is not None:
+            self._sync.close()
+            self._sync = None
+
+    # ------------------------------------------------------------------------------------------
+    # request building
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def generate_payload(input_ids: Sequence[Sequence[int]] | Sequence[int],
+                         sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+                         *, return_logprob: bool = True, rids: Sequence[str] | None = None) -> dict[str, Any]:
+        """The ``/generate`` body for a batch (a single prompt is sent as a batch of one)."""
+        rows: Any = input_ids
+        batch = [[int(t) for t in p] for p in rows] if rows and isinstance(rows[0], (list, tuple)) \
+            else [[int(t) for t in rows]]
+        if rids is None:
+            rids = [uuid.uuid4().hex for _ in batch]
+        elif len(rids) != len(batch):
+            raise ValueError(f"rids has {len(rids)} entries for a batch of {len(batch)} prompts")
+        params: Any
+        if isinstance(sampling_params, (list, tuple)):
+            params = [dict(p) for p in sampling_params]
+        else:
+            params = dict(cast(Mapping[str, Any], sampling_params or {}))
+        return {"input_ids": batch, "sampling_params": params, "return_logprob": return_logprob,
+                "rid": list(rids)}
+
+    @staticmethod
+    def _results(body: Any, rids: Sequence[str]) -> list[GenerationResult]:
+        items = body if isinstance(body, list) else [body]
+        return [GenerationResult.from_response(obj, rid) for obj, rid in zip(items, rids)]
+
+    # ------------------------------------------------------------------------------------------
+    # async API
+    # ------------------------------------------------------------------------------------------
+    async def generate(self, input_ids: Sequence[Sequence[int]] | Sequence[int],
+                       sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+                       *, return_logprob: bool = True, rids: Sequence[str] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt of ``input_ids``; results in prompt order."""
+        payload = self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
+        body = await self._request("POST", "/generate", payload)
+        return self._results(body, payload["rid"])
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Abort one request (or a batch sent with this ``rid`` prefix), or every request."""
+        await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    async def pause(self, mode: str = "abort") -> None:
+        """``mode``: ``"abort"`` | ``"retract"`` | ``"in_place"`` (SGLang's pause modes)."""
+        await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache")
+
+    async def weight_version(self) -> int | str | None:
+        return _version((await self._request("GET", "/get_weight_version")).get("weight_version"))
+
+    async def update_weight_version(self, version: int | str, *, abort_all_requests: bool = False) -> None:
+        await self._request("POST", "/update_weight_version",
+                            {"new_version": str(version), "abort_all_requests": abort_all_requests})
+
+    async def update_weights_from_tensor(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        """POST an ``UpdateWeightsFromTensorReqInput`` body (``serialized_named_tensors``, ``load_format``,
+        ``flush_cache``, ``weight_version``); integer versions are sent as strings, as SGLang expects."""
+        body = dict(payload)
+        if body.get("weight_version") is not None:
+            body["weight_version"] = str(body["weight_version"])
+        return await self._request("POST", "/update_weights_from_tensor", body, timeout=None)
+
+    async def health(self) -> bool:
+        try:
+            resp = await self._aclient().get("/health", timeout=5.0)
+        except httpx.HTTPError:
+            return False
+        return resp.status_code == 200
+
+    async def model_info(self) -> dict[str, Any]:
+        return await self._request("GET", "/get_model_info")
+
+    async def wait_healthy(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not await self.health():
+            if time.monotonic() > deadline:
+                raise EngineError(503, f"engine not healthy after {timeout_s} s", "/health")
+            await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------------------------------
+    # sync API
+    # ------------------------------------------------------------------------------------------
+    def generate_sync(self, input_ids: Sequence[Sequence[int]] | Sequence[int],
+                      sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
+                      *, return_logprob: bool = True, rids: Sequence[str] | None = None) -> list[GenerationResult]:
+        payload = self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
+        return self._results(self._request_sync("POST", "/generate", payload), payload["rid"])
+
+    def abort_sync(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        self._request_sync("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+
+    def pause_sync(self, mode: str = "abort") -> None:
+        self._request_sync("POST", "/pause_generation", {"mode": mode})
+
+    def resume_sync(self) -> None:
+        self._request_sync("POST", "/continue_generation", {})
+
+    def flush_cache_sync(self) -> None:
+        self._request_sync("POST", "/flush_cache")
+
+    def weight_version_sync(self) -> int | str | None:
+        return _version(self._request_sync("GET", "/get_weight_version").get("weight_version"))
+
+    def update_weights_from_tensor_sync(self, payload: Mapping[str, Any]) -> dict[str, Any]:
+        body = dict(payload)
+        if body.get("weight_version") is not None:
+            body["weight_version"] = str(body["weight_version"])
+        return self._request_sync("POST", "/update_weights_from_tensor", body, timeout=None)
+
+    def health_sync(self) -> bool:
+        try:
+            return self._sclient().get("/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False

@@ -1,0 +1,32 @@
+"""Embedded rollout engine of loongsage-plugin-torch.
+
+A CPU-friendly inference server for the policy model that speaks the subset of SGLang's native
+HTTP API the framework uses (``/generate`` with ``input_ids`` and ``return_logprob``,
+``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,
+``/update_weights_from_tensor``, ``/get_weight_version``, ...), with continuous batching, a slot
+KV cache, prefix sharing across a group's samples and per-token weight versions.
+
+Modules: :mod:`.engine` (the engine object and factory), :mod:`.server` (HTTP),
+:mod:`.scheduler` (the batching loop), :mod:`.runner` (forward passes), :mod:`.kv_cache`,
+:mod:`.sampling`, :mod:`.protocol` (request validation), :mod:`.weights`, :mod:`.settings`.
+Importing this package does not import torch; the modules that need it import it when used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+SUPPORTS = ("generate", "abort_request", "pause_generation", "continue_generation", "flush_cache",
+            "update_weights_from_tensor", "get_weight_version", "update_weight_version", "get_model_info",
+            "get_server_info", "health")
+"""Endpoints the embedded engine serves (for ``RolloutEngineSpec.supports``)."""
+
+
+def create_engine(ctx: Any) -> Any:
+    """``factory(ctx: EngineContext) -> EmbeddedEngine`` of the ``torch`` rollout engine."""
+    from .engine import EmbeddedEngine
+
+    return EmbeddedEngine(ctx)
+
+
+__all__ = ["SUPPORTS", "create_engine"]

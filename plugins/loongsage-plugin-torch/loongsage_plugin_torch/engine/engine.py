@@ -1,0 +1,171 @@
+"""The embedded rollout engine: model + continuous-batching loop + SGLang-compatible HTTP server.
+
+``EmbeddedEngine(ctx)`` loads the policy of ``ctx.job`` (see :mod:`..modeling`) and, when the job
+names one, its tokenizer; :meth:`EmbeddedEngine.start` starts the decode loop and the HTTP server
+on ``ctx.host`` (port ``ctx.port``, 0 picks a free one) and returns the base URL;
+:meth:`EmbeddedEngine.shutdown` stops both. :meth:`EmbeddedEngine.load_weights` is the in-process
+weight-update entry (used by the in-process transport); HTTP updates go through
+``/update_weights_from_tensor``, whose ``load_format`` names a weight transport component.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+
+from ..modeling import ModelLoadError, load_model, load_tokenizer
+from .protocol import InvalidRequest
+from .runner import ModelRunner
+from .scheduler import Scheduler
+from .settings import EngineSettings
+from .weights import DIRECT_FORMAT, decode_direct
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+log = logging.getLogger(__name__)
+
+
+def _eos_ids(model: Any, tokenizer: Any, vocab_size: int) -> set[int]:
+    """End-of-sequence ids from the model config, its generation config and the tokenizer."""
+    found: set[int] = set()
+    sources = [getattr(model.config, "eos_token_id", None),
+               getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+               getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None]
+    for value in sources:
+        for tid in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(tid, int) and 0 <= tid < vocab_size:
+                found.add(tid)
+    return found
+
+
+class EmbeddedEngine:
+    """A rollout engine in this process that speaks SGLang's native HTTP API (see :mod:`.server`)."""
+
+    def __init__(self, ctx: Any, *, model: Any = None) -> None:
+        self.ctx = ctx
+        job = ctx.job
+        self.settings = EngineSettings.from_job(job)
+        self.model = model if model is not None else load_model(job)
+        self.tokenizer = None
+        if job.model.tokenizer or job.model.path:
+            try:
+                self.tokenizer = load_tokenizer(job)
+            except ModelLoadError:
+                if job.model.tokenizer:
+                    raise
+                log.warning("embedded engine: no tokenizer in %s; responses carry empty text", job.model.path)
+        self.model_path = job.model.path
+        self.tokenizer_path = job.model.tokenizer or job.model.path
+        self.runner = ModelRunner(self.model, num_slots=self.settings.max_batch_size)
+        self.vocab_size = self.runner.vocab_size
+        self.scheduler = Scheduler(self.runner, self.settings, _eos_ids(self.model, self.tokenizer, self.vocab_size))
+        self._receivers: dict[str, Any] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._site_runner: Any = None
+        self.base_url: str | None = None
+
+    # ------------------------------------------------------------------------------------------
+    def start(self) -> str:
+        """Start the decode loop and the HTTP server; returns ``http://HOST:PORT``."""
+        if self.base_url is not None:
+            return self.base_url
+        from aiohttp import web
+
+        from .server import EngineServer
+
+        self.scheduler.start()
+        server = EngineServer(self)
+        ready = threading.Event()
+        failure: list[BaseException] = []
+        host = getattr(self.ctx, "host", "127.0.0.1") or "127.0.0.1"
+        port = int(getattr(self.ctx, "port", 0) or 0)
+
+        def serve() -> None:
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+                loop.run_until_complete(runner.setup())
+                site = web.TCPSite(runner, host, port)
+                loop.run_until_complete(site.start())
+                self._site_runner = runner
+                bound = runner.addresses[0][1]
+                self.base_url = f"http://{host}:{bound}"
+            except BaseException as exc:  # reported to start()
+                failure.append(exc)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                loop.run_until_complete(runner.cleanup())
+                loop.close()
+
+        self._thread = threading.Thread(target=serve, name="loongsage-engine-http", daemon=True)
+        self._thread.start()
+        ready.wait()
+        if failure:
+            self.scheduler.stop()
+            raise RuntimeError(f"embedded engine: cannot serve on {host}:{port}: {failure[0]}") from failure[0]
+        log.info("embedded engine serving at %s", self.base_url)
+        return self.base_url  # type: ignore[return-value]
+
+    def shutdown(self) -> None:
+        """Stop the decode loop (pending requests fail with an error) and then the HTTP server."""
+        self.scheduler.stop()
+        if self._loop is not None and self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+        self._loop = self._thread = None
+        self.base_url = None
+
+    # ------------------------------------------------------------------------------------------
+    def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> int:
+        """Copy ``(name, tensor)`` pairs (Hugging Face names) into the model in place, between two
+        decode steps, and set the weight version; returns the number of tensors copied.
+
+        Thread-safe: callable from any thread while the engine serves. Requests kept across the
+        update (pause ``in_place``) continue with the new weights; their later tokens carry ``version``.
+        """
+        return self.scheduler.call(lambda: self.scheduler.load_weights(named_tensors, int(version))).result()
+
+    @property
+    def weight_version(self) -> int:
+        return self.scheduler.version
+
+    def named_tensors_from(self, load_format: str, payload: Mapping[str, Any]) -> Iterator[tuple[str, "torch.Tensor"]]:
+        """The ``(name, tensor)`` pairs of an update request, decoded by ``load_format``."""
+        if load_format == DIRECT_FORMAT:
+            return decode_direct(payload)
+        receiver = self._receivers.get(load_format)
+        if receiver is None:
+            components = getattr(self.ctx, "components", None)
+            if components is None:
+                raise InvalidRequest(f"'load_format' {load_format!r} is unknown: this engine has no weight "
+                                     f"transports, only '{DIRECT_FORMAT}'", "load_format")
+            try:
+                spec = components.get("weight_transport", load_format)
+            except Exception as exc:  # the registry says what is installed
+                raise InvalidRequest(f"'load_format' {load_format!r} names no weight transport: {exc}",
+                                     "load_format") from None
+            receiver = self._receivers[load_format] = spec.receiver()
+        return iter(receiver.receive(payload))
+
+    # ------------------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("'text' needs a tokenizer; send 'input_ids'", "text")
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None or not ids:
+            return ""
+        return str(self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens))
+

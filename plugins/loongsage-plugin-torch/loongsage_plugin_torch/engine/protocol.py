@@ -1,0 +1,395 @@
+"""Validation of the SGLang-native request bodies the embedded engine accepts.
+
+The field names are SGLang's (``GenerateReqInput``, its ``sampling_params``, ``AbortReq``,
+``PauseGenerationReqInput``, ``UpdateWeightsFromTensorReqInput``, ``UpdateWeightVersionReqInput``).
+Fields the engine implements are checked for type and range; SGLang fields it does not implement
+are accepted only at their neutral default; anything else is rejected. Every problem raises
+:class:`InvalidRequest` naming the field, which the server turns into HTTP 400 with
+``{"error": {"message", "type": "invalid_request_error", "param"}}``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any, Callable, Mapping, Sequence
+
+import attrs
+
+from .sampling import SamplingParams
+
+DEFAULT_MAX_NEW_TOKENS = 128
+"""SGLang's default ``max_new_tokens`` (clipped to the room left in the context when defaulted)."""
+
+
+class InvalidRequest(ValueError):
+    """A request body is malformed; ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param}}
+
+
+@attrs.define
+class GenerateItem:
+    """One validated request of a ``/generate`` body (a batch body yields several)."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool
+    return_text_in_logprobs: bool = False
+    parent_rid: str | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# small typed readers
+# --------------------------------------------------------------------------------------------
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _bool(body: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise InvalidRequest(f"'{where}{key}' must be a boolean, got {v!r}", where + key)
+    return v
+
+
+def _require_object(body: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise InvalidRequest(f"the request body of {what} must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _check_unknown(body: Mapping[str, Any], allowed: set[str], neutral: Mapping[str, Callable[[Any], bool]],
+                   where: str = "") -> None:
+    """Reject fields outside ``allowed``; SGLang fields in ``neutral`` pass only at a neutral value."""
+    for key, value in body.items():
+        if key in allowed:
+            continue
+        if key in neutral:
+            if not neutral[key](value):
+                raise InvalidRequest(
+                    f"'{where}{key}' = {value!r} is not supported by the embedded engine "
+                    f"(only its default is accepted)", where + key)
+            continue
+        raise InvalidRequest(f"unknown field '{where}{key}'", where + key)
+
+
+def _none(v: Any) -> bool:
+    return v is None
+
+
+def _false(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == [] or v == "" or v == {}
+
+
+# --------------------------------------------------------------------------------------------
+# /generate
+# --------------------------------------------------------------------------------------------
+
+GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
+                   "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num"}
+GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "log_metrics": lambda v: isinstance(v, bool) or v is None,
+    "priority": lambda v: v is None or _is_int(v),
+    "custom_labels": lambda v: v is None or isinstance(v, dict),
+    "routing_key": lambda v: v is None or isinstance(v, str),
+    "conversation_id": lambda v: v is None or isinstance(v, str),
+    "session_id": lambda v: v is None or isinstance(v, str),
+    "no_logs": lambda v: isinstance(v, bool) or v is None,
+    "input_embeds": _none, "image_data": _none, "video_data": _none, "audio_data": _none,
+    "token_ids_logprob": _none, "return_hidden_states": _false, "return_routed_experts": _false,
+    "return_entropy": _false, "lora_path": _none, "lora_id": _none, "session_params": _none,
+    "custom_logit_processor": _none, "modalities": _none, "bootstrap_host": _none,
+    "bootstrap_port": _none, "bootstrap_room": _none, "data_parallel_rank": _none,
+    "routed_dp_rank": _none, "extra_key": _none, "return_prompt_token_ids": _false,
+}
+
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids",
+                   "ignore_eos", "sampling_seed", "seed", "skip_special_tokens", "n", "stop"}
+SAMPLING_NEUTRAL: dict[str, Callable[[Any], bool]] = {
+    "spaces_between_special_tokens": lambda v: isinstance(v, bool) or v is None,
+    "no_stop_trim": lambda v: isinstance(v, bool) or v is None,
+    "stream_interval": lambda v: v is None or _is_int(v),
+    "frequency_penalty": lambda v: v in (None, 0, 0.0),
+    "presence_penalty": lambda v: v in (None, 0, 0.0),
+    "repetition_penalty": lambda v: v in (None, 1, 1.0),
+    "min_new_tokens": lambda v: v in (None, 0),
+    "stop_regex": _empty, "regex": _none, "json_schema": _none, "ebnf": _none,
+    "structural_tag": _none, "custom_params": _none, "logit_bias": _empty,
+}
+
+
+def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: int,
+                          max_context: int) -> SamplingParams:
+    """Validate one ``sampling_params`` object for a prompt of ``prompt_len`` tokens."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise InvalidRequest(f"'{where}' must be an object, got {type(raw).__name__}", where)
+    w = where + "."
+    _check_unknown(raw, SAMPLING_FIELDS, SAMPLING_NEUTRAL, w)
+
+    def number(key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
+        v = raw.get(key)
+        if v is None:
+            return default
+        if not _is_number(v) or v != v:
+            raise InvalidRequest(f"'{w}{key}' must be a number, got {v!r}", w + key)
+        if v < lo or v > hi or (lo_open and v == lo):
+            bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
+            raise InvalidRequest(f"'{w}{key}' must be in {bound}, got {v!r}", w + key)
+        return float(v)
+
+    temperature = number("temperature", 1.0, 0.0, float("inf"))
+    top_p = number("top_p", 1.0, 0.0, 1.0, lo_open=True)
+    min_p = number("min_p", 0.0, 0.0, 1.0)
+    top_k = raw.get("top_k")
+    if top_k is None:
+        top_k = -1
+    if not _is_int(top_k) or (top_k != -1 and top_k < 1):
+        raise InvalidRequest(f"'{w}top_k' must be -1 (disabled) or an integer >= 1, got {top_k!r}", w + "top_k")
+    n = raw.get("n")
+    if n not in (None, 1):
+        raise InvalidRequest(f"'{w}n' = {n!r} is not supported: send the prompt once per sample in a batch",
+                             w + "n")
+    stop = raw.get("stop")
+    if not _empty(stop):
+        raise InvalidRequest(f"'{w}stop' (stop strings) is not supported by the embedded engine; "
+                             "use 'stop_token_ids'", w + "stop")
+    stop_ids = raw.get("stop_token_ids")
+    if stop_ids is None:
+        stop_ids = []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in stop_ids):
+        raise InvalidRequest(f"'{w}stop_token_ids' must be a list of token ids in [0, {vocab_size}), "
+                             f"got {stop_ids!r}", w + "stop_token_ids")
+    seed = raw.get("sampling_seed", raw.get("seed"))
+    seed_key = "sampling_seed" if "sampling_seed" in raw else "seed"
+    if seed is not None and not _is_int(seed):
+        raise InvalidRequest(f"'{w}{seed_key}' must be an integer, got {seed!r}", w + seed_key)
+    room = max_context - prompt_len
+    max_new = raw.get("max_new_tokens")
+    if max_new is None:
+        max_new = max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
+    elif not _is_int(max_new) or max_new < 0:
+        raise InvalidRequest(f"'{w}max_new_tokens' must be a non-negative integer, got {max_new!r}",
+                             w + "max_new_tokens")
+    elif max_new > room:
+        raise InvalidRequest(
+            f"'{w}max_new_tokens' = {max_new} does not fit: the prompt has {prompt_len} tokens and the "
+            f"context length is {max_context}, so at most {max(room, 0)} new tokens are possible",
+            w + "max_new_tokens")
+    return SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=max_new,
+        stop_token_ids=tuple(stop_ids), ignore_eos=_bool(raw, "ignore_eos", False, w), seed=seed,
+        skip_special_tokens=_bool(raw, "skip_special_tokens", True, w))
+
+
+def _token_list(value: Any, where: str, vocab_size: int) -> list[int]:
+    if not isinstance(value, list):
+        raise InvalidRequest(f"'{where}' must be a list of token ids, got {type(value).__name__}", where)
+    if not value:
+        raise InvalidRequest(f"'{where}' is empty: a prompt needs at least one token", where)
+    for t in value:
+        if not _is_int(t):
+            raise InvalidRequest(f"'{where}' must contain integers, got {t!r}", where)
+        if not 0 <= t < vocab_size:
+            raise InvalidRequest(f"'{where}' has token id {t} outside the vocabulary [0, {vocab_size})", where)
+    return value
+
+
+def _per_item(value: Any, count: int, key: str) -> list[Any]:
+    """A batch field may be one value for all items or a list with one value per item."""
+    if isinstance(value, list):
+        if len(value) != count:
+            raise InvalidRequest(f"'{key}' has {len(value)} entries for a batch of {count}", key)
+        return value
+    return [value] * count
+
+
+def parse_generate(body: Any, *, vocab_size: int, max_context: int,
+                   encode: Callable[[str], list[int]] | None) -> tuple[list[GenerateItem], bool]:
+    """Validate a ``/generate`` body; returns the items and whether the input was a single prompt."""
+    body = _require_object(body, "/generate")
+    _check_unknown(body, GENERATE_FIELDS, GENERATE_NEUTRAL)
+    if body.get("stream"):
+        raise InvalidRequest("'stream' = true is not supported by the embedded engine; send stream=false", "stream")
+    start = body.get("logprob_start_len")
+    if start not in (None, -1):
+        raise InvalidRequest("'logprob_start_len' is not supported (only output-token log-probs are returned); "
+                             "omit it or send -1", "logprob_start_len")
+    if body.get("top_logprobs_num") not in (None, 0):
+        raise InvalidRequest("'top_logprobs_num' > 0 is not supported by the embedded engine", "top_logprobs_num")
+    ids, text = body.get("input_ids"), body.get("text")
+    if ids is not None and text is not None:
+        raise InvalidRequest("send either 'input_ids' or 'text', not both", "input_ids")
+    if ids is None and text is None:
+        raise InvalidRequest("'input_ids' is required", "input_ids")
+    if ids is None:
+        if encode is None:
+            raise InvalidRequest("'text' needs a tokenizer, and this engine has none configured; send 'input_ids'",
+                                 "text")
+        if isinstance(text, str):
+            ids, single = [encode(text)], True
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            ids, single = [encode(t) for t in text], False
+        else:
+            raise InvalidRequest("'text' must be a string or a non-empty list of strings", "text")
+        prompts = [_token_list(p, "text" if single else f"text[{i}]", vocab_size) for i, p in enumerate(ids)]
+    else:
+        if not isinstance(ids, list) or not ids:
+            raise InvalidRequest("'input_ids' must be a non-empty list of token ids or of token-id lists", "input_ids")
+        single = not isinstance(ids[0], list)
+        if single:
+            prompts = [_token_list(ids, "input_ids", vocab_size)]
+        else:
+            prompts = [_token_list(p, f"input_ids[{i}]", vocab_size) for i, p in enumerate(ids)]
+    count = len(prompts)
+
+    rid = body.get("rid")
+    if single:
+        if rid is not None and not isinstance(rid, str):
+            raise InvalidRequest(f"'rid' must be a string for a single prompt, got {rid!r}", "rid")
+        rids, parent = [rid or uuid.uuid4().hex], None
+    elif rid is None:
+        rids, parent = [uuid.uuid4().hex for _ in range(count)], None
+    elif isinstance(rid, str):
+        rids, parent = [f"{rid}_{i}" for i in range(count)], rid
+    elif isinstance(rid, list) and len(rid) == count and all(isinstance(r, str) and r for r in rid):
+        rids, parent = list(rid), None
+    else:
+        raise InvalidRequest(f"'rid' must be a string or a list of {count} non-empty strings", "rid")
+    if len(set(rids)) != len(rids):
+        raise InvalidRequest("'rid' has duplicate request ids in one batch", "rid")
+
+    sp = body.get("sampling_params")
+    sps = sp if isinstance(sp, list) else [sp] * count
+    if len(sps) != count:
+        raise InvalidRequest(f"'sampling_params' has {len(sps)} entries for a batch of {count}", "sampling_params")
+    rl = _per_item(body.get("return_logprob"), count, "return_logprob")
+    items = []
+    for i, prompt in enumerate(prompts):
+        where_ids = "input_ids" if single else f"input_ids[{i}]"
+        if len(prompt) >= max_context:
+            raise InvalidRequest(f"'{where_ids}' has {len(prompt)} tokens, which does not fit the context "
+                                 f"length of {max_context} tokens", where_ids)
+        where_sp = "sampling_params" if not isinstance(sp, list) else f"sampling_params[{i}]"
+        params = parse_sampling_params(sps[i], where=where_sp, vocab_size=vocab_size,
+                                       prompt_len=len(prompt), max_context=max_context)
+        ret_lp = rl[i]
+        if ret_lp is None:
+            ret_lp = False
+        if not isinstance(ret_lp, bool):
+            raise InvalidRequest(f"'return_logprob' must be a boolean, got {ret_lp!r}", "return_logprob")
+        items.append(GenerateItem(rid=rids[i], input_ids=list(prompt), params=params, return_logprob=ret_lp,
+                                  return_text_in_logprobs=_bool(body, "return_text_in_logprobs", False, ""),
+                                  parent_rid=parent))
+    return items, single
+
+
+# --------------------------------------------------------------------------------------------
+# control endpoints
+# --------------------------------------------------------------------------------------------
+
+def parse_abort(body: Any) -> tuple[str | None, bool]:
+    """``/abort_request``: ``(rid or None, abort_all)``."""
+    body = _require_object(body if body is not None else {}, "/abort_request")
+    _check_unknown(body, {"rid", "abort_all", "finished_reason", "abort_message"}, {})
+    rid = body.get("rid")
+    if rid is not None and not isinstance(rid, str):
+        raise InvalidRequest(f"'rid' must be a string, got {rid!r}", "rid")
+    abort_all = _bool(body, "abort_all", False, "")
+    if not abort_all and not rid:
+        raise InvalidRequest("give a 'rid' to abort or set 'abort_all' to true", "rid")
+    return rid or None, abort_all
+
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def parse_pause(body: Any) -> str:
+    """``/pause_generation``: the mode (SGLang's default is ``"abort"``)."""
+    body = _require_object(body if body is not None else {}, "/pause_generation")
+    _check_unknown(body, {"mode", "rid"}, {})
+    mode = body.get("mode", "abort")
+    if mode not in PAUSE_MODES:
+        raise InvalidRequest(f"'mode' must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
+    return mode
+
+
+def parse_version(value: Any, field: str) -> int:
+    """A weight version: LoongSage versions are integers (SGLang sends them as strings)."""
+    if _is_int(value):
+        return value
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            pass
+    raise InvalidRequest(f"'{field}' must be an integer weight version (or its decimal string), got {value!r}", field)
+
+
+@attrs.define
+class WeightUpdate:
+    """A validated ``/update_weights_from_tensor`` body."""
+
+    load_format: str
+    payload: Mapping[str, Any]
+    flush_cache: bool
+    abort_all_requests: bool
+    weight_version: int | None
+
+
+def parse_update_weights(body: Any) -> WeightUpdate:
+    body = _require_object(body, "/update_weights_from_tensor")
+    _check_unknown(body, {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
+                          "weight_version", "rid"},
+                   {"disable_draft_model": lambda v: v in (None, True, False),
+                    "torch_empty_cache": lambda v: v in (None, True, False)})
+    if "serialized_named_tensors" not in body:
+        raise InvalidRequest("'serialized_named_tensors' is required", "serialized_named_tensors")
+    fmt = body.get("load_format") or "direct"
+    if not isinstance(fmt, str):
+        raise InvalidRequest(f"'load_format' must be a string, got {fmt!r}", "load_format")
+    version = body.get("weight_version")
+    return WeightUpdate(load_format=fmt, payload=body, flush_cache=_bool(body, "flush_cache", True, ""),
+                        abort_all_requests=_bool(body, "abort_all_requests", False, ""),
+                        weight_version=None if version is None else parse_version(version, "weight_version"))
+
+
+def parse_update_version(body: Any) -> tuple[int, bool]:
+    """``/update_weight_version``: ``(new_version, abort_all_requests)``."""
+    body = _require_object(body, "/update_weight_version")
+    _check_unknown(body, {"new_version", "abort_all_requests", "rid"}, {})
+    if "new_version" not in body:
+        raise InvalidRequest("'new_version' is required", "new_version")
+    return parse_version(body["new_version"], "new_version"), _bool(body, "abort_all_requests", True, "")
+
+
+def finish_json(kind: str, **extra: Any) -> dict[str, Any]:
+    """SGLang's ``finish_reason`` object: ``{"type": "stop"|"length"|"abort", ...}``."""
+    return {"type": kind, **extra}
+
+
+def token_logprob_triples(logprobs: Sequence[float], tokens: Sequence[int],
+                          texts: Sequence[str | None] | None = None) -> list[list[Any]]:
+    """SGLang's ``output_token_logprobs``: ``[[logprob, token_id, text_or_null], ...]``."""
+    if texts is None:
+        return [[lp, t, None] for lp, t in zip(logprobs, tokens)]
+    return [[lp, t, s] for lp, t, s in zip(logprobs, tokens, texts)]

@@ -1,0 +1,302 @@
+"""Batched forward passes of a transformers causal LM against the engine's slot KV cache.
+
+The runner reuses the model's own weights and sub-modules (embeddings, rotary-embedding tables,
+RMSNorm epsilons, activation, output head) and replaces the per-layer bookkeeping with a lean
+path built for many short decode steps:
+
+* the q/k/v projections and the gate/up projections of each layer are fused into one matrix each,
+  and every projection matrix is stored transposed (``[in, out]``, the faster layout for CPU
+  matrix products with few rows); the model's parameters become (transposed) views into that
+  storage, so an in-place weight update of ``...q_proj.weight`` updates what the runner uses;
+* keys and values go into :class:`~.kv_cache.SlotKVCache` rows and every query attends to its own
+  row with a causal, length-aware mask;
+* one call serves prefill/extend (new tokens of ``P`` rows packed back to back, for slots that
+  already hold ``starts[i]`` positions: 0 for a fresh prompt, ``p`` after a prefix-cache hit,
+  earlier chunks of a long prompt) and decode (one token per row). Projections and MLPs see only
+  real tokens, never padding.
+
+At construction the runner checks its fast RMSNorm and rotary formula against the model's own
+modules on random inputs and refuses to run when they disagree, so a family with a different
+convention fails loudly instead of producing wrong log-probabilities. Log-probabilities agree
+with a plain full-sequence forward of the same model to float32 rounding (tests check 1e-5).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any, Sequence
+
+import attrs
+
+from .kv_cache import SlotKVCache
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama")
+
+
+class UnsupportedModelError(ValueError):
+    """The model's architecture is not one the embedded engine can run; the message says why."""
+
+
+@attrs.define(eq=False)
+class _Norm:
+    weight: Any
+    eps: float
+
+
+@attrs.define(eq=False)
+class _Linear:
+    """``x @ weight_t + bias`` with ``weight_t`` stored ``[in, out]``."""
+
+    weight_t: Any
+    bias: Any
+
+    def __call__(self, x: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+@attrs.define(eq=False)
+class _Layer:
+    """The tensors one decoder layer needs, fused where that saves matrix multiplications."""
+
+    attn_norm: _Norm
+    qkv: _Linear
+    qk_norm: tuple[_Norm, _Norm] | None
+    o_proj: _Linear
+    mlp_norm: _Norm
+    gate_up: _Linear
+    act: Any
+    down: _Linear
+
+
+def _fuse_linears(linears: Sequence[Any]) -> _Linear:
+    """Stack ``linears`` along the output axis into one transposed ``[in, out]`` matrix (and one
+    bias) and make each module's parameters views into it, so in-place updates reach both."""
+    import torch
+
+    weight_t = torch.cat([lin.weight.detach() for lin in linears], 0).t().contiguous()
+    has_bias = [lin.bias is not None for lin in linears]
+    bias = None
+    if all(has_bias):
+        bias = torch.cat([lin.bias.detach() for lin in linears], 0).contiguous()
+    elif any(has_bias):
+        raise UnsupportedModelError("embedded engine: projections of one layer mix biased and unbiased linears")
+    offset = 0
+    for lin in linears:
+        rows = lin.weight.shape[0]
+        lin.weight.data = weight_t[:, offset: offset + rows].t()
+        if bias is not None:
+            lin.bias.data = bias[offset: offset + rows]
+        offset += rows
+    return _Linear(weight_t, bias)
+
+
+def _norm_of(module: Any) -> _Norm:
+    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", None)
+    if eps is None or not hasattr(module, "weight"):
+        raise UnsupportedModelError(f"embedded engine: unsupported norm module {type(module).__name__}")
+    return _Norm(module.weight, float(eps))
+
+
+class ModelRunner:
+    """Owns the model and the slot KV cache; computes next-token logits for batches of slots."""
+
+    def __init__(self, model: Any, *, num_slots: int) -> None:
+        import torch
+
+        config = model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"embedded engine: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+        if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
+            raise UnsupportedModelError(
+                f"embedded engine: only full attention is supported, the model has layer types {sorted(layer_types)}")
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self._torch = torch
+        self.model = model
+        self.config = config
+        base = model.model
+        self.embed = base.embed_tokens
+        self.rotary = base.rotary_emb
+        self.final_norm = _norm_of(base.norm)
+        self.lm_head = model.lm_head
+        decoder_layers = list(base.layers[: config.num_hidden_layers])
+        attn0 = decoder_layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.scaling = float(attn0.scaling)
+        self.num_heads = int(config.num_attention_heads)
+        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
+        self.vocab_size = int(config.vocab_size)
+        self.dtype = next(model.parameters()).dtype
+        self._check_conventions(decoder_layers[0])
+        self.layers = [self._prepare(layer) for layer in decoder_layers]
+        self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, kv_heads=self.kv_heads,
+                                 head_dim=self.head_dim, dtype=self.dtype)
+
+    # ------------------------------------------------------------------------------------------
+    def _prepare(self, layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        for name in ("gate_proj", "up_proj", "down_proj", "act_fn"):
+            if not hasattr(mlp, name):
+                raise UnsupportedModelError(f"embedded engine: MLP without '{name}' ({type(mlp).__name__})")
+        qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        return _Layer(
+            attn_norm=_norm_of(layer.input_layernorm),
+            qkv=_fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
+            qk_norm=self._qk_norms(attn) if qk_norm else None,
+            o_proj=_fuse_linears([attn.o_proj]), mlp_norm=_norm_of(layer.post_attention_layernorm),
+            gate_up=_fuse_linears([mlp.gate_proj, mlp.up_proj]), act=mlp.act_fn, down=_fuse_linears([mlp.down_proj]))
+
+    @staticmethod
+    def _qk_norms(attn: Any) -> tuple[_Norm, _Norm]:
+        q_norm, k_norm = _norm_of(attn.q_norm), _norm_of(attn.k_norm)
+        if q_norm.eps != k_norm.eps:
+            raise UnsupportedModelError("embedded engine: q_norm and k_norm with different epsilons")
+        return q_norm, k_norm
+
+    def _check_conventions(self, layer: Any) -> None:
+        """Compare the fast RMSNorm and rotary formulas with the model's own modules."""
+        torch = self._torch
+        gen = torch.Generator().manual_seed(0)
+        tol = 1e-5 if self.dtype == torch.float32 else 3e-2  # half precision rounds the two paths apart
+        with torch.no_grad():
+            x = torch.randn(2, 3, self.config.hidden_size, generator=gen, dtype=self.dtype)
+            ref = layer.input_layernorm(x)
+            got = self._rms(x, _norm_of(layer.input_layernorm))
+            if not torch.allclose(ref, got, atol=tol, rtol=tol):
+                raise UnsupportedModelError(
+                    f"embedded engine: {type(layer.input_layernorm).__name__} is not a standard RMSNorm")
+            q = torch.randn(2, 3, self.num_heads, self.head_dim, generator=gen, dtype=self.dtype)
+            k = torch.randn(2, 3, self.kv_heads, self.head_dim, generator=gen, dtype=self.dtype)
+            pos = torch.tensor([[0, 5, 9], [3, 4, 100]])
+            cos, sin = self.rotary(x, pos)
+            family_rope = sys.modules[type(layer.self_attn).__module__].apply_rotary_pos_emb
+            ref_q, ref_k = family_rope(q, k, cos, sin, unsqueeze_dim=2)
+            sin_signed = self._signed_sin(sin).unsqueeze(2)
+            got_q, got_k = self._rope(q, cos.unsqueeze(2), sin_signed), self._rope(k, cos.unsqueeze(2), sin_signed)
+            close = all(torch.allclose(a, b, atol=tol, rtol=tol) for a, b in ((ref_q, got_q), (ref_k, got_k)))
+            if not close:
+                raise UnsupportedModelError("embedded engine: the model's rotary embedding convention is not supported")
+
+    def _rms(self, x: "torch.Tensor", norm: _Norm) -> "torch.Tensor":
+        return self._torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, norm.eps)
+
+    def _signed_sin(self, sin: "torch.Tensor") -> "torch.Tensor":
+        half = self.head_dim // 2
+        return self._torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+    def _rope(self, x: "torch.Tensor", cos: "torch.Tensor", sin_signed: "torch.Tensor") -> "torch.Tensor":
+        # rotate-half RoPE: x*cos + [x2, x1]*[-sin1, sin2]
+        return self._torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin_signed)
+
+    # ------------------------------------------------------------------------------------------
+    def forward(self, tokens: "torch.Tensor", slot_start: int, starts: "torch.Tensor",
+                counts: "torch.Tensor", *, all_logits: bool = False) -> "torch.Tensor":
+        """Append new tokens to slots ``slot_start .. slot_start + P - 1``.
+
+        ``tokens`` ``[N]`` holds the new tokens of all rows back to back (``counts[i]`` of row
+        ``i``, ``N = counts.sum()``); row ``i``'s KV already holds ``starts[i]`` positions. Returns
+        float32 logits of each row's last new token ``[P, V]``, or of every new token ``[N, V]``.
+
+        Projections and MLPs run on the ``N`` packed tokens (no padding); only attention uses a
+        padded ``[P, T]`` layout, where queries past a row's count are computed and discarded.
+        """
+        torch = self._torch
+        F = torch.nn.functional
+        P, N = counts.shape[0], tokens.shape[0]
+        H, KV, D = self.num_heads, self.kv_heads, self.head_dim
+        T = int(counts.max())
+        decode = T == 1
+        if decode:
+            row = torch.arange(P)
+            pos = starts
+        else:
+            row = torch.repeat_interleave(torch.arange(P), counts)
+            first = torch.cumsum(counts, 0) - counts
+            offset = torch.arange(N) - first[row]
+            pos = starts[row] + offset
+            pad_index = row * T + offset
+        key_len = int((starts + counts).max())
+        self.cache.ensure(slot_start + P, key_len)
+        slots = slice(slot_start, slot_start + P)
+        slot = row + slot_start
+        # Attention runs per KV head with the G = H / KV query heads sharing it stacked along the
+        # query axis ([P, KV, G*T, D]), so grouped keys and values are read once, never repeated.
+        # mask[i, 0, g*T + t, k]: query t of row i sees key k iff k <= starts[i] + t (its position)
+        G = H // KV
+        qpos = starts[:, None] + torch.arange(T)[None, :]
+        mask = torch.arange(key_len)[None, None, :] <= qpos[:, :, None]
+        if decode:  # additive mask for the plain matmul attention below, [P, 1, 1, key_len]
+            mask = torch.zeros(P, 1, 1, key_len, dtype=self.dtype).masked_fill_(~mask[:, None], float("-inf"))
+        else:
+            mask = mask[:, None, None].expand(P, 1, G, T, key_len).reshape(P, 1, G * T, key_len)
+
+        hidden = self.embed(tokens)
+        cos, sin = self.rotary(hidden, pos[None, :])
+        cos, sin_signed = cos[0].unsqueeze(1), self._signed_sin(sin[0]).unsqueeze(1)
+        q_size, kv_size = H * D, KV * D
+        for layer, k_cache, v_cache in zip(self.layers, self.cache.keys, self.cache.values):
+            x = self._rms(hidden, layer.attn_norm)
+            qkv = layer.qkv(x)
+            # queries and keys are normalised (Qwen3) and rotated together: fewer, larger ops
+            qk = qkv[:, : q_size + kv_size].view(N, H + KV, D)
+            v = qkv[:, q_size + kv_size:].view(N, KV, D)
+            if layer.qk_norm is not None:
+                q_norm, k_norm = layer.qk_norm
+                qk = F.rms_norm(qk, (D,), None, q_norm.eps)
+                qk[:, :H].mul_(q_norm.weight)
+                qk[:, H:].mul_(k_norm.weight)
+            qk = self._rope(qk, cos, sin_signed)
+            q, k = qk[:, :H], qk[:, H:]
+            k_cache[slot, :, pos] = k
+            v_cache[slot, :, pos] = v
+            keys, values = k_cache[slots, :, :key_len], v_cache[slots, :, :key_len]
+            if decode:
+                # one query per row: plain matmuls beat the fused kernel's masked path here
+                scores = torch.matmul(q.view(P, KV, G, D), keys.transpose(-1, -2)).mul_(self.scaling).add_(mask)
+                out = torch.matmul(torch.softmax(scores, dim=-1), values)
+            else:
+                q_rows = q.new_zeros(P * T, H, D)
+                q_rows[pad_index] = q
+                q_rows = q_rows.view(P, T, H, D).transpose(1, 2).reshape(P, KV, G * T, D)
+                out = F.scaled_dot_product_attention(q_rows, keys, values, attn_mask=mask, scale=self.scaling)
+            out = out.view(P, H, T, D).transpose(1, 2).reshape(P * T, q_size)
+            if not decode:
+                out = out[pad_index]
+            hidden = hidden + layer.o_proj(out)
+            x = self._rms(hidden, layer.mlp_norm)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            hidden = hidden + layer.down(layer.act(gate) * up)
+        if not all_logits and not decode:
+            hidden = hidden[torch.cumsum(counts, 0) - 1]
+        return self.lm_head(self._rms(hidden, self.final_norm)).float()
+
+    # ------------------------------------------------------------------------------------------
+    def named_tensors(self) -> dict[str, "torch.Tensor"]:
+        """Parameters and buffers by their Hugging Face names (tied names included)."""
+        out = dict(self.model.named_parameters(remove_duplicate=False))
+        for name, buf in self.model.named_buffers(remove_duplicate=False):
+            out.setdefault(name, buf)
+        return out
+
+
+def sequence_logprobs(model: Any, tokens: Sequence[int]) -> list[float]:
+    """Reference: ``log p(tokens[t] | tokens[:t])`` for ``t >= 1`` from one plain forward of ``model``."""
+    import torch
+
+    with torch.inference_mode():
+        ids = torch.tensor([list(tokens)])
+        logits = model(input_ids=ids).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return lp.tolist()

@@ -1,0 +1,96 @@
+"""Per-request sampling over a batch of next-token logits.
+
+Every row has its own temperature, top-p, top-k, min-p and random stream. Greedy rows
+(``temperature`` at or below :data:`GREEDY_TEMPERATURE`) take the arg-max. Sampled rows draw
+one uniform number from their own ``torch.Generator`` (seeded per request when the request gives
+``sampling_seed``/``seed``, else the engine's generator) and invert the cumulative distribution
+of the filtered, renormalised probabilities, so a seeded request samples the same tokens whatever
+else shares its batch.
+
+The reported log-probability of a sampled token is ``log_softmax(raw logits)[token]``: the
+policy's log-probability at temperature 1 before any filtering, which is exactly what a trainer
+computes for the same token with a plain forward. It does not depend on the sampling
+temperature or top-p/top-k.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import attrs
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+GREEDY_TEMPERATURE = 1e-5
+
+
+@attrs.define(frozen=True)
+class SamplingParams:
+    """The sampling settings of one request (SGLang field names, validated by :mod:`.protocol`)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= GREEDY_TEMPERATURE or self.top_k == 1
+
+
+def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
+           generators: Sequence["torch.Generator"]) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """Pick one token per row of ``logits`` ``[B, V]``; returns ``(tokens [B], logprobs [B])``."""
+    import torch
+
+    B, V = logits.shape
+    logprobs_all = torch.log_softmax(logits, dim=-1)
+    tokens = torch.empty(B, dtype=torch.long)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        idx = torch.tensor(greedy)
+        tokens[idx] = logits[idx].argmax(dim=-1)
+    if sampled:
+        idx = torch.tensor(sampled)
+        tokens[idx] = _sample_rows(logits[idx], [params[i] for i in sampled], [generators[i] for i in sampled])
+    logprobs = logprobs_all.gather(-1, tokens[:, None])[:, 0]
+    return tokens, logprobs
+
+
+def _sample_rows(logits: "torch.Tensor", params: Sequence[SamplingParams],
+                 generators: Sequence["torch.Generator"]) -> "torch.Tensor":
+    import torch
+
+    n, V = logits.shape
+    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+    filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
+    if not filtered:
+        cdf = probs.double().cumsum(dim=-1)
+        choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+        return choice.clamp_(max=V - 1)
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_p, dtype=torch.bool)
+    ks = torch.tensor([p.top_k if p.top_k > 0 else V for p in params])
+    drop |= torch.arange(V)[None, :] >= ks[:, None]
+    top_ps = torch.tensor([p.top_p for p in params], dtype=sorted_p.dtype)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    drop |= mass_before > top_ps[:, None]
+    min_ps = torch.tensor([p.min_p for p in params], dtype=sorted_p.dtype)
+    drop |= sorted_p < (min_ps * sorted_p[:, 0])[:, None]
+    drop[:, 0] = False  # the most likely token always survives
+    kept = sorted_p.masked_fill(drop, 0.0).double()
+    cdf = kept.cumsum(dim=-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # a draw can only land on a kept token; clamp guards float rounding at the top end
+    last_kept = (~drop).sum(dim=-1) - 1
+    choice = torch.minimum(choice, last_kept)
+    return order.gather(-1, choice[:, None])[:, 0]

@@ -1,0 +1,256 @@
+"""The HTTP front of the embedded engine: SGLang's native endpoints, served by aiohttp.
+
+Paths and JSON fields follow SGLang so that one client drives both engines:
+
+=============================  ==========================================================
+``POST /generate``             ``input_ids`` (one prompt or a batch), ``sampling_params``,
+                               ``return_logprob``, ``rid`` -> ``text``, ``output_ids``,
+                               ``meta_info`` (one object, or a list for a batch)
+``POST /abort_request``        ``{"rid", "abort_all"}``
+``POST /pause_generation``     ``{"mode": "abort" | "retract" | "in_place"}``
+``POST /continue_generation``
+``GET|POST /flush_cache``
+``GET /get_weight_version``    ``{"weight_version"}``
+``POST /update_weight_version`` ``{"new_version", "abort_all_requests"}``
+``POST /update_weights_from_tensor``  ``{"serialized_named_tensors", "load_format",
+                               "flush_cache", "weight_version"}``
+``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
+=============================  ==========================================================
+
+``meta_info`` carries SGLang's ``id``, ``finish_reason``, ``prompt_tokens``,
+``completion_tokens``, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
+``weight_versions`` (spans ``{"version", "start", "end"}`` over the output tokens), the
+``output_token_logprobs`` triples when asked, and one LoongSage extension:
+``output_token_weight_versions``, the integer weight version of every output token.
+Weight versions are integers inside LoongSage; ``weight_version`` is sent as a string, the type
+SGLang uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from .protocol import (
+    InvalidRequest,
+    parse_abort,
+    parse_generate,
+    parse_pause,
+    parse_update_version,
+    parse_update_weights,
+    token_logprob_triples,
+)
+from .scheduler import EngineStopped, RidInUse
+from .weights import WeightUpdateError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import EmbeddedEngine
+    from .scheduler import GenerationResult
+
+log = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
+    return web.json_response({"error": {"message": message, "type": kind, "param": param}}, status=status)
+
+
+async def _body(request: web.Request) -> Any:
+    if not request.can_read_body:
+        return None
+    raw = await request.read()
+    if not raw.strip():
+        return None
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
+
+
+def weight_version_spans(versions: list[int]) -> list[dict[str, Any]]:
+    """SGLang's ``meta_info.weight_versions``: runs of equal versions over the output tokens."""
+    spans: list[dict[str, Any]] = []
+    for i, v in enumerate(versions):
+        if spans and spans[-1]["version"] == str(v):
+            spans[-1]["end"] = i + 1
+        else:
+            spans.append({"version": str(v), "start": i, "end": i + 1})
+    return spans
+
+
+class EngineServer:
+    """aiohttp application over an :class:`~.engine.EmbeddedEngine`."""
+
+    def __init__(self, engine: "EmbeddedEngine") -> None:
+        self.engine = engine
+        self.app = web.Application(client_max_size=engine.settings.max_request_mb * 1024 * 1024,
+                                   middlewares=[self._errors])
+        r = self.app.router
+        r.add_post("/generate", self.generate)
+        r.add_put("/generate", self.generate)
+        r.add_post("/abort_request", self.abort_request)
+        r.add_post("/pause_generation", self.pause_generation)
+        r.add_post("/continue_generation", self.continue_generation)
+        r.add_route("*", "/flush_cache", self.flush_cache)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post("/update_weight_version", self.update_weight_version)
+        r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_get("/health", self.health)
+        r.add_get("/health_generate", self.health)
+        r.add_get("/get_model_info", self.get_model_info)
+        r.add_get("/get_server_info", self.get_server_info)
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except InvalidRequest as exc:
+            return web.json_response(exc.to_json(), status=400)
+        except WeightUpdateError as exc:
+            return _error(400, str(exc), "invalid_request_error")
+        except EngineStopped as exc:
+            return _error(503, str(exc), "server_error")
+        except web.HTTPRequestEntityTooLarge as exc:
+            return _error(413, f"request body too large: {exc.text}", "invalid_request_error")
+        except web.HTTPException:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the client gets the message instead of a bare 500
+            log.exception("embedded engine: %s failed", request.path)
+            return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
+
+    async def _run(self, fn: Any) -> Any:
+        """Run ``fn`` between two engine steps and await its result."""
+        return await asyncio.wrap_future(self.engine.scheduler.call(fn))
+
+    # ------------------------------------------------------------------------------------------
+    async def generate(self, request: web.Request) -> web.Response:
+        engine = self.engine
+        body = await _body(request)
+        items, single = parse_generate(body, vocab_size=engine.vocab_size,
+                                       max_context=engine.settings.max_context_length, encode=engine.encode)
+        futures = engine.scheduler.submit(items)
+        try:
+            results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except asyncio.CancelledError:  # the client went away: stop its requests
+            self._abort_items(items, "client disconnected")
+            raise
+        except RidInUse as exc:  # the rest of the batch is not wanted either
+            self._abort_items(items, "batch rejected")
+            raise InvalidRequest(str(exc), "rid") from None
+        outs = [self._response(item, res) for item, res in zip(items, results)]
+        return web.json_response(outs[0] if single else outs)
+
+    def _abort_items(self, items: list[Any], message: str) -> None:
+        sched = self.engine.scheduler
+        rids = [item.rid for item in items]
+
+        def abort() -> None:
+            for rid in rids:
+                sched.abort(rid, False, message)
+
+        sched.call(abort)
+
+    def _response(self, item: Any, res: "GenerationResult") -> dict[str, Any]:
+        params = item.params
+        meta: dict[str, Any] = {
+            "id": res.rid,
+            "finish_reason": res.finish_reason,
+            "prompt_tokens": res.prompt_tokens,
+            "completion_tokens": len(res.output_ids),
+            "cached_tokens": res.cached_tokens,
+            "e2e_latency": res.latency_s,
+            "weight_version": str(res.weight_version),
+            "weight_versions": weight_version_spans(res.weight_versions),
+            "output_token_weight_versions": res.weight_versions,
+        }
+        if item.return_logprob:
+            texts = None
+            if item.return_text_in_logprobs and self.engine.tokenizer is not None:
+                texts = [self.engine.decode([t], skip_special_tokens=False) for t in res.output_ids]
+            meta["output_token_logprobs"] = token_logprob_triples(res.logprobs, res.output_ids, texts)
+        text = self.engine.decode(res.output_ids, skip_special_tokens=params.skip_special_tokens)
+        return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        rid, abort_all = parse_abort(await _body(request))
+        sched = self.engine.scheduler
+        count = await self._run(lambda: sched.abort(rid, abort_all, "aborted by abort_request"))
+        return web.json_response({"success": True, "num_aborted": count})
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        mode = parse_pause(await _body(request))
+        sched = self.engine.scheduler
+        await self._run(lambda: sched.pause(mode))
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok", "mode": mode})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        await _body(request)
+        await self._run(self.engine.scheduler.resume)
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        await self._run(self.engine.scheduler.flush_cache)
+        return web.Response(text="Cache flushed.\n")
+
+    async def get_weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.engine.scheduler.version)})
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        version, abort_all = parse_update_version(await _body(request))
+        sched = self.engine.scheduler
+
+        def apply() -> None:
+            if abort_all:
+                sched.abort(None, True, "aborted by update_weight_version")
+            sched.set_version(version)
+
+        await self._run(apply)
+        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
+                                  "new_version": str(version)})
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        update = parse_update_weights(await _body(request))
+        engine = self.engine
+        named = engine.named_tensors_from(update.load_format, update.payload)
+        sched = engine.scheduler
+
+        def apply() -> int:
+            if update.abort_all_requests:
+                sched.abort(None, True, "aborted by update_weights_from_tensor")
+            count = sched.load_weights(named, update.weight_version)
+            if update.flush_cache:
+                sched.flush_cache()
+            return count
+
+        count = await self._run(apply)
+        version = sched.version
+        return web.json_response({"success": True, "message": f"Updated {count} tensors. "
+                                  f"Weight version updated to {version}.", "weight_version": str(version)})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.engine.scheduler.alive:
+            return web.Response(status=503, text="engine loop is not running\n")
+        return web.Response(status=200)
+
+    async def get_model_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        return web.json_response({
+            "model_path": e.model_path, "tokenizer_path": e.tokenizer_path, "is_generation": True,
+            "preferred_sampling_params": None, "weight_version": str(e.scheduler.version),
+            "max_context_length": e.settings.max_context_length, "vocab_size": e.vocab_size,
+            "model_type": e.runner.config.model_type,
+        })
+
+    async def get_server_info(self, request: web.Request) -> web.Response:
+        e = self.engine
+        state = await self._run(e.scheduler.snapshot)
+        return web.json_response({
+            "engine": "loongsage-torch", "max_batch_size": e.settings.max_batch_size,
+            "max_prefill_tokens": e.settings.max_prefill_tokens, "context_length": e.settings.max_context_length,
+            "prefix_cache_tokens": e.settings.prefix_cache_tokens, "internal_states": [state],
+        })

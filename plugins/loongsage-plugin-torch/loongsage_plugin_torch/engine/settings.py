@@ -1,0 +1,58 @@
+"""Engine settings: ``[rollout] engine_args`` of the job file, validated with clear errors."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+
+
+class EngineConfigError(ValueError):
+    """``[rollout] engine_args`` holds an unknown key or a bad value; the message names it."""
+
+
+@attrs.define(frozen=True)
+class EngineSettings:
+    """How the embedded engine runs.
+
+    ``max_batch_size``: requests decoded together (KV slots). ``max_prefill_tokens``: new prompt
+    tokens per prefill forward; longer prompts are prefilled in chunks of this size.
+    ``prefix_cache_tokens``: positions of KV kept for prefix reuse (0 disables it).
+    ``num_threads``: torch intra-op threads of the decode loop (unset: torch's default; on a
+    shared CPU 1 is often fastest for small models). ``seed``: the random stream of requests that
+    give no ``sampling_seed``. ``max_request_mb``: largest accepted HTTP body (weight updates).
+    ``max_context_length`` comes from ``[rollout] max_context_length``.
+    """
+
+    max_context_length: int = 2048
+    max_batch_size: int = 64
+    max_prefill_tokens: int = 2048
+    prefix_cache_tokens: int = 32768
+    num_threads: int | None = None
+    seed: int = 0
+    max_request_mb: int = 4096
+
+    @classmethod
+    def from_job(cls, job: Any) -> "EngineSettings":
+        rollout = job.rollout
+        args: Mapping[str, Any] = dict(rollout.engine_args or {})
+        valid = [f.name for f in attrs.fields(cls) if f.name != "max_context_length"]
+        for key in args:
+            if key not in valid:
+                raise EngineConfigError(
+                    f"[rollout] engine_args: unknown key '{key}' for the torch engine; valid keys: {', '.join(valid)}")
+        values: dict[str, Any] = {"max_context_length": rollout.max_context_length, "seed": job.run.seed}
+        for key, value in args.items():
+            if key == "num_threads" and value is None:
+                values[key] = None
+                continue
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise EngineConfigError(f"[rollout] engine_args.{key} must be an integer, got {value!r}")
+            minimum = 0 if key in ("prefix_cache_tokens", "seed") else 1
+            if value < minimum:
+                raise EngineConfigError(f"[rollout] engine_args.{key} must be >= {minimum}, got {value}")
+            values[key] = value
+        if values["max_context_length"] < 2:
+            raise EngineConfigError(
+                f"[rollout] max_context_length must be >= 2, got {values['max_context_length']}")
+        return cls(**values)

@@ -1,0 +1,42 @@
+"""The engine client reads both the embedded engine's and SGLang's response shapes."""
+
+from __future__ import annotations
+
+import pytest
+
+from loongsage_core.engine_client import EngineClient, GenerationResult
+
+
+def test_sglang_response_with_version_spans_and_string_versions():
+    body = {"text": "hi", "output_ids": [5, 6, 7, 8],
+            "meta_info": {"id": "abc", "finish_reason": {"type": "stop", "matched": 8}, "prompt_tokens": 3,
+                          "completion_tokens": 4, "cached_tokens": 2, "weight_version": "4",
+                          "weight_versions": [{"version": "3", "start": 0, "end": 1},
+                                              {"version": "4", "start": 1, "end": 4}],
+                          "output_token_logprobs": [[-0.5, 5, None], [-1.0, 6, None], [-0.25, 7, None],
+                                                    [-2.0, 8, None]]}}
+    res = GenerationResult.from_response(body)
+    assert res.rid == "abc" and res.output_ids == [5, 6, 7, 8] and res.finish_reason == "stop"
+    assert res.finish_detail == {"type": "stop", "matched": 8}
+    assert res.logprobs == [-0.5, -1.0, -0.25, -2.0]
+    assert res.weight_version == 4 and res.weight_versions == [3, 4, 4, 4]
+    assert res.prompt_tokens == 3 and res.cached_tokens == 2 and res.text == "hi"
+
+
+def test_older_sglang_response_without_spans_or_logprobs():
+    body = {"text": "", "output_ids": [1, 2], "meta_info": {"id": "x", "finish_reason": {"type": "length",
+                                                                                          "length": 2},
+                                                             "weight_version": "default"}}
+    res = GenerationResult.from_response(body)
+    assert res.logprobs is None and res.weight_versions == ["default", "default"]
+    assert res.finish_reason == "length" and not res.aborted
+
+
+def test_generate_payload_is_a_batch_with_request_ids():
+    payload = EngineClient.generate_payload([3, 4], {"temperature": 0}, return_logprob=True)
+    assert payload["input_ids"] == [[3, 4]] and len(payload["rid"]) == 1
+    assert payload["sampling_params"] == {"temperature": 0} and payload["return_logprob"] is True
+    payload = EngineClient.generate_payload([[1], [2, 3]], [{}, {"top_k": 5}], rids=["a", "b"])
+    assert payload["rid"] == ["a", "b"] and payload["sampling_params"][1] == {"top_k": 5}
+    with pytest.raises(ValueError, match="rids"):
+        EngineClient.generate_payload([[1], [2]], rids=["only-one"])

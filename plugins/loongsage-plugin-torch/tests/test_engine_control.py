@@ -1,0 +1,342 @@
+"""Control endpoints of the embedded engine over real HTTP: abort, pause/continue, weight updates,
+cache flush, weight versions and request validation."""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import io
+import time
+
+import attrs
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from loongsage_plugin_torch.engine import create_engine  # noqa: E402
+from loongsage_plugin_torch.engine.runner import sequence_logprobs  # noqa: E402
+from loongsage_plugin_torch.modeling import TINY_QWEN3, load_model  # noqa: E402
+
+from loongsage_core.config import structure_job  # noqa: E402
+from loongsage_core.engine_client import EngineClient, EngineError, encode_direct_tensors  # noqa: E402
+from loongsage_hookspecs import EngineContext, WeightTransportSpec  # noqa: E402
+
+CONTEXT = 1024
+
+
+class DictReceiver:
+    """A small weight transport for the test: tensors as a base64 ``torch.save`` of a dict."""
+
+    def receive(self, payload):
+        data = base64.b64decode(payload["serialized_named_tensors"])
+        yield from torch.load(io.BytesIO(data), weights_only=True).items()
+
+
+@attrs.define
+class Registry:
+    """The two-argument lookup an engine context's ``components`` offers (kind, name) -> spec."""
+
+    specs: dict
+
+    def get(self, kind, name):
+        if (kind, name) not in self.specs:
+            raise KeyError(f"no {kind} named {name!r}; installed: {sorted(n for _, n in self.specs)}")
+        return self.specs[(kind, name)]
+
+
+def make_job(seed=0):
+    return structure_job({"model": {"config": dict(TINY_QWEN3), "seed": seed},
+                          "rollout": {"max_context_length": CONTEXT,
+                                      "engine_args": {"num_threads": 1, "max_batch_size": 8}}})
+
+
+@pytest.fixture(scope="module")
+def served():
+    job = make_job()
+    spec = WeightTransportSpec(name="dict_b64", sender=lambda **_: None, receiver=DictReceiver)
+    engine = create_engine(EngineContext(job=job, components=Registry({("weight_transport", "dict_b64"): spec})))
+    url = engine.start()
+    client = EngineClient(url)
+    pool = concurrent.futures.ThreadPoolExecutor(4)
+    yield engine, client, pool
+    pool.shutdown(wait=True)
+    client.close()
+    engine.shutdown()
+
+
+def state(client):
+    return httpx.get(client.base_url + "/get_server_info").json()["internal_states"][0]
+
+
+def wait_for(predicate, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.005)
+
+
+def long_request(client, pool, prompt, rid, n=900):
+    """Start a long greedy generation in the background; returns its future."""
+    return pool.submit(client.generate_sync, [prompt], {"temperature": 0.0, "max_new_tokens": n,
+                                                        "ignore_eos": True}, rids=[rid])
+
+
+def started(client, count=1):
+    wait_for(lambda: state(client)["running"] >= count)
+    generated = state(client)["generated_tokens"]
+    wait_for(lambda: state(client)["generated_tokens"] > generated + 4)
+
+
+def test_abort_by_rid_returns_the_tokens_so_far(served):
+    _, client, pool = served
+    fut = long_request(client, pool, [5, 6, 7], "to-abort")
+    other = long_request(client, pool, [8, 9], "keeps-going", n=40)
+    started(client)
+    client.abort_sync("to-abort")
+    res = fut.result(timeout=20)[0]
+    assert res.finish_reason == "abort" and res.rid == "to-abort"
+    assert 0 < len(res.output_ids) < 900 and len(res.logprobs) == len(res.output_ids)
+    assert other.result(timeout=20)[0].finish_reason == "length"
+
+
+def test_abort_all_and_batch_rid_prefix(served):
+    _, client, pool = served
+    batch = pool.submit(client.generate_sync, [[3, 4], [5, 6]], {"temperature": 0.0, "max_new_tokens": 900,
+                                                                  "ignore_eos": True}, rids=["b_0", "b_1"])
+    single = long_request(client, pool, [7, 8], "single")
+    started(client, 3)
+    client.abort_sync(abort_all=True)
+    results = batch.result(timeout=20) + single.result(timeout=20)
+    assert [r.finish_reason for r in results] == ["abort"] * 3
+    # a batch sent with one string rid is addressed by that rid
+    body = {"input_ids": [[3, 4], [5, 6]], "rid": "grp", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    fut = pool.submit(httpx.post, client.base_url + "/generate", json=body, timeout=60)
+    started(client, 2)
+    client.abort_sync("grp")
+    out = fut.result(timeout=20).json()
+    assert [o["meta_info"]["id"] for o in out] == ["grp_0", "grp_1"]
+    assert [o["meta_info"]["finish_reason"]["type"] for o in out] == ["abort", "abort"]
+
+
+def test_pause_in_place_keeps_requests_and_their_kv(served):
+    engine, client, pool = served
+    ref = load_model(make_job())
+    prompt = [11, 12, 13, 14]
+    fut = long_request(client, pool, prompt, "paused", n=300)
+    started(client)
+    client.pause_sync("in_place")
+    frozen = state(client)
+    assert frozen["paused"] and frozen["running"] == 1
+    time.sleep(0.1)
+    assert state(client)["generated_tokens"] == frozen["generated_tokens"] and not fut.done()
+    client.resume_sync()
+    res = fut.result(timeout=30)[0]
+    assert res.finish_reason == "length" and len(res.output_ids) == 300
+    expected = sequence_logprobs(ref, prompt + res.output_ids)[len(prompt) - 1:]
+    assert max(abs(a - b) for a, b in zip(expected, res.logprobs)) < 1e-5
+
+
+def test_pause_retract_recomputes_and_gives_the_same_sequence(served):
+    _, client, pool = served
+    prompt = [21, 22, 23]
+    straight = client.generate_sync([prompt], {"temperature": 0.0, "max_new_tokens": 300, "ignore_eos": True})[0]
+    fut = long_request(client, pool, prompt, "retracted", n=300)
+    started(client)
+    client.pause_sync("retract")
+    assert state(client)["running"] == 0 and state(client)["waiting"] == 1
+    client.resume_sync()
+    res = fut.result(timeout=30)[0]
+    assert res.output_ids == straight.output_ids
+    assert max(abs(a - b) for a, b in zip(straight.logprobs, res.logprobs)) < 1e-5
+
+
+def test_pause_abort_mode_aborts_and_holds_new_requests(served):
+    _, client, pool = served
+    fut = long_request(client, pool, [31, 32], "pa")
+    started(client)
+    client.pause_sync("abort")
+    assert fut.result(timeout=20)[0].finish_reason == "abort"
+    queued = pool.submit(client.generate_sync, [[33, 34]], {"max_new_tokens": 5})
+    wait_for(lambda: state(client)["waiting"] == 1)
+    time.sleep(0.05)
+    assert not queued.done()
+    client.resume_sync()
+    assert queued.result(timeout=20)[0].finish_reason in ("length", "stop")
+
+
+def perturbed(engine, seed):
+    """Named tensors of a differently seeded model with the engine's parameter names."""
+    other = load_model(make_job(seed=seed))
+    return other, [(n, p.detach().clone()) for n, p in other.named_parameters()]
+
+
+def test_weight_update_direct_changes_outputs_and_versions(served):
+    engine, client, _ = served
+    prompt = [41, 42, 43, 44, 45]
+    sampled = {"temperature": 1.0, "sampling_seed": 5, "max_new_tokens": 20, "ignore_eos": True}
+    before = client.generate_sync([prompt], sampled)[0]
+    base_version = client.weight_version_sync()
+    assert before.weight_versions == [base_version] * 20
+    original = [(n, p.detach().clone()) for n, p in load_model(make_job()).named_parameters()]
+    other, named = perturbed(engine, seed=1)
+    out = client.update_weights_from_tensor_sync({"serialized_named_tensors": encode_direct_tensors(named),
+                                                  "load_format": "direct", "flush_cache": True,
+                                                  "weight_version": 7})
+    assert out["success"] and client.weight_version_sync() == 7
+    after = client.generate_sync([prompt], sampled)[0]
+    assert after.output_ids != before.output_ids and after.weight_versions == [7] * 20
+    expected = sequence_logprobs(other, prompt + after.output_ids)[len(prompt) - 1:]
+    assert max(abs(a - b) for a, b in zip(expected, after.logprobs)) < 1e-5
+    # no version given: the engine counts up
+    client.update_weights_from_tensor_sync({"serialized_named_tensors": encode_direct_tensors(original)})
+    assert client.weight_version_sync() == 8
+    assert client.generate_sync([prompt], sampled)[0].output_ids == before.output_ids
+
+
+def test_weight_update_through_a_transport_receiver(served):
+    engine, client, _ = served
+    prompt = [51, 52, 53]
+    sampled = {"temperature": 1.0, "sampling_seed": 6, "max_new_tokens": 12, "ignore_eos": True}
+    before = client.generate_sync([prompt], sampled)[0].output_ids
+    _, named = perturbed(engine, seed=2)
+    buf = io.BytesIO()
+    torch.save(dict(named), buf)
+    client.update_weights_from_tensor_sync({"serialized_named_tensors": base64.b64encode(buf.getvalue()).decode(),
+                                            "load_format": "dict_b64", "weight_version": 20})
+    assert client.weight_version_sync() == 20
+    changed = client.generate_sync([prompt], sampled)[0].output_ids
+    assert changed != before
+    with pytest.raises(EngineError) as err:
+        client.update_weights_from_tensor_sync({"serialized_named_tensors": "", "load_format": "nope"})
+    assert err.value.status_code == 400 and "nope" in err.value.message and err.value.param == "load_format"
+    # the in-process entry point, from another thread while the engine serves
+    original = [(n, p.detach().clone()) for n, p in load_model(make_job()).named_parameters()]
+    assert engine.load_weights(original, version=21) == len(original)
+    assert client.weight_version_sync() == 21 and engine.weight_version == 21
+    assert client.generate_sync([prompt], sampled)[0].output_ids == before
+
+
+def test_bad_weight_updates_are_rejected_by_name(served):
+    engine, client, _ = served
+    version = client.weight_version_sync()
+    for named, needle in ([("model.no_such.weight", torch.zeros(3))], "model.no_such.weight"), \
+                         ([("model.norm.weight", torch.zeros(3))], "shape"):
+        with pytest.raises(EngineError) as err:
+            client.update_weights_from_tensor_sync({"serialized_named_tensors": encode_direct_tensors(named),
+                                                    "load_format": "direct"})
+        assert err.value.status_code == 400 and needle in err.value.message
+    with pytest.raises(EngineError) as err:
+        client.update_weights_from_tensor_sync({"serialized_named_tensors": "!!!", "load_format": "direct"})
+    assert "serialized_named_tensors" in err.value.message
+    assert client.weight_version_sync() == version
+
+
+def test_in_place_update_reports_versions_per_token(served):
+    engine, client, pool = served
+    fut = long_request(client, pool, [61, 62, 63], "spans", n=300)
+    started(client)
+    client.pause_sync("in_place")
+    version = client.weight_version_sync()
+    original = [(n, p.detach().clone()) for n, p in load_model(make_job()).named_parameters()]
+    client.update_weights_from_tensor_sync({"serialized_named_tensors": encode_direct_tensors(original),
+                                            "weight_version": version + 1, "flush_cache": False})
+    client.resume_sync()
+    res = fut.result(timeout=30)[0]
+    versions = res.weight_versions
+    assert len(versions) == 300 and versions[0] == version and versions[-1] == version + 1
+    cut = versions.index(version + 1)
+    assert versions == [version] * cut + [version + 1] * (300 - cut)
+    spans = res.meta_info["weight_versions"]  # SGLang's own field, string versions
+    assert spans == [{"version": str(version), "start": 0, "end": cut},
+                     {"version": str(version + 1), "start": cut, "end": 300}]
+
+
+def test_update_weight_version_endpoint(served):
+    _, client, _ = served
+    client._request_sync("POST", "/update_weight_version", {"new_version": "33"})
+    assert client.weight_version_sync() == 33
+    res = client.generate_sync([[1, 2, 3]], {"max_new_tokens": 3})[0]
+    assert res.weight_version == 33 and res.meta_info["weight_version"] == "33"
+
+
+def test_flush_cache_drops_cached_prefixes(served):
+    _, client, _ = served
+    prompt = list(range(100, 140))
+    client.generate_sync([prompt], {"max_new_tokens": 2})
+    assert state(client)["prefix_cache_entries"] > 0
+    assert client.generate_sync([prompt], {"max_new_tokens": 2})[0].cached_tokens >= 32
+    client.flush_cache_sync()
+    assert state(client)["prefix_cache_entries"] == 0
+    assert httpx.get(client.base_url + "/flush_cache").status_code == 200
+
+
+def test_health_and_model_info(served):
+    _, client, _ = served
+    assert client.health_sync()
+    info = httpx.get(client.base_url + "/get_model_info").json()
+    assert info["is_generation"] and info["max_context_length"] == CONTEXT and info["vocab_size"] == 512
+    client.generate_sync([[1, 2, 3]] * 3, {"max_new_tokens": 3})
+    idle = state(client)
+    assert idle["running"] == 0 and idle["kv_slots"] == 0  # an idle engine holds no KV memory
+
+
+BAD_REQUESTS = [
+    ({"sampling_params": {"max_new_tokens": 3}}, "input_ids", "required"),
+    ({"input_ids": [1, 2], "bogus": 1}, "bogus", "unknown field"),
+    ({"input_ids": [1, 2], "sampling_params": {"temprature": 0.5}}, "sampling_params.temprature", "unknown field"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", "number"),
+    ({"input_ids": ["a", "b"]}, "input_ids", "integers"),
+    ({"input_ids": [[1, 2], []]}, "input_ids[1]", "empty"),
+    ({"input_ids": [1, 999]}, "input_ids", "vocabulary"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 0}}, "sampling_params.top_k", "-1"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "sampling_params.top_p", "top_p"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": CONTEXT}}, "sampling_params.max_new_tokens",
+     "context length"),
+    ({"input_ids": [1] * CONTEXT}, "input_ids", "context length"),
+    ({"input_ids": [1, 2], "sampling_params": {"n": 2}}, "sampling_params.n", "batch"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "sampling_params.stop", "stop_token_ids"),
+    ({"input_ids": [1, 2], "stream": True}, "stream", "stream"),
+    ({"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob", "boolean"),
+    ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid", "duplicate"),
+    ({"input_ids": [1, 2], "rid": 5}, "rid", "string"),
+    ({"input_ids": [1, 2], "lora_path": "x"}, "lora_path", "not supported"),
+    ({"text": "hello"}, "text", "tokenizer"),
+]
+
+
+@pytest.mark.parametrize("body,param,words", BAD_REQUESTS, ids=[b[1] for b in BAD_REQUESTS])
+def test_bad_generate_requests_get_400_naming_the_field(served, body, param, words):
+    _, client, _ = served
+    resp = httpx.post(client.base_url + "/generate", json=body)
+    assert resp.status_code == 400
+    err = resp.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param
+    assert words in err["message"] and param.split(".")[-1].split("[")[0] in err["message"]
+
+
+def test_client_raises_engine_error_with_the_engine_message(served):
+    _, client, _ = served
+    with pytest.raises(EngineError) as err:
+        client.generate_sync([[1] * (CONTEXT - 4)], {"max_new_tokens": 10})
+    assert err.value.status_code == 400 and "context length" in err.value.message
+    assert err.value.param == "sampling_params.max_new_tokens"
+    resp = httpx.post(client.base_url + "/generate", content=b"{not json")
+    assert resp.status_code == 400 and "JSON" in resp.json()["error"]["message"]
+    for path, body, param in (("/pause_generation", {"mode": "later"}, "mode"),
+                              ("/abort_request", {}, "rid"),
+                              ("/update_weight_version", {"new_version": "v2"}, "new_version"),
+                              ("/update_weights_from_tensor", {"load_format": "direct"}, "serialized_named_tensors")):
+        resp = httpx.post(client.base_url + path, json=body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, path
+
+
+def test_a_rid_in_use_is_rejected(served):
+    _, client, pool = served
+    fut = long_request(client, pool, [71, 72], "dup-rid", n=400)
+    started(client)
+    with pytest.raises(EngineError) as err:
+        client.generate_sync([[1, 2]], {"max_new_tokens": 2}, rids=["dup-rid"])
+    assert err.value.status_code == 400 and "dup-rid" in err.value.message
+    client.abort_sync("dup-rid")
+    assert fut.result(timeout=20)[0].finish_reason == "abort"

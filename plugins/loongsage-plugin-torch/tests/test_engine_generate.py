@@ -1,0 +1,164 @@
+"""Generation behaviour of the embedded engine over real HTTP (tiny Qwen3, real tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import httpx
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from loongsage_plugin_torch.engine import create_engine  # noqa: E402
+from loongsage_plugin_torch.engine.runner import sequence_logprobs  # noqa: E402
+from loongsage_plugin_torch.modeling import TINY_QWEN3, load_model, load_tokenizer  # noqa: E402
+
+from loongsage_core.config import structure_job  # noqa: E402
+from loongsage_core.engine_client import EngineClient  # noqa: E402
+from loongsage_hookspecs import EngineContext  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+TOKENIZER = str(REPO / "tests" / "data" / "tokenizer")
+
+
+def make_job(**engine_args):
+    args = {"num_threads": 1, "max_batch_size": 16, "max_prefill_tokens": 48, **engine_args}
+    return structure_job({"model": {"config": dict(TINY_QWEN3), "tokenizer": TOKENIZER, "seed": 3},
+                          "rollout": {"max_context_length": 192, "engine_args": args}})
+
+
+@pytest.fixture(scope="module")
+def served():
+    job = make_job()
+    engine = create_engine(EngineContext(job=job, components=None))
+    url = engine.start()
+    client = EngineClient(url)
+    yield engine, client, load_model(job)
+    client.close()
+    engine.shutdown()
+
+
+def prompts(*lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in lengths]
+
+
+def assert_logprobs_match(ref, prompt, result, tol=1e-5):
+    expected = sequence_logprobs(ref, prompt + result.output_ids)[len(prompt) - 1:]
+    assert len(result.logprobs) == len(result.output_ids) == len(expected)
+    assert max(abs(a - b) for a, b in zip(expected, result.logprobs)) < tol
+
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def test_logprobs_equal_a_full_forward_of_the_model(served):
+    engine, client, ref = served
+    batch = prompts(4, 30, 100)  # 100 > max_prefill_tokens: prefilled in chunks
+    for params in ({"temperature": 1.0, "sampling_seed": 1}, {"temperature": 0.7, "top_p": 0.9, "top_k": 50}):
+        results = client.generate_sync(batch, {**params, "max_new_tokens": 24, "ignore_eos": True})
+        for prompt, res in zip(batch, results):
+            assert res.finish_reason == "length" and len(res.output_ids) == 24
+            # the reported logprob is the policy's (temperature 1, unfiltered), whatever the sampling settings
+            assert_logprobs_match(ref, prompt, res)
+            assert res.prompt_tokens == len(prompt)
+
+
+def test_greedy_batch_of_mixed_lengths_equals_one_at_a_time(served):
+    _, client, ref = served
+    batch = prompts(3, 17, 8, 41, 1, seed=1)
+    together = client.generate_sync(batch, {**GREEDY, "max_new_tokens": 12})
+    alone = [client.generate_sync([p], {**GREEDY, "max_new_tokens": 12})[0] for p in batch]
+    assert [r.output_ids for r in together] == [r.output_ids for r in alone]
+    for prompt, res in zip(batch, together):
+        # every greedy token is the arg-max of a plain forward of the same model
+        with torch.inference_mode():
+            logits = ref(input_ids=torch.tensor([prompt + res.output_ids])).logits[0, len(prompt) - 1:-1]
+        picked = logits.gather(-1, torch.tensor(res.output_ids)[:, None])[:, 0]
+        assert torch.all(picked >= logits.max(-1).values - 1e-4)
+
+
+def test_concurrent_requests_join_the_running_batch(served):
+    _, client, _ = served
+    batch = prompts(5, 9, 13, 21, 2, 7, seed=2)
+    expected = [r.output_ids for r in client.generate_sync(batch, {**GREEDY, "max_new_tokens": 10})]
+
+    async def one_by_one():
+        async def go(i, p):
+            await asyncio.sleep(0.005 * i)  # staggered: later requests join between decode steps
+            return (await client.generate([p], {**GREEDY, "max_new_tokens": 10}))[0].output_ids
+        try:
+            return await asyncio.gather(*(go(i, p) for i, p in enumerate(batch)))
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(one_by_one()) == expected
+
+
+def test_seeded_sampling_is_reproducible(served):
+    _, client, _ = served
+    prompt, other = prompts(6, 11, seed=3)
+    params = {"temperature": 1.0, "sampling_seed": 1234, "max_new_tokens": 30, "ignore_eos": True}
+    first = client.generate_sync([prompt], params)[0].output_ids
+    # same seed inside a batch with other requests, and via SGLang's older name "seed"
+    again = client.generate_sync([other, prompt], [{**params, "sampling_seed": 9}, params])[1].output_ids
+    legacy = client.generate_sync([prompt], {**{k: v for k, v in params.items() if k != "sampling_seed"},
+                                             "seed": 1234})[0].output_ids
+    different = client.generate_sync([prompt], {**params, "sampling_seed": 4321})[0].output_ids
+    assert first == again == legacy
+    assert different != first
+
+
+def test_stop_token_ids_end_generation_on_the_token(served):
+    _, client, _ = served
+    (prompt,) = prompts(7, seed=4)
+    free = client.generate_sync([prompt], {**GREEDY, "max_new_tokens": 16})[0].output_ids
+    stop = free[5]
+    first = free.index(stop)
+    res = client.generate_sync([prompt], {**GREEDY, "max_new_tokens": 16, "stop_token_ids": [stop]})[0]
+    assert res.output_ids == free[: first + 1]  # the stop token is returned (it was generated)
+    assert res.finish_reason == "stop" and res.finish_detail["matched"] == stop
+
+
+def test_max_new_tokens_finishes_with_length(served):
+    _, client, _ = served
+    (prompt,) = prompts(5, seed=5)
+    res = client.generate_sync([prompt], {**GREEDY, "max_new_tokens": 7})[0]
+    assert res.finish_reason == "length" and res.finish_detail["length"] == 7 and len(res.output_ids) == 7
+    empty = client.generate_sync([prompt], {"max_new_tokens": 0})[0]
+    assert empty.output_ids == [] and empty.finish_reason == "length"
+
+
+def test_eos_of_the_tokenizer_is_a_stop_token(served):
+    engine, _, _ = served
+    tok = load_tokenizer(make_job())
+    assert tok.eos_token_id in engine.scheduler.eos_token_ids
+
+
+def test_identical_prompts_share_one_prefill_and_prefixes_are_reused(served):
+    _, client, ref = served
+    (prompt,) = prompts(37, seed=6)
+    group = client.generate_sync([prompt] * 4, [{"temperature": 1.0, "sampling_seed": s, "max_new_tokens": 12,
+                                                 "ignore_eos": True} for s in range(4)])
+    assert sorted(r.cached_tokens for r in group)[1:] == [len(prompt)] * 3  # one prefill, three copies
+    assert len({tuple(r.output_ids) for r in group}) > 1
+    for res in group:
+        assert_logprobs_match(ref, prompt, res)
+    # a later request extending a finished sequence reuses its KV (multi-turn prefix)
+    turn2 = prompt + group[0].output_ids + prompts(5, seed=7)[0]
+    res = client.generate_sync([turn2], {**GREEDY, "max_new_tokens": 6})[0]
+    assert res.cached_tokens >= len(prompt) + len(group[0].output_ids) - 1
+    assert_logprobs_match(ref, turn2, res)
+
+
+def test_text_is_decoded_with_the_tokenizer(served):
+    _, client, _ = served
+    tok = load_tokenizer(make_job())
+    ids = tok.encode("<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n")
+    res = client.generate_sync([ids], {**GREEDY, "max_new_tokens": 8})[0]
+    assert res.text == tok.decode(res.output_ids, skip_special_tokens=True)
+    # SGLang's "text" input is tokenized by the engine: the same prompt gives the same tokens
+    body = {"text": tok.decode(ids), "sampling_params": {**GREEDY, "max_new_tokens": 8}}
+    out = httpx.post(client.base_url + "/generate", json=body).json()
+    assert out["output_ids"] == res.output_ids and out["meta_info"]["prompt_tokens"] == len(ids)

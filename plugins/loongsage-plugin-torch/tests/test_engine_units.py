@@ -1,0 +1,196 @@
+"""Engine parts without a server: forward passes per model family, sampling, prefix cache, settings."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from loongsage_plugin_torch.engine.kv_cache import PrefixCache  # noqa: E402
+from loongsage_plugin_torch.engine.protocol import InvalidRequest, parse_generate  # noqa: E402
+from loongsage_plugin_torch.engine.runner import ModelRunner, UnsupportedModelError, sequence_logprobs  # noqa: E402
+from loongsage_plugin_torch.engine.sampling import SamplingParams, sample  # noqa: E402
+from loongsage_plugin_torch.engine.settings import EngineConfigError, EngineSettings  # noqa: E402
+from loongsage_plugin_torch.modeling import TINY_QWEN3, load_model  # noqa: E402
+
+from loongsage_core.config import structure_job  # noqa: E402
+
+SMALL = {"vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}
+FAMILIES = {
+    "qwen3": dict(TINY_QWEN3),
+    "qwen2": {"model_type": "qwen2", **SMALL},  # biased q/k/v projections
+    "llama": {"model_type": "llama", **SMALL, "tie_word_embeddings": False},
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices: one intra-op thread is fastest on a shared CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def model_of(config, seed=0):
+    return load_model(structure_job({"model": {"config": config, "seed": seed}}))
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_chunked_prefill_and_decode_match_a_full_forward(family):
+    model, ref = model_of(FAMILIES[family]), model_of(FAMILIES[family])
+    runner = ModelRunner(model, num_slots=3)
+    gen = torch.Generator().manual_seed(1)
+    # longest first: rows that finish early are at the end, so the rows still running stay in slots 0..k-1
+    seqs = [torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist() for n in (23, 14, 9)]
+    got: list[list[float]] = [[], [], []]
+    lengths = [0, 0, 0]
+
+    def feed(chunks):
+        """Append ``chunks[i]`` tokens to row i (packed), record log-probs of the tokens that follow."""
+        flat = [t for i, c in enumerate(chunks) for t in seqs[i][lengths[i]: lengths[i] + c]]
+        logits = runner.forward(torch.tensor(flat), 0, torch.tensor(lengths[: len(chunks)]), torch.tensor(chunks),
+                                all_logits=True)
+        offset = 0
+        for i, c in enumerate(chunks):
+            nxt = torch.tensor(seqs[i][lengths[i] + 1: lengths[i] + c + 1])
+            got[i] += torch.log_softmax(logits[offset: offset + c], -1)[torch.arange(c), nxt].tolist()
+            offset += c
+            lengths[i] += c
+
+    with torch.inference_mode():
+        feed([5, 6, 3])  # prefill, uneven
+        feed([3, 3, 1])  # a second packed chunk on top of the cached positions
+        while lengths[0] < len(seqs[0]) - 1:  # decode: one token per running row
+            feed([1] * sum(n < len(s) - 1 for n, s in zip(lengths, seqs)))
+    for s, lp in zip(seqs, got):
+        expected = sequence_logprobs(ref, s)
+        assert len(lp) == len(expected)
+        assert max(abs(a - b) for a, b in zip(expected, lp)) < 1e-5
+
+
+def test_fused_weights_follow_in_place_updates_of_the_hf_parameters():
+    model, other = model_of(FAMILIES["qwen2"]), model_of(FAMILIES["qwen2"], seed=5)
+    runner = ModelRunner(model, num_slots=1)
+    targets = runner.named_tensors()
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            targets[name].copy_(p)
+    seq = list(range(1, 12))
+    with torch.inference_mode():
+        logits = runner.forward(torch.tensor(seq), 0, torch.tensor([0]), torch.tensor([len(seq)]), all_logits=True)
+    lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()
+    assert max(abs(a - b) for a, b in zip(sequence_logprobs(other, seq), lp)) < 1e-5
+
+
+def test_unsupported_architectures_are_refused_by_name():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    gpt2 = AutoModelForCausalLM.from_config(AutoConfig.for_model("gpt2", n_layer=1, n_embd=32, n_head=2,
+                                                                 vocab_size=64))
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        ModelRunner(gpt2, num_slots=1)
+    sliding = model_of({**FAMILIES["qwen2"], "use_sliding_window": True, "sliding_window": 8,
+                        "max_window_layers": 0})
+    with pytest.raises(UnsupportedModelError, match="full attention"):
+        ModelRunner(sliding, num_slots=1)
+
+
+def test_sampling_respects_greedy_topk_topp_and_reports_raw_logprobs():
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen) * 3
+    params = [SamplingParams(temperature=0.0), SamplingParams(top_k=1), SamplingParams(top_p=1e-6),
+              SamplingParams(temperature=1.0)]
+    gens = [None, None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    tokens, logprobs = sample(logits, params, gens)
+    assert tokens[:3].tolist() == logits[:3].argmax(-1).tolist()
+    assert torch.allclose(logprobs, torch.log_softmax(logits, -1).gather(-1, tokens[:, None])[:, 0])
+    # top-k 3 at a high temperature: only the three most likely tokens ever come out
+    row = logits[3:4].expand(400, 50)
+    draws, _ = sample(row, [SamplingParams(temperature=5.0, top_k=3)] * 400,
+                      [torch.Generator().manual_seed(i) for i in range(400)])
+    assert set(draws.tolist()) == set(logits[3].topk(3).indices.tolist())
+    # top-p: the kept set is the smallest prefix of the sorted distribution reaching top_p
+    probs = torch.softmax(logits[3], -1)
+    order = probs.argsort(descending=True)
+    need = int((probs[order].cumsum(0) < 0.5).sum()) + 1
+    draws, _ = sample(row, [SamplingParams(top_p=0.5)] * 400, [torch.Generator().manual_seed(i) for i in range(400)])
+    assert set(draws.tolist()) <= set(order[:need].tolist()) and len(set(draws.tolist())) > 1
+
+
+def test_seeded_rows_do_not_depend_on_their_batch():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=gen)
+    p = SamplingParams(temperature=1.0, top_p=0.9)
+    alone = [sample(logits[i:i + 1], [p], [torch.Generator().manual_seed(10 + i)])[0].item() for i in range(3)]
+    together = sample(logits, [p] * 3, [torch.Generator().manual_seed(10 + i) for i in range(3)])[0].tolist()
+    assert alone == together
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.7]]))
+    n = 3000
+    draws, _ = sample(logits.expand(n, 3), [SamplingParams()] * n, [torch.Generator().manual_seed(7)] * n)
+    freq = torch.bincount(draws, minlength=3).float() / n
+    assert torch.allclose(freq, torch.tensor([0.1, 0.2, 0.7]), atol=0.03)
+
+
+def kv(n, fill):
+    return [torch.full((2, n, 4), float(fill))], [torch.full((2, n, 4), -float(fill))]
+
+
+def test_prefix_cache_finds_the_longest_shared_prefix():
+    cache = PrefixCache(capacity_tokens=1000, block=4)
+    a = list(range(20))
+    b = list(range(10)) + [99] * 10
+    cache.insert(a, *kv(20, 1), version=0)
+    cache.insert(b, *kv(20, 2), version=0)
+    entry, n = cache.lookup(list(range(14)) + [7, 7], version=0, max_len=15)
+    assert n == 14 and entry.tokens == a
+    entry, n = cache.lookup(list(range(10)) + [99, 99, 5], version=0, max_len=100)
+    assert n == 12 and entry.tokens == b
+    assert cache.lookup(a, version=1, max_len=100) == (None, 0)  # other weights: no reuse
+    assert cache.lookup([5, 6, 7, 8, 9], version=0, max_len=100) == (None, 0)
+    assert cache.lookup(a, version=0, max_len=19)[1] == 19
+
+
+def test_prefix_cache_evicts_least_recently_used_to_its_budget():
+    cache = PrefixCache(capacity_tokens=40, block=4)
+    first, second, third = [list(range(k, k + 16)) for k in (0, 100, 200)]
+    cache.insert(first, *kv(16, 1), version=0)
+    cache.insert(second, *kv(16, 2), version=0)
+    cache.lookup(first, version=0, max_len=16)  # touch: second becomes the oldest
+    cache.insert(third, *kv(16, 3), version=0)
+    assert cache.tokens <= 40 and len(cache) == 2
+    assert cache.lookup(second, version=0, max_len=16) == (None, 0)
+    assert cache.lookup(first, version=0, max_len=16)[1] == 16
+    cache.insert(first, *kv(16, 9), version=0)  # the same tokens again add nothing
+    assert len(cache) == 2
+    cache.clear()
+    assert cache.tokens == 0 and cache.lookup(third, version=0, max_len=16) == (None, 0)
+
+
+def test_engine_args_are_validated_by_name():
+    ok = EngineSettings.from_job(structure_job({"rollout": {"max_context_length": 512,
+                                                            "engine_args": {"max_batch_size": 4}}}))
+    assert ok.max_batch_size == 4 and ok.max_context_length == 512
+    with pytest.raises(EngineConfigError, match="max_batchsize"):
+        EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"max_batchsize": 4}}}))
+    with pytest.raises(EngineConfigError, match="max_prefill_tokens"):
+        EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"max_prefill_tokens": 0}}}))
+
+
+def test_generate_bodies_follow_sglang_shapes():
+    items, single = parse_generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}, "rid": "r"},
+                                   vocab_size=10, max_context=16, encode=None)
+    assert single and items[0].rid == "r" and items[0].params.max_new_tokens == 4
+    items, single = parse_generate({"input_ids": [[1], [2, 3]], "sampling_params": [{"temperature": 0}, {}],
+                                    "return_logprob": [True, False]}, vocab_size=10, max_context=16, encode=None)
+    assert not single and [i.return_logprob for i in items] == [True, False]
+    assert items[0].params.greedy and not items[1].params.greedy
+    # max_new_tokens defaults to SGLang's 128, clipped to the room left in the context
+    assert items[1].params.max_new_tokens == 14
+    with pytest.raises(InvalidRequest) as err:
+        parse_generate({"input_ids": [[1], [2]], "sampling_params": [{}]}, vocab_size=10, max_context=16, encode=None)
+    assert err.value.param == "sampling_params"
