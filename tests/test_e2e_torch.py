@@ -19,9 +19,18 @@ enable = ["torch", "rl", "rewards", "loggers", "agents"]
 
 [model]
 tokenizer = "{tokenizer}"
-config = {{ model_type = "qwen3", vocab_size = 512, hidden_size = 32, intermediate_size = 64, num_hidden_layers = 2,
-           num_attention_heads = 2, num_key_value_heads = 1, head_dim = 16, max_position_embeddings = 512,
-           tie_word_embeddings = true }}
+
+[model.config]
+model_type = "qwen3"
+vocab_size = 512
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 2
+num_key_value_heads = 1
+head_dim = 16
+max_position_embeddings = 512
+tie_word_embeddings = true
 
 [train]
 lr = 1e-3
@@ -110,3 +119,36 @@ def test_resume_matches_uninterrupted_run(ray_cluster, tmp_path):
     assert wa.keys() == wb.keys()
     for k in wa:
         assert (wa[k] - wb[k]).abs().max() < 1e-5, k
+
+
+def test_data_parallel_trainers_with_separate_engines(ray_cluster, tmp_path):
+    job = make_job(tmp_path, False, overrides=("train.num_workers=2", "rollout.num_engines=1",
+                                               "train.total_steps=2"))
+    out = tmp_path / "dp"
+    history = run_job(resolve_job(job), output_dir=str(out))
+    assert len(history) == 2
+    assert all(m["train/is_approx_k3_kl"] < 1e-6 for m in history)  # both ranks stay in sync with the engine
+    assert (out / "checkpoints" / "step_000002" / "rank_1").is_dir()
+
+
+def test_prompt_longer_than_context_is_a_clear_error(ray_cluster, tmp_path):
+    from loongsage_core.config import ConfigError
+
+    job = make_job(tmp_path, True, overrides=("rollout.max_context_length=20",))
+    with pytest.raises(ConfigError, match=r"prompt 'add/\d+' has \d+ tokens, more than the 14 that "
+                                          r"rollout.max_context_length \(20\) leaves after max_new_tokens"):
+        run_job(resolve_job(job), output_dir=str(tmp_path / "ctx"))
+
+
+def test_missing_model_directory_is_reported_by_the_cli(tmp_path):
+    import subprocess
+    import sys
+
+    job = tmp_path / "job.toml"
+    job.write_text(f'[plugins]\nenable = ["torch", "rl", "rewards", "loggers", "agents"]\n'
+                   f'[model]\npath = "no/such/model"\n[[data]]\nname = "a"\ngenerator = "arithmetic"\n')
+    out = subprocess.run([sys.executable, "-m", "loongsage_core", "run", str(job), "--output-dir",
+                          str(tmp_path / "o")], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert f"model.path: '{tmp_path / 'no' / 'such' / 'model'}' does not exist" in out.stderr

@@ -16,8 +16,35 @@ from ..config import ConfigError, JobConfig
 from .actors import ModelActor, free_port
 
 
+def required_resources(job: JobConfig) -> dict[str, float]:
+    """CPUs and GPUs the job's actors reserve."""
+    pl = job.placement
+    trainers = job.train.num_workers
+    engines = 0 if pl.colocate else job.rollout.num_engines
+    return {"CPU": trainers * pl.trainer_cpus + engines * pl.engine_cpus,
+            "GPU": trainers * pl.trainer_gpus + engines * pl.engine_gpus}
+
+
+def check_resources(job: JobConfig) -> None:
+    """Fail fast, naming the keys, when the cluster cannot hold every actor (they would wait forever)."""
+    import ray
+
+    need = required_resources(job)
+    have = ray.cluster_resources()
+    for res, amount in need.items():
+        if amount > have.get(res, 0.0) + 1e-9:
+            raise ConfigError(
+                f"{job.source_path or '<job>'}: the actors need {amount:g} {res} but the Ray cluster has "
+                f"{have.get(res, 0.0):g}; lower train.num_workers / rollout.num_engines or placement.*_{res.lower()}s "
+                f"(or start a bigger cluster: run.ray_num_cpus)")
+
+
 def init_ray(job: JobConfig) -> None:
-    """Start (or join) the Ray cluster: loopback only, capped object store, no dashboard."""
+    """Start (or join) the Ray cluster: loopback only, capped object store, no dashboard.
+
+    A local cluster gets at least as many logical CPUs as the actors reserve: on a small machine
+    the trainer and the engines then share the cores instead of waiting for each other.
+    """
     import ray
 
     if ray.is_initialized():
@@ -25,7 +52,8 @@ def init_ray(job: JobConfig) -> None:
     if job.run.ray_address:
         ray.init(address=job.run.ray_address, ignore_reinit_error=True)
         return
-    ray.init(num_cpus=job.run.ray_num_cpus or os.cpu_count() or 1, include_dashboard=False,
+    cpus = job.run.ray_num_cpus or max(os.cpu_count() or 1, int(required_resources(job)["CPU"] + 0.999))
+    ray.init(num_cpus=cpus, include_dashboard=False,
              object_store_memory=job.run.ray_object_store_mb * 2**20, ignore_reinit_error=True,
              _node_ip_address="127.0.0.1", log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
@@ -62,6 +90,7 @@ def create_actors(job: JobConfig, needs_reference: bool) -> Actors:
     import ray
 
     check_placement(job)
+    check_resources(job)
     world = job.train.num_workers
     port = free_port()
     remote = ray.remote(ModelActor)

@@ -2,8 +2,10 @@
 
 Single-turn sources take the fast path: the prompt is rendered with the chat template once and
 its ``samples_per_prompt`` copies are sent to one engine in one batched ``/generate`` call, so the
-engine shares the prompt prefix across the group. Other agents run through the AgentFlow router.
-Every sampled token keeps its rollout log-prob and the weight version that produced it.
+engine shares the prompt prefix across the group (the token record is the same one the router
+would make for a one-turn conversation). Every other agent runs through the AgentFlow router: it
+talks OpenAI chat completions to its trajectory's URL, and the router records the tokens. Every
+sampled token keeps its rollout log-prob and the weight version that produced it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from ..config import ConfigError, DataConfig, JobConfig
 from ..engine_client import EngineClient
 from .data import Prompt
 from .rewards import score_trajectory
+
+FAST_PATH_AGENT = "single_turn"
 
 
 def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
@@ -63,7 +67,65 @@ class RolloutManager:
         self.sources = {src.name: src for src in job.data}
         eos = tokenizer.eos_token_id
         self.stop_ids = [eos] if eos is not None else []
+        self.engine_urls = list(engine_urls)
+        self.router: Any = None
+        self._sandboxes: dict[str, Any] = {}
+        self._agent_slots: asyncio.Semaphore | None = None
 
+    # ------------------------------------------------------------------ AgentFlow path
+
+    def start_router(self) -> str:
+        """Start the AgentFlow router (once) in front of the engines; returns its base URL."""
+        if self.router is None:
+            from ..agentflow import AgentFlowRouter, build_middlewares
+
+            af = self.job.agentflow
+            entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
+            self.router = AgentFlowRouter(self.tokenizer, self.engine_urls, build_middlewares(self.components, entries),
+                                          port=af.port, max_context_length=self.job.rollout.max_context_length)
+            self.router.start()
+        return str(self.router.base_url)
+
+    def _sandbox_provider(self, source: DataConfig) -> Any:
+        if not source.sandbox:
+            return None
+        if source.name not in self._sandboxes:
+            spec = self.components.get("sandbox", source.sandbox)
+            self._sandboxes[source.name] = spec.factory(**source.sandbox_args)
+        return self._sandboxes[source.name]
+
+    async def _agent_group(self, prompt: Prompt, index: int, step: int) -> TrajectoryGroup:
+        from ..agentflow import run_agent_trajectory
+
+        self.start_router()
+        source = self.sources[prompt.source]
+        spec = self.components.get("agent", source.agent)
+        af = self.job.agentflow
+        if self._agent_slots is None:
+            self._agent_slots = asyncio.Semaphore(max(1, af.max_concurrent_agents))
+        group_id = f"{step}:{index}"
+        group = TrajectoryGroup(group_id=group_id, prompt_id=prompt.prompt_id, source=prompt.source)
+
+        async def one(j: int) -> Trajectory:
+            traj = Trajectory(id=f"{step}-{index}-{j}", prompt_id=prompt.prompt_id, group_id=group_id,
+                              source=prompt.source, prompt=prompt.prompt, label=prompt.label,
+                              metadata=dict(prompt.metadata))
+            params = sampling_params(self.job, source)
+            params["seed"] = sample_seed(self.job.run.seed, step, index, j)
+            # the policy is sampled with the job's settings, whatever the agent asks for
+            params["locked"] = True
+            assert self._agent_slots is not None
+            async with self._agent_slots:
+                traj = await run_agent_trajectory(
+                    self.router, spec, source.agent_args, self._sandbox_provider(source), trajectory=traj,
+                    sampling=params, max_response_tokens=af.max_response_tokens or None,
+                    max_context_length=self.job.rollout.max_context_length, timeout_s=af.agent_timeout_s)
+            if traj.status == TrajectoryStatus.COMPLETED:
+                score_trajectory(traj, source, self.components)
+            return traj
+
+        group.trajectories = list(await asyncio.gather(*(one(j) for j in range(self.job.rollout.samples_per_prompt))))
+        return group
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         source = self.sources[prompt.source]
         messages = render_messages(prompt.prompt, source)
@@ -109,9 +171,13 @@ class RolloutManager:
     async def generate(self, prompts: Sequence[Prompt], step: int, offset: int = 0) -> list[TrajectoryGroup]:
         """All groups for ``prompts``; groups are spread round-robin over the engines."""
         tasks = [self._group(self.clients[(offset + i) % len(self.clients)], p, offset + i, step)
+                 if self.sources[p.source].agent == FAST_PATH_AGENT else self._agent_group(p, offset + i, step)
                  for i, p in enumerate(prompts)]
         return list(await asyncio.gather(*tasks))
 
     async def aclose(self) -> None:
         for c in self.clients:
             await c.aclose()
+        if self.router is not None:
+            self.router.shutdown()
+            self.router = None

@@ -303,7 +303,8 @@ class RLController:
         if self.job.run.save_hf_at_end and self.actors is not None:
             import ray
 
-            ray.get(self.actors.trainers[0].save_hf.remote(str(self.output_dir / "final_hf")))
+            # every rank takes part (rank 0 writes, the others meet it at a barrier)
+            ray.get([a.save_hf.remote(str(self.output_dir / "final_hf")) for a in self.actors.trainers])
         return history
 
     def close(self) -> None:

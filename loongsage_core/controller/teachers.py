@@ -1,0 +1,374 @@
+"""Distillation teachers of a run: building them, routing rows to them, and their batch tensors.
+
+A job lists teachers in ``[[teachers]]`` and points data sources at them (``[[data]] teacher =
+"big"``). :class:`TeacherGroup` builds each teacher through its backend's factory the first time
+one of its rows needs scoring, routes the rows of a step by ``batch.meta["source"]`` (through the
+distill plugin's ``TeacherManager``), and keeps at most ``[placement] max_resident_teachers``
+loaded, offloading the least recently used first. ``[placement] teacher_offload`` says what
+offloading does: ``"cpu"`` calls the teacher's own ``offload()`` (weights leave the accelerator,
+host memory keeps them); ``"release"`` also drops the teacher, so a later use rebuilds it from
+its ``path``.
+
+Which tensors the teachers fill, and under which names, follows from :class:`DistillSetup`:
+
+* ``[algorithm] distill_kl`` unset: the teachers stand in for the reference model and the
+  ``[algorithm] kl`` term reads them: ``ref_logprobs`` ``[B, T]``, plus ``ref_topk_ids`` /
+  ``ref_topk_logprobs`` ``[B, T, distill_topk]`` when that term ``requires = "topk"``, or
+  ``ref_logits`` ``[B, T, V]`` when it ``requires = "logits"``;
+* ``distill_kl`` set: the same tensors named ``teacher_logprobs``, ``teacher_topk_ids``,
+  ``teacher_topk_logprobs``, ``teacher_logits`` (so an ordinary reference KL can run beside it).
+
+Both add ``teacher_mask`` ``[B, T]`` (float): 1 on every position of a row whose source has a
+teacher, 0 on rows without one (their teacher tensors are zeros), to be multiplied into the mask
+of the distillation term. All tensors follow the layout of ``loongsage_hookspecs.records``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import attrs
+
+from loongsage_hookspecs import Batch, KLInputs
+
+from ..config import ConfigError, JobConfig
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+TEACHER_MASK = "teacher_mask"
+"""Batch tensor ``[B, T]``: 1 on rows that have a teacher, 0 on rows that do not."""
+
+REQUIRES_LEVELS = ("logprobs", "topk", "logits")
+
+
+@attrs.define(frozen=True)
+class DistillSetup:
+    """The distillation term a job trains with, and what the teachers must fill for it.
+
+    ``separate`` is true when the term comes from ``[algorithm] distill_kl`` (tensors prefixed
+    ``teacher_``) and false when the teachers feed ``[algorithm] kl`` (prefix ``ref_``).
+    ``topk`` is the number of teacher top-k entries computed per token (0 unless the term
+    requires ``"topk"``); ``in_reward`` puts the term into the token rewards instead of the loss.
+    """
+
+    kl_name: str
+    requires: str
+    kl_args: dict[str, Any]
+    coef: float
+    in_reward: bool
+    separate: bool
+    topk: int
+
+    @property
+    def prefix(self) -> str:
+        return "teacher_" if self.separate else "ref_"
+
+    @property
+    def return_logits(self) -> bool:
+        return self.requires == "logits"
+
+    def key(self, field: str) -> str:
+        """Batch tensor name of a teacher output field (``logprobs``, ``topk_ids``, ...)."""
+        return self.prefix + field
+
+
+def distill_setup(job: JobConfig, host: Any) -> DistillSetup | None:
+    """The job's distillation term, or ``None`` when no source names a teacher.
+
+    Raises :class:`ConfigError` when sources name teachers but no term is selected, when a term
+    that needs the student's logits is put into the rewards (the controller has only sampled
+    log-probs), or when the term asks for more top-k entries than ``distill_topk`` provides.
+    """
+    where = job.source_path or "<job>"
+    if not job.teachers or not any(src.teacher for src in job.data):
+        return None
+    alg = job.algorithm
+    separate = bool(alg.distill_kl)
+    if separate:
+        name, args, coef, in_reward, key = alg.distill_kl, alg.distill_kl_args, alg.distill_coef, \
+            alg.distill_in_reward, "algorithm.distill_kl"
+    elif alg.kl:
+        name, args, coef, in_reward, key = alg.kl, alg.kl_args, alg.kl_coef, alg.kl_in_reward, "algorithm.kl"
+    else:
+        sources = [src.name for src in job.data if src.teacher]
+        raise ConfigError(f"{where}: data sources {sources} name a teacher but no distillation term is set; "
+                          "set [algorithm] distill_kl (a term of its own, e.g. 'opd_k3') or [algorithm] kl")
+    assert name is not None
+    spec = host.get("kl", name, where=f"{where}: {key}")
+    requires = getattr(spec, "requires", "logprobs")
+    if in_reward and requires != "logprobs":
+        flag = "distill_in_reward" if separate else "kl_in_reward"
+        raise ConfigError(f"{where}: {key} = '{name}' requires '{requires}' (the student's logits), so it "
+                          f"cannot go into the rewards; use a 'logprobs' term (e.g. 'opd_pg') with "
+                          f"algorithm.{flag} = true, or put this term in the loss")
+    topk = alg.distill_topk if requires == "topk" else 0
+    wanted = _requested_k(args)
+    if topk and wanted is not None and wanted > topk:
+        raise ConfigError(f"{where}: {key}_args asks for k = {wanted} teacher top-k entries but "
+                          f"algorithm.distill_topk = {topk} are computed; raise distill_topk")
+    return DistillSetup(kl_name=name, requires=requires, kl_args=dict(args), coef=float(coef),
+                        in_reward=bool(in_reward), separate=separate, topk=topk)
+
+
+def _requested_k(args: dict[str, Any]) -> int | None:
+    """The top-k size a term's arguments ask for (``k``, or ``gkd_args.k`` of a mixture)."""
+    nested = args.get("gkd_args")
+    for table in (args, nested if isinstance(nested, dict) else {}):
+        k = table.get("k")
+        if isinstance(k, int) and not isinstance(k, bool):
+            return k
+    return None
+
+
+def uses_reference_model(job: JobConfig, host: Any) -> bool:
+    """Whether the run needs the frozen reference model: a ``kl`` term with a non-zero
+    coefficient that the teachers do not feed (they do when sources name teachers and
+    ``distill_kl`` is unset)."""
+    alg = job.algorithm
+    if not alg.kl or alg.kl_coef == 0.0:
+        return False
+    setup = distill_setup(job, host)
+    return setup is None or setup.separate
+
+
+class LazyTeacher:
+    """One ``[[teachers]]`` entry, built on first load through its backend's factory.
+
+    ``load()`` builds the teacher if needed and calls its ``load()`` (when it has one);
+    ``offload()`` calls its ``offload()`` and, with ``release = True``, drops it so its memory
+    can be freed (the next ``load()`` builds it again). ``builds`` counts the builds.
+    """
+
+    def __init__(self, name: str, build: Callable[[], Any], *, release: bool = False) -> None:
+        self.name = name
+        self._build = build
+        self.release = release
+        self.teacher: Any = None
+        self.builds = 0
+
+    def load(self) -> None:
+        if self.teacher is None:
+            self.teacher = self._build()
+            self.builds += 1
+        if callable(getattr(self.teacher, "load", None)):
+            self.teacher.load()
+
+    def offload(self) -> None:
+        if self.teacher is None:
+            return
+        if callable(getattr(self.teacher, "offload", None)):
+            self.teacher.offload()
+        if self.release:
+            self.teacher = None
+            gc.collect()
+
+    def forward(self, batch: Batch, **kwargs: Any) -> Any:
+        if self.teacher is None:
+            raise RuntimeError(f"teacher '{self.name}': forward before load()")
+        fn = self.teacher.forward if callable(getattr(self.teacher, "forward", None)) else self.teacher
+        return fn(batch, **kwargs)
+
+
+def _teacher_builder(job: JobConfig, host: Any, index: int) -> Callable[[], Any]:
+    t = job.teachers[index]
+    where = f"{job.source_path or '<job>'}: teachers[{index}] ('{t.name}')"
+    spec = host.get("teacher", t.backend, where=f"{where}.backend")
+    path = job.resolve_path(t.path) if t.path else None
+    args = dict(t.args)
+
+    def build() -> Any:
+        try:
+            return spec.factory(path=path, **args)
+        except TypeError as exc:
+            raise ConfigError(f"{where}.args: {exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+    return build
+
+
+class TeacherGroup:
+    """The run's teachers behind one ``forward``: per-source routing and bounded residency.
+
+    Build with :meth:`from_job` (``None`` when the job distils nothing). Teachers are built on
+    first use, so a teacher no source routes to is never built.
+    """
+
+    def __init__(self, teachers: dict[str, Any], routes: dict[str, str | None], setup: DistillSetup, *,
+                 max_resident: int = 1) -> None:
+        from loongsage_plugin_distill import TeacherManager
+
+        self.setup = setup
+        self.teachers = teachers
+        self.manager = TeacherManager(teachers, routes, max_resident=max_resident, source_key="source")
+
+    @classmethod
+    def from_job(cls, job: JobConfig, host: Any) -> "TeacherGroup | None":
+        """The job's teachers, routes from ``[[data]] teacher`` and the ``[placement]`` residency."""
+        setup = distill_setup(job, host)
+        if setup is None:
+            return None
+        try:
+            import loongsage_plugin_distill  # noqa: F401  (the routing and residency policy)
+        except ImportError:
+            raise ConfigError(f"{job.source_path or '<job>'}: [[teachers]] need the distill plugin "
+                              "(pip install loongsage-plugin-distill)") from None
+        release = job.placement.teacher_offload == "release"
+        teachers = {t.name: LazyTeacher(t.name, _teacher_builder(job, host, i), release=release)
+                    for i, t in enumerate(job.teachers)}
+        routes = {src.name: src.teacher for src in job.data}
+        return cls(teachers, routes, setup, max_resident=job.placement.max_resident_teachers)
+
+    # -- routing -----------------------------------------------------------------------------
+
+    def plan(self, batch: Batch) -> dict[str, list[int]]:
+        """Teacher name -> its rows of ``batch``, in the order they will run."""
+        return self.manager.plan(batch)
+
+    def row_mask(self, batch: Batch) -> "torch.Tensor":
+        """``[B]`` bool: rows whose source has a teacher."""
+        return self.manager.row_mask(batch)
+
+    @property
+    def resident(self) -> tuple[str, ...]:
+        """Teachers loaded now, least recently used first."""
+        return self.manager.resident
+
+    @property
+    def loads(self) -> int:
+        return self.manager.loads
+
+    # -- scoring -----------------------------------------------------------------------------
+
+    def forward(self, batch: Batch, requires: str | None = None) -> dict[str, "torch.Tensor"]:
+        """Teacher tensors for every row of ``batch``, named for the batch (see the module doc).
+
+        ``requires`` (default: the setup's) is the level the distillation term needs:
+        ``"logprobs"`` gives ``<prefix>logprobs``; ``"topk"`` adds ``<prefix>topk_ids`` /
+        ``<prefix>topk_logprobs``; ``"logits"`` adds ``<prefix>logits``. ``teacher_mask`` is
+        always included. A batch none of whose rows has a teacher gets zeros and a zero mask
+        without running any teacher (``<prefix>logits`` then has an empty last axis ``[B, T, 0]``;
+        the loss pipeline skips a teacher-fed term on micro-batches whose mask is all 0).
+        """
+        import torch
+
+        level = requires or self.setup.requires
+        if level not in REQUIRES_LEVELS:
+            raise ValueError(f"TeacherGroup.forward: requires must be one of {list(REQUIRES_LEVELS)}, "
+                             f"got {level!r}")
+        ids = batch["input_ids"]
+        rows, width = ids.shape
+        topk = (self.setup.topk or 0) if level == "topk" else 0
+        if level == "topk" and topk == 0:
+            raise ValueError("TeacherGroup.forward: requires='topk' but the setup computes no top-k "
+                             "(the distillation term does not require 'topk')")
+        covered = self.row_mask(batch)
+        mask = covered.to(torch.float32)[:, None].expand(rows, width).contiguous()
+        p = self.setup.prefix
+        if not bool(covered.any()):
+            out: dict[str, torch.Tensor] = {p + "logprobs": torch.zeros(rows, width)}
+            if topk:
+                out[p + "topk_ids"] = torch.zeros(rows, width, topk, dtype=torch.long)
+                out[p + "topk_logprobs"] = torch.zeros(rows, width, topk)
+            if level == "logits":  # no teacher ran, so the vocabulary size is unknown: an empty last axis
+                out[p + "logits"] = torch.zeros(rows, width, 0)
+            out[TEACHER_MASK] = mask
+            return out
+        res = self.manager.forward(batch, topk=topk, return_logits=level == "logits")
+        out = {p + "logprobs": res.logprobs.float()}
+        if topk:
+            out[p + "topk_ids"] = res.topk_ids
+            out[p + "topk_logprobs"] = res.topk_logprobs
+        if level == "logits":
+            out[p + "logits"] = res.logits
+        out[TEACHER_MASK] = mask
+        return out
+
+    def offload_all(self) -> None:
+        """Offload every loaded teacher (e.g. before the trainer needs the accelerator)."""
+        self.manager.offload_all()
+
+    def close(self) -> None:
+        """Offload everything and drop every built teacher."""
+        self.offload_all()
+        for t in self.teachers.values():
+            if isinstance(t, LazyTeacher):
+                t.teacher = None
+        gc.collect()
+
+
+# --------------------------------------------------------------------------------------------
+# What the controller calls
+# --------------------------------------------------------------------------------------------
+
+
+def apply_teachers(batch: Batch, job: JobConfig, host: Any, group: TeacherGroup | None) -> dict[str, float]:
+    """Score ``batch`` with the teachers, store their tensors in it, return step metrics.
+
+    Call after ``old_logprobs`` are in the batch. Returns ``timing/teacher``, ``perf/teacher_*``
+    (builds and loads this step, resident count), ``train/teacher_row_ratio`` and the distill
+    plugin's ``train/opd_*`` metrics over the distilled tokens (those its inputs allow: the
+    controller has the student's sampled log-probs, not its logits), plus
+    ``train_per_teacher/<name>/opd_kl``. A ``None`` group (no distillation) returns ``{}``.
+    """
+    if group is None or len(batch) == 0:
+        return {}
+    start = time.perf_counter()
+    loads_before = group.loads
+    builds_before = sum(getattr(t, "builds", 0) for t in group.teachers.values())
+    plan = group.plan(batch)
+    tensors = group.forward(batch)
+    batch.tensors.update(tensors)
+    metrics: dict[str, float] = {
+        "timing/teacher": time.perf_counter() - start,
+        "perf/teacher_loads": float(group.loads - loads_before),
+        "perf/teacher_builds": float(sum(getattr(t, "builds", 0) for t in group.teachers.values()) - builds_before),
+        "perf/teachers_resident": float(len(group.resident)),
+        "train/teacher_row_ratio": float(tensors[TEACHER_MASK][:, 0].mean()) if len(batch) else 0.0,
+    }
+    metrics.update(_distill_metrics(batch, group.setup, plan))
+    return metrics
+
+
+def _distill_metrics(batch: Batch, setup: DistillSetup, plan: dict[str, list[int]]) -> dict[str, float]:
+    student = batch.get("old_logprobs")
+    if student is None:
+        return {}
+    from loongsage_plugin_distill import distill_metrics
+
+    mask = batch["loss_mask"] * batch[TEACHER_MASK]
+    inputs = KLInputs(logprobs=student, ref_logprobs=batch[setup.key("logprobs")], response_mask=mask,
+                      ref_topk_ids=batch.get(setup.key("topk_ids")),
+                      ref_topk_logprobs=batch.get(setup.key("topk_logprobs")),
+                      ref_logits=batch.get(setup.key("logits")))
+    out = {k: float(v) for k, v in distill_metrics(inputs, input_ids=batch["input_ids"]).items()}
+    for name, rows in plan.items():
+        sub = batch.select(rows)
+        sub_mask = sub["loss_mask"] > 0
+        if bool(sub_mask.any()):
+            diff = (sub["old_logprobs"] - sub[setup.key("logprobs")])[sub_mask]
+            out[f"train_per_teacher/{name}/opd_kl"] = float(diff.mean())
+            out[f"train_per_teacher/{name}/rows"] = float(len(rows))
+    return out
+
+
+def distill_token_penalty(batch: Batch, setup: DistillSetup | None, host: Any) -> "torch.Tensor | None":
+    """``[B, T]`` ``coef * term`` on distilled tokens (0 elsewhere, detached) to subtract from the
+    token rewards when the distillation term goes into the rewards; ``None`` otherwise.
+
+    The term is evaluated on the batch's ``old_logprobs`` and the teacher's sampled-token
+    log-probs (only ``"logprobs"`` terms may go into the rewards, see :func:`distill_setup`).
+    """
+    if setup is None or not setup.in_reward:
+        return None
+    import torch
+
+    spec = host.get("kl", setup.kl_name)
+    mask = batch["loss_mask"] * batch[TEACHER_MASK]
+    value = spec.fn(KLInputs(logprobs=batch["old_logprobs"], ref_logprobs=batch[setup.key("logprobs")],
+                             response_mask=mask), **setup.kl_args)
+    value = torch.where(mask > 0, value.detach().float(), torch.zeros_like(mask, dtype=torch.float32))
+    return setup.coef * value
