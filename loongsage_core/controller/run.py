@@ -14,6 +14,7 @@ Outputs in the run directory: ``metrics.jsonl`` (one object per step), ``checkpo
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -35,6 +36,8 @@ from .placement import Actors, create_actors, init_ray
 from .rollout import RolloutManager
 
 log = logging.getLogger("loongsage")
+
+TRAINED_PROMPTS = "trained_prompts.jsonl"
 
 
 def load_tokenizer(job: JobConfig) -> Any:
@@ -61,6 +64,20 @@ def aggregation_norm(batch: Batch) -> AggregationNorm:
     per_seq = mask.sum(-1)
     return AggregationNorm(num_tokens=float(per_seq.sum()), num_sequences=float((per_seq > 0).sum()),
                            max_response_length=float(per_seq.max()) if len(per_seq) else 0.0)
+
+
+def truncate_jsonl(path: Path, step: int) -> None:
+    """Drop lines of a per-step JSONL file whose ``step`` is ``>= step`` (redone after a resume)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] < step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
 
 
 def mean_metrics(items: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -125,6 +142,7 @@ class RLController:
         ray.get([a.load_checkpoint.remote(str(ckpt.rank_dir(self.output_dir, step, r)))
                  for r, a in enumerate(self.actors.trainers)])
         self.mixer.load_state_dict(state["data"])
+        truncate_jsonl(self.output_dir / TRAINED_PROMPTS, step)
         self.step = step
         self.version = int(state["version"])
         self._push_weights()
@@ -231,40 +249,51 @@ class RLController:
             stats = [ray.get(self.actors.trainers[0].push_weights.remote(self.version, self.actors.engine_urls))]
         return {f"perf/weight_sync_{k}": v for k, v in mean_metrics(stats).items()}
 
-    def run_step(self, step: int) -> dict[str, float]:
+    def learn(self, groups: Sequence[TrajectoryGroup], step: int) -> tuple[dict[str, float], float]:
+        """Train on ``groups`` (rows, old/reference log-probs, advantages, mini-batches).
+
+        Returns the ``train/*`` metrics and the number of trained tokens; the caller moves the
+        new weights to the engines (the sync and async loops do that differently).
+        """
         import ray
 
         assert self.actors is not None
         t0 = time.perf_counter()
+        batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0)
+        metrics: dict[str, float] = {"rollout/num_rows": float(len(batch))}
+        if not len(batch):
+            return metrics, 0.0
+        alg = self.job.algorithm
+        if alg.recompute_old_logprobs:
+            batch.tensors["old_logprobs"] = self._forward(batch) * batch["loss_mask"]
+        else:
+            batch.tensors["old_logprobs"] = batch["rollout_logprobs"].clone()
+        if self.needs_reference:
+            batch.tensors["ref_logprobs"] = self._forward(batch, reference=True) * batch["loss_mask"]
+        metrics["timing/old_logprobs"] = time.perf_counter() - t0
+        self.compute_advantages(batch)
+        metrics.update(advantage_metrics(batch))
+        metrics.update(self.train(batch, step))
+        # the whole step's gap in float64 supersedes the per-mini-batch means of the trainer
+        metrics.update(train_inference_gap(batch))
+        every = alg.ref_update_every
+        if self.needs_reference and every > 0 and (step + 1) % every == 0:
+            ray.get([a.refresh_reference.remote() for a in self.actors.trainers])
+        return metrics, float(batch["loss_mask"].sum())
+
+    def run_step(self, step: int) -> dict[str, float]:
+        """One synchronous step: collect, learn, then move the weights to the idle engines."""
+        t0 = time.perf_counter()
         groups, metrics = self.collect(step)
         t_rollout = time.perf_counter()
-        batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0)
-        metrics["rollout/num_rows"] = float(len(batch))
-        t_train = t_rollout
-        t_update = t_rollout
-        if len(batch):
-            alg = self.job.algorithm
-            if alg.recompute_old_logprobs:
-                batch.tensors["old_logprobs"] = self._forward(batch) * batch["loss_mask"]
-            else:
-                batch.tensors["old_logprobs"] = batch["rollout_logprobs"].clone()
-            if self.needs_reference:
-                batch.tensors["ref_logprobs"] = self._forward(batch, reference=True) * batch["loss_mask"]
-            t_logp = time.perf_counter()
-            metrics["timing/old_logprobs"] = t_logp - t_rollout
-            self.compute_advantages(batch)
-            metrics.update(advantage_metrics(batch))
-            metrics.update(self.train(batch, step))
-            # the whole step's gap in float64 supersedes the per-mini-batch means of the trainer
-            metrics.update(train_inference_gap(batch))
-            t_train = time.perf_counter()
+        train_metrics, tokens = self.learn(groups, step)
+        metrics.update(train_metrics)
+        t_train = time.perf_counter()
+        if tokens:
             self.version += 1
             metrics.update(self._push_weights())
-            t_update = time.perf_counter()
-            every = self.job.algorithm.ref_update_every
-            if self.needs_reference and every > 0 and (step + 1) % every == 0:
-                ray.get([a.refresh_reference.remote() for a in self.actors.trainers])
-        tokens = float(batch["loss_mask"].sum()) if len(batch) else 0.0
+        t_update = time.perf_counter()
+        self.record_trained(step, groups)
         metrics.update({
             "timing/rollout": t_rollout - t0,
             "timing/train": t_train - t_rollout,
@@ -272,9 +301,16 @@ class RLController:
             "timing/step": time.perf_counter() - t0,
             "perf/generated_tokens": tokens,
             "perf/weight_version": float(self.version),
+            "perf/tokens_per_s": tokens / max(t_rollout - t0, 1e-9),
         })
-        metrics["perf/tokens_per_s"] = tokens / max(metrics["timing/rollout"], 1e-9)
         return metrics
+
+    def record_trained(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
+        """Append the prompt ids trained at ``step`` to ``trained_prompts.jsonl`` (an audit trail:
+        with resume, every prompt of an epoch appears exactly once)."""
+        line = json.dumps({"step": step, "prompt_ids": [g.prompt_id for g in groups]})
+        with (self.output_dir / TRAINED_PROMPTS).open("a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
 
     def save(self, step: int) -> None:
         import ray
