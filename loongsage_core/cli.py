@@ -102,7 +102,7 @@ COMMANDS = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     from .errors import USER_ERRORS
 
     try:

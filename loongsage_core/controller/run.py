@@ -336,12 +336,15 @@ class RLController:
             self.step = step + 1
             if every > 0 and self.step % every == 0:
                 self.save(self.step)
+        self._export_final()
+        return history
+
+    def _export_final(self) -> None:
         if self.job.run.save_hf_at_end and self.actors is not None:
             import ray
 
             # every rank takes part (rank 0 writes, the others meet it at a barrier)
             ray.get([a.save_hf.remote(str(self.output_dir / "final_hf")) for a in self.actors.trainers])
-        return history
 
     def close(self) -> None:
         import ray
@@ -365,7 +368,12 @@ def run_job(resolved: ResolvedJob, output_dir: str | None = None) -> list[dict[s
     """Train the resolved job; returns the metrics of every step run."""
     job = resolved.job
     out = Path(output_dir or job.resolve_path(job.run.output_dir))
-    controller = RLController(resolved, out)
+    if job.async_.enable:
+        from .async_run import AsyncRLController
+
+        controller: RLController = AsyncRLController(resolved, out)
+    else:
+        controller = RLController(resolved, out)
     try:
         controller.start()
         return controller.fit()

@@ -1,0 +1,252 @@
+"""Fully asynchronous training: engines keep generating while the trainer trains.
+
+Two coroutines share one event loop (and one scheduler, the job's ``[async] scheduler``):
+
+* the **producer** dispatches prompt groups whenever the scheduler allows, and a collector files
+  finished groups through the filters into the buffer;
+* the **trainer** takes the scheduler's selection from the buffer, trains on it (the blocking Ray
+  calls run in a worker thread so generation goes on), then updates the engines' weights:
+  engines pause (``in_place`` with ``[rollout] partial = true``, so unfinished generations keep
+  their tokens and continue under the new weights; ``abort`` otherwise, and the aborted prompts are
+  dispatched again), receive the weights, and continue.
+
+Every token carries the weight version that produced it; the scheduler bounds staleness by
+``[async] stale_steps``. Checkpoints hold the data cursor and every prompt that was drawn but not
+yet trained on, so a run killed at any moment and resumed trains each prompt exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any
+
+import attrs
+
+from loongsage_hookspecs import TrajectoryGroup, TrajectoryStatus
+
+from ..config import ConfigError
+from . import checkpoint as ckpt
+from .data import Prompt
+from .metrics import rollout_metrics
+from .run import RLController
+
+log = logging.getLogger("loongsage")
+
+
+def partial_ratio(groups: list[TrajectoryGroup]) -> float:
+    """Fraction of trajectories whose generated tokens come from more than one weight version."""
+    trajs = [t for g in groups for t in g.trajectories]
+    if not trajs:
+        return 0.0
+    mixed = 0
+    for t in trajs:
+        versions = {v for s in t.segments for v in s.weight_versions if v >= 0}
+        mixed += len(versions) > 1
+    return mixed / len(trajs)
+
+
+class AsyncRLController(RLController):
+    """The RL loop with rollout and training overlapped (``[async] enable = true``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        job = self.job
+        where = job.source_path or "<job>"
+        if job.placement.colocate:
+            raise ConfigError(f"{where}: async.enable = true needs placement.colocate = false (the trainer and "
+                              "the engines must run at the same time on separate actors)")
+        spec = self.host.get("scheduler", job.async_.scheduler, where=f"{where}: async.scheduler")
+        self.scheduler = spec.factory(batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
+                                      **job.async_.scheduler_args)
+        self.requeue: collections.deque[Prompt] = collections.deque()
+        self.inflight: dict[str, tuple[asyncio.Task[TrajectoryGroup], Prompt]] = {}
+        self.buffer: list[TrajectoryGroup] = []
+        self.group_prompts: dict[str, Prompt] = {}
+        self.dispatched = 0
+        self.changed = asyncio.Event()
+        self.discarded = 0
+        self.stopping = False
+
+    # ------------------------------------------------------------------ resume
+
+    def _maybe_resume(self) -> bool:
+        resumed = super()._maybe_resume()
+        if resumed:
+            found = ckpt.latest_checkpoint(self.output_dir)
+            assert found is not None
+            for p in found[1].get("pending_prompts", []):
+                self.requeue.append(Prompt(**p))
+        return resumed
+
+    def pending_prompts(self) -> list[Prompt]:
+        """Prompts drawn from the data but not trained yet: re-queued, generating, buffered."""
+        pending = list(self.requeue)
+        pending += [p for _, p in self.inflight.values()]
+        pending += [self.group_prompts[g.group_id] for g in self.buffer]
+        return pending
+
+    def save(self, step: int) -> None:
+        import ray
+
+        assert self.actors is not None
+        ray.get([a.save_checkpoint.remote(str(ckpt.rank_dir(self.output_dir, step, r)))
+                 for r, a in enumerate(self.actors.trainers)])
+        state = {"step": step, "version": self.version, "data": self.mixer.state_dict(),
+                 "pending_prompts": [attrs.asdict(p) for p in self.pending_prompts()]}
+        ckpt.write_controller_state(self.output_dir, step, state, keep=self.job.run.keep_checkpoints)
+
+    # ------------------------------------------------------------------ producer
+
+    def _next_prompt(self) -> Prompt:
+        return self.requeue.popleft() if self.requeue else self.mixer.next_prompts(1)[0]
+
+    def _dispatch(self) -> None:
+        assert self.rollout is not None
+        while self.scheduler.can_dispatch(len(self.inflight), len(self.buffer), self.version):
+            prompt = self._next_prompt()
+            index = self.dispatched
+            self.dispatched += 1
+            group_id = f"{self.version}:{index}"
+            self.scheduler.on_dispatch(group_id, self.version)
+            client = self.rollout.clients[index % len(self.rollout.clients)]
+            source = self.rollout.sources[prompt.source]
+            if source.agent == "single_turn":
+                coro = self.rollout._group(client, prompt, index, self.version)
+            else:
+                coro = self.rollout._agent_group(prompt, index, self.version)
+            task = asyncio.ensure_future(coro)
+            self.inflight[group_id] = (task, prompt)
+            task.add_done_callback(lambda t, gid=group_id: self._on_done(gid, t))
+
+    def _collect(self, group_id: str, task: asyncio.Task[TrajectoryGroup]) -> None:
+        """File a finished group: into the buffer, or back to the queue, or dropped by a filter."""
+        _, prompt = self.inflight.pop(group_id)
+        self.changed.set()
+        if task.cancelled() or task.exception() is not None:
+            if not task.cancelled():
+                log.warning("group %s failed: %r; its prompt is dispatched again", group_id, task.exception())
+            self.scheduler.on_discard(group_id)
+            self.requeue.append(prompt)
+            return
+        group = task.result()
+        group.group_id = group_id
+        if any(t.status == TrajectoryStatus.ABORTED for t in group.trajectories):
+            # aborted at a weight update (partial = false): generate the prompt again
+            self.scheduler.on_discard(group_id)
+            self.requeue.append(prompt)
+            return
+        kept = [group]
+        for f, name in zip(self.filters, self.job.algorithm.filters):
+            kept = list(f.fn(kept, **self.job.algorithm.filter_args.get(name, {})))
+        if not kept:
+            self.discarded += 1
+            self.scheduler.on_discard(group_id)
+            return
+        self.group_prompts[group_id] = prompt
+        self.scheduler.on_complete(group)
+        self.buffer.append(group)
+
+    def _on_done(self, group_id: str, task: asyncio.Task[TrajectoryGroup]) -> None:
+        self._collect(group_id, task)
+        if not self.stopping:
+            self._dispatch()  # a finished group frees a place: keep the engines busy
+
+    async def _abort_unusable(self) -> None:
+        assert self.rollout is not None
+        for gid in self.scheduler.to_abort(self.version):
+            entry = self.inflight.get(gid)
+            if entry is not None:
+                entry[0].cancel()
+        for group in self.scheduler.evict(self.buffer, self.version):
+            self.buffer.remove(group)
+            self.requeue.append(self.group_prompts.pop(group.group_id))
+
+    # ------------------------------------------------------------------ trainer
+
+    async def _update_weights(self) -> dict[str, float]:
+        """Pause the engines, push the new weights, continue."""
+        assert self.rollout is not None
+        mode = "in_place" if self.job.rollout.partial else "abort"
+        t0 = time.perf_counter()
+        await asyncio.gather(*(c.pause(mode) for c in self.rollout.clients))
+        loop = asyncio.get_running_loop()
+        try:
+            stats = await loop.run_in_executor(None, self._push_weights)
+        finally:
+            await asyncio.gather(*(c.resume() for c in self.rollout.clients))
+        stats["timing/update_weights"] = time.perf_counter() - t0
+        return stats
+
+    async def _train_step(self, groups: list[TrajectoryGroup], waited: float, t0: float) -> dict[str, float]:
+        loop = asyncio.get_running_loop()
+        step = self.step
+        metrics = rollout_metrics(groups)
+        metrics["rollout/partial_ratio"] = partial_ratio(groups)
+        t_train = time.perf_counter()
+        train_metrics, tokens = await loop.run_in_executor(None, self.learn, groups, step)
+        metrics.update(train_metrics)
+        metrics["timing/train"] = time.perf_counter() - t_train
+        if tokens:
+            self.version += 1
+            metrics.update(await self._update_weights())
+        self.scheduler.on_train_step(self.version)
+        for g in groups:
+            self.group_prompts.pop(g.group_id, None)
+        self.record_trained(step, groups)
+        metrics.update(self.scheduler.metrics())
+        step_time = time.perf_counter() - t0
+        metrics.update({
+            "rollout/pipeline_buf_size": float(len(self.buffer)),
+            "rollout/in_flight": float(len(self.inflight)),
+            "rollout/filter_drop": float(self.discarded),
+            "timing/wait": waited,
+            "timing/step": step_time,
+            "perf/wait_ratio": waited / max(step_time, 1e-9),
+            "perf/generated_tokens": tokens,
+            "perf/weight_version": float(self.version),
+        })
+        return metrics
+
+    async def _run(self) -> list[dict[str, float]]:
+        history: list[dict[str, float]] = []
+        every = self.job.run.checkpoint_every
+        t0 = time.perf_counter()
+        waited = 0.0
+        while self.step < self.job.train.total_steps:
+            await self._abort_unusable()
+            groups = self.scheduler.select(self.buffer, self.version, self.job.rollout.prompts_per_step)
+            if groups is None:
+                self._dispatch()
+                if not self.inflight and not self.buffer:
+                    raise RuntimeError("async loop stalled: nothing in flight and nothing buffered")
+                self.changed.clear()
+                t_wait = time.perf_counter()
+                await self.changed.wait()
+                waited += time.perf_counter() - t_wait
+                continue
+            for g in groups:
+                self.buffer.remove(g)
+            self._dispatch()  # keep the engines busy while the trainer works
+            metrics = await self._train_step(list(groups), waited, t0)
+            metrics["step"] = self.step
+            history.append(metrics)
+            for lg in self.loggers:
+                lg.log(self.step, metrics)
+            self.step += 1
+            if every > 0 and self.step % every == 0:
+                self.save(self.step)
+            t0 = time.perf_counter()
+            waited = 0.0
+        self.stopping = True
+        for task, _ in list(self.inflight.values()):
+            task.cancel()
+        await asyncio.gather(*(t for t, _ in list(self.inflight.values())), return_exceptions=True)
+        return history
+
+    def fit(self) -> list[dict[str, float]]:
+        history = self.loop.run_until_complete(self._run())
+        self._export_final()
+        return history
