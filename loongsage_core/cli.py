@@ -102,7 +102,13 @@ COMMANDS = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "s
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_intermixed_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value overrides may also follow options (``run job.toml --output-dir d train.lr=1e-5``)
+    if extra:
+        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     from .errors import USER_ERRORS
 
     try:
