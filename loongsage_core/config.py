@@ -100,19 +100,34 @@ class RolloutConfig:
 @attrs.define
 class PlacementConfig:
     """Where actors live. ``colocate = true`` shares devices between trainer and engines;
-    ``false`` gives each role its own pool (``*_cpus`` / ``*_gpus`` per actor)."""
+    ``false`` gives each role its own pool (``*_cpus`` / ``*_gpus`` per actor).
+
+    Distillation teachers: at most ``max_resident_teachers`` are loaded at once (least recently
+    used offloaded first; 0 offloads each right after its forward pass). ``teacher_offload``
+    says what offloading does: ``"cpu"`` moves the weights off the accelerator (host memory
+    keeps them, reloading is a copy), ``"release"`` frees the teacher entirely and rebuilds it
+    from its ``path`` on next use (bounds host memory too, reloading reads the files)."""
 
     colocate: bool = True
     trainer_cpus: float = 1.0
     engine_cpus: float = 1.0
     trainer_gpus: float = 0.0
     engine_gpus: float = 0.0
+    max_resident_teachers: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    teacher_offload: str = attrs.field(default="cpu", validator=attrs.validators.in_(("cpu", "release")))
 
 
 @attrs.define
 class AlgorithmConfig:
     """Loss pipeline choices (DESIGN.md section 6). Each ``*_args`` table is passed as keyword
-    arguments to the named component."""
+    arguments to the named component.
+
+    Distillation (rows of sources with a ``teacher``): with ``distill_kl`` unset the teachers
+    stand in for the reference model and feed ``kl`` / ``kl_coef`` / ``kl_in_reward``; with
+    ``distill_kl`` set (a ``kl`` component, e.g. ``opd_topk_kl``) it is a term of its own,
+    ``distill_coef * aggregate(term)`` in the loss (or subtracted from the token rewards with
+    ``distill_in_reward``), next to an ordinary reference KL. ``distill_topk`` is how many
+    teacher top-k entries per token are computed when the term ``requires = "topk"``."""
 
     advantage: str = "grpo"
     advantage_args: Args = attrs.field(factory=dict)
@@ -132,18 +147,55 @@ class AlgorithmConfig:
     filters: list[str] = attrs.field(factory=list)
     filter_args: dict[str, Args] = attrs.field(factory=dict)
     max_filter_retries: int = 0
+    distill_kl: str | None = None
+    distill_kl_args: Args = attrs.field(factory=dict)
+    distill_coef: float = 1.0
+    distill_in_reward: bool = False
+    distill_topk: int = attrs.field(default=20, validator=attrs.validators.ge(1))
+
+
+_optional_positive = attrs.validators.optional(attrs.validators.ge(1))
+
+
+@attrs.define
+class CriticConfig:
+    """The value model (critic) that advantage estimators with ``needs_critic`` (``gae``) use.
+
+    It is the policy's transformer backbone plus a scalar value head, in Ray actors of its own,
+    trained after the policy on each step's rows with a clipped value loss aggregated like the
+    policy loss (``[algorithm] loss_agg``); it is checkpointed with the run. Unset values fall back
+    to the policy's: ``path`` to ``[model] path`` (or the inline ``[model] config``), ``lr`` to
+    ``[train] lr``, ``mini_batch_size`` / ``micro_batch_size`` / ``ppo_epochs`` to ``[train]``'s.
+    ``value_clip`` bounds how far a value may move from its rollout-time value before the clipped
+    term takes over (``0`` disables clipping); ``loss_coef`` scales the value loss. ``num_workers``
+    data-parallel critic ranks reserve ``cpus`` / ``gpus`` each. Jobs whose advantage needs no
+    critic ignore this table."""
+
+    path: str | None = None
+    lr: float | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0.0)))
+    value_clip: float = attrs.field(default=0.2, validator=attrs.validators.ge(0.0))
+    loss_coef: float = attrs.field(default=1.0, validator=attrs.validators.gt(0.0))
+    mini_batch_size: int | None = attrs.field(default=None, validator=_optional_positive)
+    micro_batch_size: int | None = attrs.field(default=None, validator=_optional_positive)
+    ppo_epochs: int | None = attrs.field(default=None, validator=_optional_positive)
+    num_workers: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    cpus: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
+    gpus: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
 
 
 @attrs.define
 class DataConfig:
-    """One data source. Either ``path`` (JSONL or parquet rows) or ``generator`` (a procedural
-    task from a plugin) gives the prompts; ``agent``, ``reward`` and sampling are per source."""
+    """One data source. Either ``path`` (a JSONL file, a parquet file, or a directory written by
+    ``datasets``' ``save_to_disk``; ``split`` picks one split of a saved ``DatasetDict``) or
+    ``generator`` (a procedural task from a plugin) gives the prompts; ``agent``, ``reward`` and
+    sampling are per source."""
 
     name: str = "default"
     path: str | None = None
     generator: str | None = None
     generator_args: Args = attrs.field(factory=dict)
     weight: float = 1.0
+    split: str | None = None
     prompt_key: str = "prompt"
     label_key: str = "label"
     metadata_key: str | None = None
@@ -229,6 +281,7 @@ class JobConfig:
     async_: AsyncConfig = attrs.field(factory=AsyncConfig, alias="async_")
     loggers: list[LoggerConfig] = attrs.field(factory=lambda: [LoggerConfig(name="console")])
     teachers: list[TeacherConfig] = attrs.field(factory=list)
+    critic: CriticConfig = attrs.field(factory=CriticConfig)
     run: RunConfig = attrs.field(factory=RunConfig)
     source_path: str | None = attrs.field(default=None, metadata={"internal": True})
 

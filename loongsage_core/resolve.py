@@ -39,6 +39,8 @@ def named_components(job: JobConfig) -> list[tuple[str, str, str]]:
     ]
     if job.algorithm.kl:
         items.append(("algorithm.kl", "kl", job.algorithm.kl))
+    if job.algorithm.distill_kl:
+        items.append(("algorithm.distill_kl", "kl", job.algorithm.distill_kl))
     items += [(f"algorithm.corrections[{i}]", "correction", n) for i, n in enumerate(job.algorithm.corrections)]
     items += [(f"algorithm.filters[{i}]", "filter", n) for i, n in enumerate(job.algorithm.filters)]
     for i, src in enumerate(job.data):
@@ -101,4 +103,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     for key, kind, name in named_components(job):
         host.get(kind, name, where=f"{where}: {key}")
         resolved.components[key] = (kind, name, host.provider(kind, name))
+    from .controller.teachers import distill_setup  # light: torch is imported only when teachers run
+
+    distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
     return resolved

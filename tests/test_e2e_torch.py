@@ -128,7 +128,12 @@ def test_data_parallel_trainers_with_separate_engines(ray_cluster, tmp_path):
     history = run_job(resolve_job(job), output_dir=str(out))
     assert len(history) == 2
     assert all(m["train/is_approx_k3_kl"] < 1e-6 for m in history)  # both ranks stay in sync with the engine
-    assert (out / "checkpoints" / "step_000002" / "rank_1").is_dir()
+    assert (out / "checkpoints" / "step_000002" / "trainer" / "rng_rank1.pt").is_file()
+    # both ranks resume from the shared checkpoint and train one more step
+    more = make_job(tmp_path, False, "more.toml", ("train.num_workers=2", "rollout.num_engines=1",
+                                                   "train.total_steps=3", "run.resume=true"))
+    resumed = run_job(resolve_job(more), output_dir=str(out))
+    assert len(resumed) == 1 and resumed[0]["step"] == 2
 
 
 def test_prompt_longer_than_context_is_a_clear_error(ray_cluster, tmp_path):

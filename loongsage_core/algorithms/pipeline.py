@@ -6,6 +6,7 @@ Order (per micro-batch, after the trainer's forward pass)::
     post_forward corrections (see current log-probs)        -> more weights / masks
     policy loss per token -> x masks x IS weights -> aggregation (global norm)
     + kl_coef * aggregated KL to the reference   (when [algorithm] kl is set and not in the reward)
+    + distill_coef * aggregated distillation term (when [algorithm] distill_kl is set, not in the reward)
     - entropy_coef * aggregated entropy
 
 Components come from ``components.get(kind, name)`` (the host's plugin registry or any object
@@ -35,6 +36,11 @@ CORRECTION_WEIGHTS_KEY = "correction_weights"
 CORRECTION_MASK_KEY = "correction_mask"
 """Batch tensor ``[B, T]`` holding the product of the pre-advantage corrections' masks."""
 
+TEACHER_MASK_KEY = "teacher_mask"
+"""Batch tensor ``[B, T]``: 1 on rows whose data source has a distillation teacher, 0 elsewhere.
+Multiplies the mask of the term the teachers feed (``kl`` without ``distill_kl``, else
+``distill_kl``); a micro-batch without such rows skips that term."""
+
 
 class LossPipelineError(ValueError):
     """The batch or the configuration cannot be run through the loss pipeline; says what is missing."""
@@ -57,6 +63,10 @@ class LossPipeline:
         self.kl = components.get("kl", alg.kl) if alg.kl and not alg.kl_in_reward else None
         self.kl_args = dict(alg.kl_args)
         self.kl_coef = float(alg.kl_coef)
+        distill = getattr(alg, "distill_kl", None)
+        self.distill = components.get("kl", distill) if distill and not alg.distill_in_reward else None
+        self.distill_args = dict(getattr(alg, "distill_kl_args", {}))
+        self.distill_coef = float(getattr(alg, "distill_coef", 0.0))
         self.entropy_coef = float(alg.entropy_coef)
         unknown_args = set(alg.correction_args) - set(alg.corrections)
         if unknown_args:
@@ -79,7 +89,7 @@ class LossPipeline:
     @property
     def needs_logits(self) -> bool:
         """Whether :meth:`loss` needs the full logits (a vocabulary-level KL estimator)."""
-        return self.kl is not None and self.kl.requires != "logprobs"
+        return any(t is not None and t.requires != "logprobs" for t in (self.kl, self.distill))
 
     # -- once per step ---------------------------------------------------------------------------
 
@@ -184,12 +194,27 @@ class LossPipeline:
         for key, value in out.metrics.items():
             metrics[key] = _per_token_metric(value, mask)
 
+        teacher = micro.get(TEACHER_MASK_KEY)
+        teacher_mask = None if teacher is None else train_mask * _on(teacher, logprobs)
         if self.kl is not None:
-            kl_tok = self._kl(micro, logprobs, mask, logits)
-            kl_loss = self._aggregate(_masked(kl_tok, train_mask), train_mask, norm)
+            # without distill_kl, teacher rows feed the kl term: only they are compared
+            kl_mask = teacher_mask if teacher_mask is not None and self.distill is None else None
+            kl_tok, kl_loss = self._term(self.kl, self.kl_args, "ref_", micro, logprobs, mask, logits,
+                                         train_mask if kl_mask is None else kl_mask, norm,
+                                         teacher_fed=kl_mask is not None)
             total = total + self.kl_coef * kl_loss
-            metrics["kl"] = kl_tok.detach()
+            metrics["kl"] = kl_tok
             metrics["kl_loss"] = kl_loss.detach()
+
+        if self.distill is not None:
+            if teacher_mask is None:
+                raise LossPipelineError(f"[algorithm] distill_kl = {self.distill.name!r} is set but the batch has no "
+                                        f"'{TEACHER_MASK_KEY}'; the controller's teacher pass fills it")
+            d_tok, d_loss = self._term(self.distill, self.distill_args, "teacher_", micro, logprobs, mask, logits,
+                                       teacher_mask, norm, teacher_fed=True)
+            total = total + self.distill_coef * d_loss
+            metrics["distill"] = d_tok
+            metrics["distill_loss"] = d_loss.detach()
 
         if entropy is not None:
             if tuple(entropy.shape) != tuple(mask.shape):
@@ -219,24 +244,38 @@ class LossPipeline:
                                     "expected a scalar")
         return out
 
-    def _kl(self, micro: Batch, logprobs: "torch.Tensor", mask: "torch.Tensor",
-            logits: "torch.Tensor | None") -> "torch.Tensor":
-        assert self.kl is not None
-        ref = _require(micro, "ref_logprobs", f"[algorithm] kl = {self.kl.name!r} compares against the reference")
+    def _term(self, spec: Any, args: dict[str, Any], prefix: str, micro: Batch, logprobs: "torch.Tensor",
+              mask: "torch.Tensor", logits: "torch.Tensor | None", term_mask: "torch.Tensor",
+              norm: AggregationNorm, *, teacher_fed: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+        """A KL-style term against the ``<prefix>*`` tensors: its detached per-token values for the
+        metrics and its aggregate over ``term_mask``. A teacher-fed term reports 0 on rows without
+        a teacher and is not evaluated at all on a micro-batch without teacher rows."""
+        import torch
+
+        if teacher_fed and not bool((term_mask > 0).any()):
+            return torch.zeros_like(mask), logprobs.sum() * 0.0
+        tok = self._kl(spec, args, prefix, micro, logprobs, mask, logits)
+        loss = self._aggregate(_masked(tok, term_mask), term_mask, norm)
+        return (_masked(tok, term_mask) if teacher_fed else tok).detach(), loss
+
+    def _kl(self, spec: Any, args: dict[str, Any], prefix: str, micro: Batch, logprobs: "torch.Tensor",
+            mask: "torch.Tensor", logits: "torch.Tensor | None") -> "torch.Tensor":
+        what = "the reference" if prefix == "ref_" else "the teacher"
+        ref = _require(micro, f"{prefix}logprobs", f"KL {spec.name!r} compares against {what}")
         inputs = KLInputs(logprobs=logprobs, ref_logprobs=_on(ref, logprobs), response_mask=mask)
-        if self.kl.requires in ("topk", "logits"):
+        if spec.requires in ("topk", "logits"):
             if logits is None:
-                raise LossPipelineError(f"KL {self.kl.name!r} needs the full logits; pass logits= to loss()")
+                raise LossPipelineError(f"KL {spec.name!r} needs the full logits; pass logits= to loss()")
             inputs.logits = logits
-            if self.kl.requires == "topk":
-                inputs.ref_topk_ids = _require(micro, "ref_topk_ids", f"KL {self.kl.name!r} uses reference top-k")
-                inputs.ref_topk_logprobs = _require(micro, "ref_topk_logprobs",
-                                                    f"KL {self.kl.name!r} uses reference top-k")
+            if spec.requires == "topk":
+                inputs.ref_topk_ids = _require(micro, f"{prefix}topk_ids", f"KL {spec.name!r} uses {what}'s top-k")
+                inputs.ref_topk_logprobs = _require(micro, f"{prefix}topk_logprobs",
+                                                    f"KL {spec.name!r} uses {what}'s top-k")
             else:
-                inputs.ref_logits = _require(micro, "ref_logits", f"KL {self.kl.name!r} uses reference logits")
-        kl_tok = self.kl.fn(inputs, **self.kl_args)
+                inputs.ref_logits = _require(micro, f"{prefix}logits", f"KL {spec.name!r} uses {what}'s logits")
+        kl_tok = spec.fn(inputs, **args)
         if tuple(kl_tok.shape) != tuple(mask.shape):
-            raise LossPipelineError(f"KL {self.kl.name!r} returned shape {tuple(kl_tok.shape)}, expected per-token "
+            raise LossPipelineError(f"KL {spec.name!r} returned shape {tuple(kl_tok.shape)}, expected per-token "
                                     f"{tuple(mask.shape)}")
         return kl_tok
 

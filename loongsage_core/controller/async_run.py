@@ -69,6 +69,7 @@ class AsyncRLController(RLController):
         self.changed = asyncio.Event()
         self.discarded = 0
         self.stopping = False
+        self.updating = False
 
     # ------------------------------------------------------------------ resume
 
@@ -92,8 +93,10 @@ class AsyncRLController(RLController):
         import ray
 
         assert self.actors is not None
-        ray.get([a.save_checkpoint.remote(str(ckpt.rank_dir(self.output_dir, step, r)))
-                 for r, a in enumerate(self.actors.trainers)])
+        ray.get([a.save_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
+                 for a in self.actors.trainers])
+        if self.critic is not None:
+            self.critic.save(self.output_dir, step)
         state = {"step": step, "version": self.version, "data": self.mixer.state_dict(),
                  "pending_prompts": [attrs.asdict(p) for p in self.pending_prompts()]}
         ckpt.write_controller_state(self.output_dir, step, state, keep=self.job.run.keep_checkpoints)
@@ -151,7 +154,7 @@ class AsyncRLController(RLController):
 
     def _on_done(self, group_id: str, task: asyncio.Task[TrajectoryGroup]) -> None:
         self._collect(group_id, task)
-        if not self.stopping:
+        if not (self.stopping or self.updating):
             self._dispatch()  # a finished group frees a place: keep the engines busy
 
     async def _abort_unusable(self) -> None:
@@ -166,17 +169,23 @@ class AsyncRLController(RLController):
 
     # ------------------------------------------------------------------ trainer
 
-    async def _update_weights(self) -> dict[str, float]:
-        """Pause the engines, push the new weights, continue."""
+    async def _update_weights(self, version: int) -> dict[str, float]:
+        """Pause the engines, push the weights of ``version``, continue.
+
+        Nothing is dispatched meanwhile: the scheduler learns the new version only once the
+        engines serve it.
+        """
         assert self.rollout is not None
         mode = "in_place" if self.job.rollout.partial else "abort"
         t0 = time.perf_counter()
+        self.updating = True
         await asyncio.gather(*(c.pause(mode) for c in self.rollout.clients))
         loop = asyncio.get_running_loop()
         try:
-            stats = await loop.run_in_executor(None, self._push_weights)
+            stats = await loop.run_in_executor(None, self._push_weights, version)
         finally:
             await asyncio.gather(*(c.resume() for c in self.rollout.clients))
+            self.updating = False
         stats["timing/update_weights"] = time.perf_counter() - t0
         return stats
 
@@ -190,8 +199,8 @@ class AsyncRLController(RLController):
         metrics.update(train_metrics)
         metrics["timing/train"] = time.perf_counter() - t_train
         if tokens:
+            metrics.update(await self._update_weights(self.version + 1))
             self.version += 1
-            metrics.update(await self._update_weights())
         self.scheduler.on_train_step(self.version)
         for g in groups:
             self.group_prompts.pop(g.group_id, None)

@@ -1,7 +1,7 @@
 """Checkpoint layout and the controller's own resumable state.
 
-``<output>/checkpoints/step_<N>/`` holds one directory per trainer rank (weights, optimizer, LR
-scheduler, RNG) and ``controller.json`` (step, weight version, data cursors and mixing quota).
+``<output>/checkpoints/step_<N>/`` holds ``trainer/`` (weights, optimizer, LR scheduler and each
+rank's RNG state), ``critic_rank_<r>/`` when a critic is trained, and ``controller.json`` (step, weight version, data cursors and mixing quota).
 A checkpoint counts only once ``controller.json`` is written last, and ``latest`` names it, so
 a run killed mid-save resumes from the previous complete one.
 """
@@ -25,8 +25,9 @@ def step_dir(output_dir: Path, step: int) -> Path:
     return checkpoint_root(output_dir) / f"step_{step:06d}"
 
 
-def rank_dir(output_dir: Path, step: int, rank: int) -> Path:
-    return step_dir(output_dir, step) / f"rank_{rank}"
+def trainer_dir(output_dir: Path, step: int) -> Path:
+    """The trainer ranks' shared checkpoint directory (rank 0 writes the state, every rank its RNG)."""
+    return step_dir(output_dir, step) / "trainer"
 
 
 def write_controller_state(output_dir: Path, step: int, state: dict[str, Any], keep: int) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import random
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -30,10 +29,12 @@ from ..config import ConfigError, JobConfig, dump_job_toml
 from ..resolve import ResolvedJob
 from . import checkpoint as ckpt
 from .batching import build_batch, shard_rows
-from .data import DataMixer
+from .critic import Critic
+from .data import DataMixer, interleave_by_source
 from .metrics import advantage_metrics, rollout_metrics, train_inference_gap
 from .placement import Actors, create_actors, init_ray
 from .rollout import RolloutManager
+from .teachers import TeacherGroup, apply_teachers, distill_token_penalty, uses_reference_model
 
 log = logging.getLogger("loongsage")
 
@@ -100,7 +101,8 @@ class RLController:
         self.tokenizer = load_tokenizer(self.job)
         self.mixer = DataMixer(self.job, self.host)
         alg = self.job.algorithm
-        self.needs_reference = bool(alg.kl) and (alg.kl_coef != 0.0)
+        self.needs_reference = uses_reference_model(self.job, self.host)
+        self.teachers = TeacherGroup.from_job(self.job, self.host)
         self.advantage = self.host.get("advantage", alg.advantage)
         self.filters = [self.host.get("filter", n) for n in alg.filters]
         self.loggers: list[Any] = []
@@ -108,6 +110,7 @@ class RLController:
         self.version = 0
         self.actors: Actors | None = None
         self.rollout: RolloutManager | None = None
+        self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
         # one event loop for the whole run: the engine clients' connections belong to it
         self.loop = asyncio.new_event_loop()
 
@@ -118,6 +121,8 @@ class RLController:
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
         init_ray(self.job)
         self.actors = create_actors(self.job, self.needs_reference)
+        if self.advantage.needs_critic:
+            self.critic = Critic.create(self.job)
         self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls)
         resumed = self._maybe_resume()
         for lg in self.job.loggers:
@@ -139,8 +144,10 @@ class RLController:
             return False
         step, state = found
         assert self.actors is not None
-        ray.get([a.load_checkpoint.remote(str(ckpt.rank_dir(self.output_dir, step, r)))
-                 for r, a in enumerate(self.actors.trainers)])
+        ray.get([a.load_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
+                 for a in self.actors.trainers])
+        if self.critic is not None:
+            self.critic.load(self.output_dir, step)
         self.mixer.load_state_dict(state["data"])
         truncate_jsonl(self.output_dir / TRAINED_PROMPTS, step)
         self.step = step
@@ -207,8 +214,15 @@ class RLController:
             token_rewards = -alg.kl_coef * kl * mask
             last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
             token_rewards = token_rewards + last.float() * batch["rewards"][:, None]
+        penalty = distill_token_penalty(batch, self.teachers.setup if self.teachers else None, self.host)
+        if penalty is not None:
+            if token_rewards is None:
+                last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
+                token_rewards = last.float() * batch["rewards"][:, None]
+            token_rewards = token_rewards - penalty
         out = self.advantage.fn(AdvantageInputs(rewards=batch["rewards"], response_mask=mask,
-                                                group_index=batch["group_index"], token_rewards=token_rewards),
+                                                group_index=batch["group_index"], token_rewards=token_rewards,
+                                                values=batch.get("values")),
                                 **alg.advantage_args)
         batch.tensors["advantages"] = out.advantages.float() * mask
         if out.returns is not None:
@@ -218,8 +232,9 @@ class RLController:
         import ray
 
         assert self.actors is not None
-        order = list(range(len(batch)))
-        random.Random(f"{self.job.run.seed}:{step}:minibatch").shuffle(order)
+        # rows interleaved so every mini-batch and every rank carries each source's share
+        order = interleave_by_source(batch.meta["source"], self.job.train.mini_batch_size, len(self.actors.trainers),
+                                     seed=f"{self.job.run.seed}:{step}:minibatch")
         mb = self.job.train.mini_batch_size
         results: list[dict[str, float]] = []
         for _epoch in range(self.job.train.ppo_epochs):
@@ -237,16 +252,18 @@ class RLController:
         out["train/num_mini_batches"] = float(len(results))
         return out
 
-    def _push_weights(self) -> dict[str, float]:
+    def _push_weights(self, version: int | None = None) -> dict[str, float]:
+        """Move the trainer's weights into every engine, tagged ``version`` (default: current)."""
         import ray
 
         assert self.actors is not None
+        version = self.version if version is None else version
         if self.actors.colocated:
             # colocated: rank i hosts engine i, and every rank holds the full weights
             hosts = self.actors.trainers[:len(self.actors.engine_actors)]
-            stats = ray.get([a.push_weights.remote(self.version, None) for a in hosts])
+            stats = ray.get([a.push_weights.remote(version, None) for a in hosts])
         else:
-            stats = [ray.get(self.actors.trainers[0].push_weights.remote(self.version, self.actors.engine_urls))]
+            stats = [ray.get(self.actors.trainers[0].push_weights.remote(version, self.actors.engine_urls))]
         return {f"perf/weight_sync_{k}": v for k, v in mean_metrics(stats).items()}
 
     def learn(self, groups: Sequence[TrajectoryGroup], step: int) -> tuple[dict[str, float], float]:
@@ -271,9 +288,14 @@ class RLController:
         if self.needs_reference:
             batch.tensors["ref_logprobs"] = self._forward(batch, reference=True) * batch["loss_mask"]
         metrics["timing/old_logprobs"] = time.perf_counter() - t0
+        if self.critic is not None:
+            batch.tensors["values"] = self.critic.values(batch)
+        metrics.update(apply_teachers(batch, self.job, self.host, self.teachers))
         self.compute_advantages(batch)
         metrics.update(advantage_metrics(batch))
         metrics.update(self.train(batch, step))
+        if self.critic is not None:
+            metrics.update(self.critic.train(batch, step))
         # the whole step's gap in float64 supersedes the per-mini-batch means of the trainer
         metrics.update(train_inference_gap(batch))
         every = alg.ref_update_every
@@ -316,8 +338,10 @@ class RLController:
         import ray
 
         assert self.actors is not None
-        ray.get([a.save_checkpoint.remote(str(ckpt.rank_dir(self.output_dir, step, r)))
-                 for r, a in enumerate(self.actors.trainers)])
+        ray.get([a.save_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
+                 for a in self.actors.trainers])
+        if self.critic is not None:
+            self.critic.save(self.output_dir, step)
         ckpt.write_controller_state(self.output_dir, step, {"step": step, "version": self.version,
                                                             "data": self.mixer.state_dict()},
                                     keep=self.job.run.keep_checkpoints)
@@ -351,9 +375,14 @@ class RLController:
 
         for lg in self.loggers:
             lg.close()
+        if self.teachers is not None:
+            self.teachers.close()
         if self.rollout is not None:
             self.loop.run_until_complete(self.rollout.aclose())
         self.loop.close()
+        if self.critic is not None:
+            self.critic.close()
+            self.critic = None
         if self.actors is not None:
             for a in self.actors.all():
                 try:

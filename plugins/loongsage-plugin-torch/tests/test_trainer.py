@@ -340,8 +340,8 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         make_worker(make_job(model={"path": str(missing), "config": {}}))
     with pytest.raises(ValueError, match="backend_args: unknown keys \\['devise'\\]"):
         make_worker(make_job(train={"backend_args": {"devise": "cpu"}}))
-    with pytest.raises(ValueError, match="role 'critic'"):
-        make_worker(make_job(), role="critic")
+    with pytest.raises(ValueError, match="role 'policy'"):
+        make_worker(make_job(), role="policy")
     with pytest.raises(ValueError, match="float16"):
         make_worker(make_job(model={"dtype": "float16"}))
     with pytest.raises(ValueError, match="micro_batch_size"):

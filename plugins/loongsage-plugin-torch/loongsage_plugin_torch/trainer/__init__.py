@@ -9,11 +9,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .critic import TorchCriticWorker
     from .worker import TorchTrainWorker
 
 
 def create_train_worker(ctx: Any) -> "TorchTrainWorker":
-    """Build one data-parallel rank (``ctx`` is a ``TrainWorkerContext``) of the torch backend."""
+    """Build one data-parallel rank (``ctx`` is a ``TrainWorkerContext``) of the torch backend:
+    a :class:`TorchTrainWorker` for roles ``actor`` / ``reference``, a value model
+    (:class:`~.critic.TorchCriticWorker`) for role ``critic``."""
+    if getattr(ctx, "role", None) == "critic":
+        from .critic import TorchCriticWorker
+
+        return TorchCriticWorker(ctx)
     from .worker import TorchTrainWorker
 
     return TorchTrainWorker(ctx)
@@ -24,7 +31,11 @@ def __getattr__(name: str) -> Any:
         from .worker import TorchTrainWorker
 
         return TorchTrainWorker
+    if name == "TorchCriticWorker":
+        from .critic import TorchCriticWorker
+
+        return TorchCriticWorker
     raise AttributeError(name)
 
 
-__all__ = ["TorchTrainWorker", "create_train_worker"]
+__all__ = ["TorchCriticWorker", "TorchTrainWorker", "create_train_worker"]

@@ -83,7 +83,8 @@ class TorchTrainWorker:
     def __init__(self, ctx: Any) -> None:
         job = ctx.job
         if ctx.role not in ("actor", "reference"):
-            raise ValueError(f"torch train backend: role {ctx.role!r} is not supported (actor, reference)")
+            raise ValueError(f"torch train backend: role {ctx.role!r} is not supported by TorchTrainWorker "
+                             "(actor, reference; create_train_worker builds the critic's TorchCriticWorker)")
         self.job = job
         self.role = ctx.role
         self.rank = int(ctx.rank)

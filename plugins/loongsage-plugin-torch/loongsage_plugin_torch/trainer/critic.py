@@ -1,0 +1,298 @@
+"""The critic of the torch train backend (``TrainWorkerContext.role == "critic"``).
+
+:class:`ValueModel` is the policy's transformer backbone (the base model of the causal LM that
+``[critic] path`` names, by default the policy's own checkpoint) plus ``value_head``, a
+``Linear(hidden, 1)`` that starts at zero, so a fresh critic predicts 0 everywhere and the first
+GAE advantages are the plain returns.
+
+Alignment: values are aligned with the tokens exactly like log-probs (``loongsage_hookspecs.records``).
+``values[:, t]`` is the value head applied to the hidden state at position ``t - 1``, the state in
+which token ``t`` is chosen (it has seen ``input_ids[:, :t]``), and estimates the return from token
+``t`` onwards, ``G_t = r_t + gamma * G_next`` over trained tokens. Position 0 and padding hold 0.
+That is what ``gae`` of loongsage-plugin-rl expects: ``delta_t = r_t + gamma * V_next - V_t`` with
+``V_next`` the value at the row's next trained token (0 after the last one), ``returns = A + V``.
+
+:class:`TorchCriticWorker` shares the optimizer step, checkpoint format, weight access and
+offloading of :class:`~loongsage_plugin_torch.trainer.worker.TorchTrainWorker` and replaces the
+model, the forward pass (``{"values": [B, T]}``) and the loss (:func:`.value_loss.clipped_value_loss`).
+``[critic]`` settings (lr, batch sizes, value clip, loss coefficient) override ``[train]``'s;
+``[train] backend_args`` (device, master weights, ...) apply to the critic too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from loongsage_core.algorithms import MetricAccumulator
+from loongsage_hookspecs import AggregationNorm, Batch
+
+from ..modeling import load_model, torch_dtype
+from . import distributed
+from .checkpoint import capture_rng, seed_everything
+from .logits import decoder_of
+from .schedule import make_scheduler
+from .value_loss import clipped_value_loss
+from .worker import (
+    CHECKPOINT_FORMAT,
+    RNG_FILE,
+    STATE_FILE,
+    BackendOptions,
+    TorchTrainWorker,
+    _atomic_save,
+    resolve_device,
+)
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+
+
+def critic_model_job(job: Any) -> Any:
+    """``job`` with ``[model] path`` replaced by ``[critic] path`` when one is set."""
+    if not job.critic.path:
+        return job
+    return attrs.evolve(job, model=attrs.evolve(job.model, path=job.critic.path))
+
+
+def hidden_size_of(model: Any) -> int:
+    """The width of the last hidden states of a transformers causal LM."""
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    size = getattr(text, "hidden_size", None)
+    if not isinstance(size, int) or size <= 0:
+        raise ValueError(f"critic: cannot find hidden_size in the {type(config).__name__} of the critic model")
+    return size
+
+
+class ValueModel(torch.nn.Module):
+    """A transformer backbone and a scalar value head; see the module docstring for the alignment."""
+
+    def __init__(self, backbone: torch.nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = torch.nn.Linear(hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                compute_dtype: torch.dtype) -> torch.Tensor:
+        """Float32 values ``[B, T]``: ``values[:, t] = head(hidden[:, t - 1])``, ``values[:, 0] = 0``.
+
+        The backbone runs under autocast when its parameters are wider than ``compute_dtype``;
+        the head always runs in float32.
+        """
+        param_dtype = self.value_head.weight.dtype
+        device_type = input_ids.device.type
+        autocast = (torch.autocast(device_type=device_type, dtype=compute_dtype)
+                    if compute_dtype != param_dtype else contextlib.nullcontext())
+        with autocast:
+            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                   use_cache=False).last_hidden_state[:, :-1]
+        with torch.autocast(device_type=device_type, enabled=False):
+            head = self.value_head
+            v = torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias.float()).squeeze(-1)
+        return torch.nn.functional.pad(v, (1, 0))
+
+
+class TorchCriticWorker(TorchTrainWorker):
+    """One data-parallel rank of the critic (role ``"critic"``) of the torch train backend."""
+
+    def __init__(self, ctx: Any) -> None:
+        # builds its own model, optimizer and settings: TorchTrainWorker.__init__ is not called
+        job = ctx.job
+        if ctx.role != "critic":
+            raise ValueError(f"TorchCriticWorker: role must be 'critic', got {ctx.role!r}")
+        crit, train = job.critic, job.train
+        self.job = job
+        self.role = "critic"
+        self.rank = int(ctx.rank)
+        self.world_size = int(ctx.world_size)
+        self.options = BackendOptions.from_args(dict(train.backend_args))
+        self.micro_batch_size = crit.micro_batch_size or train.micro_batch_size
+        if self.micro_batch_size < 1:
+            raise ValueError(f"[critic] micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        self.forward_micro_batch_size = self.options.forward_micro_batch_size or self.micro_batch_size
+        if crit.value_clip < 0:
+            raise ValueError(f"[critic] value_clip must be >= 0 (0 disables clipping), got {crit.value_clip}")
+        self.value_clip = float(crit.value_clip)
+        self.loss_coef = float(crit.loss_coef)
+        self.device = resolve_device(self.options.device)
+        self.compute_dtype = torch_dtype(job.model.dtype)
+        if self.compute_dtype == torch.float16:
+            raise ValueError("torch train backend: [model] dtype = 'float16' cannot train a critic without loss "
+                             "scaling; use 'bfloat16' or 'float32'")
+        if self.world_size > 1:
+            backend = self.options.dist_backend
+            if backend == "auto":
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+            distributed.init_process_group(rank=self.rank, world_size=self.world_size,
+                                           master_addr=ctx.master_addr, master_port=int(ctx.master_port),
+                                           backend=backend)
+        seed_everything(int(job.run.seed) + self.rank)
+
+        lm: Any = load_model(critic_model_job(job))
+        backbone = decoder_of(lm)
+        if train.gradient_checkpointing:
+            kwargs = {"use_reentrant": False}
+            if hasattr(backbone, "activation_checkpointing_enable"):  # transformers >= 5.x naming
+                backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        param_dtype = torch.float32 if self.options.master_weights == "float32" else self.compute_dtype
+        model = ValueModel(backbone, hidden_size_of(lm))
+        model.backbone.to(device=self.device, dtype=param_dtype)
+        model.value_head.to(device=self.device, dtype=torch.float32)
+        self.model: Any = model
+        del lm
+        if distributed.is_distributed():
+            distributed.broadcast_parameters(self.model.state_dict().values())
+
+        alg = job.algorithm
+        self.aggregation = ctx.components.get("loss_aggregation", alg.loss_agg)
+        self.aggregation_args = dict(alg.loss_agg_args)
+        if len(train.betas) != 2:
+            raise ValueError(f"[train] betas must have two values, got {train.betas}")
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=crit.lr or train.lr, betas=tuple(train.betas),
+                                           eps=train.eps, weight_decay=train.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, train)
+        self.pipeline = None
+        self.global_step = 0
+        self._offloaded = False
+        self.model.train()
+
+    # ------------------------------------------------------------------------------------------
+    # Forward
+    # ------------------------------------------------------------------------------------------
+
+    def _values(self, micro: Batch) -> torch.Tensor:
+        """Values ``[b, T]`` of one micro-batch (0 on padding; columns past its longest row not computed)."""
+        ids = micro["input_ids"]
+        attention = micro.get("attention_mask")
+        if attention is None:
+            attention = torch.ones_like(ids)
+        full_width = ids.shape[1]
+        width = max(int(attention.sum(dim=1).max()) if ids.shape[0] else 0, 1)
+        values = self.model(ids[:, :width], attention[:, :width], compute_dtype=self.compute_dtype)
+        values = torch.where(attention[:, :width] > 0, values, torch.zeros_like(values))
+        if width < full_width:
+            values = torch.nn.functional.pad(values, (0, full_width - width))
+        return values
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-token ``values`` ``[B, T]`` (float32, on the CPU, no gradient), aligned like log-probs."""
+        if "input_ids" not in batch:
+            raise KeyError("TorchCriticWorker.forward: the batch has no 'input_ids' tensor")
+        if self._offloaded:
+            raise RuntimeError("TorchCriticWorker.forward: the worker is offloaded; call onload() first")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            parts = [self._values(self._to_device(m)).cpu() for m in batch.chunks(self.forward_micro_batch_size)]
+        finally:
+            self.model.train(was_training)
+        if not parts:
+            return {"values": torch.zeros(0, batch["input_ids"].shape[1])}
+        return {"values": torch.cat(parts)}
+
+    # ------------------------------------------------------------------------------------------
+    # Training
+    # ------------------------------------------------------------------------------------------
+
+    def _require_trainable(self, what: str) -> tuple[torch.optim.Optimizer, Any]:
+        if self._offloaded:
+            raise RuntimeError(f"TorchCriticWorker.{what}: the worker is offloaded; call onload() first")
+        assert self.optimizer is not None  # a critic is always trainable
+        return self.optimizer, None
+
+    def _aggregate(self, loss: torch.Tensor, mask: torch.Tensor, norm: AggregationNorm) -> torch.Tensor:
+        return self.aggregation.fn(loss, mask, norm, **self.aggregation_args)
+
+    def accumulate_gradients(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
+        """Forward and backward of ``loss_coef * clipped value loss`` over ``batch`` in micro-batches.
+
+        ``batch`` needs ``values`` (the critic's values when the rows were collected) and
+        ``returns`` (the targets from the advantage estimator). Returns ``train/critic_loss``,
+        ``train/value_mean`` and ``train/value_clip_frac`` of the whole mini-batch (all ranks).
+        """
+        self._require_trainable("accumulate_gradients")
+        for key in ("values", "returns", "loss_mask"):
+            if key not in batch:
+                have = ", ".join(sorted(batch.tensors)) or "none"
+                raise KeyError(f"TorchCriticWorker.train_mini_batch: the batch has no {key!r} tensor "
+                               f"(the critic trains on rollout-time values and the advantage's returns); "
+                               f"it has: {have}")
+        self.model.train()
+        acc = MetricAccumulator()
+        for micro in batch.chunks(self.micro_batch_size):
+            micro = self._to_device(micro)
+            values = self._values(micro)
+            loss, metrics = clipped_value_loss(values, micro["values"], micro["returns"], micro["loss_mask"], norm,
+                                               clip=self.value_clip, aggregate=self._aggregate)
+            (self.loss_coef * loss).backward()
+            acc.add(metrics, micro["loss_mask"])
+        if distributed.is_distributed():
+            distributed.sum_gradients(self.model.parameters(),
+                                      bucket_bytes=int(self.options.grad_sync_bucket_mb * (1 << 20)))
+        acc.reduce()
+        return acc.result()
+
+    def optimizer_step(self) -> dict[str, float]:
+        """The policy's optimizer step (clip, AdamW, schedule); metrics named ``train/critic_*``."""
+        out = super().optimizer_step()
+        return {k.replace("train/", "train/critic_", 1): v for k, v in out.items()}
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints and export
+    # ------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str) -> None:
+        """Save value model, optimizer, LR schedule, step and this rank's RNG state under ``path``.
+
+        Unlike the policy's layout (state on rank 0 only), every critic rank writes the whole
+        state (the replicas are identical) into its own directory, so each ``critic_rank_<r>/`` of a
+        controller checkpoint is self-contained and rank ``r`` resumes from its own directory.
+        """
+        assert self.optimizer is not None  # a critic is always trainable
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {"format": CHECKPOINT_FORMAT, "role": self.role, "step": self.global_step,
+                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "scheduler": self.scheduler.state_dict()}
+        _atomic_save(state, out / STATE_FILE)
+        _atomic_save(capture_rng(), out / RNG_FILE.format(rank=self.rank))
+        distributed.barrier()
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a critic checkpoint (refusing one written by a policy or reference worker)."""
+        state_file = Path(path) / STATE_FILE
+        if state_file.is_file():
+            role = torch.load(state_file, map_location="cpu", weights_only=True).get("role")
+            if role != "critic":
+                raise ValueError(f"TorchCriticWorker.load_checkpoint: '{state_file}' was saved by a {role!r} "
+                                 "worker, not a critic")
+        super().load_checkpoint(path)
+
+    def save_hf(self, path: str) -> None:
+        """Write the backbone as a Hugging Face directory (``AutoModel`` loads it) and the value head
+        as ``value_head.safetensors`` (``weight`` ``[1, hidden]``, ``bias`` ``[1]``), on rank 0."""
+        if self.rank == 0:
+            from safetensors.torch import save_file
+
+            out = Path(path)
+            out.mkdir(parents=True, exist_ok=True)
+            backbone = self.model.backbone
+            state = {n: t.to(self.compute_dtype) if t.is_floating_point() else t
+                     for n, t in backbone.state_dict().items()}
+            saved_dtype = getattr(backbone.config, "dtype", None)
+            backbone.config.dtype = self.compute_dtype
+            try:
+                backbone.save_pretrained(str(out), state_dict=state)
+            finally:
+                backbone.config.dtype = saved_dtype
+            head = {n: t.detach().float().contiguous().cpu() for n, t in self.model.value_head.state_dict().items()}
+            save_file(head, str(out / VALUE_HEAD_FILE))
+        distributed.barrier()
