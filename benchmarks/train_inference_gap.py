@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--settings", default=",".join(SETTINGS))
     args = parser.parse_args()
     import ray
+
     from loongsage_core.config import load_job
     from loongsage_core.controller.run import run_job
     from loongsage_core.resolve import resolve_job

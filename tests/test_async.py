@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from loongsage_core.config import ConfigError, load_job
 from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job

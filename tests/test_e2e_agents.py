@@ -7,11 +7,12 @@ import sys
 from pathlib import Path
 
 import httpx
+from openai import OpenAI
+
 from loongsage_core.config import load_job
 from loongsage_core.controller.run import run_job
 from loongsage_core.controller.serve import start_serving
 from loongsage_core.resolve import resolve_job
-from openai import OpenAI
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
+
 from loongsage_core.config import load_job
 from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
-from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -150,8 +151,8 @@ def test_missing_model_directory_is_reported_by_the_cli(tmp_path):
     import sys
 
     job = tmp_path / "job.toml"
-    job.write_text(f'[plugins]\nenable = ["torch", "rl", "rewards", "loggers", "agents"]\n'
-                   f'[model]\npath = "no/such/model"\n[[data]]\nname = "a"\ngenerator = "arithmetic"\n')
+    job.write_text('[plugins]\nenable = ["torch", "rl", "rewards", "loggers", "agents"]\n'
+                   '[model]\npath = "no/such/model"\n[[data]]\nname = "a"\ngenerator = "arithmetic"\n')
     out = subprocess.run([sys.executable, "-m", "loongsage_core", "run", str(job), "--output-dir",
                           str(tmp_path / "o")], capture_output=True, text=True)
     assert out.returncode == 2

@@ -8,6 +8,7 @@ import sys
 import attrs
 import pluggy
 import pytest
+
 from loongsage_hookspecs import (
     KINDS,
     PROJECT_NAME,

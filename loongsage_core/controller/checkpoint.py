@@ -1,7 +1,8 @@
 """Checkpoint layout and the controller's own resumable state.
 
 ``<output>/checkpoints/step_<N>/`` holds ``trainer/`` (weights, optimizer, LR scheduler and each
-rank's RNG state), ``critic_rank_<r>/`` when a critic is trained, and ``controller.json`` (step, weight version, data cursors and mixing quota).
+rank's RNG state), ``critic_rank_<r>/`` when a critic is trained, and ``controller.json``
+(step, weight version, data cursors and mixing quota).
 A checkpoint counts only once ``controller.json`` is written last, and ``latest`` names it, so
 a run killed mid-save resumes from the previous complete one.
 """
