@@ -218,8 +218,18 @@ class EngineClient:
             params = [dict(p) for p in sampling_params]
         else:
             params = dict(cast(Mapping[str, Any], sampling_params or {}))
+        if len(batch) == 1:
+            # a batch of one goes unbatched: SGLang routers accept only a string rid
+            single = params[0] if isinstance(params, list) else params
+            return {"input_ids": batch[0], "sampling_params": single, "return_logprob": return_logprob,
+                    "rid": rids[0]}
         return {"input_ids": batch, "sampling_params": params, "return_logprob": return_logprob,
                 "rid": list(rids)}
+
+    @staticmethod
+    def _rid_list(payload: Mapping[str, Any]) -> list[str]:
+        rid = payload["rid"]
+        return list(rid) if isinstance(rid, list) else [rid]
 
     @staticmethod
     def _results(body: Any, rids: Sequence[str]) -> list[GenerationResult]:
@@ -235,7 +245,7 @@ class EngineClient:
         """Generate for every prompt of ``input_ids``; results in prompt order."""
         payload = self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
         body = await self._request("POST", "/generate", payload)
-        return self._results(body, payload["rid"])
+        return self._results(body, self._rid_list(payload))
 
     async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         """Abort one request (or a batch sent with this ``rid`` prefix), or every request."""
@@ -290,7 +300,7 @@ class EngineClient:
                       sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                       *, return_logprob: bool = True, rids: Sequence[str] | None = None) -> list[GenerationResult]:
         payload = self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
-        return self._results(self._request_sync("POST", "/generate", payload), payload["rid"])
+        return self._results(self._request_sync("POST", "/generate", payload), self._rid_list(payload))
 
     def abort_sync(self, rid: str | None = None, *, abort_all: bool = False) -> None:
         self._request_sync("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})

@@ -69,7 +69,7 @@ def test_ppo_critic_recipe_trains_checkpoints_and_resumes_the_critic(ray_cluster
     assert first["train/critic_loss"] > 0
     for step in (1, 2):
         d = out / "checkpoints" / f"step_{step:06d}"
-        assert (d / "rank_0").is_dir() and (d / "critic_rank_0" / "trainer_state.pt").is_file()
+        assert (d / "trainer" / "trainer_state.pt").is_file() and (d / "critic_rank_0" / "trainer_state.pt").is_file()
 
     # resume at step 2: the critic comes back from critic_rank_0 (a fresh one would predict 0)
     history = run_job(resolve_job(load_job(recipe, [*SMALL, "train.total_steps=3", "run.resume=true"])),

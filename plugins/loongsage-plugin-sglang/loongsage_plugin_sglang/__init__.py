@@ -1,3 +1,55 @@
-"""LoongSage plugin: SGLang rollout engine backend: server actors, native HTTP API, weight updates."""
+"""LoongSage plugin: SGLang rollout engine backend: server actors, native HTTP API, weight updates.
+
+Components (see :mod:`.plugin`): the ``sglang`` rollout engine (:mod:`.server`, command line in
+:mod:`.launch`), the ``sglang_disk`` (:mod:`.transport_disk`) and ``sglang_nccl``
+(:mod:`.transport_nccl`) weight transports; plus SGLang control calls (:mod:`.client`) and
+sglang-router management (:mod:`.router`). Importing this package imports neither SGLang nor torch:
+the factories below import their modules when called.
+"""
+
+from __future__ import annotations
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+SUPPORTS = ("generate", "abort_request", "pause_generation", "continue_generation", "flush_cache",
+            "update_weights_from_tensor", "update_weights_from_disk", "update_weights_from_distributed",
+            "init_weights_update_group", "release_memory_occupation", "resume_memory_occupation",
+            "update_weight_version", "get_model_info", "get_server_info", "health", "health_generate")
+"""SGLang endpoints LoongSage uses (for ``RolloutEngineSpec.supports``)."""
+
+
+def create_server(ctx: Any) -> Any:
+    """``factory(ctx: EngineContext) -> SGLangServer`` of the ``sglang`` rollout engine."""
+    from .server import SGLangServer
+
+    return SGLangServer(ctx)
+
+
+def disk_sender(**args: Any) -> Any:
+    """``WeightSender`` writing safetensors and calling ``/update_weights_from_disk``."""
+    from .transport_disk import DiskSender
+
+    return DiskSender(**args)
+
+
+def nccl_sender(**args: Any) -> Any:
+    """``WeightSender`` broadcasting buckets announced with ``/update_weights_from_distributed``."""
+    from .transport_nccl import NcclSender
+
+    return NcclSender(**args)
+
+
+class NativeReceiverError(RuntimeError):
+    """The receiving side of an SGLang weight transport is SGLang itself."""
+
+
+def native_receiver(**args: Any) -> Any:
+    """Receivers of the SGLang transports do not exist on LoongSage's side: raise saying so."""
+    raise NativeReceiverError("the sglang_disk and sglang_nccl weight transports are received natively by the SGLang "
+                              "server (its /update_weights_from_disk and /update_weights_from_distributed endpoints); "
+                              "they have no LoongSage receiver, so use them with [rollout] engine = \"sglang\"")
+
+
+__all__ = ["NativeReceiverError", "SUPPORTS", "create_server", "disk_sender", "native_receiver", "nccl_sender"]

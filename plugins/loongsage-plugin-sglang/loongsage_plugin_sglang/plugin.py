@@ -1,5 +1,30 @@
-"""Hook implementations of loongsage-plugin-sglang (the module its entry point names)."""
+"""Hook implementations of loongsage-plugin-sglang (the module its entry point names).
+
+Provides the ``sglang`` rollout engine and the ``sglang_disk`` and ``sglang_nccl`` weight
+transports. Only the factories are referenced here; httpx, torch and the subprocess machinery
+are imported when a component is built, and SGLang itself only runs in the server subprocess.
+"""
 
 from __future__ import annotations
 
-from loongsage_hookspecs import hookimpl  # noqa: F401
+from typing import Iterator
+
+from loongsage_hookspecs import RolloutEngineSpec, WeightTransportSpec, hookimpl
+
+from . import SUPPORTS, create_server, disk_sender, native_receiver, nccl_sender
+
+
+@hookimpl
+def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
+    yield RolloutEngineSpec(name="sglang", factory=create_server, supports=SUPPORTS,
+                            description="SGLang server subprocess per engine (python -m sglang.launch_server; "
+                                        "[rollout] engine_args pass through as flags); needs a GPU")
+
+
+@hookimpl
+def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
+    yield WeightTransportSpec(name="sglang_disk", sender=disk_sender, receiver=native_receiver,
+                              description="safetensors to a shared directory, then SGLang /update_weights_from_disk")
+    yield WeightTransportSpec(name="sglang_nccl", sender=nccl_sender, receiver=native_receiver,
+                              description="NCCL broadcast in buckets announced by SGLang "
+                                          "/update_weights_from_distributed")

@@ -32,10 +32,13 @@ def test_older_sglang_response_without_spans_or_logprobs():
     assert res.finish_reason == "length" and not res.aborted
 
 
-def test_generate_payload_is_a_batch_with_request_ids():
+def test_generate_payload_batches_with_request_ids():
+    # one prompt is sent unbatched, with a string rid (what SGLang routers accept)
     payload = EngineClient.generate_payload([3, 4], {"temperature": 0}, return_logprob=True)
-    assert payload["input_ids"] == [[3, 4]] and len(payload["rid"]) == 1
+    assert payload["input_ids"] == [3, 4] and isinstance(payload["rid"], str)
     assert payload["sampling_params"] == {"temperature": 0} and payload["return_logprob"] is True
+    single = EngineClient.generate_payload([[3, 4]], [{"top_k": 2}], rids=["r"])
+    assert single == {"input_ids": [3, 4], "sampling_params": {"top_k": 2}, "return_logprob": True, "rid": "r"}
     payload = EngineClient.generate_payload([[1], [2, 3]], [{}, {"top_k": 5}], rids=["a", "b"])
     assert payload["rid"] == ["a", "b"] and payload["sampling_params"][1] == {"top_k": 5}
     with pytest.raises(ValueError, match="rids"):

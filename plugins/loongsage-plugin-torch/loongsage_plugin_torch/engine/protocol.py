@@ -107,6 +107,10 @@ GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "ri
                    "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num"}
 GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "log_metrics": lambda v: isinstance(v, bool) or v is None,
+    # fields sglang-router adds to every request it forwards
+    "model": lambda v: v is None or isinstance(v, str),
+    "background": lambda v: v is None or v is False,
+    "return_bytes": lambda v: v is None or v is False,
     "priority": lambda v: v is None or _is_int(v),
     "custom_labels": lambda v: v is None or isinstance(v, dict),
     "routing_key": lambda v: v is None or isinstance(v, str),

@@ -102,6 +102,9 @@ class EngineServer:
         r.add_get("/health_generate", self.health)
         r.add_get("/get_model_info", self.get_model_info)
         r.add_get("/get_server_info", self.get_server_info)
+        # newer SGLang names of the same endpoints (sglang-router probes these)
+        r.add_get("/model_info", self.get_model_info)
+        r.add_get("/server_info", self.get_server_info)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:

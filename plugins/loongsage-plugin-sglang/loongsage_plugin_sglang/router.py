@@ -1,0 +1,99 @@
+"""``sglang-router`` in front of several engines: one URL that load-balances ``/generate``.
+
+:class:`SGLangRouterProcess` runs ``python -m sglang_router.launch_router --worker-urls URL...
+--host 127.0.0.1 --port PORT --policy POLICY`` (flag names of sglang-router's launcher) as a
+subprocess in its own process group, waits until the router answers ``/health`` and returns its
+URL; :meth:`SGLangRouterProcess.shutdown` terminates it. The workers may be SGLang servers or
+LoongSage's embedded engines (both serve SGLang's native API). Install the router with
+``pip install 'loongsage-plugin-sglang[router]'``; it runs on CPU.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from .process import ManagedProcess, ServerStartError, free_port
+
+POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
+"""Routing policies of sglang-router usable with plain worker URLs."""
+
+ROUTER_INSTALL_HINT = "pip install 'loongsage-plugin-sglang[router]'"
+
+
+def router_command(worker_urls: Sequence[str], *, host: str, port: int, policy: str = "cache_aware",
+                   extra_args: Mapping[str, Any] | None = None, python: str | None = None) -> list[str]:
+    """The ``sglang_router.launch_router`` argv; ``extra_args`` keys become ``--kebab-case`` flags."""
+    from .launch import engine_args_to_flags
+
+    if not worker_urls:
+        raise ValueError("sglang router: at least one worker URL is needed")
+    for url in worker_urls:
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise ValueError(f"sglang router: worker URL {url!r} is not an http(s) URL")
+    if policy not in POLICIES:
+        raise ValueError(f"sglang router: unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    argv = [python or sys.executable, "-m", "sglang_router.launch_router",
+            "--worker-urls", *[u.rstrip("/") for u in worker_urls],
+            "--host", host, "--port", str(int(port)), "--policy", policy]
+    return argv + engine_args_to_flags(dict(extra_args or {}), "<sglang router>")
+
+
+class SGLangRouterProcess:
+    """A running sglang-router in front of ``worker_urls``.
+
+    ``policy``: ``"cache_aware"`` (prefix-affinity with load balance) or ``"round_robin"`` (or
+    ``"random"``, ``"power_of_two"``); ``extra_args``: more launcher flags (``{"log_level": "warn"}``);
+    ``startup_timeout_s``: limit for ``/health``; ``log_path``: the router's log file.
+    """
+
+    def __init__(self, worker_urls: Sequence[str], policy: str = "cache_aware", *, host: str = "127.0.0.1",
+                 port: int = 0, extra_args: Mapping[str, Any] | None = None, startup_timeout_s: float = 120.0,
+                 log_path: str | None = None, python: str | None = None) -> None:
+        self.worker_urls = [u.rstrip("/") for u in worker_urls]
+        self.policy = policy
+        self.host = host
+        self.port = int(port) or free_port(host)
+        self.python = python or sys.executable
+        self.command = router_command(self.worker_urls, host=host, port=self.port, policy=policy,
+                                      extra_args=extra_args, python=self.python)
+        self.startup_timeout_s = float(startup_timeout_s)
+        self.log_path = Path(log_path) if log_path \
+            else Path(tempfile.mkdtemp(prefix="loongsage-router-")) / "router.log"
+        self.process: ManagedProcess | None = None
+        self.base_url: str | None = None
+
+    def start(self) -> str:
+        """Launch the router and wait for ``/health``; returns ``http://HOST:PORT``."""
+        if self.base_url is not None:
+            return self.base_url
+        if Path(self.python).resolve() == Path(sys.executable).resolve() \
+                and importlib.util.find_spec("sglang_router") is None:
+            raise ServerStartError(f"sglang-router is not installed for {self.python}; install it with: "
+                                   f"{ROUTER_INSTALL_HINT}")
+        self.process = ManagedProcess(self.command, name="sglang router", log_path=self.log_path)
+        self.process.start()
+        url = f"http://{self.host}:{self.port}"
+        try:
+            self.process.wait_healthy(url, ("/health",), timeout_s=self.startup_timeout_s)
+        except BaseException:
+            self.process.stop()
+            raise
+        self.base_url = url
+        return url
+
+    def shutdown(self) -> None:
+        """Terminate the router (idempotent)."""
+        if self.process is not None:
+            self.process.stop()
+        self.base_url = None
+
+    def __enter__(self) -> "SGLangRouterProcess":
+        self.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,133 @@
+"""The ``sglang`` rollout engine: one SGLang server subprocess per engine actor.
+
+``SGLangServer(ctx)`` turns the job into a ``python -m sglang.launch_server`` command line (see
+:mod:`.launch`); :meth:`SGLangServer.start` checks that SGLang is importable by that Python,
+launches the server in its own process group with its output in a log file, waits for
+``/health_generate`` (or ``/health``) and returns ``http://HOST:PORT``; :meth:`SGLangServer.shutdown`
+terminates the process group. The server is then reached only through SGLang's native HTTP API.
+
+Three ``[rollout] engine_args`` keys configure the launcher itself and are not passed to SGLang:
+``startup_timeout_s`` (default 900), ``log_dir`` (default: a fresh temporary directory; the log is
+``sglang_engine_<index>.log``) and ``env`` (a table of extra environment variables).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping
+
+from .launch import LaunchConfigError, build_launch_command
+from .process import ManagedProcess, ServerStartError, free_port
+
+INSTALL_HINT = "pip install 'loongsage-plugin-sglang[sglang]'"
+"""How to install SGLang next to this plugin."""
+
+LAUNCHER_KEYS = ("startup_timeout_s", "log_dir", "env")
+"""``engine_args`` keys read by the launcher (never passed to SGLang)."""
+
+HEALTH_PATHS = ("/health_generate", "/health")
+
+
+class SGLangNotInstalled(ServerStartError):
+    """SGLang cannot be imported by the Python that would run the server."""
+
+
+def sglang_available(python: str | None = None) -> bool:
+    """Whether ``python`` (default: this interpreter) can import ``sglang`` (without importing it here)."""
+    if python is None or Path(python).resolve() == Path(sys.executable).resolve():
+        return importlib.util.find_spec("sglang") is not None
+    probe = subprocess.run([python, "-c", "import importlib.util, sys; "
+                            "sys.exit(importlib.util.find_spec('sglang') is None)"],
+                           capture_output=True, timeout=60)
+    return probe.returncode == 0
+
+
+def _launcher_options(job: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split ``engine_args`` into (launcher options, SGLang arguments), validating the former."""
+    where = job.source_path or "<job>"
+    args = dict(job.rollout.engine_args)
+    opts = {k: args.pop(k) for k in LAUNCHER_KEYS if k in args}
+    timeout = opts.get("startup_timeout_s", 900.0)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise LaunchConfigError(f"{where}: [rollout] engine_args.startup_timeout_s must be a positive number "
+                                f"of seconds, got {timeout!r}")
+    opts["startup_timeout_s"] = float(timeout)
+    log_dir = opts.get("log_dir")
+    if log_dir is not None and not isinstance(log_dir, str):
+        raise LaunchConfigError(f"{where}: [rollout] engine_args.log_dir must be a path string, got {log_dir!r}")
+    env = opts.get("env", {})
+    if not isinstance(env, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise LaunchConfigError(f"{where}: [rollout] engine_args.env must be a table of string values, got {env!r}")
+    opts["env"] = dict(env)
+    return opts, args
+
+
+def sglang_command(job: Any, *, host: str = "127.0.0.1", port: int, engine_index: int = 0,
+                   python: str | None = None) -> list[str]:
+    """The SGLang argv for ``job`` with the launcher-only ``engine_args`` keys left out."""
+    _, args = _launcher_options(job)
+    return build_launch_command(job, host=host, port=port, engine_index=engine_index, python=python,
+                                engine_args=args)
+
+
+class SGLangServer:
+    """A ``RolloutEngine`` that runs a real SGLang server as a subprocess.
+
+    The command line is built (and the job validated) at construction, so a bad ``engine_args``
+    fails before anything is launched; ``python`` picks the interpreter that runs SGLang.
+    """
+
+    def __init__(self, ctx: Any, *, python: str | None = None) -> None:
+        self.ctx = ctx
+        job = ctx.job
+        self.python = python or sys.executable
+        self.options, _ = _launcher_options(job)
+        self.host = ctx.host or "127.0.0.1"
+        self.port = int(ctx.port) if ctx.port else free_port(self.host)
+        self.engine_index = int(ctx.engine_index)
+        self.command = sglang_command(job, host=self.host, port=self.port, engine_index=self.engine_index,
+                                      python=self.python)
+        log_dir = Path(job.resolve_path(self.options["log_dir"])) if self.options.get("log_dir") \
+            else Path(tempfile.mkdtemp(prefix="loongsage-sglang-"))
+        self.log_path = log_dir / f"sglang_engine_{self.engine_index}.log"
+        self.process: ManagedProcess | None = None
+        self.base_url: str | None = None
+
+    def start(self) -> str:
+        """Launch the server and wait until it serves; returns ``http://HOST:PORT``."""
+        if self.base_url is not None:
+            return self.base_url
+        if not sglang_available(self.python):
+            raise SGLangNotInstalled(f"the sglang rollout engine needs SGLang, which {self.python} cannot import; "
+                                     f"install it with: {INSTALL_HINT} (it needs a CUDA machine), or select "
+                                     "[rollout] engine = \"torch\"")
+        self.process = ManagedProcess(self.command, name=f"sglang server (engine {self.engine_index})",
+                                      log_path=self.log_path, env=self.options["env"])
+        self.process.start()
+        url = f"http://{self.host}:{self.port}"
+        try:
+            self.process.wait_healthy(url, HEALTH_PATHS, timeout_s=self.options["startup_timeout_s"])
+        except BaseException:
+            self.process.stop()
+            raise
+        self.base_url = url
+        return url
+
+    def shutdown(self) -> None:
+        """Terminate the server's process group (idempotent)."""
+        if self.process is not None:
+            self.process.stop()
+        self.base_url = None
+
+
+def create_server(ctx: Any) -> SGLangServer:
+    """``factory(ctx: EngineContext) -> SGLangServer`` of the ``sglang`` rollout engine."""
+    return SGLangServer(ctx)
+
+
+__all__ = ["HEALTH_PATHS", "INSTALL_HINT", "LAUNCHER_KEYS", "SGLangNotInstalled", "SGLangServer", "create_server",
+           "sglang_available", "sglang_command"]

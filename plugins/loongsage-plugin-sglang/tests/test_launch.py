@@ -1,0 +1,181 @@
+"""The SGLang command line built from a job file, its errors, and the server's start-up failure paths."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from loongsage_plugin_sglang.launch import LaunchConfigError, build_launch_command, engine_args_to_flags
+from loongsage_plugin_sglang.process import ManagedProcess, ServerStartError, free_port
+from loongsage_plugin_sglang.server import INSTALL_HINT, SGLangNotInstalled, SGLangServer, sglang_command
+
+from loongsage_core.config import load_job
+from loongsage_hookspecs import EngineContext
+
+
+def write_job(tmp_path: Path, engine_args: str = "", model: str = 'path = "models/qwen3-tiny"') -> Path:
+    (tmp_path / "models" / "qwen3-tiny").mkdir(parents=True, exist_ok=True)
+    job = tmp_path / "job.toml"
+    job.write_text(textwrap.dedent(f"""
+        [model]
+        {model}
+        dtype = "bfloat16"
+
+        [rollout]
+        engine = "sglang"
+        max_context_length = 4096
+        {engine_args}
+
+        [run]
+        seed = 7
+    """))
+    return job
+
+
+def flag_value(argv: list[str], flag: str) -> str:
+    assert argv.count(flag) == 1, f"{flag} appears {argv.count(flag)} times in {argv}"
+    return argv[argv.index(flag) + 1]
+
+
+def test_command_from_a_job_file_with_pass_through_args(tmp_path):
+    path = write_job(tmp_path)
+    path.write_text(path.read_text() + textwrap.dedent("""
+        [rollout.engine_args]
+        mem_fraction_static = 0.55
+        enable_memory_saver = true
+        disable_radix_cache = false
+        cuda_graph_bs = [1, 2, 4]
+        attention-backend = "fa3"
+        tp_size = 2
+        json_model_override_args = { rope_scaling = { factor = 2.0 } }
+        startup_timeout_s = 30
+        log_dir = "logs"
+    """))
+    job = load_job(path)
+    argv = sglang_command(job, port=31234, engine_index=3)
+    assert argv[:3] == [sys.executable, "-m", "sglang.launch_server"]
+    assert flag_value(argv, "--model-path") == str(tmp_path / "models" / "qwen3-tiny")
+    assert flag_value(argv, "--host") == "127.0.0.1"
+    assert flag_value(argv, "--port") == "31234"
+    assert flag_value(argv, "--dtype") == "bfloat16"
+    assert flag_value(argv, "--context-length") == "4096"
+    assert flag_value(argv, "--random-seed") == "10"  # run seed 7 + engine index 3
+    assert flag_value(argv, "--tp-size") == "2"
+    assert flag_value(argv, "--weight-version") == "0"
+    assert flag_value(argv, "--mem-fraction-static") == "0.55"
+    assert flag_value(argv, "--attention-backend") == "fa3"
+    assert "--enable-memory-saver" in argv
+    i = argv.index("--enable-memory-saver")
+    assert i == len(argv) - 1 or argv[i + 1].startswith("--")  # a bare flag
+    assert "--disable-radix-cache" not in argv  # false leaves the flag out
+    i = argv.index("--cuda-graph-bs")
+    assert argv[i + 1:i + 4] == ["1", "2", "4"]
+    assert json.loads(flag_value(argv, "--json-model-override-args")) == {"rope_scaling": {"factor": 2.0}}
+    # launcher options never reach SGLang
+    assert not any(a.startswith(("--startup-timeout", "--log-dir", "--env")) for a in argv)
+    assert "--tokenizer-path" not in argv
+
+
+def test_seed_and_weight_version_overrides_and_tokenizer_directory(tmp_path):
+    tok = tmp_path / "tok"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    job = load_job(write_job(tmp_path, 'engine_args = { random_seed = 99, weight_version = "init" }',
+                             model='path = "models/qwen3-tiny"\ntokenizer = "tok/tokenizer.json"'))
+    argv = sglang_command(job, port=40000, engine_index=1)
+    assert flag_value(argv, "--random-seed") == "99"
+    assert flag_value(argv, "--weight-version") == "init"
+    assert flag_value(argv, "--tokenizer-path") == str(tok)  # a tokenizer file -> its directory
+
+
+@pytest.mark.parametrize(("engine_args", "message"), [
+    ('engine_args = { port = 1 }', "engine_args.port is set by LoongSage"),
+    ('engine_args = { model_path = "x" }', "[model] path"),
+    ('engine_args = { context-length = 8 }', "[rollout] max_context_length"),
+    ('engine_args = { dtype = "half" }', "[model] dtype"),
+    ('engine_args = { tp_size = 0 }', "engine_args.tp_size must be a positive integer"),
+    ('engine_args = { tp_size = "2" }', "engine_args.tp_size must be a positive integer"),
+    ('engine_args = { random_seed = 1.5 }', "engine_args.random_seed must be an integer"),
+    ('engine_args = { cuda_graph_bs = [] }', "engine_args.cuda_graph_bs is an empty list"),
+    ('engine_args = { cuda_graph_bs = [1, true] }', "engine_args.cuda_graph_bs[1]"),
+    ('engine_args = { cuda_graph_bs = [[1]] }', "engine_args.cuda_graph_bs[0]"),
+    ('engine_args = { "bad key" = 1 }', "invalid key 'bad key'"),
+    ('engine_args = { when = 1979-05-27 }', "engine_args.when holds a date"),
+    ('engine_args = { startup_timeout_s = -1 }', "engine_args.startup_timeout_s must be a positive number"),
+    ('engine_args = { env = { A = 1 } }', "engine_args.env must be a table of string values"),
+])
+def test_bad_engine_args_name_the_key(tmp_path, engine_args, message):
+    job = load_job(write_job(tmp_path, engine_args))
+    with pytest.raises(LaunchConfigError) as err:
+        sglang_command(job, port=30000)
+    assert message in str(err.value)
+    assert str(tmp_path / "job.toml") in str(err.value)  # the job file is named
+
+
+def test_inline_model_config_is_refused(tmp_path):
+    job = load_job(write_job(tmp_path, model='config = { model_type = "qwen3" }'))
+    with pytest.raises(LaunchConfigError, match=r"needs \[model\] path"):
+        build_launch_command(job, port=30000)
+
+
+def test_flags_of_a_plain_mapping():
+    assert engine_args_to_flags({"log_level": "warning", "skip_server_warmup": True, "max_running_requests": 8,
+                                 "enable_metrics": False, "chunked_prefill_size": None}) == [
+        "--log-level", "warning", "--skip-server-warmup", "--max-running-requests", "8"]
+
+
+def test_start_without_sglang_raises_the_install_hint(tmp_path):
+    job = load_job(write_job(tmp_path))
+    server = SGLangServer(EngineContext(job=job, components=None, engine_index=0))
+    with pytest.raises(SGLangNotInstalled) as err:
+        server.start()
+    assert INSTALL_HINT in str(err.value) and sys.executable in str(err.value)
+    assert server.process is None  # nothing was launched
+    server.shutdown()  # harmless after a failed start
+
+
+def test_a_server_that_exits_reports_its_log_tail(tmp_path):
+    proc = ManagedProcess([sys.executable, "-c", "import sys; print('loading weights failed: no such file'); "
+                           "sys.exit(3)"], name="test server", log_path=tmp_path / "s.log")
+    proc.start()
+    with pytest.raises(ServerStartError) as err:
+        proc.wait_healthy(f"http://127.0.0.1:{free_port()}", timeout_s=30)
+    text = str(err.value)
+    assert "exited with status 3" in text and "loading weights failed: no such file" in text
+    assert str(tmp_path / "s.log") in text
+
+
+def test_health_wait_timeout_and_group_shutdown(tmp_path):
+    port = free_port()
+    # a real HTTP server whose child process shares its process group
+    code = ("import subprocess, sys, http.server\n"
+            "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "open(sys.argv[1], 'w').write(str(child.pid))\n"
+            "http.server.test(HandlerClass=http.server.SimpleHTTPRequestHandler, port=int(sys.argv[2]), "
+            "bind='127.0.0.1')\n")
+    pid_file = tmp_path / "child.pid"
+    proc = ManagedProcess([sys.executable, "-c", code, str(pid_file), str(port)], name="http server",
+                          log_path=tmp_path / "h.log", cwd=str(tmp_path))
+    proc.start()
+    try:
+        with pytest.raises(ServerStartError, match="did not answer /no-such-path"):
+            proc.wait_healthy(f"http://127.0.0.1:{port}", ("/no-such-path",), timeout_s=3)
+        proc.wait_healthy(f"http://127.0.0.1:{port}", ("/no-such-path", "/"), timeout_s=30)
+        assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 200
+        child = int(pid_file.read_text())
+    finally:
+        proc.stop(grace_s=5)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
+        state = Path(f"/proc/{child}/stat").read_text().split()[2] if Path(f"/proc/{child}/stat").exists() else "X"
+        if state == "Z":
+            break
+        time.sleep(0.05)
+    alive = Path(f"/proc/{child}/stat").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z"
+    assert not alive, "the server's child survived shutdown"
+    assert not proc.running()
