@@ -89,17 +89,10 @@ class AsyncRLController(RLController):
         pending += [self.group_prompts[g.group_id] for g in self.buffer]
         return pending
 
-    def save(self, step: int) -> None:
-        import ray
-
-        assert self.actors is not None
-        ray.get([a.save_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
-                 for a in self.actors.trainers])
-        if self.critic is not None:
-            self.critic.save(self.output_dir, step)
-        state = {"step": step, "version": self.version, "data": self.mixer.state_dict(),
-                 "pending_prompts": [attrs.asdict(p) for p in self.pending_prompts()]}
-        ckpt.write_controller_state(self.output_dir, step, state, keep=self.job.run.keep_checkpoints)
+    def controller_state(self, step: int) -> dict[str, Any]:
+        state = super().controller_state(step)
+        state["pending_prompts"] = [attrs.asdict(p) for p in self.pending_prompts()]
+        return state
 
     # ------------------------------------------------------------------ producer
 

@@ -74,6 +74,17 @@ class Actors:
             return list(self.trainers)
         return self.trainers + self.engine_actors
 
+    def shutdown(self) -> None:
+        """Stop every engine server and transport, then kill the actors."""
+        import ray
+
+        for a in self.all():
+            try:
+                ray.get(a.shutdown.remote())
+            except Exception:  # an actor that already died has nothing left to close
+                pass
+            ray.kill(a)
+
 
 def check_placement(job: JobConfig) -> None:
     where = job.source_path or "<job>"

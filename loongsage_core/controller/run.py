@@ -342,9 +342,12 @@ class RLController:
                  for a in self.actors.trainers])
         if self.critic is not None:
             self.critic.save(self.output_dir, step)
-        ckpt.write_controller_state(self.output_dir, step, {"step": step, "version": self.version,
-                                                            "data": self.mixer.state_dict()},
+        ckpt.write_controller_state(self.output_dir, step, self.controller_state(step),
                                     keep=self.job.run.keep_checkpoints)
+
+    def controller_state(self, step: int) -> dict[str, Any]:
+        """What ``controller.json`` holds (written last, so it completes the checkpoint)."""
+        return {"step": step, "version": self.version, "data": self.mixer.state_dict()}
 
     def fit(self) -> list[dict[str, float]]:
         """Run from the current step to ``train.total_steps``; returns every step's metrics."""
@@ -371,8 +374,6 @@ class RLController:
             ray.get([a.save_hf.remote(str(self.output_dir / "final_hf")) for a in self.actors.trainers])
 
     def close(self) -> None:
-        import ray
-
         for lg in self.loggers:
             lg.close()
         if self.teachers is not None:
@@ -384,12 +385,7 @@ class RLController:
             self.critic.close()
             self.critic = None
         if self.actors is not None:
-            for a in self.actors.all():
-                try:
-                    ray.get(a.shutdown.remote())
-                except Exception:  # an actor that already died has nothing left to close
-                    pass
-                ray.kill(a)
+            self.actors.shutdown()
             self.actors = None
 
 

@@ -29,15 +29,8 @@ class Serving:
     trajectory_url: str
 
     def close(self) -> None:
-        import ray
-
         self.router.shutdown()
-        for a in self.actors.all():
-            try:
-                ray.get(a.shutdown.remote())
-            except Exception:  # an actor that already died has nothing left to close
-                pass
-            ray.kill(a)
+        self.actors.shutdown()
 
 
 def start_serving(resolved: ResolvedJob, port: int = 0) -> Serving:
