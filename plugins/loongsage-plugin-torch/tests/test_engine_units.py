@@ -194,3 +194,25 @@ def test_generate_bodies_follow_sglang_shapes():
     with pytest.raises(InvalidRequest) as err:
         parse_generate({"input_ids": [[1], [2]], "sampling_params": [{}]}, vocab_size=10, max_context=16, encode=None)
     assert err.value.param == "sampling_params"
+
+
+def test_fp32_lm_head_computes_the_output_layer_in_float32():
+    import torch
+    from loongsage_plugin_torch.engine.runner import ModelRunner
+    from loongsage_plugin_torch.modeling import TINY_QWEN3
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    conf = dict(TINY_QWEN3)
+    model_type = conf.pop("model_type")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **conf), dtype=torch.bfloat16)
+    plain = ModelRunner(model, num_slots=2)
+    wide = ModelRunner(model, num_slots=2, fp32_lm_head=True)
+    hidden = torch.randn(3, conf["hidden_size"], dtype=torch.bfloat16)
+    normed = plain._rms(hidden, plain.final_norm)
+    expected = normed.double() @ model.lm_head.weight.double().T
+    err_wide = (wide.output_logits(hidden).double() - expected).abs().max()
+    err_plain = (plain.output_logits(hidden).double() - expected).abs().max()
+    # float32 output layer: only float32 rounding; bf16 output layer: bf16 rounding of every logit
+    assert err_wide < 1e-5
+    assert err_plain > 10 * err_wide

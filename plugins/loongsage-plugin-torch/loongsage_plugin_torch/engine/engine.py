@@ -59,7 +59,8 @@ class EmbeddedEngine:
                 log.warning("embedded engine: no tokenizer in %s; responses carry empty text", job.model.path)
         self.model_path = job.model.path
         self.tokenizer_path = job.model.tokenizer or job.model.path
-        self.runner = ModelRunner(self.model, num_slots=self.settings.max_batch_size)
+        self.runner = ModelRunner(self.model, num_slots=self.settings.max_batch_size,
+                                  fp32_lm_head=bool(job.model.fp32_lm_head))
         self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(self.runner, self.settings, _eos_ids(self.model, self.tokenizer, self.vocab_size))
         self._receivers: dict[str, Any] = {}

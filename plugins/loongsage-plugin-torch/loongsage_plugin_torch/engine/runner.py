@@ -107,7 +107,9 @@ def _norm_of(module: Any) -> _Norm:
 class ModelRunner:
     """Owns the model and the slot KV cache; computes next-token logits for batches of slots."""
 
-    def __init__(self, model: Any, *, num_slots: int) -> None:
+    def __init__(self, model: Any, *, num_slots: int, fp32_lm_head: bool = False) -> None:
+        """``fp32_lm_head`` computes the output layer in float32 on a half-precision model (the
+        trainer's ``[model] fp32_lm_head``), so sampled log-probs match the trainer's more closely."""
         import torch
 
         config = model.config
@@ -131,6 +133,7 @@ class ModelRunner:
         self.rotary = base.rotary_emb
         self.final_norm = _norm_of(base.norm)
         self.lm_head = model.lm_head
+        self.fp32_lm_head = fp32_lm_head
         decoder_layers = list(base.layers[: config.num_hidden_layers])
         attn0 = decoder_layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
@@ -280,7 +283,17 @@ class ModelRunner:
             hidden = hidden + layer.down(layer.act(gate) * up)
         if not all_logits and not decode:
             hidden = hidden[torch.cumsum(counts, 0) - 1]
-        return self.lm_head(self._rms(hidden, self.final_norm)).float()
+        return self.output_logits(hidden)
+
+    def output_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
+        """Final norm and output layer: float32 logits ``[..., V]``."""
+        import torch
+
+        normed = self._rms(hidden, self.final_norm)
+        if self.fp32_lm_head and self.dtype != torch.float32:
+            # cast per call: the weight is updated in place by weight transfers, so no stale copy
+            return torch.nn.functional.linear(normed.float(), self.lm_head.weight.float())
+        return self.lm_head(normed).float()
 
     # ------------------------------------------------------------------------------------------
     def named_tensors(self) -> dict[str, "torch.Tensor"]:
