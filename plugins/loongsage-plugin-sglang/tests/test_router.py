@@ -6,10 +6,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
-torch = pytest.importorskip("torch")
-
-
 from loongsage_plugin_sglang.process import ServerStartError  # noqa: E402
 from loongsage_plugin_sglang.router import SGLangRouterProcess, router_command  # noqa: E402
 from loongsage_plugin_torch.engine import create_engine  # noqa: E402

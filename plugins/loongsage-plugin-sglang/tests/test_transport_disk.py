@@ -5,9 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch  # noqa: E402  (a hard dependency of this plugin)
 from loongsage_plugin_sglang.transport_disk import DiskSender, write_safetensors  # noqa: E402
 
 

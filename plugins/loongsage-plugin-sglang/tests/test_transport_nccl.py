@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
+import torch  # noqa: E402  (a hard dependency of this plugin)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-torch = pytest.importorskip("torch")
-
 from loongsage_plugin_sglang.transport_nccl import NcclSender, bucket_metadata, iter_buckets  # noqa: E402
 
 

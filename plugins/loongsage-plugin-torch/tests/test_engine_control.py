@@ -11,9 +11,7 @@ import time
 import attrs
 import httpx
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch  # noqa: E402  (a hard dependency of this plugin)
 from loongsage_plugin_torch.engine import create_engine  # noqa: E402
 from loongsage_plugin_torch.engine.runner import sequence_logprobs  # noqa: E402
 from loongsage_plugin_torch.modeling import TINY_QWEN3, load_model  # noqa: E402

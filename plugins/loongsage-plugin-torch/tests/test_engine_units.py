@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import pytest
-
-torch = pytest.importorskip("torch")
-
+import torch  # noqa: E402  (a hard dependency of this plugin)
 from loongsage_plugin_torch.engine.kv_cache import PrefixCache  # noqa: E402
 from loongsage_plugin_torch.engine.protocol import InvalidRequest, parse_generate  # noqa: E402
 from loongsage_plugin_torch.engine.runner import ModelRunner, UnsupportedModelError, sequence_logprobs  # noqa: E402
