@@ -19,4 +19,7 @@ fi
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
+# Megatron-Core backend: megatron-bridge declares GPU-only packages it does not need here
+.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-megatron.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps megatron-bridge==0.3.1
 echo "LoongSage installed in .venv ($(.venv/bin/python --version))"

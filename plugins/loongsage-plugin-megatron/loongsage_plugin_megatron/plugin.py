@@ -1,5 +1,25 @@
-"""Hook implementations of loongsage-plugin-megatron (the module its entry point names)."""
+"""Hook implementations of loongsage-plugin-megatron (the module its entry point names).
+
+Provides the ``megatron`` train backend. Megatron-Core, Megatron-Bridge and torch are imported
+only when a worker is built.
+"""
 
 from __future__ import annotations
 
-from loongsage_hookspecs import hookimpl  # noqa: F401
+from typing import Any, Iterator
+
+from loongsage_hookspecs import TrainBackendSpec, hookimpl
+
+
+def create_train_worker(ctx: Any) -> Any:
+    """Build one rank of the megatron backend (``ctx`` is a ``TrainWorkerContext``)."""
+    from .worker import MegatronTrainWorker
+
+    return MegatronTrainWorker(ctx)
+
+
+@hookimpl
+def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
+    yield TrainBackendSpec(name="megatron", factory=create_train_worker,
+                           description="Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
+                                       "directory; tensor and data parallelism, AdamW")

@@ -1,0 +1,173 @@
+"""Every CPU workaround the megatron backend needs, in one place.
+
+Megatron-Core and Megatron-Bridge are written for CUDA machines with Transformer Engine. The
+backend uses them unchanged on GPUs; on a machine without CUDA, :func:`apply` swaps in the few
+CPU-safe replacements below (each names the upstream call it stands in for), and
+:func:`import_bridge` imports Megatron-Bridge although Transformer Engine and Triton are absent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
+from typing import Any, Iterator
+
+REQUIREMENTS_HINT = ("the megatron backend needs megatron-core and megatron-bridge: "
+                     "pip install -r requirements-megatron.txt")
+
+# Import-only placeholders: Megatron-Bridge imports these at module level (LoRA layers, fused
+# kernels) although the GPT path this backend uses never calls them.
+_STUBBED_TOP_LEVEL = ("transformer_engine", "transformer_engine_torch", "triton")
+
+# Megatron-Core modules imported before the placeholders exist, so their own
+# "is Transformer Engine installed?" checks keep answering no.
+_PREIMPORT = (
+    "megatron.core",
+    "megatron.core.extensions.transformer_engine",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.models.gpt.experimental_attention_variant_module_specs",
+    "megatron.core.models.gpt.heterogeneous.heterogeneous_layer_specs",
+    "megatron.core.transformer.heterogeneous.linear_replacements",
+    "megatron.core.optimizer",
+    "megatron.core.distributed",
+    "megatron.core.tensor_parallel",
+    "megatron.core.parallel_state",
+)
+
+
+def cuda_missing() -> bool:
+    """Whether the CPU replacements are needed (no usable CUDA device)."""
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+class _PlaceholderMeta(type):
+    """Classes whose every attribute is another placeholder class (``te.ops.Sequential``)."""
+
+    def __getattr__(cls, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _placeholder(name)
+
+
+def _placeholder(name: str) -> type:
+    return _PlaceholderMeta(name, (), {"__init__": lambda self, *a, **k: None,
+                                       "__call__": lambda self, *a, **k: self})
+
+
+class _PlaceholderModule(types.ModuleType):
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _placeholder(name)
+        setattr(self, name, value)
+        return value
+
+
+class _PlaceholderFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name.split(".")[0] in _STUBBED_TOP_LEVEL:
+            return importlib.machinery.ModuleSpec(name, self, is_package=True)
+        return None
+
+    def create_module(self, spec: Any) -> types.ModuleType:
+        return _PlaceholderModule(spec.name)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        module.__path__ = []  # type: ignore[attr-defined]
+
+
+@contextlib.contextmanager
+def _placeholders() -> Iterator[None]:
+    present = {n for n in _STUBBED_TOP_LEVEL if _installed(n)}
+    if len(present) == len(_STUBBED_TOP_LEVEL):
+        yield
+        return
+    finder = _PlaceholderFinder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [m for m in sys.modules if isinstance(sys.modules[m], _PlaceholderModule)]:
+            del sys.modules[name]
+
+
+def _installed(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def import_bridge() -> Any:
+    """``megatron.bridge.AutoBridge``; raises ImportError naming requirements-megatron.txt if absent.
+
+    Replaces a plain ``from megatron.bridge import AutoBridge``: when Transformer Engine or Triton
+    is missing, placeholders stand in for them only while Megatron-Bridge is being imported.
+    """
+    import importlib
+
+    try:
+        for name in _PREIMPORT:
+            importlib.import_module(name)
+        with _placeholders():
+            from megatron.bridge import AutoBridge
+    except ImportError as exc:
+        raise ImportError(f"{REQUIREMENTS_HINT} ({exc})") from exc
+    return AutoBridge
+
+
+def apply() -> None:
+    """Install the CPU replacements (idempotent); a no-op when CUDA is available."""
+    if not cuda_missing():
+        return
+    import torch
+
+    # Replaces torch.cuda.current_device(): Megatron-Core layers place new parameters and
+    # buffers on ``torch.cuda.current_device()``; without CUDA they go to the CPU.
+    if not getattr(torch.cuda.current_device, "_loongsage_cpu", False):
+        def current_device() -> torch.device:
+            return torch.device("cpu")
+
+        current_device._loongsage_cpu = True  # type: ignore[attr-defined]
+        torch.cuda.current_device = current_device  # type: ignore[assignment]
+
+
+def init_rng_tracker(seed: int) -> None:
+    """Seed the model-parallel RNG.
+
+    On CUDA this is ``tensor_parallel.model_parallel_cuda_manual_seed(seed)``. On the CPU it
+    replaces that call: the tracker that call builds stores CUDA generator states, so a tracker
+    whose ``fork`` keeps the (CPU) default generator is installed instead; the backend runs with
+    dropout 0, so no forked stream is ever drawn from.
+    """
+    import torch
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel import random as mp_random
+
+    torch.manual_seed(seed)
+    if not cuda_missing():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    mp_random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+def configure_provider(provider: Any) -> None:
+    """Adjust a Megatron-Bridge model provider for a machine without Transformer Engine.
+
+    Replaces the provider's default ``transformer_engine_layer_spec`` (Transformer Engine fused
+    layers) with Megatron-Bridge's ``local_layer_spec`` (Megatron-Core's own torch layers).
+    """
+    if _installed("transformer_engine"):
+        return
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    provider.transformer_layer_spec = local_layer_spec
