@@ -80,7 +80,11 @@ class TrainConfig:
 
 @attrs.define
 class RolloutConfig:
-    """Rollout settings: ``prompts_per_step`` prompts x ``samples_per_prompt`` samples each step."""
+    """Rollout settings: ``prompts_per_step`` prompts x ``samples_per_prompt`` samples each step.
+
+    ``partial`` (asynchronous runs): at a weight update unfinished generations keep their tokens and
+    continue under the new weights; ``partial_mask_stale`` then leaves the tokens an older policy
+    generated out of the loss, training only on the part the newest policy wrote."""
 
     engine: str = "torch"
     num_engines: int = 1
@@ -92,6 +96,7 @@ class RolloutConfig:
     max_new_tokens: int = 64
     max_context_length: int = 2048
     partial: bool = False
+    partial_mask_stale: bool = False
     weight_transport: str = "shm"
     weight_transport_args: Args = attrs.field(factory=dict)
     engine_args: Args = attrs.field(factory=dict)

@@ -13,8 +13,12 @@ import torch
 from loongsage_hookspecs import Batch, TrajectoryGroup, TrajectoryStatus
 
 
-def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0) -> Batch:
-    """Rows for every trainable segment of every completed trajectory, right-padded."""
+def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stale: bool = False) -> Batch:
+    """Rows for every trainable segment of every completed trajectory, right-padded.
+
+    ``mask_stale`` drops from the loss mask every generated token whose weight version is older
+    than the newest version in its trajectory (the off-policy prefix of a partial rollout).
+    """
     rows: list[tuple[int, Any, Any]] = []
     for g_idx, group in enumerate(groups):
         for traj in group.trajectories:
@@ -40,6 +44,10 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0) -> Batch:
         input_ids[i, :L] = torch.tensor(seg.tokens, dtype=torch.long)
         attention[i, :L] = 1
         loss_mask[i, :L] = torch.tensor(seg.loss_mask, dtype=torch.float32)
+        if mask_stale:
+            newest = max((v for s in traj.segments for v in s.weight_versions), default=-1)
+            stale = torch.tensor([0 <= v < newest for v in seg.weight_versions], dtype=torch.bool)
+            loss_mask[i, :L][stale] = 0.0
         logprobs[i, :L] = torch.tensor(seg.logprobs, dtype=torch.float32)
         versions[i, :L] = torch.tensor(seg.weight_versions, dtype=torch.long)
         rewards[i] = traj.score

@@ -276,7 +276,8 @@ class RLController:
 
         assert self.actors is not None
         t0 = time.perf_counter()
-        batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0)
+        batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0,
+                            mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale)
         metrics: dict[str, float] = {"rollout/num_rows": float(len(batch))}
         if not len(batch):
             return metrics, 0.0
