@@ -139,6 +139,31 @@ def apply() -> None:
 
         current_device._loongsage_cpu = True  # type: ignore[attr-defined]
         torch.cuda.current_device = current_device  # type: ignore[assignment]
+    _contiguous_tp_scatter()
+
+
+def _contiguous_tp_scatter() -> None:
+    """Wrap Megatron-Bridge's ``MegatronParamMapping.scatter_to_tp_ranks`` so the splits it sends
+    are contiguous.
+
+    Row-parallel weights are split with ``torch.chunk(w, tp, dim=1)``, which gives strided views.
+    Upstream sends ``s.to(device=..., dtype=...)``: on CUDA that copies each split into fresh,
+    contiguous memory, but on the CPU it returns the strided view itself, and gloo's ``scatter``
+    then sends the wrong elements (every row-parallel shard loads garbage under TP > 1).
+    """
+    from megatron.bridge.models.conversion.param_mapping import MegatronParamMapping
+
+    original = MegatronParamMapping.scatter_to_tp_ranks
+    if getattr(original, "_loongsage_contiguous", False):
+        return
+
+    def scatter_to_tp_ranks(self: Any, splits: Any, *args: Any, **kwargs: Any) -> Any:
+        if splits:
+            splits = [s.contiguous() for s in splits]
+        return original(self, splits, *args, **kwargs)
+
+    scatter_to_tp_ranks._loongsage_contiguous = True  # type: ignore[attr-defined]
+    MegatronParamMapping.scatter_to_tp_ranks = scatter_to_tp_ranks  # type: ignore[method-assign]
 
 
 def init_rng_tracker(seed: int) -> None:

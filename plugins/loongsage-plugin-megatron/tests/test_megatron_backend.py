@@ -128,8 +128,6 @@ def _tp_rank(rank: int, port: int, hf_dir: str, out: str) -> None:
     worker.close()
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: TP=2 over gloo runs but its log-probs differ from TP=1 "
-                                       "(up to 0.46); see the plugin README")
 def test_tensor_parallel_2_equals_tp_1(hf_dir, host, tmp_path):
     import torch.multiprocessing as mp
 
