@@ -135,6 +135,12 @@ def test_data_parallel_trainers_with_separate_engines(ray_cluster, tmp_path):
                                                    "train.total_steps=3", "run.resume=true"))
     resumed = run_job(resolve_job(more), output_dir=str(out))
     assert len(resumed) == 1 and resumed[0]["step"] == 2
+    # each run reserved its actors in a placement group (one bundle per actor) and released it
+    from ray.util import placement_group_table
+
+    groups = list(placement_group_table().values())
+    assert groups and all(g["state"] == "REMOVED" for g in groups)
+    assert any(len(g["bundles"]) == 3 for g in groups)  # 2 trainer ranks + 1 engine
 
 
 def test_prompt_longer_than_context_is_a_clear_error(ray_cluster, tmp_path):

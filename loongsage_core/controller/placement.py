@@ -1,4 +1,4 @@
-"""Creating the model actors on a local (or given) Ray cluster.
+"""Creating the model actors on a local (or given) Ray cluster, in a Ray placement group.
 
 ``placement.colocate = true``: trainer rank ``i`` and engine ``i`` share one actor (one process,
 one set of devices; weights move in-process). ``false``: trainer ranks and engines are separate
@@ -67,6 +67,7 @@ class Actors:
     engine_actors: list[Any]
     engine_urls: list[str]
     colocated: bool
+    placement_group: Any = None
 
     def all(self) -> list[Any]:
         """Every distinct actor (a colocated actor is both a trainer and an engine)."""
@@ -84,6 +85,11 @@ class Actors:
             except Exception:  # an actor that already died has nothing left to close
                 pass
             ray.kill(a)
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
 
 
 def check_placement(job: JobConfig) -> None:
@@ -96,34 +102,56 @@ def check_placement(job: JobConfig) -> None:
                           "(trainer and engine in one process); use 'shm' for separate actors")
 
 
+def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+    return {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0} or {"CPU": 0.001}
+
+
+def create_placement_group(job: JobConfig) -> Any:
+    """One placement-group bundle per actor (trainer ranks first, then separate engines).
+
+    ``PACK`` keeps the bundles of one job together (one node when it fits); every bundle is a
+    per-role resource request, so the same code places actors on CPU-only and GPU clusters.
+    """
+    from ray.util.placement_group import placement_group
+
+    pl = job.placement
+    bundles = [_bundle(pl.trainer_cpus, pl.trainer_gpus) for _ in range(job.train.num_workers)]
+    if not pl.colocate:
+        bundles += [_bundle(pl.engine_cpus, pl.engine_gpus) for _ in range(job.rollout.num_engines)]
+    return placement_group(bundles, strategy="PACK")
+
+
 def create_actors(job: JobConfig, needs_reference: bool) -> Actors:
-    """Start every model actor and wait until they are ready."""
+    """Reserve a placement group, start every model actor in its bundle, wait until they are ready."""
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     check_placement(job)
     check_resources(job)
+    pg = create_placement_group(job)
+    ray.get(pg.ready())
     world = job.train.num_workers
     port = free_port()
     remote = ray.remote(ModelActor)
     pl = job.placement
+
+    def in_bundle(index: int, cpus: float, gpus: float) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
+        return remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy)
+
     trainers: list[Any] = []
     engines: list[Any] = []
-    if pl.colocate:
-        for rank in range(world):
-            engine_index = rank if rank < job.rollout.num_engines else None
-            actor = remote.options(num_cpus=pl.trainer_cpus, num_gpus=pl.trainer_gpus).remote(
-                job, rank, world, port, engine_index, needs_reference)
-            trainers.append(actor)
-            if engine_index is not None:
-                engines.append(actor)
-    else:
-        for rank in range(world):
-            trainers.append(remote.options(num_cpus=pl.trainer_cpus, num_gpus=pl.trainer_gpus).remote(
-                job, rank, world, port, None, needs_reference))
+    for rank in range(world):
+        engine_index = rank if pl.colocate and rank < job.rollout.num_engines else None
+        actor = in_bundle(rank, pl.trainer_cpus, pl.trainer_gpus).remote(
+            job, rank, world, port, engine_index, needs_reference)
+        trainers.append(actor)
+        if engine_index is not None:
+            engines.append(actor)
+    if not pl.colocate:
         for i in range(job.rollout.num_engines):
-            engines.append(remote.options(num_cpus=pl.engine_cpus, num_gpus=pl.engine_gpus).remote(
-                job, None, 1, 0, i, False))
+            engines.append(in_bundle(world + i, pl.engine_cpus, pl.engine_gpus).remote(job, None, 1, 0, i, False))
     infos = ray.get([a.ready.remote() for a in engines])
     ray.get([a.ready.remote() for a in trainers])
     return Actors(trainers=trainers, engine_actors=engines, engine_urls=[i["engine_url"] for i in infos],
-                  colocated=pl.colocate)
+                  colocated=pl.colocate, placement_group=pg)
