@@ -107,6 +107,16 @@ class ManagedProcess:
                     raise self.failure(f"did not answer {' or '.join(paths)} at {base_url} within {timeout_s:g} s")
                 time.sleep(interval_s)
 
+    def launch(self, base_url: str, paths: Sequence[str], timeout_s: float) -> str:
+        """Start the process and wait until it answers on ``base_url``; stop it if it never does."""
+        self.start()
+        try:
+            self.wait_healthy(base_url, paths, timeout_s=timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return base_url
+
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

@@ -75,15 +75,9 @@ class SGLangRouterProcess:
             raise ServerStartError(f"sglang-router is not installed for {self.python}; install it with: "
                                    f"{ROUTER_INSTALL_HINT}")
         self.process = ManagedProcess(self.command, name="sglang router", log_path=self.log_path)
-        self.process.start()
-        url = f"http://{self.host}:{self.port}"
-        try:
-            self.process.wait_healthy(url, ("/health",), timeout_s=self.startup_timeout_s)
-        except BaseException:
-            self.process.stop()
-            raise
-        self.base_url = url
-        return url
+        self.base_url = self.process.launch(f"http://{self.host}:{self.port}", ("/health",),
+                                            timeout_s=self.startup_timeout_s)
+        return self.base_url
 
     def shutdown(self) -> None:
         """Terminate the router (idempotent)."""

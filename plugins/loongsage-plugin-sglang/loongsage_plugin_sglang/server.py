@@ -107,15 +107,9 @@ class SGLangServer:
                                      "[rollout] engine = \"torch\"")
         self.process = ManagedProcess(self.command, name=f"sglang server (engine {self.engine_index})",
                                       log_path=self.log_path, env=self.options["env"])
-        self.process.start()
-        url = f"http://{self.host}:{self.port}"
-        try:
-            self.process.wait_healthy(url, HEALTH_PATHS, timeout_s=self.options["startup_timeout_s"])
-        except BaseException:
-            self.process.stop()
-            raise
-        self.base_url = url
-        return url
+        self.base_url = self.process.launch(f"http://{self.host}:{self.port}", HEALTH_PATHS,
+                                            timeout_s=self.options["startup_timeout_s"])
+        return self.base_url
 
     def shutdown(self) -> None:
         """Terminate the server's process group (idempotent)."""
