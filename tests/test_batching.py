@@ -43,3 +43,15 @@ def test_stale_prefix_of_a_partial_rollout_can_be_masked():
 def test_shards_are_contiguous_and_balanced():
     assert shard_rows(5, 2) == [[0, 1, 2], [3, 4]]
     assert shard_rows(2, 3) == [[0], [1], []]
+
+
+def test_per_step_files_keep_only_steps_before_the_first_one_of_a_run(tmp_path):
+    from loongsage_core.controller.run import truncate_jsonl
+
+    path = tmp_path / "trained_prompts.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "cut sh')
+    truncate_jsonl(path, 2)  # resumed at step 2: steps 2.. are redone; the half-written line goes
+    assert path.read_text() == '{"step": 0}\n{"step": 1}\n'
+    truncate_jsonl(path, 0)  # a fresh run into an old directory starts empty
+    assert path.read_text() == ""
+    truncate_jsonl(tmp_path / "missing.jsonl", 0)  # nothing to do

@@ -124,12 +124,15 @@ class RLController:
         if self.advantage.needs_critic:
             self.critic = Critic.create(self.job)
         self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls)
-        resumed = self._maybe_resume()
+        self._maybe_resume()
+        # per-step files keep only the steps before this run's first one (all of them for a fresh
+        # run into an old directory; the redone ones after a resume)
+        truncate_jsonl(self.output_dir / TRAINED_PROMPTS, self.step)
         for lg in self.job.loggers:
             spec = self.host.get("logger", lg.name)
             args = {"total_steps": self.job.train.total_steps, **lg.args} if lg.name == "console" else dict(lg.args)
             logger = spec.factory(str(self.output_dir), **args)
-            if resumed and hasattr(logger, "truncate_after"):
+            if hasattr(logger, "truncate_after"):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)
 
@@ -149,7 +152,6 @@ class RLController:
         if self.critic is not None:
             self.critic.load(self.output_dir, step)
         self.mixer.load_state_dict(state["data"])
-        truncate_jsonl(self.output_dir / TRAINED_PROMPTS, step)
         self.step = step
         self.version = int(state["version"])
         self._push_weights()
