@@ -184,19 +184,7 @@ class TorchCriticWorker(TorchTrainWorker):
     @torch.no_grad()
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-token ``values`` ``[B, T]`` (float32, on the CPU, no gradient), aligned like log-probs."""
-        if "input_ids" not in batch:
-            raise KeyError("TorchCriticWorker.forward: the batch has no 'input_ids' tensor")
-        if self._offloaded:
-            raise RuntimeError("TorchCriticWorker.forward: the worker is offloaded; call onload() first")
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            parts = [self._values(self._to_device(m)).cpu() for m in batch.chunks(self.forward_micro_batch_size)]
-        finally:
-            self.model.train(was_training)
-        if not parts:
-            return {"values": torch.zeros(0, batch["input_ids"].shape[1])}
-        return {"values": torch.cat(parts)}
+        return self._forward_chunks(batch, ("values",), lambda micro: {"values": self._values(micro)})
 
     # ------------------------------------------------------------------------------------------
     # Training

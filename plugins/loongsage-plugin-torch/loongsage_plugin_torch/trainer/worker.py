@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import attrs
 import torch
@@ -183,24 +183,30 @@ class TorchTrainWorker:
     @torch.no_grad()
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, on the CPU, no gradient)."""
+        def outputs(micro: Batch) -> dict[str, torch.Tensor]:
+            lp, ent, _ = self._token_outputs(micro, entropy_grad=False)
+            return {"logprobs": lp, "entropy": ent}
+
+        return self._forward_chunks(batch, ("logprobs", "entropy"), outputs)
+
+    def _forward_chunks(self, batch: Batch, keys: tuple[str, ...],
+                        outputs: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Run ``outputs`` over ``batch`` in forward micro-batches, in eval mode, and concatenate
+        its ``[b, T]`` tensors on the CPU (``[0, T]`` zeros for an empty batch)."""
+        name = type(self).__name__
         if "input_ids" not in batch:
-            raise KeyError("TorchTrainWorker.forward: the batch has no 'input_ids' tensor")
+            raise KeyError(f"{name}.forward: the batch has no 'input_ids' tensor")
         if self._offloaded:
-            raise RuntimeError("TorchTrainWorker.forward: the worker is offloaded; call onload() first")
+            raise RuntimeError(f"{name}.forward: the worker is offloaded; call onload() first")
         was_training = self.model.training
         self.model.eval()
         try:
-            logprobs, entropy = [], []
-            for micro in batch.chunks(self.forward_micro_batch_size):
-                lp, ent, _ = self._token_outputs(self._to_device(micro), entropy_grad=False)
-                logprobs.append(lp.cpu())
-                entropy.append(ent.cpu())
+            parts = [outputs(self._to_device(m)) for m in batch.chunks(self.forward_micro_batch_size)]
         finally:
             self.model.train(was_training)
-        if not logprobs:
-            empty = torch.zeros(0, batch["input_ids"].shape[1])
-            return {"logprobs": empty, "entropy": empty.clone()}
-        return {"logprobs": torch.cat(logprobs), "entropy": torch.cat(entropy)}
+        if not parts:
+            return {k: torch.zeros(0, batch["input_ids"].shape[1]) for k in keys}
+        return {k: torch.cat([p[k].cpu() for p in parts]) for k in keys}
 
     # ------------------------------------------------------------------------------------------
     # Training
