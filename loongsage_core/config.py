@@ -13,7 +13,7 @@ import difflib
 import sys
 import typing
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypeVar
 
 import attrs
 import cattrs
@@ -23,6 +23,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
+
+
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -454,6 +457,22 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     for item in overrides:
         apply_override(raw, item, where)
     return structure_job(raw, str(path))
+
+
+def structure_args(cls: type[T], args: Mapping[str, Any], key: str, owner: str) -> T:
+    """A component's ``*_args`` table (e.g. ``[train] backend_args``) as the attrs class ``cls``.
+
+    Unknown keys and invalid values raise ``ValueError`` naming ``key`` and, for unknown keys, the
+    ``owner`` component and its valid keys.
+    """
+    valid = [f.name for f in attrs.fields(cls)]
+    unknown = sorted(set(args) - set(valid))
+    if unknown:
+        raise ValueError(f"{key}: unknown keys {unknown} for the {owner}; valid keys: {', '.join(valid)}")
+    try:
+        return cls(**args)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{key}: {exc}") from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from loongsage_core.algorithms import LossPipeline, MetricAccumulator
+from loongsage_core.config import structure_args
 from loongsage_hookspecs import AggregationNorm, Batch
 
 from ..modeling import load_model, load_tokenizer, torch_dtype
@@ -52,15 +53,7 @@ class BackendOptions:
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "BackendOptions":
-        valid = [f.name for f in attrs.fields(cls)]
-        unknown = sorted(set(args) - set(valid))
-        if unknown:
-            raise ValueError(f"[train] backend_args: unknown keys {unknown} for the torch backend; "
-                             f"valid keys: {', '.join(valid)}")
-        try:
-            return cls(**args)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"[train] backend_args: {exc}") from None
+        return structure_args(cls, args, "[train] backend_args", "torch backend")
 
 
 def resolve_device(name: str) -> torch.device:
