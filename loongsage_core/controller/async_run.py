@@ -107,13 +107,7 @@ class AsyncRLController(RLController):
             self.dispatched += 1
             group_id = f"{self.version}:{index}"
             self.scheduler.on_dispatch(group_id, self.version)
-            client = self.rollout.clients[index % len(self.rollout.clients)]
-            source = self.rollout.sources[prompt.source]
-            if source.agent == "single_turn":
-                coro = self.rollout._group(client, prompt, index, self.version)
-            else:
-                coro = self.rollout._agent_group(prompt, index, self.version)
-            task = asyncio.ensure_future(coro)
+            task = asyncio.ensure_future(self.rollout.group(prompt, index, self.version))
             self.inflight[group_id] = (task, prompt)
             task.add_done_callback(lambda t, gid=group_id: self._on_done(gid, t))
 

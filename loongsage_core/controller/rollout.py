@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from typing import Any, Sequence
+from typing import Any, Awaitable, Sequence
 
 from loongsage_hookspecs import Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
 
@@ -168,12 +168,16 @@ class RolloutManager:
             group.trajectories.append(traj)
         return group
 
+    def group(self, prompt: Prompt, index: int, step: int) -> Awaitable[TrajectoryGroup]:
+        """The coroutine producing group ``index`` of ``step``: the single-turn fast path on engine
+        ``index`` (round robin), or the source's agent through the router."""
+        if self.sources[prompt.source].agent == FAST_PATH_AGENT:
+            return self._group(self.clients[index % len(self.clients)], prompt, index, step)
+        return self._agent_group(prompt, index, step)
+
     async def generate(self, prompts: Sequence[Prompt], step: int, offset: int = 0) -> list[TrajectoryGroup]:
         """All groups for ``prompts``; groups are spread round-robin over the engines."""
-        tasks = [self._group(self.clients[(offset + i) % len(self.clients)], p, offset + i, step)
-                 if self.sources[p.source].agent == FAST_PATH_AGENT else self._agent_group(p, offset + i, step)
-                 for i, p in enumerate(prompts)]
-        return list(await asyncio.gather(*tasks))
+        return list(await asyncio.gather(*(self.group(p, offset + i, step) for i, p in enumerate(prompts))))
 
     async def aclose(self) -> None:
         for c in self.clients:
