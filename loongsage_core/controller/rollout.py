@@ -126,12 +126,13 @@ class RolloutManager:
 
         group.trajectories = list(await asyncio.gather(*(one(j) for j in range(self.job.rollout.samples_per_prompt))))
         return group
-    def encode_prompt(self, prompt: Prompt) -> list[int]:
-        source = self.sources[prompt.source]
-        messages = render_messages(prompt.prompt, source)
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        tokens = self.tokenizer(ids, add_special_tokens=False)["input_ids"]
-        limit = self.job.rollout.max_context_length - int(sampling_params(self.job, source)["max_new_tokens"])
+
+    def encode_prompt(self, prompt: Prompt, max_new_tokens: int) -> list[int]:
+        """The prompt's chat-template tokens; too long to leave room for ``max_new_tokens`` is an error."""
+        messages = render_messages(prompt.prompt, self.sources[prompt.source])
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        limit = self.job.rollout.max_context_length - int(max_new_tokens)
         if len(tokens) > limit:
             raise ConfigError(f"prompt '{prompt.prompt_id}' has {len(tokens)} tokens, more than the "
                               f"{limit} that rollout.max_context_length ({self.job.rollout.max_context_length}) "
@@ -141,8 +142,8 @@ class RolloutManager:
     async def _group(self, client: EngineClient, prompt: Prompt, index: int, step: int) -> TrajectoryGroup:
         source = self.sources[prompt.source]
         n = self.job.rollout.samples_per_prompt
-        tokens = self.encode_prompt(prompt)
         base = sampling_params(self.job, source)
+        tokens = self.encode_prompt(prompt, base["max_new_tokens"])
         params = []
         for j in range(n):
             p = dict(base)
