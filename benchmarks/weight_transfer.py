@@ -1,4 +1,4 @@
-"""Weight-transfer throughput: ``inprocess`` and ``shm`` transports against a plain tensor copy.
+"""Weight-transfer throughput: ``inprocess``, ``shm`` and ``broadcast`` transports against a plain copy.
 
 Builds a synthetic set of weights (float32 embedding, bfloat16 layer matrices), then measures,
 side by side in one run:
@@ -7,7 +7,9 @@ side by side in one run:
   transport pays once, since an engine copies into its parameters);
 * ``inprocess``: the ``inprocess`` sender into an in-process engine object doing that copy;
 * ``shm``: the ``shm`` sender into an engine in another process (an HTTP endpoint with the
-  ``shm`` receiver copying into its parameters), for several bucket sizes.
+  ``shm`` receiver copying into its parameters), for several bucket sizes;
+* ``broadcast``: the ``broadcast`` sender into the same process over a Gloo group (metadata by
+  HTTP, bytes by ``torch.distributed.broadcast`` over loopback TCP), for the same bucket sizes.
 
 Prints JSON with bytes/s and the ratio of each transport to the plain copy (absolute numbers are
 not stable on a shared machine; the ratios are the result). Run::
@@ -67,18 +69,28 @@ class CopyEngine:
 
 
 def serve() -> None:
-    """Child process: an HTTP endpoint whose shm receiver feeds a CopyEngine."""
+    """Child process: an HTTP endpoint whose shm and broadcast receivers feed a CopyEngine."""
     import torch
-    from loongsage_plugin_torch.transport import shm_receiver
+    from loongsage_plugin_torch.transport import broadcast_receiver, shm_receiver
 
     torch.set_num_threads(1)
     receiver = shm_receiver()
+    groups = broadcast_receiver()
     engine = CopyEngine()
 
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):  # noqa: N802 - http.server API
             payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            engine.load_weights(receiver.receive(payload), payload["weight_version"])
+            if self.path == "/init_weights_update_group":
+                groups.join(payload["master_address"], payload["master_port"], payload["rank_offset"],
+                            payload["world_size"], group_name=payload["group_name"], backend=payload["backend"])
+            elif self.path == "/destroy_weights_update_group":
+                groups.leave(payload["group_name"])
+            elif self.path == "/update_weights_from_distributed":
+                with groups.lock(payload["group_name"]):
+                    engine.load_weights(groups.receive(payload), payload["weight_version"])
+            else:
+                engine.load_weights(receiver.receive(payload), payload["weight_version"])
             self._reply({"success": True})
 
         def do_GET(self):  # noqa: N802
@@ -123,7 +135,7 @@ def main() -> None:
 
     import httpx
     import torch
-    from loongsage_plugin_torch.transport import inprocess_sender, shm_sender
+    from loongsage_plugin_torch.transport import broadcast_sender, inprocess_sender, shm_sender
 
     torch.set_num_threads(1)
     weights = synthetic_weights(args.total_mb)
@@ -155,6 +167,13 @@ def main() -> None:
                 sender.send(weights, 0, [url])  # warm-up: the engine allocates, blocks are created
                 t = best_time(lambda: sender.send(weights, 1, [url]), args.repeats)
             results["shm"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9, "ratio_vs_copy": copy_s / t}
+        results["broadcast"] = {}
+        for mb in (float(x) for x in args.buckets_mb.split(",")):
+            with broadcast_sender(bucket_bytes=int(mb * (1 << 20)), backend="gloo", group_name=f"bench_{mb:g}") as sender:
+                sender.send(weights, 0, [url])  # warm-up: the group is set up, the engine allocates
+                t = best_time(lambda: sender.send(weights, 1, [url]), args.repeats)
+            results["broadcast"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9,
+                                                  "ratio_vs_copy": copy_s / t}
         httpx.get(url + "/shutdown", trust_env=False)
         child.wait(timeout=30)
     finally:

@@ -100,7 +100,7 @@ class RolloutConfig:
     max_context_length: int = 2048
     partial: bool = False
     partial_mask_stale: bool = False
-    weight_transport: str = "shm"
+    weight_transport: str = "auto"
     weight_transport_args: Args = attrs.field(factory=dict)
     engine_args: Args = attrs.field(factory=dict)
 

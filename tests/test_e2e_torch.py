@@ -65,21 +65,25 @@ name = "jsonl"
 """
 
 
-def make_job(tmp_path: Path, colocate: bool, name: str = "job.toml", overrides: tuple[str, ...] = ()):
+def make_job(tmp_path: Path, colocate: bool, name: str = "job.toml", overrides: tuple[str, ...] = (),
+             transport: str | None = "pick"):
+    """The job above; ``transport`` None keeps the default (``auto``), "pick" names the plain one."""
     path = tmp_path / name
     path.write_text(JOB.format(tokenizer=REPO / "tests" / "data" / "tokenizer",
                                colocate="true" if colocate else "false"))
-    transport = "inprocess" if colocate else "shm"
-    return load_job(path, [f"rollout.weight_transport={transport}", *overrides])
+    if transport == "pick":
+        transport = "inprocess" if colocate else "shm"
+    chosen = [f"rollout.weight_transport={transport}"] if transport else []
+    return load_job(path, [*chosen, *overrides])
 
 
 def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("colocate", [True, False])
-def test_sync_grpo_run_end_to_end(ray_cluster, tmp_path, colocate):
-    job = make_job(tmp_path, colocate)
+@pytest.mark.parametrize("colocate, transport", [(True, None), (False, "shm"), (False, "broadcast")])
+def test_sync_grpo_run_end_to_end(ray_cluster, tmp_path, colocate, transport):
+    job = make_job(tmp_path, colocate, transport=transport)
     out = tmp_path / "run"
     history = run_job(resolve_job(job), output_dir=str(out))
     assert len(history) == 3
@@ -92,6 +96,10 @@ def test_sync_grpo_run_end_to_end(ray_cluster, tmp_path, colocate):
     # the engine and the trainer compute the same log-probs for the same tokens (fp32)
     assert all(m["train/is_approx_k3_kl"] < 1e-6 for m in metrics)
     assert metrics[-1]["perf/weight_version"] == 3.0
+    # the default transport (auto) hands a colocated engine the tensors in-process
+    path = {None: "inprocess", "shm": None, "broadcast": None}[transport]
+    if path:
+        assert metrics[-1][f"perf/weight_sync_perf/weight_targets_{path}"] == 1.0
     assert (out / "config.resolved.toml").exists()
     assert (out / "checkpoints" / "latest").read_text() == "step_000003"
     from transformers import AutoModelForCausalLM

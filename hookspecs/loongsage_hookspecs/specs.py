@@ -168,11 +168,12 @@ class WeightTransportSpec(ComponentSpec):
 
     ``sender(**args) -> WeightSender`` is built in the trainer process; ``receiver(**args) ->
     WeightReceiver`` inside the engine process, looked up by this spec's name (sent as the
-    ``load_format`` of the engine's weight-update request).
+    ``load_format`` of the engine's weight-update request). ``receiver = None`` marks a transport
+    whose sender only speaks other transports' formats (one that picks a transport per engine).
     """
 
     sender: "Callable[..., Any]"
-    receiver: "Callable[..., Any]"
+    receiver: "Callable[..., Any] | None" = None
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -21,14 +21,13 @@ Needs CUDA and NCCL on both sides for ``backend = "nccl"``; ``backend = "gloo"``
 
 from __future__ import annotations
 
-import inspect
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
+from loongsage_core.weight_group import destroy_weight_update_group, free_port, init_weight_update_group
+
 from .client import SGLangClient, update_weights_from_distributed_body
-from .process import free_port
 from .targets import target_url
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -65,30 +64,6 @@ def iter_buckets(weights: Iterable[tuple[str, "torch.Tensor"]],
 def bucket_metadata(bucket: list[tuple[str, "torch.Tensor"]]) -> tuple[list[str], list[str], list[list[int]]]:
     """``(names, dtypes, shapes)`` of a bucket, in broadcast order (SGLang's field layout)."""
     return ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
-
-
-def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
-                             group_name: str, backend: str = "nccl", timeout_s: float = 600.0) -> Any:
-    """Join a process group of its own (beside any default group) and return it.
-
-    Every member (the trainer as rank 0, each engine rank) calls this with the same address, port,
-    world size and group name: rank 0 hosts a TCP store on ``master_port``, the store is
-    namespaced by ``group_name``, and the group is registered with ``torch.distributed`` so
-    collectives accept it as ``group=``.
-    """
-    from torch.distributed import distributed_c10d as c10d
-
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{int(master_port)}", rank, world_size,
-                                                   timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)
-    params = inspect.signature(c10d._new_process_group_helper).parameters
-    options = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
-    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                              group_name=group_name, timeout=timeout, **options)
-    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
 
 
 class NcclSender:
@@ -216,12 +191,7 @@ class NcclSender:
                     self._client(url).destroy_weights_update_group(self.group_name)
                 except Exception:  # noqa: BLE001 - the engine may already be gone at shutdown
                     pass
-            try:
-                import torch.distributed as dist
-
-                dist.destroy_process_group(self.group)
-            except Exception:  # noqa: BLE001 - best effort on teardown
-                pass
+            destroy_weight_update_group(self.group)
             self.group = None
         for client in self._clients.values():
             client.close()

@@ -108,7 +108,7 @@ class StandIn:
 
     def join(self, h: Any, body: dict[str, Any]) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from loongsage_plugin_sglang.transport_nccl import init_weight_update_group
+        from loongsage_core.weight_group import init_weight_update_group
 
         group = init_weight_update_group(body["master_address"], body["master_port"], body["rank_offset"],
                                          body["world_size"], group_name=body["group_name"], backend=body["backend"],

@@ -1,7 +1,7 @@
 """Hook implementations of loongsage-plugin-torch (the module its entry point names).
 
-Provides the ``torch`` train backend, the ``torch`` rollout engine and the ``inprocess`` and
-``shm`` weight transports. Only the factories are referenced here; torch and transformers are
+Provides the ``torch`` train backend, the ``torch`` rollout engine and the ``inprocess``,
+``shm``, ``broadcast`` and ``auto`` weight transports. Only the factories are referenced here; torch and transformers are
 imported when a component is built.
 """
 
@@ -13,7 +13,15 @@ from loongsage_hookspecs import RolloutEngineSpec, TrainBackendSpec, WeightTrans
 
 from .engine import SUPPORTS, create_engine
 from .trainer import create_train_worker
-from .transport import inprocess_receiver, inprocess_sender, shm_receiver, shm_sender
+from .transport import (
+    auto_sender,
+    broadcast_receiver,
+    broadcast_sender,
+    inprocess_receiver,
+    inprocess_sender,
+    shm_receiver,
+    shm_sender,
+)
 
 
 @hookimpl
@@ -35,3 +43,9 @@ def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
                               description="trainer and engine in one process: tensors handed over directly")
     yield WeightTransportSpec(name="shm", sender=shm_sender, receiver=shm_receiver,
                               description="bucketed shared memory between processes on one node")
+    yield WeightTransportSpec(name="broadcast", sender=broadcast_sender, receiver=broadcast_receiver,
+                              description="bucketed broadcast over a torch.distributed group (Gloo on CPU, "
+                                          "NCCL on GPU) to engines on other devices or nodes")
+    yield WeightTransportSpec(name="auto", sender=auto_sender,
+                              description="per engine the fastest path: inprocess, shm on one node, broadcast "
+                                          "across devices and nodes")

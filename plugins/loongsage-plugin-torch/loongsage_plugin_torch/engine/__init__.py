@@ -3,7 +3,7 @@
 A CPU-friendly inference server for the policy model that speaks the subset of SGLang's native
 HTTP API the framework uses (``/generate`` with ``input_ids`` and ``return_logprob``,
 ``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,
-``/update_weights_from_tensor``, ``/get_weight_version``, ...), with continuous batching, a slot
+``/update_weights_from_tensor``, ``/update_weights_from_distributed``, ``/get_weight_version``, ...), with continuous batching, a slot
 KV cache, prefix sharing across a group's samples and per-token weight versions.
 
 Modules: :mod:`.engine` (the engine object and factory), :mod:`.server` (HTTP),
@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 SUPPORTS = ("generate", "abort_request", "pause_generation", "continue_generation", "flush_cache",
-            "update_weights_from_tensor", "get_weight_version", "update_weight_version", "get_model_info",
+            "update_weights_from_tensor", "init_weights_update_group", "update_weights_from_distributed",
+            "destroy_weights_update_group", "get_weight_version", "update_weight_version", "get_model_info",
             "get_server_info", "health")
 """Endpoints the embedded engine serves (for ``RolloutEngineSpec.supports``)."""
 

@@ -64,6 +64,7 @@ class EmbeddedEngine:
         self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(self.runner, self.settings, _eos_ids(self.model, self.tokenizer, self.vocab_size))
         self._receivers: dict[str, Any] = {}
+        self._weight_groups: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._site_runner: Any = None
@@ -126,6 +127,8 @@ class EmbeddedEngine:
             self._thread.join(timeout=30)
         self._loop = self._thread = None
         self.base_url = None
+        if self._weight_groups is not None:
+            self._weight_groups.close()
 
     # ------------------------------------------------------------------------------------------
     def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int) -> int:
@@ -138,8 +141,28 @@ class EmbeddedEngine:
         return self.scheduler.call(lambda: self.scheduler.load_weights(named_tensors, int(version))).result()
 
     @property
+    def weight_groups(self) -> Any:
+        """The broadcast groups this engine joined (``transport.broadcast.BroadcastReceiver``)."""
+        if self._weight_groups is None:
+            from ..transport.broadcast import BroadcastReceiver
+
+            self._weight_groups = BroadcastReceiver()
+        return self._weight_groups
+
+    @property
     def weight_version(self) -> int:
         return self.scheduler.version
+
+    def load_formats(self) -> list[str]:
+        """The ``load_format`` values this engine accepts: ``direct``, every installed transport
+        with a receiver (``/update_weights_from_tensor``) and ``broadcast``
+        (``/update_weights_from_distributed``)."""
+        formats = [DIRECT_FORMAT]
+        components = getattr(self.ctx, "components", None)
+        if components is not None and hasattr(components, "components"):
+            formats += sorted(name for name, spec in components.components("weight_transport").items()
+                              if spec.receiver is not None and name != "broadcast")
+        return formats + ["broadcast"]
 
     def named_tensors_from(self, load_format: str, payload: Mapping[str, Any]) -> Iterator[tuple[str, "torch.Tensor"]]:
         """The ``(name, tensor)`` pairs of an update request, decoded by ``load_format``."""
@@ -156,6 +179,9 @@ class EmbeddedEngine:
             except Exception as exc:  # the registry says what is installed
                 raise InvalidRequest(f"'load_format' {load_format!r} names no weight transport: {exc}",
                                      "load_format") from None
+            if spec.receiver is None:
+                raise InvalidRequest(f"'load_format' {load_format!r} names a weight transport without a receiver "
+                                     "of its own (its sender uses other transports' formats)", "load_format")
             receiver = self._receivers[load_format] = spec.receiver()
         return iter(receiver.receive(payload))
 

@@ -377,6 +377,90 @@ def parse_update_weights(body: Any) -> WeightUpdate:
                         weight_version=None if version is None else parse_version(version, "weight_version"))
 
 
+@attrs.define
+class GroupJoin:
+    """A validated ``/init_weights_update_group`` body (SGLang's ``InitWeightsUpdateGroupReqInput``)."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str
+    backend: str
+
+
+def parse_init_weights_group(body: Any) -> GroupJoin:
+    body = _require_object(body, "/init_weights_update_group")
+    _check_unknown(body, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
+                          "rid"}, {})
+    for key in ("master_address", "master_port", "rank_offset", "world_size"):
+        if key not in body:
+            raise InvalidRequest(f"'{key}' is required", key)
+    if not isinstance(body["master_address"], str) or not body["master_address"]:
+        raise InvalidRequest(f"'master_address' must be a host name, got {body['master_address']!r}",
+                             "master_address")
+    for key, lo in (("master_port", 1), ("rank_offset", 1), ("world_size", 2)):
+        if not _is_int(body[key]) or body[key] < lo:
+            raise InvalidRequest(f"'{key}' must be an integer >= {lo}, got {body[key]!r}", key)
+    if body["rank_offset"] >= body["world_size"]:
+        raise InvalidRequest(f"'rank_offset' {body['rank_offset']} must be below 'world_size' {body['world_size']} "
+                             "(this engine is one rank of the group)", "rank_offset")
+    backend = body.get("backend") or "nccl"
+    if backend not in ("nccl", "gloo", "auto"):
+        raise InvalidRequest(f"'backend' must be 'nccl', 'gloo' or 'auto', got {backend!r}", "backend")
+    return GroupJoin(master_address=body["master_address"], master_port=body["master_port"],
+                     rank_offset=body["rank_offset"], world_size=body["world_size"],
+                     group_name=_group_name(body), backend=backend)
+
+
+def _group_name(body: Mapping[str, Any]) -> str:
+    name = body.get("group_name", "weight_update_group")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest(f"'group_name' must be a non-empty string, got {name!r}", "group_name")
+    return name
+
+
+def parse_destroy_weights_group(body: Any) -> str:
+    """``/destroy_weights_update_group``: the group name."""
+    body = _require_object(body, "/destroy_weights_update_group")
+    _check_unknown(body, {"group_name", "rid"}, {})
+    return _group_name(body)
+
+
+def parse_update_distributed(body: Any) -> WeightUpdate:
+    """``/update_weights_from_distributed``: SGLang's per-tensor lists, or a ``broadcast`` bucket."""
+    body = _require_object(body, "/update_weights_from_distributed")
+    _check_unknown(body, {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+                          "weight_version", "load_format", "bucket", "rid"},
+                   {"target_modules": _empty, "free_kv_cache_before_recv": _false})
+    fmt = body.get("load_format")
+    if fmt == "broadcast":
+        if "bucket" not in body:
+            raise InvalidRequest("'bucket' is required with load_format 'broadcast'", "bucket")
+    elif fmt is None:
+        lists = {}
+        for key in ("names", "dtypes", "shapes"):
+            value = body.get(key)
+            if not isinstance(value, list):
+                raise InvalidRequest(f"'{key}' must be a list (one entry per broadcast tensor), got {value!r}", key)
+            lists[key] = value
+        if not len(lists["names"]) == len(lists["dtypes"]) == len(lists["shapes"]):
+            raise InvalidRequest(f"'names', 'dtypes' and 'shapes' must have equal lengths, got "
+                                 f"{len(lists['names'])}, {len(lists['dtypes'])}, {len(lists['shapes'])}", "names")
+        for i, shape in enumerate(lists["shapes"]):
+            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+                raise InvalidRequest(f"'shapes'[{i}] must be a list of non-negative integers, got {shape!r}", "shapes")
+    else:
+        raise InvalidRequest(f"'load_format' {fmt!r} is not supported here (omit it for per-tensor lists, or "
+                             "'broadcast' for a flat bucket)", "load_format")
+    _group_name(body)
+    version = body.get("weight_version")
+    return WeightUpdate(load_format=fmt or "per_tensor", payload=body,
+                        flush_cache=_bool(body, "flush_cache", True, ""),
+                        abort_all_requests=_bool(body, "abort_all_requests", False, ""),
+                        weight_version=None if version is None else parse_version(version, "weight_version"))
+
+
 def parse_update_version(body: Any) -> tuple[int, bool]:
     """``/update_weight_version``: ``(new_version, abort_all_requests)``."""
     body = _require_object(body, "/update_weight_version")

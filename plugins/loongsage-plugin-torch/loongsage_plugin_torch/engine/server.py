@@ -14,6 +14,12 @@ Paths and JSON fields follow SGLang so that one client drives both engines:
 ``POST /update_weight_version`` ``{"new_version", "abort_all_requests"}``
 ``POST /update_weights_from_tensor``  ``{"serialized_named_tensors", "load_format",
                                "flush_cache", "weight_version"}``
+``POST /init_weights_update_group``  ``{"master_address", "master_port", "rank_offset",
+                               "world_size", "group_name", "backend"}`` (joins a broadcast group)
+``POST /update_weights_from_distributed``  ``{"names", "dtypes", "shapes", "group_name",
+                               "flush_cache", "weight_version"}``, or ``load_format = "broadcast"``
+                               with a flat ``bucket`` (see ``transport.broadcast``)
+``POST /destroy_weights_update_group``  ``{"group_name"}``
 ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
 =============================  ==========================================================
 
@@ -31,15 +37,21 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from loongsage_core.weight_group import node_id
+
 from .protocol import (
     InvalidRequest,
     parse_abort,
+    parse_destroy_weights_group,
     parse_generate,
+    parse_init_weights_group,
     parse_pause,
+    parse_update_distributed,
     parse_update_version,
     parse_update_weights,
     token_logprob_triples,
@@ -98,6 +110,9 @@ class EngineServer:
         r.add_get("/get_weight_version", self.get_weight_version)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_post("/init_weights_update_group", self.init_weights_update_group)
+        r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
+        r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
         r.add_get("/get_model_info", self.get_model_info)
@@ -235,6 +250,56 @@ class EngineServer:
         return web.json_response({"success": True, "message": f"Updated {count} tensors. "
                                   f"Weight version updated to {version}.", "weight_version": str(version)})
 
+    # -- broadcast groups (the trainer is rank 0; see transport.broadcast) ----------------------
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        join = parse_init_weights_group(await _body(request))
+        groups = self.engine.weight_groups
+        try:  # the rendezvous blocks until every member joined: off the event loop
+            await asyncio.get_running_loop().run_in_executor(None, lambda: groups.join(
+                join.master_address, join.master_port, join.rank_offset, join.world_size,
+                group_name=join.group_name, backend=join.backend))
+        except ValueError as exc:
+            raise InvalidRequest(str(exc), "group_name") from None
+        return web.json_response({"success": True, "message": f"Joined weight update group {join.group_name!r} "
+                                  f"as rank {join.rank_offset} of {join.world_size}."})
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        update = parse_update_distributed(await _body(request))
+        groups = self.engine.weight_groups
+        sched = self.engine.scheduler
+        name = update.payload.get("group_name") or "weight_update_group"
+
+        def apply(named: list[Any]) -> int:
+            if update.abort_all_requests:
+                sched.abort(None, True, "aborted by update_weights_from_distributed")
+            # without a weight_version the version stays (SGLang's rule); buckets before the last carry none
+            count = sched.load_weights(named, sched.version if update.weight_version is None
+                                       else update.weight_version)
+            if update.flush_cache:
+                sched.flush_cache()
+            return count
+
+        def receive_and_load() -> int:
+            try:
+                lock = groups.lock(name)
+            except KeyError as exc:
+                raise InvalidRequest(str(exc.args[0]), "group_name") from None
+            with lock:  # the received views stay valid until the engine has copied them
+                named = list(groups.receive(update.payload))
+                return sched.call(lambda: apply(named)).result()
+
+        count = await asyncio.get_running_loop().run_in_executor(None, receive_and_load)
+        version = sched.version
+        return web.json_response({"success": True, "message": f"Updated {count} tensors. "
+                                  f"Weight version is {version}.", "weight_version": str(version)})
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        name = parse_destroy_weights_group(await _body(request))
+        left = await asyncio.get_running_loop().run_in_executor(None, self.engine.weight_groups.leave, name)
+        if not left:
+            raise InvalidRequest(f"no weight update group {name!r} on this engine", "group_name")
+        return web.json_response({"success": True, "message": f"Left weight update group {name!r}."})
+
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine.scheduler.alive:
             return web.Response(status=503, text="engine loop is not running\n")
@@ -256,4 +321,7 @@ class EngineServer:
             "engine": "loongsage-torch", "max_batch_size": e.settings.max_batch_size,
             "max_prefill_tokens": e.settings.max_prefill_tokens, "context_length": e.settings.max_context_length,
             "prefix_cache_tokens": e.settings.prefix_cache_tokens, "internal_states": [state],
+            # what a weight sender needs to pick its path to this engine
+            "node_id": node_id(), "pid": os.getpid(), "device": str(next(e.model.parameters()).device),
+            "weight_load_formats": e.load_formats(),
         })

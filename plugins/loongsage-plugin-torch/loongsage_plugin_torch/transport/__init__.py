@@ -5,6 +5,12 @@
 * ``shm``: tensors are packed into shared-memory buckets on one node and each bucket's metadata
   is POSTed to every engine's ``/update_weights_from_tensor`` (``load_format = "shm"``); the
   engine's receiver maps the bucket and yields the tensors.
+* ``broadcast``: a torch.distributed group (Gloo on CPU, NCCL on CUDA) set up once between the
+  trainer (rank 0) and the engines; each bucket's metadata is POSTed to
+  ``/update_weights_from_distributed``, then its bytes are broadcast. For engines on other
+  devices or nodes.
+* ``auto``: per engine, the fastest of the above (engine object: ``inprocess``; same node, CPU:
+  ``shm``; otherwise ``broadcast``), decided once from the engine's ``/get_server_info``.
 
 The factories below import torch only when called, so the plugin module stays light.
 """
@@ -42,4 +48,25 @@ def shm_receiver(**args: Any) -> Any:
     return ShmReceiver(**args)
 
 
-__all__ = ["inprocess_receiver", "inprocess_sender", "shm_receiver", "shm_sender"]
+def broadcast_sender(**args: Any) -> Any:
+    """``WeightSender`` broadcasting flat byte buckets over a weight-update process group."""
+    from .broadcast import BroadcastSender
+
+    return BroadcastSender(**args)
+
+
+def broadcast_receiver(**args: Any) -> Any:
+    """``WeightReceiver`` joining weight-update groups and receiving their broadcasts."""
+    from .broadcast import BroadcastReceiver
+
+    return BroadcastReceiver(**args)
+
+
+def auto_sender(**args: Any) -> Any:
+    """``WeightSender`` choosing inprocess, shm or broadcast per engine."""
+    from .auto import AutoSender
+
+    return AutoSender(**args)
+
+
+__all__ = ["auto_sender", "broadcast_receiver", "broadcast_sender", "inprocess_receiver", "inprocess_sender", "shm_receiver", "shm_sender"]

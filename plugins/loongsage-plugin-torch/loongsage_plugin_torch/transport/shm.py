@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .buckets import BucketPacker, DecodedBucket, decode_bucket, encode_bucket
+from .buckets import BucketAssembler, BucketPacker, DecodedBucket, decode_bucket, dtype_name, encode_bucket, tensor_bytes
 
 LOAD_FORMAT = "shm"
 ENDPOINT = "/update_weights_from_tensor"
@@ -38,26 +38,6 @@ ENDPOINT = "/update_weights_from_tensor"
 
 class WeightTransferError(RuntimeError):
     """An engine rejected or failed a weight bucket; the message names the engine and the bucket."""
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
-
-
-def dtype_from_name(name: str) -> torch.dtype:
-    value = getattr(torch, name, None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"shm weight transport: unknown dtype {name!r}")
-    return value
-
-
-def tensor_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of ``tensor``'s bytes (contiguous copy only when needed)."""
-    t = tensor.detach()
-    if not t.is_contiguous():
-        t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +272,7 @@ class ShmReceiver:
                  num_buffers: int | None = None, timeout_s: float | None = None) -> None:
         self.copy = bool(copy)
         self._mappings: dict[str, _Mapping] = {}
-        self._pending: dict[str, tuple[torch.Tensor, tuple[int, ...], torch.dtype, int]] = {}
+        self._assembler = BucketAssembler(LOAD_FORMAT)
         self._finalizer = weakref.finalize(self, _close_mappings, self._mappings)
 
     def _mapping(self, name: str, size: int) -> _Mapping:
@@ -313,33 +293,7 @@ class ShmReceiver:
             if mapping is not None:
                 mapping.close()
         data = self._mapping(decoded.shm_name, decoded.shm_size).bytes if decoded.shm_name else None
-        for entry in decoded.entries:
-            meta = entry.meta
-            dtype = dtype_from_name(meta.dtype)
-            if meta.nbytes and (data is None or meta.offset + meta.nbytes > data.numel()):
-                raise ValueError(f"shm weight transport: tensor {meta.name!r} lies outside block {decoded.shm_name!r}")
-            if meta.nbytes and data is not None:
-                chunk = data[meta.offset:meta.offset + meta.nbytes]
-            else:
-                chunk = torch.empty(0, dtype=torch.uint8)
-            if entry.start == 0 and meta.nbytes == entry.total_nbytes:
-                tensor = chunk.view(dtype).reshape(meta.shape)
-                yield meta.name, tensor.clone() if self.copy else tensor
-                continue
-            buffer, shape, _, received = self._pending.get(
-                meta.name, (torch.empty(entry.total_nbytes, dtype=torch.uint8), meta.shape, dtype, 0))
-            buffer[entry.start:entry.start + meta.nbytes].copy_(chunk)
-            received += meta.nbytes
-            if received == entry.total_nbytes:
-                self._pending.pop(meta.name, None)
-                yield meta.name, buffer.view(dtype).reshape(shape)
-            else:
-                self._pending[meta.name] = (buffer, shape, dtype, received)
-        if decoded.bucket.last and self._pending:
-            missing = sorted(self._pending)
-            self._pending.clear()
-            raise ValueError(f"shm weight transport: the last bucket of version {decoded.bucket.version} arrived "
-                             f"but tensors {missing} are incomplete")
+        yield from self._assembler.tensors(decoded, data, copy=self.copy)
 
     def close(self) -> None:
         """Forget every cached block (each is unmapped once no yielded view refers to it)."""

@@ -1,0 +1,91 @@
+"""Weight-update process groups: a trainer rank and rollout engines joined for broadcasts.
+
+A weight transport that broadcasts (the torch plugin's ``broadcast``, the sglang plugin's
+``sglang_nccl``) needs a ``torch.distributed`` group of its own beside any group the trainer
+already belongs to (its data/tensor-parallel world). SGLang's ``/init_weights_update_group``
+fixes the shape: the trainer is rank 0 and hosts a TCP store on ``master_port``; each engine rank
+joins as ``rank_offset + i``; the store is namespaced by ``group_name`` so several groups can
+share one port's lifetime without clashing. The sender side and every receiver (an engine built
+on this project, or a stand-in) call :func:`init_weight_update_group` with the same arguments
+except the rank; the group is set up once and reused for every update.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import socket
+from datetime import timedelta
+from typing import Any
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` right now (for a rendezvous the caller hosts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+NODE_ID_ENV = "LOONGSAGE_NODE_ID"
+
+
+def node_id() -> str:
+    """Who shares this machine's memory: ``$LOONGSAGE_NODE_ID`` when set, else the host name and
+    the kernel's boot id. Two processes with the same id can exchange weights through shared
+    memory; others need the network (a transport picking a path per engine compares these)."""
+    explicit = os.environ.get(NODE_ID_ENV)
+    if explicit:
+        return explicit
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}:{boot}"
+
+
+def resolve_backend(backend: str, device: str | None = None) -> str:
+    """``"auto"`` -> ``"nccl"`` when the tensors live on CUDA, else ``"gloo"``; other names pass."""
+    if backend != "auto":
+        return backend
+    if device is not None:
+        return "nccl" if str(device).startswith("cuda") else "gloo"
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
+                             group_name: str, backend: str = "nccl", timeout_s: float = 600.0) -> Any:
+    """Join a process group of its own (beside any default group) and return it.
+
+    Every member calls this with the same address, port, world size and group name: rank 0
+    hosts the TCP store, and the group is registered with ``torch.distributed`` so collectives
+    accept it as ``group=`` and ranks inside it are the ranks given here.
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    if not 0 <= int(rank) < int(world_size):
+        raise ValueError(f"weight update group {group_name!r}: rank {rank} is outside world size {world_size}")
+    timeout = timedelta(seconds=timeout_s)
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{int(master_port)}", int(rank),
+                                                   int(world_size), timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    # the keyword naming backend options changed across torch releases
+    params = inspect.signature(c10d._new_process_group_helper).parameters
+    options = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
+    group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                              group_name=group_name, timeout=timeout, **options)
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def destroy_weight_update_group(group: Any) -> None:
+    """Leave ``group`` (best effort: a peer that already left is no error at teardown)."""
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(group)
+    except Exception:  # noqa: BLE001 - the group may be half torn down by a peer's exit
+        pass

@@ -1,0 +1,315 @@
+"""The ``broadcast`` weight transport: flat byte buckets over a torch.distributed group.
+
+For engines in other processes, on other devices or other nodes. The group is set up once, on
+the first :meth:`BroadcastSender.send`, with SGLang's handshake: the trainer is rank 0 and hosts
+the rendezvous; every engine is asked concurrently to join with ``POST
+/init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
+backend}``. Later updates reuse the group.
+
+Each update packs the weights into buckets of at most ``bucket_bytes`` (see :mod:`.buckets`;
+a tensor larger than a bucket continues across buckets, so memory stays bounded). For each
+bucket the metadata goes first: ``POST /update_weights_from_distributed`` with ``load_format =
+"broadcast"`` and ``bucket`` (names, dtypes, shapes, byte offsets, piece ranges); then the
+bucket's bytes go out as one ``uint8`` broadcast from rank 0; then the sender waits for every
+engine's answer. One collective per bucket whatever the number or dtypes of the tensors in it,
+and the bytes arrive bit-exact. Only the last bucket carries ``weight_version`` and
+``flush_cache``, so engines switch version once, when the whole model is in.
+
+``backend = "auto"`` picks NCCL when the weights live on CUDA and Gloo otherwise (CPU
+clusters, and the tests). The receiver also accepts SGLang's own per-tensor form of the request
+(``names``/``dtypes``/``shapes``, one broadcast per tensor), so the sglang plugin's
+``sglang_nccl`` sender can feed an embedded engine too.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any, Iterable, Iterator, Mapping
+
+import torch
+
+from loongsage_core.weight_group import (
+    destroy_weight_update_group,
+    free_port,
+    init_weight_update_group,
+    resolve_backend,
+)
+
+from .buckets import BucketAssembler, BucketPacker, decode_bucket, dtype_from_name, dtype_name, encode_bucket, tensor_bytes
+from .shm import WeightTransferError
+
+LOAD_FORMAT = "broadcast"
+DEFAULT_GROUP = "loongsage_weights"
+
+
+def _endpoint(target: Any) -> Any:
+    """An engine base URL (also read from an engine object's ``base_url``), or a callable
+    ``(path, body) -> answer`` standing for an engine reached some other way."""
+    if isinstance(target, str):
+        return target.rstrip("/")
+    url = getattr(target, "base_url", None)
+    if isinstance(url, str):
+        return url.rstrip("/")
+    if callable(target):
+        return target
+    raise TypeError(f"broadcast weight transport: a target must be an engine base URL, an engine with a "
+                    f"base_url, or a callable (path, body) -> answer; got {target!r}")
+
+
+class BroadcastSender:
+    """Trainer side of ``broadcast`` (a ``WeightSender``).
+
+    ``bucket_bytes``: bucket capacity (default 256 MiB); ``backend``: ``"auto"``, ``"gloo"`` or
+    ``"nccl"``; ``device``: where buckets are staged before the broadcast (default: CUDA for
+    NCCL, else CPU); ``master_address`` / ``master_port``: the rendezvous the trainer hosts (must
+    be reachable from the engines; port 0 picks a free one); ``group_name``; ``init_timeout_s``:
+    group set-up limit; ``timeout_s``: per-request HTTP limit.
+    """
+
+    def __init__(self, bucket_bytes: int = 256 << 20, backend: str = "auto", device: str | None = None,
+                 master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP,
+                 init_timeout_s: float = 300.0, timeout_s: float = 600.0) -> None:
+        if int(bucket_bytes) < 64:
+            raise ValueError(f"broadcast weight transport: bucket_bytes must be >= 64, got {bucket_bytes}")
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"broadcast weight transport: backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+        self.bucket_bytes = int(bucket_bytes)
+        self.backend = resolve_backend(backend, device)
+        self.device = torch.device(device or ("cuda" if self.backend == "nccl" else "cpu"))
+        self.master_address = master_address
+        self.master_port = int(master_port)
+        self.group_name = group_name
+        self.init_timeout_s = float(init_timeout_s)
+        self.timeout_s = float(timeout_s)
+        self.group: Any = None
+        self.urls: list[Any] | None = None
+        self._client: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._staging: torch.Tensor | None = None
+
+    # -- HTTP ------------------------------------------------------------------------------------
+    def _post(self, url: Any, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
+        import httpx
+
+        if callable(url):
+            answer = url(path, body)
+            if isinstance(answer, dict) and answer.get("success") is False:
+                raise WeightTransferError(f"broadcast weight transport: engine {url!r} rejected {path}: "
+                                          f"{answer.get('message', answer)}")
+            return answer if isinstance(answer, dict) else {}
+        if self._client is None:
+            self._client = httpx.Client(timeout=self.timeout_s, trust_env=False)
+        try:
+            response = self._client.post(url + path, json=body, timeout=timeout or self.timeout_s)
+        except httpx.HTTPError as exc:
+            raise WeightTransferError(f"broadcast weight transport: POST {url}{path} failed: {exc}") from exc
+        try:
+            answer = response.json()
+        except ValueError:
+            answer = {"message": response.text}
+        if response.status_code != 200 or (isinstance(answer, dict) and answer.get("success") is False):
+            message = answer.get("error", answer) if isinstance(answer, dict) else answer
+            raise WeightTransferError(f"broadcast weight transport: engine {url} answered {response.status_code} "
+                                      f"to {path}: {str(message)[:500]}")
+        return answer if isinstance(answer, dict) else {}
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _setup(self, urls: list[Any]) -> float:
+        start = time.perf_counter()
+        if not self.master_port:
+            self.master_port = free_port(self.master_address)
+        world_size = 1 + len(urls)
+        self._pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="weights-broadcast")
+        joins = [self._pool.submit(self._post, url, "/init_weights_update_group",
+                                   {"master_address": self.master_address, "master_port": self.master_port,
+                                    "rank_offset": 1 + i, "world_size": world_size, "group_name": self.group_name,
+                                    "backend": self.backend}, self.init_timeout_s + 30)
+                 for i, url in enumerate(urls)]
+        group = self._pool.submit(init_weight_update_group, self.master_address, self.master_port, 0, world_size,
+                                  group_name=self.group_name, backend=self.backend, timeout_s=self.init_timeout_s)
+        # an engine that refuses to join fails the set-up at once rather than at the rendezvous timeout
+        done, _ = wait([*joins, group], timeout=self.init_timeout_s + 60, return_when=FIRST_EXCEPTION)
+        for fut in done:
+            fut.result()
+        if len(done) < len(joins) + 1:
+            raise TimeoutError(f"broadcast weight transport: the group with {urls} was not set up within "
+                               f"{self.init_timeout_s:g} s (rendezvous {self.master_address}:{self.master_port})")
+        self.group = group.result()
+        self.urls = urls
+        return time.perf_counter() - start
+
+    # -- sending ---------------------------------------------------------------------------------
+    def _staging_buffer(self, size: int) -> torch.Tensor:
+        if self._staging is None or self._staging.numel() < size:
+            self._staging = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=self.device)
+        return self._staging
+
+    def _broadcast(self, urls: list[Any], packer: BucketPacker, index: int, version: int, last: bool) -> int:
+        import torch.distributed as dist
+
+        assert self._pool is not None
+        body = {"load_format": LOAD_FORMAT, "group_name": self.group_name,
+                "bucket": encode_bucket(packer, index, version=version, last=last),
+                "names": [e.meta.name for e in packer.buckets[index]],
+                "weight_version": str(version) if last else None, "flush_cache": last}
+        answers: list[Future[dict[str, Any]]] = [self._pool.submit(self._post, u, "/update_weights_from_distributed",
+                                                                   body) for u in urls]
+        size = packer.sizes[index]
+        if size:
+            dist.broadcast(self._staging_buffer(size)[:size], src=0, group=self.group)
+        for fut in answers:
+            fut.result()
+        return size
+
+    def send(self, weights: Iterable[tuple[str, torch.Tensor]], version: int, targets: list[Any]) -> dict[str, float]:
+        """Broadcast ``weights`` to every target as weight version ``version``; returns timing metrics."""
+        urls = [_endpoint(t) for t in targets]
+        if not urls:
+            return {}
+        setup_s = 0.0
+        if self.group is None:
+            setup_s = self._setup(urls)
+        elif urls != self.urls:
+            raise ValueError(f"broadcast weight transport: the group was set up for engines {self.urls}, now asked "
+                             f"to send to {urls}; build a new sender for other engines")
+        start = time.perf_counter()
+        packer = BucketPacker(self.bucket_bytes, split_large=True)
+        open_bucket = -1
+        total = 0
+        for name, tensor in weights:
+            src = tensor_bytes(tensor)
+            if src.device != self.device:
+                src = src.to(self.device)
+            total += src.numel()
+            for piece in packer.place(name, tuple(tensor.shape), dtype_name(tensor.dtype), src.numel()):
+                if piece.bucket != open_bucket:
+                    if open_bucket >= 0:
+                        self._broadcast(urls, packer, open_bucket, version, last=False)
+                    open_bucket = piece.bucket
+                buffer = self._staging_buffer(piece.offset + piece.nbytes)
+                if piece.nbytes:
+                    buffer[piece.offset:piece.offset + piece.nbytes].copy_(src[piece.start:piece.start + piece.nbytes])
+        self._broadcast(urls, packer, max(open_bucket, 0), version, last=True)
+        seconds = time.perf_counter() - start
+        return {"perf/weight_update_bytes": float(total), "perf/weight_update_buckets": float(max(open_bucket, 0) + 1),
+                "timing/weight_update_s": seconds, "timing/weight_group_setup_s": setup_s,
+                "perf/weight_update_gb_per_s": total / max(seconds, 1e-9) / 1e9}
+
+    def close(self) -> None:
+        """Ask the engines to leave the group, then leave it (idempotent)."""
+        if self.group is not None:
+            for url in self.urls or []:
+                try:
+                    self._post(url, "/destroy_weights_update_group", {"group_name": self.group_name}, 30.0)
+                except Exception:  # noqa: BLE001 - the engine may already be gone at shutdown
+                    pass
+            destroy_weight_update_group(self.group)
+            self.group = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+            self._pool = None
+        self._staging = None
+
+    def __enter__(self) -> "BroadcastSender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class BroadcastReceiver:
+    """Engine side (a ``WeightReceiver``): the groups this engine joined and what arrives over them.
+
+    :meth:`join` / :meth:`leave` serve ``/init_weights_update_group`` and
+    ``/destroy_weights_update_group``; :meth:`receive` serves ``/update_weights_from_distributed``
+    in either form (a ``broadcast`` bucket, or SGLang's per-tensor lists). Received buckets land in
+    one staging buffer per group; yielded tensors are views into it, valid until the next request
+    of that group, so the engine copies them (``load_weights`` does) before answering. Requests of
+    one group are served one at a time.
+    """
+
+    def __init__(self, **sender_args: Any) -> None:  # one weight_transport_args table serves both sides
+        self._groups: dict[str, Any] = {}
+        self._devices: dict[str, torch.device] = {}
+        self._staging: dict[str, torch.Tensor] = {}
+        self._assemblers: dict[str, BucketAssembler] = {}
+        self._locks: dict[str, threading.Lock] = {}
+
+    @property
+    def groups(self) -> list[str]:
+        return sorted(self._groups)
+
+    def join(self, master_address: str, master_port: int, rank_offset: int, world_size: int, *,
+             group_name: str, backend: str = "nccl", timeout_s: float = 300.0) -> None:
+        """Join the sender's group as rank ``rank_offset`` (blocks until every member has joined)."""
+        if group_name in self._groups:
+            raise ValueError(f"broadcast weight transport: this engine already joined group {group_name!r}; "
+                             "destroy it first")
+        backend = resolve_backend(backend)
+        self._groups[group_name] = init_weight_update_group(master_address, master_port, rank_offset, world_size,
+                                                            group_name=group_name, backend=backend,
+                                                            timeout_s=timeout_s)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self._devices[group_name] = device
+        self._assemblers[group_name] = BucketAssembler(LOAD_FORMAT)
+        self._locks[group_name] = threading.Lock()
+
+    def leave(self, group_name: str) -> bool:
+        """Leave ``group_name``; False when this engine is not in it."""
+        group = self._groups.pop(group_name, None)
+        self._staging.pop(group_name, None)
+        self._assemblers.pop(group_name, None)
+        self._devices.pop(group_name, None)
+        self._locks.pop(group_name, None)
+        if group is None:
+            return False
+        destroy_weight_update_group(group)
+        return True
+
+    def lock(self, group_name: str) -> threading.Lock:
+        """The lock serializing one group's requests (hold it until the tensors are copied)."""
+        self._require(group_name)
+        return self._locks[group_name]
+
+    def _require(self, group_name: str) -> Any:
+        group = self._groups.get(group_name)
+        if group is None:
+            raise KeyError(f"broadcast weight transport: no weight update group {group_name!r} on this engine "
+                           f"(joined: {self.groups}); call /init_weights_update_group first")
+        return group
+
+    def receive(self, payload: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Receive one request's tensors from the group it names (blocks on the broadcast)."""
+        import torch.distributed as dist
+
+        group_name = str(payload.get("group_name") or DEFAULT_GROUP)
+        group = self._require(group_name)
+        device = self._devices[group_name]
+        if payload.get("load_format") == LOAD_FORMAT:
+            decoded = decode_bucket(payload["bucket"] if not isinstance(payload["bucket"], dict)
+                                    else json.dumps(payload["bucket"]))
+            data = None
+            if decoded.size:
+                staging = self._staging.get(group_name)
+                if staging is None or staging.numel() < decoded.size:
+                    staging = self._staging[group_name] = torch.empty(decoded.size, dtype=torch.uint8, device=device)
+                data = staging[:decoded.size]
+                dist.broadcast(data, src=0, group=group)
+            return self._assemblers[group_name].tensors(decoded, data)
+        # SGLang's per-tensor form: one broadcast per tensor, in the listed order
+        tensors = []
+        for name, dtype, shape in zip(payload["names"], payload["dtypes"], payload["shapes"]):
+            tensor = torch.empty(tuple(int(d) for d in shape), dtype=dtype_from_name(dtype), device=device)
+            dist.broadcast(tensor, src=0, group=group)
+            tensors.append((str(name), tensor))
+        return iter(tensors)
+
+    def close(self) -> None:
+        for name in list(self._groups):
+            self.leave(name)
