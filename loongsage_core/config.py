@@ -110,6 +110,12 @@ class PlacementConfig:
     """Where actors live. ``colocate = true`` shares devices between trainer and engines;
     ``false`` gives each role its own pool (``*_cpus`` / ``*_gpus`` per actor).
 
+    ``offload`` (colocated runs): the phases take turns on the shared devices. While the trainer
+    trains, the engines release their memory (``kv_cache`` and ``weights``); before generation the
+    trainer moves its weights, gradients and optimizer state to host memory and the engines take
+    their memory back. ``false`` keeps both resident (enough memory for both, or CPU-only runs
+    that want to skip the bookkeeping).
+
     Distillation teachers: at most ``max_resident_teachers`` are loaded at once (least recently
     used offloaded first; 0 offloads each right after its forward pass). ``teacher_offload``
     says what offloading does: ``"cpu"`` moves the weights off the accelerator (host memory
@@ -117,6 +123,7 @@ class PlacementConfig:
     from its ``path`` on next use (bounds host memory too, reloading reads the files)."""
 
     colocate: bool = True
+    offload: bool = True
     trainer_cpus: float = 1.0
     engine_cpus: float = 1.0
     trainer_gpus: float = 0.0

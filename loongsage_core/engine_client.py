@@ -3,7 +3,8 @@
 The same field names go over the wire to both engines: ``/generate`` with ``input_ids`` (always
 sent as a batch), ``sampling_params``, ``return_logprob`` and ``rid``; ``/abort_request``;
 ``/pause_generation``; ``/continue_generation``; ``/flush_cache``; ``/get_weight_version``;
-``/update_weights_from_tensor``; ``/health``. Responses are read defensively: per-token weight
+``/update_weights_from_tensor``; ``/release_memory_occupation`` / ``/resume_memory_occupation``;
+``/health``. Responses are read defensively: per-token weight
 versions come from the LoongSage field ``meta_info.output_token_weight_versions`` when present,
 else from SGLang's ``meta_info.weight_versions`` spans, else from ``meta_info.weight_version``
 repeated. Weight versions that are decimal strings (SGLang's type) become ints.
@@ -276,6 +277,15 @@ class EngineClient:
             body["weight_version"] = str(body["weight_version"])
         return await self._request("POST", "/update_weights_from_tensor", body, timeout=None)
 
+    async def release_memory_occupation(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Give the device memory of ``tags`` (``"weights"``, ``"kv_cache"``, ``"cuda_graph"``; all
+        when ``None``) to a colocated trainer; generation is refused until it is resumed."""
+        return await self._request("POST", "/release_memory_occupation", {"tags": list(tags)} if tags else {})
+
+    async def resume_memory_occupation(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Take back what :meth:`release_memory_occupation` gave."""
+        return await self._request("POST", "/resume_memory_occupation", {"tags": list(tags)} if tags else {})
+
     async def health(self) -> bool:
         try:
             resp = await self._aclient().get("/health", timeout=5.0)
@@ -322,6 +332,12 @@ class EngineClient:
         if body.get("weight_version") is not None:
             body["weight_version"] = str(body["weight_version"])
         return self._request_sync("POST", "/update_weights_from_tensor", body, timeout=None)
+
+    def release_memory_occupation_sync(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        return self._request_sync("POST", "/release_memory_occupation", {"tags": list(tags)} if tags else {})
+
+    def resume_memory_occupation_sync(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        return self._request_sync("POST", "/resume_memory_occupation", {"tags": list(tags)} if tags else {})
 
     def health_sync(self) -> bool:
         try:

@@ -100,12 +100,27 @@ def test_sync_grpo_run_end_to_end(ray_cluster, tmp_path, colocate, transport):
     path = {None: "inprocess", "shm": None, "broadcast": None}[transport]
     if path:
         assert metrics[-1][f"perf/weight_sync_perf/weight_targets_{path}"] == 1.0
+    # colocated: the engine gave its memory (kv_cache, weights) to the trainer while it trained
+    assert all((m.get("perf/engine_memory_released") == 2.0) == colocate for m in metrics)
     assert (out / "config.resolved.toml").exists()
     assert (out / "checkpoints" / "latest").read_text() == "step_000003"
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out / "final_hf")
     assert model.config.num_hidden_layers == 2
+
+
+def test_colocated_offload_does_not_change_training(ray_cluster, tmp_path):
+    runs = {}
+    for offload in ("true", "false"):
+        out = tmp_path / f"offload_{offload}"
+        job = make_job(tmp_path, True, f"{offload}.toml", (f"placement.offload={offload}", "train.total_steps=2"))
+        run_job(resolve_job(job), output_dir=str(out))
+        runs[offload] = read_metrics(out)
+    assert "timing/to_training" in runs["true"][0] and "timing/to_training" not in runs["false"][0]
+    for on, off in zip(runs["true"], runs["false"]):
+        for key in ("rollout/reward_mean", "rollout/response_length_mean", "train/loss", "train/grad_norm"):
+            assert on[key] == off[key], key
 
 
 def test_resume_matches_uninterrupted_run(ray_cluster, tmp_path):

@@ -67,6 +67,19 @@ class ModelActor:
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
         return self.worker.train_mini_batch(batch, norm)
 
+    def offload(self) -> None:
+        """Move the trainer's (and the reference model's) state off the accelerator, when the
+        backend can (colocated runs, while the engine generates)."""
+        for worker in (self.worker, self.reference):
+            if worker is not None and callable(getattr(worker, "offload", None)):
+                worker.offload()
+
+    def onload(self) -> None:
+        """Bring back what :meth:`offload` moved (before training)."""
+        for worker in (self.worker, self.reference):
+            if worker is not None and callable(getattr(worker, "onload", None)):
+                worker.onload()
+
     def refresh_reference(self) -> None:
         """Copy the current policy weights into the frozen reference model."""
         self.reference.load_weights(self.worker.named_weights())

@@ -29,6 +29,7 @@ from ..config import ConfigError, JobConfig, dump_job_toml
 from ..resolve import ResolvedJob
 from . import checkpoint as ckpt
 from .batching import build_batch, shard_rows
+from .colocation import PhaseSwitch
 from .critic import Critic
 from .data import DataMixer, interleave_by_source
 from .metrics import advantage_metrics, rollout_metrics, train_inference_gap
@@ -109,6 +110,7 @@ class RLController:
         self.step = 0
         self.version = 0
         self.actors: Actors | None = None
+        self.phases: PhaseSwitch | None = None
         self.rollout: RolloutManager | None = None
         self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
         # one event loop for the whole run: the engine clients' connections belong to it
@@ -124,7 +126,9 @@ class RLController:
         if self.advantage.needs_critic:
             self.critic = Critic.create(self.job)
         self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls)
+        self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
         self._maybe_resume()
+        self.phases.to_generation()  # a colocated trainer gives the devices to the engines first
         # per-step files keep only the steps before this run's first one (all of them for a fresh
         # run into an old directory; the redone ones after a resume)
         truncate_jsonl(self.output_dir / TRAINED_PROMPTS, self.step)
@@ -309,14 +313,18 @@ class RLController:
     def run_step(self, step: int) -> dict[str, float]:
         """One synchronous step: collect, learn, then move the weights to the idle engines."""
         t0 = time.perf_counter()
+        assert self.phases is not None
         groups, metrics = self.collect(step)
         t_rollout = time.perf_counter()
+        metrics.update(self.phases.to_training())
         train_metrics, tokens = self.learn(groups, step)
         metrics.update(train_metrics)
         t_train = time.perf_counter()
         if tokens:
             self.version += 1
+            metrics.update(self.phases.to_weight_sync())
             metrics.update(self._push_weights())
+        metrics.update(self.phases.to_generation())
         t_update = time.perf_counter()
         self.record_trained(step, groups)
         metrics.update({

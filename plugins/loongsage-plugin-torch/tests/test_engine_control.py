@@ -338,3 +338,36 @@ def test_a_rid_in_use_is_rejected(served):
     assert err.value.status_code == 400 and "dup-rid" in err.value.message
     client.abort_sync("dup-rid")
     assert fut.result(timeout=20)[0].finish_reason == "abort"
+
+
+def test_release_and_resume_memory_occupation(served):
+    engine, client, pool = served
+    prompt, params = [11, 12, 13, 14], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    before = client.generate_sync([prompt], params)[0]
+    assert state(client)["kv_capacity"] > 0 or state(client)["prefix_cache_entries"] > 0
+    # busy: a running request keeps the memory
+    fut = long_request(client, pool, [5, 6, 7], "holds-memory")
+    started(client)
+    with pytest.raises(EngineError) as busy:
+        client.release_memory_occupation_sync(["kv_cache"])
+    assert busy.value.status_code == 400 and "running or waiting" in str(busy.value)
+    client.abort_sync("holds-memory")
+    fut.result(timeout=20)
+
+    answer = client.release_memory_occupation_sync()  # all tags
+    assert answer["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
+    s = state(client)
+    assert s["kv_capacity"] == 0 and s["kv_slots"] == 0 and s["prefix_cache_entries"] == 0
+    with pytest.raises(EngineError) as refused:
+        client.generate_sync([prompt], params)
+    assert refused.value.status_code == 503 and "resume_memory_occupation" in str(refused.value)
+    assert client.resume_memory_occupation_sync(["weights", "cuda_graph"])["memory_released"] == ["kv_cache"]
+    with pytest.raises(EngineError):  # still one tag released
+        client.generate_sync([prompt], params)
+    assert client.resume_memory_occupation_sync(["kv_cache"])["memory_released"] == []
+    after = client.generate_sync([prompt], params)[0]
+    assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
+
+    bad = httpx.post(client.base_url + "/release_memory_occupation", json={"tags": ["kv", "weights"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
+    assert state(client)["memory_released"] == []

@@ -18,7 +18,8 @@ from typing import Any
 
 SUPPORTS = ("generate", "abort_request", "pause_generation", "continue_generation", "flush_cache",
             "update_weights_from_tensor", "init_weights_update_group", "update_weights_from_distributed",
-            "destroy_weights_update_group", "get_weight_version", "update_weight_version", "get_model_info",
+            "destroy_weights_update_group", "release_memory_occupation", "resume_memory_occupation",
+            "get_weight_version", "update_weight_version", "get_model_info",
             "get_server_info", "health")
 """Endpoints the embedded engine serves (for ``RolloutEngineSpec.supports``)."""
 

@@ -461,6 +461,21 @@ def parse_update_distributed(body: Any) -> WeightUpdate:
                         weight_version=None if version is None else parse_version(version, "weight_version"))
 
 
+def parse_memory_tags(body: Any, path: str, known: Sequence[str]) -> list[str]:
+    """``/release_memory_occupation`` / ``/resume_memory_occupation``: the tags (all when omitted)."""
+    body = _require_object(body if body is not None else {}, path)
+    _check_unknown(body, {"tags", "rid"}, {})
+    tags = body.get("tags")
+    if tags is None:
+        return list(known)
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise InvalidRequest(f"'tags' must be a list of strings, got {tags!r}", "tags")
+    unknown = sorted(set(tags) - set(known))
+    if unknown:
+        raise InvalidRequest(f"'tags' {unknown} are unknown; known tags: {', '.join(known)}", "tags")
+    return tags
+
+
 def parse_update_version(body: Any) -> tuple[int, bool]:
     """``/update_weight_version``: ``(new_version, abort_all_requests)``."""
     body = _require_object(body, "/update_weight_version")

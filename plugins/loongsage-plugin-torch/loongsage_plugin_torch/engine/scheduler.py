@@ -49,6 +49,18 @@ class EngineStopped(RuntimeError):
     """The engine shut down before the request finished."""
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""SGLang's memory tags for ``/release_memory_occupation`` and ``/resume_memory_occupation``."""
+
+
+class MemoryReleased(RuntimeError):
+    """A request arrived while the engine's memory is released (colocated training phase)."""
+
+
+class MemoryBusy(ValueError):
+    """Memory release was asked while requests are still running or waiting."""
+
+
 class RidInUse(ValueError):
     """A new request reuses the ``rid`` of a request that is still queued or running."""
 
@@ -123,6 +135,7 @@ class Scheduler:
         self.waiting: collections.deque[_Request] = collections.deque()
         self.running: list[_Request] = []
         self.paused = False
+        self.released: set[str] = set()
         self.version = 0
         self.stats = EngineStats()
         self._generator = torch.Generator().manual_seed(settings.seed)
@@ -193,7 +206,11 @@ class Scheduler:
         def enqueue() -> None:
             active = {r.item.rid for r in self.running} | {r.item.rid for r in self.waiting}
             for req in requests:
-                if req.item.rid in active:
+                if self.released:
+                    req.future.set_exception(MemoryReleased(
+                        f"the engine's memory is released ({', '.join(sorted(self.released))}); POST "
+                        "/resume_memory_occupation before generating"))
+                elif req.item.rid in active:
                     req.future.set_exception(RidInUse(f"rid '{req.item.rid}' is already in use"))
                 else:
                     self.waiting.append(req)
@@ -235,6 +252,28 @@ class Scheduler:
     def flush_cache(self) -> None:
         self.prefix_cache.clear()
 
+    def release_memory(self, tags: Iterable[str]) -> list[str]:
+        """Give back the memory of ``tags`` while the trainer uses the device (colocated runs).
+
+        ``kv_cache`` drops the KV storage and the prefix cache (reallocated on demand). The
+        embedded engine keeps its weights in host memory, so ``weights`` and ``cuda_graph`` free
+        nothing here, but requests are refused until every released tag is resumed, as on SGLang.
+        """
+        busy = len(self.running) + len(self.waiting)
+        if busy:
+            raise MemoryBusy(f"{busy} requests are running or waiting; finish or abort them before releasing memory")
+        tags = set(tags)
+        if "kv_cache" in tags:
+            self.runner.cache.reset()
+            self.prefix_cache.clear()
+        self.released |= tags
+        return sorted(self.released)
+
+    def resume_memory(self, tags: Iterable[str]) -> list[str]:
+        """Take back what :meth:`release_memory` gave (the KV cache is reallocated on demand)."""
+        self.released -= set(tags)
+        return sorted(self.released)
+
     def set_version(self, version: int) -> None:
         if version != self.version:
             self.prefix_cache.clear()  # cached prefixes were computed by other weights
@@ -249,6 +288,7 @@ class Scheduler:
 
     def snapshot(self) -> dict[str, Any]:
         return {"running": len(self.running), "waiting": len(self.waiting), "paused": self.paused,
+                "memory_released": sorted(self.released),
                 "weight_version": self.version, "prefix_cache_entries": len(self.prefix_cache),
                 "prefix_cache_tokens": self.prefix_cache.tokens, "kv_slots": self.runner.cache.slots,
                 "kv_capacity": self.runner.cache.capacity, **attrs.asdict(self.stats)}

@@ -20,6 +20,9 @@ Paths and JSON fields follow SGLang so that one client drives both engines:
                                "flush_cache", "weight_version"}``, or ``load_format = "broadcast"``
                                with a flat ``bucket`` (see ``transport.broadcast``)
 ``POST /destroy_weights_update_group``  ``{"group_name"}``
+``POST /release_memory_occupation``  ``{"tags"}`` (``weights``, ``kv_cache``, ``cuda_graph``; all
+                               when omitted): frees the KV cache; generation is refused until
+``POST /resume_memory_occupation``   ``{"tags"}`` takes every released tag back
 ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
 =============================  ==========================================================
 
@@ -50,13 +53,14 @@ from .protocol import (
     parse_destroy_weights_group,
     parse_generate,
     parse_init_weights_group,
+    parse_memory_tags,
     parse_pause,
     parse_update_distributed,
     parse_update_version,
     parse_update_weights,
     token_logprob_triples,
 )
-from .scheduler import EngineStopped, RidInUse
+from .scheduler import MEMORY_TAGS, EngineStopped, MemoryBusy, MemoryReleased, RidInUse
 from .weights import WeightUpdateError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -113,6 +117,8 @@ class EngineServer:
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
+        r.add_post("/release_memory_occupation", self.release_memory_occupation)
+        r.add_post("/resume_memory_occupation", self.resume_memory_occupation)
         r.add_get("/health", self.health)
         r.add_get("/health_generate", self.health)
         r.add_get("/get_model_info", self.get_model_info)
@@ -129,8 +135,10 @@ class EngineServer:
             return web.json_response(exc.to_json(), status=400)
         except WeightUpdateError as exc:
             return _error(400, str(exc), "invalid_request_error")
-        except EngineStopped as exc:
+        except (EngineStopped, MemoryReleased) as exc:
             return _error(503, str(exc), "server_error")
+        except MemoryBusy as exc:
+            return _error(400, str(exc), "invalid_request_error")
         except web.HTTPRequestEntityTooLarge as exc:
             return _error(413, f"request body too large: {exc.text}", "invalid_request_error")
         except web.HTTPException:
@@ -299,6 +307,19 @@ class EngineServer:
         if not left:
             raise InvalidRequest(f"no weight update group {name!r} on this engine", "group_name")
         return web.json_response({"success": True, "message": f"Left weight update group {name!r}."})
+
+    # -- colocated runs: memory given to the trainer while it trains ----------------------------
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = parse_memory_tags(await _body(request), "/release_memory_occupation", MEMORY_TAGS)
+        released = await self._run(lambda: self.engine.scheduler.release_memory(tags))
+        return web.json_response({"success": True, "message": f"Released {', '.join(tags)}.",
+                                  "memory_released": released})
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        tags = parse_memory_tags(await _body(request), "/resume_memory_occupation", MEMORY_TAGS)
+        released = await self._run(lambda: self.engine.scheduler.resume_memory(tags))
+        return web.json_response({"success": True, "message": f"Resumed {', '.join(tags)}.",
+                                  "memory_released": released})
 
     async def health(self, request: web.Request) -> web.Response:
         if not self.engine.scheduler.alive:
