@@ -4,11 +4,15 @@ Megatron-Core and Megatron-Bridge are written for CUDA machines with Transformer
 backend uses them unchanged on GPUs; on a machine without CUDA, :func:`apply` swaps in the few
 CPU-safe replacements below (each names the upstream call it stands in for), and
 :func:`import_bridge` imports Megatron-Bridge although Transformer Engine and Triton are absent.
+
+:func:`distributed_optimizer_blocker` says why Megatron-Core's distributed optimizer cannot run
+here (it is not patched: its parameter sharding only accepts CUDA tensors).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import sys
@@ -132,7 +136,8 @@ def apply() -> None:
     import torch
 
     # Replaces torch.cuda.current_device(): Megatron-Core layers place new parameters and
-    # buffers on ``torch.cuda.current_device()``; without CUDA they go to the CPU.
+    # buffers, and DistributedDataParallel its gradient buffers (``_ParamAndGradBuffer``), on
+    # ``torch.cuda.current_device()``; without CUDA they go to the CPU.
     if not getattr(torch.cuda.current_device, "_loongsage_cpu", False):
         def current_device() -> torch.device:
             return torch.device("cpu")
@@ -140,6 +145,96 @@ def apply() -> None:
         current_device._loongsage_cpu = True  # type: ignore[attr-defined]
         torch.cuda.current_device = current_device  # type: ignore[assignment]
     _contiguous_tp_scatter()
+    _optimizer_scratch_on_cpu()
+    _clip_without_cuda_type_check()
+
+
+@functools.cache
+def _cuda_factories_on_cpu() -> type:
+    """A torch function mode class: tensors a call creates with a CUDA ``device=`` go to the CPU."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    class CudaFactoriesOnCpu(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type == "cuda":
+                kwargs = {**kwargs, "device": "cpu"}
+            return func(*args, **kwargs)
+
+    return CudaFactoriesOnCpu
+
+
+def _scratch_on_cpu(fn: Any) -> Any:
+    """``fn`` with the small tensors it creates on ``device="cuda"`` created on the CPU instead."""
+    if getattr(fn, "_loongsage_cpu", False):
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with _cuda_factories_on_cpu()():
+            return fn(*args, **kwargs)
+
+    wrapper._loongsage_cpu = True  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _optimizer_scratch_on_cpu() -> None:
+    """Run Megatron-Core's fp32 optimizer bookkeeping on the CPU.
+
+    Replaces ``FP32Optimizer.__init__`` (its unit loss scale is ``torch.tensor([1.0],
+    device="cuda")``) and ``get_grad_norm_fp32`` as ``megatron.core.optimizer.optimizer`` calls it
+    from ``MegatronOptimizer.get_grad_norm`` / ``clip_grad_norm`` and ``ChainedOptimizer.get_grad_norm``
+    (its overflow buffer and its fallback ``local_multi_tensor_l2_norm`` result are created with
+    ``device="cuda"``). Both run unchanged, with those few tensors created on the CPU.
+    """
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    megatron_optimizer.FP32Optimizer.__init__ = _scratch_on_cpu(  # type: ignore[method-assign]
+        megatron_optimizer.FP32Optimizer.__init__)
+    megatron_optimizer.get_grad_norm_fp32 = _scratch_on_cpu(megatron_optimizer.get_grad_norm_fp32)
+
+
+def _clip_without_cuda_type_check() -> None:
+    """Replace ``clip_grad_by_total_norm_fp32`` as ``megatron.core.optimizer.optimizer`` calls it.
+
+    Upstream asserts every gradient is a ``torch.cuda.FloatTensor`` before scaling the gradients
+    by ``max_norm / (total_norm + 1e-6)`` when that is below 1. The replacement applies the same
+    coefficient through ``torch.nn.utils.clip_grads_with_norm_``, which uses that very formula.
+    """
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    if getattr(megatron_optimizer.clip_grad_by_total_norm_fp32, "_loongsage_cpu", False):
+        return
+
+    def clip_grad_by_total_norm_fp32(parameters: Any, max_norm: float, total_norm: float,
+                                     use_decoupled_grad: bool = False) -> None:
+        import torch
+
+        if use_decoupled_grad:
+            raise NotImplementedError("decoupled gradients (precision-aware optimizer) need CUDA")
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        params = [p for p in params if p.grad is not None]
+        if params:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, torch.tensor(float(total_norm)))
+
+    clip_grad_by_total_norm_fp32._loongsage_cpu = True  # type: ignore[attr-defined]
+    megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
+
+
+def distributed_optimizer_blocker() -> str | None:
+    """Why Megatron-Core's ``DistributedOptimizer`` cannot run on this machine, or None if it can.
+
+    Without CUDA it cannot: ``DistributedOptimizer._build_model_and_main_param_groups`` sorts the
+    parameters it shards by ``param.type()`` and raises ``TypeError`` for anything but
+    ``torch.cuda.{Float,Half,BFloat16}Tensor``; no small replacement makes it shard CPU tensors.
+    """
+    if not cuda_missing():
+        return None
+    return ("Megatron-Core's DistributedOptimizer needs CUDA: it only shards torch.cuda.*Tensor "
+            "parameters (DistributedOptimizer._build_model_and_main_param_groups raises TypeError "
+            "for CPU tensors) and no CUDA device is available")
 
 
 def _contiguous_tp_scatter() -> None:

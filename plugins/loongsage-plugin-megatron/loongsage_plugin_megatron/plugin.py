@@ -22,4 +22,5 @@ def create_train_worker(ctx: Any) -> Any:
 def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="megatron", factory=create_train_worker,
                            description="Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
-                                       "directory; tensor and data parallelism, AdamW")
+                                       "directory; tensor and data parallelism (Megatron DDP), Megatron-Core "
+                                       "Adam optimizer")

@@ -10,3 +10,45 @@ def make_scheduler(optimizer: Any, train: Any) -> Any:
     from loongsage_plugin_torch.trainer.schedule import make_scheduler as torch_make_scheduler
 
     return torch_make_scheduler(optimizer, train)
+
+
+def torch_optimizers(megatron_optimizer: Any) -> list[Any]:
+    """The ``torch.optim`` optimizers inside a Megatron-Core optimizer (none on a rank without parameters).
+
+    ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` of one Megatron optimizer per
+    parameter kind (dense, expert-parallel), each wrapping a torch optimizer in ``.optimizer``.
+    """
+    chained = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
+    return [inner.optimizer for inner in chained if getattr(inner, "optimizer", None) is not None]
+
+
+class MegatronScheduler:
+    """The ``[train]`` schedule on every torch optimizer of a Megatron-Core optimizer.
+
+    Megatron's own ``OptimizerParamScheduler`` warms up from step 0 at ``init_lr``; the torch
+    backend's first step already trains at ``lr / warmup_steps``. Scheduling the inner torch
+    optimizers with the torch backend's ``LambdaLR`` keeps both backends' learning rates equal.
+    """
+
+    def __init__(self, megatron_optimizer: Any, train: Any) -> None:
+        self.schedulers = [make_scheduler(opt, train) for opt in torch_optimizers(megatron_optimizer)]
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"schedulers": [s.state_dict() for s in self.schedulers]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = state["schedulers"]
+        if len(saved) != len(self.schedulers):
+            raise ValueError(f"learning-rate schedule state: {len(saved)} schedules saved, "
+                             f"{len(self.schedulers)} optimizers to schedule")
+        for scheduler, item in zip(self.schedulers, saved):
+            scheduler.load_state_dict(item)
+
+
+def make_megatron_scheduler(megatron_optimizer: Any, train: Any) -> MegatronScheduler:
+    """A :class:`MegatronScheduler` following the ``[train]`` table's schedule settings."""
+    return MegatronScheduler(megatron_optimizer, train)

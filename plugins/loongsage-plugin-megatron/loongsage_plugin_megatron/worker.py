@@ -6,15 +6,29 @@ and :meth:`save_hf`). Losses come from the host's
 :class:`~loongsage_core.algorithms.LossPipeline`, already divided by the mini-batch's global
 norm, so gradients add up across micro-batches and data-parallel ranks.
 
+Training is Megatron-Core's own: the actor's model is wrapped in
+``megatron.core.distributed.DistributedDataParallel`` (gradients accumulate in its contiguous
+buffers and ``finalize_model_grads`` sums them over the data-parallel group; the model config sets
+``calculate_per_token_loss`` so Megatron sums rather than averages, the loss being normalised
+already), and the optimizer is ``megatron.core.optimizer.get_megatron_optimizer`` with Adam
+(decoupled weight decay on every parameter, like the torch backend), which computes the gradient
+norm over model-parallel shards and clips to ``[train] grad_clip`` inside its ``step()``. The
+learning rate follows the ``[train]`` schedule of the torch backend (a ``LambdaLR`` on the torch
+optimizer inside the Megatron one). A step whose gradients are not finite is skipped
+(``train/skipped_step`` = 1), as in the torch backend.
+
 ``[train] backend_args`` of this backend:
 
 * ``tp``: tensor-parallel size (default 1); ``pp``: pipeline-parallel size (only 1 is supported);
 * ``dp``: data-parallel size (default ``world_size // (tp * pp)``; ``tp * pp * dp`` must equal
   the number of ranks);
-* ``dist_backend``: ``"auto"`` (NCCL on CUDA, Gloo on CPU), ``"gloo"`` or ``"nccl"``.
+* ``dist_backend``: ``"auto"`` (NCCL on CUDA, Gloo on CPU), ``"gloo"`` or ``"nccl"``;
+* ``use_distributed_optimizer``: shard the optimizer state over the data-parallel group with
+  Megatron-Core's ``DistributedOptimizer`` (default false; needs CUDA, a clear error otherwise).
 
-The optimizer is ``torch.optim.AdamW`` over the Megatron parameters (each rank steps its own
-shards); the gradient norm for clipping counts tensor-parallel shards once across the group.
+Checkpoints hold, per rank, the model shard, the Megatron optimizer's ``state_dict()`` (plus
+its parameter state file, ``save_parameter_state``, under the distributed optimizer), the
+schedule, the step and the RNG state; a resumed run continues exactly.
 """
 
 from __future__ import annotations
@@ -34,7 +48,9 @@ from . import cpu_compat
 from .logits import logprobs_and_entropy
 
 STATE_FILE = "megatron_state_rank{rank}.pt"
-CHECKPOINT_FORMAT = 1
+# The distributed optimizer's parameter state, written by data-parallel rank 0 of each model-parallel rank.
+PARAM_STATE_FILE = "megatron_optimizer_params_mp{rank}.pt"
+CHECKPOINT_FORMAT = 2
 
 
 @attrs.define(frozen=True)
@@ -45,6 +61,7 @@ class BackendOptions:
     pp: int = 1
     dp: int | None = None
     dist_backend: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl")))
+    use_distributed_optimizer: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "BackendOptions":
@@ -87,6 +104,11 @@ class MegatronTrainWorker:
         self.options = BackendOptions.from_args(dict(job.train.backend_args))
         self.tp, self.pp, self.dp = parallel_sizes(self.options, self.world_size)
         self.micro_batch_size = job.train.micro_batch_size
+        if ctx.role == "actor" and self.options.use_distributed_optimizer:
+            blocker = cpu_compat.distributed_optimizer_blocker()
+            if blocker:
+                raise ValueError(f"[train] backend_args.use_distributed_optimizer = true cannot run here: {blocker}; "
+                                 "set it to false (the optimizer state is then replicated on each rank)")
         self.model_path = job.resolve_path(job.model.path) if hasattr(job, "resolve_path") else job.model.path
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"[model] path: no config.json in model directory '{self.model_path}'")
@@ -100,34 +122,42 @@ class MegatronTrainWorker:
 
         self.bridge = auto_bridge.from_hf_pretrained(self.model_path, dtype=torch.float32)
         provider = self.bridge.to_megatron_provider(load_weights=True)
+        # Megatron-Bridge turns initialization off when it loads weights, but Megatron-Core marks a
+        # tensor-parallel shard (``tensor_model_parallel``, partition dim) only while initializing
+        # it; unmarked shards would count as replicas in the optimizer's gradient norm under TP > 1.
+        # Initialize (cheap next to training), then the bridge's load overwrites the values.
+        provider.perform_initialization = True
         provider.tensor_model_parallel_size = self.tp
         provider.pipeline_model_parallel_size = self.pp
         provider.params_dtype = torch.float32
         provider.bf16 = provider.fp16 = False
         provider.hidden_dropout = provider.attention_dropout = 0.0
         provider.sequence_parallel = False
+        # The host's loss is already divided by the mini-batch's global norm: Megatron DDP must sum
+        # the data-parallel gradients (gradient scaling factor 1), not average them.
+        provider.calculate_per_token_loss = True
         cpu_compat.configure_provider(provider)
         provider.finalize()
+        # Unwrapped model chunks (what Megatron-Bridge converts to and from Hugging Face names).
         self.modules = provider.provide_distributed_model(
             wrap_with_ddp=False, use_cpu_initialization=self.device.type == "cpu", mixed_precision_wrapper=None)
-        self.model = self.modules[0]
 
         self.global_step = 0
-        self.optimizer: torch.optim.Optimizer | None = None
+        self.optimizer: Any = None
         self.scheduler: Any = None
         self.pipeline: LossPipeline | None = None
+        self._offloaded = False
+        self._param_backup: dict[torch.nn.Parameter, torch.Tensor] = {}
         if self.role != "actor":
+            self.chunks: list[Any] = list(self.modules)
+            self.model = self.chunks[0]
             self.model.requires_grad_(False)
             self.model.eval()
             return
-        from .schedule import make_scheduler
-
-        train = job.train
         self.pipeline = LossPipeline(job, ctx.components)
-        self.optimizer = torch.optim.AdamW([p for p in self.model.parameters() if p.requires_grad], lr=train.lr,
-                                           betas=tuple(train.betas), eps=train.eps,
-                                           weight_decay=train.weight_decay)
-        self.scheduler = make_scheduler(self.optimizer, train)
+        self.chunks = self._wrap_ddp(self.modules)
+        self.model = self.chunks[0]
+        self.optimizer, self.scheduler = self._build_optimizer()
         self.model.train()
 
     # ------------------------------------------------------------------------------------------
@@ -149,6 +179,37 @@ class MegatronTrainWorker:
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp,
                                                  pipeline_model_parallel_size=self.pp)
+
+    def _wrap_ddp(self, modules: list[Any]) -> list[Any]:
+        """Wrap each model chunk in Megatron-Core's ``DistributedDataParallel`` (grad buffers, DP reduction)."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=self.options.use_distributed_optimizer,
+            overlap_grad_reduce=False, overlap_param_gather=False, average_in_collective=False)
+        return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
+                                        disable_bucketing=index > 0)
+                for index, m in enumerate(modules)]
+
+    def _build_optimizer(self) -> tuple[Any, Any]:
+        """Megatron-Core's Adam over the DDP chunks, and the ``[train]`` learning-rate schedule."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from .schedule import make_megatron_scheduler
+
+        train = self.job.train
+        if len(train.betas) != 2:
+            raise ValueError(f"[train] betas must have two values, got {train.betas}")
+        config = OptimizerConfig(
+            optimizer="adam", lr=float(train.lr), min_lr=float(train.lr) * float(train.min_lr_ratio),
+            weight_decay=float(train.weight_decay), adam_beta1=float(train.betas[0]),
+            adam_beta2=float(train.betas[1]), adam_eps=float(train.eps), decoupled_weight_decay=True,
+            clip_grad=float(train.grad_clip), fp16=False, bf16=False, params_dtype=torch.float32,
+            use_distributed_optimizer=self.options.use_distributed_optimizer)
+        # No overrides: every parameter decays like in the torch backend (Megatron's default
+        # groups would exempt biases and norms, relying on its own scheduler for ``wd_mult``).
+        optimizer = get_megatron_optimizer(config, self.chunks, config_overrides={})
+        return optimizer, make_megatron_scheduler(optimizer, train)
 
     def _token_outputs(self, micro: Batch, *, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """Log-probs and entropies ``[b, T]`` of one micro-batch (0 at padding and position 0)."""
@@ -182,6 +243,8 @@ class MegatronTrainWorker:
         """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, CPU, no gradient)."""
         if "input_ids" not in batch:
             raise KeyError("MegatronTrainWorker.forward: the batch has no 'input_ids' tensor")
+        if self._offloaded:
+            raise RuntimeError("MegatronTrainWorker.forward: the worker is offloaded; call onload() first")
         was_training = self.model.training
         self.model.eval()
         try:
@@ -200,73 +263,57 @@ class MegatronTrainWorker:
         if self.pipeline.needs_logits:
             raise ValueError("megatron train backend: vocabulary-level KL estimators (full logits) are not "
                              "supported yet")
+        if self._offloaded:
+            raise RuntimeError("MegatronTrainWorker.train_mini_batch: the worker is offloaded; call onload() first")
+        from megatron.core.distributed import finalize_model_grads
+
         self.model.train()
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
         acc = MetricAccumulator()
         entropy_grad = self.pipeline.entropy_coef != 0.0
         for micro in batch.chunks(self.micro_batch_size):
             logprobs, entropy = self._token_outputs(micro, entropy_grad=entropy_grad)
             micro = Batch(tensors={k: v.to(self.device) for k, v in micro.tensors.items()}, meta=micro.meta)
-            loss, metrics = self.pipeline.loss(micro, logprobs, entropy, norm)
+            loss, micro_metrics = self.pipeline.loss(micro, logprobs, entropy, norm)
             loss.backward()
-            acc.add(metrics, micro["loss_mask"])
-        self._sum_data_parallel_gradients()
+            acc.add(micro_metrics, micro["loss_mask"])
+        # Megatron sums the gradient buffers over the data-parallel group (``finish_grad_sync``)
+        # and the tensor-parallel partial gradients of replicated norms (QK layernorm).
+        finalize_model_grads(self.chunks)
         acc.reduce()
         metrics = acc.result()
         metrics.update(self._optimizer_step())
         return metrics
 
-    def _params(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
-
-    def _sum_data_parallel_gradients(self) -> None:
+    def _grads_finite(self) -> bool:
+        """Whether every rank's reduced gradient buffers are finite (all ranks get the same answer)."""
         import torch.distributed as dist
-        from megatron.core import parallel_state
 
-        if self.dp == 1:
-            return
-        group = parallel_state.get_data_parallel_group()
-        for p in self._params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
-
-    def _grad_norm(self) -> torch.Tensor:
-        """Global L2 norm: tensor-parallel shards summed over the TP group, replicas counted once."""
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)
-        replicated = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self._params():
-            sq = p.grad.detach().double().pow(2).sum()
-            if getattr(p, "tensor_model_parallel", False):
-                sharded += sq
-            else:
-                replicated += sq
-        if self.tp > 1:
-            dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        return (sharded + replicated).sqrt()
+        finite = all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in self._grad_buffers())
+        flag = torch.tensor([1.0 if finite else 0.0], device=self.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item() > 0)
 
     def _optimizer_step(self) -> dict[str, float]:
+        """Megatron's ``step()``: gradient norm over model-parallel shards, clipping, Adam update.
+
+        Not-finite gradients skip the update (the fp32 Megatron optimizer would apply it); the
+        schedule advances either way so resumed and uninterrupted runs stay aligned.
+        """
         assert self.optimizer is not None
-        params = self._params()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grad_norm = self._grad_norm()
-        clip = self.job.train.grad_clip
-        finite = bool(torch.isfinite(grad_norm))
-        if finite and clip > 0 and float(grad_norm) > clip:
-            scale = clip / (float(grad_norm) + 1e-6)
-            for p in params:
-                p.grad.mul_(scale)
         lr = float(self.optimizer.param_groups[0]["lr"])
-        if finite:
-            self.optimizer.step()
+        if self._grads_finite():
+            updated, grad_norm, _ = self.optimizer.step()
+        else:
+            self.optimizer.prepare_grads()
+            updated, grad_norm = False, self.optimizer.get_grad_norm()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.global_step += 1
-        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if finite else 1.0}
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if updated else 1.0}
 
     # ------------------------------------------------------------------------------------------
 
@@ -275,12 +322,17 @@ class MegatronTrainWorker:
         yield from self.bridge.export_hf_weights(self.modules, cpu=True, show_progress=False)
 
     def save_checkpoint(self, path: str) -> None:
-        """Each rank saves its model shard, optimizer, schedule and step to ``path``."""
+        """Each rank saves its model shard, Megatron optimizer state, schedule, step and RNG to ``path``.
+
+        Under the distributed optimizer the sharded Adam state goes to a separate file per
+        model-parallel rank (``save_parameter_state``, gathered on data-parallel rank 0).
+        """
         import torch.distributed as dist
 
         out = Path(path)
         out.mkdir(parents=True, exist_ok=True)
-        state = {"format": CHECKPOINT_FORMAT, "step": self.global_step, "model": self.model.state_dict(),
+        state = {"format": CHECKPOINT_FORMAT, "role": self.role, "step": self.global_step,
+                 "model": self.modules[0].state_dict(),
                  "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "rng": torch.get_rng_state()}
@@ -288,21 +340,30 @@ class MegatronTrainWorker:
         tmp = target.with_name(target.name + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, target)
+        if self.optimizer is not None and self.options.use_distributed_optimizer:
+            self.optimizer.save_parameter_state(str(out / PARAM_STATE_FILE.format(rank=_model_parallel_rank())))
         if dist.is_initialized():
             dist.barrier()
 
     def load_checkpoint(self, path: str) -> None:
-        """Restore what :meth:`save_checkpoint` wrote (same parallel layout)."""
+        """Restore what :meth:`save_checkpoint` wrote (same parallel layout and optimizer kind)."""
         src = Path(path) / STATE_FILE.format(rank=self.rank)
         if not src.is_file():
             raise FileNotFoundError(f"MegatronTrainWorker.load_checkpoint: no {src.name} in checkpoint directory "
                                     f"'{Path(path).resolve()}'")
         state = torch.load(src, map_location="cpu", weights_only=False)
         if state.get("format") != CHECKPOINT_FORMAT:
-            raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' has format {state.get('format')!r}")
-        self.model.load_state_dict(state["model"])
-        if self.optimizer is not None and state["optimizer"] is not None:
+            raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' has format {state.get('format')!r}, "
+                             f"expected {CHECKPOINT_FORMAT} (Megatron optimizer state)")
+        self.modules[0].load_state_dict(state["model"])
+        if self.optimizer is not None:
+            if state["optimizer"] is None:
+                raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' holds no optimizer state "
+                                 f"(saved by a {state.get('role')!r} worker)")
             self.optimizer.load_state_dict(state["optimizer"])
+            if self.options.use_distributed_optimizer:
+                params = Path(path) / PARAM_STATE_FILE.format(rank=_model_parallel_rank())
+                self.optimizer.load_parameter_state(str(params))
             self.scheduler.load_state_dict(state["scheduler"])
         self.global_step = int(state["step"])
         torch.set_rng_state(state["rng"])
@@ -323,6 +384,65 @@ class MegatronTrainWorker:
         if dist.is_initialized():
             dist.barrier()
 
+    # ------------------------------------------------------------------------------------------
+
+    def offload(self) -> None:
+        """Free the accelerator: parameters and optimizer state to host memory, gradient buffers
+        released (they are scratch between steps). A no-op on the CPU.
+
+        Parameters keep their CUDA device and identity: their storage is emptied and refilled
+        (as Megatron's buffers do), because moving a parameter's ``.data`` to another device
+        resets its gradient accumulator and would drop the backward hooks Megatron DDP put there.
+        """
+        if self.device.type == "cpu" or self._offloaded:
+            return
+        torch.cuda.synchronize(self.device)
+        for buffer in self._grad_buffers():
+            buffer.offload_to_cpu(move_params=self._params_in_buffers(), move_grads=True)
+        self._param_backup = {}
+        if not self._params_in_buffers():
+            for param in self._unique_params():
+                self._param_backup[param] = param.detach().to("cpu")
+                param.data.untyped_storage().resize_(0)
+        self._move_optimizer_state(torch.device("cpu"))
+        self._offloaded = True
+        torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Bring back everything :meth:`offload` moved (gradient buffers come back zeroed)."""
+        if not self._offloaded:
+            return
+        for param, saved in self._param_backup.items():
+            param.data.untyped_storage().resize_(saved.numel() * saved.element_size())
+            param.data.copy_(saved)
+        self._param_backup = {}
+        for buffer in self._grad_buffers():
+            buffer.reload_from_cpu(move_params=self._params_in_buffers(), move_grads=True)
+        self._move_optimizer_state(self.device)
+        torch.cuda.synchronize(self.device)
+        self._offloaded = False
+
+    def _params_in_buffers(self) -> bool:
+        """Whether the parameters live in Megatron DDP's parameter buffers (distributed optimizer)."""
+        return self.optimizer is not None and self.options.use_distributed_optimizer
+
+    def _grad_buffers(self) -> list[Any]:
+        from megatron.core.distributed import DistributedDataParallel
+
+        return [buffer for chunk in self.chunks if isinstance(chunk, DistributedDataParallel)
+                for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+
+    def _unique_params(self) -> list[torch.nn.Parameter]:
+        return list({id(p): p for chunk in self.modules for p in chunk.parameters()}.values())
+
+    def _move_optimizer_state(self, device: torch.device) -> None:
+        if self.optimizer is None:
+            return
+        for _, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device, non_blocking=True)
+
     def close(self) -> None:
         """Leave model parallelism and the process group."""
         import torch.distributed as dist
@@ -332,6 +452,12 @@ class MegatronTrainWorker:
             parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _model_parallel_rank() -> int:
+    from megatron.core import parallel_state
+
+    return int(parallel_state.get_model_parallel_group().rank())
 
 
 def _tmp_rendezvous() -> str:

@@ -1,4 +1,8 @@
-"""The megatron train backend against the torch backend on the same tiny Qwen3 weights (CPU)."""
+"""The megatron train backend against the torch backend on the same tiny Qwen3 weights (CPU).
+
+The multi-rank checks (TP=2, DP=2, checkpoint resume) share one spawned pair of processes
+(``multi_rank`` fixture) that runs them as successive phases, each with its own process group.
+"""
 
 from __future__ import annotations
 
@@ -44,8 +48,11 @@ def host() -> PluginHost:
 
 
 def make_job(path: str, **backend_args) -> JobConfig:
+    # Warmup then cosine decay: the first step trains at lr / 2, so the schedule shows in every step.
     return JobConfig(model=ModelConfig(path=path, tokenizer=TOKENIZER),
-                     train=TrainConfig(lr=1e-3, micro_batch_size=2, grad_clip=1.0, backend_args=backend_args),
+                     train=TrainConfig(lr=1e-3, micro_batch_size=2, grad_clip=1.0, lr_schedule="cosine",
+                                       lr_warmup_steps=2, total_steps=6, weight_decay=0.01,
+                                       backend_args=backend_args),
                      algorithm=AlgorithmConfig(entropy_coef=0.01))
 
 
@@ -90,12 +97,18 @@ def test_hf_export_equals_torch_state_dict(workers):
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
 
 
+def make_train_batch(ref, seed: int) -> Batch:
+    """A GRPO batch whose ``old_logprobs`` are ``ref``'s log-probs plus a little noise (ratios near 1)."""
+    batch = make_batch(seed=seed)
+    old = ref.forward(batch)["logprobs"]
+    noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed + 2))
+    batch.tensors["old_logprobs"] = (old + noise) * batch["loss_mask"]
+    return batch
+
+
 def test_grpo_step_matches_torch_backend(workers):
     meg, ref = workers
-    batch = make_batch(seed=1)
-    old = ref.forward(batch)["logprobs"]
-    batch.tensors["old_logprobs"] = (old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3)))
-    batch.tensors["old_logprobs"] *= batch["loss_mask"]
+    batch = make_train_batch(ref, seed=1)
     norm = compute_norm(batch)
     m_meg = meg.train_mini_batch(batch, norm)
     m_ref = ref.train_mini_batch(batch, norm)
@@ -111,35 +124,161 @@ def test_grpo_step_matches_torch_backend(workers):
     assert diff.mean() < 1e-5
 
 
+def test_optimizer_is_megatrons_and_clips_its_grad_buffers(workers):
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+
+    meg, ref = workers
+    assert isinstance(meg.optimizer, MegatronOptimizer) and isinstance(meg.model, DistributedDataParallel)
+    batch = make_train_batch(ref, seed=4)
+    metrics = meg.train_mini_batch(batch, compute_norm(batch))
+    clip = meg.job.train.grad_clip
+    assert metrics["train/grad_norm"] > clip and metrics["train/skipped_step"] == 0.0  # clipping engaged
+    # Megatron's step() clipped the reduced gradients where they live, in the DDP grad buffer.
+    clipped = torch.linalg.vector_norm(torch.cat([b.grad_data for b in meg.model.buffers]))
+    assert float(clipped) == pytest.approx(clip, rel=1e-5)
+
+
+def test_not_finite_gradients_skip_the_step(workers):
+    meg, ref = workers
+    batch = make_train_batch(ref, seed=8)
+    batch.tensors["advantages"][0, 4] = float("nan")
+    before = {n: t.clone() for n, t in meg.named_weights()}
+    metrics = meg.train_mini_batch(batch, compute_norm(batch))
+    assert metrics["train/skipped_step"] == 1.0 and metrics["train/grad_norm"] != metrics["train/grad_norm"]
+    _assert_weights_equal(dict(meg.named_weights()), before, atol=0)
+
+
+def test_offload_onload_keep_cpu_results(workers):
+    meg, _ = workers
+    batch = make_batch(seed=5)
+    before = meg.forward(batch)
+    meg.offload()
+    during = meg.forward(batch)  # on the CPU there is nothing to move: the worker keeps serving
+    meg.onload()
+    after = meg.forward(batch)
+    for out in (during, after):
+        torch.testing.assert_close(out["logprobs"], before["logprobs"], rtol=0, atol=0)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _tp_rank(rank: int, port: int, hf_dir: str, out: str) -> None:
+def _weights(worker) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in worker.named_weights()}
+
+
+def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batch], out: str) -> None:
+    """Phases of one of two ranks; each phase leaves its process group before the next starts."""
     host = PluginHost.create([])
-    worker = plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, tp=2), components=host,
-                                                           rank=rank, world_size=2, master_port=port))
-    result = worker.forward(make_batch())
-    weights = dict(worker.named_weights())
+    first, second = batches
+    result: dict = {}
+
+    def worker(port: int, world: int = 2, **backend_args):
+        return plugin.create_train_worker(TrainWorkerContext(
+            job=make_job(hf_dir, **backend_args), components=host, rank=rank, world_size=world, master_port=port))
+
+    # TP = 2: forward, then one training step on the whole batch.
+    w = worker(ports[0], tp=2)
+    result["tp_forward"] = w.forward(make_batch())
+    result["tp_initial"] = _weights(w)
+    result["tp_metrics"] = w.train_mini_batch(first, compute_norm(first))
+    result["tp_weights"] = _weights(w)
+    w.close()
+
+    # DP = 2: each rank trains on its half of the rows with the whole batch's norm; checkpoint
+    # after the first step, then a second step (the uninterrupted run).
+    def half(batch: Batch) -> Batch:
+        return list(batch.chunks(len(batch) // 2))[rank]
+
+    w = worker(ports[1], dp=2)
+    result["dp_metrics"] = w.train_mini_batch(half(first), compute_norm(first))
+    result["dp_weights"] = _weights(w)
+    w.save_checkpoint(str(Path(out) / "ckpt"))
+    result["dp_metrics_2"] = w.train_mini_batch(half(second), compute_norm(second))
+    result["dp_weights_2"] = _weights(w)
+    w.close()
+
+    # A fresh DP = 2 run resumed from the checkpoint takes the second step again.
+    w = worker(ports[2], dp=2)
+    w.load_checkpoint(str(Path(out) / "ckpt"))
+    result["resumed_metrics_2"] = w.train_mini_batch(half(second), compute_norm(second))
+    result["resumed_weights_2"] = _weights(w)
+    w.close()
+
+    # DP = 1 on rank 0 alone: the same first step on the whole batch.
     if rank == 0:
-        torch.save({"forward": result, "embed": weights["model.embed_tokens.weight"]}, out)
-    worker.close()
+        w = worker(0, world=1)
+        result["dp1_metrics"] = w.train_mini_batch(first, compute_norm(first))
+        result["dp1_weights"] = _weights(w)
+        w.close()
+    torch.save(result, str(Path(out) / f"rank{rank}.pt"))
 
 
-def test_tensor_parallel_2_equals_tp_1(hf_dir, host, tmp_path):
+@pytest.fixture(scope="module")
+def multi_rank(hf_dir, host, tmp_path_factory):
+    """Run :func:`_multi_rank_job` on two spawned ranks; yields (rank results, torch reference results)."""
     import torch.multiprocessing as mp
 
-    # The module's TP=1 worker may have trained already: compare against the untouched weights,
-    # which the TP=1 forward matched in test_logprobs_equal_torch_backend.
+    # A fresh torch worker (the module's workers may have trained already) gives the batches'
+    # old log-probs, the untouched weights and the torch backend's first step.
     ref = create_torch_worker(TrainWorkerContext(job=make_job(hf_dir), components=host))
-    out = str(tmp_path / "tp2.pt")
-    mp.start_processes(_tp_rank, args=(_free_port(), hf_dir, out), nprocs=2, join=True, start_method="spawn")
-    got = torch.load(out, weights_only=True)
-    expected = ref.forward(make_batch())
-    torch.testing.assert_close(got["forward"]["logprobs"], expected["logprobs"], rtol=0, atol=1e-5)
-    torch.testing.assert_close(got["embed"], dict(ref.named_weights())["model.embed_tokens.weight"])
+    expected = {"forward": ref.forward(make_batch()), "initial": _weights(ref)}
+    batches = [make_train_batch(ref, seed=6), make_train_batch(ref, seed=7)]
+    out = tmp_path_factory.mktemp("multi_rank")
+    ports = [_free_port() for _ in range(3)]
+    mp.start_processes(_multi_rank_job, args=(ports, hf_dir, batches, str(out)), nprocs=2, join=True,
+                       start_method="spawn")
+    expected["metrics"] = ref.train_mini_batch(batches[0], compute_norm(batches[0]))
+    expected["weights"] = dict(ref.named_weights())
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return ranks, expected
+
+
+def _assert_weights_equal(got: dict, expected: dict, atol: float) -> None:
+    assert set(got) == set(expected)
+    for name, tensor in expected.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=atol, msg=name)
+
+
+def test_tensor_parallel_2_equals_tp_1(multi_rank):
+    (rank0, _), expected = multi_rank
+    torch.testing.assert_close(rank0["tp_forward"]["logprobs"], expected["forward"]["logprobs"], rtol=0, atol=1e-5)
+    _assert_weights_equal(rank0["tp_initial"], expected["initial"], atol=0)  # export gathers the TP shards
+    # One training step under TP = 2 (gradient norm over the TP shards, QK-norm gradients summed
+    # over the TP group by Megatron) matches the torch backend like the TP = 1 step does.
+    got, ref = rank0["tp_metrics"], expected["metrics"]
+    assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-4)
+    assert got["train/lr"] == ref["train/lr"]
+    diff = torch.cat([(rank0["tp_weights"][n] - t).abs().flatten() for n, t in expected["weights"].items()])
+    assert diff.mean() < 1e-5
+
+
+def test_data_parallel_2_equals_dp_1(multi_rank):
+    (rank0, rank1), expected = multi_rank
+    # Megatron DDP sums the two ranks' gradients: the step is the DP = 1 step on the whole batch.
+    assert rank0["dp_metrics"]["train/grad_norm"] == rank0["dp1_metrics"]["train/grad_norm"]
+    assert rank0["dp_metrics"]["train/grad_norm"] > 0
+    for key in ("train/loss", "train/pg_loss", "train/entropy"):
+        assert rank0["dp_metrics"][key] == pytest.approx(rank0["dp1_metrics"][key], rel=1e-6), key
+    _assert_weights_equal(rank0["dp_weights"], rank0["dp1_weights"], atol=0)
+    _assert_weights_equal(rank1["dp_weights"], rank0["dp_weights"], atol=0)  # replicas stay identical
+    moved = torch.cat([(rank0["dp_weights"][n] - t).abs().flatten() for n, t in expected["initial"].items()])
+    assert moved.max() > 1e-4
+
+
+def test_checkpoint_resume_continues_exactly(multi_rank):
+    (rank0, rank1), _ = multi_rank
+    for rank in (rank0, rank1):
+        assert rank["resumed_metrics_2"] == rank["dp_metrics_2"]
+        _assert_weights_equal(rank["resumed_weights_2"], rank["dp_weights_2"], atol=0)  # bit-equal
+    # The second step trained at the warmed-up learning rate with the saved Adam moments.
+    assert rank0["dp_metrics_2"]["train/lr"] > rank0["dp_metrics"]["train/lr"]
+    step = torch.cat([(rank0["dp_weights_2"][n] - t).abs().flatten() for n, t in rank0["dp_weights"].items()])
+    assert step.max() > 1e-4
 
 
 def test_bad_backend_args_raise_clear_errors(hf_dir, host):
@@ -147,3 +286,10 @@ def test_bad_backend_args_raise_clear_errors(hf_dir, host):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, pp=2), components=host, world_size=2))
     with pytest.raises(ValueError, match="unknown keys"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, bogus=1), components=host))
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, use_distributed_optimizer="yes"),
+                                                      components=host))
+    # Megatron-Core's distributed optimizer only shards CUDA tensors: a clear error without CUDA.
+    with pytest.raises(ValueError, match=r"use_distributed_optimizer = true cannot run here: .*needs CUDA"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, use_distributed_optimizer=True),
+                                                      components=host))
