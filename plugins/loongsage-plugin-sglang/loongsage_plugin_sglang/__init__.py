@@ -1,8 +1,8 @@
 """LoongSage plugin: SGLang rollout engine backend: server actors, native HTTP API, weight updates.
 
 Components (see :mod:`.plugin`): the ``sglang`` rollout engine (:mod:`.server`, command line in
-:mod:`.launch`), the ``sglang_disk`` (:mod:`.transport_disk`) and ``sglang_nccl``
-(:mod:`.transport_nccl`) weight transports; plus SGLang control calls (:mod:`.client`) and
+:mod:`.launch`), the ``sglang_disk`` (:mod:`.transport_disk`), ``sglang_nccl``
+(:mod:`.transport_nccl`) and ``sglang_tensor`` (:mod:`.transport_tensor`) weight transports; plus SGLang control calls (:mod:`.client`) and
 sglang-router management (:mod:`.router`). Importing this package imports neither SGLang nor torch:
 the factories below import their modules when called.
 """
@@ -41,15 +41,23 @@ def nccl_sender(**args: Any) -> Any:
     return NcclSender(**args)
 
 
+def tensor_sender(**args: Any) -> Any:
+    """``WeightSender`` passing tensor handles (CUDA IPC / shared memory) to ``/update_weights_from_tensor``."""
+    from .transport_tensor import TensorHandleSender
+
+    return TensorHandleSender(**args)
+
+
 class NativeReceiverError(RuntimeError):
     """The receiving side of an SGLang weight transport is SGLang itself."""
 
 
 def native_receiver(**args: Any) -> Any:
     """Receivers of the SGLang transports do not exist on LoongSage's side: raise saying so."""
-    raise NativeReceiverError("the sglang_disk and sglang_nccl weight transports are received natively by the SGLang "
-                              "server (its /update_weights_from_disk and /update_weights_from_distributed endpoints); "
-                              "they have no LoongSage receiver, so use them with [rollout] engine = \"sglang\"")
+    raise NativeReceiverError("the sglang_* weight transports are received natively by the engine's own endpoints "
+                              "(/update_weights_from_disk, /update_weights_from_distributed, "
+                              "/update_weights_from_tensor); they have no receiver component")
 
 
-__all__ = ["NativeReceiverError", "SUPPORTS", "create_server", "disk_sender", "native_receiver", "nccl_sender"]
+__all__ = ["NativeReceiverError", "SUPPORTS", "create_server", "disk_sender", "native_receiver", "nccl_sender",
+           "tensor_sender"]

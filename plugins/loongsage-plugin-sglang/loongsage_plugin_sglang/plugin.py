@@ -1,7 +1,7 @@
 """Hook implementations of loongsage-plugin-sglang (the module its entry point names).
 
-Provides the ``sglang`` rollout engine and the ``sglang_disk`` and ``sglang_nccl`` weight
-transports. Only the factories are referenced here; httpx, torch and the subprocess machinery
+Provides the ``sglang`` rollout engine and the ``sglang_disk``, ``sglang_nccl`` and
+``sglang_tensor`` weight transports. Only the factories are referenced here; httpx, torch and the subprocess machinery
 are imported when a component is built, and SGLang itself only runs in the server subprocess.
 """
 
@@ -11,7 +11,7 @@ from typing import Iterator
 
 from loongsage_hookspecs import RolloutEngineSpec, WeightTransportSpec, hookimpl
 
-from . import SUPPORTS, create_server, disk_sender, native_receiver, nccl_sender
+from . import SUPPORTS, create_server, disk_sender, native_receiver, nccl_sender, tensor_sender
 
 
 @hookimpl
@@ -28,3 +28,6 @@ def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
     yield WeightTransportSpec(name="sglang_nccl", sender=nccl_sender, receiver=native_receiver,
                               description="NCCL broadcast in buckets announced by SGLang "
                                           "/update_weights_from_distributed")
+    yield WeightTransportSpec(name="sglang_tensor", sender=tensor_sender, receiver=native_receiver,
+                              description="tensor handles (CUDA IPC on GPU, shared memory on CPU) to "
+                                          "/update_weights_from_tensor; for engines on the trainer's device")

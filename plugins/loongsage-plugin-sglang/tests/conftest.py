@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -44,3 +45,65 @@ def standin_process(tmp_path: Path) -> Iterator[str]:
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+EMBEDDED_ENGINE = """
+import sys, threading
+from pathlib import Path
+from loongsage_plugin_torch.engine import create_engine
+from loongsage_plugin_torch.modeling import TINY_QWEN3
+from loongsage_core.config import JobConfig, ModelConfig
+from loongsage_hookspecs import EngineContext
+
+job = JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=sys.argv[2], seed=1))
+url = create_engine(EngineContext(job=job, components=None)).start()
+Path(sys.argv[1]).write_text(url)
+threading.Event().wait()
+"""
+
+
+@pytest.fixture
+def embedded_engine_process(tmp_path: Path) -> Iterator[str]:
+    """The torch plugin's embedded engine (tiny Qwen3, seed-1 weights) in a subprocess; yields its URL."""
+    url_file = tmp_path / "engine_url"
+    log = tmp_path / "engine.log"
+    proc = subprocess.Popen([sys.executable, "-c", EMBEDDED_ENGINE, str(url_file), str(TOKENIZER)],
+                            stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not url_file.exists() or not url_file.read_text():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("embedded engine did not start: " + log.read_text())
+            time.sleep(0.05)
+        yield url_file.read_text()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture
+def trainer_model():
+    """The same tiny Qwen3 with other (seed-0) weights: what a trainer would send."""
+    from loongsage_plugin_torch.modeling import TINY_QWEN3, load_model
+
+    from loongsage_core.config import JobConfig, ModelConfig
+
+    return load_model(JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=str(TOKENIZER))), seed=0)
+
+
+def assert_engine_scores_like(url: str, model) -> None:
+    """The engine's greedy tokens carry the log-probs ``model`` gives them (its weights are ``model``'s)."""
+    import httpx
+    import torch
+
+    prompt = [5, 9, 17, 33]
+    out = httpx.post(url + "/generate", json={"input_ids": prompt, "return_logprob": True,
+                                              "sampling_params": {"max_new_tokens": 5, "temperature": 0}},
+                     trust_env=False, timeout=60).json()
+    engine_lp = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
+    tokens = torch.tensor([prompt + out["output_ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float().log_softmax(-1)
+    trainer_lp = logits[0, len(prompt) - 1:-1].gather(-1, tokens[0, len(prompt):, None])[:, 0]
+    torch.testing.assert_close(engine_lp, trainer_lp, rtol=0, atol=1e-4)

@@ -15,7 +15,7 @@ from loongsage_hookspecs import EngineContext, RolloutEngineSpec, WeightTranspor
 def test_components_and_descriptions():
     engines = {s.name: s for s in plugin.loongsage_rollout_engines()}
     transports = {s.name: s for s in plugin.loongsage_weight_transports()}
-    assert set(engines) == {"sglang"} and set(transports) == {"sglang_disk", "sglang_nccl"}
+    assert set(engines) == {"sglang"} and set(transports) == {"sglang_disk", "sglang_nccl", "sglang_tensor"}
     assert isinstance(engines["sglang"], RolloutEngineSpec)
     supports = set(engines["sglang"].supports)
     assert {"generate", "update_weights_from_disk", "update_weights_from_distributed"} <= supports
@@ -23,7 +23,7 @@ def test_components_and_descriptions():
         assert spec.description and len(spec.description) < 160
     for spec in transports.values():
         assert isinstance(spec, WeightTransportSpec)
-        with pytest.raises(NativeReceiverError, match="received natively by the SGLang server"):
+        with pytest.raises(NativeReceiverError, match="received natively by the engine"):
             spec.receiver()
     assert type(transports["sglang_disk"].sender()).__name__ == "DiskSender"
     assert type(transports["sglang_nccl"].sender(backend="gloo")).__name__ == "NcclSender"

@@ -7,12 +7,6 @@ GPUs (scripts/gpu_check.sh).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import httpx
 import pytest
 import torch  # noqa: E402  (a hard dependency of this plugin)
@@ -95,60 +89,17 @@ def test_broadcast_to_a_stand_in_engine_over_gloo(standin_process):
 
 
 
-def serve_embedded_engine(url_file: str) -> None:
-    """Subprocess body: an embedded engine (seed-1 weights) serving until killed; its URL goes to ``url_file``."""
-    import threading
-
-    from conftest import TOKENIZER
-    from loongsage_plugin_torch.engine import create_engine
-    from loongsage_plugin_torch.modeling import TINY_QWEN3
-
-    from loongsage_core.config import JobConfig, ModelConfig
-    from loongsage_hookspecs import EngineContext
-
-    job = JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=str(TOKENIZER), seed=1))
-    url = create_engine(EngineContext(job=job, components=None)).start()
-    Path(url_file).write_text(url)
-    threading.Event().wait()
-
-
-def test_sglang_nccl_feeds_an_embedded_engine(tmp_path):
+def test_sglang_nccl_feeds_an_embedded_engine(embedded_engine_process, trainer_model):
     """SGLang's per-tensor broadcast protocol, received by the torch plugin's embedded engine in another process."""
-    from conftest import TOKENIZER
-    from loongsage_plugin_torch.modeling import TINY_QWEN3, load_model
+    from conftest import assert_engine_scores_like
 
-    from loongsage_core.config import JobConfig, ModelConfig
-
-    url_file = tmp_path / "url"
-    proc = subprocess.Popen([sys.executable, __file__, str(url_file)], stderr=open(tmp_path / "engine.log", "wb"),
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    model = load_model(JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=str(TOKENIZER))), seed=0)
+    url = embedded_engine_process
     sender = NcclSender(bucket_bytes=8192, backend="gloo", group_name="sglang_into_embedded", init_timeout_s=60)
     try:
-        deadline = time.monotonic() + 120
-        while not url_file.exists() or not url_file.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "engine.log").read_text()
-            time.sleep(0.05)
-        url = url_file.read_text()
-        stats = sender.send(((n, p.detach()) for n, p in model.named_parameters()), 3, [url])
+        stats = sender.send(((n, p.detach()) for n, p in trainer_model.named_parameters()), 3, [url])
         assert stats["perf/weight_update_buckets"] > 1
-        # buckets before the last carry no version: the engine switches once, to 3
-        assert httpx.get(url + "/get_weight_version", trust_env=False).json()["weight_version"] == "3"
-        prompt = [5, 9, 17, 33]
-        out = httpx.post(url + "/generate", json={"input_ids": prompt, "return_logprob": True,
-                                                  "sampling_params": {"max_new_tokens": 5, "temperature": 0}},
-                         trust_env=False, timeout=60).json()
-        engine_lp = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
-        tokens = torch.tensor([prompt + out["output_ids"]])
-        with torch.no_grad():
-            logits = model(input_ids=tokens).logits.float().log_softmax(-1)
-        trainer_lp = logits[0, len(prompt) - 1:-1].gather(-1, tokens[0, len(prompt):, None])[:, 0]
-        torch.testing.assert_close(engine_lp, trainer_lp, rtol=0, atol=1e-4)
     finally:
         sender.close()
-        proc.kill()
-        proc.wait(timeout=30)
-
-
-if __name__ == "__main__":
-    serve_embedded_engine(sys.argv[1])
+    # buckets before the last carry no version: the engine switches once, to 3
+    assert httpx.get(url + "/get_weight_version", trust_env=False).json()["weight_version"] == "3"
+    assert_engine_scores_like(url, trainer_model)

@@ -1,15 +1,24 @@
 """Weight updates of the embedded engine: decoding the ``direct`` format and copying in place.
 
-``direct`` is the engine's own ``load_format``: ``serialized_named_tensors`` is the base64 text
-of ``torch.save`` of a list of ``(name, tensor)`` pairs (or a list of such texts, one per sender
-rank, as SGLang sends one entry per tensor-parallel rank). Any other ``load_format`` names a
-weight transport component whose receiver turns the request into ``(name, tensor)`` pairs.
+``direct`` is the engine's own ``load_format`` (also what an unset ``load_format`` means):
+``serialized_named_tensors`` is base64 text (or a list of them, one per sender rank, as SGLang
+sends one entry per tensor-parallel rank) of either
+
+* ``torch.save`` of a list of ``(name, tensor)`` pairs: the bytes themselves; or
+* SGLang's ``MultiprocessingSerializer`` form, a ``torch.multiprocessing`` pickle of that list:
+  *handles* to tensors in shared memory (or CUDA IPC handles), which the engine opens and copies
+  from (the sglang plugin's ``sglang_tensor`` transport). Only the globals a tensor handle needs
+  are unpickled; anything else in the payload is refused, so a request cannot run code.
+
+Any other ``load_format`` names a weight transport component whose receiver turns the request
+into ``(name, tensor)`` pairs.
 """
 
 from __future__ import annotations
 
 import base64
 import io
+import pickle
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -22,23 +31,66 @@ class WeightUpdateError(ValueError):
     """A weight update names an unknown parameter, has a wrong shape, or cannot be decoded."""
 
 
+HANDLE_GLOBALS = {
+    "torch.multiprocessing.reductions": {"rebuild_tensor", "rebuild_cuda_tensor", "rebuild_typed_storage",
+                                         "rebuild_typed_storage_child", "rebuild_storage_filename",
+                                         "rebuild_storage_empty", "rebuild_parameter"},
+    "torch.storage": {"UntypedStorage", "TypedStorage"},
+    "torch": {"Tensor", "Size", "UntypedStorage"},
+    "torch.nn.parameter": {"Parameter"},
+}
+"""What a ``torch.multiprocessing`` pickle of tensors may reference (plus ``torch.<dtype>``)."""
+
+
+class _HandleUnpickler(pickle.Unpickler):
+    """Unpickles tensor handles only: every global outside :data:`HANDLE_GLOBALS` is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in HANDLE_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        hint = (" (file-descriptor sharing only reaches child processes: the sender must share CPU tensors "
+                "with the 'file_system' strategy)" if name == "rebuild_storage_fd" else "")
+        raise WeightUpdateError(f"'serialized_named_tensors' references {module}.{name}; only torch tensor "
+                                f"handles are accepted{hint}")
+
+
+def _load(data: bytes) -> Any:
+    """A ``torch.save`` archive (zip) or a ``torch.multiprocessing`` pickle of handles."""
+    import torch
+
+    if data[:2] == b"PK":
+        return torch.load(io.BytesIO(data), weights_only=True)
+    if data[:1] == b"\x80":
+        return _HandleUnpickler(io.BytesIO(data)).load()
+    raise ValueError("neither a torch.save archive nor a pickle of tensor handles")
+
+
 def decode_direct(payload: Mapping[str, Any]) -> Iterator[tuple[str, "torch.Tensor"]]:
-    """``(name, tensor)`` pairs of a ``direct``-format ``serialized_named_tensors`` field."""
+    """``(name, tensor)`` pairs of a ``direct``-format ``serialized_named_tensors`` field.
+
+    With several entries (one per sender tensor-parallel rank, each holding the full weights, as
+    SGLang sends them) the embedded engine, a single rank, reads the first.
+    """
     import torch
 
     raw = payload.get("serialized_named_tensors")
     parts = raw if isinstance(raw, list) else [raw]
-    for i, part in enumerate(parts):
+    for i, part in enumerate(parts[:1]):
         if not isinstance(part, str):
             raise WeightUpdateError(
                 f"'serialized_named_tensors' must be base64 text (or a list of them) for load_format "
                 f"'{DIRECT_FORMAT}', got {type(part).__name__}")
         try:
-            data = base64.b64decode(part, validate=True)
-            obj = torch.load(io.BytesIO(data), weights_only=True)
+            obj = _load(base64.b64decode(part, validate=True))
+        except WeightUpdateError:
+            raise
         except Exception as exc:  # any decoding failure is a malformed request
             raise WeightUpdateError(f"'serialized_named_tensors'[{i}] cannot be decoded as base64 torch.save "
-                                    f"data: {exc}") from None
+                                    f"data or tensor handles: {exc}") from None
         pairs = obj.items() if isinstance(obj, dict) else obj
         for pair in pairs:
             if not (isinstance(pair, (tuple, list)) and len(pair) == 2 and isinstance(pair[0], str)
