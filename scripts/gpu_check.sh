@@ -10,7 +10,9 @@
 #
 # Usage:  bash scripts/gpu_check.sh
 # Environment: PYTHON (default .venv/bin/python, else python3), OUT (default runs/gpu_check_sglang),
-#   BACKEND (train backend, default megatron), TRANSPORTS (default "sglang_disk sglang_nccl"),
+#   BACKEND (train backend, default megatron), TRANSPORTS (default "sglang_disk sglang_nccl
+#   sglang_tensor"; sglang_tensor runs colocated: trainer and SGLang in one actor on one GPU, the
+#   engine releasing its memory while the trainer trains, weights passed as CUDA IPC handles),
 #   MAX_K3 (fail if the mean k3 gap of a run exceeds it; default 0.05).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +22,7 @@ if [ -z "$PY" ]; then
 fi
 OUT="${OUT:-runs/gpu_check_sglang}"
 BACKEND="${BACKEND:-megatron}"
-TRANSPORTS="${TRANSPORTS:-sglang_disk sglang_nccl}"
+TRANSPORTS="${TRANSPORTS:-sglang_disk sglang_nccl sglang_tensor}"
 MAX_K3="${MAX_K3:-0.05}"
 JOB=plugins/loongsage-plugin-sglang/gpu_check.toml
 
@@ -72,9 +74,14 @@ for transport in $TRANSPORTS; do
   run_dir="$OUT/$transport"
   rm -rf "$run_dir"
   echo "=== $transport (train backend $BACKEND) ==="
+  LAYOUT=(${EXTRA[@]+"${EXTRA[@]}"})
+  if [ "$transport" = sglang_tensor ]; then
+    # same device by construction: one actor holds the trainer rank and the SGLang server
+    LAYOUT=(placement.colocate=true placement.offload=true placement.trainer_gpus=1)
+  fi
   if ! "$PY" -m loongsage_core.cli run "$JOB" --output-dir "$run_dir" \
       "model.path=$MODEL" "rollout.weight_transport=$transport" "train.backend=$BACKEND" \
-      "rollout.engine_args.log_dir=$(pwd)/$run_dir/logs" ${EXTRA[@]+"${EXTRA[@]}"}; then
+      "rollout.engine_args.log_dir=$(pwd)/$run_dir/logs" ${LAYOUT[@]+"${LAYOUT[@]}"}; then
     echo "gpu_check: $transport run failed; engine logs in $run_dir/logs" >&2
     status=1
     continue
