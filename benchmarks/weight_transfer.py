@@ -9,7 +9,9 @@ side by side in one run:
 * ``shm``: the ``shm`` sender into an engine in another process (an HTTP endpoint with the
   ``shm`` receiver copying into its parameters), for several bucket sizes;
 * ``broadcast``: the ``broadcast`` sender into the same process over a Gloo group (metadata by
-  HTTP, bytes by ``torch.distributed.broadcast`` over loopback TCP), for the same bucket sizes.
+  HTTP, bytes by ``torch.distributed.broadcast`` over loopback TCP), for the same bucket sizes;
+* ``handles``: the sglang plugin's ``sglang_tensor`` sender (``torch.multiprocessing`` handles to
+  a shared staging bucket; CUDA IPC on a GPU), same bucket sizes.
 
 Prints JSON with bytes/s and the ratio of each transport to the plain copy (absolute numbers are
 not stable on a shared machine; the ratios are the result). Run::
@@ -71,6 +73,7 @@ class CopyEngine:
 def serve() -> None:
     """Child process: an HTTP endpoint whose shm and broadcast receivers feed a CopyEngine."""
     import torch
+    from loongsage_plugin_torch.engine.weights import decode_direct
     from loongsage_plugin_torch.transport import broadcast_receiver, shm_receiver
 
     torch.set_num_threads(1)
@@ -89,6 +92,8 @@ def serve() -> None:
             elif self.path == "/update_weights_from_distributed":
                 with groups.lock(payload["group_name"]):
                     engine.load_weights(groups.receive(payload), payload["weight_version"])
+            elif payload.get("load_format") is None:  # SGLang's tensor-handle format
+                engine.load_weights(decode_direct(payload), payload.get("weight_version"))
             else:
                 engine.load_weights(receiver.receive(payload), payload["weight_version"])
             self._reply({"success": True})
@@ -174,6 +179,16 @@ def main() -> None:
                 t = best_time(lambda: sender.send(weights, 1, [url]), args.repeats)
             results["broadcast"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9,
                                                   "ratio_vs_copy": copy_s / t}
+        from loongsage_plugin_sglang.transport_tensor import TensorHandleSender
+
+        results["handles"] = {}
+        for mb in (float(x) for x in args.buckets_mb.split(",")):
+            handles = TensorHandleSender(bucket_bytes=int(mb * (1 << 20)))
+            handles.send(weights, 0, [url])  # warm-up: staging buffers are allocated and shared
+            t = best_time(lambda: handles.send(weights, 1, [url]), args.repeats)
+            handles.close()
+            results["handles"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9,
+                                                "ratio_vs_copy": copy_s / t}
         httpx.get(url + "/shutdown", trust_env=False)
         child.wait(timeout=30)
     finally:
