@@ -8,7 +8,9 @@ Flags that come from the job (SGLang's own argument names):
 * ``--host`` / ``--port``: the engine context's host and a free port;
 * ``--dtype``: ``[model] dtype``; ``--context-length``: ``[rollout] max_context_length``;
 * ``--random-seed``: ``[run] seed`` plus the engine index (engines sample differently);
-* ``--tp-size``: 1 unless ``engine_args`` says otherwise; ``--weight-version``: ``0``.
+* ``--tp-size``: 1 unless ``engine_args`` says otherwise; ``--weight-version``: ``0``;
+* ``--enable-memory-saver`` in colocated runs with ``[placement] offload`` (the engine releases
+  its memory while the trainer trains, which SGLang only allows with the memory saver).
 
 Every key of ``[rollout] engine_args`` becomes ``--kebab-case`` (``mem_fraction_static = 0.7`` ->
 ``--mem-fraction-static 0.7``): ``true`` is a bare flag, ``false`` leaves it out, a list repeats
@@ -123,6 +125,14 @@ def build_launch_command(job: Any, *, host: str = "127.0.0.1", port: int, engine
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise LaunchConfigError(f"{where}: [rollout] engine_args.random_seed must be an integer, got {seed!r}")
     version = args.pop("weight_version", args.pop("weight-version", "0"))
+    placement = getattr(job, "placement", None)
+    if placement is not None and placement.colocate and placement.offload:
+        saver = args.pop("enable_memory_saver", args.pop("enable-memory-saver", True))
+        if saver is not True:
+            raise LaunchConfigError(f"{where}: [rollout] engine_args.enable_memory_saver = {saver!r}, but a colocated "
+                                    "run with [placement] offload = true releases the engine's memory while "
+                                    "training, which needs it; remove the key or set placement.offload = false")
+        args["enable_memory_saver"] = True
     argv = [python or sys.executable, "-m", "sglang.launch_server",
             "--model-path", job.resolve_path(job.model.path)]
     tok = tokenizer_dir(job)

@@ -179,3 +179,15 @@ def test_health_wait_timeout_and_group_shutdown(tmp_path):
     alive = Path(f"/proc/{child}/stat").exists() and Path(f"/proc/{child}/stat").read_text().split()[2] != "Z"
     assert not alive, "the server's child survived shutdown"
     assert not proc.running()
+
+
+def test_memory_saver_follows_colocated_offload(tmp_path):
+    colocated = load_job(write_job(tmp_path))  # placement.colocate and placement.offload default to true
+    assert "--enable-memory-saver" in sglang_command(colocated, port=30000)
+    for overrides in (["placement.colocate=false"], ["placement.offload=false"]):
+        assert "--enable-memory-saver" not in sglang_command(load_job(write_job(tmp_path), overrides), port=30000)
+    kept = load_job(write_job(tmp_path, "engine_args = { enable_memory_saver = true }"))
+    assert sglang_command(kept, port=30000).count("--enable-memory-saver") == 1
+    refused = load_job(write_job(tmp_path, "engine_args = { enable_memory_saver = false }"))
+    with pytest.raises(LaunchConfigError, match="placement.offload = false"):
+        sglang_command(refused, port=30000)
