@@ -174,9 +174,10 @@ def main() -> None:
             results["shm"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9, "ratio_vs_copy": copy_s / t}
         results["broadcast"] = {}
         for mb in (float(x) for x in args.buckets_mb.split(",")):
-            with broadcast_sender(bucket_bytes=int(mb * (1 << 20)), backend="gloo", group_name=f"bench_{mb:g}") as sender:
-                sender.send(weights, 0, [url])  # warm-up: the group is set up, the engine allocates
-                t = best_time(lambda: sender.send(weights, 1, [url]), args.repeats)
+            with broadcast_sender(bucket_bytes=int(mb * (1 << 20)), backend="gloo",
+                                  group_name=f"bench_{mb:g}") as group_sender:
+                group_sender.send(weights, 0, [url])  # warm-up: the group is set up, the engine allocates
+                t = best_time(lambda: group_sender.send(weights, 1, [url]), args.repeats)  # noqa: B023
             results["broadcast"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9,
                                                   "ratio_vs_copy": copy_s / t}
         from loongsage_plugin_sglang.transport_tensor import TensorHandleSender
@@ -185,7 +186,7 @@ def main() -> None:
         for mb in (float(x) for x in args.buckets_mb.split(",")):
             handles = TensorHandleSender(bucket_bytes=int(mb * (1 << 20)))
             handles.send(weights, 0, [url])  # warm-up: staging buffers are allocated and shared
-            t = best_time(lambda: handles.send(weights, 1, [url]), args.repeats)
+            t = best_time(lambda: handles.send(weights, 1, [url]), args.repeats)  # noqa: B023
             handles.close()
             results["handles"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9,
                                                 "ratio_vs_copy": copy_s / t}

@@ -15,8 +15,9 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable, Sequence
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -79,6 +80,27 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
                                               group_name=group_name, timeout=timeout, **options)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def join_with_engines(pool: Executor, engine_joins: Sequence[Callable[[], Any]], master_address: str,
+                      master_port: int, world_size: int, *, group_name: str, backend: str, timeout_s: float,
+                      where: str) -> Any:
+    """Set up a group as its rank 0 while every engine is asked to join; returns the group.
+
+    ``engine_joins`` are the engines' join requests (each a ``POST /init_weights_update_group``),
+    run in ``pool`` beside this process's own rendezvous. An engine that refuses to join fails the
+    set-up at once instead of after the rendezvous timeout; ``where`` names the caller in errors.
+    """
+    joins = [pool.submit(join) for join in engine_joins]
+    group = pool.submit(init_weight_update_group, master_address, master_port, 0, world_size,
+                        group_name=group_name, backend=backend, timeout_s=timeout_s)
+    done, _ = wait([*joins, group], timeout=timeout_s + 60, return_when=FIRST_EXCEPTION)
+    for fut in done:
+        fut.result()
+    if len(done) < len(joins) + 1:
+        raise TimeoutError(f"{where}: the weight update group {group_name!r} was not set up within {timeout_s:g} s "
+                           f"(rendezvous {master_address}:{master_port}, world size {world_size})")
+    return group.result()
 
 
 def destroy_weight_update_group(group: Any) -> None:

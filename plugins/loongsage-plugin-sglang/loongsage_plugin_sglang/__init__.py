@@ -2,9 +2,10 @@
 
 Components (see :mod:`.plugin`): the ``sglang`` rollout engine (:mod:`.server`, command line in
 :mod:`.launch`), the ``sglang_disk`` (:mod:`.transport_disk`), ``sglang_nccl``
-(:mod:`.transport_nccl`) and ``sglang_tensor`` (:mod:`.transport_tensor`) weight transports; plus SGLang control calls (:mod:`.client`) and
-sglang-router management (:mod:`.router`). Importing this package imports neither SGLang nor torch:
-the factories below import their modules when called.
+(:mod:`.transport_nccl`) and ``sglang_tensor`` (:mod:`.transport_tensor`) weight transports;
+plus SGLang control calls (:mod:`.client`) and sglang-router management (:mod:`.router`).
+Importing this package imports neither SGLang nor torch: the factories below import their
+modules when called.
 """
 
 from __future__ import annotations

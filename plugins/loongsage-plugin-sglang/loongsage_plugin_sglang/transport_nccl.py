@@ -21,11 +21,12 @@ Needs CUDA and NCCL on both sides for ``backend = "nccl"``; ``backend = "gloo"``
 
 from __future__ import annotations
 
+import functools
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from loongsage_core.weight_group import destroy_weight_update_group, free_port, init_weight_update_group
+from loongsage_core.weight_group import destroy_weight_update_group, free_port, join_with_engines
 
 from .client import SGLangClient, update_weights_from_distributed_body
 from .targets import target_url
@@ -124,19 +125,11 @@ class NcclSender:
             self.master_port = free_port(self.master_address)
         self._pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="sglang-nccl")
         bodies = self.init_requests(urls)
-        joins = [self._pool.submit(self._client(u).request, "POST", "/init_weights_update_group", body,
+        joins = [functools.partial(self._client(u).request, "POST", "/init_weights_update_group", body,
                                    timeout=self.init_timeout_s) for u, body in zip(urls, bodies)]
-        world_size = bodies[0]["world_size"]
-        group = self._pool.submit(init_weight_update_group, self.master_address, self.master_port, 0, world_size,
-                                  group_name=self.group_name, backend=self.backend, timeout_s=self.init_timeout_s)
-        # an engine that refuses to join fails the set-up at once instead of after the rendezvous timeout
-        done, _ = wait([*joins, group], timeout=self.init_timeout_s + 30, return_when=FIRST_EXCEPTION)
-        for fut in done:
-            fut.result()
-        if len(done) < len(joins) + 1:
-            raise TimeoutError(f"sglang_nccl weight transport: the weight group with {urls} was not set up within "
-                               f"{self.init_timeout_s:g} s (master {self.master_address}:{self.master_port})")
-        self.group = group.result()
+        self.group = join_with_engines(self._pool, joins, self.master_address, self.master_port,
+                                       bodies[0]["world_size"], group_name=self.group_name, backend=self.backend,
+                                       timeout_s=self.init_timeout_s, where="sglang_nccl weight transport")
         self.urls = urls
         return time.perf_counter() - start
 

@@ -44,8 +44,9 @@ def serialize_named_tensors(named: list[tuple[str, "torch.Tensor"]]) -> str:
     so any process on this node can open them (the default ``file_descriptor`` strategy only
     reaches processes this one started).
     """
-    import torch.multiprocessing as mp
     from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp
 
     buf = io.BytesIO()
     with _strategy_lock:

@@ -1,8 +1,8 @@
 """Hook implementations of loongsage-plugin-torch (the module its entry point names).
 
 Provides the ``torch`` train backend, the ``torch`` rollout engine and the ``inprocess``,
-``shm``, ``broadcast`` and ``auto`` weight transports. Only the factories are referenced here; torch and transformers are
-imported when a component is built.
+``shm``, ``broadcast`` and ``auto`` weight transports. Only the factories are referenced here;
+torch and transformers are imported when a component is built.
 """
 
 from __future__ import annotations

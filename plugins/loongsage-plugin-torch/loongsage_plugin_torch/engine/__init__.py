@@ -3,8 +3,8 @@
 A CPU-friendly inference server for the policy model that speaks the subset of SGLang's native
 HTTP API the framework uses (``/generate`` with ``input_ids`` and ``return_logprob``,
 ``/abort_request``, ``/pause_generation``, ``/continue_generation``, ``/flush_cache``,
-``/update_weights_from_tensor``, ``/update_weights_from_distributed``, ``/get_weight_version``, ...), with continuous batching, a slot
-KV cache, prefix sharing across a group's samples and per-token weight versions.
+``/update_weights_from_tensor``, ``/update_weights_from_distributed``, ``/get_weight_version``,
+...), with continuous batching, a slot KV cache, prefix sharing across a group's samples and per-token weight versions.
 
 Modules: :mod:`.engine` (the engine object and factory), :mod:`.server` (HTTP),
 :mod:`.scheduler` (the batching loop), :mod:`.runner` (forward passes), :mod:`.kv_cache`,

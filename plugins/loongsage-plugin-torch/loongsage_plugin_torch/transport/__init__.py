@@ -69,4 +69,5 @@ def auto_sender(**args: Any) -> Any:
     return AutoSender(**args)
 
 
-__all__ = ["auto_sender", "broadcast_receiver", "broadcast_sender", "inprocess_receiver", "inprocess_sender", "shm_receiver", "shm_sender"]
+__all__ = ["auto_sender", "broadcast_receiver", "broadcast_sender", "inprocess_receiver", "inprocess_sender",
+           "shm_receiver", "shm_sender"]

@@ -23,10 +23,11 @@ clusters, and the tests). The receiver also accepts SGLang's own per-tensor form
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Iterable, Iterator, Mapping
 
 import torch
@@ -35,10 +36,19 @@ from loongsage_core.weight_group import (
     destroy_weight_update_group,
     free_port,
     init_weight_update_group,
+    join_with_engines,
     resolve_backend,
 )
 
-from .buckets import BucketAssembler, BucketPacker, decode_bucket, dtype_from_name, dtype_name, encode_bucket, tensor_bytes
+from .buckets import (
+    BucketAssembler,
+    BucketPacker,
+    decode_bucket,
+    dtype_from_name,
+    dtype_name,
+    encode_bucket,
+    tensor_bytes,
+)
 from .shm import WeightTransferError
 
 LOAD_FORMAT = "broadcast"
@@ -123,21 +133,14 @@ class BroadcastSender:
             self.master_port = free_port(self.master_address)
         world_size = 1 + len(urls)
         self._pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="weights-broadcast")
-        joins = [self._pool.submit(self._post, url, "/init_weights_update_group",
+        joins = [functools.partial(self._post, url, "/init_weights_update_group",
                                    {"master_address": self.master_address, "master_port": self.master_port,
                                     "rank_offset": 1 + i, "world_size": world_size, "group_name": self.group_name,
                                     "backend": self.backend}, self.init_timeout_s + 30)
                  for i, url in enumerate(urls)]
-        group = self._pool.submit(init_weight_update_group, self.master_address, self.master_port, 0, world_size,
-                                  group_name=self.group_name, backend=self.backend, timeout_s=self.init_timeout_s)
-        # an engine that refuses to join fails the set-up at once rather than at the rendezvous timeout
-        done, _ = wait([*joins, group], timeout=self.init_timeout_s + 60, return_when=FIRST_EXCEPTION)
-        for fut in done:
-            fut.result()
-        if len(done) < len(joins) + 1:
-            raise TimeoutError(f"broadcast weight transport: the group with {urls} was not set up within "
-                               f"{self.init_timeout_s:g} s (rendezvous {self.master_address}:{self.master_port})")
-        self.group = group.result()
+        self.group = join_with_engines(self._pool, joins, self.master_address, self.master_port, world_size,
+                                       group_name=self.group_name, backend=self.backend,
+                                       timeout_s=self.init_timeout_s, where="broadcast weight transport")
         self.urls = urls
         return time.perf_counter() - start
 

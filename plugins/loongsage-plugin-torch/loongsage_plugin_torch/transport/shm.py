@@ -30,7 +30,15 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from .buckets import BucketAssembler, BucketPacker, DecodedBucket, decode_bucket, dtype_name, encode_bucket, tensor_bytes
+from .buckets import (
+    BucketAssembler,
+    BucketPacker,
+    DecodedBucket,
+    decode_bucket,
+    dtype_name,
+    encode_bucket,
+    tensor_bytes,
+)
 
 LOAD_FORMAT = "shm"
 ENDPOINT = "/update_weights_from_tensor"
