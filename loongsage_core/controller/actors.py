@@ -9,7 +9,6 @@ thread of the actor and is reached by URL like any SGLang server.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any
 
@@ -17,13 +16,6 @@ from loongsage_hookspecs import AggregationNorm, Batch, EngineContext, TrainWork
 
 from ..config import JobConfig
 from ..plugins import PluginHost
-
-
-def free_port() -> int:
-    """A free TCP port on loopback (for the torch.distributed rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class ModelActor:

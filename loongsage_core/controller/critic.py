@@ -33,8 +33,8 @@ from loongsage_hookspecs import Batch, TrainWorkerContext
 
 from ..config import ConfigError, JobConfig
 from ..plugins import PluginHost
+from ..weight_group import free_port
 from . import checkpoint as ckpt
-from .actors import free_port
 from .batching import shard_rows
 
 CRITIC_RANK_DIR = "critic_rank_{rank}"

@@ -13,7 +13,8 @@ from typing import Any
 import attrs
 
 from ..config import ConfigError, JobConfig
-from .actors import ModelActor, free_port
+from ..weight_group import free_port
+from .actors import ModelActor
 
 
 def required_resources(job: JobConfig) -> dict[str, float]:

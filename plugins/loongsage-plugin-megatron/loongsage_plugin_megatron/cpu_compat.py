@@ -147,17 +147,22 @@ def apply() -> None:
     _contiguous_tp_scatter()
     _optimizer_scratch_on_cpu()
     _clip_without_cuda_type_check()
+    _schedule_scratch_on_cpu()
+    _tied_embedding_setup_on_cpu()
 
 
 @functools.cache
 def _cuda_factories_on_cpu() -> type:
-    """A torch function mode class: tensors a call creates with a CUDA ``device=`` go to the CPU."""
+    """A torch function mode class: tensors a call creates with a CUDA ``device=`` go to the CPU,
+    and ``Tensor.cuda()`` leaves a (CPU) tensor where it is."""
     import torch
     from torch.overrides import TorchFunctionMode
 
     class CudaFactoriesOnCpu(TorchFunctionMode):
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
+            if func is torch.Tensor.cuda:
+                return args[0]
             device = kwargs.get("device")
             if device is not None and torch.device(device).type == "cuda":
                 kwargs = {**kwargs, "device": "cpu"}
@@ -223,6 +228,34 @@ def _clip_without_cuda_type_check() -> None:
     megatron_optimizer.clip_grad_by_total_norm_fp32 = clip_grad_by_total_norm_fp32
 
 
+def _schedule_scratch_on_cpu() -> None:
+    """Run Megatron-Core's forward-backward schedules with their token counter on the CPU.
+
+    Replaces ``forward_backward_no_pipelining`` and ``forward_backward_pipelining_without_interleaving``
+    in ``megatron.core.pipeline_parallel.schedules`` (what ``get_forward_backward_func`` returns):
+    both create ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``. They run
+    unchanged, with that counter created on the CPU; the pipeline's send and receive buffers are
+    allocated on ``torch.cuda.current_device()``, which :func:`apply` already points at the CPU.
+    """
+    from megatron.core.pipeline_parallel import schedules
+
+    for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving"):
+        setattr(schedules, name, _scratch_on_cpu(getattr(schedules, name)))
+
+
+def _tied_embedding_setup_on_cpu() -> None:
+    """Replace ``LanguageModule.setup_embeddings_and_output_layer`` (Megatron-Core) under PP > 1.
+
+    With tied input and output embeddings on different pipeline stages, upstream moves the
+    output layer's copy to the GPU (``weight.data = weight.data.cuda()``) before all-reducing it
+    over the embedding group. It runs unchanged, with ``.cuda()`` leaving the CPU tensor in place.
+    """
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    LanguageModule.setup_embeddings_and_output_layer = _scratch_on_cpu(  # type: ignore[method-assign]
+        LanguageModule.setup_embeddings_and_output_layer)
+
+
 def distributed_optimizer_blocker() -> str | None:
     """Why Megatron-Core's ``DistributedOptimizer`` cannot run on this machine, or None if it can.
 
@@ -281,11 +314,17 @@ def init_rng_tracker(seed: int) -> None:
 
 
 def configure_provider(provider: Any) -> None:
-    """Adjust a Megatron-Bridge model provider for a machine without Transformer Engine.
+    """Adjust a Megatron-Bridge model provider for a machine without Transformer Engine or CUDA.
 
-    Replaces the provider's default ``transformer_engine_layer_spec`` (Transformer Engine fused
-    layers) with Megatron-Bridge's ``local_layer_spec`` (Megatron-Core's own torch layers).
+    Without Transformer Engine, replaces the provider's default ``transformer_engine_layer_spec``
+    (fused layers) with Megatron-Bridge's ``local_layer_spec`` (Megatron-Core's own torch layers).
+
+    Without CUDA, sets the config switch ``batch_p2p_sync = False``: the pipeline's batched
+    point-to-point exchange (``torch.distributed.batch_isend_irecv``, which Gloo runs) is
+    otherwise followed by ``torch.cuda.synchronize()`` in ``P2PCommunicator._communicate``.
     """
+    if cuda_missing():
+        provider.batch_p2p_sync = False
     if _installed("transformer_engine"):
         return
     from megatron.bridge.models.gpt_provider import local_layer_spec

@@ -73,9 +73,6 @@ def parallel_sizes(options: BackendOptions, world_size: int) -> tuple[int, int, 
     tp, pp = int(options.tp), int(options.pp)
     if tp < 1 or pp < 1:
         raise ValueError(f"[train] backend_args: tp and pp must be >= 1, got tp={tp}, pp={pp}")
-    if pp != 1:
-        raise ValueError(f"[train] backend_args.pp = {pp}: pipeline parallelism is not supported by the "
-                         "megatron backend yet (use pp = 1)")
     if world_size % (tp * pp):
         raise ValueError(f"[train] backend_args: {world_size} ranks are not divisible by tp * pp = {tp * pp}")
     dp = world_size // (tp * pp) if options.dp is None else int(options.dp)
@@ -112,6 +109,10 @@ class MegatronTrainWorker:
         self.model_path = job.resolve_path(job.model.path) if hasattr(job, "resolve_path") else job.model.path
         if not (Path(self.model_path) / "config.json").is_file():
             raise ValueError(f"[model] path: no config.json in model directory '{self.model_path}'")
+        layers = _hf_num_layers(Path(self.model_path) / "config.json")
+        if layers is not None and layers % self.pp:
+            raise ValueError(f"[train] backend_args.pp = {self.pp}: the model's {layers} layers do not split evenly "
+                             "over the pipeline stages")
 
         auto_bridge = cpu_compat.import_bridge()
         cpu_compat.apply()
@@ -211,53 +212,53 @@ class MegatronTrainWorker:
         optimizer = get_megatron_optimizer(config, self.chunks, config_overrides={})
         return optimizer, make_megatron_scheduler(optimizer, train)
 
-    def _token_outputs(self, micro: Batch, *, entropy_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-probs and entropies ``[b, T]`` of one micro-batch (0 at padding and position 0)."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    def _stage_inputs(self, batch: Batch) -> list[Any]:
+        """The micro-batches of ``batch`` as model inputs (one fixed shape under PP > 1)."""
+        from .forward_backward import stage_inputs
 
-        ids = micro["input_ids"].to(self.device)
-        attention = micro.get("attention_mask")
-        attention = torch.ones_like(ids) if attention is None else attention.to(self.device)
-        lengths = attention.sum(1)
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        if not torch.equal(attention.bool(), positions[None, :] < lengths[:, None]):
-            raise ValueError("megatron train backend: attention_mask must be right-padded (ones then zeros)")
-        width = max(int(lengths.max()) if ids.shape[0] else 1, 1)
-        ids_w = ids[:, :width]
-        pos = positions[:width].unsqueeze(0).expand_as(ids_w)
-        # Megatron's mask marks the positions to hide (True above the diagonal); right padding
-        # never influences the real tokens before it, so the causal mask is the whole mask.
-        causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=ids.device), diagonal=1)
-        logits = self.model(input_ids=ids_w, position_ids=pos, attention_mask=causal[None, None])
-        if self.tp > 1:  # vocab-sharded output layer: gather the full vocabulary (differentiable)
-            logits = gather_from_tensor_model_parallel_region(logits)
-        logprobs, entropy = logprobs_and_entropy(logits[:, :-1].float(), ids_w, entropy_grad=entropy_grad)
-        real = attention[:, :width] > 0
-        logprobs = torch.where(real, logprobs, torch.zeros_like(logprobs))
-        entropy = torch.where(real, entropy, torch.zeros_like(entropy))
-        pad = (0, ids.shape[1] - width)
-        return torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(entropy, pad)
+        return stage_inputs(batch, self.micro_batch_size, self.device, fixed_shape=self.pp > 1)
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, CPU, no gradient)."""
+        """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, CPU, no gradient).
+
+        Under PP > 1 the last pipeline stage computes them and broadcasts them to the other
+        stages, so every rank returns them.
+        """
+        from .forward_backward import run_schedule, token_outputs
+
         if "input_ids" not in batch:
             raise KeyError("MegatronTrainWorker.forward: the batch has no 'input_ids' tensor")
         if self._offloaded:
             raise RuntimeError("MegatronTrainWorker.forward: the worker is offloaded; call onload() first")
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            outs = [self._token_outputs(m, entropy_grad=False) for m in batch.chunks(self.micro_batch_size)]
-        finally:
-            self.model.train(was_training)
-        if not outs:
-            empty = torch.zeros(0, batch["input_ids"].shape[1])
+        rows, width = batch["input_ids"].shape
+        if not rows:
+            empty = torch.zeros(0, width)
             return {"logprobs": empty, "entropy": empty.clone()}
-        return {"logprobs": torch.cat([o[0] for o in outs]).cpu(), "entropy": torch.cat([o[1] for o in outs]).cpu()}
+        was_training = self.model.training
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            outs = run_schedule(self.chunks, self._stage_inputs(batch),
+                                lambda inputs, logits: token_outputs(logits, inputs, tp=self.tp, entropy_grad=False),
+                                forward_only=True)
+        finally:
+            for chunk in self.chunks:
+                chunk.train(was_training)
+        if outs:
+            both = torch.stack([torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])]).float()
+        else:  # not the last pipeline stage: receive below
+            both = torch.empty(2, rows, width, dtype=torch.float32, device=self.device)
+        if self.pp > 1:
+            _broadcast_from_last_stage(both)
+        return {"logprobs": both[0].cpu(), "entropy": both[1].cpu()}
 
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
-        """One optimizer step on this rank's rows of a mini-batch with global denominators ``norm``."""
+        """One optimizer step on this rank's rows of a mini-batch with global denominators ``norm``.
+
+        The micro-batches go through Megatron-Core's forward-backward schedule (1F1B under
+        PP > 1); the last pipeline stage computes the host's loss on each micro-batch's logits.
+        """
         if self.optimizer is None or self.pipeline is None:
             raise RuntimeError(f"MegatronTrainWorker.train_mini_batch: the {self.role!r} worker is forward-only")
         if self.pipeline.needs_logits:
@@ -267,22 +268,31 @@ class MegatronTrainWorker:
             raise RuntimeError("MegatronTrainWorker.train_mini_batch: the worker is offloaded; call onload() first")
         from megatron.core.distributed import finalize_model_grads
 
-        self.model.train()
+        from .forward_backward import run_schedule, token_outputs
+
+        pipeline = self.pipeline
         for chunk in self.chunks:
+            chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
         acc = MetricAccumulator()
-        entropy_grad = self.pipeline.entropy_coef != 0.0
-        for micro in batch.chunks(self.micro_batch_size):
-            logprobs, entropy = self._token_outputs(micro, entropy_grad=entropy_grad)
-            micro = Batch(tensors={k: v.to(self.device) for k, v in micro.tensors.items()}, meta=micro.meta)
-            loss, micro_metrics = self.pipeline.loss(micro, logprobs, entropy, norm)
-            loss.backward()
-            acc.add(micro_metrics, micro["loss_mask"])
-        # Megatron sums the gradient buffers over the data-parallel group (``finish_grad_sync``)
-        # and the tensor-parallel partial gradients of replicated norms (QK layernorm).
+        entropy_grad = pipeline.entropy_coef != 0.0
+        # Every rank of a tensor-parallel group computes the same loss: one of them reports it.
+        reports = _tensor_parallel_rank() == 0
+
+        def loss(inputs: Any, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+            logprobs, entropy = token_outputs(logits, inputs, tp=self.tp, entropy_grad=entropy_grad)
+            value, micro_metrics = pipeline.loss(inputs.micro, logprobs, entropy, norm)
+            if reports:
+                acc.add(micro_metrics, inputs.micro["loss_mask"])
+            return value, inputs.micro["loss_mask"].sum().to(torch.int), {}
+
+        run_schedule(self.chunks, self._stage_inputs(batch), loss, forward_only=False)
+        # Megatron sums the gradient buffers over the data-parallel group (``finish_grad_sync``),
+        # the tensor-parallel partial gradients of replicated norms (QK layernorm) and, under
+        # PP > 1, the gradients of the tied embedding's two copies (first and last stage).
         finalize_model_grads(self.chunks)
-        acc.reduce()
+        acc.reduce()  # only the last stage's tensor-parallel rank 0 of each data-parallel rank adds
         metrics = acc.result()
         metrics.update(self._optimizer_step())
         return metrics
@@ -318,8 +328,13 @@ class MegatronTrainWorker:
     # ------------------------------------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under Hugging Face names (gathered over tensor parallelism by the bridge)."""
-        yield from self.bridge.export_hf_weights(self.modules, cpu=True, show_progress=False)
+        """Full tensors under Hugging Face names, on every rank.
+
+        The bridge gathers them over tensor parallelism and, under PP > 1, broadcasts each from
+        the pipeline stage that holds it. Without autograd: the broadcasts write parameters'
+        storage, which must not enter the next training step's graph.
+        """
+        yield from _without_grad(self.bridge.export_hf_weights(self.modules, cpu=True, show_progress=False))
 
     def save_checkpoint(self, path: str) -> None:
         """Each rank saves its model shard, Megatron optimizer state, schedule, step and RNG to ``path``.
@@ -372,7 +387,8 @@ class MegatronTrainWorker:
         """Write a Hugging Face directory (config, safetensors, tokenizer) through Megatron-Bridge."""
         import torch.distributed as dist
 
-        self.bridge.save_hf_pretrained(self.modules, path, show_progress=False)
+        with torch.no_grad():  # see named_weights
+            self.bridge.save_hf_pretrained(self.modules, path, show_progress=False)
         if self.rank == 0:
             from transformers import AutoTokenizer
 
@@ -452,6 +468,40 @@ class MegatronTrainWorker:
             parallel_state.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _hf_num_layers(config_file: Path) -> int | None:
+    """``num_hidden_layers`` of a Hugging Face ``config.json`` (None where it is not at the top level)."""
+    import json
+
+    value = json.loads(config_file.read_text()).get("num_hidden_layers")
+    return int(value) if isinstance(value, int) else None
+
+
+def _without_grad(items: Iterator[Any]) -> Iterator[Any]:
+    """``items`` advanced under ``torch.no_grad()``, the caller's grad mode untouched between items."""
+    while True:
+        with torch.no_grad():
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+        yield item
+
+
+def _tensor_parallel_rank() -> int:
+    from megatron.core import parallel_state
+
+    return int(parallel_state.get_tensor_model_parallel_rank())
+
+
+def _broadcast_from_last_stage(tensor: torch.Tensor) -> None:
+    """Overwrite ``tensor`` on every pipeline stage with the last stage's (in place)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.broadcast(tensor, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                   group=parallel_state.get_pipeline_model_parallel_group())
 
 
 def _model_parallel_rank() -> int:

@@ -1,6 +1,6 @@
 """The megatron train backend against the torch backend on the same tiny Qwen3 weights (CPU).
 
-The multi-rank checks (TP=2, DP=2, checkpoint resume) share one spawned pair of processes
+The multi-rank checks (TP=2, DP=2, checkpoint resume, PP=2) share one spawned pair of processes
 (``multi_rank`` fixture) that runs them as successive phases, each with its own process group.
 """
 
@@ -209,9 +209,23 @@ def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batc
     result["resumed_weights_2"] = _weights(w)
     w.close()
 
-    # DP = 1 on rank 0 alone: the same first step on the whole batch.
+    # PP = 2: rank 0 holds the embedding and the first layer, rank 1 the second layer, the final
+    # norm and the (tied) output layer. Forward, export, one step through the 1F1B schedule (two
+    # micro-batches), then the Hugging Face directory written by both stages together.
+    w = worker(ports[3], pp=2)
+    result["pp_stage_params"] = sorted(n for n, _ in w.modules[0].named_parameters())
+    result["pp_forward"] = w.forward(make_batch())
+    result["pp_initial"] = _weights(w)
+    result["pp_metrics"] = w.train_mini_batch(first, compute_norm(first))
+    result["pp_weights"] = _weights(w)
+    w.save_hf(str(Path(out) / "pp_hf"))
+    w.close()
+
+    # PP = 1, DP = 1 on rank 0 alone: the same forward and first step on the whole batch.
     if rank == 0:
         w = worker(0, world=1)
+        result["dp1_forward"] = w.forward(make_batch())
+        result["dp1_initial"] = _weights(w)
         result["dp1_metrics"] = w.train_mini_batch(first, compute_norm(first))
         result["dp1_weights"] = _weights(w)
         w.close()
@@ -229,13 +243,13 @@ def multi_rank(hf_dir, host, tmp_path_factory):
     expected = {"forward": ref.forward(make_batch()), "initial": _weights(ref)}
     batches = [make_train_batch(ref, seed=6), make_train_batch(ref, seed=7)]
     out = tmp_path_factory.mktemp("multi_rank")
-    ports = [_free_port() for _ in range(3)]
+    ports = [_free_port() for _ in range(4)]
     mp.start_processes(_multi_rank_job, args=(ports, hf_dir, batches, str(out)), nprocs=2, join=True,
                        start_method="spawn")
     expected["metrics"] = ref.train_mini_batch(batches[0], compute_norm(batches[0]))
     expected["weights"] = dict(ref.named_weights())
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-    return ranks, expected
+    return ranks, expected, out
 
 
 def _assert_weights_equal(got: dict, expected: dict, atol: float) -> None:
@@ -245,20 +259,22 @@ def _assert_weights_equal(got: dict, expected: dict, atol: float) -> None:
 
 
 def test_tensor_parallel_2_equals_tp_1(multi_rank):
-    (rank0, _), expected = multi_rank
+    (rank0, _), expected, _ = multi_rank
     torch.testing.assert_close(rank0["tp_forward"]["logprobs"], expected["forward"]["logprobs"], rtol=0, atol=1e-5)
     _assert_weights_equal(rank0["tp_initial"], expected["initial"], atol=0)  # export gathers the TP shards
     # One training step under TP = 2 (gradient norm over the TP shards, QK-norm gradients summed
     # over the TP group by Megatron) matches the torch backend like the TP = 1 step does.
     got, ref = rank0["tp_metrics"], expected["metrics"]
     assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-4)
+    for key in ("train/loss", "train/pg_loss", "train/entropy"):  # reported once per TP group
+        assert got[key] == pytest.approx(ref[key], rel=1e-4), key
     assert got["train/lr"] == ref["train/lr"]
     diff = torch.cat([(rank0["tp_weights"][n] - t).abs().flatten() for n, t in expected["weights"].items()])
     assert diff.mean() < 1e-5
 
 
 def test_data_parallel_2_equals_dp_1(multi_rank):
-    (rank0, rank1), expected = multi_rank
+    (rank0, rank1), expected, _ = multi_rank
     # Megatron DDP sums the two ranks' gradients: the step is the DP = 1 step on the whole batch.
     assert rank0["dp_metrics"]["train/grad_norm"] == rank0["dp1_metrics"]["train/grad_norm"]
     assert rank0["dp_metrics"]["train/grad_norm"] > 0
@@ -271,7 +287,7 @@ def test_data_parallel_2_equals_dp_1(multi_rank):
 
 
 def test_checkpoint_resume_continues_exactly(multi_rank):
-    (rank0, rank1), _ = multi_rank
+    (rank0, rank1), _, _ = multi_rank
     for rank in (rank0, rank1):
         assert rank["resumed_metrics_2"] == rank["dp_metrics_2"]
         _assert_weights_equal(rank["resumed_weights_2"], rank["dp_weights_2"], atol=0)  # bit-equal
@@ -281,9 +297,44 @@ def test_checkpoint_resume_continues_exactly(multi_rank):
     assert step.max() > 1e-4
 
 
+def test_pipeline_parallel_2_equals_pp_1(multi_rank):
+    from safetensors.torch import load_file
+
+    (rank0, rank1), _, out = multi_rank
+    # Each stage holds only its own layers (built by Megatron-Bridge with pre/post_process).
+    first, last = rank0["pp_stage_params"], rank1["pp_stage_params"]
+    assert any(n.startswith("embedding.") for n in first) and not any(n.startswith("output_layer.") for n in first)
+    assert any(n.startswith("output_layer.") for n in last) and not any(n.startswith("embedding.") for n in last)
+    for names in (first, last):  # one of the two transformer layers each
+        assert {n.split(".")[2] for n in names if n.startswith("decoder.layers.")} == {"0"}
+    # Forward: the last stage's log-probs, broadcast to both stages, equal PP = 1's.
+    for rank in (rank0, rank1):
+        for key in ("logprobs", "entropy"):
+            torch.testing.assert_close(rank["pp_forward"][key], rank0["dp1_forward"][key], rtol=0, atol=1e-5)
+        # Export gathers the stages' weights: the same full Hugging Face state dict as PP = 1.
+        _assert_weights_equal(rank["pp_initial"], rank0["dp1_initial"], atol=0)
+    # One GRPO step through the 1F1B schedule: same loss, gradient norm and updated weights.
+    got, ref = rank0["pp_metrics"], rank0["dp1_metrics"]
+    assert rank1["pp_metrics"] == got  # every stage reports the last stage's metrics
+    assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-6)
+    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/entropy", "train/lr"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-7), key
+    for rank in (rank0, rank1):
+        _assert_weights_equal(rank["pp_weights"], rank0["dp1_weights"], atol=1e-5)
+    moved = torch.cat([(rank0["pp_weights"][n] - t).abs().flatten() for n, t in rank0["pp_initial"].items()])
+    assert moved.max() > 1e-4
+    # save_hf under PP = 2 writes the trained full weights once, from both stages.
+    saved = load_file(str(out / "pp_hf" / "model.safetensors"))
+    assert set(saved) <= set(rank0["pp_weights"]) and "model.embed_tokens.weight" in saved
+    for name, tensor in saved.items():
+        torch.testing.assert_close(tensor, rank0["pp_weights"][name], rtol=0, atol=0, msg=name)
+
+
 def test_bad_backend_args_raise_clear_errors(hf_dir, host):
-    with pytest.raises(ValueError, match="pipeline parallelism"):
-        plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, pp=2), components=host, world_size=2))
+    with pytest.raises(ValueError, match=r"backend_args.pp = 4: the model's 2 layers do not split evenly"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, pp=4), components=host, world_size=4))
+    with pytest.raises(ValueError, match=r"3 ranks are not divisible by tp \* pp = 2"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, pp=2), components=host, world_size=3))
     with pytest.raises(ValueError, match="unknown keys"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, bogus=1), components=host))
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
