@@ -45,7 +45,6 @@ from loongsage_core.config import structure_args
 from loongsage_hookspecs import AggregationNorm, Batch
 
 from . import cpu_compat
-from .logits import logprobs_and_entropy
 
 STATE_FILE = "megatron_state_rank{rank}.pt"
 # The distributed optimizer's parameter state, written by data-parallel rank 0 of each model-parallel rank.
@@ -121,7 +120,9 @@ class MegatronTrainWorker:
         self.device = torch.device("cpu") if cpu_compat.cuda_missing() else torch.device(
             "cuda", torch.cuda.current_device())
 
-        self.bridge = auto_bridge.from_hf_pretrained(self.model_path, dtype=torch.float32)
+        # ``torch_dtype`` (the bridge's own argument), not ``dtype``: other keywords are kept for
+        # loading the tokenizer and config, whose save_pretrained in save_hf cannot serialise a dtype.
+        self.bridge = auto_bridge.from_hf_pretrained(self.model_path, torch_dtype=torch.float32)
         provider = self.bridge.to_megatron_provider(load_weights=True)
         # Megatron-Bridge turns initialization off when it loads weights, but Megatron-Core marks a
         # tensor-parallel shard (``tensor_model_parallel``, partition dim) only while initializing
@@ -218,6 +219,29 @@ class MegatronTrainWorker:
 
         return stage_inputs(batch, self.micro_batch_size, self.device, fixed_shape=self.pp > 1)
 
+    def _check_same_rows(self, batch: Batch, caller: str) -> None:
+        """Raise ValueError unless every rank of this rank's model-parallel group (its TP x PP
+        ranks) got the same rows: they run one model together (under PP > 1 different micro-batch
+        counts would hang the pipeline schedule)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        if self.tp * self.pp == 1:
+            return
+        ids = batch["input_ids"]
+        weights = torch.arange(1, ids.numel() + 1, dtype=torch.float64).view(ids.shape)
+        mine = torch.tensor([float(ids.shape[0]), float(ids.shape[1]), float((ids.double() * weights).sum())],
+                            dtype=torch.float64, device=self.device)
+        group = parallel_state.get_model_parallel_group()
+        seen = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(seen, mine, group=group)
+        if any(not torch.equal(other, seen[0]) for other in seen):
+            shapes = [f"{int(t[0])}x{int(t[1])}" for t in seen]
+            raise ValueError(f"MegatronTrainWorker.{caller}: the {len(seen)} ranks of one model-parallel group "
+                             f"(tp * pp = {self.tp}*{self.pp}) must receive the same rows (data parallelism "
+                             f"splits rows over the {self.dp} data-parallel ranks only), but their input_ids "
+                             f"differ (shapes by rank: {shapes})")
+
     @torch.no_grad()
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, CPU, no gradient).
@@ -231,6 +255,7 @@ class MegatronTrainWorker:
             raise KeyError("MegatronTrainWorker.forward: the batch has no 'input_ids' tensor")
         if self._offloaded:
             raise RuntimeError("MegatronTrainWorker.forward: the worker is offloaded; call onload() first")
+        self._check_same_rows(batch, "forward")
         rows, width = batch["input_ids"].shape
         if not rows:
             empty = torch.zeros(0, width)
@@ -270,6 +295,7 @@ class MegatronTrainWorker:
 
         from .forward_backward import run_schedule, token_outputs
 
+        self._check_same_rows(batch, "train_mini_batch")
         pipeline = self.pipeline
         for chunk in self.chunks:
             chunk.train()

@@ -1,7 +1,8 @@
 """The megatron train backend against the torch backend on the same tiny Qwen3 weights (CPU).
 
-The multi-rank checks (TP=2, DP=2, checkpoint resume, PP=2) share one spawned pair of processes
-(``multi_rank`` fixture) that runs them as successive phases, each with its own process group.
+The multi-rank checks (TP=2 x PP=2, TP=2, DP=2, checkpoint resume, PP=2) share one spawned set of
+four processes (``multi_rank`` fixture) that runs them as successive phases, each with its own
+process group: all four ranks in the first phase, ranks 0 and 1 in the two-rank phases after it.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ def _weights(worker) -> dict[str, torch.Tensor]:
 
 
 def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batch], out: str) -> None:
-    """Phases of one of two ranks; each phase leaves its process group before the next starts."""
+    """Phases of one of four ranks; each phase leaves its process group before the next starts."""
     host = PluginHost.create([])
     first, second = batches
     result: dict = {}
@@ -180,6 +181,17 @@ def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batc
     def worker(port: int, world: int = 2, **backend_args):
         return plugin.create_train_worker(TrainWorkerContext(
             job=make_job(hf_dir, **backend_args), components=host, rank=rank, world_size=world, master_port=port))
+
+    # TP = 2 x PP = 2 on four ranks: forward, export, one training step on the whole batch.
+    w = worker(ports[4], world=4, tp=2, pp=2)
+    result["tppp_forward"] = w.forward(make_batch())
+    result["tppp_initial"] = _weights(w)
+    result["tppp_metrics"] = w.train_mini_batch(first, compute_norm(first))
+    result["tppp_weights"] = _weights(w)
+    w.close()
+    if rank >= 2:
+        torch.save(result, str(Path(out) / f"rank{rank}.pt"))
+        return
 
     # TP = 2: forward, then one training step on the whole batch.
     w = worker(ports[0], tp=2)
@@ -215,16 +227,22 @@ def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batc
     w = worker(ports[3], pp=2)
     result["pp_stage_params"] = sorted(n for n, _ in w.modules[0].named_parameters())
     result["pp_forward"] = w.forward(make_batch())
+    result["pp_forward_3"] = w.forward(make_batch(rows=3, seed=3))  # the second micro-batch is padded
     result["pp_initial"] = _weights(w)
     result["pp_metrics"] = w.train_mini_batch(first, compute_norm(first))
     result["pp_weights"] = _weights(w)
     w.save_hf(str(Path(out) / "pp_hf"))
+    try:  # the two stages given different rows: a clear error on both, not a hung pipeline
+        w.forward(make_batch(rows=2 + rank))
+    except ValueError as exc:
+        result["pp_mismatch_error"] = str(exc)
     w.close()
 
     # PP = 1, DP = 1 on rank 0 alone: the same forward and first step on the whole batch.
     if rank == 0:
         w = worker(0, world=1)
         result["dp1_forward"] = w.forward(make_batch())
+        result["dp1_forward_3"] = w.forward(make_batch(rows=3, seed=3))
         result["dp1_initial"] = _weights(w)
         result["dp1_metrics"] = w.train_mini_batch(first, compute_norm(first))
         result["dp1_weights"] = _weights(w)
@@ -234,7 +252,8 @@ def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batc
 
 @pytest.fixture(scope="module")
 def multi_rank(hf_dir, host, tmp_path_factory):
-    """Run :func:`_multi_rank_job` on two spawned ranks; yields (rank results, torch reference results)."""
+    """Run :func:`_multi_rank_job` on four spawned ranks; returns (rank results, torch reference results,
+    output directory)."""
     import torch.multiprocessing as mp
 
     # A fresh torch worker (the module's workers may have trained already) gives the batches'
@@ -243,12 +262,12 @@ def multi_rank(hf_dir, host, tmp_path_factory):
     expected = {"forward": ref.forward(make_batch()), "initial": _weights(ref)}
     batches = [make_train_batch(ref, seed=6), make_train_batch(ref, seed=7)]
     out = tmp_path_factory.mktemp("multi_rank")
-    ports = [_free_port() for _ in range(4)]
-    mp.start_processes(_multi_rank_job, args=(ports, hf_dir, batches, str(out)), nprocs=2, join=True,
+    ports = [_free_port() for _ in range(5)]
+    mp.start_processes(_multi_rank_job, args=(ports, hf_dir, batches, str(out)), nprocs=4, join=True,
                        start_method="spawn")
     expected["metrics"] = ref.train_mini_batch(batches[0], compute_norm(batches[0]))
     expected["weights"] = dict(ref.named_weights())
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
     return ranks, expected, out
 
 
@@ -259,7 +278,7 @@ def _assert_weights_equal(got: dict, expected: dict, atol: float) -> None:
 
 
 def test_tensor_parallel_2_equals_tp_1(multi_rank):
-    (rank0, _), expected, _ = multi_rank
+    (rank0, *_), expected, _ = multi_rank
     torch.testing.assert_close(rank0["tp_forward"]["logprobs"], expected["forward"]["logprobs"], rtol=0, atol=1e-5)
     _assert_weights_equal(rank0["tp_initial"], expected["initial"], atol=0)  # export gathers the TP shards
     # One training step under TP = 2 (gradient norm over the TP shards, QK-norm gradients summed
@@ -274,7 +293,7 @@ def test_tensor_parallel_2_equals_tp_1(multi_rank):
 
 
 def test_data_parallel_2_equals_dp_1(multi_rank):
-    (rank0, rank1), expected, _ = multi_rank
+    (rank0, rank1, *_), expected, _ = multi_rank
     # Megatron DDP sums the two ranks' gradients: the step is the DP = 1 step on the whole batch.
     assert rank0["dp_metrics"]["train/grad_norm"] == rank0["dp1_metrics"]["train/grad_norm"]
     assert rank0["dp_metrics"]["train/grad_norm"] > 0
@@ -287,7 +306,7 @@ def test_data_parallel_2_equals_dp_1(multi_rank):
 
 
 def test_checkpoint_resume_continues_exactly(multi_rank):
-    (rank0, rank1), _, _ = multi_rank
+    (rank0, rank1, *_), _, _ = multi_rank
     for rank in (rank0, rank1):
         assert rank["resumed_metrics_2"] == rank["dp_metrics_2"]
         _assert_weights_equal(rank["resumed_weights_2"], rank["dp_weights_2"], atol=0)  # bit-equal
@@ -300,7 +319,7 @@ def test_checkpoint_resume_continues_exactly(multi_rank):
 def test_pipeline_parallel_2_equals_pp_1(multi_rank):
     from safetensors.torch import load_file
 
-    (rank0, rank1), _, out = multi_rank
+    (rank0, rank1, *_), _, out = multi_rank
     # Each stage holds only its own layers (built by Megatron-Bridge with pre/post_process).
     first, last = rank0["pp_stage_params"], rank1["pp_stage_params"]
     assert any(n.startswith("embedding.") for n in first) and not any(n.startswith("output_layer.") for n in first)
@@ -311,6 +330,7 @@ def test_pipeline_parallel_2_equals_pp_1(multi_rank):
     for rank in (rank0, rank1):
         for key in ("logprobs", "entropy"):
             torch.testing.assert_close(rank["pp_forward"][key], rank0["dp1_forward"][key], rtol=0, atol=1e-5)
+            torch.testing.assert_close(rank["pp_forward_3"][key], rank0["dp1_forward_3"][key], rtol=0, atol=1e-5)
         # Export gathers the stages' weights: the same full Hugging Face state dict as PP = 1.
         _assert_weights_equal(rank["pp_initial"], rank0["dp1_initial"], atol=0)
     # One GRPO step through the 1F1B schedule: same loss, gradient norm and updated weights.
@@ -323,11 +343,28 @@ def test_pipeline_parallel_2_equals_pp_1(multi_rank):
         _assert_weights_equal(rank["pp_weights"], rank0["dp1_weights"], atol=1e-5)
     moved = torch.cat([(rank0["pp_weights"][n] - t).abs().flatten() for n, t in rank0["pp_initial"].items()])
     assert moved.max() > 1e-4
+    for rank in (rank0, rank1):
+        assert "must receive the same rows" in rank["pp_mismatch_error"]
+        assert "shapes by rank: ['2x12', '3x12']" in rank["pp_mismatch_error"]
     # save_hf under PP = 2 writes the trained full weights once, from both stages.
     saved = load_file(str(out / "pp_hf" / "model.safetensors"))
     assert set(saved) <= set(rank0["pp_weights"]) and "model.embed_tokens.weight" in saved
     for name, tensor in saved.items():
         torch.testing.assert_close(tensor, rank0["pp_weights"][name], rtol=0, atol=0, msg=name)
+
+
+def test_tensor_parallel_2_by_pipeline_parallel_2_equals_one_rank(multi_rank):
+    ranks, _, _ = multi_rank
+    ref = ranks[0]
+    for rank in ranks:  # each rank returns the full outputs, metrics and weights
+        for key in ("logprobs", "entropy"):
+            torch.testing.assert_close(rank["tppp_forward"][key], ref["dp1_forward"][key], rtol=0, atol=1e-5)
+        _assert_weights_equal(rank["tppp_initial"], ref["dp1_initial"], atol=0)
+        got = rank["tppp_metrics"]
+        assert got["train/grad_norm"] == pytest.approx(ref["dp1_metrics"]["train/grad_norm"], rel=1e-5)
+        for key in ("train/loss", "train/pg_loss", "train/entropy"):
+            assert got[key] == pytest.approx(ref["dp1_metrics"][key], rel=1e-5), key
+        _assert_weights_equal(rank["tppp_weights"], ref["dp1_weights"], atol=1e-5)
 
 
 def test_bad_backend_args_raise_clear_errors(hf_dir, host):

@@ -98,7 +98,8 @@ class BroadcastSender:
         self.urls: list[Any] | None = None
         self._client: Any = None
         self._pool: ThreadPoolExecutor | None = None
-        self._staging: torch.Tensor | None = None
+        self._staging: list[torch.Tensor | None] = [None, None]
+        self._lane: ThreadPoolExecutor | None = None
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _post(self, url: Any, path: str, body: dict[str, Any], timeout: float | None = None) -> dict[str, Any]:
@@ -145,10 +146,13 @@ class BroadcastSender:
         return time.perf_counter() - start
 
     # -- sending ---------------------------------------------------------------------------------
-    def _staging_buffer(self, size: int) -> torch.Tensor:
-        if self._staging is None or self._staging.numel() < size:
-            self._staging = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8, device=self.device)
-        return self._staging
+    def _staging_buffer(self, slot: int, size: int) -> torch.Tensor:
+        """Staging buffer ``slot`` (of two: one is packed while the other is broadcast)."""
+        buffer = self._staging[slot]
+        if buffer is None or buffer.numel() < size:
+            buffer = self._staging[slot] = torch.empty(max(size, self.bucket_bytes), dtype=torch.uint8,
+                                                       device=self.device)
+        return buffer
 
     def _broadcast(self, urls: list[Any], packer: BucketPacker, index: int, version: int, last: bool) -> int:
         import torch.distributed as dist
@@ -162,7 +166,7 @@ class BroadcastSender:
                                                                    body) for u in urls]
         size = packer.sizes[index]
         if size:
-            dist.broadcast(self._staging_buffer(size)[:size], src=0, group=self.group)
+            dist.broadcast(self._staging_buffer(index % 2, size)[:size], src=0, group=self.group)
         for fut in answers:
             fut.result()
         return size
@@ -180,24 +184,36 @@ class BroadcastSender:
                              f"to send to {urls}; build a new sender for other engines")
         start = time.perf_counter()
         packer = BucketPacker(self.bucket_bytes, split_large=True)
+        if self._lane is None:  # one thread sends the buckets in order while this one packs the next
+            self._lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weights-broadcast-lane")
+        sending: dict[int, Future[int]] = {}
         open_bucket = -1
         total = 0
-        for name, tensor in weights:
-            src = tensor_bytes(tensor)
-            if src.device != self.device:
-                src = src.to(self.device)
-            total += src.numel()
-            for piece in packer.place(name, tuple(tensor.shape), dtype_name(tensor.dtype), src.numel()):
-                if piece.bucket != open_bucket:
-                    if open_bucket >= 0:
-                        self._broadcast(urls, packer, open_bucket, version, last=False)
-                    open_bucket = piece.bucket
-                buffer = self._staging_buffer(piece.offset + piece.nbytes)
-                if piece.nbytes:
-                    buffer[piece.offset:piece.offset + piece.nbytes].copy_(src[piece.start:piece.start + piece.nbytes])
-        self._broadcast(urls, packer, max(open_bucket, 0), version, last=True)
+        try:
+            for name, tensor in weights:
+                src = tensor_bytes(tensor)
+                if src.device != self.device:
+                    src = src.to(self.device)
+                total += src.numel()
+                for piece in packer.place(name, tuple(tensor.shape), dtype_name(tensor.dtype), src.numel()):
+                    if piece.bucket != open_bucket:
+                        if open_bucket >= 0:
+                            sending[open_bucket % 2] = self._lane.submit(self._broadcast, urls, packer, open_bucket,
+                                                                         version, False)
+                        open_bucket = piece.bucket
+                        if open_bucket % 2 in sending:  # its buffer is free once that bucket went out
+                            sending.pop(open_bucket % 2).result()
+                    buffer = self._staging_buffer(piece.bucket % 2, piece.offset + piece.nbytes)
+                    if piece.nbytes:
+                        buffer[piece.offset:piece.offset + piece.nbytes].copy_(
+                            src[piece.start:piece.start + piece.nbytes])
+            open_bucket = max(open_bucket, 0)
+            sending[open_bucket % 2] = self._lane.submit(self._broadcast, urls, packer, open_bucket, version, True)
+        finally:
+            for fut in sending.values():
+                fut.result()
         seconds = time.perf_counter() - start
-        return {"perf/weight_update_bytes": float(total), "perf/weight_update_buckets": float(max(open_bucket, 0) + 1),
+        return {"perf/weight_update_bytes": float(total), "perf/weight_update_buckets": float(open_bucket + 1),
                 "timing/weight_update_s": seconds, "timing/weight_group_setup_s": setup_s,
                 "perf/weight_update_gb_per_s": total / max(seconds, 1e-9) / 1e9}
 
@@ -214,10 +230,11 @@ class BroadcastSender:
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
-            self._pool = None
-        self._staging = None
+        for pool in (self._pool, self._lane):
+            if pool is not None:
+                pool.shutdown(wait=False)
+        self._pool = self._lane = None
+        self._staging = [None, None]
 
     def __enter__(self) -> "BroadcastSender":
         return self
