@@ -243,7 +243,8 @@ def loongsage_weight_transports() -> Iterable[WeightTransportSpec]:
     """Provide weight transports from the trainer to rollout engines.
 
     ``sender(**args)`` runs in the trainer, ``receiver(**args)`` in the engine, which finds it by
-    the ``load_format`` of the update request.
+    the ``load_format`` of the update request. ``receiver = None`` marks a transport whose sender
+    speaks formats the engines decode themselves (or other transports' formats).
 
     Example::
 
