@@ -49,16 +49,4 @@ def tensor_sender(**args: Any) -> Any:
     return TensorHandleSender(**args)
 
 
-class NativeReceiverError(RuntimeError):
-    """The receiving side of an SGLang weight transport is SGLang itself."""
-
-
-def native_receiver(**args: Any) -> Any:
-    """Receivers of the SGLang transports do not exist on LoongSage's side: raise saying so."""
-    raise NativeReceiverError("the sglang_* weight transports are received natively by the engine's own endpoints "
-                              "(/update_weights_from_disk, /update_weights_from_distributed, "
-                              "/update_weights_from_tensor); they have no receiver component")
-
-
-__all__ = ["NativeReceiverError", "SUPPORTS", "create_server", "disk_sender", "native_receiver", "nccl_sender",
-           "tensor_sender"]
+__all__ = ["SUPPORTS", "create_server", "disk_sender", "nccl_sender", "tensor_sender"]

@@ -11,7 +11,7 @@ from typing import Iterator
 
 from loongsage_hookspecs import RolloutEngineSpec, WeightTransportSpec, hookimpl
 
-from . import SUPPORTS, create_server, disk_sender, native_receiver, nccl_sender, tensor_sender
+from . import SUPPORTS, create_server, disk_sender, nccl_sender, tensor_sender
 
 
 @hookimpl
@@ -23,11 +23,12 @@ def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
 
 @hookimpl
 def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
-    yield WeightTransportSpec(name="sglang_disk", sender=disk_sender, receiver=native_receiver,
+    # received by the engine's own endpoints (SGLang's, or the embedded engine's copies of them)
+    yield WeightTransportSpec(name="sglang_disk", sender=disk_sender, receiver=None,
                               description="safetensors to a shared directory, then SGLang /update_weights_from_disk")
-    yield WeightTransportSpec(name="sglang_nccl", sender=nccl_sender, receiver=native_receiver,
+    yield WeightTransportSpec(name="sglang_nccl", sender=nccl_sender, receiver=None,
                               description="NCCL broadcast in buckets announced by SGLang "
                                           "/update_weights_from_distributed")
-    yield WeightTransportSpec(name="sglang_tensor", sender=tensor_sender, receiver=native_receiver,
+    yield WeightTransportSpec(name="sglang_tensor", sender=tensor_sender, receiver=None,
                               description="tensor handles (CUDA IPC on GPU, shared memory on CPU) to "
                                           "/update_weights_from_tensor; for engines on the trainer's device")
