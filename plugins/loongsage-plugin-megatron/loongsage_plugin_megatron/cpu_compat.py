@@ -4,6 +4,8 @@ Megatron-Core and Megatron-Bridge are written for CUDA machines with Transformer
 backend uses them unchanged on GPUs; on a machine without CUDA, :func:`apply` swaps in the few
 CPU-safe replacements below (each names the upstream call it stands in for), and
 :func:`import_bridge` imports Megatron-Bridge although Transformer Engine and Triton are absent.
+:func:`configure_provider` sets the model config switches a CPU needs (the layer spec, the
+pipeline's point-to-point sync), preferred to replacements wherever Megatron offers one.
 
 :func:`distributed_optimizer_blocker` says why Megatron-Core's distributed optimizer cannot run
 here (it is not patched: its parameter sharding only accepts CUDA tensors).

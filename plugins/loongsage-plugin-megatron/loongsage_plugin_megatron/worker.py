@@ -6,20 +6,38 @@ and :meth:`save_hf`). Losses come from the host's
 :class:`~loongsage_core.algorithms.LossPipeline`, already divided by the mini-batch's global
 norm, so gradients add up across micro-batches and data-parallel ranks.
 
-Training is Megatron-Core's own: the actor's model is wrapped in
+Training is Megatron-Core's own. The micro-batches run through
+``megatron.core.pipeline_parallel.get_forward_backward_func()`` (see :mod:`.forward_backward`):
+no pipelining under PP = 1, the 1F1B schedule (``forward_backward_pipelining_without_interleaving``)
+under PP > 1, where each rank holds one pipeline stage (its share of the layers; the first
+stage the embedding, the last the final norm and output layer, built by Megatron-Bridge with
+``pre_process`` / ``post_process``) and the last stage computes the loss on each micro-batch's
+logits. The model config sets ``calculate_per_token_loss`` and the loss function returns
+Megatron's ``(loss, num_tokens, info)`` triple, so Megatron back-propagates the host's loss as it
+is (no division by the number of micro-batches or tokens) and sums rather than averages
+data-parallel gradients. The actor's model is wrapped in
 ``megatron.core.distributed.DistributedDataParallel`` (gradients accumulate in its contiguous
-buffers and ``finalize_model_grads`` sums them over the data-parallel group; the model config sets
-``calculate_per_token_loss`` so Megatron sums rather than averages, the loss being normalised
-already), and the optimizer is ``megatron.core.optimizer.get_megatron_optimizer`` with Adam
-(decoupled weight decay on every parameter, like the torch backend), which computes the gradient
-norm over model-parallel shards and clips to ``[train] grad_clip`` inside its ``step()``. The
-learning rate follows the ``[train]`` schedule of the torch backend (a ``LambdaLR`` on the torch
-optimizer inside the Megatron one). A step whose gradients are not finite is skipped
+buffers; ``finalize_model_grads`` sums them over the data-parallel group, sums the
+tensor-parallel partial gradients of replicated norms and, under PP > 1, the gradients of the
+tied embedding's copies on the first and last stage), and the optimizer is
+``megatron.core.optimizer.get_megatron_optimizer`` with Adam (decoupled weight decay on every
+parameter, like the torch backend), which computes the gradient norm over the tensor- and
+pipeline-parallel shards and clips to ``[train] grad_clip`` inside its ``step()``. The learning
+rate follows the ``[train]`` schedule of the torch backend (a ``LambdaLR`` on the torch optimizer
+inside the Megatron one). A step whose gradients are not finite is skipped
 (``train/skipped_step`` = 1), as in the torch backend.
+
+Every rank returns the same results: :meth:`forward` broadcasts the last stage's log-probs and
+entropies over the pipeline group, training metrics are reported by the last stage's
+tensor-parallel rank 0 of each data-parallel rank and all-reduced, and :meth:`named_weights`
+gathers full weights from every stage (Megatron-Bridge's export). The ranks of one
+model-parallel group (its ``tp * pp`` ranks) must be given the same rows; a clear error says
+so otherwise.
 
 ``[train] backend_args`` of this backend:
 
-* ``tp``: tensor-parallel size (default 1); ``pp``: pipeline-parallel size (only 1 is supported);
+* ``tp``: tensor-parallel size (default 1); ``pp``: pipeline-parallel size (default 1; the
+  model's layers must split evenly over the stages);
 * ``dp``: data-parallel size (default ``world_size // (tp * pp)``; ``tp * pp * dp`` must equal
   the number of ranks);
 * ``dist_backend``: ``"auto"`` (NCCL on CUDA, Gloo on CPU), ``"gloo"`` or ``"nccl"``;

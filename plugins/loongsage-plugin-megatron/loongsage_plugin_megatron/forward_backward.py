@@ -1,0 +1,153 @@
+"""Micro-batches through Megatron-Core's forward-backward schedule (any pipeline-parallel size).
+
+Every rank of a pipeline group holds the same rows. :func:`stage_inputs` turns them into the
+model's inputs, one :class:`StageInputs` per micro-batch; :func:`run_schedule` hands these to
+``megatron.core.pipeline_parallel.get_forward_backward_func()`` (no pipelining under PP = 1, the
+1F1B schedule ``forward_backward_pipelining_without_interleaving`` under PP > 1), whose last
+pipeline stage calls back with each micro-batch's logits. :func:`token_outputs` turns those into
+per-token log-probs and entropies; what the caller's ``on_logits`` does with them (the host's
+loss, or collecting them) is up to it.
+
+Pipeline stages exchange activations of one fixed shape ``[width, rows, hidden]``, so under
+PP > 1 every micro-batch is padded to the widest real length of the call and to
+``micro_batch_size`` rows (extra rows are zeros, dropped before the loss). Under PP = 1 each
+micro-batch keeps its own width and row count.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+import attrs
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from loongsage_hookspecs import Batch
+
+from .logits import logprobs_and_entropy
+
+
+@attrs.define(frozen=True)
+class StageInputs:
+    """One micro-batch as every pipeline stage feeds it to the model.
+
+    ``micro`` holds the real rows (tensors on the model's device); ``input_ids`` and
+    ``position_ids`` are ``[rows_padded, width]``; ``attention_mask`` is Megatron's causal mask
+    ``[1, 1, width, width]`` (True hides a position).
+    """
+
+    micro: "Batch"
+    input_ids: "torch.Tensor"
+    position_ids: "torch.Tensor"
+    attention_mask: "torch.Tensor"
+
+    @property
+    def rows(self) -> int:
+        """The number of real rows (``input_ids`` may carry padding rows after them)."""
+        return len(self.micro)
+
+    @property
+    def width(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def real_lengths(batch: "Batch") -> "torch.Tensor":
+    """Per-row token counts ``[B]``; raises ValueError unless ``attention_mask`` is right-padded."""
+    import torch
+
+    ids = batch["input_ids"]
+    attention = batch.get("attention_mask")
+    attention = torch.ones_like(ids) if attention is None else attention
+    lengths = attention.sum(1)
+    positions = torch.arange(ids.shape[1], device=ids.device)
+    if not torch.equal(attention.bool(), positions[None, :] < lengths[:, None]):
+        raise ValueError("megatron train backend: attention_mask must be right-padded (ones then zeros)")
+    return lengths
+
+
+def stage_inputs(batch: "Batch", micro_batch_size: int, device: "torch.device", *,
+                 fixed_shape: bool) -> list[StageInputs]:
+    """The micro-batches of ``batch`` as model inputs on ``device``.
+
+    ``fixed_shape`` (pipeline parallelism): every micro-batch gets the batch's widest real length
+    and ``micro_batch_size`` rows; otherwise each is cut to its own widest real length.
+    """
+    import torch
+
+    from loongsage_hookspecs import Batch
+
+    if not len(batch):
+        return []
+    batch_width = max(int(real_lengths(batch).max()), 1)
+    out = []
+    for micro in batch.chunks(micro_batch_size):
+        micro = Batch(tensors={k: v.to(device) for k, v in micro.tensors.items()}, meta=micro.meta)
+        width = batch_width if fixed_shape else max(int(real_lengths(micro).max()), 1)
+        ids = micro["input_ids"][:, :width]
+        if fixed_shape and ids.shape[0] < micro_batch_size:
+            ids = torch.nn.functional.pad(ids, (0, 0, 0, micro_batch_size - ids.shape[0]))
+        positions = torch.arange(width, device=device).unsqueeze(0).expand_as(ids)
+        # Right padding never influences the real tokens before it: the causal mask is the whole mask.
+        causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)
+        out.append(StageInputs(micro=micro, input_ids=ids, position_ids=positions, attention_mask=causal[None, None]))
+    return out
+
+
+def token_outputs(logits: "torch.Tensor", inputs: StageInputs, *, tp: int,
+                  entropy_grad: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+    """Log-probs and entropies ``[rows, T]`` of a micro-batch's real rows from the last stage's
+    logits ``[rows_padded, width, vocab / tp]`` (0 at padding and position 0)."""
+    import torch
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    if tp > 1:  # vocab-sharded output layer: gather the full vocabulary (differentiable)
+        logits = gather_from_tensor_model_parallel_region(logits)
+    rows, width = inputs.rows, inputs.width
+    ids = inputs.input_ids[:rows]
+    logprobs, entropy = logprobs_and_entropy(logits[:rows, :-1].float(), ids, entropy_grad=entropy_grad)
+    attention = inputs.micro.get("attention_mask")
+    real = torch.ones_like(ids, dtype=torch.bool) if attention is None else attention[:, :width] > 0
+    logprobs = torch.where(real, logprobs, torch.zeros_like(logprobs))
+    entropy = torch.where(real, entropy, torch.zeros_like(entropy))
+    pad = (0, inputs.micro["input_ids"].shape[1] - width)
+    return torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(entropy, pad)
+
+
+def run_schedule(chunks: list[Any], inputs: list[StageInputs], on_logits: Callable[[StageInputs, Any], Any], *,
+                 forward_only: bool) -> list[Any]:
+    """Run ``inputs`` through Megatron-Core's forward-backward schedule; returns what the last stage
+    collected (``[]`` elsewhere).
+
+    ``on_logits(inputs, logits)`` runs on the last pipeline stage once per micro-batch. Training
+    (``forward_only`` false): it returns ``(loss, num_tokens, info)``, the loss already divided by
+    the mini-batch's global norm; the model config's ``calculate_per_token_loss`` makes Megatron
+    back-propagate that loss as it is (its 2-tuple convention would divide it by the number of
+    micro-batches) and ``info`` is collected. Forward only: it returns what is collected, passed
+    through as Megatron's non-loss data.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    if not inputs:
+        return []
+    config = get_model_config(chunks[0])
+    if not forward_only and not config.calculate_per_token_loss:
+        raise RuntimeError("run_schedule: the model config must set calculate_per_token_loss (the host's loss "
+                           "is normalised already)")
+
+    def forward_step(data: Iterator[StageInputs], model: Any) -> tuple[Any, Callable[..., Any]]:
+        item = next(data)
+        output = model(input_ids=item.input_ids, position_ids=item.position_ids,
+                       attention_mask=item.attention_mask)
+
+        def loss_func(logits: Any, non_loss_data: bool = False) -> Any:
+            return on_logits(item, logits)
+
+        return output, loss_func
+
+    first = inputs[0]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(inputs), model=chunks, num_microbatches=len(inputs),
+        seq_length=first.width, micro_batch_size=int(first.input_ids.shape[0]), forward_only=forward_only,
+        collect_non_loss_data=forward_only)
