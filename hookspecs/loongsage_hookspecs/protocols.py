@@ -184,7 +184,13 @@ class TrainWorkerContext:
 
 @runtime_checkable
 class TrainWorker(Protocol):
-    """One data-parallel rank of a train backend."""
+    """One rank of a train backend.
+
+    A backend with model parallelism (several ranks per model replica) also exposes
+    ``data_parallel_rank`` and ``data_parallel_size``: the controller then splits rows over
+    replicas and gives every rank of one replica the same rows. Without them each rank is its
+    own replica (rank ``ctx.rank`` of ``ctx.world_size``).
+    """
 
     def forward(self, batch: "Batch") -> dict[str, "torch.Tensor"]:
         """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (no gradient) for ``batch``."""

@@ -34,6 +34,7 @@ class ModelActor:
         self.engine: Any = None
         self.engine_url: str | None = None
         self.rank = rank
+        self.world_size = world_size
         if rank is not None:
             spec = self.host.get("train_backend", job.train.backend)
             ctx = TrainWorkerContext(job=job, components=self.host, rank=rank, world_size=world_size,
@@ -48,7 +49,13 @@ class ModelActor:
             self.engine_url = self.engine.start()
 
     def ready(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "engine_url": self.engine_url, "rank": self.rank}
+        """Where this actor stands: its engine URL and, for a trainer rank, its data-parallel rank
+        and size (a backend with model parallelism has several ranks per data-parallel rank)."""
+        info: dict[str, Any] = {"pid": os.getpid(), "engine_url": self.engine_url, "rank": self.rank}
+        if self.worker is not None:
+            info["dp_rank"] = int(getattr(self.worker, "data_parallel_rank", self.rank))
+            info["dp_size"] = int(getattr(self.worker, "data_parallel_size", self.world_size))
+        return info
 
     def forward(self, batch: Batch) -> dict[str, Any]:
         return self.worker.forward(batch)
@@ -77,7 +84,15 @@ class ModelActor:
         self.reference.load_weights(self.worker.named_weights())
 
     def push_weights(self, version: int, targets: list[Any] | None) -> dict[str, float]:
-        """Send this rank's weights with the job's transport; ``None`` targets the local engine."""
+        """Send this rank's weights with the job's transport; ``None`` targets the local engine.
+
+        ``[]``: this rank sends nowhere but still reads its weights, because with model
+        parallelism reading them is a collective every rank of the model must join.
+        """
+        if targets is not None and not targets:
+            for _ in self.worker.named_weights():
+                pass
+            return {}
         spec = self.host.get("weight_transport", self.job.rollout.weight_transport)
         if not hasattr(self, "_sender"):
             self._sender = spec.sender(**self.job.rollout.weight_transport_args)

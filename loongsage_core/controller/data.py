@@ -372,7 +372,8 @@ def interleave_by_source(sources: Sequence[Hashable], mini_batch_size: int, worl
     ``sources[i]`` is row ``i``'s data source (``batch.meta["source"]``). The returned permutation
     is meant to be cut as the trainer cuts it: mini-batch ``j`` is ``order[j * mini_batch_size:
     (j + 1) * mini_batch_size]`` (the last one may be smaller) and its rank ``r`` gets the
-    contiguous range ``batching.shard_rows(len(mini_batch), world_size)[r]`` of it.
+    contiguous range ``batching.shard_rows(len(mini_batch), world_size)[r]`` of it (``world_size``:
+    the data-parallel ranks; tensor and pipeline parallel peers share their replica's rows).
 
     Rounding rule (:func:`round_shares`, applied twice): mini-batch ``j`` of ``m_j`` rows holds
     ``floor`` or ``ceil`` of ``m_j * n_s / N`` rows of source ``s`` (``n_s`` of the step's ``N``

@@ -69,6 +69,21 @@ class Actors:
     engine_urls: list[str]
     colocated: bool
     placement_group: Any = None
+    dp_ranks: list[int] = attrs.field(factory=list)
+    """The data-parallel rank of each trainer actor (ranks of one model replica share one)."""
+    dp_size: int = 1
+
+    def data_parallel_ranks(self) -> list[int]:
+        """The data-parallel rank of each trainer actor, in actor order."""
+        return list(self.dp_ranks) or list(range(len(self.trainers)))
+
+    def rows_per_trainer(self, n: int) -> list[list[int]]:
+        """Which of ``n`` rows each trainer actor gets: a contiguous share per data-parallel rank,
+        the same share for every rank of one model replica (tensor / pipeline parallel peers)."""
+        from .batching import shard_rows
+
+        shards = shard_rows(n, self.dp_size)
+        return [shards[r] for r in self.data_parallel_ranks()]
 
     def all(self) -> list[Any]:
         """Every distinct actor (a colocated actor is both a trainer and an engine)."""
@@ -153,6 +168,11 @@ def create_actors(job: JobConfig, needs_reference: bool) -> Actors:
         for i in range(job.rollout.num_engines):
             engines.append(in_bundle(world + i, pl.engine_cpus, pl.engine_gpus).remote(job, None, 1, 0, i, False))
     infos = ray.get([a.ready.remote() for a in engines])
-    ray.get([a.ready.remote() for a in trainers])
+    ranks = ray.get([a.ready.remote() for a in trainers])
+    dp_sizes = {r["dp_size"] for r in ranks}
+    if len(dp_sizes) != 1 or sorted({r["dp_rank"] for r in ranks}) != list(range(dp_sizes.pop() if dp_sizes else 1)):
+        raise RuntimeError(f"trainer ranks report inconsistent data-parallel layouts: "
+                           f"{[(r['dp_rank'], r['dp_size']) for r in ranks]}")
     return Actors(trainers=trainers, engine_actors=engines, engine_urls=[i["engine_url"] for i in infos],
-                  colocated=pl.colocate, placement_group=pg)
+                  colocated=pl.colocate, placement_group=pg, dp_ranks=[r["dp_rank"] for r in ranks],
+                  dp_size=ranks[0]["dp_size"])

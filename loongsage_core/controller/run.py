@@ -28,7 +28,7 @@ from loongsage_hookspecs import AdvantageInputs, AggregationNorm, Batch, Traject
 from ..config import ConfigError, JobConfig, dump_job_toml
 from ..resolve import ResolvedJob
 from . import checkpoint as ckpt
-from .batching import build_batch, shard_rows
+from .batching import build_batch
 from .colocation import PhaseSwitch
 from .critic import Critic
 from .data import DataMixer, interleave_by_source
@@ -196,13 +196,17 @@ class RLController:
         import ray
 
         assert self.actors is not None
-        shards = shard_rows(len(batch), len(self.actors.trainers))
-        calls = []
-        for actor, rows in zip(self.actors.trainers, shards):
+        shards = self.actors.rows_per_trainer(len(batch))
+        calls, replica_of = [], []
+        for actor, rows, replica in zip(self.actors.trainers, shards, self.actors.data_parallel_ranks()):
             if rows:
-                sub = batch.select(rows)
-                calls.append((actor.reference_forward if reference else actor.forward).remote(sub))
-        outs = ray.get(calls)
+                calls.append((actor.reference_forward if reference else actor.forward).remote(batch.select(rows)))
+                replica_of.append(replica)
+        # every rank of a model replica returns the same rows: keep one answer per replica, in order
+        first: dict[int, Any] = {}
+        for replica, out in zip(replica_of, ray.get(calls)):
+            first.setdefault(replica, out)
+        outs = [first[r] for r in sorted(first)]
         width = batch["input_ids"].shape[1]
         parts = [torch.nn.functional.pad(o["logprobs"], (0, width - o["logprobs"].shape[1])) for o in outs]
         return torch.cat(parts, 0).float()
@@ -239,7 +243,7 @@ class RLController:
 
         assert self.actors is not None
         # rows interleaved so every mini-batch and every rank carries each source's share
-        order = interleave_by_source(batch.meta["source"], self.job.train.mini_batch_size, len(self.actors.trainers),
+        order = interleave_by_source(batch.meta["source"], self.job.train.mini_batch_size, self.actors.dp_size,
                                      seed=f"{self.job.run.seed}:{step}:minibatch")
         mb = self.job.train.mini_batch_size
         results: list[dict[str, float]] = []
@@ -249,7 +253,7 @@ class RLController:
                 norm = aggregation_norm(mini)
                 if norm.num_tokens == 0:
                     continue
-                shards = shard_rows(len(mini), len(self.actors.trainers))
+                shards = self.actors.rows_per_trainer(len(mini))
                 calls = [a.train_mini_batch.remote(mini.select(rows), norm)
                          for a, rows in zip(self.actors.trainers, shards)]
                 per_rank = ray.get(calls)
@@ -264,12 +268,15 @@ class RLController:
 
         assert self.actors is not None
         version = self.version if version is None else version
+        # every rank joins (reading the weights is a collective under model parallelism); colocated,
+        # rank i feeds its own engine i; otherwise rank 0 feeds every engine
+        n_engines = len(self.actors.engine_actors)
         if self.actors.colocated:
-            # colocated: rank i hosts engine i, and every rank holds the full weights
-            hosts = self.actors.trainers[:len(self.actors.engine_actors)]
-            stats = ray.get([a.push_weights.remote(version, None) for a in hosts])
+            targets: list[Any] = [None if i < n_engines else [] for i in range(len(self.actors.trainers))]
         else:
-            stats = [ray.get(self.actors.trainers[0].push_weights.remote(version, self.actors.engine_urls))]
+            targets = [list(self.actors.engine_urls) if i == 0 else [] for i in range(len(self.actors.trainers))]
+        stats = [s for s in ray.get([a.push_weights.remote(version, t)
+                                     for a, t in zip(self.actors.trainers, targets)]) if s]
         return {f"perf/weight_sync_{k}": v for k, v in mean_metrics(stats).items()}
 
     def learn(self, groups: Sequence[TrajectoryGroup], step: int) -> tuple[dict[str, float], float]:

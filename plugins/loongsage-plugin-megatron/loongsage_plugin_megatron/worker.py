@@ -115,6 +115,12 @@ class MegatronTrainWorker:
             raise ValueError(f"[train] micro_batch_size must be >= 1, got {job.train.micro_batch_size}")
         self.job, self.role = job, ctx.role
         self.rank, self.world_size = int(ctx.rank), int(ctx.world_size)
+        if ctx.role == "reference":
+            import torch.distributed as dist
+
+            if dist.is_available() and dist.is_initialized():
+                # built beside the policy in its actor: the same ranks, sharded the same way
+                self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.options = BackendOptions.from_args(dict(job.train.backend_args))
         self.tp, self.pp, self.dp = parallel_sizes(self.options, self.world_size)
         self.micro_batch_size = job.train.micro_batch_size
@@ -196,6 +202,10 @@ class MegatronTrainWorker:
             init = f"tcp://{ctx.master_addr}:{port}" if port else f"file://{_tmp_rendezvous()}"
             dist.init_process_group(backend, init_method=init, rank=self.rank, world_size=self.world_size)
         if parallel_state.model_parallel_is_initialized():
+            current = (parallel_state.get_tensor_model_parallel_world_size(),
+                       parallel_state.get_pipeline_model_parallel_world_size())
+            if current == (self.tp, self.pp):  # a second model of this process (the reference) shares it
+                return
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp,
                                                  pipeline_model_parallel_size=self.pp)
@@ -259,6 +269,17 @@ class MegatronTrainWorker:
                              f"(tp * pp = {self.tp}*{self.pp}) must receive the same rows (data parallelism "
                              f"splits rows over the {self.dp} data-parallel ranks only), but their input_ids "
                              f"differ (shapes by rank: {shapes})")
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's model replica: the controller gives every rank of one replica the same rows."""
+        from megatron.core import parallel_state
+
+        return int(parallel_state.get_data_parallel_rank())
+
+    @property
+    def data_parallel_size(self) -> int:
+        return int(self.dp)
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
