@@ -87,7 +87,11 @@ class RolloutConfig:
 
     ``partial`` (asynchronous runs): at a weight update unfinished generations keep their tokens and
     continue under the new weights; ``partial_mask_stale`` then leaves the tokens an older policy
-    generated out of the loss, training only on the part the newest policy wrote."""
+    generated out of the loss, training only on the part the newest policy wrote.
+
+    ``engine_router`` (empty: none) names a load balancer started in front of the engines (the
+    sglang plugin's ``sglang_router``); generation goes through it, weight updates and other
+    control calls go to each engine."""
 
     engine: str = "torch"
     num_engines: int = 1
@@ -103,6 +107,8 @@ class RolloutConfig:
     weight_transport: str = "auto"
     weight_transport_args: Args = attrs.field(factory=dict)
     engine_args: Args = attrs.field(factory=dict)
+    engine_router: str = ""
+    engine_router_args: Args = attrs.field(factory=dict)
 
 
 @attrs.define

@@ -37,6 +37,8 @@ def named_components(job: JobConfig) -> list[tuple[str, str, str]]:
         ("algorithm.policy_loss", "policy_loss", job.algorithm.policy_loss),
         ("algorithm.loss_agg", "loss_aggregation", job.algorithm.loss_agg),
     ]
+    if job.rollout.engine_router:
+        items.append(("rollout.engine_router", "engine_router", job.rollout.engine_router))
     if job.algorithm.kl:
         items.append(("algorithm.kl", "kl", job.algorithm.kl))
     if job.algorithm.distill_kl:

@@ -39,6 +39,7 @@ KIND_SELECTORS: dict[str, tuple[str, str]] = {
     "logger": ("loggers.0.name", "loggers[0].name"),
     "train_backend": ("train.backend", "train.backend"),
     "rollout_engine": ("rollout.engine", "rollout.engine"),
+    "engine_router": ("rollout.engine_router", "rollout.engine_router"),
 }
 
 LIST_KEYS = {"data.0.reward", "algorithm.corrections", "agentflow.middleware", "algorithm.filters"}

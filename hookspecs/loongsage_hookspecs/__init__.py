@@ -19,6 +19,7 @@ from .markers import PROJECT_NAME, hookimpl, hookspec
 from .protocols import (
     Agent,
     EngineContext,
+    EngineRouter,
     MetricsLogger,
     RolloutEngine,
     RouterMiddleware,
@@ -62,6 +63,7 @@ from .specs import (
     ComponentSpec,
     CorrectionSpec,
     DataSourceSpec,
+    EngineRouterSpec,
     FilterSpec,
     KLSpec,
     LoggerSpec,

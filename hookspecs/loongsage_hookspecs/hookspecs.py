@@ -24,6 +24,7 @@ from .specs import (
     ComponentSpec,
     CorrectionSpec,
     DataSourceSpec,
+    EngineRouterSpec,
     FilterSpec,
     KLSpec,
     LoggerSpec,
@@ -255,6 +256,23 @@ def loongsage_weight_transports() -> Iterable[WeightTransportSpec]:
 
 
 @hookspec
+def loongsage_engine_routers() -> Iterable[EngineRouterSpec]:
+    """Provide load balancers to put in front of the rollout engines.
+
+    ``factory(engine_urls, **args)`` runs in the controller and returns an object whose
+    ``start()`` returns one URL serving ``/generate`` for all engines and whose ``shutdown()``
+    stops it. Generation (the fast path and the AgentFlow router's calls) goes through it; weight
+    updates, pause/continue and memory release still go to each engine.
+
+    Example::
+
+        @hookimpl
+        def loongsage_engine_routers():
+            yield EngineRouterSpec(name="sglang_router", factory=SGLangRouterProcess)
+    """
+
+
+@hookspec
 def loongsage_loggers() -> Iterable[LoggerSpec]:
     """Provide metrics loggers.
 
@@ -328,6 +346,7 @@ KINDS: dict[str, Kind] = {
         Kind("logger", "loongsage_loggers", LoggerSpec),
         Kind("train_backend", "loongsage_train_backends", TrainBackendSpec),
         Kind("rollout_engine", "loongsage_rollout_engines", RolloutEngineSpec),
+        Kind("engine_router", "loongsage_engine_routers", EngineRouterSpec),
     )
 }
 """Every component kind, in the order ``loongsage plugins`` lists them."""

@@ -147,6 +147,17 @@ class MetricsLogger(Protocol):
 
 
 @runtime_checkable
+class EngineRouter(Protocol):
+    """A load balancer in front of the engines (cache-aware routing of generation requests)."""
+
+    def start(self) -> str:
+        """Start serving; returns the base URL that speaks the engines' ``/generate``."""
+        ...
+
+    def shutdown(self) -> None: ...
+
+
+@runtime_checkable
 class WeightSender(Protocol):
     """Trainer side of a weight transport: pushes named tensors into every target engine."""
 

@@ -177,6 +177,14 @@ class WeightTransportSpec(ComponentSpec):
 
 
 @attrs.define(frozen=True, kw_only=True)
+class EngineRouterSpec(ComponentSpec):
+    """``factory(engine_urls: list[str], **args) -> EngineRouter``: a load balancer the controller
+    starts in front of the engines; generation requests go through it, control calls do not."""
+
+    factory: "Callable[..., Any]"
+
+
+@attrs.define(frozen=True, kw_only=True)
 class LoggerSpec(ComponentSpec):
     """``factory(output_dir: str, **args) -> MetricsLogger``; all listed loggers receive each step."""
 

@@ -176,3 +176,19 @@ def create_actors(job: JobConfig, needs_reference: bool) -> Actors:
     return Actors(trainers=trainers, engine_actors=engines, engine_urls=[i["engine_url"] for i in infos],
                   colocated=pl.colocate, placement_group=pg, dp_ranks=[r["dp_rank"] for r in ranks],
                   dp_size=ranks[0]["dp_size"])
+
+
+def start_engine_router(job: JobConfig, host: Any, engine_urls: list[str]) -> tuple[Any, list[str]]:
+    """The job's ``[rollout] engine_router`` started in front of ``engine_urls`` (or ``None``), and
+    the URLs generation requests go to: the router's one URL, or the engines themselves."""
+    if not job.rollout.engine_router:
+        return None, list(engine_urls)
+    spec = host.get("engine_router", job.rollout.engine_router,
+                    where=f"{job.source_path or '<job>'}: rollout.engine_router")
+    router = spec.factory(list(engine_urls), **dict(job.rollout.engine_router_args))
+    try:
+        url = router.start()
+    except BaseException:
+        router.shutdown()
+        raise
+    return router, [str(url)]

@@ -59,11 +59,19 @@ def sampling_params(job: JobConfig, source: DataConfig) -> dict[str, Any]:
 class RolloutManager:
     """Generates and scores the groups of one step across the available engines."""
 
-    def __init__(self, job: JobConfig, components: Any, tokenizer: Any, engine_urls: Sequence[str]) -> None:
+    def __init__(self, job: JobConfig, components: Any, tokenizer: Any, engine_urls: Sequence[str],
+                 generate_urls: Sequence[str] | None = None) -> None:
+        """``engine_urls``: every engine (control calls: pause, continue, memory release);
+        ``generate_urls``: where generation goes (a load balancer in front of them; default the
+        engines, round robin)."""
         self.job = job
         self.components = components
         self.tokenizer = tokenizer
         self.clients = [EngineClient(url) for url in engine_urls]
+        self.generate_urls = list(generate_urls) if generate_urls else list(engine_urls)
+        self.generate_clients = self.clients if not generate_urls else [EngineClient(u) for u in self.generate_urls]
+        # a load balancer takes one sampling_params per request (and routes each sample itself)
+        self.one_request_per_sample = bool(generate_urls)
         self.sources = {src.name: src for src in job.data}
         eos = tokenizer.eos_token_id
         self.stop_ids = [eos] if eos is not None else []
@@ -81,7 +89,8 @@ class RolloutManager:
 
             af = self.job.agentflow
             entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
-            self.router = AgentFlowRouter(self.tokenizer, self.engine_urls, build_middlewares(self.components, entries),
+            self.router = AgentFlowRouter(self.tokenizer, self.generate_urls,
+                                          build_middlewares(self.components, entries),
                                           port=af.port, max_context_length=self.job.rollout.max_context_length)
             self.router.start()
         return str(self.router.base_url)
@@ -152,7 +161,12 @@ class RolloutManager:
             params.append(p)
         group_id = f"{step}:{index}"
         rids = [f"{group_id}:{j}" for j in range(n)]
-        results = await client.generate([tokens] * n, params, return_logprob=True, rids=rids)
+        if self.one_request_per_sample:
+            answers = await asyncio.gather(*(client.generate([tokens], params[j], return_logprob=True, rids=[rids[j]])
+                                             for j in range(n)))
+            results = [a[0] for a in answers]
+        else:
+            results = await client.generate([tokens] * n, params, return_logprob=True, rids=rids)
         group = TrajectoryGroup(group_id=group_id, prompt_id=prompt.prompt_id, source=prompt.source)
         for j, res in enumerate(results):
             seg = Segment()
@@ -173,7 +187,8 @@ class RolloutManager:
         """The coroutine producing group ``index`` of ``step``: the single-turn fast path on engine
         ``index`` (round robin), or the source's agent through the router."""
         if self.sources[prompt.source].agent == FAST_PATH_AGENT:
-            return self._group(self.clients[index % len(self.clients)], prompt, index, step)
+            clients = self.generate_clients
+            return self._group(clients[index % len(clients)], prompt, index, step)
         return self._agent_group(prompt, index, step)
 
     async def generate(self, prompts: Sequence[Prompt], step: int, offset: int = 0) -> list[TrajectoryGroup]:
@@ -181,7 +196,7 @@ class RolloutManager:
         return list(await asyncio.gather(*(self.group(p, offset + i, step) for i, p in enumerate(prompts))))
 
     async def aclose(self) -> None:
-        for c in self.clients:
+        for c in {id(c): c for c in (*self.clients, *self.generate_clients)}.values():
             await c.aclose()
         if self.router is not None:
             self.router.shutdown()

@@ -33,7 +33,7 @@ from .colocation import PhaseSwitch
 from .critic import Critic
 from .data import DataMixer, interleave_by_source
 from .metrics import advantage_metrics, rollout_metrics, train_inference_gap
-from .placement import Actors, create_actors, init_ray
+from .placement import Actors, create_actors, init_ray, start_engine_router
 from .rollout import RolloutManager
 from .teachers import TeacherGroup, apply_teachers, distill_token_penalty, uses_reference_model
 
@@ -110,6 +110,7 @@ class RLController:
         self.step = 0
         self.version = 0
         self.actors: Actors | None = None
+        self.engine_router: Any = None  # a load balancer in front of the engines ([rollout] engine_router)
         self.phases: PhaseSwitch | None = None
         self.rollout: RolloutManager | None = None
         self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
@@ -125,7 +126,8 @@ class RLController:
         self.actors = create_actors(self.job, self.needs_reference)
         if self.advantage.needs_critic:
             self.critic = Critic.create(self.job)
-        self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls)
+        self.engine_router, generate_urls = start_engine_router(self.job, self.host, self.actors.engine_urls)
+        self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls)
         self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
         self._maybe_resume()
         self.phases.to_generation()  # a colocated trainer gives the devices to the engines first
@@ -399,6 +401,9 @@ class RLController:
         if self.rollout is not None:
             self.loop.run_until_complete(self.rollout.aclose())
         self.loop.close()
+        if self.engine_router is not None:
+            self.engine_router.shutdown()
+            self.engine_router = None
         if self.critic is not None:
             self.critic.close()
             self.critic = None

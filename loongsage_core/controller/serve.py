@@ -15,7 +15,7 @@ import attrs
 
 from ..agentflow import AgentFlowRouter, build_middlewares
 from ..resolve import ResolvedJob
-from .placement import Actors, create_actors, init_ray
+from .placement import Actors, create_actors, init_ray, start_engine_router
 from .run import load_tokenizer
 
 
@@ -27,9 +27,12 @@ class Serving:
     actors: Actors
     trajectory_id: str
     trajectory_url: str
+    engine_router: Any = None
 
     def close(self) -> None:
         self.router.shutdown()
+        if self.engine_router is not None:
+            self.engine_router.shutdown()
         self.actors.shutdown()
 
 
@@ -39,14 +42,15 @@ def start_serving(resolved: ResolvedJob, port: int = 0) -> Serving:
     tokenizer = load_tokenizer(job)
     init_ray(job)
     actors = create_actors(job, needs_reference=False)
+    engine_router, generate_urls = start_engine_router(job, resolved.host, actors.engine_urls)
     af = job.agentflow
     entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
-    router = AgentFlowRouter(tokenizer, actors.engine_urls, build_middlewares(resolved.host, entries),
+    router = AgentFlowRouter(tokenizer, generate_urls, build_middlewares(resolved.host, entries),
                              port=port or af.port, max_context_length=job.rollout.max_context_length)
     router.start()
     tid = f"debug-{uuid.uuid4().hex[:8]}"
     url = router.register(tid, max_response_tokens=af.max_response_tokens or None)
-    return Serving(router=router, actors=actors, trajectory_id=tid, trajectory_url=url)
+    return Serving(router=router, actors=actors, trajectory_id=tid, trajectory_url=url, engine_router=engine_router)
 
 
 def serve_job(resolved: ResolvedJob, port: int = 0) -> Any:

@@ -28,6 +28,14 @@ def create_server(ctx: Any) -> Any:
     return SGLangServer(ctx)
 
 
+def sglang_router(engine_urls: list[str], **args: Any) -> Any:
+    """``EngineRouter``: the real sglang-router in front of ``engine_urls`` (``[rollout]
+    engine_router_args``: ``policy``, ``extra_args``, ``startup_timeout_s``, ``log_path``, ``port``)."""
+    from .router import SGLangRouterProcess
+
+    return SGLangRouterProcess(engine_urls, **args)
+
+
 def disk_sender(**args: Any) -> Any:
     """``WeightSender`` writing safetensors and calling ``/update_weights_from_disk``."""
     from .transport_disk import DiskSender
@@ -49,4 +57,4 @@ def tensor_sender(**args: Any) -> Any:
     return TensorHandleSender(**args)
 
 
-__all__ = ["SUPPORTS", "create_server", "disk_sender", "nccl_sender", "tensor_sender"]
+__all__ = ["SUPPORTS", "create_server", "disk_sender", "nccl_sender", "sglang_router", "tensor_sender"]

@@ -1,17 +1,18 @@
 """Hook implementations of loongsage-plugin-sglang (the module its entry point names).
 
-Provides the ``sglang`` rollout engine and the ``sglang_disk``, ``sglang_nccl`` and
-``sglang_tensor`` weight transports. Only the factories are referenced here; httpx, torch and the subprocess machinery
-are imported when a component is built, and SGLang itself only runs in the server subprocess.
+Provides the ``sglang`` rollout engine, the ``sglang_router`` engine router and the
+``sglang_disk``, ``sglang_nccl`` and ``sglang_tensor`` weight transports. Only the factories are
+referenced here; httpx, torch and the subprocess machinery are imported when a component is
+built, and SGLang itself only runs in the server subprocess.
 """
 
 from __future__ import annotations
 
 from typing import Iterator
 
-from loongsage_hookspecs import RolloutEngineSpec, WeightTransportSpec, hookimpl
+from loongsage_hookspecs import EngineRouterSpec, RolloutEngineSpec, WeightTransportSpec, hookimpl
 
-from . import SUPPORTS, create_server, disk_sender, nccl_sender, tensor_sender
+from . import SUPPORTS, create_server, disk_sender, nccl_sender, sglang_router, tensor_sender
 
 
 @hookimpl
@@ -32,3 +33,10 @@ def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
     yield WeightTransportSpec(name="sglang_tensor", sender=tensor_sender, receiver=None,
                               description="tensor handles (CUDA IPC on GPU, shared memory on CPU) to "
                                           "/update_weights_from_tensor; for engines on the trainer's device")
+
+
+@hookimpl
+def loongsage_engine_routers() -> Iterator[EngineRouterSpec]:
+    yield EngineRouterSpec(name="sglang_router", factory=sglang_router,
+                           description="sglang-router (cache-aware load balancing) in front of the engines; "
+                                       "runs on CPU")

@@ -15,6 +15,7 @@ def test_components_and_descriptions():
     engines = {s.name: s for s in plugin.loongsage_rollout_engines()}
     transports = {s.name: s for s in plugin.loongsage_weight_transports()}
     assert set(engines) == {"sglang"} and set(transports) == {"sglang_disk", "sglang_nccl", "sglang_tensor"}
+    assert [r.name for r in plugin.loongsage_engine_routers()] == ["sglang_router"]
     assert isinstance(engines["sglang"], RolloutEngineSpec)
     supports = set(engines["sglang"].supports)
     assert {"generate", "update_weights_from_disk", "update_weights_from_distributed"} <= supports

@@ -1,0 +1,72 @@
+"""A run whose generation goes through the real sglang-router in front of two embedded engines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from loongsage_core.config import load_job
+from loongsage_core.controller.run import RLController
+from loongsage_core.resolve import resolve_job
+
+REPO = Path(__file__).resolve().parent.parent
+
+JOB = f"""
+[plugins]
+enable = ["torch", "sglang", "rl", "rewards", "loggers", "agents"]
+[model]
+path = "{REPO / 'configs' / 'quickstart' / 'model'}"
+[train]
+lr = 1e-3
+total_steps = 2
+mini_batch_size = 16
+micro_batch_size = 8
+[rollout]
+num_engines = 2
+prompts_per_step = 4
+samples_per_prompt = 4
+max_new_tokens = 6
+engine_router = "sglang_router"
+engine_router_args = {{ policy = "round_robin" }}
+[placement]
+colocate = false
+[run]
+seed = 1
+checkpoint_every = 0
+save_hf_at_end = false
+[[data]]
+name = "arithmetic"
+generator = "arithmetic"
+generator_args = {{ num_samples = 40, digits = 1, num_operands = 2, ops = "+-" }}
+reward = ["exact_match"]
+"""
+
+
+def generated_tokens(url: str) -> int:
+    return httpx.get(url + "/get_server_info", trust_env=False).json()["internal_states"][0]["generated_tokens"]
+
+
+def test_generation_goes_through_the_sglang_router(ray_cluster, tmp_path):
+    path = tmp_path / "job.toml"
+    path.write_text(JOB)
+    controller = RLController(resolve_job(load_job(path)), tmp_path / "run")
+    try:
+        controller.start()
+        router_url = controller.engine_router.base_url
+        assert controller.rollout.generate_urls == [router_url]
+        engines = controller.actors.engine_urls
+        assert router_url not in engines and len(engines) == 2
+        for step in range(2):
+            metrics = controller.run_step(step)
+            controller.step = step + 1
+            assert metrics["rollout/num_rows"] == 16.0
+            # weights still go to each engine directly
+            for url in engines:
+                assert httpx.get(url + "/get_weight_version", trust_env=False).json()["weight_version"] == str(step + 1)
+        # round robin over the router: both engines generated
+        assert all(generated_tokens(url) > 0 for url in engines)
+        assert metrics["train/is_approx_k3_kl"] < 1e-6
+    finally:
+        controller.close()
+    assert controller.engine_router is None
