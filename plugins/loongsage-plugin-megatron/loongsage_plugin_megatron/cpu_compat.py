@@ -2,10 +2,12 @@
 
 Megatron-Core and Megatron-Bridge are written for CUDA machines with Transformer Engine. The
 backend uses them unchanged on GPUs; on a machine without CUDA, :func:`apply` swaps in the few
-CPU-safe replacements below (each names the upstream call it stands in for), and
-:func:`import_bridge` imports Megatron-Bridge although Transformer Engine and Triton are absent.
+CPU-safe replacements below (each names the upstream call it stands in for; one, the MoE
+router's matmul, is needed wherever Transformer Engine is missing), and :func:`import_bridge`
+imports Megatron-Bridge although Transformer Engine and Triton are absent.
 :func:`configure_provider` sets the model config switches a CPU needs (the layer spec, the
-pipeline's point-to-point sync), preferred to replacements wherever Megatron offers one.
+pipeline's point-to-point sync, the MoE token dispatcher and expert layout), preferred to
+replacements wherever Megatron offers one.
 
 :func:`distributed_optimizer_blocker` says why Megatron-Core's distributed optimizer cannot run
 here (it is not patched: its parameter sharding only accepts CUDA tensors).
@@ -132,7 +134,10 @@ def import_bridge() -> Any:
 
 
 def apply() -> None:
-    """Install the CPU replacements (idempotent); a no-op when CUDA is available."""
+    """Install the replacements (idempotent): the router's matmul without Transformer Engine,
+    the CPU replacements without CUDA; a no-op with both."""
+    if not _installed("transformer_engine"):
+        _router_gating_without_te()
     if not cuda_missing():
         return
     import torch
@@ -258,6 +263,21 @@ def _tied_embedding_setup_on_cpu() -> None:
         LanguageModule.setup_embeddings_and_output_layer)
 
 
+def _router_gating_without_te() -> None:
+    """Let ``RouterGatingLinearFunction`` (``megatron.core.transformer.moe.moe_utils``) run
+    without Transformer Engine.
+
+    Its ``forward`` and ``backward`` test ``te_general_gemm is not None`` to choose Transformer
+    Engine's GEMM over ``torch.mm``, but the module only defines that name when its Transformer
+    Engine import succeeds, so the test raises ``NameError``. Defining it as None selects the
+    ``torch.mm`` path upstream already has.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
 def distributed_optimizer_blocker() -> str | None:
     """Why Megatron-Core's ``DistributedOptimizer`` cannot run on this machine, or None if it can.
 
@@ -324,11 +344,26 @@ def configure_provider(provider: Any) -> None:
     Without CUDA, sets the config switch ``batch_p2p_sync = False``: the pipeline's batched
     point-to-point exchange (``torch.distributed.batch_isend_irecv``, which Gloo runs) is
     otherwise followed by ``torch.cuda.synchronize()`` in ``P2PCommunicator._communicate``.
+
+    Mixture-of-Experts models (``num_moe_experts`` set): without CUDA, the token dispatcher
+    ``moe_token_dispatcher_type = "allgather"`` (``MoEAllGatherTokenDispatcher``, plain
+    all-gather / reduce-scatter collectives) instead of the bridge's ``"alltoall"``, whose
+    ``MoEAlltoAllTokenDispatcher.__init__`` creates a ``torch.cuda.Stream()``. Without Transformer
+    Engine, ``moe_grouped_gemm = False`` (one MLP per expert, Megatron-Core's ``SequentialMLP``:
+    the grouped experts need Transformer Engine or the CUDA ``grouped_gemm`` kernels) and
+    ``moe_permute_fusion = moe_router_fusion = False`` (Transformer Engine's fused kernels).
     """
+    moe = bool(getattr(provider, "num_moe_experts", None))
     if cuda_missing():
         provider.batch_p2p_sync = False
+        if moe:
+            provider.moe_token_dispatcher_type = "allgather"
     if _installed("transformer_engine"):
         return
     from megatron.bridge.models.gpt_provider import local_layer_spec
 
     provider.transformer_layer_spec = local_layer_spec
+    if moe:
+        provider.moe_grouped_gemm = False
+        provider.moe_permute_fusion = False
+        provider.moe_router_fusion = False

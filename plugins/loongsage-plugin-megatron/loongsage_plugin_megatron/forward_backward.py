@@ -10,7 +10,10 @@ loss, or collecting them) is up to it.
 
 Pipeline stages exchange activations of one fixed shape ``[width, rows, hidden]``, so under
 PP > 1 every micro-batch is padded to the widest real length of the call and to
-``micro_batch_size`` rows (extra rows are zeros, dropped before the loss). Under PP = 1 each
+``micro_batch_size`` rows (extra rows are zeros, dropped before the loss). Under expert
+parallelism the MoE layers exchange tokens with the other ranks of the expert-parallel group,
+which hold other rows: they agree on one width and one number of micro-batches (the caller
+passes them), a rank short of rows running all-padding micro-batches. Otherwise each
 micro-batch keeps its own width and row count.
 """
 
@@ -67,31 +70,51 @@ def real_lengths(batch: "Batch") -> "torch.Tensor":
 
 
 def stage_inputs(batch: "Batch", micro_batch_size: int, device: "torch.device", *,
-                 fixed_shape: bool) -> list[StageInputs]:
+                 fixed_shape: bool, width: int | None = None, micro_batches: int | None = None) -> list[StageInputs]:
     """The micro-batches of ``batch`` as model inputs on ``device``.
 
-    ``fixed_shape`` (pipeline parallelism): every micro-batch gets the batch's widest real length
-    and ``micro_batch_size`` rows; otherwise each is cut to its own widest real length.
+    ``fixed_shape`` (pipeline or expert parallelism): every micro-batch gets ``width`` columns
+    (default: the batch's widest real length) and ``micro_batch_size`` rows; otherwise each is cut
+    to its own widest real length. ``micro_batches`` (expert parallelism, where the ranks of an
+    expert-parallel group must run as many micro-batches as each other): the count to return,
+    extra ones being all padding (no real rows).
     """
-    import torch
 
     from loongsage_hookspecs import Batch
 
-    if not len(batch):
+    if width is not None and len(batch) and width < int(real_lengths(batch).max()):
+        raise ValueError(f"stage_inputs: width {width} is shorter than the batch's longest row")
+    if not len(batch) and not micro_batches:
         return []
-    batch_width = max(int(real_lengths(batch).max()), 1)
+    batch_width = max(int(real_lengths(batch).max()) if len(batch) else 1, width or 1)
     out = []
-    for micro in batch.chunks(micro_batch_size):
+    for micro in batch.chunks(micro_batch_size) if len(batch) else []:
         micro = Batch(tensors={k: v.to(device) for k, v in micro.tensors.items()}, meta=micro.meta)
-        width = batch_width if fixed_shape else max(int(real_lengths(micro).max()), 1)
-        ids = micro["input_ids"][:, :width]
-        if fixed_shape and ids.shape[0] < micro_batch_size:
-            ids = torch.nn.functional.pad(ids, (0, 0, 0, micro_batch_size - ids.shape[0]))
-        positions = torch.arange(width, device=device).unsqueeze(0).expand_as(ids)
-        # Right padding never influences the real tokens before it: the causal mask is the whole mask.
-        causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)
-        out.append(StageInputs(micro=micro, input_ids=ids, position_ids=positions, attention_mask=causal[None, None]))
+        micro_width = batch_width if fixed_shape else max(int(real_lengths(micro).max()), 1)
+        out.append(_stage_input(micro, micro_width, micro_batch_size if fixed_shape else 0, device))
+    if micro_batches is not None:
+        if micro_batches < len(out):
+            raise ValueError(f"stage_inputs: {len(batch)} rows need {len(out)} micro-batches, more than "
+                             f"micro_batches = {micro_batches}")
+        empty = Batch(tensors={k: v[:0].to(device) for k, v in batch.tensors.items()},
+                      meta={k: [] for k in batch.meta})
+        out += [_stage_input(empty, batch_width, micro_batch_size, device) for _ in range(micro_batches - len(out))]
     return out
+
+
+def _stage_input(micro: "Batch", width: int, rows: int, device: "torch.device") -> StageInputs:
+    """``micro``'s model inputs cut to ``width`` columns and padded to ``rows`` rows (zeros)."""
+    import torch
+
+    ids = micro["input_ids"][:, :width]
+    if ids.shape[1] < width:  # a row set narrower than the agreed width (expert parallelism)
+        ids = torch.nn.functional.pad(ids, (0, width - ids.shape[1]))
+    if ids.shape[0] < rows:
+        ids = torch.nn.functional.pad(ids, (0, 0, 0, rows - ids.shape[0]))
+    positions = torch.arange(width, device=device).unsqueeze(0).expand_as(ids)
+    # Right padding never influences the real tokens before it: the causal mask is the whole mask.
+    causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)
+    return StageInputs(micro=micro, input_ids=ids, position_ids=positions, attention_mask=causal[None, None])
 
 
 def token_outputs(logits: "torch.Tensor", inputs: StageInputs, *, tp: int,
@@ -107,11 +130,20 @@ def token_outputs(logits: "torch.Tensor", inputs: StageInputs, *, tp: int,
     ids = inputs.input_ids[:rows]
     logprobs, entropy = logprobs_and_entropy(logits[:rows, :-1].float(), ids, entropy_grad=entropy_grad)
     attention = inputs.micro.get("attention_mask")
-    real = torch.ones_like(ids, dtype=torch.bool) if attention is None else attention[:, :width] > 0
+    real = torch.ones_like(ids, dtype=torch.bool) if attention is None else _fit_width(attention, width) > 0
     logprobs = torch.where(real, logprobs, torch.zeros_like(logprobs))
     entropy = torch.where(real, entropy, torch.zeros_like(entropy))
-    pad = (0, inputs.micro["input_ids"].shape[1] - width)
-    return torch.nn.functional.pad(logprobs, pad), torch.nn.functional.pad(entropy, pad)
+    out_width = inputs.micro["input_ids"].shape[1]
+    return _fit_width(logprobs, out_width), _fit_width(entropy, out_width)
+
+
+def _fit_width(tensor: "torch.Tensor", width: int) -> "torch.Tensor":
+    """``tensor`` ``[rows, T]`` cut or right-padded with zeros to ``width`` columns."""
+    import torch
+
+    if tensor.shape[1] >= width:
+        return tensor[:, :width]
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
 
 
 def run_schedule(chunks: list[Any], inputs: list[StageInputs], on_logits: Callable[[StageInputs, Any], Any], *,

@@ -22,5 +22,5 @@ def create_train_worker(ctx: Any) -> Any:
 def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="megatron", factory=create_train_worker,
                            description="Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
-                                       "directory; tensor, pipeline (1F1B) and data parallelism (Megatron DDP), "
-                                       "Megatron-Core Adam optimizer")
+                                       "directory; tensor, pipeline (1F1B), data (Megatron DDP) and, for "
+                                       "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer")

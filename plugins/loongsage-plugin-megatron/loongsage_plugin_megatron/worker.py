@@ -34,6 +34,22 @@ gathers full weights from every stage (Megatron-Bridge's export). The ranks of o
 model-parallel group (its ``tp * pp`` ranks) must be given the same rows; a clear error says
 so otherwise.
 
+Mixture-of-Experts models (a Hugging Face config naming routed experts, e.g. ``qwen3_moe``) are
+built with Megatron-Core's MoE layers. Under expert parallelism (``ep`` > 1) each rank holds
+``num_experts / ep`` of every MoE layer's experts; an expert-parallel group is made of ``ep``
+data-parallel ranks, which hold different rows, so its MoE layers exchange tokens between them
+(the bridge's ``alltoall`` dispatcher on CUDA, ``allgather`` on the CPU). Those ranks must all
+call :meth:`forward` / :meth:`train_mini_batch` together; they agree on one micro-batch shape
+and count (a rank short of rows runs all-padding micro-batches, which add no loss). Expert
+gradients are summed over the expert-data-parallel group (``dp / ep`` ranks) by Megatron DDP's
+expert buffers, dense ones over the data-parallel group, so a step equals EP = 1's on the same
+global batch. Megatron-Bridge's expert renaming is extended to Megatron-Core's ``SequentialMLP``
+(:mod:`.bridge_compat`), so each rank loads and exports its own experts. The MoE load-balancing
+(auxiliary) loss is off by default (``moe_aux_loss_coeff = 0``): the gradient is the host's RL
+loss's exactly. With a positive coefficient Megatron adds the gradient of ``coeff`` times every
+MoE layer's load-balancing loss, averaged over the mini-batch's routed tokens (all
+micro-batches and data-parallel ranks); the reported ``train/loss`` stays the RL loss.
+
 ``[train] backend_args`` of this backend:
 
 * ``tp``: tensor-parallel size (default 1); ``pp``: pipeline-parallel size (default 1; the
@@ -42,7 +58,11 @@ so otherwise.
   the number of ranks);
 * ``dist_backend``: ``"auto"`` (NCCL on CUDA, Gloo on CPU), ``"gloo"`` or ``"nccl"``;
 * ``use_distributed_optimizer``: shard the optimizer state over the data-parallel group with
-  Megatron-Core's ``DistributedOptimizer`` (default false; needs CUDA, a clear error otherwise).
+  Megatron-Core's ``DistributedOptimizer`` (default false; needs CUDA, a clear error otherwise);
+* ``ep``: expert-parallel size (default 1; MoE models only; must divide ``dp`` and the number
+  of experts); MoE models need ``tp = 1`` (Megatron-Core's MoE layers train under tensor
+  parallelism only with sequence parallelism, which this backend does not use yet);
+* ``moe_aux_loss_coeff``: weight of the MoE load-balancing loss (default 0: off).
 
 Checkpoints hold, per rank, the model shard, the Megatron optimizer's ``state_dict()`` (plus
 its parameter state file, ``save_parameter_state``, under the distributed optimizer), the
@@ -62,7 +82,7 @@ from loongsage_core.algorithms import LossPipeline, MetricAccumulator
 from loongsage_core.config import structure_args
 from loongsage_hookspecs import AggregationNorm, Batch
 
-from . import cpu_compat
+from . import bridge_compat, cpu_compat
 
 STATE_FILE = "megatron_state_rank{rank}.pt"
 # The distributed optimizer's parameter state, written by data-parallel rank 0 of each model-parallel rank.
@@ -79,15 +99,24 @@ class BackendOptions:
     dp: int | None = None
     dist_backend: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl")))
     use_distributed_optimizer: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
+    ep: int = 1
+    moe_aux_loss_coeff: float = attrs.field(default=0.0, converter=float, validator=attrs.validators.ge(0.0))
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "BackendOptions":
         return structure_args(cls, args, "[train] backend_args", "megatron backend")
 
 
-def parallel_sizes(options: BackendOptions, world_size: int) -> tuple[int, int, int]:
-    """``(tp, pp, dp)`` for ``world_size`` ranks; raises ValueError naming the bad backend_args."""
-    tp, pp = int(options.tp), int(options.pp)
+def parallel_sizes(options: BackendOptions, world_size: int,
+                   num_experts: int | None = None) -> tuple[int, int, int, int]:
+    """``(tp, pp, dp, ep)`` for ``world_size`` ranks; raises ValueError naming the bad backend_args.
+
+    ``num_experts`` is the model's number of routed experts (None for a dense model). Megatron-Core
+    forms each expert-parallel group from data-parallel ranks (of one tensor-parallel slice), so
+    ``ep`` must divide ``dp``; it must also divide the number of experts (each rank holds an equal
+    share of every MoE layer's experts).
+    """
+    tp, pp, ep = int(options.tp), int(options.pp), int(options.ep)
     if tp < 1 or pp < 1:
         raise ValueError(f"[train] backend_args: tp and pp must be >= 1, got tp={tp}, pp={pp}")
     if world_size % (tp * pp):
@@ -95,7 +124,18 @@ def parallel_sizes(options: BackendOptions, world_size: int) -> tuple[int, int, 
     dp = world_size // (tp * pp) if options.dp is None else int(options.dp)
     if tp * pp * dp != world_size:
         raise ValueError(f"[train] backend_args: tp * pp * dp = {tp}*{pp}*{dp} != {world_size} ranks")
-    return tp, pp, dp
+    if ep < 1:
+        raise ValueError(f"[train] backend_args.ep must be >= 1, got {ep}")
+    if ep > 1 and not num_experts:
+        raise ValueError(f"[train] backend_args.ep = {ep}: expert parallelism needs a Mixture-of-Experts model, "
+                         "but the model in [model] path is dense (its config.json names no experts); set ep = 1")
+    if dp % ep:
+        raise ValueError(f"[train] backend_args.ep = {ep} must divide the data-parallel size dp = {dp} "
+                         "(Megatron-Core forms expert-parallel groups from data-parallel ranks)")
+    if num_experts and num_experts % ep:
+        raise ValueError(f"[train] backend_args.ep = {ep} must divide the model's {num_experts} experts "
+                         "(every expert-parallel rank holds an equal share)")
+    return tp, pp, dp, ep
 
 
 class MegatronTrainWorker:
@@ -122,22 +162,35 @@ class MegatronTrainWorker:
                 # built beside the policy in its actor: the same ranks, sharded the same way
                 self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.options = BackendOptions.from_args(dict(job.train.backend_args))
-        self.tp, self.pp, self.dp = parallel_sizes(self.options, self.world_size)
+        self.model_path = job.resolve_path(job.model.path) if hasattr(job, "resolve_path") else job.model.path
+        config_file = Path(self.model_path) / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"[model] path: no config.json in model directory '{self.model_path}'")
+        hf_config = _hf_config(config_file)
+        self.num_experts = _hf_num_experts(hf_config)
+        self.tp, self.pp, self.dp, self.ep = parallel_sizes(self.options, self.world_size, self.num_experts)
         self.micro_batch_size = job.train.micro_batch_size
         if ctx.role == "actor" and self.options.use_distributed_optimizer:
             blocker = cpu_compat.distributed_optimizer_blocker()
             if blocker:
                 raise ValueError(f"[train] backend_args.use_distributed_optimizer = true cannot run here: {blocker}; "
                                  "set it to false (the optimizer state is then replicated on each rank)")
-        self.model_path = job.resolve_path(job.model.path) if hasattr(job, "resolve_path") else job.model.path
-        if not (Path(self.model_path) / "config.json").is_file():
-            raise ValueError(f"[model] path: no config.json in model directory '{self.model_path}'")
-        layers = _hf_num_layers(Path(self.model_path) / "config.json")
-        if layers is not None and layers % self.pp:
+        layers = hf_config.get("num_hidden_layers")
+        if isinstance(layers, int) and layers % self.pp:
             raise ValueError(f"[train] backend_args.pp = {self.pp}: the model's {layers} layers do not split evenly "
                              "over the pipeline stages")
+        if self.num_experts and self.tp > 1:
+            # Megatron-Core's MoELayer refuses to train under tensor parallelism without sequence
+            # parallelism, which this backend does not use (its inputs are whole sequences per rank).
+            raise ValueError(f"[train] backend_args.tp = {self.tp}: Mixture-of-Experts models need tp = 1 in the "
+                             "megatron backend (Megatron-Core's MoE layers need sequence parallelism under "
+                             "tensor parallelism, not supported yet); use ep and dp instead")
+        if self.options.moe_aux_loss_coeff and not self.num_experts:
+            raise ValueError(f"[train] backend_args.moe_aux_loss_coeff = {self.options.moe_aux_loss_coeff}: the model "
+                             "in [model] path is dense (no MoE load-balancing loss)")
 
         auto_bridge = cpu_compat.import_bridge()
+        bridge_compat.apply()
         cpu_compat.apply()
         self._init_parallel(ctx)
         cpu_compat.init_rng_tracker(int(job.run.seed))
@@ -155,6 +208,7 @@ class MegatronTrainWorker:
         provider.perform_initialization = True
         provider.tensor_model_parallel_size = self.tp
         provider.pipeline_model_parallel_size = self.pp
+        provider.expert_model_parallel_size = self.ep
         provider.params_dtype = torch.float32
         provider.bf16 = provider.fp16 = False
         provider.hidden_dropout = provider.attention_dropout = 0.0
@@ -162,6 +216,8 @@ class MegatronTrainWorker:
         # The host's loss is already divided by the mini-batch's global norm: Megatron DDP must sum
         # the data-parallel gradients (gradient scaling factor 1), not average them.
         provider.calculate_per_token_loss = True
+        if self.num_experts:
+            self._configure_moe(provider, hf_config)
         cpu_compat.configure_provider(provider)
         provider.finalize()
         # Unwrapped model chunks (what Megatron-Bridge converts to and from Hugging Face names).
@@ -203,12 +259,27 @@ class MegatronTrainWorker:
             dist.init_process_group(backend, init_method=init, rank=self.rank, world_size=self.world_size)
         if parallel_state.model_parallel_is_initialized():
             current = (parallel_state.get_tensor_model_parallel_world_size(),
-                       parallel_state.get_pipeline_model_parallel_world_size())
-            if current == (self.tp, self.pp):  # a second model of this process (the reference) shares it
+                       parallel_state.get_pipeline_model_parallel_world_size(),
+                       parallel_state.get_expert_model_parallel_world_size())
+            if current == (self.tp, self.pp, self.ep):  # a second model of this process (the reference) shares it
                 return
             parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=self.tp,
-                                                 pipeline_model_parallel_size=self.pp)
+                                                 pipeline_model_parallel_size=self.pp,
+                                                 expert_model_parallel_size=self.ep)
+
+    def _configure_moe(self, provider: Any, hf_config: dict[str, Any]) -> None:
+        """Mixture-of-Experts settings of the provider (expert parallelism is set with the other sizes).
+
+        The load-balancing loss is off unless ``backend_args.moe_aux_loss_coeff`` > 0 (the
+        bridge's default coefficient would add its gradient to the RL loss's); see
+        :meth:`_aux_loss_scale` for how a positive coefficient is normalised.
+        """
+        if not provider.num_moe_experts:
+            raise ValueError(f"[model] path: config.json names {self.num_experts} experts but Megatron-Bridge built "
+                             "a dense model from it")
+        provider.moe_aux_loss_coeff = float(self.options.moe_aux_loss_coeff)
+        bridge_compat.configure_router(provider, hf_config)
 
     def _wrap_ddp(self, modules: list[Any]) -> list[Any]:
         """Wrap each model chunk in Megatron-Core's ``DistributedDataParallel`` (grad buffers, DP reduction)."""
@@ -242,10 +313,46 @@ class MegatronTrainWorker:
         return optimizer, make_megatron_scheduler(optimizer, train)
 
     def _stage_inputs(self, batch: Batch) -> list[Any]:
-        """The micro-batches of ``batch`` as model inputs (one fixed shape under PP > 1)."""
-        from .forward_backward import stage_inputs
+        """The micro-batches of ``batch`` as model inputs.
 
-        return stage_inputs(batch, self.micro_batch_size, self.device, fixed_shape=self.pp > 1)
+        Under PP > 1 they share one fixed shape. Under EP > 1 every MoE layer exchanges tokens
+        with the other ranks of its expert-parallel group, which hold other rows (they are
+        data-parallel replicas): those ranks agree on one shape and one number of micro-batches
+        (the largest of the group), a rank with fewer rows running all-padding micro-batches.
+        """
+        from .forward_backward import real_lengths, stage_inputs
+
+        if self.ep == 1:
+            return stage_inputs(batch, self.micro_batch_size, self.device, fixed_shape=self.pp > 1)
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        rows = len(batch)
+        width = int(real_lengths(batch).max()) if rows else 0
+        count = -(-rows // self.micro_batch_size)
+        agreed = torch.tensor([width, count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=parallel_state.get_expert_model_parallel_group())
+        return stage_inputs(batch, self.micro_batch_size, self.device, fixed_shape=True,
+                            width=int(agreed[0]), micro_batches=int(agreed[1]))
+
+    def _aux_loss_scale(self, inputs: list[Any]) -> float:
+        """The factor Megatron's per-micro-batch load-balancing loss gets under this backend's loss.
+
+        With ``calculate_per_token_loss`` Megatron attaches each micro-batch's load-balancing
+        loss times its number of routed tokens and expects ``finalize_model_grads`` to divide all
+        gradients by the mini-batch's token count; this backend does not divide (the host's loss
+        is normalised already). Scaling the coefficient by 1 / (tokens routed in the whole
+        mini-batch, over all micro-batches and data-parallel ranks) gives the gradient of
+        ``moe_aux_loss_coeff`` times the token-weighted mean load-balancing loss of every MoE layer.
+        """
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        tokens = torch.tensor([float(sum(i.input_ids.numel() for i in inputs))], dtype=torch.float64,
+                              device=self.device)
+        if dist.is_initialized() and self.dp > 1:
+            dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group())
+        return 1.0 / max(float(tokens.item()), 1.0)
 
     def _check_same_rows(self, batch: Batch, caller: str) -> None:
         """Raise ValueError unless every rank of this rank's model-parallel group (its TP x PP
@@ -286,7 +393,8 @@ class MegatronTrainWorker:
         """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, CPU, no gradient).
 
         Under PP > 1 the last pipeline stage computes them and broadcasts them to the other
-        stages, so every rank returns them.
+        stages, so every rank returns them. Under EP > 1 every rank of an expert-parallel group
+        must call it (with its own rows, possibly none): their MoE layers run together.
         """
         from .forward_backward import run_schedule, token_outputs
 
@@ -296,14 +404,15 @@ class MegatronTrainWorker:
             raise RuntimeError("MegatronTrainWorker.forward: the worker is offloaded; call onload() first")
         self._check_same_rows(batch, "forward")
         rows, width = batch["input_ids"].shape
-        if not rows:
+        inputs = self._stage_inputs(batch)
+        if not inputs:
             empty = torch.zeros(0, width)
             return {"logprobs": empty, "entropy": empty.clone()}
         was_training = self.model.training
         for chunk in self.chunks:
             chunk.eval()
         try:
-            outs = run_schedule(self.chunks, self._stage_inputs(batch),
+            outs = run_schedule(self.chunks, inputs,
                                 lambda inputs, logits: token_outputs(logits, inputs, tp=self.tp, entropy_grad=False),
                                 forward_only=True)
         finally:
@@ -322,6 +431,7 @@ class MegatronTrainWorker:
 
         The micro-batches go through Megatron-Core's forward-backward schedule (1F1B under
         PP > 1); the last pipeline stage computes the host's loss on each micro-batch's logits.
+        Under EP > 1 every rank of an expert-parallel group must call it (see :meth:`forward`).
         """
         if self.optimizer is None or self.pipeline is None:
             raise RuntimeError(f"MegatronTrainWorker.train_mini_batch: the {self.role!r} worker is forward-only")
@@ -331,6 +441,7 @@ class MegatronTrainWorker:
         if self._offloaded:
             raise RuntimeError("MegatronTrainWorker.train_mini_batch: the worker is offloaded; call onload() first")
         from megatron.core.distributed import finalize_model_grads
+        from megatron.core.utils import get_model_config
 
         from .forward_backward import run_schedule, token_outputs
 
@@ -346,13 +457,24 @@ class MegatronTrainWorker:
         reports = _tensor_parallel_rank() == 0
 
         def loss(inputs: Any, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+            if not inputs.rows:  # an all-padding micro-batch (expert parallelism): no loss, same graph
+                return logits.sum() * 0.0, torch.zeros((), dtype=torch.int), {}
             logprobs, entropy = token_outputs(logits, inputs, tp=self.tp, entropy_grad=entropy_grad)
             value, micro_metrics = pipeline.loss(inputs.micro, logprobs, entropy, norm)
             if reports:
                 acc.add(micro_metrics, inputs.micro["loss_mask"])
             return value, inputs.micro["loss_mask"].sum().to(torch.int), {}
 
-        run_schedule(self.chunks, self._stage_inputs(batch), loss, forward_only=False)
+        inputs = self._stage_inputs(batch)
+        config = get_model_config(self.chunks[0])
+        coeff = float(self.options.moe_aux_loss_coeff)
+        if coeff:
+            config.moe_aux_loss_coeff = coeff * self._aux_loss_scale(inputs)
+        try:
+            run_schedule(self.chunks, inputs, loss, forward_only=False)
+        finally:
+            if coeff:
+                config.moe_aux_loss_coeff = coeff
         # Megatron sums the gradient buffers over the data-parallel group (``finish_grad_sync``),
         # the tensor-parallel partial gradients of replicated norms (QK layernorm) and, under
         # PP > 1, the gradients of the tied embedding's two copies (first and last stage).
@@ -535,12 +657,30 @@ class MegatronTrainWorker:
             dist.destroy_process_group()
 
 
-def _hf_num_layers(config_file: Path) -> int | None:
-    """``num_hidden_layers`` of a Hugging Face ``config.json`` (None where it is not at the top level)."""
+def _hf_config(config_file: Path) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` as a dict (ValueError naming the file if it is not a JSON table)."""
     import json
 
-    value = json.loads(config_file.read_text()).get("num_hidden_layers")
-    return int(value) if isinstance(value, int) else None
+    try:
+        value = json.loads(config_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"[model] path: '{config_file}' is not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"[model] path: '{config_file}' does not hold a JSON table")
+    return value
+
+
+# The Hugging Face config keys Megatron-Bridge reads as the number of routed experts (``num_moe_experts``).
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _hf_num_experts(config: dict[str, Any]) -> int | None:
+    """The number of routed experts of a Hugging Face config, None for a dense model."""
+    for key in _EXPERT_COUNT_KEYS:
+        value = config.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def _without_grad(items: Iterator[Any]) -> Iterator[Any]:

@@ -1,8 +1,10 @@
-"""The megatron train backend against the torch backend on the same tiny Qwen3 weights (CPU).
+"""The megatron train backend against the torch backend on the same tiny Qwen3 weights, and on a
+tiny Qwen3-MoE against transformers and across expert-parallel sizes (CPU).
 
-The multi-rank checks (TP=2 x PP=2, TP=2, DP=2, checkpoint resume, PP=2) share one spawned set of
-four processes (``multi_rank`` fixture) that runs them as successive phases, each with its own
-process group: all four ranks in the first phase, ranks 0 and 1 in the two-rank phases after it.
+The multi-rank checks (TP=2 x PP=2, EP=2 x PP=2, TP=2, DP=2, checkpoint resume, PP=2, EP=2) share
+one spawned set of four processes (``multi_rank`` fixture) that runs them as successive phases,
+each with its own process group: all four ranks in the first two phases, ranks 0 and 1 in the
+two-rank phases after them, rank 0 alone for the one-rank references.
 """
 
 from __future__ import annotations
@@ -41,6 +43,57 @@ def hf_dir(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny_qwen3")
     model.save_pretrained(str(out))
     return str(out)
+
+
+# A tiny Qwen3-MoE: every layer sparse, 4 experts, top-2 with renormalised top-k weights (as the
+# released Qwen3-MoE checkpoints).
+TINY_QWEN3_MOE = dict(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[], max_position_embeddings=128, tie_word_embeddings=False)
+
+
+def save_tiny_moe(out: str, **overrides):
+    """Write a tiny Qwen3-MoE Hugging Face directory to ``out``; returns the transformers model."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})).float()
+    with torch.no_grad():  # decisive routing and experts that matter: a wrong expert shows in the log-probs
+        for name, param in model.named_parameters():
+            if ".mlp." in name:
+                param.normal_(0.0, 0.3)
+    model.save_pretrained(out)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def moe_model(tmp_path_factory):
+    """(Hugging Face directory, transformers ``Qwen3MoeForCausalLM`` with the same weights)."""
+    out = str(tmp_path_factory.mktemp("tiny_qwen3_moe"))
+    return out, save_tiny_moe(out)
+
+
+def hf_token_outputs(model, batch: Batch) -> dict[str, torch.Tensor]:
+    """Per-token log-probs and entropies ``[B, T]`` of a transformers model (0 at padding and position 0)."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, -1)
+    picked = logp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    real = batch["attention_mask"][:, 1:] > 0
+    pad = (1, 0)
+    return {"logprobs": torch.nn.functional.pad(torch.where(real, picked, 0.0), pad),
+            "entropy": torch.nn.functional.pad(torch.where(real, entropy, 0.0), pad)}
+
+
+def make_moe_train_batch(model, seed: int) -> Batch:
+    """A GRPO batch whose ``old_logprobs`` are the MoE model's log-probs plus a little noise."""
+    batch = make_batch(seed=seed)
+    old = hf_token_outputs(model, batch)["logprobs"]
+    noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed + 2))
+    batch.tensors["old_logprobs"] = (old + noise) * batch["loss_mask"]
+    return batch
 
 
 @pytest.fixture(scope="module")
@@ -172,15 +225,17 @@ def _weights(worker) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in worker.named_weights()}
 
 
-def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batch], out: str) -> None:
+def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batch], out: str,
+                    moe: tuple[str, Batch]) -> None:
     """Phases of one of four ranks; each phase leaves its process group before the next starts."""
     host = PluginHost.create([])
     first, second = batches
+    moe_dir, moe_batch = moe
     result: dict = {}
 
-    def worker(port: int, world: int = 2, **backend_args):
+    def worker(port: int, world: int = 2, path: str = hf_dir, **backend_args):
         return plugin.create_train_worker(TrainWorkerContext(
-            job=make_job(hf_dir, **backend_args), components=host, rank=rank, world_size=world, master_port=port))
+            job=make_job(path, **backend_args), components=host, rank=rank, world_size=world, master_port=port))
 
     # TP = 2 x PP = 2 on four ranks: forward, export, one training step on the whole batch.
     w = worker(ports[4], world=4, tp=2, pp=2)
@@ -188,6 +243,16 @@ def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batc
     result["tppp_initial"] = _weights(w)
     result["tppp_metrics"] = w.train_mini_batch(first, compute_norm(first))
     result["tppp_weights"] = _weights(w)
+    w.close()
+
+    # EP = 2 x PP = 2 on four ranks (the MoE model): ranks 0 and 1 hold the first layer, 2 and 3 the
+    # second; data-parallel replica r (ranks r and r + 2) gets rows 0-2 or row 3 of the batch.
+    w = worker(ports[6], world=4, path=moe_dir, ep=2, pp=2)
+    result["eppp_forward"] = w.forward(make_batch())
+    result["eppp_initial"] = _weights(w)
+    mine = moe_batch.select([0, 1, 2] if w.data_parallel_rank == 0 else [3])
+    result["eppp_metrics"] = w.train_mini_batch(mine, compute_norm(moe_batch))
+    result["eppp_weights"] = _weights(w)
     w.close()
     if rank >= 2:
         torch.save(result, str(Path(out) / f"rank{rank}.pt"))
@@ -238,6 +303,21 @@ def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batc
         result["pp_mismatch_error"] = str(exc)
     w.close()
 
+    # EP = 2 (DP = 2) on the tiny Qwen3-MoE: each rank holds two of every layer's four experts.
+    w = worker(ports[5], path=moe_dir, ep=2)
+    params = dict(w.modules[0].named_parameters())
+    result["ep_local_experts"] = {name: t.detach().clone() for name, t in params.items() if ".local_experts." in name}
+    result["ep_forward"] = w.forward(make_batch())
+    # Different rows on the two ranks (3 and none): they agree on one shape and number of micro-batches.
+    result["ep_forward_uneven"] = w.forward(make_batch(rows=3, seed=3) if rank == 0 else make_batch().select([]))
+    result["ep_initial"] = _weights(w)
+    # One GRPO step on the whole batch split unevenly (3 rows and 1: two micro-batches against one
+    # and an all-padding one), with the whole batch's norm.
+    mine = moe_batch.select([0, 1, 2] if rank == 0 else [3])
+    result["ep_metrics"] = w.train_mini_batch(mine, compute_norm(moe_batch))
+    result["ep_weights"] = _weights(w)
+    w.close()
+
     # PP = 1, DP = 1 on rank 0 alone: the same forward and first step on the whole batch.
     if rank == 0:
         w = worker(0, world=1)
@@ -247,11 +327,19 @@ def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batc
         result["dp1_metrics"] = w.train_mini_batch(first, compute_norm(first))
         result["dp1_weights"] = _weights(w)
         w.close()
+        # EP = 1 on the MoE model: the reference of the EP = 2 phase.
+        w = worker(0, world=1, path=moe_dir)
+        result["ep1_forward"] = w.forward(make_batch())
+        result["ep1_forward_3"] = w.forward(make_batch(rows=3, seed=3))
+        result["ep1_initial"] = _weights(w)
+        result["ep1_metrics"] = w.train_mini_batch(moe_batch, compute_norm(moe_batch))
+        result["ep1_weights"] = _weights(w)
+        w.close()
     torch.save(result, str(Path(out) / f"rank{rank}.pt"))
 
 
 @pytest.fixture(scope="module")
-def multi_rank(hf_dir, host, tmp_path_factory):
+def multi_rank(hf_dir, moe_model, host, tmp_path_factory):
     """Run :func:`_multi_rank_job` on four spawned ranks; returns (rank results, torch reference results,
     output directory)."""
     import torch.multiprocessing as mp
@@ -262,8 +350,9 @@ def multi_rank(hf_dir, host, tmp_path_factory):
     expected = {"forward": ref.forward(make_batch()), "initial": _weights(ref)}
     batches = [make_train_batch(ref, seed=6), make_train_batch(ref, seed=7)]
     out = tmp_path_factory.mktemp("multi_rank")
-    ports = [_free_port() for _ in range(5)]
-    mp.start_processes(_multi_rank_job, args=(ports, hf_dir, batches, str(out)), nprocs=4, join=True,
+    ports = [_free_port() for _ in range(7)]
+    moe = (moe_model[0], make_moe_train_batch(moe_model[1], seed=6))
+    mp.start_processes(_multi_rank_job, args=(ports, hf_dir, batches, str(out), moe), nprocs=4, join=True,
                        start_method="spawn")
     expected["metrics"] = ref.train_mini_batch(batches[0], compute_norm(batches[0]))
     expected["weights"] = dict(ref.named_weights())
@@ -354,6 +443,58 @@ def test_pipeline_parallel_2_equals_pp_1(multi_rank, hf_dir):
         torch.testing.assert_close(tensor, rank0["pp_weights"][name], rtol=0, atol=0, msg=name)
 
 
+def test_expert_parallel_2_equals_ep_1(multi_rank, moe_model):
+    (rank0, rank1, *_), _, _ = multi_rank
+    source = _source_weights(moe_model[0])
+    # Each rank loaded its own experts: rank r's local expert i is Hugging Face expert 2r + i.
+    for r, rank in enumerate((rank0, rank1)):
+        names = rank["ep_local_experts"]
+        assert {n.split(".local_experts.")[1].split(".")[0] for n in names} == {"0", "1"}
+        for layer in (0, 1):
+            for local in (0, 1):
+                prefix = f"decoder.layers.{layer}.mlp.experts.local_experts.{local}"
+                hf = f"model.layers.{layer}.mlp.experts.{2 * r + local}"
+                fc1 = torch.cat([source[f"{hf}.gate_proj.weight"], source[f"{hf}.up_proj.weight"]])
+                torch.testing.assert_close(names[f"{prefix}.linear_fc1.weight"], fc1, rtol=0, atol=0)
+                torch.testing.assert_close(names[f"{prefix}.linear_fc2.weight"], source[f"{hf}.down_proj.weight"],
+                                           rtol=0, atol=0)
+    for rank in (rank0, rank1):
+        for key in ("logprobs", "entropy"):
+            torch.testing.assert_close(rank["ep_forward"][key], rank0["ep1_forward"][key], rtol=0, atol=1e-5)
+        # Export gathers every rank's experts: the source checkpoint, as under EP = 1.
+        _assert_weights_equal(rank["ep_initial"], source, atol=0)
+        _assert_weights_equal(rank0["ep1_initial"], source, atol=0)
+    torch.testing.assert_close(rank0["ep_forward_uneven"]["logprobs"], rank0["ep1_forward_3"]["logprobs"],
+                               rtol=0, atol=1e-5)
+    assert rank1["ep_forward_uneven"]["logprobs"].shape == (0, 12)
+    # One GRPO step: the EP = 1 step on the whole batch (expert gradients come back from the
+    # other rank's tokens, dense gradients are summed over DP); the experts' weights moved.
+    got, ref = rank0["ep_metrics"], rank0["ep1_metrics"]
+    assert rank1["ep_metrics"]["train/grad_norm"] == got["train/grad_norm"]
+    assert got["train/grad_norm"] == pytest.approx(ref["train/grad_norm"], rel=1e-5)
+    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/entropy", "train/lr"):
+        assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
+    for rank in (rank0, rank1):
+        _assert_weights_equal(rank["ep_weights"], rank0["ep1_weights"], atol=1e-5)
+    moved = {n: (rank0["ep_weights"][n] - t).abs().max() for n, t in source.items()}
+    assert all(moved[n] > 1e-4 for n in moved if ".mlp.experts." in n)
+
+
+def test_expert_parallel_2_by_pipeline_parallel_2_equals_one_rank(multi_rank, moe_model):
+    ranks, _, _ = multi_rank
+    ref = ranks[0]
+    source = _source_weights(moe_model[0])
+    for rank in ranks:
+        for key in ("logprobs", "entropy"):
+            torch.testing.assert_close(rank["eppp_forward"][key], ref["ep1_forward"][key], rtol=0, atol=1e-5)
+        _assert_weights_equal(rank["eppp_initial"], source, atol=0)
+        got = rank["eppp_metrics"]
+        assert got["train/grad_norm"] == pytest.approx(ref["ep1_metrics"]["train/grad_norm"], rel=1e-5)
+        for key in ("train/loss", "train/pg_loss", "train/entropy"):
+            assert got[key] == pytest.approx(ref["ep1_metrics"][key], rel=1e-5), key
+        _assert_weights_equal(rank["eppp_weights"], ref["ep1_weights"], atol=1e-5)
+
+
 def test_tensor_parallel_2_by_pipeline_parallel_2_equals_one_rank(multi_rank):
     ranks, _, _ = multi_rank
     ref = ranks[0]
@@ -368,7 +509,105 @@ def test_tensor_parallel_2_by_pipeline_parallel_2_equals_one_rank(multi_rank):
         _assert_weights_equal(rank["tppp_weights"], ref["dp1_weights"], atol=1e-5)
 
 
-def test_bad_backend_args_raise_clear_errors(hf_dir, host):
+def test_moe_logprobs_and_export_equal_transformers(moe_model, host):
+    path, hf = moe_model
+    w = plugin.create_train_worker(TrainWorkerContext(job=make_job(path), components=host))
+    # Without Transformer Engine the experts are Megatron-Core's SequentialMLP (local_experts.{i}).
+    assert type(w.model.module.decoder.layers[0].mlp.experts).__name__ == "SequentialMLP"
+    for batch in (make_batch(), make_batch(rows=3, seed=3)):
+        got, expected = w.forward(batch), hf_token_outputs(hf, batch)
+        for key in ("logprobs", "entropy"):
+            torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5)
+    _assert_weights_equal(dict(w.named_weights()), _source_weights(path), atol=0)
+
+
+def test_moe_router_without_top_k_renormalisation_equals_transformers(tmp_path, host):
+    # norm_topk_prob = false (transformers' default): experts weighted by their plain softmax
+    # probabilities, which Megatron-Bridge's Qwen3-MoE translation does not carry over by itself.
+    hf = save_tiny_moe(str(tmp_path), norm_topk_prob=False)
+    w = plugin.create_train_worker(TrainWorkerContext(job=make_job(str(tmp_path)), components=host,
+                                                      role="reference"))
+    batch = make_batch()
+    torch.testing.assert_close(w.forward(batch)["logprobs"], hf_token_outputs(hf, batch)["logprobs"],
+                               rtol=0, atol=1e-5)
+    assert w.model.config.moe_router_pre_softmax  # softmax over all experts, then the top 2
+
+
+def test_moe_aux_loss_coeff_adds_the_mean_load_balancing_gradient(moe_model, host):
+    """With ``moe_aux_loss_coeff`` > 0 the step's gradient is the RL loss's plus ``coeff`` times the
+    gradient of every MoE layer's Switch load-balancing loss, averaged over the mini-batch's routed
+    tokens (each micro-batch's loss weighted by its tokens), computed here independently."""
+    import attrs
+    from loongsage_plugin_megatron.forward_backward import stage_inputs, token_outputs
+
+    path, hf = moe_model
+    coeff = 0.5
+    job = make_job(path, moe_aux_loss_coeff=coeff)
+    job = attrs.evolve(job, train=attrs.evolve(job.train, grad_clip=1e9))  # compare unclipped gradients
+    w = plugin.create_train_worker(TrainWorkerContext(job=job, components=host))
+    batch = make_moe_train_batch(hf, seed=11)
+    norm = compute_norm(batch)
+    model = w.modules[0]
+    params = [p for p in model.parameters() if p.requires_grad]
+    routed: list = []
+    hooks = [layer.mlp.router.register_forward_hook(lambda mod, args, out: routed.append((mod, args[0], out[1])))
+             for layer in model.decoder.layers]
+    inputs = stage_inputs(batch, w.micro_batch_size, torch.device("cpu"), fixed_shape=False)
+    total_tokens = sum(i.input_ids.numel() for i in inputs)
+    rl = aux = 0.0
+    model.eval()  # the same forward (no dropout) without Megatron attaching its own aux loss
+    for item in inputs:
+        routed.clear()
+        logits = model(input_ids=item.input_ids, position_ids=item.position_ids, attention_mask=item.attention_mask)
+        logprobs, entropy = token_outputs(logits, item, tp=1, entropy_grad=True)
+        rl = rl + w.pipeline.loss(item.micro, logprobs, entropy, norm)[0]
+        for router, hidden, routing_map in routed:  # Switch loss: E / (k T^2) * sum_e count_e * sum_t p_te
+            x = hidden.reshape(-1, hidden.shape[-1])
+            probs = torch.softmax(x @ router.weight.t(), dim=-1)
+            tokens, experts = probs.shape
+            top_k = TINY_QWEN3_MOE["num_experts_per_tok"]
+            switch = experts / (top_k * tokens**2) * (probs.sum(0) * routing_map.sum(0)).sum()
+            aux = aux + switch * tokens / total_tokens
+    for hook in hooks:
+        hook.remove()
+    expected = torch.autograd.grad(rl + coeff * aux, params, retain_graph=True)
+    rl_only = torch.autograd.grad(rl, params)
+    metrics = w.train_mini_batch(batch, norm)
+    got = torch.cat([p.main_grad.flatten() for p in params])
+    expected, rl_only = torch.cat([g.flatten() for g in expected]), torch.cat([g.flatten() for g in rl_only])
+    assert (expected - rl_only).norm() > 0.05 * rl_only.norm()  # the load-balancing term shows
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    assert metrics["train/grad_norm"] == pytest.approx(float(expected.norm()), rel=1e-5)
+    # The reported loss stays the host's RL loss.
+    assert metrics["train/loss"] == pytest.approx(float(rl.detach()), rel=1e-5)
+
+
+def test_bridge_orders_sequential_experts_by_number():
+    from loongsage_plugin_megatron import bridge_compat, cpu_compat
+
+    cpu_compat.import_bridge()  # Megatron-Bridge imports need the placeholders without Transformer Engine
+    bridge_compat.apply()
+    from megatron.bridge.models.conversion import model_bridge
+
+    # Experts 8-15 of one expert-parallel rank, in the order every rank's export tasks must share.
+    names = [f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc{k}.weight"
+             for e in range(8, 16) for k in (1, 2)]
+    names += ["decoder.layers.1.mlp.router.weight", "decoder.layers.0.mlp.experts.local_experts.9.linear_fc1.weight"]
+    ordered = sorted(names, key=model_bridge.extract_sort_key)
+    assert ordered[0] == "decoder.layers.0.mlp.experts.local_experts.9.linear_fc1.weight"
+    assert ordered[1] == "decoder.layers.1.mlp.router.weight"
+    assert ordered[2:] == names[:16]
+    assert bridge_compat.sequential_expert(names[0]) == ("decoder.layers.1.mlp.experts", 8, "linear_fc1.weight")
+    assert bridge_compat.sequential_expert("decoder.layers.1.mlp.experts.linear_fc1.weight8") is None
+
+
+def _source_weights(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(path) / "model.safetensors"))
+
+
+def test_bad_backend_args_raise_clear_errors(hf_dir, moe_model, host):
     with pytest.raises(ValueError, match=r"backend_args.pp = 4: the model's 2 layers do not split evenly"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, pp=4), components=host, world_size=4))
     with pytest.raises(ValueError, match=r"3 ranks are not divisible by tp \* pp = 2"):
@@ -378,6 +617,24 @@ def test_bad_backend_args_raise_clear_errors(hf_dir, host):
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, use_distributed_optimizer="yes"),
                                                       components=host))
+    # Expert parallelism: a MoE model, ep dividing dp and the number of experts, tp = 1 for MoE.
+    with pytest.raises(ValueError, match=r"backend_args.ep = 2: expert parallelism needs a Mixture-of-Experts "
+                                         r"model, but the model in \[model\] path is dense"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, ep=2), components=host, world_size=2))
+    moe_dir = moe_model[0]
+    with pytest.raises(ValueError, match=r"backend_args.ep = 2 must divide the data-parallel size dp = 1"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(moe_dir, ep=2, pp=2), components=host,
+                                                      world_size=2))
+    with pytest.raises(ValueError, match=r"backend_args.ep = 3 must divide the model's 4 experts"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(moe_dir, ep=3), components=host, world_size=3))
+    with pytest.raises(ValueError, match=r"backend_args.ep must be >= 1, got 0"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(moe_dir, ep=0), components=host))
+    with pytest.raises(ValueError, match=r"backend_args.tp = 2: Mixture-of-Experts models need tp = 1"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(moe_dir, tp=2), components=host, world_size=2))
+    with pytest.raises(ValueError, match=r"moe_aux_loss_coeff = 0.1: the model in \[model\] path is dense"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, moe_aux_loss_coeff=0.1), components=host))
+    with pytest.raises(ValueError, match=r"backend_args: 'moe_aux_loss_coeff' must be >= 0"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(moe_dir, moe_aux_loss_coeff=-1), components=host))
     # Megatron-Core's distributed optimizer only shards CUDA tensors: a clear error without CUDA.
     with pytest.raises(ValueError, match=r"use_distributed_optimizer = true cannot run here: .*needs CUDA"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, use_distributed_optimizer=True),
