@@ -200,10 +200,11 @@ class RLController:
         assert self.actors is not None
         shards = self.actors.rows_per_trainer(len(batch))
         calls, replica_of = [], []
+        # every rank is called, an empty share included: ranks of an expert-parallel group (and of
+        # data-parallel backends with collectives in forward) must run together
         for actor, rows, replica in zip(self.actors.trainers, shards, self.actors.data_parallel_ranks()):
-            if rows:
-                calls.append((actor.reference_forward if reference else actor.forward).remote(batch.select(rows)))
-                replica_of.append(replica)
+            calls.append((actor.reference_forward if reference else actor.forward).remote(batch.select(rows)))
+            replica_of.append(replica)
         # every rank of a model replica returns the same rows: keep one answer per replica, in order
         first: dict[int, Any] = {}
         for replica, out in zip(replica_of, ray.get(calls)):
