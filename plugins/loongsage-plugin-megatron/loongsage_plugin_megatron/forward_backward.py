@@ -5,8 +5,9 @@ model's inputs, one :class:`StageInputs` per micro-batch; :func:`run_schedule` h
 ``megatron.core.pipeline_parallel.get_forward_backward_func()`` (no pipelining under PP = 1, the
 1F1B schedule ``forward_backward_pipelining_without_interleaving`` under PP > 1), whose last
 pipeline stage calls back with each micro-batch's logits. :func:`token_outputs` turns those into
-per-token log-probs and entropies; what the caller's ``on_logits`` does with them (the host's
-loss, or collecting them) is up to it.
+per-token log-probs and entropies, :func:`teacher_outputs` into a teacher's log-probs, top-k and
+full logits; what the caller's ``on_logits`` does with them (the host's loss, or collecting
+them) is up to it.
 
 Pipeline stages exchange activations of one fixed shape ``[width, rows, hidden]``, so under
 PP > 1 every micro-batch is padded to the widest real length of the call and to
@@ -28,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from loongsage_hookspecs import Batch
 
-from .logits import logprobs_and_entropy
+from .logits import logprobs_and_entropy, sampled_logprobs_and_topk
 
 
 @attrs.define(frozen=True)
@@ -122,28 +123,73 @@ def token_outputs(logits: "torch.Tensor", inputs: StageInputs, *, tp: int,
     """Log-probs and entropies ``[rows, T]`` of a micro-batch's real rows from the last stage's
     logits ``[rows_padded, width, vocab / tp]`` (0 at padding and position 0)."""
     import torch
-    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    if tp > 1:  # vocab-sharded output layer: gather the full vocabulary (differentiable)
-        logits = gather_from_tensor_model_parallel_region(logits)
-    rows, width = inputs.rows, inputs.width
-    ids = inputs.input_ids[:rows]
-    logprobs, entropy = logprobs_and_entropy(logits[:rows, :-1].float(), ids, entropy_grad=entropy_grad)
-    attention = inputs.micro.get("attention_mask")
-    real = torch.ones_like(ids, dtype=torch.bool) if attention is None else _fit_width(attention, width) > 0
+    logits = _full_vocabulary(logits, tp)  # differentiable gather under TP > 1
+    ids = inputs.input_ids[:inputs.rows]
+    logprobs, entropy = logprobs_and_entropy(logits[:inputs.rows, :-1].float(), ids, entropy_grad=entropy_grad)
+    real = _real_positions(inputs)
     logprobs = torch.where(real, logprobs, torch.zeros_like(logprobs))
     entropy = torch.where(real, entropy, torch.zeros_like(entropy))
     out_width = inputs.micro["input_ids"].shape[1]
     return _fit_width(logprobs, out_width), _fit_width(entropy, out_width)
 
 
+def teacher_outputs(logits: "torch.Tensor", inputs: StageInputs, *, tp: int, vocab: int, topk: int,
+                    return_logits: bool, logits_dtype: "torch.dtype",
+                    device: "torch.device") -> "dict[str, torch.Tensor]":
+    """A micro-batch's real rows in the layout of ``loongsage_hookspecs.TeacherOutputs``, on ``device``.
+
+    From the last stage's logits ``[rows_padded, width, vocab_padded / tp]``: ``logprobs``
+    ``[rows, T]``; with ``topk`` > 0 ``topk_ids`` / ``topk_logprobs`` ``[rows, T, topk]``
+    (largest first); with ``return_logits`` the raw ``logits`` ``[rows, T, vocab]`` in
+    ``logits_dtype``. Entry ``t`` describes the distribution that produced token ``t``; position 0
+    and padding hold 0; ``T`` is the width of the caller's batch. Only the first ``vocab``
+    entries (the Hugging Face vocabulary) count: Megatron may pad its output layer beyond it.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    rows = inputs.rows
+    raw = _full_vocabulary(logits, tp)[:rows, :-1, :vocab].float()  # entry t predicts token t + 1
+    logprobs, topk_logprobs, topk_ids = sampled_logprobs_and_topk(raw, inputs.input_ids[:rows], topk)
+    real = _real_positions(inputs)
+    out = {"logprobs": torch.where(real, logprobs, 0.0)}
+    keep = real.unsqueeze(-1)
+    if topk_ids is not None and topk_logprobs is not None:
+        out["topk_logprobs"] = torch.where(keep, topk_logprobs, 0.0)
+        out["topk_ids"] = torch.where(keep, topk_ids, 0)
+    if return_logits:
+        out["logits"] = torch.where(keep, F.pad(raw, (0, 0, 1, 0)), 0.0).to(logits_dtype)
+    out_width = inputs.micro["input_ids"].shape[1]
+    return {key: _fit_width(value, out_width).to(device) for key, value in out.items()}
+
+
+def _full_vocabulary(logits: "torch.Tensor", tp: int) -> "torch.Tensor":
+    """``logits`` over the whole vocabulary: gathered from the vocabulary-sharded output layer
+    under TP > 1 (differentiably), as they are otherwise."""
+    if tp == 1:
+        return logits
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    return gather_from_tensor_model_parallel_region(logits)
+
+
+def _real_positions(inputs: StageInputs) -> "torch.Tensor":
+    """``[rows, width]`` bool: the real (not padding) tokens of a micro-batch's real rows."""
+    import torch
+
+    ids = inputs.input_ids[:inputs.rows]
+    attention = inputs.micro.get("attention_mask")
+    return torch.ones_like(ids, dtype=torch.bool) if attention is None else _fit_width(attention, inputs.width) > 0
+
+
 def _fit_width(tensor: "torch.Tensor", width: int) -> "torch.Tensor":
-    """``tensor`` ``[rows, T]`` cut or right-padded with zeros to ``width`` columns."""
+    """``tensor`` ``[rows, T, ...]`` cut or right-padded with zeros to ``width`` columns (axis 1)."""
     import torch
 
     if tensor.shape[1] >= width:
         return tensor[:, :width]
-    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]))
+    return torch.nn.functional.pad(tensor, (0, 0) * (tensor.dim() - 2) + (0, width - tensor.shape[1]))
 
 
 def run_schedule(chunks: list[Any], inputs: list[StageInputs], on_logits: Callable[[StageInputs, Any], Any], *,

@@ -1,14 +1,14 @@
 """Hook implementations of loongsage-plugin-megatron (the module its entry point names).
 
-Provides the ``megatron`` train backend. Megatron-Core, Megatron-Bridge and torch are imported
-only when a worker is built.
+Provides the ``megatron`` train backend and the ``megatron`` distillation teacher. Megatron-Core,
+Megatron-Bridge and torch are imported only when a worker or a teacher is built.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterator
 
-from loongsage_hookspecs import TrainBackendSpec, hookimpl
+from loongsage_hookspecs import TeacherSpec, TrainBackendSpec, hookimpl
 
 
 def create_train_worker(ctx: Any) -> Any:
@@ -18,9 +18,24 @@ def create_train_worker(ctx: Any) -> Any:
     return MegatronTrainWorker(ctx)
 
 
+def create_teacher(path: str | None = None, **args: Any) -> Any:
+    """Build a ``megatron`` teacher from a ``[[teachers]]`` table's ``path`` and ``args``."""
+    from .teacher import MegatronTeacher
+
+    return MegatronTeacher(path, **args)
+
+
 @hookimpl
 def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="megatron", factory=create_train_worker,
                            description="Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
                                        "directory; tensor, pipeline (1F1B), data (Megatron DDP) and, for "
                                        "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer")
+
+
+@hookimpl
+def loongsage_teachers() -> Iterator[TeacherSpec]:
+    yield TeacherSpec(name="megatron", factory=create_teacher,
+                      description="frozen Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
+                                  "directory, run in the controller process (tp = pp = ep = 1, float32) with "
+                                  "CPU offload; args device, micro_batch_size, output_device, logits_dtype, seed")

@@ -64,6 +64,12 @@ micro-batches and data-parallel ranks); the reported ``train/loss`` stays the RL
   parallelism only with sequence parallelism, which this backend does not use yet);
 * ``moe_aux_loss_coeff``: weight of the MoE load-balancing loss (default 0: off).
 
+The ``reference`` role is forward-only (no DDP wrapper, no optimizer): the frozen reference
+model beside the policy, and the model of the ``megatron`` distillation teacher
+(:mod:`.teacher`), which builds one in the controller process (TP = PP = EP = 1) and reads
+:meth:`MegatronTrainWorker.score`: the sampled tokens' log-probs, top-k log-probs and full
+logits in the layout of ``loongsage_hookspecs.TeacherOutputs``.
+
 Checkpoints hold, per rank, the model shard, the Megatron optimizer's ``state_dict()`` (plus
 its parameter state file, ``save_parameter_state``, under the distributed optimizer), the
 schedule, the step and the RNG state; a resumed run continues exactly.
@@ -220,6 +226,8 @@ class MegatronTrainWorker:
             self._configure_moe(provider, hf_config)
         cpu_compat.configure_provider(provider)
         provider.finalize()
+        # The Hugging Face vocabulary (Megatron may pad its output layer beyond it).
+        self.vocab_size = int(provider.vocab_size)
         # Unwrapped model chunks (what Megatron-Bridge converts to and from Hugging Face names).
         self.modules = provider.provide_distributed_model(
             wrap_with_ddp=False, use_cpu_initialization=self.device.type == "cpu", mixed_precision_wrapper=None)
@@ -396,7 +404,7 @@ class MegatronTrainWorker:
         stages, so every rank returns them. Under EP > 1 every rank of an expert-parallel group
         must call it (with its own rows, possibly none): their MoE layers run together.
         """
-        from .forward_backward import run_schedule, token_outputs
+        from .forward_backward import token_outputs
 
         if "input_ids" not in batch:
             raise KeyError("MegatronTrainWorker.forward: the batch has no 'input_ids' tensor")
@@ -408,16 +416,8 @@ class MegatronTrainWorker:
         if not inputs:
             empty = torch.zeros(0, width)
             return {"logprobs": empty, "entropy": empty.clone()}
-        was_training = self.model.training
-        for chunk in self.chunks:
-            chunk.eval()
-        try:
-            outs = run_schedule(self.chunks, inputs,
-                                lambda inputs, logits: token_outputs(logits, inputs, tp=self.tp, entropy_grad=False),
-                                forward_only=True)
-        finally:
-            for chunk in self.chunks:
-                chunk.train(was_training)
+        outs = self._run_forward_only(
+            inputs, lambda inputs, logits: token_outputs(logits, inputs, tp=self.tp, entropy_grad=False))
         if outs:
             both = torch.stack([torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])]).float()
         else:  # not the last pipeline stage: receive below
@@ -425,6 +425,66 @@ class MegatronTrainWorker:
         if self.pp > 1:
             _broadcast_from_last_stage(both)
         return {"logprobs": both[0].cpu(), "entropy": both[1].cpu()}
+
+    @torch.no_grad()
+    def score(self, batch: Batch, *, topk: int = 0, return_logits: bool = False,
+              logits_dtype: torch.dtype = torch.float32,
+              output_device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The model's next-token distributions over ``batch``, as a distillation teacher returns them.
+
+        ``logprobs`` ``[B, T]`` of the batch's tokens; with ``topk`` > 0 ``topk_ids`` /
+        ``topk_logprobs`` ``[B, T, topk]`` (largest first); with ``return_logits`` the raw
+        ``logits`` ``[B, T, V]`` (``V`` the Hugging Face vocabulary) in ``logits_dtype``. Entry
+        ``t`` describes the distribution that produced token ``t``; position 0 and padding hold 0
+        (the layout of ``loongsage_hookspecs.TeacherOutputs``). Each micro-batch's outputs move to
+        ``output_device`` as soon as they are computed, so full logits never pile up on the
+        accelerator. Needs PP = 1 (the outputs are not broadcast from the last stage); under TP > 1
+        the vocabulary shards are gathered. The ``megatron`` teacher (:mod:`.teacher`) calls it.
+        """
+        from .forward_backward import teacher_outputs
+
+        if "input_ids" not in batch:
+            raise KeyError("MegatronTrainWorker.score: the batch has no 'input_ids' tensor")
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+            raise ValueError(f"MegatronTrainWorker.score: topk must be an integer >= 0, got {topk!r}")
+        if topk > self.vocab_size:
+            raise ValueError(f"MegatronTrainWorker.score: topk={topk} exceeds the vocabulary size {self.vocab_size}")
+        if self.pp > 1:
+            raise ValueError(f"MegatronTrainWorker.score: needs pp = 1, got pp = {self.pp} (only the last pipeline "
+                             "stage has the logits)")
+        if self._offloaded:
+            raise RuntimeError("MegatronTrainWorker.score: the worker is offloaded; call onload() first")
+        self._check_same_rows(batch, "score")
+        device = torch.device(output_device)
+        width = int(batch["input_ids"].shape[1])
+        parts = self._run_forward_only(self._stage_inputs(batch), lambda inputs, logits: teacher_outputs(
+            logits, inputs, tp=self.tp, vocab=self.vocab_size, topk=topk, return_logits=return_logits,
+            logits_dtype=logits_dtype, device=device))
+        shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"logprobs": ((), torch.float32)}
+        if topk:
+            shapes.update(topk_ids=((topk,), torch.long), topk_logprobs=((topk,), torch.float32))
+        if return_logits:
+            shapes["logits"] = ((self.vocab_size,), logits_dtype)
+        return {key: torch.cat([part[key] for part in parts]) if parts
+                else torch.zeros((0, width, *trailing), dtype=dtype, device=device)
+                for key, (trailing, dtype) in shapes.items()}
+
+    def _run_forward_only(self, inputs: list[Any], on_logits: Any) -> list[Any]:
+        """``inputs`` through Megatron's schedule without gradient, every chunk in eval mode (no
+        dropout) meanwhile; returns what ``on_logits(inputs, logits)`` returned per micro-batch on
+        the last pipeline stage (``[]`` elsewhere or without inputs)."""
+        from .forward_backward import run_schedule
+
+        if not inputs:
+            return []
+        was_training = self.model.training
+        for chunk in self.chunks:
+            chunk.eval()
+        try:
+            return run_schedule(self.chunks, inputs, on_logits, forward_only=True)
+        finally:
+            for chunk in self.chunks:
+                chunk.train(was_training)
 
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
         """One optimizer step on this rank's rows of a mini-batch with global denominators ``norm``.
@@ -588,6 +648,11 @@ class MegatronTrainWorker:
             dist.barrier()
 
     # ------------------------------------------------------------------------------------------
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether :meth:`offload` moved the model off the accelerator (never on the CPU)."""
+        return self._offloaded
 
     def offload(self) -> None:
         """Free the accelerator: parameters and optimizer state to host memory, gradient buffers

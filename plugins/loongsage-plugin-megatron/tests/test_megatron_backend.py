@@ -21,7 +21,6 @@ except ImportError as exc:  # fail, never skip: the backend's tests need the rea
     raise ImportError("megatron-core is not installed: pip install -r requirements-megatron.txt") from exc
 
 from loongsage_plugin_megatron import plugin
-from loongsage_plugin_torch.modeling import TINY_QWEN3
 from loongsage_plugin_torch.trainer import create_train_worker as create_torch_worker
 
 from loongsage_core.algorithms import compute_norm
@@ -30,19 +29,6 @@ from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Batch, TrainWorker, TrainWorkerContext
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
-
-
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory) -> str:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    conf = dict(TINY_QWEN3)
-    model_type = conf.pop("model_type")
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **conf), dtype=torch.float32)
-    out = tmp_path_factory.mktemp("tiny_qwen3")
-    model.save_pretrained(str(out))
-    return str(out)
 
 
 # A tiny Qwen3-MoE: every layer sparse, 4 experts, top-2 with renormalised top-k weights (as the
