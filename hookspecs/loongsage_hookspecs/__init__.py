@@ -55,6 +55,7 @@ from .records import (
     TrajectoryGroup,
     TrajectoryStatus,
     WeightBucket,
+    teacher_inputs,
 )
 from .specs import (
     AdvantageSpec,

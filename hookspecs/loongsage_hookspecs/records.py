@@ -379,6 +379,28 @@ class TeacherOutputs:
     logits: "torch.Tensor | None" = None
 
 
+def teacher_inputs(batch: "Batch", topk: Any, who: str) -> tuple["torch.Tensor", "torch.Tensor"]:
+    """``(input_ids, attention_mask)`` of a batch a teacher is asked to score, checked the same way
+    by every teacher backend (``who`` names it in the errors): ``input_ids`` ``[B, T]``, an
+    ``attention_mask`` of that shape (all ones when absent), ``topk`` an integer >= 0."""
+    import torch
+
+    ids = batch.get("input_ids")
+    if ids is None:
+        raise KeyError(f"{who}: the batch has no 'input_ids' tensor")
+    if ids.dim() != 2:
+        raise ValueError(f"{who}: input_ids must be [B, T], got shape {tuple(ids.shape)}")
+    attention = batch.get("attention_mask")
+    if attention is None:
+        attention = torch.ones_like(ids)
+    if tuple(attention.shape) != tuple(ids.shape):
+        raise ValueError(f"{who}: attention_mask {tuple(attention.shape)} and input_ids "
+                         f"{tuple(ids.shape)} differ in shape")
+    if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+        raise ValueError(f"{who}: topk must be an integer >= 0, got {topk!r}")
+    return ids, attention
+
+
 @attrs.define
 class TensorMeta:
     """Where one tensor lies inside a weight bucket's flat byte buffer."""

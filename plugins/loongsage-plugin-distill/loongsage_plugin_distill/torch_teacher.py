@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loongsage_hookspecs import Batch, TeacherOutputs
+from loongsage_hookspecs import Batch, TeacherOutputs, teacher_inputs
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -129,19 +129,7 @@ class TorchTeacher:
         """
         import torch
 
-        ids = batch.get("input_ids")
-        if ids is None:
-            raise KeyError("torch teacher: the batch has no 'input_ids' tensor")
-        if ids.dim() != 2:
-            raise ValueError(f"torch teacher: input_ids must be [B, T], got shape {tuple(ids.shape)}")
-        attention = batch.get("attention_mask")
-        if attention is None:
-            attention = torch.ones_like(ids)
-        if tuple(attention.shape) != tuple(ids.shape):
-            raise ValueError(f"torch teacher: attention_mask {tuple(attention.shape)} and input_ids "
-                             f"{tuple(ids.shape)} differ in shape")
-        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
-            raise ValueError(f"torch teacher: topk must be an integer >= 0, got {topk!r}")
+        ids, attention = teacher_inputs(batch, topk, "torch teacher")
         rows, width = ids.shape
         out_dev = self.output_device
         logprobs = torch.zeros((rows, width), dtype=torch.float32, device=out_dev)

@@ -29,7 +29,7 @@ import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from loongsage_hookspecs import Batch, TeacherOutputs
+from loongsage_hookspecs import Batch, TeacherOutputs, teacher_inputs
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -221,21 +221,7 @@ class MegatronTeacher:
         ``logits_dtype``; all on ``output_device``, without gradient. On CUDA, call :meth:`load`
         first (RuntimeError while offloaded).
         """
-        import torch
-
-        ids = batch.get("input_ids")
-        if ids is None:
-            raise KeyError("megatron teacher: the batch has no 'input_ids' tensor")
-        if ids.dim() != 2:
-            raise ValueError(f"megatron teacher: input_ids must be [B, T], got shape {tuple(ids.shape)}")
-        attention = batch.get("attention_mask")
-        if attention is None:
-            attention = torch.ones_like(ids)
-        if tuple(attention.shape) != tuple(ids.shape):
-            raise ValueError(f"megatron teacher: attention_mask {tuple(attention.shape)} and input_ids "
-                             f"{tuple(ids.shape)} differ in shape")
-        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
-            raise ValueError(f"megatron teacher: topk must be an integer >= 0, got {topk!r}")
+        ids, attention = teacher_inputs(batch, topk, "megatron teacher")
         if topk > self.vocab_size:
             raise ValueError(f"megatron teacher: topk={topk} exceeds the vocabulary size {self.vocab_size}")
         if self.worker.offloaded:
