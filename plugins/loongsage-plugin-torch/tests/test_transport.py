@@ -274,3 +274,32 @@ def test_inprocess_sender_hands_the_same_tensors_to_every_engine():
     with pytest.raises(TypeError, match="load_weights"):
         sender.send(tensors, 7, [object()])
     assert list(inprocess_receiver().receive({"named_tensors": tensors[:2]})) == tensors[:2]
+
+
+def test_blocks_of_killed_senders_are_reclaimed():
+    """A run killed with SIGKILL cannot unlink its blocks; the next sender on the node does."""
+    import subprocess
+    import sys
+
+    from loongsage_plugin_torch.transport import shm
+
+    code = ("import time; from multiprocessing import shared_memory; "
+            "from loongsage_plugin_torch.transport.shm import _block_name; "
+            "b = shared_memory.SharedMemory(name=_block_name(), create=True, size=4096); "
+            "print(b.name, flush=True); time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    orphan = child.stdout.readline().strip()
+    child.kill()
+    child.wait()
+    alive = shared_memory.SharedMemory(name=shm._block_name(), create=True, size=4096)  # this process lives
+    try:
+        assert orphan.startswith(shm.BLOCK_PREFIX)
+        shared_memory.SharedMemory(name=orphan).close()  # the killed child's block is still there
+        with shm.ShmSender(bucket_bytes=1024):
+            pass
+        with pytest.raises(FileNotFoundError):
+            shared_memory.SharedMemory(name=orphan)
+        shared_memory.SharedMemory(name=alive.name).close()  # a live sender's block is kept
+    finally:
+        alive.close()
+        alive.unlink()

@@ -48,6 +48,41 @@ class WeightTransferError(RuntimeError):
     """An engine rejected or failed a weight bucket; the message names the engine and the bucket."""
 
 
+BLOCK_PREFIX = "loongsage_w_"
+"""Shared-memory blocks are named ``loongsage_w_<sender pid>_<random>``."""
+
+
+def _block_name() -> str:
+    import uuid
+
+    return f"{BLOCK_PREFIX}{os.getpid()}_{uuid.uuid4().hex[:12]}"
+
+
+def reclaim_orphan_blocks(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink the blocks of senders that no longer run (a run killed with SIGKILL cannot release
+    them); returns their names. A block whose sender process still exists is left alone."""
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith(BLOCK_PREFIX)]
+    except OSError:  # no POSIX shared-memory directory to inspect here
+        return []
+    reclaimed = []
+    for name in names:
+        try:
+            pid = int(name[len(BLOCK_PREFIX):].split("_", 1)[0])
+            os.kill(pid, 0)
+            continue  # its sender is alive
+        except ProcessLookupError:
+            pass
+        except (ValueError, PermissionError):
+            continue  # not ours to judge
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            reclaimed.append(name)
+        except OSError:
+            pass
+    return reclaimed
+
+
 # ---------------------------------------------------------------------------------------------
 # Sender
 # ---------------------------------------------------------------------------------------------
@@ -76,7 +111,8 @@ class ShmSender:
     than a bucket across buckets (default) instead of giving each its own larger bucket.
     ``num_buffers``: shared-memory blocks in rotation (2 lets packing overlap loading).
     ``timeout_s``: per-request HTTP timeout. ``copy`` is the receiver's option, accepted and
-    ignored here so one ``weight_transport_args`` table serves both sides.
+    ignored here so one ``weight_transport_args`` table serves both sides. Blocks left behind by
+    senders that were killed (their process is gone) are unlinked when a sender is built.
 
     A target is an engine base URL (``http://127.0.0.1:PORT``) or a callable taking the payload
     (an engine in the same process).
@@ -97,6 +133,7 @@ class ShmSender:
         self._client: Any = None
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _release_blocks, self._blocks)
+        reclaim_orphan_blocks()
 
     # -- blocks --------------------------------------------------------------------------------
 
@@ -107,7 +144,7 @@ class ShmSender:
         if block is not None:
             self._retired.append(block.name)
             _release_blocks([block])
-        block = shared_memory.SharedMemory(create=True, size=max(size, self.bucket_bytes, 1))
+        block = shared_memory.SharedMemory(name=_block_name(), create=True, size=max(size, self.bucket_bytes, 1))
         self._blocks[slot] = block
         return block
 
