@@ -23,7 +23,8 @@ def test_writes_one_flushed_line_per_step(tmp_path):
 
 
 def test_tensor_like_values_become_numbers(tmp_path):
-    torch = pytest.importorskip("torch", reason="torch is the trainer's tensor type")
+    import torch  # the trainer's tensor type (installed with the trainers; the 'test' extra names it)
+
     lg = JsonlLogger(tmp_path)
     lg.log(0, {"a": torch.tensor(0.5), "b": torch.tensor(3)})
     lg.close()

@@ -20,7 +20,6 @@ def metrics_file(tmp_path):
 
 
 def test_plot_writes_a_png(metrics_file, tmp_path):
-    pytest.importorskip("matplotlib", reason="plotting is the optional 'plot' extra")
     out = plot_metrics(metrics_file, ["rollout/reward_mean", "train/*"], tmp_path / "figs" / "curves.png")
     data = out.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -29,7 +28,6 @@ def test_plot_writes_a_png(metrics_file, tmp_path):
 
 
 def test_plot_names_missing_keys(metrics_file, tmp_path):
-    pytest.importorskip("matplotlib", reason="plotting is the optional 'plot' extra")
     with pytest.raises(ValueError, match="available: rollout/reward_mean, train/grad_norm, train/loss"):
         plot_metrics(metrics_file, ["reward"], tmp_path / "x.png")
     assert main([str(metrics_file), "nope", "-o", str(tmp_path / "y.png")]) == 2

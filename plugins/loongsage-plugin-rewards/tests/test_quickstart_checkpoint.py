@@ -10,13 +10,12 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+import torch  # the checkpoint test runs the model (the 'test' extra names torch and transformers)
+import transformers
 
 ROOT = Path(__file__).resolve().parents[3]
 MODEL = ROOT / "configs" / "quickstart" / "model"
 SCRIPT = ROOT / "scripts" / "make_quickstart_model.py"
-
-torch = pytest.importorskip("torch", reason="the checkpoint test runs the model")
-transformers = pytest.importorskip("transformers", reason="the checkpoint test runs the model")
 
 
 @pytest.fixture(scope="module")
