@@ -69,13 +69,9 @@ class Actors:
     engine_urls: list[str]
     colocated: bool
     placement_group: Any = None
-    dp_ranks: list[int] = attrs.field(factory=list)
+    dp_ranks: list[int] = attrs.field(kw_only=True)
     """The data-parallel rank of each trainer actor (ranks of one model replica share one)."""
-    dp_size: int = 1
-
-    def data_parallel_ranks(self) -> list[int]:
-        """The data-parallel rank of each trainer actor, in actor order."""
-        return list(self.dp_ranks) or list(range(len(self.trainers)))
+    dp_size: int = attrs.field(kw_only=True)
 
     def rows_per_trainer(self, n: int) -> list[list[int]]:
         """Which of ``n`` rows each trainer actor gets: a contiguous share per data-parallel rank,
@@ -83,7 +79,7 @@ class Actors:
         from .batching import shard_rows
 
         shards = shard_rows(n, self.dp_size)
-        return [shards[r] for r in self.data_parallel_ranks()]
+        return [shards[r] for r in self.dp_ranks]
 
     def all(self) -> list[Any]:
         """Every distinct actor (a colocated actor is both a trainer and an engine)."""

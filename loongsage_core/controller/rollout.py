@@ -75,7 +75,6 @@ class RolloutManager:
         self.sources = {src.name: src for src in job.data}
         eos = tokenizer.eos_token_id
         self.stop_ids = [eos] if eos is not None else []
-        self.engine_urls = list(engine_urls)
         self.router: Any = None
         self._sandboxes: dict[str, Any] = {}
         self._agent_slots: asyncio.Semaphore | None = None

@@ -202,7 +202,7 @@ class RLController:
         calls, replica_of = [], []
         # every rank is called, an empty share included: ranks of an expert-parallel group (and of
         # data-parallel backends with collectives in forward) must run together
-        for actor, rows, replica in zip(self.actors.trainers, shards, self.actors.data_parallel_ranks()):
+        for actor, rows, replica in zip(self.actors.trainers, shards, self.actors.dp_ranks):
             calls.append((actor.reference_forward if reference else actor.forward).remote(batch.select(rows)))
             replica_of.append(replica)
         # every rank of a model replica returns the same rows: keep one answer per replica, in order

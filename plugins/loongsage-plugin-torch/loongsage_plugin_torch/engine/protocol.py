@@ -453,9 +453,9 @@ def parse_update_distributed(body: Any) -> WeightUpdate:
     else:
         raise InvalidRequest(f"'load_format' {fmt!r} is not supported here (omit it for per-tensor lists, or "
                              "'broadcast' for a flat bucket)", "load_format")
-    _group_name(body)
     version = body.get("weight_version")
-    return WeightUpdate(load_format=fmt or "per_tensor", payload=body,
+    # the group named once, with SGLang's default, for the lock and the receiver alike
+    return WeightUpdate(load_format=fmt or "per_tensor", payload={**body, "group_name": _group_name(body)},
                         flush_cache=_bool(body, "flush_cache", True, ""),
                         abort_all_requests=_bool(body, "abort_all_requests", False, ""),
                         weight_version=None if version is None else parse_version(version, "weight_version"))

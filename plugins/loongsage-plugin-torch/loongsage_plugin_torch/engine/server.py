@@ -275,7 +275,7 @@ class EngineServer:
         update = parse_update_distributed(await _body(request))
         groups = self.engine.weight_groups
         sched = self.engine.scheduler
-        name = update.payload.get("group_name") or "weight_update_group"
+        name = update.payload["group_name"]
 
         def apply(named: list[Any]) -> int:
             if update.abort_all_requests:

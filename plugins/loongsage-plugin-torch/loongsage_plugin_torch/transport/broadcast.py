@@ -308,7 +308,7 @@ class BroadcastReceiver:
         """Receive one request's tensors from the group it names (blocks on the broadcast)."""
         import torch.distributed as dist
 
-        group_name = str(payload.get("group_name") or DEFAULT_GROUP)
+        group_name = str(payload["group_name"])
         group = self._require(group_name)
         device = self._devices[group_name]
         if payload.get("load_format") == LOAD_FORMAT:
