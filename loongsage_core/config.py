@@ -10,6 +10,7 @@ typed by the schema before they are applied.
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 import typing
 from pathlib import Path
@@ -35,6 +36,66 @@ class ConfigError(ValueError):
 Args = dict[str, Any]
 
 
+# --------------------------------------------------------------------------------------------
+# Value ranges (attrs validators): a bad value fails at load time, naming its key
+# --------------------------------------------------------------------------------------------
+
+SEED_MAX = 2**31 - 1
+"""Largest accepted seed: every consumer (Python, NumPy, torch, engines) takes it, plus ranks."""
+
+
+class RangeError(ValueError):
+    """A value outside its field's range; ``field`` names the attribute (joined to the key path)."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _fmt(bound: float) -> str:
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
+
+
+def _range(*, ge: float | None = None, gt: float | None = None, le: float | None = None,
+           lt: float | None = None, finite: bool = True, optional: bool = False, extra: tuple[Any, ...] = ()) -> Any:
+    """An attrs validator: a (finite) number within the given bounds (``extra`` values also pass)."""
+    bounds = [f"{op} {_fmt(b)}" for op, b in ((">=", ge), (">", gt), ("<=", le), ("<", lt)) if b is not None]
+
+    def check(_: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None and optional:
+            return
+        if value in extra and not isinstance(value, bool):
+            return
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+        if ok and finite:
+            ok = math.isfinite(value)
+        if ok:
+            ok = ((ge is None or value >= ge) and (gt is None or value > gt)
+                  and (le is None or value <= le) and (lt is None or value < lt))
+        if not ok:
+            integer = "int" in str(attribute.type) and "float" not in str(attribute.type)
+            wanted = "an integer" if integer else ("a finite number" if finite else "a number")
+            wanted = " ".join([wanted, " and ".join(bounds)]).strip()
+            if extra:
+                wanted += " (or " + ", ".join(repr(e) for e in extra) + ")"
+            raise RangeError(f"must be {wanted}, got {value!r}", attribute.name)
+
+    return check
+
+
+def _betas(_: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(isinstance(b, (int, float)) and math.isfinite(b) and 0 <= b < 1 for b in value)):
+        raise RangeError(f"must be two numbers in [0, 1), e.g. [0.9, 0.999], got {value!r}", attribute.name)
+
+
+_positive = _range(gt=0)
+_non_negative = _range(ge=0)
+_unit = _range(ge=0, le=1)
+_count = _range(ge=1)
+_seed = _range(ge=0, le=SEED_MAX)
+
+
 @attrs.define
 class PluginsConfig:
     """Which plugins are active: ``enable`` names distributions or entry points; ``modules``
@@ -55,28 +116,33 @@ class ModelConfig:
     tokenizer: str | None = None
     dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16", "float16")))
     fp32_lm_head: bool = False
-    seed: int = 0
+    seed: int = attrs.field(default=0, validator=_seed)
 
 
 @attrs.define
 class TrainConfig:
     """Trainer settings. ``mini_batch_size`` rows per optimizer step, split into micro-batches of
-    ``micro_batch_size`` rows; the loss denominator is global to the mini-batch."""
+    ``micro_batch_size`` rows; the loss denominator is global to the mini-batch.
+
+    ``max_bad_steps``: a step whose loss, gradient norm or weights are not finite is skipped, and so
+    is one that trains no row; this many such steps in a row end the run with an error naming
+    the cause."""
 
     backend: str = "torch"
-    num_workers: int = 1
-    lr: float = 1e-5
+    num_workers: int = attrs.field(default=1, validator=_count)
+    lr: float = attrs.field(default=1e-5, validator=_positive)
     lr_schedule: str = attrs.field(default="constant", validator=attrs.validators.in_(("constant", "linear", "cosine")))
-    lr_warmup_steps: int = 0
-    min_lr_ratio: float = 0.0
-    weight_decay: float = 0.0
-    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999])
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    total_steps: int = 50
-    mini_batch_size: int = 16
-    micro_batch_size: int = 4
-    ppo_epochs: int = 1
+    lr_warmup_steps: int = attrs.field(default=0, validator=_range(ge=0))
+    min_lr_ratio: float = attrs.field(default=0.0, validator=_unit)
+    weight_decay: float = attrs.field(default=0.0, validator=_non_negative)
+    betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999], validator=_betas)
+    eps: float = attrs.field(default=1e-8, validator=_positive)
+    grad_clip: float = attrs.field(default=1.0, validator=_non_negative)
+    total_steps: int = attrs.field(default=50, validator=_range(ge=0))
+    mini_batch_size: int = attrs.field(default=16, validator=_count)
+    micro_batch_size: int = attrs.field(default=4, validator=_count)
+    ppo_epochs: int = attrs.field(default=1, validator=_count)
+    max_bad_steps: int = attrs.field(default=3, validator=_count)
     gradient_checkpointing: bool = False
     backend_args: Args = attrs.field(factory=dict)
 
@@ -94,14 +160,14 @@ class RolloutConfig:
     control calls go to each engine."""
 
     engine: str = "torch"
-    num_engines: int = 1
-    prompts_per_step: int = 8
-    samples_per_prompt: int = 4
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_new_tokens: int = 64
-    max_context_length: int = 2048
+    num_engines: int = attrs.field(default=1, validator=_count)
+    prompts_per_step: int = attrs.field(default=8, validator=_count)
+    samples_per_prompt: int = attrs.field(default=4, validator=_count)
+    temperature: float = attrs.field(default=1.0, validator=_non_negative)
+    top_p: float = attrs.field(default=1.0, validator=_range(gt=0, le=1))
+    top_k: int = attrs.field(default=-1, validator=_range(ge=1, extra=(-1,)))
+    max_new_tokens: int = attrs.field(default=64, validator=_count)
+    max_context_length: int = attrs.field(default=2048, validator=_range(ge=2))
     partial: bool = False
     partial_mask_stale: bool = False
     weight_transport: str = "auto"
@@ -130,10 +196,10 @@ class PlacementConfig:
 
     colocate: bool = True
     offload: bool = True
-    trainer_cpus: float = 1.0
-    engine_cpus: float = 1.0
-    trainer_gpus: float = 0.0
-    engine_gpus: float = 0.0
+    trainer_cpus: float = attrs.field(default=1.0, validator=_non_negative)
+    engine_cpus: float = attrs.field(default=1.0, validator=_non_negative)
+    trainer_gpus: float = attrs.field(default=0.0, validator=_non_negative)
+    engine_gpus: float = attrs.field(default=0.0, validator=_non_negative)
     max_resident_teachers: int = attrs.field(default=1, validator=attrs.validators.ge(0))
     teacher_offload: str = attrs.field(default="cpu", validator=attrs.validators.in_(("cpu", "release")))
 
@@ -158,19 +224,19 @@ class AlgorithmConfig:
     loss_agg_args: Args = attrs.field(factory=dict)
     kl: str | None = None
     kl_args: Args = attrs.field(factory=dict)
-    kl_coef: float = 0.0
+    kl_coef: float = attrs.field(default=0.0, validator=_non_negative)
     kl_in_reward: bool = False
-    ref_update_every: int = 0
-    entropy_coef: float = 0.0
+    ref_update_every: int = attrs.field(default=0, validator=_range(ge=0))
+    entropy_coef: float = attrs.field(default=0.0, validator=_range())
     recompute_old_logprobs: bool = True
     corrections: list[str] = attrs.field(factory=list)
     correction_args: dict[str, Args] = attrs.field(factory=dict)
     filters: list[str] = attrs.field(factory=list)
     filter_args: dict[str, Args] = attrs.field(factory=dict)
-    max_filter_retries: int = 0
+    max_filter_retries: int = attrs.field(default=0, validator=_range(ge=0))
     distill_kl: str | None = None
     distill_kl_args: Args = attrs.field(factory=dict)
-    distill_coef: float = 1.0
+    distill_coef: float = attrs.field(default=1.0, validator=_non_negative)
     distill_in_reward: bool = False
     distill_topk: int = attrs.field(default=20, validator=attrs.validators.ge(1))
 
@@ -193,15 +259,15 @@ class CriticConfig:
     critic ignore this table."""
 
     path: str | None = None
-    lr: float | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.gt(0.0)))
-    value_clip: float = attrs.field(default=0.2, validator=attrs.validators.ge(0.0))
-    loss_coef: float = attrs.field(default=1.0, validator=attrs.validators.gt(0.0))
+    lr: float | None = attrs.field(default=None, validator=_range(gt=0, optional=True))
+    value_clip: float = attrs.field(default=0.2, validator=_non_negative)
+    loss_coef: float = attrs.field(default=1.0, validator=_positive)
     mini_batch_size: int | None = attrs.field(default=None, validator=_optional_positive)
     micro_batch_size: int | None = attrs.field(default=None, validator=_optional_positive)
     ppo_epochs: int | None = attrs.field(default=None, validator=_optional_positive)
     num_workers: int = attrs.field(default=1, validator=attrs.validators.ge(1))
-    cpus: float = attrs.field(default=1.0, validator=attrs.validators.ge(0.0))
-    gpus: float = attrs.field(default=0.0, validator=attrs.validators.ge(0.0))
+    cpus: float = attrs.field(default=1.0, validator=_non_negative)
+    gpus: float = attrs.field(default=0.0, validator=_non_negative)
 
 
 @attrs.define
@@ -215,7 +281,7 @@ class DataConfig:
     path: str | None = None
     generator: str | None = None
     generator_args: Args = attrs.field(factory=dict)
-    weight: float = 1.0
+    weight: float = attrs.field(default=1.0, validator=_positive)
     split: str | None = None
     prompt_key: str = "prompt"
     label_key: str = "label"
@@ -238,10 +304,10 @@ class AgentFlowConfig:
 
     middleware: list[str] = attrs.field(factory=list)
     middleware_args: dict[str, Args] = attrs.field(factory=dict)
-    max_response_tokens: int = 0
-    agent_timeout_s: float = 600.0
-    max_concurrent_agents: int = 64
-    port: int = 0
+    max_response_tokens: int = attrs.field(default=0, validator=_range(ge=0))
+    agent_timeout_s: float = attrs.field(default=600.0, validator=_positive)
+    max_concurrent_agents: int = attrs.field(default=64, validator=_count)
+    port: int = attrs.field(default=0, validator=_range(ge=0, le=65535))
 
 
 @attrs.define
@@ -251,7 +317,7 @@ class AsyncConfig:
     enable: bool = False
     scheduler: str = "windowed_fifo"
     scheduler_args: Args = attrs.field(factory=dict)
-    stale_steps: int = 1
+    stale_steps: int = attrs.field(default=1, validator=_range(ge=0))
 
 
 @attrs.define
@@ -274,17 +340,21 @@ class TeacherConfig:
 
 @attrs.define
 class RunConfig:
-    """Run-level settings: seed, checkpoints, resume and the local Ray cluster."""
+    """Run-level settings: seed, checkpoints, resume and the local Ray cluster.
 
-    seed: int = 0
+    ``seed`` is in ``[0, 2**31 - 1]``. A run directory that already holds a run is continued with
+    ``resume = true`` (from the newest intact checkpoint) and otherwise refused, unless the CLI's
+    ``--overwrite`` moves the old run aside. ``keep_checkpoints = 0`` keeps every checkpoint."""
+
+    seed: int = attrs.field(default=0, validator=_seed)
     output_dir: str = "runs/default"
     resume: bool = False
-    checkpoint_every: int = 0
-    keep_checkpoints: int = 2
+    checkpoint_every: int = attrs.field(default=0, validator=_range(ge=0))
+    keep_checkpoints: int = attrs.field(default=2, validator=_range(ge=0))
     save_hf_at_end: bool = True
     ray_address: str | None = None
-    ray_num_cpus: int | None = None
-    ray_object_store_mb: int = 256
+    ray_num_cpus: int | None = attrs.field(default=None, validator=_range(ge=1, optional=True))
+    ray_object_store_mb: int = attrs.field(default=256, validator=_count)
 
 
 @attrs.define
@@ -419,7 +489,12 @@ def _describe_errors(exc: BaseException, where: str) -> ConfigError:
     return ConfigError(f"{where}: {first}")
 
 
+_FIELD_MARK = "\x00"
+
+
 def _format_exception(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, RangeError):
+        return f"{exc}{_FIELD_MARK}{exc.field}"  # the field joins the key path (see _tidy_path)
     if isinstance(exc, KeyError):
         return "required key is missing"
     if isinstance(exc, ValueError) and len(exc.args) >= 2 and isinstance(exc.args[1], attrs.Attribute):
@@ -431,6 +506,10 @@ def _format_exception(exc: BaseException, type_: Any) -> str:
 
 def _tidy_path(message: str) -> str:
     # cattrs writes paths as $.train.lr / $.data[0].weight; show them as dotted keys
+    if _FIELD_MARK in message:  # a validator's field: "msg\0lr @ $.train" -> "msg @ $.train.lr"
+        text, _, rest = message.partition(_FIELD_MARK)
+        field, _, path = rest.partition(" @ ")
+        message = f"{text} @ {path}.{field}" if path != "$" else f"{text} @ $.{field}"
     return message.replace("@ $.", "at key '").replace("@ $", "at the top level")
 
 
@@ -443,9 +522,9 @@ def structure_job(raw: Mapping[str, Any], source: str | None = None) -> JobConfi
         job = _CONVERTER.structure(raw, JobConfig)
     except (ClassValidationError, IterableValidationError) as exc:
         err = _describe_errors(exc, where)
-        msg = str(err)
-        if "at key '" in _tidy_path(msg):
-            msg = _tidy_path(msg) + "'"
+        msg = _tidy_path(str(err))
+        if "at key '" in msg:
+            msg += "'"
         raise ConfigError(msg.replace("async_", "async")) from None
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
@@ -461,8 +540,11 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{where}: job file not found") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{where}: not UTF-8 text (byte {exc.start}: {exc.reason}); "
+                          "job files are UTF-8 TOML") from None
     except OSError as exc:
-        raise ConfigError(f"{where}: cannot read job file: {exc.strerror}") from None
+        raise ConfigError(f"{where}: cannot read job file: {exc.strerror or exc}") from None
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -514,10 +596,19 @@ def _type_at(parts: Sequence[str], where: str, original: str) -> Any:
                 hint = f" (did you mean '{'.'.join(walked + [close[0]])}'?)" if close else ""
                 raise ConfigError(f"{where}: override '{original}': unknown key '{'.'.join(walked + [part])}'{hint}")
             tp = hints[attr]
-        else:
+        elif _is_table_type(tp):
             return Any  # inside a free-form table (``*_args``)
+        else:
+            name = getattr(tp, "__name__", str(tp))
+            raise ConfigError(f"{where}: override '{original}': '{'.'.join(walked)}' is a {name}, not a table, "
+                              f"so it has no key '{part}'")
         walked.append(part)
     return tp
+
+
+def _is_table_type(tp: Any) -> bool:
+    """Whether ``tp`` is a free-form table (``Args``, ``dict[...]``) or unknown (``Any``)."""
+    return tp is Any or tp is dict or typing.get_origin(tp) is dict
 
 
 def _parse_value(text: str, tp: Any) -> Any:
@@ -543,20 +634,45 @@ def apply_override(raw: dict[str, Any], item: str, where: str = "<overrides>") -
     for i, part in enumerate(parts[:-1]):
         nxt = parts[i + 1]
         if isinstance(node, list):
+            if not part.isdigit():
+                raise ConfigError(f"{where}: override '{item}': '{'.'.join(parts[:i])}' is a list; "
+                                  f"use an index, not '{part}'")
             idx = int(part)
             while len(node) <= idx:
                 node.append({})
             node = node[idx]
-        else:
+        elif isinstance(node, dict):
             node = node.setdefault(part, [] if nxt.isdigit() else {})
+        else:
+            raise ConfigError(f"{where}: override '{item}': '{'.'.join(parts[:i])}' is "
+                              f"{type(node).__name__} {node!r}, not a table, so it has no key '{part}'")
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(f"{where}: override '{item}': '{'.'.join(parts[:i + 1])}' is "
+                              f"{type(node).__name__} {node!r}, not a table, so it has no key '{nxt}'")
     last = parts[-1]
     if isinstance(node, list):
+        if not last.isdigit():
+            raise ConfigError(f"{where}: override '{item}': '{'.'.join(parts[:-1])}' is a list; "
+                              f"use an index, not '{last}'")
         idx = int(last)
         while len(node) <= idx:
             node.append({})
-        node[idx] = value
+        node[idx] = merge_tables(node[idx], value)
     else:
-        node[last] = value
+        node[last] = merge_tables(node.get(last), value)
+
+
+def merge_tables(old: Any, new: Any) -> Any:
+    """``new`` laid over ``old``: tables merge key by key (recursively), anything else replaces.
+
+    So ``train={lr=1}`` changes ``train.lr`` and keeps the rest of ``[train]``.
+    """
+    if isinstance(old, dict) and isinstance(new, dict):
+        merged = dict(old)
+        for key, value in new.items():
+            merged[key] = merge_tables(old.get(key), value)
+        return merged
+    return new
 
 
 # --------------------------------------------------------------------------------------------

@@ -100,6 +100,9 @@ def load_module_from_path(path: Path, key: str) -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as exc:  # sys.exit() at import would end the CLI with no word of why
+        sys.modules.pop(name, None)
+        raise PluginError(f"{key}: importing '{path}' failed: the module called sys.exit({exc.code!r})") from None
     except Exception as exc:  # a user module may raise anything while importing
         sys.modules.pop(name, None)
         raise PluginError(f"{key}: importing '{path}' failed: {type(exc).__name__}: {exc}") from exc
@@ -157,8 +160,9 @@ class PluginHost:
                 continue
             try:
                 module = ep.load()
-            except Exception as exc:  # a broken plugin may raise anything on import
-                reason = f"import failed: {type(exc).__name__}: {exc}"
+            except (Exception, SystemExit) as exc:  # a broken plugin may raise (or exit) on import
+                reason = (f"import failed: it called sys.exit({exc.code!r})" if isinstance(exc, SystemExit)
+                          else f"import failed: {type(exc).__name__}: {exc}")
                 if aliases & set(required):
                     raise PluginError(f"{where}: plugin '{label}' is enabled but broken ({reason})") from exc
                 warnings.warn(f"skipping plugin '{label}': {reason}", PluginWarning, stacklevel=2)

@@ -12,6 +12,7 @@ import attrs
 
 from .config import ConfigError, JobConfig
 from .plugins import PluginHost
+from .validation import check_job
 
 
 @attrs.define
@@ -73,15 +74,9 @@ def check_references(job: JobConfig) -> None:
         if src.name in names:
             raise ConfigError(f"{where}: data[{i}].name: duplicate data source name '{src.name}'")
         names.add(src.name)
-        if src.weight <= 0:
-            raise ConfigError(f"{where}: data[{i}].weight: must be > 0, got {src.weight}")
         if src.teacher and src.teacher not in teachers:
             listing = ", ".join(sorted(teachers)) or "none defined in [[teachers]]"
             raise ConfigError(f"{where}: data[{i}].teacher: unknown teacher '{src.teacher}'; choose one of: {listing}")
-    if job.train.mini_batch_size <= 0 or job.train.micro_batch_size <= 0:
-        raise ConfigError(f"{where}: train.mini_batch_size and train.micro_batch_size must be > 0")
-    if job.rollout.prompts_per_step <= 0 or job.rollout.samples_per_prompt <= 0:
-        raise ConfigError(f"{where}: rollout.prompts_per_step and rollout.samples_per_prompt must be > 0")
     for section, listed_key, args_key in (("algorithm", "corrections", "correction_args"),
                                           ("algorithm", "filters", "filter_args"),
                                           ("agentflow", "middleware", "middleware_args")):
@@ -90,6 +85,7 @@ def check_references(job: JobConfig) -> None:
             if name not in listed:
                 raise ConfigError(f"{where}: {section}.{args_key}.{name}: '{name}' is not listed in "
                                   f"{section}.{listed_key}")
+    check_job(job)
     for i, src in enumerate(job.data):
         for name in src.reward_args:
             if name not in src.reward:

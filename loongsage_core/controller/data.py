@@ -56,12 +56,19 @@ DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 """Files that mark a directory written by ``datasets``' ``save_to_disk``."""
 
 
-def _read_jsonl(path: Path, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+def read_jsonl_file(path: Path, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(location, row)`` of each non-blank line of a JSONL file; undecodable text, invalid JSON
+    or a non-object line is a :class:`ConfigError` naming the file and line."""
+    with path.open("rb") as fh:
+        for lineno, raw_line in enumerate(fh, 1):
+            loc = f"{path}:{lineno}"
+            try:
+                line = raw_line.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{where}: {loc}: not UTF-8 text (byte {exc.start} of the line: "
+                                  f"{exc.reason}); data files are UTF-8") from None
             if not line.strip():
                 continue
-            loc = f"{path}:{lineno}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -142,7 +149,7 @@ def load_rows(job: JobConfig, index: int, components: Any) -> list[dict[str, Any
             if src.split is not None:
                 raise ConfigError(f"{where}.split: only a saved DatasetDict directory has splits; "
                                   f"'{path}' is a file")
-            raw = _read_parquet(path, where) if path.suffix in (".parquet", ".pq") else _read_jsonl(path, where)
+            raw = _read_parquet(path, where) if path.suffix in (".parquet", ".pq") else read_jsonl_file(path, where)
     rows = [map_fields(r, src, f"{where}: {loc}") for loc, r in raw]
     if not rows:
         raise ConfigError(f"{where}: the data source is empty")

@@ -27,6 +27,7 @@ from loongsage_hookspecs import AdvantageInputs, AggregationNorm, Batch, Traject
 
 from ..config import ConfigError, JobConfig, dump_job_toml
 from ..resolve import ResolvedJob
+from ..validation import check_output_dir
 from . import checkpoint as ckpt
 from .batching import build_batch
 from .colocation import PhaseSwitch
@@ -417,6 +418,7 @@ def run_job(resolved: ResolvedJob, output_dir: str | None = None) -> list[dict[s
     """Train the resolved job; returns the metrics of every step run."""
     job = resolved.job
     out = Path(output_dir or job.resolve_path(job.run.output_dir))
+    check_output_dir(out, "--output-dir" if output_dir else f"{job.source_path or '<job>'}: run.output_dir")
     if job.async_.enable:
         from .async_run import AsyncRLController
 

@@ -1,0 +1,246 @@
+"""Bad job files and overrides: one line naming the file and key, exit 2, never a traceback.
+
+Each case of the reliability review's list is one parametrized case; a hypothesis test feeds
+generated TOML and overrides to ``loongsage validate`` and accepts only exit 0 or 2.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loongsage_core.cli import main
+from loongsage_core.config import load_job
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = REPO / "configs" / "quickstart" / "model"
+
+BASE = f"""
+[plugins]
+enable = ["torch", "rl", "rewards", "loggers", "agents"]
+[model]
+path = "{MODEL}"
+[train]
+lr = 1e-5
+[[data]]
+name = "a"
+generator = "arithmetic"
+reward = ["exact_match"]
+"""
+
+
+def validate(capsys, job: Path, *overrides: str) -> tuple[int, str]:
+    """``loongsage validate`` in this process (the subprocess tests below cover the real CLI)."""
+    rc = main(["validate", str(job), *overrides])
+    return rc, capsys.readouterr().err
+
+
+@pytest.fixture
+def job(tmp_path: Path) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(BASE)
+    return path
+
+
+def _bad_model(tmp_path: Path) -> Path:
+    d = tmp_path / "bad_model"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "qwen3", ')
+    return d
+
+
+def _no_weights(tmp_path: Path) -> Path:
+    d = tmp_path / "no_weights"
+    d.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(MODEL / name, d / name)
+    return d
+
+
+def _module(tmp_path: Path, code: str) -> Path:
+    path = tmp_path / "user_module.py"
+    path.write_text(code)
+    return path
+
+
+# (overrides built from tmp_path, text expected in the one error line)
+CASES = {
+    "override into a scalar": (lambda t: ["train.lr.x=1"],
+                               "override 'train.lr.x=1': 'train.lr' is a float, not a table"),
+    "corrupt config.json": (lambda t: [f"model.path={_bad_model(t)}"], "config.json' is not valid JSON"),
+    "model without weights": (lambda t: [f"model.path={_no_weights(t)}"], "has no weight files"),
+    "data weight nan": (lambda t: ["data.0.weight=nan"], "got nan at key 'data[0].weight'"),
+    "data weight inf": (lambda t: ["data.0.weight=inf"], "got inf at key 'data[0].weight'"),
+    "negative lr": (lambda t: ["train.lr=-1e-5"], "must be a finite number > 0, got -1e-05 at key 'train.lr'"),
+    "nan lr": (lambda t: ["train.lr=nan"], "got nan at key 'train.lr'"),
+    "inf lr": (lambda t: ["train.lr=inf"], "got inf at key 'train.lr'"),
+    "negative total_steps": (lambda t: ["train.total_steps=-3"], "got -3 at key 'train.total_steps'"),
+    "negative warm-up": (lambda t: ["train.lr_warmup_steps=-1"], "got -1 at key 'train.lr_warmup_steps'"),
+    "one beta": (lambda t: ["train.betas=[0.9]"], "must be two numbers in [0, 1)"),
+    "zero engines": (lambda t: ["rollout.num_engines=0"],
+                     "must be an integer >= 1, got 0 at key 'rollout.num_engines'"),
+    "max_new_tokens -1": (lambda t: ["rollout.max_new_tokens=-1"], "key 'rollout.max_new_tokens'"),
+    "temperature -1": (lambda t: ["rollout.temperature=-1"], "key 'rollout.temperature'"),
+    "top_p 0": (lambda t: ["rollout.top_p=0"], "must be a finite number > 0 and <= 1, got 0.0 at key 'rollout.top_p'"),
+    "top_k 0": (lambda t: ["rollout.top_k=0"], "must be an integer >= 1 (or -1), got 0 at key 'rollout.top_k'"),
+    "20-digit seed": (lambda t: ["run.seed=12345678901234567890"], "at key 'run.seed'"),
+    "source sampling top_p 0": (lambda t: ["data.0.sampling={top_p=0}"], "data[0].sampling.top_p: must be"),
+    "ppo_epochs 0": (lambda t: ["train.ppo_epochs=0"], "at key 'train.ppo_epochs'"),
+    "micro above mini": (lambda t: ["train.micro_batch_size=64"], "train.micro_batch_size (64) must not exceed"),
+    "generator of the wrong type": (lambda t: ["data.0={generator=5}"],
+                                    "expected str, got int 5 at key 'data[0].generator'"),
+    "advantage_args of the wrong type": (lambda t: ["algorithm.advantage_args=5"],
+                                         "expected a table, got int 5 at key 'algorithm.advantage_args'"),
+    "module raising on import": (lambda t: [f'plugins.modules=["{_module(t, "raise RuntimeError(1)")}"]'],
+                                 "user_module.py' failed: RuntimeError"),
+    "module exiting on import": (lambda t: [f'plugins.modules=["{_module(t, "import sys; sys.exit(3)")}"]'],
+                                 "user_module.py' failed: the module called sys.exit(3)"),
+    "colocated engines above trainers": (lambda t: ["rollout.num_engines=2"], "needs rollout.num_engines (2) <="),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_value_is_one_line_naming_the_key(capsys, tmp_path, job, case):
+    make_overrides, expected = CASES[case]
+    rc, err = validate(capsys, job, *make_overrides(tmp_path))
+    assert rc == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"loongsage: error: {job}: ") or lines[0].startswith("loongsage: error: "), lines[0]
+    assert str(job) in lines[0] and expected in lines[0], lines[0]
+
+
+def test_non_utf8_job_file(capsys, tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(BASE.encode() + "# caf\u00e9\n".encode("latin-1"))
+    rc, err = validate(capsys, path)
+    assert rc == 2
+    assert f"{path}: not UTF-8 text" in err
+
+
+def test_non_utf8_data_file(capsys, tmp_path):
+    data = tmp_path / "rows.jsonl"
+    data.write_bytes(b'{"prompt": "1+1", "label": "2"}\n{"prompt": "caf\xe9"}\n')
+    path = tmp_path / "job.toml"
+    path.write_text(BASE.replace('generator = "arithmetic"', f'path = "{data}"'))
+    rc, err = validate(capsys, path)
+    assert rc == 2
+    assert f"data[0]: {data}:2: not UTF-8 text" in err
+
+
+def test_table_override_merges_into_the_table(job):
+    loaded = load_job(job, ["train={total_steps=3}", "train={mini_batch_size=8, micro_batch_size=2}"])
+    assert loaded.train.lr == 1e-5  # from the file: the override did not replace [train]
+    assert (loaded.train.total_steps, loaded.train.mini_batch_size, loaded.train.micro_batch_size) == (3, 8, 2)
+    nested = load_job(job, ["algorithm.advantage_args={norm_std=false}", "algorithm={advantage_args={eps=1e-3}}"])
+    assert nested.algorithm.advantage_args == {"norm_std": False, "eps": 1e-3}
+
+
+def test_good_job_still_validates(capsys, job):
+    rc, err = validate(capsys, job, "train.lr=3e-4", "rollout.top_k=20", "run.seed=2147483647")
+    assert rc == 0, err
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loongsage_core", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_cli_run_reports_user_module_exit_and_bad_values(tmp_path, job):
+    """The real CLI, ``run`` included: nothing starts, one line, exit 2."""
+    module = _module(tmp_path, "import sys\nsys.exit(3)\n")
+    for args in (["validate", str(job), f'plugins.modules=["{module}"]'],
+                 ["run", str(job), "rollout.num_engines=0", "--output-dir", str(tmp_path / "out")],
+                 ["run", str(job), "train.lr=inf", "--output-dir", str(tmp_path / "out")]):
+        out = _cli(*args)
+        assert out.returncode == 2, (args, out.stderr)
+        assert "Traceback" not in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert not (tmp_path / "out").exists()  # refused before the run directory was touched
+
+
+def test_unwritable_output_dir_is_one_line(tmp_path, job):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = _cli("run", str(job), "--output-dir", str(blocker / "run"))
+    assert out.returncode == 2, out.stderr
+    assert f"--output-dir: cannot write to run directory '{blocker / 'run'}'" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Fuzzing: generated job files and overrides give exit 0 or 2, never a traceback
+# --------------------------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+KEYS = ["train.lr", "train.total_steps", "train.betas", "train.mini_batch_size", "train.micro_batch_size",
+        "train.ppo_epochs", "train.lr_warmup_steps", "train.min_lr_ratio", "train.grad_clip", "train.max_bad_steps",
+        "rollout.num_engines", "rollout.temperature", "rollout.top_p", "rollout.top_k", "rollout.max_new_tokens",
+        "rollout.max_context_length", "rollout.samples_per_prompt", "run.seed", "model.seed", "model.path",
+        "data.0.weight", "data.0.generator", "data.0.sampling", "data.0.reward", "algorithm.advantage_args",
+        "algorithm.kl_coef", "placement.colocate", "train", "rollout", "data", "data.1.name", "train.lr.x",
+        "algorithm.advantage_args.norm_std.x", "async.stale_steps", "run.keep_checkpoints", "nonsense.key",
+        "data.x", "loggers.0.args"]
+
+
+def _toml_literal(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        if value != value:
+            return "nan"
+        if value in (float("inf"), float("-inf")):
+            return "inf" if value > 0 else "-inf"
+        return repr(value)
+    if isinstance(value, int):
+        return str(value)
+    return json.dumps(value)
+
+
+scalars = st.one_of(st.integers(min_value=-2**70, max_value=2**70), st.floats(), st.booleans(),
+                    st.text(alphabet="abcxyz_ -.", max_size=6))
+toml_values = st.one_of(
+    scalars.map(_toml_literal),
+    st.sampled_from(["[0.9]", "[]", "{}", "{lr=1}", "{top_p=0}", "[1, 2]", '"arithmetic"', "{norm_std=false}",
+                     "[[1]]", "x=1", "=", "", "{a={b=1}}"]),
+)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(overrides=st.lists(st.tuples(st.sampled_from(KEYS), toml_values), max_size=4))
+def test_fuzzed_overrides_exit_0_or_2(capsys, job, overrides):
+    items = [f"{k}={v}" for k, v in overrides]
+    rc, err = validate(capsys, job, *items)
+    assert rc in (0, 2), (items, err)
+    if rc == 2:
+        assert len(err.strip().splitlines()) == 1, (items, err)
+    _COUNTS[rc] = _COUNTS.get(rc, 0) + 1
+
+
+_COUNTS: dict[int, int] = {}
+
+section_text = st.lists(st.tuples(st.sampled_from(KEYS), toml_values), max_size=6).map(
+    lambda kvs: "\n".join(f"{k} = {v}" for k, v in kvs))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(extra=section_text, header=st.sampled_from(["", "[train]", "[rollout]", "[[data]]", "[run]", "[x]"]))
+def test_fuzzed_job_files_exit_0_or_2(capsys, tmp_path, extra, header):
+    path = tmp_path / "fuzz.toml"
+    path.write_text(BASE + "\n" + header + "\n" + extra + "\n")
+    rc, err = validate(capsys, path)
+    assert rc in (0, 2), (path.read_text(), err)
+    _COUNTS[rc] = _COUNTS.get(rc, 0) + 1
+
+
+def test_fuzz_counts_printed():
+    """Print how the fuzzed inputs were answered (pytest -s shows it)."""
+    print(f"fuzzed validate calls: exit 0 x{_COUNTS.get(0, 0)}, exit 2 x{_COUNTS.get(2, 0)}")
+    assert set(_COUNTS) <= {0, 2}
