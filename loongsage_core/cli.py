@@ -12,6 +12,7 @@ import sys
 from typing import Any, Sequence
 
 EXIT_USAGE = 2
+EXIT_RUN_FAILED = 1
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -28,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_args(p)
     p.add_argument("--output-dir", help="where metrics.jsonl, checkpoints/ and config.resolved.toml go "
                                         "(default: the job's run.output_dir)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start fresh in a directory that holds a run: the old run is moved to <dir>.old-<time>")
 
     p = sub.add_parser("validate", help="load a job file and its plugins, resolve every component, print the result")
     _add_job_args(p)
@@ -86,7 +89,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from .controller.run import run_job
 
     resolved = _load(args)
-    run_job(resolved, output_dir=args.output_dir)
+    run_job(resolved, output_dir=args.output_dir, overwrite=args.overwrite)
     return 0
 
 
@@ -109,13 +112,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
-    from .errors import USER_ERRORS
+    from .errors import USER_ERRORS, RunError
 
     try:
         return COMMANDS[args.command](args)
     except USER_ERRORS as exc:
         print(f"loongsage: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except RunError as exc:
+        print(f"loongsage: error: {exc}", file=sys.stderr)
+        return EXIT_RUN_FAILED
     except KeyboardInterrupt:
         print("loongsage: interrupted", file=sys.stderr)
         return 130

@@ -17,5 +17,10 @@ class ConflictError(PluginError):
     """Two plugins provide a component of the same kind under the same name."""
 
 
+class RunError(RuntimeError):
+    """A run that cannot go on (a broken checkpoint, training that stopped making progress, an
+    actor that died); the CLI prints the message as one line and exits 1."""
+
+
 USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, PluginError)
 """Exceptions that describe bad input (shown without a traceback)."""

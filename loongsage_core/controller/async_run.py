@@ -28,7 +28,6 @@ import attrs
 from loongsage_hookspecs import TrajectoryGroup, TrajectoryStatus
 
 from ..config import ConfigError
-from . import checkpoint as ckpt
 from .data import Prompt
 from .metrics import rollout_metrics
 from .run import RLController
@@ -76,9 +75,8 @@ class AsyncRLController(RLController):
     def _maybe_resume(self) -> bool:
         resumed = super()._maybe_resume()
         if resumed:
-            found = ckpt.latest_checkpoint(self.output_dir)
-            assert found is not None
-            for p in found[1].get("pending_prompts", []):
+            assert self.resumed_state is not None
+            for p in self.resumed_state.get("pending_prompts", []):
                 self.requeue.append(Prompt(**p))
         return resumed
 

@@ -36,6 +36,7 @@ from .data import DataMixer, interleave_by_source
 from .metrics import advantage_metrics, rollout_metrics, train_inference_gap
 from .placement import Actors, create_actors, init_ray, start_engine_router
 from .rollout import RolloutManager
+from .run_dir import prepare_run_dir, truncate_jsonl
 from .teachers import TeacherGroup, apply_teachers, distill_token_penalty, uses_reference_model
 
 log = logging.getLogger("loongsage")
@@ -67,20 +68,6 @@ def aggregation_norm(batch: Batch) -> AggregationNorm:
     per_seq = mask.sum(-1)
     return AggregationNorm(num_tokens=float(per_seq.sum()), num_sequences=float((per_seq > 0).sum()),
                            max_response_length=float(per_seq.max()) if len(per_seq) else 0.0)
-
-
-def truncate_jsonl(path: Path, step: int) -> None:
-    """Drop lines of a per-step JSONL file whose ``step`` is ``>= step`` (redone after a resume)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line)["step"] < step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a line cut short by a kill
-    path.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
 
 
 def mean_metrics(items: Sequence[dict[str, float]]) -> dict[str, float]:
@@ -115,6 +102,7 @@ class RLController:
         self.phases: PhaseSwitch | None = None
         self.rollout: RolloutManager | None = None
         self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
+        self.resumed_state: dict[str, Any] | None = None  # controller.json of the checkpoint resumed from
         # one event loop for the whole run: the engine clients' connections belong to it
         self.loop = asyncio.new_event_loop()
 
@@ -148,16 +136,22 @@ class RLController:
 
         if not self.job.run.resume:
             return False
-        found = ckpt.latest_checkpoint(self.output_dir)
-        if found is None:
+        point, skipped = ckpt.find_resumable(self.output_dir)
+        ckpt.warn_skipped(skipped, point.directory if point else None)
+        if point is None:
             log.info("resume requested but no checkpoint in %s; starting fresh", self.output_dir)
             return False
-        step, state = found
+        step, state = point.step, point.state
+        self.resumed_state = state
         assert self.actors is not None
-        ray.get([a.load_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
-                 for a in self.actors.trainers])
-        if self.critic is not None:
-            self.critic.load(self.output_dir, step)
+        try:
+            ray.get([a.load_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
+                     for a in self.actors.trainers])
+            if self.critic is not None:
+                self.critic.load(self.output_dir, step)
+        except Exception as exc:  # the backend's own error (naming its file) is what the user needs
+            raise ckpt.CheckpointError(f"cannot load checkpoint '{point.directory}': "
+                                       f"{remote_cause(exc)}") from None
         self.mixer.load_state_dict(state["data"])
         self.step = step
         self.version = int(state["version"])
@@ -360,6 +354,7 @@ class RLController:
         import ray
 
         assert self.actors is not None
+        ckpt.prepare_step_dir(self.output_dir, step)
         ray.get([a.save_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
                  for a in self.actors.trainers])
         if self.critic is not None:
@@ -414,11 +409,25 @@ class RLController:
             self.actors = None
 
 
-def run_job(resolved: ResolvedJob, output_dir: str | None = None) -> list[dict[str, float]]:
-    """Train the resolved job; returns the metrics of every step run."""
+def remote_cause(exc: BaseException) -> str:
+    """One line for an exception raised in a Ray actor (its cause, not Ray's wrapped traceback)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+
+
+def run_job(resolved: ResolvedJob, output_dir: str | None = None, *, overwrite: bool = False,
+            ) -> list[dict[str, float]]:
+    """Train the resolved job; returns the metrics of every step run.
+
+    A directory that already holds a run is continued (``run.resume = true``), moved aside
+    (``overwrite``) or refused: see :mod:`loongsage_core.controller.run_dir`.
+    """
     job = resolved.job
     out = Path(output_dir or job.resolve_path(job.run.output_dir))
     check_output_dir(out, "--output-dir" if output_dir else f"{job.source_path or '<job>'}: run.output_dir")
+    prepare_run_dir(out, resume=job.run.resume, overwrite=overwrite, where=job.source_path or "<job>")
     if job.async_.enable:
         from .async_run import AsyncRLController
 

@@ -44,6 +44,7 @@ from .worker import (
     BackendOptions,
     TorchTrainWorker,
     _atomic_save,
+    _load_file,
     resolve_device,
 )
 
@@ -258,7 +259,8 @@ class TorchCriticWorker(TorchTrainWorker):
         """Restore a critic checkpoint (refusing one written by a policy or reference worker)."""
         state_file = Path(path) / STATE_FILE
         if state_file.is_file():
-            role = torch.load(state_file, map_location="cpu", weights_only=True).get("role")
+            state = _load_file(state_file)
+            role = state.get("role") if isinstance(state, dict) else None
             if role != "critic":
                 raise ValueError(f"TorchCriticWorker.load_checkpoint: '{state_file}' was saved by a {role!r} "
                                  "worker, not a critic")

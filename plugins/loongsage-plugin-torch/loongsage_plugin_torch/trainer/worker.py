@@ -332,11 +332,15 @@ class TorchTrainWorker:
         if not state_file.is_file():
             raise FileNotFoundError(f"TorchTrainWorker.load_checkpoint: no {STATE_FILE} in checkpoint directory "
                                     f"'{src.resolve()}'")
-        state = torch.load(state_file, map_location="cpu", weights_only=True)
-        if state.get("format") != CHECKPOINT_FORMAT:
+        state = _load_file(state_file)
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' has format {state.get('format')!r}, "
                              f"expected {CHECKPOINT_FORMAT}")
-        self.model.load_state_dict(state["model"])
+        try:
+            self.model.load_state_dict(state["model"])
+        except (KeyError, RuntimeError) as exc:
+            raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' does not fit the model: "
+                             f"{str(exc).strip().splitlines()[0]}") from None
         if self.optimizer is not None:
             if state["optimizer"] is None:
                 raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' holds no optimizer state "
@@ -346,7 +350,7 @@ class TorchTrainWorker:
         self.global_step = int(state["step"])
         rng_file = src / RNG_FILE.format(rank=self.rank)
         if rng_file.is_file():
-            restore_rng(torch.load(rng_file, map_location="cpu", weights_only=True))
+            restore_rng(_load_file(rng_file))
         else:
             seed_everything(int(self.job.run.seed) + self.rank + 1_000_003 * self.global_step)
         distributed.barrier()
@@ -412,3 +416,12 @@ def _atomic_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+
+
+def _load_file(path: Path) -> Any:
+    """``torch.load`` of a checkpoint file; an unreadable one is a ``ValueError`` naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # truncated zip, empty file, pickle errors: all say "this file is broken"
+        raise ValueError(f"checkpoint file '{path}' cannot be read ({type(exc).__name__}: "
+                         f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'empty'})") from None
