@@ -52,3 +52,69 @@ def ray_cluster():
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
     yield ray
     ray.shutdown()
+
+
+TINY_JOB = """
+[plugins]
+enable = ["torch", "rl", "rewards", "loggers", "agents"]
+[model]
+tokenizer = "{tokenizer}"
+[model.config]
+model_type = "qwen3"
+vocab_size = 512
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 2
+num_key_value_heads = 1
+head_dim = 16
+max_position_embeddings = 512
+tie_word_embeddings = true
+[train]
+lr = 1e-3
+total_steps = 3
+mini_batch_size = 8
+micro_batch_size = 4
+[rollout]
+prompts_per_step = 2
+samples_per_prompt = 4
+max_new_tokens = 6
+max_context_length = 256
+[run]
+seed = 7
+checkpoint_every = 1
+keep_checkpoints = 5
+save_hf_at_end = false
+[[data]]
+name = "add"
+generator = "arithmetic"
+generator_args = {{ num_samples = 16 }}
+reward = ["exact_match"]
+[[loggers]]
+name = "jsonl"
+"""
+"""A tiny embedded job (random 2-layer Qwen3, 2 prompts x 4 samples, a checkpoint every step)."""
+
+
+class TinyJob:
+    """Writes :data:`TINY_JOB` into a directory and runs it in this process."""
+
+    @staticmethod
+    def write(job_dir: Path, name: str = "job.toml") -> Path:
+        path = job_dir / name
+        path.write_text(TINY_JOB.format(tokenizer=TOKENIZER_DIR))
+        return path
+
+    def run(self, job_dir: Path, out: Path, *overrides: str, overwrite: bool = False) -> list[dict]:
+        from loongsage_core.config import load_job
+        from loongsage_core.controller.run import run_job
+        from loongsage_core.resolve import resolve_job
+
+        job = load_job(self.write(job_dir), list(overrides))
+        return run_job(resolve_job(job), output_dir=str(out), overwrite=overwrite)
+
+
+@pytest.fixture
+def tiny_job() -> TinyJob:
+    """The tiny embedded job of :data:`TINY_JOB` (use with ``ray_cluster``)."""
+    return TinyJob()

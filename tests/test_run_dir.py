@@ -13,13 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from loongsage_core.config import ConfigError, load_job
+from loongsage_core.config import ConfigError
 from loongsage_core.controller import checkpoint as ckpt
-from loongsage_core.controller.run import run_job
 from loongsage_core.controller.run_dir import prepare_run_dir
-from loongsage_core.resolve import resolve_job
-
-REPO = Path(__file__).resolve().parent.parent
 
 # --------------------------------------------------------------------------------------------
 # Manifest, verification, pruning (no Ray)
@@ -94,65 +90,18 @@ def test_rerun_into_a_run_directory_is_refused(tmp_path):
 # End to end
 # --------------------------------------------------------------------------------------------
 
-JOB = """
-[plugins]
-enable = ["torch", "rl", "rewards", "loggers", "agents"]
-[model]
-tokenizer = "{tokenizer}"
-[model.config]
-model_type = "qwen3"
-vocab_size = 512
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 512
-tie_word_embeddings = true
-[train]
-lr = 1e-3
-total_steps = 3
-mini_batch_size = 8
-micro_batch_size = 4
-[rollout]
-prompts_per_step = 2
-samples_per_prompt = 4
-max_new_tokens = 6
-max_context_length = 256
-[run]
-seed = 7
-checkpoint_every = 1
-keep_checkpoints = 5
-save_hf_at_end = false
-[[data]]
-name = "add"
-generator = "arithmetic"
-generator_args = {{ num_samples = 16 }}
-reward = ["exact_match"]
-[[loggers]]
-name = "jsonl"
-"""
-
-
-def run(tmp_path: Path, out: Path, *overrides: str, overwrite: bool = False) -> list[dict]:
-    path = tmp_path / "job.toml"
-    path.write_text(JOB.format(tokenizer=REPO / "tests" / "data" / "tokenizer"))
-    return run_job(resolve_job(load_job(path, list(overrides))), output_dir=str(out), overwrite=overwrite)
-
-
 def steps_of(out: Path, name: str) -> list[int]:
     return [json.loads(line)["step"] for line in (out / name).read_text().splitlines()]
 
 
-def test_truncated_controller_json_resumes_from_the_previous_checkpoint(ray_cluster, tmp_path, caplog):
+def test_truncated_controller_json_resumes_from_the_previous_checkpoint(ray_cluster, tiny_job, tmp_path, caplog):
     out = tmp_path / "run"
-    run(tmp_path, out)
+    tiny_job.run(tmp_path, out)
     prompts_before = (out / "trained_prompts.jsonl").read_text().splitlines()
     newest = ckpt.step_dir(out, 3) / ckpt.CONTROLLER_FILE
     newest.write_text(newest.read_text()[:10])  # a save cut short by a full disk
     with caplog.at_level(logging.WARNING, logger="loongsage"):
-        history = run(tmp_path, out, "run.resume=true", "train.total_steps=4")
+        history = tiny_job.run(tmp_path, out, "run.resume=true", "train.total_steps=4")
     assert [m["step"] for m in history] == [2, 3]  # resumed at step 2, not from scratch
     assert any("CHECKPOINT SKIPPED" in r.message and "step_000003" in r.message and "resuming from step_000002"
                in r.message for r in caplog.records)
@@ -164,27 +113,27 @@ def test_truncated_controller_json_resumes_from_the_previous_checkpoint(ray_clus
     assert ckpt.latest_checkpoint(out)[0] == 4
 
 
-def test_rerun_without_resume_loses_nothing_and_overwrite_moves_aside(ray_cluster, tmp_path):
+def test_rerun_without_resume_loses_nothing_and_overwrite_moves_aside(ray_cluster, tiny_job, tmp_path):
     out = tmp_path / "run"
-    run(tmp_path, out, "train.total_steps=2")
+    tiny_job.run(tmp_path, out, "train.total_steps=2")
     before = (out / "metrics.jsonl").read_text()
     with pytest.raises(ConfigError, match="already holds a run"):
-        run(tmp_path, out, "train.total_steps=3")
+        tiny_job.run(tmp_path, out, "train.total_steps=3")
     assert (out / "metrics.jsonl").read_text() == before
-    run(tmp_path, out, "train.total_steps=3", "run.resume=true")
+    tiny_job.run(tmp_path, out, "train.total_steps=3", "run.resume=true")
     assert steps_of(out, "metrics.jsonl") == [0, 1, 2]
-    run(tmp_path, out, "train.total_steps=1", overwrite=True)
+    tiny_job.run(tmp_path, out, "train.total_steps=1", overwrite=True)
     assert steps_of(out, "metrics.jsonl") == [0]
     (old,) = [p for p in tmp_path.iterdir() if p.name.startswith("run.old-")]
     assert steps_of(old, "metrics.jsonl") == [0, 1, 2]
 
 
-def test_broken_trainer_file_under_a_valid_manifest_names_the_file(ray_cluster, tmp_path):
+def test_broken_trainer_file_under_a_valid_manifest_names_the_file(ray_cluster, tiny_job, tmp_path):
     out = tmp_path / "run"
-    run(tmp_path, out, "train.total_steps=1")
+    tiny_job.run(tmp_path, out, "train.total_steps=1")
     d = ckpt.step_dir(out, 1)
     rng = d / "trainer" / "rng_rank0.pt"
     rng.write_bytes(b"")
     ckpt.write_manifest(d)  # the manifest agrees with the broken file: only loading can tell
     with pytest.raises(ckpt.CheckpointError, match=f"checkpoint file '{rng}' cannot be read"):
-        run(tmp_path, out, "train.total_steps=2", "run.resume=true")
+        tiny_job.run(tmp_path, out, "train.total_steps=2", "run.resume=true")

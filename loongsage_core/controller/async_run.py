@@ -182,8 +182,9 @@ class AsyncRLController(RLController):
         t_train = time.perf_counter()
         train_metrics, tokens = await loop.run_in_executor(None, self.learn, groups, step)
         metrics.update(train_metrics)
+        metrics.update(self.health.observe(step, metrics, groups))  # raises after train.max_bad_steps
         metrics["timing/train"] = time.perf_counter() - t_train
-        if tokens:
+        if tokens and self.health.last_problem is None:
             metrics.update(await self._update_weights(self.version + 1))
             self.version += 1
         self.scheduler.on_train_step(self.version)

@@ -33,6 +33,7 @@ from .batching import build_batch
 from .colocation import PhaseSwitch
 from .critic import Critic
 from .data import DataMixer, interleave_by_source
+from .health import StepHealth
 from .metrics import advantage_metrics, rollout_metrics, train_inference_gap
 from .placement import Actors, create_actors, init_ray, start_engine_router
 from .rollout import RolloutManager
@@ -103,6 +104,7 @@ class RLController:
         self.rollout: RolloutManager | None = None
         self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
         self.resumed_state: dict[str, Any] | None = None  # controller.json of the checkpoint resumed from
+        self.health = StepHealth(self.job.train.max_bad_steps)  # bad steps: skipped, counted, bounded
         # one event loop for the whole run: the engine clients' connections belong to it
         self.loop = asyncio.new_event_loop()
 
@@ -324,8 +326,9 @@ class RLController:
         metrics.update(self.phases.to_training())
         train_metrics, tokens = self.learn(groups, step)
         metrics.update(train_metrics)
+        metrics.update(self.health.observe(step, metrics, groups))  # raises after train.max_bad_steps
         t_train = time.perf_counter()
-        if tokens:
+        if tokens and self.health.last_problem is None:
             self.version += 1
             metrics.update(self.phases.to_weight_sync())
             metrics.update(self._push_weights())
@@ -346,7 +349,10 @@ class RLController:
     def record_trained(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
         """Append the prompt ids trained at ``step`` to ``trained_prompts.jsonl`` (an audit trail:
         with resume, every prompt of an epoch appears exactly once)."""
-        line = json.dumps({"step": step, "prompt_ids": [g.prompt_id for g in groups]})
+        entry: dict[str, Any] = {"step": step, "prompt_ids": [g.prompt_id for g in groups]}
+        if self.health.last_problem is not None:
+            entry["skipped"] = self.health.last_problem  # drawn, but the step was not applied
+        line = json.dumps(entry)
         with (self.output_dir / TRAINED_PROMPTS).open("a", encoding="utf-8") as fh:
             fh.write(line + "\n")
 

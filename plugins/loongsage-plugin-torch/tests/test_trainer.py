@@ -352,3 +352,13 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
     batch = make_batch()
     with pytest.raises(Exception, match="old_logprobs"):
         worker.train_mini_batch(batch, compute_norm(batch))
+
+
+def test_optimizer_step_reports_weights_that_became_non_finite():
+    """The host stops a run whose weights overflowed (they cannot be taken back by skipping)."""
+    worker = make_worker(make_job())
+    assert worker.optimizer_step()["train/nonfinite_weights"] == 0.0  # zero gradients: a finite step
+    with torch.no_grad():
+        next(worker.model.parameters()).fill_(float("inf"))
+    metrics = worker.optimizer_step()
+    assert metrics["train/skipped_step"] == 0.0 and metrics["train/nonfinite_weights"] == 1.0

@@ -250,12 +250,16 @@ class TorchTrainWorker:
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         lr = float(optimizer.param_groups[0]["lr"])
         finite = bool(torch.isfinite(grad_norm))
+        nonfinite_weights = 0
         if finite:
             optimizer.step()
+            # an update can overflow even from finite gradients (a huge lr): report it, the host stops
+            nonfinite_weights = sum(not bool(torch.isfinite(p).all()) for p in params)
         optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.global_step += 1
-        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if finite else 1.0}
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if finite else 1.0,
+                "train/nonfinite_weights": float(nonfinite_weights)}
 
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
         """One optimizer step on ``batch``: this rank's rows of a mini-batch whose global
