@@ -33,6 +33,7 @@ from .batching import build_batch
 from .colocation import PhaseSwitch
 from .critic import Critic
 from .data import DataMixer, interleave_by_source
+from .faults import FaultSupervisor
 from .health import StepHealth
 from .metrics import advantage_metrics, rollout_metrics, train_inference_gap
 from .placement import Actors, create_actors, init_ray, start_engine_router
@@ -105,6 +106,7 @@ class RLController:
         self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
         self.resumed_state: dict[str, Any] | None = None  # controller.json of the checkpoint resumed from
         self.health = StepHealth(self.job.train.max_bad_steps)  # bad steps: skipped, counted, bounded
+        self.faults = FaultSupervisor(self)  # dead engines replaced, dead trainers explained
         # one event loop for the whole run: the engine clients' connections belong to it
         self.loop = asyncio.new_event_loop()
 
@@ -174,7 +176,7 @@ class RLController:
         offset = 0
         while len(kept) < want:
             prompts = self.mixer.next_prompts(want - len(kept))
-            groups = self.loop.run_until_complete(self.rollout.generate(prompts, step, offset=offset))
+            groups = self.loop.run_until_complete(self.faults.generate(prompts, step, offset=offset))
             offset += len(prompts)
             sampled.extend(groups)
             for f, name in zip(self.filters, self.job.algorithm.filters):
@@ -331,7 +333,7 @@ class RLController:
         if tokens and self.health.last_problem is None:
             self.version += 1
             metrics.update(self.phases.to_weight_sync())
-            metrics.update(self._push_weights())
+            metrics.update(self.faults.push_weights(self._push_weights))  # replaces an engine that died
         metrics.update(self.phases.to_generation())
         t_update = time.perf_counter()
         self.record_trained(step, groups)
@@ -343,6 +345,7 @@ class RLController:
             "perf/generated_tokens": tokens,
             "perf/weight_version": float(self.version),
             "perf/tokens_per_s": tokens / max(t_rollout - t0, 1e-9),
+            "fault/engine_restarts": float(self.faults.engine_restarts),
         })
         return metrics
 
@@ -443,5 +446,10 @@ def run_job(resolved: ResolvedJob, output_dir: str | None = None, *, overwrite: 
     try:
         controller.start()
         return controller.fit()
+    except Exception as exc:
+        explained = controller.faults.explain(exc)  # a dead actor: say which, where and why
+        if explained is exc:
+            raise
+        raise explained from None
     finally:
         controller.close()

@@ -1,0 +1,234 @@
+"""Surviving actor death.
+
+* An **engine actor** of its own (``placement.colocate = false``) that dies is replaced: a new
+  actor starts in the same placement-group bundle, the trainer sends it the current weights (the
+  same version the others serve), the controller's clients point at its new URL, and the groups
+  that were generating on it are dispatched again with the same prompts and sampling seeds. The
+  run goes on; ``fault/engine_restarts`` counts the replacements.
+* A **trainer actor** (with its colocated engine, if any) that dies ends the run with
+  :class:`ActorDeathError`, naming the actor, its node and the exit cause reported by Ray; the run
+  continues from its last checkpoint with ``run.resume = true``.
+
+Engine deaths show up as failed HTTP calls (the engine's server lived in the actor), so a failed
+generation or weight push asks Ray which actors are dead before deciding what to do: a failure
+while every actor lives is a real error and is raised as it was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import httpx
+
+from loongsage_hookspecs import TrajectoryGroup
+
+from ..engine_client import EngineClient
+from ..errors import RunError
+from .data import Prompt
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .run import RLController
+
+log = logging.getLogger("loongsage")
+
+MAX_REDISPATCH = 3
+"""How many times a group is dispatched again after the engine it ran on died."""
+
+PING_TIMEOUT_S = 60.0
+
+
+class ActorDeathError(RunError):
+    """A model actor the run cannot go on without died; the message names it, its node and why."""
+
+
+def death_cause(exc: BaseException) -> str:
+    """Ray's one-line reason from an ``ActorDiedError`` message (without its troubleshooting text)."""
+    text = str(exc)
+    marker = "The actor is dead because "
+    cause = text[text.index(marker) + len(marker):] if marker in text else text.strip().splitlines()[-1]
+    cause = cause.split(" Some common causes", 1)[0].strip()
+    return cause.rstrip(".")
+
+
+def _field(exc: BaseException, name: str) -> str:
+    for line in str(exc).splitlines():
+        line = line.strip()
+        if line.startswith(f"{name}: "):
+            return line.split(": ", 1)[1]
+    return "?"
+
+
+def is_actor_death(exc: BaseException) -> bool:
+    import ray
+
+    return isinstance(exc, ray.exceptions.RayActorError)
+
+
+def is_transport_failure(exc: BaseException) -> bool:
+    """A failed HTTP call to an engine (connection refused, reset, closed mid-answer)."""
+    import ray
+
+    if isinstance(exc, ray.exceptions.RayTaskError):
+        exc = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # a transport error wrapped by the weight sender
+        seen.add(id(exc))
+        if isinstance(exc, httpx.TransportError):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+class FaultSupervisor:
+    """Detects dead actors for one :class:`~loongsage_core.controller.run.RLController`,
+    replaces dead engines and explains fatal deaths."""
+
+    def __init__(self, controller: "RLController") -> None:
+        self.ctrl = controller
+        self.engine_restarts = 0
+
+    # ------------------------------------------------------------------ who is who
+
+    def roles(self) -> list[tuple[str, Any, int | None]]:
+        """``(description, actor, engine index if replaceable)`` for every model actor."""
+        actors = self.ctrl.actors
+        if actors is None:
+            return []
+        out: list[tuple[str, Any, int | None]] = []
+        for rank, a in enumerate(actors.trainers):
+            colocated = actors.colocated and a in actors.engine_actors
+            out.append((f"trainer rank {rank}" + (f" (with engine {rank})" if colocated else ""), a, None))
+        if not actors.colocated:
+            out += [(f"engine {i}", a, i) for i, a in enumerate(actors.engine_actors)]
+        return out
+
+    def describe(self, exc: BaseException) -> str:
+        """``<role> actor <id> (pid, node)`` for the actor an ``ActorDiedError`` is about."""
+        actor_id = str(getattr(exc, "actor_id", "") or "")
+        role = next((r for r, a, _ in self.roles() if a._actor_id.hex() == actor_id), "a model actor")
+        return (f"{role} (Ray actor {actor_id[:12] or '?'}, pid {_field(exc, 'pid')}) on node "
+                f"{_field(exc, 'ip')} died: {death_cause(exc)}")
+
+    def dead(self) -> list[tuple[str, int | None, BaseException]]:
+        """Every dead model actor: ``(role, engine index or None, the error Ray reported)``."""
+        import ray
+
+        roles = self.roles()
+        refs = [a.ready.remote() for _, a, _ in roles]
+        found = []
+        for (role, _, index), ref in zip(roles, refs):
+            try:
+                ray.get(ref, timeout=PING_TIMEOUT_S)
+            except ray.exceptions.RayActorError as exc:
+                found.append((role, index, exc))
+            except ray.exceptions.GetTimeoutError:
+                pass  # busy, not dead
+        return found
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self) -> int:
+        """Replace every dead engine (returns how many); a dead trainer ends the run."""
+        dead = self.dead()
+        for _role, index, exc in dead:
+            if index is None:
+                raise ActorDeathError(self._fatal_message(exc)) from None
+        for _role, index, exc in dead:
+            assert index is not None
+            log.warning("%s; starting a new engine %d and dispatching its requests again",
+                        self.describe(exc), index)
+            self._restart_engine(index)
+        if dead:
+            self.ctrl._push_weights()  # the new engines serve the current version, like the others
+        return len(dead)
+
+    def _fatal_message(self, exc: BaseException) -> str:
+        from . import checkpoint as ckpt
+
+        found = ckpt.latest_checkpoint(self.ctrl.output_dir)
+        resume = (f"resume from checkpoint step {found[0]} with run.resume=true" if found
+                  else "no checkpoint was written yet (set run.checkpoint_every to be able to resume)")
+        return f"{self.describe(exc)}; the run cannot go on without it: {resume}"
+
+    def _restart_engine(self, index: int) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from .actors import ModelActor
+
+        ctrl, actors, job = self.ctrl, self.ctrl.actors, self.ctrl.job
+        assert actors is not None and ctrl.rollout is not None
+        if job.rollout.engine_router:
+            raise RunError(f"engine {index} died and cannot be replaced behind rollout.engine_router "
+                           f"'{job.rollout.engine_router}' (the router holds the old address)")
+        try:
+            ray.kill(actors.engine_actors[index], no_restart=True)
+        except Exception:  # already gone
+            pass
+        pl = job.placement
+        strategy = PlacementGroupSchedulingStrategy(placement_group=actors.placement_group,
+                                                    placement_group_bundle_index=job.train.num_workers + index)
+        actor = ray.remote(ModelActor).options(num_cpus=pl.engine_cpus, num_gpus=pl.engine_gpus,
+                                               scheduling_strategy=strategy).remote(job, None, 1, 0, index, False)
+        url = ray.get(actor.ready.remote())["engine_url"]
+        actors.engine_actors[index] = actor
+        actors.engine_urls[index] = url
+        rollout = ctrl.rollout
+        old = {id(c): c for c in (rollout.clients[index], rollout.generate_clients[index])}
+        rollout.clients[index] = EngineClient(url)  # the same list the phase switch and generation use
+        rollout.generate_clients[index] = rollout.clients[index]
+        rollout.generate_urls[index] = url
+        if rollout.router is not None:
+            rollout.router.shutdown()  # the AgentFlow router restarts on next use with the new URLs
+            rollout.router = None
+        for client in old.values():
+            ctrl.loop.create_task(client.aclose())
+        self.engine_restarts += 1
+
+    # ------------------------------------------------------------------ guarded calls
+
+    async def generate(self, prompts: Sequence[Prompt], step: int, offset: int = 0) -> list[TrajectoryGroup]:
+        """The step's groups like ``RolloutManager.generate``; groups lost with a dead engine are
+        dispatched again (same prompt, same index, so the same sampling seeds)."""
+        rollout = self.ctrl.rollout
+        assert rollout is not None
+        results: dict[int, TrajectoryGroup] = {}
+        pending = list(range(len(prompts)))
+        for attempt in range(MAX_REDISPATCH + 1):
+            outs = await asyncio.gather(*(rollout.group(prompts[i], offset + i, step) for i in pending),
+                                        return_exceptions=True)
+            failed, first_error = [], None
+            for i, out in zip(pending, outs):
+                if isinstance(out, BaseException):
+                    if not is_transport_failure(out) or attempt == MAX_REDISPATCH:
+                        raise out
+                    failed.append(i)
+                    first_error = first_error or out
+                else:
+                    results[i] = out
+            if not failed:
+                break
+            if self.recover() == 0:
+                assert first_error is not None
+                raise first_error  # every actor lives: a real failure, not a death
+            pending = failed
+        return [results[i] for i in range(len(prompts))]
+
+    def push_weights(self, push: Callable[[], dict[str, float]]) -> dict[str, float]:
+        """``push()`` (a weight sync); after an engine died meanwhile, recover and push again."""
+        try:
+            return push()
+        except Exception as exc:
+            if is_actor_death(exc):
+                raise ActorDeathError(self._fatal_message(exc)) from None
+            if not is_transport_failure(exc) or self.recover() == 0:
+                raise
+            return push()
+
+    def explain(self, exc: BaseException) -> BaseException:
+        """A dead actor's error as :class:`ActorDeathError` (other errors unchanged)."""
+        if is_actor_death(exc):
+            return ActorDeathError(self._fatal_message(exc))
+        return exc

@@ -1,0 +1,79 @@
+"""Actor death: a killed engine actor is replaced and the run finishes as planned; a killed
+trainer actor ends the run with a message naming it, and the run resumes from its checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loongsage_core.config import load_job
+from loongsage_core.controller.faults import ActorDeathError
+from loongsage_core.controller.run import RLController
+from loongsage_core.resolve import resolve_job
+
+
+class KillAt:
+    """A logger that kills an actor right after step ``step`` is logged (mid-run, between steps)."""
+
+    def __init__(self, controller: RLController, step: int, pick) -> None:
+        self.controller, self.step, self.pick = controller, step, pick
+
+    def log(self, step: int, metrics: dict) -> None:
+        import ray
+
+        if step == self.step:
+            actor = self.pick(self.controller.actors)
+            ray.kill(actor)
+            with pytest.raises(ray.exceptions.RayActorError):  # dead before the run goes on
+                ray.get(actor.ready.remote(), timeout=120)
+
+    def close(self) -> None:
+        pass
+
+
+def run_with_kill(tiny_job, tmp_path: Path, out: Path, step: int, pick, *overrides: str) -> list[dict]:
+    """What ``run_job`` does, with the killer logger added."""
+    controller = RLController(resolve_job(load_job(tiny_job.write(tmp_path), list(overrides))), out)
+    try:
+        controller.start()
+        controller.loggers.append(KillAt(controller, step, pick))
+        return controller.fit()
+    except Exception as exc:
+        raise controller.faults.explain(exc) from None
+    finally:
+        controller.close()
+
+
+def trained(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "trained_prompts.jsonl").read_text().splitlines()]
+
+
+def test_killed_engine_is_replaced_and_the_run_trains_every_step(ray_cluster, tiny_job, tmp_path):
+    out = tmp_path / "run"
+    history = run_with_kill(tiny_job, tmp_path, out, 1, lambda actors: actors.engine_actors[1],
+                            "placement.colocate=false", "rollout.num_engines=2", "rollout.weight_transport=shm",
+                            "train.total_steps=4")
+    assert [m["step"] for m in history] == [0, 1, 2, 3]
+    assert [m["fault/engine_restarts"] for m in history] == [0.0, 0.0, 1.0, 1.0]
+    # the same number of trained prompts as an undisturbed run: every step trained all of its groups
+    per_step = trained(out)
+    assert [len(e["prompt_ids"]) for e in per_step] == [2, 2, 2, 2] and not any("skipped" in e for e in per_step)
+    assert [m["perf/weight_version"] for m in history] == [1.0, 2.0, 3.0, 4.0]
+    # the new engine got the current weights before generating: trainer and engines still agree
+    assert all(m["train/is_approx_k3_kl"] < 1e-6 for m in history)
+
+
+def test_killed_trainer_ends_the_run_naming_it_and_the_run_resumes(ray_cluster, tiny_job, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ActorDeathError) as info:
+        run_with_kill(tiny_job, tmp_path, out, 1, lambda actors: actors.trainers[0])
+    message = str(info.value)
+    assert message.startswith("trainer rank 0 (with engine 0) (Ray actor ")
+    assert " on node " in message and "died: it was killed by `ray.kill`" in message
+    # killed after step 1 was logged, before its checkpoint (step 2) was saved
+    assert message.endswith("resume from checkpoint step 1 with run.resume=true")
+    history = tiny_job.run(tmp_path, out, "run.resume=true")
+    assert [m["step"] for m in history] == [1, 2]
+    assert [e["step"] for e in trained(out)] == [0, 1, 2]
