@@ -4,11 +4,13 @@ trainer actor ends the run with a message naming it, and the run resumes from it
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from loongsage_core.config import load_job
+from loongsage_core.controller.async_run import AsyncRLController
 from loongsage_core.controller.faults import ActorDeathError
 from loongsage_core.controller.run import RLController
 from loongsage_core.resolve import resolve_job
@@ -26,8 +28,14 @@ class KillAt:
         if step == self.step:
             actor = self.pick(self.controller.actors)
             ray.kill(actor)
-            with pytest.raises(ray.exceptions.RayActorError):  # dead before the run goes on
-                ray.get(actor.ready.remote(), timeout=120)
+            deadline = time.monotonic() + 120
+            while True:  # dead before the run goes on (a kill takes effect asynchronously)
+                try:
+                    ray.get(actor.ready.remote(), timeout=30)
+                except ray.exceptions.RayActorError:
+                    break
+                assert time.monotonic() < deadline, "the killed actor still answers"
+                time.sleep(0.2)
 
     def close(self) -> None:
         pass
@@ -35,7 +43,9 @@ class KillAt:
 
 def run_with_kill(tiny_job, tmp_path: Path, out: Path, step: int, pick, *overrides: str) -> list[dict]:
     """What ``run_job`` does, with the killer logger added."""
-    controller = RLController(resolve_job(load_job(tiny_job.write(tmp_path), list(overrides))), out)
+    job = load_job(tiny_job.write(tmp_path), list(overrides))
+    cls = AsyncRLController if job.async_.enable else RLController
+    controller = cls(resolve_job(job), out)
     try:
         controller.start()
         controller.loggers.append(KillAt(controller, step, pick))
@@ -63,6 +73,18 @@ def test_killed_engine_is_replaced_and_the_run_trains_every_step(ray_cluster, ti
     assert [m["perf/weight_version"] for m in history] == [1.0, 2.0, 3.0, 4.0]
     # the new engine got the current weights before generating: trainer and engines still agree
     assert all(m["train/is_approx_k3_kl"] < 1e-6 for m in history)
+
+
+def test_killed_engine_in_an_asynchronous_run_is_replaced(ray_cluster, tiny_job, tmp_path):
+    out = tmp_path / "run"
+    history = run_with_kill(tiny_job, tmp_path, out, 1, lambda actors: actors.engine_actors[0],
+                            "placement.colocate=false", "rollout.num_engines=2", "rollout.weight_transport=shm",
+                            'plugins.enable=["torch", "rl", "rewards", "loggers", "agents", "schedulers"]',
+                            "async.enable=true", "train.total_steps=4")
+    assert [m["step"] for m in history] == [0, 1, 2, 3]
+    assert history[-1]["fault/engine_restarts"] == 1.0
+    assert [len(e["prompt_ids"]) for e in trained(out)] == [2, 2, 2, 2]
+    assert history[-1]["perf/weight_version"] == 4.0
 
 
 def test_killed_trainer_ends_the_run_naming_it_and_the_run_resumes(ray_cluster, tiny_job, tmp_path):

@@ -29,6 +29,7 @@ from loongsage_hookspecs import TrajectoryGroup, TrajectoryStatus
 
 from ..config import ConfigError
 from .data import Prompt
+from .faults import is_transport_failure
 from .metrics import rollout_metrics
 from .run import RLController
 
@@ -116,6 +117,7 @@ class AsyncRLController(RLController):
         if task.cancelled() or task.exception() is not None:
             if not task.cancelled():
                 log.warning("group %s failed: %r; its prompt is dispatched again", group_id, task.exception())
+                self.faults.suspect |= is_transport_failure(task.exception())  # a dead engine? checked in _run
             self.scheduler.on_discard(group_id)
             self.requeue.append(prompt)
             return
@@ -139,7 +141,7 @@ class AsyncRLController(RLController):
 
     def _on_done(self, group_id: str, task: asyncio.Task[TrajectoryGroup]) -> None:
         self._collect(group_id, task)
-        if not (self.stopping or self.updating):
+        if not (self.stopping or self.updating or self.faults.suspect):
             self._dispatch()  # a finished group frees a place: keep the engines busy
 
     async def _abort_unusable(self) -> None:
@@ -185,6 +187,8 @@ class AsyncRLController(RLController):
         metrics.update(self.health.observe(step, metrics, groups))  # raises after train.max_bad_steps
         metrics["timing/train"] = time.perf_counter() - t_train
         if tokens and self.health.last_problem is None:
+            if self.faults.suspect:
+                await self.faults.recover_async()  # the weights must reach a live engine set
             metrics.update(await self._update_weights(self.version + 1))
             self.version += 1
         self.scheduler.on_train_step(self.version)
@@ -202,6 +206,7 @@ class AsyncRLController(RLController):
             "perf/wait_ratio": waited / max(step_time, 1e-9),
             "perf/generated_tokens": tokens,
             "perf/weight_version": float(self.version),
+            "fault/engine_restarts": float(self.faults.engine_restarts),
         })
         return metrics
 
@@ -211,15 +216,19 @@ class AsyncRLController(RLController):
         t0 = time.perf_counter()
         waited = 0.0
         while self.step < self.job.train.total_steps:
+            if self.faults.suspect:
+                await self.faults.recover_async()  # replace dead engines, then dispatch again
             await self._abort_unusable()
             groups = self.scheduler.select(self.buffer, self.version, self.job.rollout.prompts_per_step)
             if groups is None:
-                self._dispatch()
-                if not self.inflight and not self.buffer:
+                if not self.faults.suspect:
+                    self._dispatch()
+                if not self.inflight and not self.buffer and not self.faults.suspect:
                     raise RuntimeError("async loop stalled: nothing in flight and nothing buffered")
                 self.changed.clear()
                 t_wait = time.perf_counter()
-                await self.changed.wait()
+                if not self.faults.suspect:
+                    await self.changed.wait()
                 waited += time.perf_counter() - t_wait
                 continue
             for g in groups:

@@ -88,6 +88,8 @@ class FaultSupervisor:
     def __init__(self, controller: "RLController") -> None:
         self.ctrl = controller
         self.engine_restarts = 0
+        self.retired: list[EngineClient] = []  # clients of replaced engines, to close
+        self.suspect = False  # asynchronous runs: a group failed in transport; check the actors
 
     # ------------------------------------------------------------------ who is who
 
@@ -183,8 +185,7 @@ class FaultSupervisor:
         if rollout.router is not None:
             rollout.router.shutdown()  # the AgentFlow router restarts on next use with the new URLs
             rollout.router = None
-        for client in old.values():
-            ctrl.loop.create_task(client.aclose())
+        self.retired.extend(old.values())  # closed by close_retired() on the event loop
         self.engine_restarts += 1
 
     # ------------------------------------------------------------------ guarded calls
@@ -213,8 +214,23 @@ class FaultSupervisor:
             if self.recover() == 0:
                 assert first_error is not None
                 raise first_error  # every actor lives: a real failure, not a death
+            await self.close_retired()
             pending = failed
         return [results[i] for i in range(len(prompts))]
+
+    async def close_retired(self) -> None:
+        """Close the HTTP clients of replaced engines (on the run's event loop)."""
+        retired, self.retired = self.retired, []
+        for client in retired:
+            await client.aclose()
+
+    async def recover_async(self) -> int:
+        """:meth:`recover` from the asynchronous loop (Ray calls in a worker thread), after a group
+        failed in transport (:attr:`suspect`)."""
+        self.suspect = False
+        restarted = await asyncio.get_running_loop().run_in_executor(None, self.recover)
+        await self.close_retired()
+        return restarted
 
     def push_weights(self, push: Callable[[], dict[str, float]]) -> dict[str, float]:
         """``push()`` (a weight sync); after an engine died meanwhile, recover and push again."""
