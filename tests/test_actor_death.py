@@ -16,6 +16,21 @@ from loongsage_core.controller.run import RLController
 from loongsage_core.resolve import resolve_job
 
 
+def kill(actor) -> None:
+    """``ray.kill`` and wait until the actor is dead (a kill takes effect asynchronously)."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            ray.get(actor.ready.remote(), timeout=30)
+        except ray.exceptions.RayActorError:
+            return
+        assert time.monotonic() < deadline, "the killed actor still answers"
+        time.sleep(0.2)
+
+
 class KillAt:
     """A logger that kills an actor right after step ``step`` is logged (mid-run, between steps)."""
 
@@ -23,29 +38,29 @@ class KillAt:
         self.controller, self.step, self.pick = controller, step, pick
 
     def log(self, step: int, metrics: dict) -> None:
-        import ray
-
         if step == self.step:
-            actor = self.pick(self.controller.actors)
-            ray.kill(actor)
-            deadline = time.monotonic() + 120
-            while True:  # dead before the run goes on (a kill takes effect asynchronously)
-                try:
-                    ray.get(actor.ready.remote(), timeout=30)
-                except ray.exceptions.RayActorError:
-                    break
-                assert time.monotonic() < deadline, "the killed actor still answers"
-                time.sleep(0.2)
+            kill(self.pick(self.controller.actors))
 
     def close(self) -> None:
         pass
 
 
-def run_with_kill(tiny_job, tmp_path: Path, out: Path, step: int, pick, *overrides: str) -> list[dict]:
-    """What ``run_job`` does, with the killer logger added."""
+def run_with_kill(tiny_job, tmp_path: Path, out: Path, step: int, pick, *overrides: str,
+                  kill_while_training: tuple[int, int] | None = None) -> list[dict]:
+    """What ``run_job`` does, with the killer logger added; ``kill_while_training = (step, engine)``
+    also kills that engine while the trainer trains on that step (its weight push then fails)."""
     job = load_job(tiny_job.write(tmp_path), list(overrides))
     cls = AsyncRLController if job.async_.enable else RLController
     controller = cls(resolve_job(job), out)
+    if kill_while_training is not None:
+        original = controller.compute_advantages
+
+        def compute_advantages(batch):
+            original(batch)
+            if controller.step == kill_while_training[0]:
+                kill(controller.actors.engine_actors[kill_while_training[1]])
+
+        controller.compute_advantages = compute_advantages
     try:
         controller.start()
         controller.loggers.append(KillAt(controller, step, pick))
@@ -64,9 +79,11 @@ def test_killed_engine_is_replaced_and_the_run_trains_every_step(ray_cluster, ti
     out = tmp_path / "run"
     history = run_with_kill(tiny_job, tmp_path, out, 1, lambda actors: actors.engine_actors[1],
                             "placement.colocate=false", "rollout.num_engines=2", "rollout.weight_transport=shm",
-                            "train.total_steps=4")
+                            "train.total_steps=4", kill_while_training=(2, 0))
     assert [m["step"] for m in history] == [0, 1, 2, 3]
-    assert [m["fault/engine_restarts"] for m in history] == [0.0, 0.0, 1.0, 1.0]
+    # engine 1 killed between steps 1 and 2 (its groups fail and are dispatched again), engine 0 while
+    # step 2 trained (the weight push to it fails, it is replaced and the push repeated)
+    assert [m["fault/engine_restarts"] for m in history] == [0.0, 0.0, 2.0, 2.0]
     # the same number of trained prompts as an undisturbed run: every step trained all of its groups
     per_step = trained(out)
     assert [len(e["prompt_ids"]) for e in per_step] == [2, 2, 2, 2] and not any("skipped" in e for e in per_step)

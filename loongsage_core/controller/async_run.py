@@ -29,7 +29,6 @@ from loongsage_hookspecs import TrajectoryGroup, TrajectoryStatus
 
 from ..config import ConfigError
 from .data import Prompt
-from .faults import is_transport_failure
 from .metrics import rollout_metrics
 from .run import RLController
 
@@ -117,7 +116,7 @@ class AsyncRLController(RLController):
         if task.cancelled() or task.exception() is not None:
             if not task.cancelled():
                 log.warning("group %s failed: %r; its prompt is dispatched again", group_id, task.exception())
-                self.faults.suspect |= is_transport_failure(task.exception())  # a dead engine? checked in _run
+                self.faults.suspect = True  # a dead engine? _run asks Ray before dispatching again
             self.scheduler.on_discard(group_id)
             self.requeue.append(prompt)
             return

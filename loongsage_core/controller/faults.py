@@ -11,7 +11,9 @@
 
 Engine deaths show up as failed HTTP calls (the engine's server lived in the actor), so a failed
 generation or weight push asks Ray which actors are dead before deciding what to do: a failure
-while every actor lives is a real error and is raised as it was.
+while every actor lives is a real error and is raised as it was. Agent trajectories (through the
+AgentFlow router) that were talking to an engine when it died end as failed trajectories; the
+engine is replaced at the next fast-path generation or weight push that reaches it.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Sequence
-
-import httpx
 
 from loongsage_hookspecs import TrajectoryGroup
 
@@ -64,21 +64,6 @@ def is_actor_death(exc: BaseException) -> bool:
     import ray
 
     return isinstance(exc, ray.exceptions.RayActorError)
-
-
-def is_transport_failure(exc: BaseException) -> bool:
-    """A failed HTTP call to an engine (connection refused, reset, closed mid-answer)."""
-    import ray
-
-    if isinstance(exc, ray.exceptions.RayTaskError):
-        exc = exc.cause if isinstance(getattr(exc, "cause", None), BaseException) else exc
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:  # a transport error wrapped by the weight sender
-        seen.add(id(exc))
-        if isinstance(exc, httpx.TransportError):
-            return True
-        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
-    return False
 
 
 class FaultSupervisor:
@@ -203,7 +188,7 @@ class FaultSupervisor:
             failed, first_error = [], None
             for i, out in zip(pending, outs):
                 if isinstance(out, BaseException):
-                    if not is_transport_failure(out) or attempt == MAX_REDISPATCH:
+                    if isinstance(out, asyncio.CancelledError) or attempt == MAX_REDISPATCH:
                         raise out
                     failed.append(i)
                     first_error = first_error or out
@@ -239,7 +224,8 @@ class FaultSupervisor:
         except Exception as exc:
             if is_actor_death(exc):
                 raise ActorDeathError(self._fatal_message(exc)) from None
-            if not is_transport_failure(exc) or self.recover() == 0:
+            # the sender's own error type wraps the failed POST: ask Ray whether an engine died
+            if self.recover() == 0:
                 raise
             return push()
 
