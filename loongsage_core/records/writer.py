@@ -152,10 +152,12 @@ class RolloutRecorder:
 
 def recorder_for_run(job: Any, output_dir: str | Path, tokenizer: Any, loggers: Sequence[Any],
                      first_step: int) -> RolloutRecorder:
-    """The recorder of a run: ``run.rollout_records`` per step, every logger that has
-    ``log_trajectories(step, records)`` as a listener, and the records of steps ``>= first_step``
-    (those the run is about to redo after a resume, or left by an earlier run) deleted."""
-    listeners = [lg.log_trajectories for lg in loggers if callable(getattr(lg, "log_trajectories", None))]
+    """The recorder of a run: ``run.rollout_records`` per step; as listeners, the loggers that have
+    ``log_trajectories(step, records)`` (and no false ``wants_trajectories``); the records of steps
+    ``>= first_step`` (those the run is about to redo after a resume, or left by an earlier run)
+    deleted."""
+    listeners = [lg.log_trajectories for lg in loggers
+                 if callable(getattr(lg, "log_trajectories", None)) and getattr(lg, "wants_trajectories", True)]
     recorder = RolloutRecorder(output_dir, tokenizer, keep=job.run.rollout_records,
                                agents={d.name: d.agent for d in job.data}, seed=job.run.seed, listeners=listeners)
     recorder.truncate_after(first_step)
