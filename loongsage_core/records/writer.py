@@ -139,7 +139,7 @@ class RolloutRecorder:
             self.dir.mkdir(parents=True, exist_ok=True)
             path = records_path(self.dir.parent, step)
             tmp = path.with_name(path.name + ".tmp")
-            with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=6) as fh:
+            with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as fh:
                 for record in records:
                     fh.write(dumps(record) + "\n")
             os.replace(tmp, path)
