@@ -96,3 +96,21 @@ def test_show_samples_off_and_bad_values(tmp_path):
         ConsoleLogger(tmp_path, show_samples=-1)
     short = ConsoleLogger(tmp_path, sample_chars=20, live=False)
     assert "turn 0: <tool_call>{\"name\": ...\n" in short.format_sample(_record(0, 0))  # 20 characters
+
+
+def test_samples_beside_the_live_bar_from_another_thread(tmp_path):
+    import threading
+
+    buf = io.StringIO()
+    lg = ConsoleLogger(tmp_path, total_steps=4, show_samples=1, keys=["train/loss"],
+                       console=Console(file=buf, force_terminal=True, width=200))
+    for step in range(4):
+        lg.log(step, {"train/loss": float(step)})
+        # the host's records writer calls from its own thread while the bar is live
+        t = threading.Thread(target=lg.log_trajectories, args=(step, [_record(step, 0)]))
+        t.start()
+        t.join()
+    lg.close()
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())
+    assert [int(m) for m in re.findall(r"── sample of step (\d+):", out)] == [0, 1, 2, 3]
+    assert "4/4" in out and "loss=3" in out
