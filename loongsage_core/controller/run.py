@@ -117,6 +117,7 @@ class RLController:
         self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
         self.records: RolloutRecorder | None = None  # rollout records writer (loongsage_core/records)
         self.last_batch: Batch | None = None  # the batch of the last learn() (for the rollout records)
+        self.sampled_groups: list[TrajectoryGroup] = []  # every group the last collect() sampled
         # one event loop for the whole run: the engine clients' connections belong to it
         self.loop = asyncio.new_event_loop()
 
@@ -192,6 +193,7 @@ class RLController:
             attempts += 1
             if attempts > self.job.algorithm.max_filter_retries:
                 break
+        self.sampled_groups = sampled  # the rollout records keep the filtered-out groups too
         metrics = rollout_metrics(sampled)
         metrics["rollout/filter_drop"] = float(dropped)
         metrics["rollout/filter_attempts"] = float(attempts)
@@ -358,7 +360,8 @@ class RLController:
         """Hand the step's trajectories and the batch that trained them to the records writer
         (call right after :meth:`learn`, before the weight version moves on)."""
         if self.records is not None:
-            self.records.add(step, groups, self.last_batch, policy_version=self.version)
+            sampled, self.sampled_groups = self.sampled_groups, []
+            self.records.add(step, groups, self.last_batch, policy_version=self.version, filtered=sampled)
 
     def record_trained(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
         """Append the prompt ids trained at ``step`` to ``trained_prompts.jsonl`` (an audit trail:

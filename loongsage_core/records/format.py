@@ -159,11 +159,17 @@ def _turns(segments: Sequence[Any], calls: Sequence[dict[str, Any]],
 
 def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_version: int,
                   agents: Mapping[str, str], token_text: Callable[[list[int]], list[str]],
-                  decode: Callable[[list[int]], str], keep: int = -1, seed: Any = 0) -> list[dict[str, Any]]:
-    """The records of one step: every trajectory of ``groups`` (or ``keep`` of them), with the batch
-    rows that trained them. ``policy_version`` is the weight version the step trained from, so a
-    trajectory's staleness is ``policy_version`` minus the oldest version among its tokens."""
+                  decode: Callable[[list[int]], str], keep: int = -1, seed: Any = 0,
+                  filtered: Sequence[Any] = ()) -> list[dict[str, Any]]:
+    """The records of one step: every trajectory of ``groups``, then those of ``filtered`` (the groups
+    as sampled, before filters) not in ``groups``, or ``keep`` of all these, with the batch rows
+    that trained them. ``policy_version`` is the
+    weight version the step trained from, so a trajectory's staleness is ``policy_version`` minus
+    the oldest version among its tokens."""
     trajs = [t for g in groups for t in g.trajectories]
+    n_kept = len(trajs)
+    kept = {id(t) for t in trajs}  # a filter may keep a group's object or a copy with fewer trajectories
+    trajs += [t for g in filtered for t in g.trajectories if id(t) not in kept]
     rows = _row_index(batch)
     row_lists: dict[str, Any] = {}
     if rows:
@@ -203,6 +209,7 @@ def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_versio
             "tool_calls": calls,
             "reward": reward_record(traj.reward),
             "trained": any(s["row"] is not None for s in segments),
+            "filtered": index >= n_kept,
             "policy_version": int(policy_version),
             "weight_versions": [min(versions), max(versions)] if versions else None,
             "staleness": int(policy_version) - min(versions) if versions else None,

@@ -92,17 +92,20 @@ class RolloutRecorder:
                     dropped.append(s)
         return sorted(dropped)
 
-    def add(self, step: int, groups: Sequence[Any], batch: Any, policy_version: int) -> None:
-        """Queue ``step``'s trajectory groups with the batch that trained them (returns at once).
+    def add(self, step: int, groups: Sequence[Any], batch: Any, policy_version: int,
+            filtered: Sequence[Any] = ()) -> None:
+        """Queue ``step``'s trajectory groups with the batch that trained them (returns at once);
+        ``filtered``: every group the step sampled; the trajectories a filter dropped from them are
+        recorded after the others (those also in ``groups`` are recorded once).
 
-        Neither ``groups`` nor ``batch`` may change afterwards (the loop builds new ones per step).
+        Neither the groups nor ``batch`` may change afterwards (the loop builds new ones per step).
         """
         if not self.active:
             return
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="rollout-records", daemon=True)
             self._thread.start()
-        self._queue.put((step, list(groups), batch, policy_version))
+        self._queue.put((step, list(groups), batch, policy_version, list(filtered)))
 
     def flush(self) -> None:
         """Wait until every queued step is written (before a checkpoint completes, and at the end)."""
@@ -131,8 +134,9 @@ class RolloutRecorder:
             finally:
                 self._queue.task_done()
 
-    def _write(self, step: int, groups: list[Any], batch: Any, policy_version: int) -> None:
-        records = build_records(step, groups, batch, policy_version=policy_version, agents=self.agents,
+    def _write(self, step: int, groups: list[Any], batch: Any, policy_version: int, filtered: list[Any]) -> None:
+        records = build_records(step, groups, batch, policy_version=policy_version, filtered=filtered,
+                                agents=self.agents,
                                 token_text=self.text.pieces, decode=self.text.decode,
                                 keep=self.keep if self.keep != 0 else 1, seed=self.seed)
         if self.keep != 0:

@@ -126,5 +126,5 @@ def trajectory_row(record: dict[str, Any]) -> dict[str, Any]:
         "reward": reward.get("score"), "reason": reward.get("reason") or reward.get("error") or "",
         "response_length": record.get("response_length"), "turns": len(record.get("turns") or []),
         "tool_calls": len(record.get("tool_calls") or []), "staleness": record.get("staleness"),
-        "trained": record.get("trained"), "response_text": text[:200],
+        "trained": record.get("trained"), "filtered": bool(record.get("filtered")), "response_text": text[:200],
     }

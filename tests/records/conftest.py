@@ -4,7 +4,8 @@ The policy is a tiny Qwen3 whose weights make it write the tool call ``<tool_cal
 </tool_call>`` after any generation prompt (the model of tests/agentflow), saved as a Hugging Face
 directory, so the tool agent really calls its tool. Three sources: a black-box program through the
 ``command`` agent, the ``tool_agent`` with a Python tool, and a single-turn source whose second
-reward raises for every second sample (those trajectories fail and are not trained).
+reward raises for every second sample (those trajectories fail, the ``status`` filter drops them,
+and they are recorded as filtered).
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ weight_transport = "inprocess"
 agent_timeout_s = 120
 middleware = ["tool_call_parser"]
 middleware_args = {{ tool_call_parser = {{ format = "hermes" }} }}
+
+[algorithm]
+filters = ["status"]          # drops the failed trajectories: recorded as filtered
 
 [run]
 checkpoint_every = 1

@@ -17,6 +17,9 @@ def test_every_step_has_records_aligned_with_metrics(recorded_run):
         records = read_rollouts(out, m["step"])
         assert len(records) == m["rollout/num_trajectories"] == 9
         assert [r["index"] for r in records] == list(range(9))
+        # what the status filter dropped (the failed samples) is recorded after what was trained
+        dropped = [r["index"] for r in records if r["filtered"]]
+        assert dropped and dropped == list(range(9 - len(dropped), 9))
         assert {r["source"] for r in records} == {"blackbox", "tools", "flaky"}
         assert {r["agent"] for r in records} == {"command", "tool_agent", "single_turn"}
         for r in records:
@@ -61,9 +64,11 @@ def test_failed_reward_tool_calls_and_black_box_turns_are_recorded(recorded_run)
     failed = [r for r in records if r["status"] == "failed"]
     assert failed and {r["source"] for r in failed} == {"flaky"}
     for r in failed:
+        assert r["filtered"]  # dropped by the status filter
         assert r["error"] == "reward 'flaky' raised RuntimeError: the grader is down"
         assert r["reward"]["components"]["flaky"]["error"] == r["error"]
         assert not r["trained"] and r["response_length"] > 0
+    assert not any(r["filtered"] for r in records if r["status"] != "failed")
     graded = [r for r in records if r["source"] == "flaky" and r["status"] != "failed"]
     assert graded and all(set(r["reward"]["components"]) == {"varied", "flaky"} for r in graded)
     assert all(r["reward"]["components"]["varied"]["reason"].startswith("crc bucket") for r in graded)

@@ -65,14 +65,17 @@ def test_written_off_the_loop_and_read_back(tmp_path, tokenizer):
                           listeners=[lambda step, records: got.append((step, len(records),
                                                                        threading.current_thread().name))])
     for step in range(2):
-        groups = make_groups(tokenizer, step)
-        rec.add(step, groups, trained_batch(groups), policy_version=step + 1)
+        groups = make_groups(tokenizer, step, n_groups=3)
+        # the last group was dropped by a filter: recorded after the trained ones, never trained
+        rec.add(step, groups[:2], trained_batch(groups[:2]), policy_version=step + 1, filtered=groups)
     rec.flush()
     assert rollout_steps(tmp_path) == [0, 1]
-    assert got == [(0, 6, "rollout-records"), (1, 6, "rollout-records")]
+    assert got == [(0, 9, "rollout-records"), (1, 9, "rollout-records")]
     records = read_rollouts(tmp_path, 1)
-    assert [r["status"] for r in records] == ["ok", "ok", "failed"] * 2
-    assert [r["trained"] for r in records] == [True, True, False] * 2
+    assert [r["status"] for r in records] == ["ok", "ok", "failed"] * 3
+    assert [r["trained"] for r in records] == [True, True, False] * 2 + [False] * 3
+    assert [r["filtered"] for r in records] == [False] * 6 + [True] * 3
+    assert [r["group_id"] for r in records[6:]] == ["1:2"] * 3 and {r["step_total"] for r in records} == {9}
     first = records[0]
     assert first["agent"] == "single_turn" and first["staleness"] == 1 and first["weight_versions"] == [1, 1]
     seg = first["segments"][0]

@@ -250,7 +250,8 @@ function renderTable() {
     el("td", {class: `status-${r.status}`, text: r.status, title: r.error || ""}),
     el("td", {text: fmt(r.reward)}), el("td", {text: r.reason}),
     el("td", {text: r.response_length}), el("td", {text: r.turns}), el("td", {text: r.tool_calls}),
-    el("td", {text: fmt(r.staleness)}), el("td", {text: r.trained ? "yes" : "no"}),
+    el("td", {text: fmt(r.staleness)}),
+    el("td", {text: r.trained ? "yes" : r.filtered ? "no (group filtered)" : "no"}),
     el("td", {class: "response", text: r.response_text, title: r.response_text}))));
 }
 
@@ -342,7 +343,7 @@ function renderTrajectory() {
     ["reward", fmt(rec.reward ? rec.reward.score : null)],
     ["response length", `${rec.response_length} generated tokens, ${rec.turns.length} turns, ${rec.tool_calls.length} tool calls`],
     ["weight versions", rec.weight_versions ? `${rec.weight_versions[0]}..${rec.weight_versions[1]}, trained at ${rec.policy_version}, staleness ${rec.staleness}` : "–"],
-    ["trained", rec.trained ? "yes" : "no"],
+    ["trained", rec.trained ? "yes" : rec.filtered ? "no: a filter dropped its group" : "no"],
     ["timing (s)", timing || "–"],
     ["label", JSON.stringify(rec.label)],
   ]));
