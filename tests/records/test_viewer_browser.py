@@ -141,6 +141,8 @@ def test_step_table_filters_and_a_trajectory_shows_coloured_tokens(browser, serv
     browser.get(url + f"#/traj/0/1/{moved['index']}")
     wait_for(browser, f"document.querySelector('#traj-head') && "
                       f"document.querySelector('#traj-head').textContent.includes('{moved['id']}')")
+    for part in ("traj-nav", "traj-reward"):  # optional parts left out, not written as "null"
+        assert "null" not in browser.find_element("id", part).text
     browser.execute_script("const s = document.getElementById('traj-colour'); s.value = 'advantage';"
                            "s.dispatchEvent(new Event('change'))")
     adv = [a for seg in moved["segments"] for a, m in zip(seg.get("advantages") or [0.0] * len(seg["tokens"]),

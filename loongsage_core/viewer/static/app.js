@@ -42,6 +42,11 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
+function fill(node, ...children) {
+  // replaceChildren without the null placeholders of optional parts
+  node.replaceChildren(...children.filter(c => c !== null && c !== undefined));
+}
+
 function fmt(v, digits = 4) {
   if (v === null || v === undefined) return "–";
   if (typeof v !== "number") return String(v);
@@ -331,7 +336,7 @@ function kv(pairs) {
 function renderTrajectory() {
   const rec = state.traj;
   const {run, step} = state.step;
-  $("traj-nav").replaceChildren(
+  fill($("traj-nav"),
     el("a", {href: `#/step/${run}/${step}`, text: `← ${state.runs[run] ? state.runs[run].name : "run"}, step ${step}`}),
     rec.index > 0 ? el("a", {href: `#/traj/${run}/${step}/${rec.index - 1}`, text: "previous"}) : null,
     rec.index + 1 < rec.step_total ? el("a", {href: `#/traj/${run}/${step}/${rec.index + 1}`, text: "next"}) : null);
@@ -356,7 +361,7 @@ function renderTrajectory() {
     box.replaceChildren(el("p", {class: "muted", text: "not scored (the agent did not complete)"}));
   } else {
     const comps = Object.entries(reward.components || {});
-    box.replaceChildren(
+    fill(box,
       el("p", {}, el("b", {text: `score ${fmt(reward.score)}`}), reward.reason ? ` — ${reward.reason}` : ""),
       comps.length ? el("table", {class: "components"},
         el("thead", {}, el("tr", {}, el("th", {text: "reward"}), el("th", {text: "score"}), el("th", {text: "reason"}),
