@@ -355,6 +355,8 @@ class RunConfig:
     ray_address: str | None = None
     ray_num_cpus: int | None = attrs.field(default=None, validator=_range(ge=1, optional=True))
     ray_object_store_mb: int = attrs.field(default=256, validator=_count)
+    # rollout records (docs/records.md): -1 every trajectory of each step, 0 none, N a sample of N
+    rollout_records: int = attrs.field(default=-1, validator=_range(ge=-1))
 
 
 @attrs.define

@@ -22,5 +22,9 @@ class RunError(RuntimeError):
     actor that died); the CLI prints the message as one line and exits 1."""
 
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, PluginError)
+class NotARunError(ValueError):
+    """A directory given to ``loongsage view`` that is not a LoongSage run directory."""
+
+
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, PluginError, NotARunError)
 """Exceptions that describe bad input (shown without a traceback)."""

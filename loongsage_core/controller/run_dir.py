@@ -2,7 +2,7 @@
 history.
 
 A directory that already holds a run (``config.resolved.toml``, ``metrics.jsonl``,
-``trained_prompts.jsonl`` or ``checkpoints/``) is only
+``trained_prompts.jsonl``, ``rollouts/`` or ``checkpoints/``) is only
 
 * continued, with ``run.resume = true``: from the newest intact checkpoint; the history files keep
   every step before it and only the steps that will be redone are dropped; or
@@ -25,7 +25,8 @@ from . import checkpoint as ckpt
 
 log = logging.getLogger("loongsage")
 
-RUN_MARKERS: Sequence[str] = ("config.resolved.toml", "metrics.jsonl", "trained_prompts.jsonl", "checkpoints")
+RUN_MARKERS: Sequence[str] = ("config.resolved.toml", "metrics.jsonl", "trained_prompts.jsonl", "rollouts",
+                              "checkpoints")
 """Entries whose presence means a directory holds a run."""
 
 
