@@ -104,7 +104,7 @@ class FaultSupervisor:
 
         roles = self.roles()
         refs = [a.ready.remote() for _, a, _ in roles]
-        found = []
+        found: list[tuple[str, int | None, BaseException]] = []
         for (role, _, index), ref in zip(roles, refs):
             try:
                 ray.get(ref, timeout=PING_TIMEOUT_S)
@@ -157,8 +157,9 @@ class FaultSupervisor:
         pl = job.placement
         strategy = PlacementGroupSchedulingStrategy(placement_group=actors.placement_group,
                                                     placement_group_bundle_index=job.train.num_workers + index)
-        actor = ray.remote(ModelActor).options(num_cpus=pl.engine_cpus, num_gpus=pl.engine_gpus,
-                                               scheduling_strategy=strategy).remote(job, None, 1, 0, index, False)
+        remote: Any = ray.remote(ModelActor)
+        actor = remote.options(num_cpus=pl.engine_cpus, num_gpus=pl.engine_gpus,
+                               scheduling_strategy=strategy).remote(job, None, 1, 0, index, False)
         url = ray.get(actor.ready.remote())["engine_url"]
         actors.engine_actors[index] = actor
         actors.engine_urls[index] = url
