@@ -48,7 +48,8 @@ class RangeError(ValueError):
     """A value outside its field's range; ``field`` names the attribute (joined to the key path)."""
 
     def __init__(self, message: str, field: str) -> None:
-        super().__init__(message)
+        super().__init__(f"{field}: {message}")  # named when raised outside a job file (TrainConfig(...))
+        self.message = message
         self.field = field
 
 
@@ -496,7 +497,7 @@ _FIELD_MARK = "\x00"
 
 def _format_exception(exc: BaseException, type_: Any) -> str:
     if isinstance(exc, RangeError):
-        return f"{exc}{_FIELD_MARK}{exc.field}"  # the field joins the key path (see _tidy_path)
+        return f"{exc.message}{_FIELD_MARK}{exc.field}"  # the field joins the key path (see _tidy_path)
     if isinstance(exc, KeyError):
         return "required key is missing"
     if isinstance(exc, ValueError) and len(exc.args) >= 2 and isinstance(exc.args[1], attrs.Attribute):
