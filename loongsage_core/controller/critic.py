@@ -130,7 +130,8 @@ class Critic:
         world = crit.num_workers
         port = free_port() if world > 1 else 0
         remote = ray.remote(CriticActor)
-        actors = [remote.options(num_cpus=crit.cpus, num_gpus=crit.gpus).remote(job, rank, world, port)
+        # Ray actor handles are typed Any, as in placement.py: Ray's stubs do not type actor method calls
+        actors: list[Any] = [remote.options(num_cpus=crit.cpus, num_gpus=crit.gpus).remote(job, rank, world, port)
                   for rank in range(world)]
         try:
             ray.get([a.ready.remote() for a in actors])

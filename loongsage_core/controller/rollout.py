@@ -197,8 +197,8 @@ class RolloutManager:
         for j, res in enumerate(results):
             seg = Segment()
             seg.append(tokens, generated=False)
-            versions = res.weight_versions if res.weight_versions else res.weight_version
-            seg.append(res.output_ids, generated=True, logprobs=res.logprobs, weight_version=versions)
+            logprobs, versions = res.token_record()
+            seg.append(res.output_ids, generated=True, logprobs=logprobs, weight_version=versions)
             # the answer's text as the router gives it to an agent: decoded, without the turn end
             text = self.renderer.content_of(res.output_ids)
             traj = Trajectory(id=rids[j], prompt_id=prompt.prompt_id, group_id=group_id, source=prompt.source,
