@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from typing import Any, Awaitable, Sequence
 
 from loongsage_hookspecs import Segment, Trajectory, TrajectoryGroup, TrajectoryStatus, prompt_messages
@@ -146,12 +147,15 @@ class RolloutManager:
             params["locked"] = True
             assert self._agent_slots is not None
             async with self._agent_slots:
+                t0 = time.perf_counter()
                 traj = await run_agent_trajectory(
                     self.router, spec, source.agent_args, self._sandbox_provider(source), trajectory=traj,
                     sampling=params, max_response_tokens=af.max_response_tokens or None,
                     max_context_length=self.job.rollout.max_context_length, timeout_s=af.agent_timeout_s)
+            t1 = time.perf_counter()
             if traj.status == TrajectoryStatus.COMPLETED:
                 score_trajectory(traj, source, self.components)
+            traj.metadata["timing"] = {"agent_s": t1 - t0, "reward_s": time.perf_counter() - t1}
             return traj
 
         group.trajectories = list(await asyncio.gather(*(one(j) for j in range(self.job.rollout.samples_per_prompt))))
@@ -186,12 +190,14 @@ class RolloutManager:
             params.append(p)
         group_id = f"{step}:{index}"
         rids = [f"{group_id}:{j}" for j in range(n)]
+        t0 = time.perf_counter()
         if self.one_request_per_sample:
             answers = await asyncio.gather(*(client.generate([tokens], params[j], return_logprob=True, rids=[rids[j]])
                                              for j in range(n)))
             results = [a[0] for a in answers]
         else:
             results = await client.generate([tokens] * n, params, return_logprob=True, rids=rids)
+        generate_s = time.perf_counter() - t0
         group = TrajectoryGroup(group_id=group_id, prompt_id=prompt.prompt_id, source=prompt.source)
         messages = self.fast_path_messages(prompt)
         for j, res in enumerate(results):
@@ -203,12 +209,15 @@ class RolloutManager:
             text = self.renderer.content_of(res.output_ids)
             traj = Trajectory(id=rids[j], prompt_id=prompt.prompt_id, group_id=group_id, source=prompt.source,
                               prompt=source_prompt(prompt.prompt, source), label=prompt.label,
-                              metadata=prompt.metadata, segments=[seg], response_text=text,
+                              metadata=dict(prompt.metadata), segments=[seg], response_text=text,
                               messages=[*messages, {"role": "assistant", "content": text}],
                               finish_reason=res.finish_reason)
             traj.status = TrajectoryStatus.ABORTED if res.finish_reason == "abort" else TrajectoryStatus.COMPLETED
+            t1 = time.perf_counter()
             if traj.status == TrajectoryStatus.COMPLETED:
                 score_trajectory(traj, source, self.components)
+            # the group is generated in one batched call: each sample reports the group's time
+            traj.metadata["timing"] = {"generate_s": generate_s, "reward_s": time.perf_counter() - t1}
             group.trajectories.append(traj)
         return group
 
