@@ -39,6 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start rollout engines and the AgentFlow router without training")
     _add_job_args(p)
     p.add_argument("--port", type=int, default=0, help="router port (default: any free port)")
+    p.add_argument("--output-dir", help="where the run secret file goes (default: a new private temporary "
+                                        "directory)")
     return parser
 
 
@@ -94,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .controller.serve import serve_job
 
     resolved = _load(args)
-    serve_job(resolved, port=args.port)
+    serve_job(resolved, port=args.port, output_dir=args.output_dir)
     return 0
 
 

@@ -532,7 +532,8 @@ class AgentFlowRouter:
                                  body.get("metadata"))
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc)) from None
-        return self._json({"trajectory_id": body["trajectory_id"], "attempt": attempt, "base_url": url})
+        return self._json({"trajectory_id": body["trajectory_id"], "attempt": attempt, "base_url": url,
+                           "api_key": self.trajectory_key(body["trajectory_id"], attempt)})
 
     def _admin_entry(self, request: Any) -> str:
         tid = request.match_info["tid"]
