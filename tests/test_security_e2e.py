@@ -142,3 +142,41 @@ def test_served_trajectory_opens_with_its_key_only(serving):
     with pytest.raises(AuthenticationError):
         OpenAI(base_url=serving.trajectory_url, api_key="guess", max_retries=0).chat.completions.create(
             model="policy", max_tokens=4, messages=messages)
+
+
+def test_loongsage_serve_prints_the_agent_url_its_key_and_where_the_secret_is(tmp_path):
+    import os
+    import signal
+    import time
+
+    (tmp_path / "job.toml").write_text(JOB)
+    run_dir = tmp_path / "served"
+    proc = subprocess.Popen([sys.executable, "-m", "loongsage_core", "serve", str(tmp_path / "job.toml"),
+                             "run.ray_num_cpus=2", "run.ray_object_store_mb=80", "--output-dir", str(run_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(line.startswith("what it recorded") for line in lines):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.strip())
+        printed = {line.split(":", 1)[0]: line.split(": ", 1)[1] for line in lines if ": " in line}
+        secret_file = run_dir / "run_secret"
+        assert printed["run secret file (mode 0600; /admin and the engines want it as a bearer token)"] \
+            == str(secret_file)
+        assert secret_file.stat().st_mode & 0o777 == 0o600
+        url = printed["example trajectory endpoint (OPENAI_BASE_URL)"]
+        key = printed["its key (OPENAI_API_KEY; opens this endpoint only)"]
+        assert url.startswith("http://127.0.0.1:")
+        assert httpx.get(url + "/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert httpx.get(url + "/models").status_code == 401
+        assert read_secret_file(secret_file) not in "\n".join(lines)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)

@@ -78,8 +78,8 @@ def serve_job(resolved: ResolvedJob, port: int = 0, output_dir: str | Path | Non
     print(f"engines: {', '.join(serving.actors.engine_urls)}", flush=True)
     print(f"example trajectory endpoint (OPENAI_BASE_URL): {serving.trajectory_url}", flush=True)
     print(f"its key (OPENAI_API_KEY; opens this endpoint only): {serving.trajectory_key}", flush=True)
-    print(f"run secret (for /admin and the engines; send 'Authorization: Bearer <secret>'): "
-          f"{serving.secret_path} (mode 0600)", flush=True)
+    print(f"run secret file (mode 0600; /admin and the engines want it as a bearer token): {serving.secret_path}",
+          flush=True)
     print(f"what it recorded: curl -H \"Authorization: Bearer $(cat {serving.secret_path})\" "
           f"{base}/admin/trajectories/{serving.trajectory_id}", flush=True)
     try:
