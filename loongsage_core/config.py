@@ -289,6 +289,8 @@ class RunConfig:
     ray_num_cpus: int | None = None
     ray_object_store_mb: int = 256
     ray_dashboard: bool = False  # the Ray dashboard (loopback only) of a local cluster
+    # rollout records (docs/records.md): -1 every trajectory of each step, 0 none, N a sample of N
+    rollout_records: int = attrs.field(default=-1, validator=attrs.validators.ge(-1))
 
 
 @attrs.define
