@@ -13,6 +13,9 @@ Every method exists twice: ``await client.generate(...)`` (httpx.AsyncClient) an
 ``client.generate_sync(...)`` (httpx.Client). A 4xx/5xx answer raises :class:`EngineError` with
 the engine's own message.
 
+Every request carries the run secret (``Authorization: Bearer``) when the client has one: the
+``api_key`` argument, else the secret set in this process (:mod:`loongsage_core.security`).
+
 Importing this module does not import torch; :func:`encode_direct_tensors` imports it when called.
 """
 
@@ -27,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
 
 import attrs
 import httpx
+
+from .security import engine_headers
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -169,9 +174,10 @@ def _json_or_text(resp: httpx.Response) -> Any:
 class EngineClient:
     """Talks to one engine at ``base_url`` (``http://host:port``)."""
 
-    def __init__(self, base_url: str, *, timeout: float | None = 600.0) -> None:
+    def __init__(self, base_url: str, *, timeout: float | None = 600.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.headers = engine_headers(api_key)
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self._sync: httpx.Client | None = None
@@ -182,13 +188,13 @@ class EngineClient:
     def _aclient(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._async is None or self._async_loop is not loop or self._async.is_closed:
-            self._async = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout)
+            self._async = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, headers=self.headers)
             self._async_loop = loop
         return self._async
 
     def _sclient(self) -> httpx.Client:
         if self._sync is None or self._sync.is_closed:
-            self._sync = httpx.Client(base_url=self.base_url, timeout=self.timeout)
+            self._sync = httpx.Client(base_url=self.base_url, timeout=self.timeout, headers=self.headers)
         return self._sync
 
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None | str = "default") -> Any:

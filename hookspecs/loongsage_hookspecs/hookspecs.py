@@ -333,7 +333,8 @@ def loongsage_rollout_engines() -> Iterable[RolloutEngineSpec]:
     """Provide rollout engines.
 
     ``factory(ctx: EngineContext)`` runs inside each engine actor and returns a ``RolloutEngine``
-    that serves SGLang's native HTTP API on loopback.
+    that serves SGLang's native HTTP API on loopback. When ``ctx.api_key`` (the run secret) is
+    set, every endpoint but the health probes must require ``Authorization: Bearer <api_key>``.
 
     Example::
 

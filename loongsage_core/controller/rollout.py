@@ -83,16 +83,18 @@ class RolloutManager:
     """Generates and scores the groups of one step across the available engines."""
 
     def __init__(self, job: JobConfig, components: Any, tokenizer: Any, engine_urls: Sequence[str],
-                 generate_urls: Sequence[str] | None = None) -> None:
+                 generate_urls: Sequence[str] | None = None, secret: str | None = None) -> None:
         """``engine_urls``: every engine (control calls: pause, continue, memory release);
         ``generate_urls``: where generation goes (a load balancer in front of them; default the
-        engines, round robin)."""
+        engines, round robin); ``secret``: the run secret (engines and the router require it)."""
         self.job = job
         self.components = components
         self.tokenizer = tokenizer
-        self.clients = [EngineClient(url) for url in engine_urls]
+        self.secret = secret
+        self.clients = [EngineClient(url, api_key=secret) for url in engine_urls]
         self.generate_urls = list(generate_urls) if generate_urls else list(engine_urls)
-        self.generate_clients = self.clients if not generate_urls else [EngineClient(u) for u in self.generate_urls]
+        self.generate_clients = self.clients if not generate_urls else [EngineClient(u, api_key=secret)
+                                                                        for u in self.generate_urls]
         # a load balancer takes one sampling_params per request (and routes each sample itself)
         self.one_request_per_sample = bool(generate_urls)
         self.sources = {src.name: src for src in job.data}
@@ -113,7 +115,9 @@ class RolloutManager:
             entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
             self.router = AgentFlowRouter(self.tokenizer, self.generate_urls,
                                           build_middlewares(self.components, entries),
-                                          port=af.port, max_context_length=self.job.rollout.max_context_length)
+                                          port=af.port, max_context_length=self.job.rollout.max_context_length,
+                                          secret=self.secret, max_request_bytes=af.max_request_bytes,
+                                          max_prompt_chars=af.max_prompt_chars)
             self.router.start()
         return str(self.router.base_url)
 

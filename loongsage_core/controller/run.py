@@ -8,7 +8,8 @@ One step::
             -> weights to engines (version += 1) -> metrics -> checkpoint
 
 Outputs in the run directory: ``metrics.jsonl`` (one object per step), ``checkpoints/``,
-``config.resolved.toml`` and, at the end, ``final_hf/`` (a Hugging Face directory).
+``config.resolved.toml``, ``run_secret`` (the run secret, mode 0600: engines and the router's admin
+API require it) and, at the end, ``final_hf/`` (a Hugging Face directory).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from loongsage_hookspecs import AdvantageInputs, AggregationNorm, Batch, Traject
 from ..config import ConfigError, JobConfig, dump_job_toml
 from ..records.writer import RolloutRecorder, recorder_for_run
 from ..resolve import ResolvedJob
+from ..security import new_secret, set_process_secret, write_secret_file
 from . import checkpoint as ckpt
 from .batching import build_batch
 from .colocation import PhaseSwitch
@@ -120,18 +122,22 @@ class RLController:
         self.sampled_groups: list[TrajectoryGroup] = []  # every group the last collect() sampled
         # one event loop for the whole run: the engine clients' connections belong to it
         self.loop = asyncio.new_event_loop()
+        self.secret = new_secret()  # the run secret: engines and the router's control endpoints need it
 
     # ------------------------------------------------------------------ setup
 
     def start(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
+        write_secret_file(self.output_dir, self.secret)
+        set_process_secret(self.secret)  # for clients built in this process (e.g. an engine load balancer)
         init_ray(self.job)
-        self.actors = create_actors(self.job, self.needs_reference)
+        self.actors = create_actors(self.job, self.needs_reference, self.secret)
         if self.advantage.needs_critic:
             self.critic = Critic.create(self.job)
         self.engine_router, generate_urls = start_engine_router(self.job, self.host, self.actors.engine_urls)
-        self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls)
+        self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls,
+                                      secret=self.secret)
         self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
         self._maybe_resume()
         self.phases.to_generation()  # a colocated trainer gives the devices to the engines first

@@ -71,6 +71,28 @@ def engine_url() -> Iterator[str]:
     yield from _serve()
 
 
+@pytest.fixture(scope="session")
+def run_secret() -> str:
+    """A run secret, as ``loongsage run`` generates one."""
+    from loongsage_core.security import new_secret
+
+    return new_secret()
+
+
+@pytest.fixture(scope="session")
+def secure_engine_url(run_secret) -> Iterator[str]:
+    """A real embedded engine (random tiny Qwen3) that requires ``run_secret``, as a run's engines do."""
+    from loongsage_plugin_torch.engine.engine import EmbeddedEngine
+
+    from loongsage_hookspecs import EngineContext
+
+    engine = EmbeddedEngine(EngineContext(job=_job(), components=None, api_key=run_secret))
+    try:
+        yield engine.start()
+    finally:
+        engine.shutdown()
+
+
 def tool_call_model(tokenizer: Any) -> Any:
     """A tiny Qwen3 whose next token depends only on the current one, chained through the tool call."""
     model = chain_model(tokenizer, TOOL_CALL_PIECES)
