@@ -40,7 +40,7 @@ TINY = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 32, "intermedia
 def base_job() -> dict[str, Any]:
     """The job table of the controller tests: one arithmetic source, 2 prompts x 4 samples."""
     return {
-        "plugins": {"enable": ["torch", "rl", "rewards", "agents", "distill"]},
+        "plugins": {"enable": ["torch", "rl", "rewards", "agents", "distill", "schedulers"]},
         "model": {"tokenizer": str(TOKENIZER), "config": dict(TINY)},
         "train": {"lr": 1e-3, "total_steps": 2, "mini_batch_size": 8, "micro_batch_size": 4},
         "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 32,
