@@ -63,3 +63,33 @@ def test_failed_and_aborted_groups_go_back_to_the_queue(controller_factory):
     assert c.buffer == [] and len(c.requeue) == 2  # aborted samples: the prompts are generated again
     assert c.scheduler.metrics()["rollout/discarded_total"] == 2.0
     assert [p.prompt_id for p in c.pending_prompts()] == [p.prompt_id for p in c.requeue]
+
+
+def test_surplus_groups_are_evicted_and_their_prompts_requeued(controller_factory):
+    # oversampling: 4 groups for a step of 2, no staleness allowed; the 2 the step does not take
+    # can never be trained within the bound, so the controller evicts them and requeues their prompts
+    c = controller_factory({"async": {"enable": True, "scheduler": "window_gated", "stale_steps": 0,
+                                      "scheduler_args": {"oversample": 1.0}}})
+
+    async def scenario():
+        c._dispatch()
+        c.stopping = True
+        while c.inflight:
+            c.changed.clear()
+            await c.changed.wait()
+        assert len(c.buffer) == 4
+        chosen = c.scheduler.select(c.buffer, c.version, 2)
+        for g in chosen:
+            c.buffer.remove(g)
+        await c._abort_unusable()
+        return chosen
+
+    chosen = c.loop.run_until_complete(scenario())
+    assert len(chosen) == 2 and c.buffer == []
+    assert len(c.requeue) == 2
+    requeued = {p.prompt_id for p in c.requeue}
+    assert requeued.isdisjoint({g.prompt_id for g in chosen})
+    assert set(c.group_prompts) == {g.group_id for g in chosen}  # evicted groups forgotten, chosen kept
+    # the chosen groups train as a normal step
+    metrics, tokens = c.learn(chosen, 0)
+    assert tokens > 0 and metrics["train/num_mini_batches"] == 1.0
