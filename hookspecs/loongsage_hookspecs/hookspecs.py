@@ -118,7 +118,9 @@ def loongsage_advantages() -> Iterable[AdvantageSpec]:
 
     The host calls ``fn(inputs: AdvantageInputs, **args)`` on the rows of one step (``args`` from
     ``[algorithm] advantage_args``) and expects an :class:`AdvantageOutput` with per-token
-    advantages ``[B, T]``.
+    advantages ``[B, T]``. ``token_rewards`` hold the penalties folded into the reward (KL,
+    distillation), never the score; ``sample_index`` groups the rows (segments) of one trajectory,
+    which group statistics must count once.
 
     Example::
 
