@@ -26,7 +26,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-T = TypeVar("T")
+A = TypeVar("A", bound=attrs.AttrsInstance)
+"""An attrs class (component ``*_args`` schemas are attrs classes)."""
 
 
 class ConfigError(ValueError):
@@ -309,6 +310,9 @@ class AgentFlowConfig:
     agent_timeout_s: float = attrs.field(default=600.0, validator=_positive)
     max_concurrent_agents: int = attrs.field(default=64, validator=_count)
     port: int = attrs.field(default=0, validator=_range(ge=0, le=65535))
+    # requests bigger than this get a 413, conversations with more text a 400, before tokenizing
+    max_request_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_count)
+    max_prompt_chars: int = attrs.field(default=1_000_000, validator=_count)
 
 
 @attrs.define
@@ -356,6 +360,7 @@ class RunConfig:
     ray_address: str | None = None
     ray_num_cpus: int | None = attrs.field(default=None, validator=_range(ge=1, optional=True))
     ray_object_store_mb: int = attrs.field(default=256, validator=_count)
+    ray_dashboard: bool = False  # the Ray dashboard (loopback only) of a local cluster
     # rollout records (docs/records.md): -1 every trajectory of each step, 0 none, N a sample of N
     rollout_records: int = attrs.field(default=-1, validator=_range(ge=-1))
 
@@ -557,7 +562,7 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     return structure_job(raw, str(path))
 
 
-def structure_args(cls: type[T], args: Mapping[str, Any], key: str, owner: str) -> T:
+def structure_args(cls: type[A], args: Mapping[str, Any], key: str, owner: str) -> A:
     """A component's ``*_args`` table (e.g. ``[train] backend_args``) as the attrs class ``cls``.
 
     Unknown keys and invalid values raise ``ValueError`` naming ``key`` and, for unknown keys, the

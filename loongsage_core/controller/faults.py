@@ -27,6 +27,7 @@ from loongsage_hookspecs import TrajectoryGroup
 from ..engine_client import EngineClient
 from ..errors import RunError
 from .data import Prompt
+from .remote import LocalActor
 
 if TYPE_CHECKING:  # pragma: no cover
     from .run import RLController
@@ -94,7 +95,8 @@ class FaultSupervisor:
     def describe(self, exc: BaseException) -> str:
         """``<role> actor <id> (pid, node)`` for the actor an ``ActorDiedError`` is about."""
         actor_id = str(getattr(exc, "actor_id", "") or "")
-        role = next((r for r, a, _ in self.roles() if a._actor_id.hex() == actor_id), "a model actor")
+        role = next((r for r, a, _ in self.roles()
+                     if not isinstance(a, LocalActor) and a._actor_id.hex() == actor_id), "a model actor")
         return (f"{role} (Ray actor {actor_id[:12] or '?'}, pid {_field(exc, 'pid')}) on node "
                 f"{_field(exc, 'ip')} died: {death_cause(exc)}")
 
@@ -102,7 +104,7 @@ class FaultSupervisor:
         """Every dead model actor: ``(role, engine index or None, the error Ray reported)``."""
         import ray
 
-        roles = self.roles()
+        roles = [r for r in self.roles() if not isinstance(r[1], LocalActor)]  # in-process: cannot die alone
         refs = [a.ready.remote() for _, a, _ in roles]
         found: list[tuple[str, int | None, BaseException]] = []
         for (role, _, index), ref in zip(roles, refs):
