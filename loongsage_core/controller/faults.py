@@ -161,13 +161,14 @@ class FaultSupervisor:
                                                     placement_group_bundle_index=job.train.num_workers + index)
         remote: Any = ray.remote(ModelActor)
         actor = remote.options(num_cpus=pl.engine_cpus, num_gpus=pl.engine_gpus,
-                               scheduling_strategy=strategy).remote(job, None, 1, 0, index, False)
+                               scheduling_strategy=strategy).remote(job, None, 1, 0, index, False, ctrl.secret)
         url = ray.get(actor.ready.remote())["engine_url"]
         actors.engine_actors[index] = actor
         actors.engine_urls[index] = url
         rollout = ctrl.rollout
         old = {id(c): c for c in (rollout.clients[index], rollout.generate_clients[index])}
-        rollout.clients[index] = EngineClient(url)  # the same list the phase switch and generation use
+        # the same list the phase switch and generation use; the engine wants the run secret
+        rollout.clients[index] = EngineClient(url, api_key=ctrl.secret)
         rollout.generate_clients[index] = rollout.clients[index]
         rollout.generate_urls[index] = url
         if rollout.router is not None:
