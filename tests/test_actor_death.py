@@ -53,14 +53,15 @@ def run_with_kill(tiny_job, tmp_path: Path, out: Path, step: int, pick, *overrid
     cls = AsyncRLController if job.async_.enable else RLController
     controller = cls(resolve_job(job), out)
     if kill_while_training is not None:
-        original = controller.compute_advantages
+        original = controller.train
 
-        def compute_advantages(batch):
-            original(batch)
-            if controller.step == kill_while_training[0]:
+        def train(batch, step):
+            out = original(batch, step)
+            if step == kill_while_training[0]:
                 kill(controller.actors.engine_actors[kill_while_training[1]])
+            return out
 
-        controller.compute_advantages = compute_advantages
+        controller.train = train
     try:
         controller.start()
         controller.loggers.append(KillAt(controller, step, pick))
