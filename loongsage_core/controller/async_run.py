@@ -190,7 +190,14 @@ class AsyncRLController(RLController):
         if tokens and self.health.last_problem is None:
             if self.faults.suspect:
                 await self.faults.recover_async()  # the weights must reach a live engine set
-            metrics.update(await self._update_weights(self.version + 1))
+            try:
+                update = await self._update_weights(self.version + 1)
+            except Exception:
+                self.updating = False
+                if await self.faults.recover_async() == 0:  # no engine died: a real failure
+                    raise
+                update = await self._update_weights(self.version + 1)
+            metrics.update(update)
             self.version += 1
         self.scheduler.on_train_step(self.version)
         for g in groups:
