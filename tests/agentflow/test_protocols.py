@@ -37,6 +37,28 @@ def anthropic_client(url: str) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="k", max_retries=0)
 
 
+# ------------------------------------------------------------------------------- Chat Completions
+def test_chat_top_logprobs_come_from_the_engine(engine_url, router_factory, renderer):
+    router = router_factory([engine_url])
+    url = router.register("c-top", sampling={"max_new_tokens": 6, "seed": 2})
+    client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
+    messages = [{"role": "user", "content": "hi"}]
+    resp = client.chat.completions.create(model="p", messages=messages, logprobs=True, top_logprobs=3)
+    prompt = renderer.prompt_tokens(messages)
+    direct = httpx.post(f"{engine_url}/generate", json={
+        "input_ids": prompt, "return_logprob": True, "top_logprobs_num": 3,
+        "sampling_params": {"max_new_tokens": 6, "sampling_seed": 2, "stop_token_ids": list(renderer.turn_end_ids)}},
+        timeout=60).json()
+    ids = direct["output_ids"]
+    shown = ids[:-1] if ids and ids[-1] in renderer.turn_end_ids else ids
+    content = resp.choices[0].logprobs.content
+    assert [c.token for c in content] == [renderer.decode([t]) for t in shown]
+    for entry, row in zip(content, direct["meta_info"]["output_top_logprobs"]):
+        assert [t.token for t in entry.top_logprobs] == [renderer.decode([t]) for _, t, _ in row]
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx([lp for lp, _, _ in row], abs=1e-5)
+    assert generated(router.pop("c-top")) == ids
+
+
 # ------------------------------------------------------------------------------------- Responses
 def test_responses_text_is_recorded_token_exact(engine_url, router_factory, renderer):
     router = router_factory([engine_url])
