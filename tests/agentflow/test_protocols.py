@@ -277,37 +277,43 @@ def test_over_context_prompt_is_a_400_and_marks_the_trajectory(engine_url, route
     assert record.segments == []
 
 
-def test_stream_arrives_as_it_is_generated(engine_url, router_factory):
-    # a rare turn-end token and ignore_eos: the random model writes exactly 32 tokens
+def text_event_times(url: str, path: str, body: dict, protocol: str) -> list[float]:
+    """Arrival times of the text events of a streamed call, from the first event of the stream."""
+    times: list[float] = []
+    opened = 0.0
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            opened = opened or time.perf_counter()  # the turn was accepted: generation starts
+            if protocol == "chat":
+                is_text = bool(event["choices"] and event["choices"][0]["delta"].get("content"))
+            elif protocol == "responses":
+                is_text = event["type"] == "response.output_text.delta"
+            else:
+                is_text = event["type"] == "content_block_delta" and event["delta"]["type"] == "text_delta"
+            if is_text:
+                times.append(time.perf_counter() - opened)
+    return times
+
+
+@pytest.mark.parametrize("protocol", ["chat", "responses", "anthropic"])
+def test_stream_arrives_as_it_is_generated(engine_url, router_factory, protocol):
+    # a rare turn-end token and ignore_eos: the random model writes exactly max_new_tokens tokens
     router = router_factory([engine_url], turn_end_ids=[511])
-    sampling = {"max_new_tokens": 32, "seed": 1, "ignore_eos": True, "temperature": 0.0}
-    prompts = {"chat": ("/chat/completions", {"model": "p", "messages": [{"role": "user", "content": "go"}]}),
-               "responses": ("/responses", {"model": "p", "input": "go"}),
-               "anthropic": ("/messages", {"model": "p", "max_tokens": 32,
-                                           "messages": [{"role": "user", "content": "go"}]})}
-    for protocol, (path, body) in prompts.items():
-        url = router.register(f"s-{protocol}", sampling=sampling)
-        times: list[float] = []
-        opened = 0.0
-        with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=60) as resp:
-            assert resp.status_code == 200
-            for line in resp.iter_lines():
-                if not line.startswith("data:") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[5:])
-                opened = opened or time.perf_counter()  # the turn was accepted: generation starts
-                if protocol == "chat":
-                    is_text = bool(event["choices"] and event["choices"][0]["delta"].get("content"))
-                elif protocol == "responses":
-                    is_text = event["type"] == "response.output_text.delta"
-                else:
-                    is_text = event["type"] == "content_block_delta" and event["delta"]["type"] == "text_delta"
-                if is_text:
-                    times.append(time.perf_counter() - opened)
-        record = router.pop(f"s-{protocol}")
-        assert record.turns[0].completion_tokens == 32
-        assert len(times) >= 16, (protocol, len(times))
-        assert times[0] < 0.5 * times[-1], (protocol, times[0], times[-1])  # the first came well before the last
+    path, body = {"chat": ("/chat/completions", {"model": "p", "messages": [{"role": "user", "content": "go"}]}),
+                  "responses": ("/responses", {"model": "p", "input": "go"}),
+                  "anthropic": ("/messages", {"model": "p", "messages": [{"role": "user", "content": "go"}]})}[protocol]
+    for n in (32, 128):
+        url = router.register(f"s-{protocol}-{n}", sampling={"max_new_tokens": n, "seed": 1, "ignore_eos": True,
+                                                             "temperature": 0.0})
+        times = text_event_times(url, path, {**body, "max_tokens": n} if protocol == "anthropic" else body, protocol)
+        assert router.pop(f"s-{protocol}-{n}").turns[0].completion_tokens == n
+        assert len(times) >= n // 2, (protocol, n, len(times))
+        if n == 128:  # long enough to time: the first text came well before the last
+            assert times[0] < 0.5 * times[-1], (protocol, times[0], times[-1])
 
 
 def test_client_disconnect_aborts_the_generation(engine_url, router_factory):
