@@ -237,6 +237,15 @@ def _usage(chat: Mapping[str, Any]) -> dict[str, Any]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
 
 
+def _tool_input(arguments: Any) -> dict[str, Any]:
+    """A tool call's arguments as the object Anthropic's ``tool_use.input`` must be."""
+    try:
+        value = json.loads(arguments or "{}") if isinstance(arguments, str) else arguments
+    except ValueError:
+        return {"arguments": arguments}
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
 def message_body(chat: Mapping[str, Any], message_id: str, model: str) -> dict[str, Any]:
     """The Anthropic ``message`` for a chat-completions answer."""
     choice = chat["choices"][0]
@@ -248,7 +257,7 @@ def message_body(chat: Mapping[str, Any], message_id: str, model: str) -> dict[s
         content.append({"type": "text", "text": msg["content"]})
     for call in msg.get("tool_calls") or []:
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                        "input": json.loads(call["function"]["arguments"] or "{}")})
+                        "input": _tool_input(call["function"]["arguments"])})
     reason, sequence = _stop_reason(choice)
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(chat)}

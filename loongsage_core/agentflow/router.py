@@ -698,10 +698,14 @@ class AgentFlowRouter:
     def _context_limit(self, entry: _Entry, plan: TurnPlan, engine_ctx: int | None) -> None:
         """A prompt that leaves no room to generate is a 400 ``context_length_exceeded``; the
         trajectory is marked failed (its agent cannot go on as it is)."""
-        limits = [n for n in (entry.record.max_context_length, engine_ctx) if n is not None]
+        # the same room _max_new computes: the engine needs one position beyond the prompt
+        limits = [n for n in (entry.record.max_context_length, None if engine_ctx is None else engine_ctx - 1)
+                  if n is not None]
         if not limits or len(plan.context) < min(limits):
             return
         limit = min(limits)
+        if engine_ctx is not None and limit == engine_ctx - 1:
+            limit = engine_ctx
         message = (f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
                    f"{len(plan.context)} tokens. Please reduce the length of the messages.")
         entry.record.status = TrajectoryStatus.FAILED

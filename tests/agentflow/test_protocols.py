@@ -275,6 +275,17 @@ def test_over_context_prompt_is_a_400_and_marks_the_trajectory(engine_url, route
     record = router.pop(f"ctx-{protocol}")
     assert record.status.value == "failed" and record.error.startswith("context_length_exceeded")
     assert record.segments == []
+    # at the boundary: a prompt that fills the limit is refused, one token of room generates one token
+    path, body = over_context_request(protocol, "hello")
+    url = router.register(f"edge-{protocol}", max_context_length=10**6, sampling={"max_new_tokens": 1})
+    assert httpx.post(url + path, json=body, timeout=30).status_code == 200
+    prompt_len = router.pop(f"edge-{protocol}").turns[0].prompt_tokens
+    for limit, status in ((prompt_len, 400), (prompt_len + 1, 200)):
+        url = router.register(f"edge-{protocol}", max_context_length=limit, sampling={"max_new_tokens": 5})
+        resp = httpx.post(url + path, json=body, timeout=30)
+        assert resp.status_code == status, (limit, resp.text)
+        record = router.pop(f"edge-{protocol}")
+        assert (record.response_tokens, record.status.value) == ((0, "failed") if status == 400 else (1, "generating"))
 
 
 def text_event_times(url: str, path: str, body: dict, protocol: str) -> list[float]:
