@@ -250,6 +250,40 @@ def test_messages_bad_input_gets_anthropic_errors(engine_url, router_factory):
                                               messages=[{"role": "assistant", "content": [{"type": "document"}]}])
 
 
+class SplitReasoning:
+    """A middleware written for this test: the first half of the model's text is its reasoning."""
+
+    def on_request(self, trajectory_id, request):
+        return request
+
+    def stream_holdback(self, request, text):
+        return len(text)  # streams nothing early: the split point moves as text arrives
+
+    def on_response(self, trajectory_id, request, response):
+        message = response["choices"][0]["message"]
+        text = message["content"] or ""
+        message["reasoning_content"], message["content"] = text[:len(text) // 2], text[len(text) // 2:]
+        return response
+
+
+def test_reasoning_comes_out_as_reasoning_items_and_thinking_blocks(engine_url, router_factory, renderer):
+    router = router_factory([engine_url], [SplitReasoning()], turn_end_ids=[511])
+    sampling = {"max_new_tokens": 8, "seed": 4, "ignore_eos": True}
+    url = router.register("think-r", sampling=sampling)
+    events = list(openai.OpenAI(base_url=url, api_key="k", max_retries=0).responses.create(
+        model="p", input="hi", stream=True))
+    text = renderer.content_of(generated(router.pop("think-r")))
+    final = events[-1].response
+    assert [o.type for o in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text + final.output_text == text
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text[:len(text) // 2]
+    url = router.register("think-a", sampling=sampling)
+    msg = anthropic_client(url).messages.create(model="p", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+    text = renderer.content_of(generated(router.pop("think-a")))
+    assert [b.type for b in msg.content] == ["thinking", "text"]
+    assert msg.content[0].thinking + msg.content[1].text == text
+
+
 # ------------------------------------------------------------------------------- all protocols
 def over_context_request(protocol: str, text: str) -> tuple[str, dict]:
     if protocol == "chat":
@@ -377,7 +411,9 @@ def conversations(draw):
                   "function": {"name": "add", "arguments": json.dumps({"a": draw(st.integers(0, 99))})}}
                  for j in range(draw(st.integers(0, 2)))]
         text = draw(st.one_of(st.none(), _TEXT)) if calls else draw(_TEXT)
-        messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})})
+        reasoning = draw(st.one_of(st.none(), _TEXT))
+        messages.append({"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}),
+                         **({"reasoning_content": reasoning} if reasoning else {})})
         messages += [{"role": "tool", "tool_call_id": c["id"], "content": draw(_TEXT)} for c in calls]
         messages.append({"role": "user", "content": draw(_TEXT)})
     return messages
@@ -391,6 +427,9 @@ def as_protocol(protocol: str, messages: list[dict]) -> tuple[str, dict]:
         items: list[dict] = []
         for m in messages:
             if m["role"] == "assistant":
+                if m.get("reasoning_content"):
+                    items.append({"type": "reasoning", "id": "rs_1", "summary": [],
+                                  "content": [{"type": "reasoning_text", "text": m["reasoning_content"]}]})
                 if m.get("content"):
                     items.append({"type": "message", "role": "assistant",
                                   "content": [{"type": "output_text", "text": m["content"]}]})
@@ -404,7 +443,9 @@ def as_protocol(protocol: str, messages: list[dict]) -> tuple[str, dict]:
     out: list[dict] = []
     for m in messages:
         if m["role"] == "assistant":
-            blocks = ([{"type": "text", "text": m["content"]}] if m.get("content") else []) + [
+            blocks = ([{"type": "thinking", "thinking": m["reasoning_content"], "signature": ""}]
+                      if m.get("reasoning_content") else []) + (
+                [{"type": "text", "text": m["content"]}] if m.get("content") else []) + [
                 {"type": "tool_use", "id": c["id"], "name": c["function"]["name"],
                  "input": json.loads(c["function"]["arguments"])} for c in m.get("tool_calls", [])]
             out.append({"role": "assistant", "content": blocks})
