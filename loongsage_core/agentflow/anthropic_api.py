@@ -24,7 +24,7 @@ import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, anthropic_error_body, bad_request
-from .streaming import SSEStream
+from .streaming import SSEStream, as_router_error
 
 _SUPPORTED = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
               "stream", "tools", "tool_choice"}
@@ -351,10 +351,10 @@ async def handle_messages(router: Any, request: Any) -> Any:
     stream = MessagesStream(request) if chat.get("stream") else None
     try:
         _, answer = await router.run_turn(request, chat, stream)
-    except RouterError as exc:
-        if stream is None or not stream.started:
+    except Exception as exc:  # after the stream started, errors are reported in it
+        if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
             raise
-        return await stream.fail(exc)
+        return await stream.fail(as_router_error(exc))
     if stream is not None:
         return await stream.finish(answer)
     return router._json(message_body(answer, _id("msg"), chat["model"]))

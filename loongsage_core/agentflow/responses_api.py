@@ -23,7 +23,7 @@ import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, bad_request
-from .streaming import SSEStream
+from .streaming import SSEStream, as_router_error
 
 PROTOCOL = "responses"
 
@@ -390,10 +390,10 @@ async def handle_responses(router: Any, request: Any) -> Any:
     stream = ResponsesStream(request, builder) if chat.get("stream") else None
     try:
         _, answer = await router.run_turn(request, chat, stream)
-    except RouterError as exc:
-        if stream is None or not stream.started:
+    except Exception as exc:  # after the stream started, errors are reported in it
+        if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
             raise
-        return await stream.fail(exc)
+        return await stream.fail(as_router_error(exc))
     store[builder.id] = conversation + [dict(answer["choices"][0]["message"])]
     if stream is not None:
         return await stream.finish(answer)

@@ -38,7 +38,7 @@ from .engines import EngineBalancer, EngineOutput, engine_abort, engine_generate
 from .errors import RouterError, bad_request, error_response_body, not_found
 from .openai_api import ChatCompletionStream, ChatRequest, completion_body, new_completion_id, parse_chat_request
 from .record import SamplingDefaults, TrajectoryRecord, TurnInfo
-from .streaming import TextStreamer, cut_at_stop
+from .streaming import TextStreamer, as_router_error, cut_at_stop
 from .tito import ChatRenderer, TemplateError
 
 log = logging.getLogger(__name__)
@@ -499,10 +499,10 @@ class AgentFlowRouter:
         stream = ChatCompletionStream(request, body) if isinstance(body, dict) and body.get("stream") else None
         try:
             req, response = await self.run_turn(request, body, stream)
-        except RouterError as exc:
-            if stream is None or not stream.started:
+        except Exception as exc:  # after the stream started, errors are reported in it
+            if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
                 raise
-            return await stream.fail(exc)
+            return await stream.fail(as_router_error(exc))
         if stream is not None:
             return await stream.finish(response)
         return self._json(response)

@@ -398,6 +398,40 @@ def test_access_log_records_every_request(engine_url, router_factory, tmp_path):
     assert [e["status"] for e in over_http][:2] == [200, 400]
 
 
+class Broken:
+    """A middleware written for this test: fails on every response."""
+
+    changes_response = False
+
+    def on_request(self, trajectory_id, request):
+        return request
+
+    def on_response(self, trajectory_id, request, response):
+        raise RuntimeError("broken middleware")
+
+
+def test_a_failure_after_the_stream_started_is_reported_in_it(engine_url, router_factory):
+    router = router_factory([engine_url], [Broken()])
+    url = router.register("fail-mid", sampling={"max_new_tokens": 3})
+    for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
+                       ("/responses", {"input": "x"}),
+                       ("/messages", {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})):
+        resp = httpx.post(url + path, json={"model": "p", "stream": True, **body}, timeout=60)
+        assert resp.status_code == 200  # the header went out when the turn was accepted
+        last = json.loads([line for line in resp.text.splitlines() if line.startswith("data: {")][-1][6:])
+        if path == "/responses":
+            assert last["type"] == "response.failed" and "broken middleware" in last["response"]["error"]["message"]
+        elif path == "/messages":
+            assert last["type"] == "error" and last["error"]["type"] == "api_error"
+        else:
+            assert "broken middleware" in last["error"]["message"]
+    with pytest.raises(openai.APIError):
+        list(openai.OpenAI(base_url=url, api_key="k", max_retries=0).chat.completions.create(
+            model="p", messages=[{"role": "user", "content": "x"}], stream=True))
+    assert [e["status"] for e in router.access_log.entries()] == [500] * 4
+    assert router.pop("fail-mid").turns == []
+
+
 # ------------------------------------------------------------------- token exactness, property
 _TEXT = st.text(alphabet=st.sampled_from(list("abc xyz\n{}\":é中")), min_size=1, max_size=12)
 
