@@ -513,9 +513,11 @@ class AgentFlowRouter:
         ``body`` is a chat-completions request (protocol adapters translate theirs into one).
         Request middleware runs, the turn is planned, generated and recorded, response middleware
         runs; returns the validated request and the ``chat.completion`` answer. With ``stream``
-        (an object with ``async start()`` and ``async delta(increments)``), ``start`` is awaited
-        once the turn is accepted and ``delta`` with each piece of new text (``{"content": ...,
-        "reasoning_content": ...}``) as tokens arrive from the engine.
+        (an object with ``async start(*, prompt_tokens, model)`` and ``async delta(increments)``,
+        see :class:`~.openai_api.ChatCompletionStream`), ``start`` is awaited once the turn is
+        accepted (errors before it are ordinary error answers) and ``delta`` with each piece of
+        new text (``{"content": ..., "reasoning_content": ...}``) as tokens arrive from the
+        engine, the last piece before this returns.
         """
         self._stats["requests"] += 1
         entry = self._lookup(request)
