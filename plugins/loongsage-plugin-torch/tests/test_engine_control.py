@@ -352,6 +352,17 @@ def test_a_rid_in_use_is_rejected(served):
     assert fut.result(timeout=120)[0].finish_reason == "abort"
 
 
+def test_a_streamed_request_refused_before_its_first_token_gets_a_plain_error(served):
+    _, client, pool = served
+    fut = long_request(client, pool, [73, 74], "dup-stream", n=400)
+    started(client)
+    resp = httpx.post(client.base_url + "/generate", json={"input_ids": [1, 2], "rid": "dup-stream", "stream": True,
+                                                           "sampling_params": {"max_new_tokens": 2}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "rid", resp.text
+    client.abort_sync("dup-stream")
+    assert fut.result(timeout=120)[0].finish_reason == "abort"
+
+
 def test_release_and_resume_memory_occupation(served):
     engine, client, pool = served
     prompt, params = [11, 12, 13, 14], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}

@@ -181,22 +181,28 @@ class EngineServer:
         return web.json_response(outs[0] if single else outs)
 
     async def _generate_stream(self, request: web.Request, item: Any) -> web.StreamResponse:
-        """One request, streamed: a ``data:`` event per generated token with everything so far."""
+        """One request, streamed: a ``data:`` event per generated token with everything so far.
+
+        The event stream opens with the first token, so a request refused before it (rid in use,
+        memory released) gets an ordinary error answer.
+        """
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Any] = asyncio.Queue()
         [future] = self.engine.scheduler.submit([item], progress=lambda res: loop.call_soon_threadsafe(
             updates.put_nowait, res))
         done = asyncio.wrap_future(future)
         response: web.StreamResponse | None = None
+
+        async def send(states: list[Any], end: bytes = b"") -> None:
+            nonlocal response
+            if response is None:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                await response.prepare(request)
+            await response.write(b"".join(b"data: " + json.dumps(self._response(item, state)).encode() + b"\n\n"
+                                          for state in states) + end)
+
         try:
-            try:  # a refusal (rid in use, memory released) is an ordinary error answer
-                await asyncio.wait({done}, timeout=0)
-                if done.done():
-                    done.result()
-            except RidInUse as exc:
-                raise InvalidRequest(str(exc), "rid") from None
-            response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-            await response.prepare(request)
             while not done.done():
                 getter = asyncio.ensure_future(updates.get())
                 await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
@@ -206,17 +212,19 @@ class EngineServer:
                 states = [getter.result()]
                 while not updates.empty():  # one event per step (SGLang's stream_interval 1)
                     states.append(updates.get_nowait())
-                await response.write(b"".join(b"data: " + json.dumps(self._response(item, state)).encode() + b"\n\n"
-                                              for state in states))
-            final = self._response(item, done.result())
-            await response.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
+                await send(states)
+            try:
+                final = done.result()
+            except RidInUse as exc:
+                raise InvalidRequest(str(exc), "rid") from None
+            await send([final], b"data: [DONE]\n\n")
+            assert response is not None
             await response.write_eof()
             return response
         except BaseException as exc:  # the client went away (or the engine failed): stop the request
             self._abort_items([item], "client disconnected")
-            if response is not None and response.prepared and not isinstance(exc, (asyncio.CancelledError,
-                                                                                    ConnectionResetError)):
-                message = str(exc) if isinstance(exc, (EngineStopped, MemoryReleased)) else f"{type(exc).__name__}"
+            if response is not None and not isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
+                message = str(exc) if isinstance(exc, (EngineStopped, MemoryReleased)) else type(exc).__name__
                 await response.write(b"data: " + json.dumps({"error": {"message": message}}).encode() + b"\n\n")
                 return response
             raise
