@@ -1,4 +1,4 @@
-"""The ``loongsage`` command line: ``run``, ``validate``, ``plugins``, ``recipes``, ``serve``.
+"""The ``loongsage`` command line: ``run``, ``validate``, ``plugins``, ``recipes``, ``serve``, ``view``.
 
 Imports stay lazy so ``loongsage --help`` answers instantly; bad input is reported as one line
 naming the file and key at fault, with exit code 2 and no traceback.
@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start rollout engines and the AgentFlow router without training")
     _add_job_args(p)
     p.add_argument("--port", type=int, default=0, help="router port (default: any free port)")
+
+    p = sub.add_parser("view", help="a local web page over run directories: metrics, trajectories, tokens")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (several are overlaid)")
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any free port)")
+    p.add_argument("--open", action="store_true", help="open the page in the default browser")
     return parser
 
 
@@ -115,8 +120,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_view(args: argparse.Namespace) -> int:
+    from .viewer import serve
+
+    try:
+        serve(args.dirs, port=args.port, open_browser=args.open)
+    except OSError as exc:  # the port is taken, or not ours to bind
+        print(f"loongsage: error: view: cannot listen on 127.0.0.1:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
 COMMANDS = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "recipes": cmd_recipes,
-            "serve": cmd_serve}
+            "serve": cmd_serve, "view": cmd_view}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -285,6 +285,8 @@ class RunConfig:
     ray_address: str | None = None
     ray_num_cpus: int | None = None
     ray_object_store_mb: int = 256
+    # rollout records (docs/records.md): -1 every trajectory of each step, 0 none, N a sample of N
+    rollout_records: int = attrs.field(default=-1, validator=attrs.validators.ge(-1))
 
 
 @attrs.define

@@ -63,6 +63,8 @@ def loongsage_rewards() -> Iterable[RewardSpec]:
     The host calls ``fn(trajectory: Trajectory, **args)`` (``args`` from ``reward_args``) after
     the agent returns; it must return a float or a :class:`Reward`. An exception marks the
     trajectory failed with the error recorded; the run goes on.
+    A :class:`Reward` may say why in ``reason`` (kept in the rollout records, shown by
+    ``loongsage view``).
 
     Example::
 
@@ -282,7 +284,11 @@ def loongsage_loggers() -> Iterable[LoggerSpec]:
     """Provide metrics loggers.
 
     ``factory(output_dir, **args)`` returns an object with ``log(step, metrics)`` and ``close()``;
-    every logger in the job file's ``[[loggers]]`` list receives every step.
+    every logger in the job file's ``[[loggers]]`` list receives every step. Optional methods:
+    ``truncate_after(step)`` (called when a run resumes at ``step``) and
+    ``log_trajectories(step, records)``, which receives each step's rollout records (dicts of the
+    format in docs/records.md) from the records writer's thread unless the logger has a false
+    ``wants_trajectories`` attribute.
 
     Example::
 

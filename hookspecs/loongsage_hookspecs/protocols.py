@@ -145,6 +145,8 @@ class MetricsLogger(Protocol):
 
     def close(self) -> None: ...
 
+    # optional: ``truncate_after(step)`` and ``log_trajectories(step, records)`` (see the hookspec)
+
 
 @runtime_checkable
 class EngineRouter(Protocol):

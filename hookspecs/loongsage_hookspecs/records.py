@@ -41,11 +41,16 @@ class Reward:
     ``score`` is what the advantage estimator sees; ``details`` are extra named numbers that are
     logged per data source (``rollout_per_source/<name>/reward/<key>``); ``error`` is set when the
     reward function raised, in which case ``score`` is 0 and the trajectory is marked failed.
+    ``reason`` says in words why the score is what it is (shown in rollout records and the run
+    viewer). When a data source lists several rewards, the host sums them and keeps each one's
+    own outcome in ``components`` (reward name -> :class:`Reward`).
     """
 
     score: float
     details: dict[str, float] = attrs.field(factory=dict)
     error: str | None = None
+    reason: str = ""
+    components: dict[str, "Reward"] = attrs.field(factory=dict)
 
 
 @attrs.define

@@ -183,6 +183,7 @@ class AsyncRLController(RLController):
         metrics["rollout/partial_ratio"] = partial_ratio(groups)
         t_train = time.perf_counter()
         train_metrics, tokens = await loop.run_in_executor(None, self.learn, groups, step)
+        self.record_rollouts(step, groups)
         metrics.update(train_metrics)
         metrics["timing/train"] = time.perf_counter() - t_train
         if tokens:

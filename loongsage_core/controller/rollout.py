@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from typing import Any, Awaitable, Sequence
 
 from loongsage_hookspecs import Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
@@ -124,12 +125,15 @@ class RolloutManager:
             params["locked"] = True
             assert self._agent_slots is not None
             async with self._agent_slots:
+                t0 = time.perf_counter()
                 traj = await run_agent_trajectory(
                     self.router, spec, source.agent_args, self._sandbox_provider(source), trajectory=traj,
                     sampling=params, max_response_tokens=af.max_response_tokens or None,
                     max_context_length=self.job.rollout.max_context_length, timeout_s=af.agent_timeout_s)
+            t1 = time.perf_counter()
             if traj.status == TrajectoryStatus.COMPLETED:
                 score_trajectory(traj, source, self.components)
+            traj.metadata["timing"] = {"agent_s": t1 - t0, "reward_s": time.perf_counter() - t1}
             return traj
 
         group.trajectories = list(await asyncio.gather(*(one(j) for j in range(self.job.rollout.samples_per_prompt))))
@@ -160,12 +164,14 @@ class RolloutManager:
             params.append(p)
         group_id = f"{step}:{index}"
         rids = [f"{group_id}:{j}" for j in range(n)]
+        t0 = time.perf_counter()
         if self.one_request_per_sample:
             answers = await asyncio.gather(*(client.generate([tokens], params[j], return_logprob=True, rids=[rids[j]])
                                              for j in range(n)))
             results = [a[0] for a in answers]
         else:
             results = await client.generate([tokens] * n, params, return_logprob=True, rids=rids)
+        generate_s = time.perf_counter() - t0
         group = TrajectoryGroup(group_id=group_id, prompt_id=prompt.prompt_id, source=prompt.source)
         for j, res in enumerate(results):
             seg = Segment()
@@ -173,12 +179,15 @@ class RolloutManager:
             versions = res.weight_versions if res.weight_versions else res.weight_version
             seg.append(res.output_ids, generated=True, logprobs=res.logprobs, weight_version=versions)
             traj = Trajectory(id=rids[j], prompt_id=prompt.prompt_id, group_id=group_id, source=prompt.source,
-                              prompt=prompt.prompt, label=prompt.label, metadata=prompt.metadata, segments=[seg],
+                              prompt=prompt.prompt, label=prompt.label, metadata=dict(prompt.metadata), segments=[seg],
                               response_text=self.tokenizer.decode(res.output_ids, skip_special_tokens=True),
                               finish_reason=res.finish_reason)
             traj.status = TrajectoryStatus.ABORTED if res.finish_reason == "abort" else TrajectoryStatus.COMPLETED
+            t1 = time.perf_counter()
             if traj.status == TrajectoryStatus.COMPLETED:
                 score_trajectory(traj, source, self.components)
+            # the group is generated in one batched call: each sample reports the group's time
+            traj.metadata["timing"] = {"generate_s": generate_s, "reward_s": time.perf_counter() - t1}
             group.trajectories.append(traj)
         return group
 

@@ -26,6 +26,7 @@ import torch
 from loongsage_hookspecs import AdvantageInputs, AggregationNorm, Batch, TrajectoryGroup
 
 from ..config import ConfigError, JobConfig, dump_job_toml
+from ..records.writer import RolloutRecorder, recorder_for_run
 from ..resolve import ResolvedJob
 from . import checkpoint as ckpt
 from .batching import build_batch
@@ -114,6 +115,9 @@ class RLController:
         self.phases: PhaseSwitch | None = None
         self.rollout: RolloutManager | None = None
         self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
+        self.records: RolloutRecorder | None = None  # rollout records writer (loongsage_core/records)
+        self.last_batch: Batch | None = None  # the batch of the last learn() (for the rollout records)
+        self.sampled_groups: list[TrajectoryGroup] = []  # every group the last collect() sampled
         # one event loop for the whole run: the engine clients' connections belong to it
         self.loop = asyncio.new_event_loop()
 
@@ -141,6 +145,7 @@ class RLController:
             if hasattr(logger, "truncate_after"):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)
+        self.records = recorder_for_run(self.job, self.output_dir, self.tokenizer, self.loggers, self.step)
 
     def _maybe_resume(self) -> bool:
         import ray
@@ -188,6 +193,7 @@ class RLController:
             attempts += 1
             if attempts > self.job.algorithm.max_filter_retries:
                 break
+        self.sampled_groups = sampled  # the rollout records keep the filtered-out groups too
         metrics = rollout_metrics(sampled)
         metrics["rollout/filter_drop"] = float(dropped)
         metrics["rollout/filter_attempts"] = float(attempts)
@@ -294,6 +300,7 @@ class RLController:
         t0 = time.perf_counter()
         batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0,
                             mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale)
+        self.last_batch = batch
         metrics: dict[str, float] = {"rollout/num_rows": float(len(batch))}
         if not len(batch):
             return metrics, 0.0
@@ -328,6 +335,7 @@ class RLController:
         t_rollout = time.perf_counter()
         metrics.update(self.phases.to_training())
         train_metrics, tokens = self.learn(groups, step)
+        self.record_rollouts(step, groups)
         metrics.update(train_metrics)
         t_train = time.perf_counter()
         if tokens:
@@ -348,6 +356,13 @@ class RLController:
         })
         return metrics
 
+    def record_rollouts(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
+        """Hand the step's trajectories and the batch that trained them to the records writer
+        (call right after :meth:`learn`, before the weight version moves on)."""
+        if self.records is not None:
+            sampled, self.sampled_groups = self.sampled_groups, []
+            self.records.add(step, groups, self.last_batch, policy_version=self.version, filtered=sampled)
+
     def record_trained(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
         """Append the prompt ids trained at ``step`` to ``trained_prompts.jsonl`` (an audit trail:
         with resume, every prompt of an epoch appears exactly once)."""
@@ -363,6 +378,8 @@ class RLController:
                  for a in self.actors.trainers])
         if self.critic is not None:
             self.critic.save(self.output_dir, step)
+        if self.records is not None:
+            self.records.flush()  # every step before the checkpoint has its records on disk
         ckpt.write_controller_state(self.output_dir, step, self.controller_state(step),
                                     keep=self.job.run.keep_checkpoints)
 
@@ -395,6 +412,9 @@ class RLController:
             ray.get([a.save_hf.remote(str(self.output_dir / "final_hf")) for a in self.actors.trainers])
 
     def close(self) -> None:
+        if self.records is not None:
+            self.records.close()  # before the loggers: it hands them trajectories
+            self.records = None
         for lg in self.loggers:
             lg.close()
         if self.teachers is not None:

@@ -9,6 +9,10 @@ W&B run (``resume = "allow"``). W&B history cannot be rewritten: steps that a re
 logged again against the ``step`` axis (every metric is plotted over ``step``, declared with
 ``define_metric``), so the newest value of a redone step is the one a resumed run trained.
 
+With ``completions = N`` (default 8) it also logs, each step, a ``rollout/completions`` table of
+N trajectories drawn from the step's rollout records (step, source, agent, status, reward and its
+reason, prompt, response, length, staleness), like the completion tables of other RL trainers.
+
 ``wandb`` is imported when the first step is logged.
 """
 
@@ -18,15 +22,20 @@ import json
 import math
 import numbers
 import os
+import random
 import secrets
 import string
 import struct
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Iterator, Mapping, NamedTuple
 
 RUN_ID_FILE = "wandb_run_id"
 STEP_AXIS = "step"
+COMPLETIONS_KEY = "rollout/completions"
+COMPLETION_COLUMNS = ["step", "source", "agent", "status", "reward", "reason", "prompt", "response",
+                      "response_length", "staleness"]
 
 
 def new_run_id() -> str:
@@ -57,14 +66,17 @@ class WandbLogger:
         name: the run's display name (default: the output directory's name).
         mode: ``"offline"`` (default: no network), ``"online"`` or ``"disabled"``.
         entity, group, tags, notes: passed to ``wandb.init``.
+        completions: trajectories per step in the ``rollout/completions`` table (0: no table).
     """
 
     def __init__(self, output_dir: str | os.PathLike[str], *, project: str = "loongsage",
                  name: str | None = None, mode: str = "offline", entity: str | None = None,
                  group: str | None = None, tags: list[str] | tuple[str, ...] = (),
-                 notes: str | None = None) -> None:
+                 notes: str | None = None, completions: int = 8) -> None:
         if mode not in ("offline", "online", "disabled"):
             raise ValueError(f"wandb logger: mode must be 'offline', 'online' or 'disabled', not {mode!r}")
+        if isinstance(completions, bool) or not isinstance(completions, int) or completions < 0:
+            raise ValueError(f"wandb logger: completions must be a non-negative integer, not {completions!r}")
         self.output_dir = Path(output_dir)
         self.project = project
         self.name = name or self.output_dir.resolve().name
@@ -73,6 +85,8 @@ class WandbLogger:
         self.group = group
         self.tags = list(tags)
         self.notes = notes
+        self.completions = completions
+        self._lock = threading.Lock()  # trajectories arrive from the records writer's thread
         self._run: Any = None
         self._closed = False
         self._last: dict[str, float | int] = {}
@@ -106,6 +120,10 @@ class WandbLogger:
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self._closed:
             raise RuntimeError(f"wandb logger: log() after close() ({self.output_dir})")
+        with self._lock:
+            self._log(step, metrics)
+
+    def _log(self, step: int, metrics: Mapping[str, Any]) -> None:
         if self._run is None:
             self._run = self._start()
         row: dict[str, float | int] = {}
@@ -120,6 +138,24 @@ class WandbLogger:
         self._run.log(row)
         self._last.update(row)
 
+    @property
+    def wants_trajectories(self) -> bool:
+        """Whether the host should hand this logger rollout records (for the completions table)."""
+        return self.completions > 0
+
+    def log_trajectories(self, step: int, records: list[Mapping[str, Any]]) -> None:
+        """Log ``rollout/completions``: a table of ``completions`` of the step's records (seeded by the step)."""
+        if self._closed or not self.completions or not records:
+            return
+        chosen = sorted(random.Random(int(step)).sample(range(len(records)), min(self.completions, len(records))))
+        rows = [completion_row(records[i]) for i in chosen]
+        with self._lock:
+            if self._run is None:
+                self._run = self._start()
+            import wandb
+
+            self._run.log({COMPLETIONS_KEY: wandb.Table(columns=COMPLETION_COLUMNS, data=rows), STEP_AXIS: int(step)})
+
     def close(self) -> None:
         if self._closed:
             return
@@ -133,6 +169,21 @@ class WandbLogger:
             # finish() returns before W&B's service has written the offline files; stopping the
             # service flushes them, so the run directory is complete when close() returns
             wandb.teardown()
+
+
+def completion_row(record: Mapping[str, Any]) -> list[Any]:
+    """One rollout record (docs/records.md) as a row of the completions table."""
+    reward = record.get("reward") or {}
+    prompt = record.get("prompt")
+    if isinstance(prompt, list):  # chat messages: the last user message
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        prompt = users[-1] if users else json.dumps(prompt)
+    response = record.get("response_text") or ""
+    if not response and record.get("turns"):
+        response = record["turns"][-1].get("response_text") or ""
+    return [record.get("step"), record.get("source"), record.get("agent"), record.get("status"),
+            reward.get("score"), reward.get("reason") or reward.get("error") or record.get("error") or "",
+            "" if prompt is None else str(prompt), response, record.get("response_length"), record.get("staleness")]
 
 
 def _records(path: Path) -> Iterator[Any]:

@@ -39,3 +39,41 @@ def test_log_after_close_is_an_error(tmp_path):
     lg.close()
     with pytest.raises(RuntimeError, match="after close"):
         lg.log(0, {"x": 1.0})
+
+
+def _record(step: int, index: int) -> dict:
+    """A rollout record (docs/records.md) with the fields the completions table shows."""
+    return {"format": 1, "step": step, "index": index, "source": "math", "agent": "single_turn",
+            "status": "failed" if index == 1 else "ok", "prompt": [{"role": "user", "content": f"q{index}"}],
+            "reward": {"score": float(index), "reason": f"reason {index}", "error": None},
+            "response_text": f"answer {index}", "response_length": 3 + index, "staleness": 0, "turns": []}
+
+
+def test_completions_table_of_each_step(tmp_path):
+    import json
+
+    lg = WandbLogger(tmp_path, completions=2)
+    assert lg.wants_trajectories and not WandbLogger(tmp_path, completions=0).wants_trajectories
+    for step in range(2):
+        lg.log(step, {"x": float(step)})
+        lg.log_trajectories(step, [_record(step, i) for i in range(3)])
+    lg.close()
+    _ids, _config, rows = read_offline_history(tmp_path)
+    tables = [r for r in rows if "rollout/completions/_type" in r]  # the reader flattens nested keys
+    assert [t["step"] for t in tables] == [0, 1]
+    assert all(t["rollout/completions/_type"] == "table-file" and t["rollout/completions/nrows"] == 2
+               and t["rollout/completions/ncols"] == 10 for t in tables)
+    files = sorted(tmp_path.glob("wandb/offline-run-*/files/media/table/rollout/completions_*.table.json"))
+    assert len(files) == 2
+    table = json.loads(files[0].read_text())
+    assert table["columns"] == ["step", "source", "agent", "status", "reward", "reason", "prompt", "response",
+                                "response_length", "staleness"]
+    for row in table["data"]:
+        i = int(row[6][1:])  # the prompt "q<i>" names the record
+        assert row == [row[0], "math", "single_turn", "failed" if i == 1 else "ok", float(i), f"reason {i}",
+                       f"q{i}", f"answer {i}", 3 + i, 0]
+
+
+def test_bad_completions_is_refused():
+    with pytest.raises(ValueError, match="completions must be a non-negative integer"):
+        WandbLogger("unused", completions=-2)
