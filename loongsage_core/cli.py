@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="start rollout engines and the AgentFlow router without training")
     _add_job_args(p)
     p.add_argument("--port", type=int, default=0, help="router port (default: any free port)")
+    p.add_argument("--output-dir", help="where the run secret file goes (default: a new private temporary "
+                                        "directory)")
 
     p = sub.add_parser("view", help="a local web page over run directories: metrics, trajectories, tokens")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (several are overlaid)")
@@ -116,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .controller.serve import serve_job
 
     resolved = _load(args)
-    serve_job(resolved, port=args.port)
+    serve_job(resolved, port=args.port, output_dir=args.output_dir)
     return 0
 
 

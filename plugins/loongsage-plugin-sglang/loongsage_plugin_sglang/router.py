@@ -47,12 +47,16 @@ class SGLangRouterProcess:
 
     ``policy``: ``"cache_aware"`` (prefix-affinity with load balance) or ``"round_robin"`` (or
     ``"random"``, ``"power_of_two"``); ``extra_args``: more launcher flags (``{"log_level": "warn"}``);
-    ``startup_timeout_s``: limit for ``/health``; ``log_path``: the router's log file.
+    ``startup_timeout_s``: limit for ``/health``; ``log_path``: the router's log file;
+    ``api_key``: the run secret the router sends to the workers (``--api-key``; default: the one set
+    in this process, see ``loongsage_core.security``).
     """
 
     def __init__(self, worker_urls: Sequence[str], policy: str = "cache_aware", *, host: str = "127.0.0.1",
                  port: int = 0, extra_args: Mapping[str, Any] | None = None, startup_timeout_s: float = 120.0,
-                 log_path: str | None = None, python: str | None = None) -> None:
+                 log_path: str | None = None, python: str | None = None, api_key: str | None = None) -> None:
+        from loongsage_core.security import process_secret
+
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.policy = policy
         self.host = host
@@ -60,6 +64,9 @@ class SGLangRouterProcess:
         self.python = python or sys.executable
         self.command = router_command(self.worker_urls, host=host, port=self.port, policy=policy,
                                       extra_args=extra_args, python=self.python)
+        secret = api_key or process_secret()
+        if secret:
+            self.command += ["--api-key", secret]
         self.startup_timeout_s = float(startup_timeout_s)
         self.log_path = Path(log_path) if log_path \
             else Path(tempfile.mkdtemp(prefix="loongsage-router-")) / "router.log"

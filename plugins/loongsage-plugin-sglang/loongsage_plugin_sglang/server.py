@@ -9,6 +9,11 @@ terminates the process group. The server is then reached only through SGLang's n
 Three ``[rollout] engine_args`` keys configure the launcher itself and are not passed to SGLang:
 ``startup_timeout_s`` (default 900), ``log_dir`` (default: a fresh temporary directory; the log is
 ``sglang_engine_<index>.log``) and ``env`` (a table of extra environment variables).
+
+With the run secret (``EngineContext.api_key``) the server is launched with ``--api-key`` and
+``--admin-api-key`` set to it, so generation and every control endpoint (weight updates,
+pause/continue, memory release) need ``Authorization: Bearer <secret>``; the secret is masked in
+the logged command line.
 """
 
 from __future__ import annotations
@@ -91,6 +96,9 @@ class SGLangServer:
         self.engine_index = int(ctx.engine_index)
         self.command = sglang_command(job, host=self.host, port=self.port, engine_index=self.engine_index,
                                       python=self.python)
+        secret = getattr(ctx, "api_key", None)
+        if secret:
+            self.command += ["--api-key", secret, "--admin-api-key", secret]
         log_dir = Path(job.resolve_path(self.options["log_dir"])) if self.options.get("log_dir") \
             else Path(tempfile.mkdtemp(prefix="loongsage-sglang-"))
         self.log_path = log_dir / f"sglang_engine_{self.engine_index}.log"
