@@ -240,7 +240,10 @@ class EngineServer:
             return response
         except BaseException as exc:  # the client went away (or the engine failed): stop the request
             self._abort_items([item], "client disconnected")
-            if response is not None and not isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
+            if isinstance(exc, ConnectionError) and response is not None:
+                log.debug("embedded engine: the client of stream %s left", item.rid)
+                return response  # nobody to tell
+            if response is not None and not isinstance(exc, asyncio.CancelledError):
                 message = str(exc) if isinstance(exc, (EngineStopped, MemoryReleased)) else type(exc).__name__
                 await response.write(b"data: " + json.dumps({"error": {"message": message}}).encode() + b"\n\n")
                 return response
