@@ -25,7 +25,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-T = TypeVar("T")
+A = TypeVar("A", bound=attrs.AttrsInstance)
+"""An attrs class (component ``*_args`` schemas are attrs classes)."""
 
 
 class ConfigError(ValueError):
@@ -478,7 +479,7 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     return structure_job(raw, str(path))
 
 
-def structure_args(cls: type[T], args: Mapping[str, Any], key: str, owner: str) -> T:
+def structure_args(cls: type[A], args: Mapping[str, Any], key: str, owner: str) -> A:
     """A component's ``*_args`` table (e.g. ``[train] backend_args``) as the attrs class ``cls``.
 
     Unknown keys and invalid values raise ``ValueError`` naming ``key`` and, for unknown keys, the

@@ -87,6 +87,19 @@ class GenerationResult:
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
 
+    def token_record(self) -> tuple[list[float], list[int]]:
+        """Log-probs and weight versions of ``output_ids`` as a :class:`~loongsage_hookspecs.Segment`
+        records them, by the AgentFlow router's rule: one log-prob per token (an entry the engine
+        left empty counts 0.0) and integer versions (-1 where unknown). An answer without one
+        log-prob per token is a ``ValueError`` naming the request."""
+        n = len(self.output_ids)
+        if self.logprobs is None or len(self.logprobs) != n:
+            got = "no" if self.logprobs is None else str(len(self.logprobs))
+            raise ValueError(f"request {self.rid!r}: the engine returned {got} log-probs for {n} tokens")
+        logprobs = [0.0 if lp is None else float(lp) for lp in self.logprobs]
+        versions = [v if isinstance(v, int) and not isinstance(v, bool) else -1 for v in self.weight_versions]
+        return logprobs, versions
+
     @classmethod
     def from_response(cls, obj: Mapping[str, Any], rid: str | None = None) -> "GenerationResult":
         """Read one element of a ``/generate`` response (SGLang's format)."""

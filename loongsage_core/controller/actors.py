@@ -59,7 +59,7 @@ class ModelActor:
         """Where this actor stands: its engine URL and, for a trainer rank, its data-parallel rank
         and size (a backend with model parallelism has several ranks per data-parallel rank)."""
         info: dict[str, Any] = {"pid": os.getpid(), "engine_url": self.engine_url, "rank": self.rank}
-        if self.worker is not None:
+        if self.worker is not None and self.rank is not None:  # a trainer rank
             info["dp_rank"] = int(getattr(self.worker, "data_parallel_rank", self.rank))
             info["dp_size"] = int(getattr(self.worker, "data_parallel_size", self.world_size))
         return info
