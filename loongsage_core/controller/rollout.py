@@ -173,7 +173,9 @@ class RolloutManager:
             versions = res.weight_versions if res.weight_versions else res.weight_version
             seg.append(res.output_ids, generated=True, logprobs=res.logprobs, weight_version=versions)
             traj = Trajectory(id=rids[j], prompt_id=prompt.prompt_id, group_id=group_id, source=prompt.source,
-                              prompt=prompt.prompt, label=prompt.label, metadata=prompt.metadata, segments=[seg],
+                              prompt=prompt.prompt, label=prompt.label, segments=[seg],
+                              metadata={**prompt.metadata, "prefix_cache": {"prompt_tokens": len(tokens),
+                                                                            "cached_tokens": res.cached_tokens}},
                               response_text=self.tokenizer.decode(res.output_ids, skip_special_tokens=True),
                               finish_reason=res.finish_reason)
             traj.status = TrajectoryStatus.ABORTED if res.finish_reason == "abort" else TrajectoryStatus.COMPLETED
