@@ -41,7 +41,7 @@ class CodexAgent(CliAgent):
     name = "codex"
     binary_name = "codex"
     package = "@openai/codex"
-    DISABLED_FEATURES = ("multi_agent", "goals", "image_generation", "view_image", "apps", "shell_snapshot")
+    DISABLED_FEATURES = ("goals", "image_generation", "view_image", "apps", "shell_snapshot")
 
     def __init__(self, *args: Any, sandbox: str = "workspace-write", **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -55,7 +55,6 @@ class CodexAgent(CliAgent):
 model = {_toml_str(self.model)}
 model_provider = "loongsage"
 model_context_window = {self.context_window}
-model_max_output_tokens = {self.max_output_tokens}
 model_reasoning_summary = "none"
 approval_policy = "never"
 sandbox_mode = {_toml_str(self.sandbox)}
@@ -72,6 +71,9 @@ request_max_retries = 0
 stream_max_retries = 0
 
 [analytics]
+enabled = false
+
+[agents]
 enabled = false
 
 [features]
