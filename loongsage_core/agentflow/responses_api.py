@@ -281,7 +281,7 @@ class ResponsesStream(SSEStream):
     / ``response.output_text.delta``, closed by their ``.done`` events, ``response.content_part.done``
     and ``response.output_item.done``; after the turn, per tool call ``response.output_item.added``,
     ``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``; and
-    ``response.completed`` (``response.incomplete`` when the turn hit its token limit).
+    ``response.completed`` (whose ``status`` is ``incomplete`` when the turn hit its token limit).
     """
 
     def __init__(self, request: Any, builder: ResponseBuilder) -> None:
@@ -360,9 +360,9 @@ class ResponsesStream(SSEStream):
                              **ids)
             await self.event("response.output_item.done", output_index=self.index, item=item)
             self.index += 1
-        final = self.builder.response(chat)
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        await self.event(kind, response=final)
+        # a turn cut at its token limit still ends with response.completed (its status says
+        # "incomplete"): Codex and the SDK's stream helper treat any other end as a failed turn
+        await self.event("response.completed", response=self.builder.response(chat))
         return await self.close()
 
     async def fail(self, exc: RouterError) -> Any:

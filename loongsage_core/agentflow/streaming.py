@@ -9,8 +9,10 @@ Certainty comes from *hold-back*: the trailing characters that a stop string or 
 still claim are kept until more text arrives. A middleware takes part in streaming by defining
 ``stream_holdback(request, text) -> int`` (how many trailing characters of the partial ``text``
 it cannot judge yet); it thereby declares that its ``on_response`` is a pure function of the
-response that may also run on a partial one (``finish_reason`` ``None``). While any middleware
-lacks that method, nothing is streamed before the turn ends (the safe default).
+response that may also run on a partial one (``finish_reason`` ``None``). A middleware that never
+changes responses (a logger) says so with ``changes_response = False`` and is left out of partial
+views. While any other middleware lacks ``stream_holdback``, nothing is streamed before the turn
+ends (the safe default).
 
 Increments are append-only: if a later view no longer extends what was sent (a middleware changed
 its mind), that field stops streaming and the rest of it is never resent.
@@ -56,7 +58,7 @@ class TextStreamer:
     def __init__(self, decode: Callable[[Sequence[int]], str], middlewares: Sequence[Any], trajectory_id: str,
                  request: Mapping[str, Any], stops: Sequence[str]) -> None:
         self.decode = decode
-        self.middlewares = list(middlewares)
+        self.middlewares = [mw for mw in middlewares if getattr(mw, "changes_response", True) is not False]
         self.trajectory_id = trajectory_id
         self.request = request
         self.stops = list(stops)

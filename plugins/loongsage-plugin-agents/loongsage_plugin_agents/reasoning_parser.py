@@ -42,6 +42,13 @@ class ReasoningParser:
     def on_request(self, trajectory_id: str, request: dict[str, Any]) -> dict[str, Any]:
         return request
 
+    def stream_holdback(self, request: dict[str, Any], text: str) -> int:
+        """While streaming: hold back a tail that may be the start of a delimiter."""
+        for n in range(min(max(len(self.start), len(self.end)) - 1, len(text)), 0, -1):
+            if self.start.startswith(text[-n:]) or self.end.startswith(text[-n:]):
+                return n
+        return 0
+
     def on_response(self, trajectory_id: str, request: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
         message = response["choices"][0]["message"]
         content = message.get("content")
