@@ -234,7 +234,11 @@ class DataConfig:
 
 @attrs.define
 class AgentFlowConfig:
-    """The AgentFlow router: middleware in the listed order, per-trajectory budgets, agent limits."""
+    """The AgentFlow router: middleware in the listed order, per-trajectory budgets, agent limits.
+
+    ``access_log``: a JSON-lines file that gets one line per router request (method, path,
+    status, milliseconds); empty: the log is kept in memory only (``GET /admin/access_log``).
+    """
 
     middleware: list[str] = attrs.field(factory=list)
     middleware_args: dict[str, Args] = attrs.field(factory=dict)
@@ -242,6 +246,7 @@ class AgentFlowConfig:
     agent_timeout_s: float = 600.0
     max_concurrent_agents: int = 64
     port: int = 0
+    access_log: str = ""
 
 
 @attrs.define

@@ -90,7 +90,8 @@ class RolloutManager:
             entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
             self.router = AgentFlowRouter(self.tokenizer, self.generate_urls,
                                           build_middlewares(self.components, entries),
-                                          port=af.port, max_context_length=self.job.rollout.max_context_length)
+                                          port=af.port, max_context_length=self.job.rollout.max_context_length,
+                                          access_log_path=af.access_log or None)
             self.router.start()
         return str(self.router.base_url)
 
