@@ -152,9 +152,10 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
             raise bad_request(f"{p}.name: Field required", param=f"{p}.name")
         if not isinstance(tool.get("input_schema"), Mapping):
             raise bad_request(f"{p}.input_schema: Field required (a JSON schema object)", param=f"{p}.input_schema")
-        fn: dict[str, Any] = {"name": tool["name"], "parameters": dict(tool["input_schema"])}
+        fn: dict[str, Any] = {"name": tool["name"]}
         if isinstance(tool.get("description"), str):
             fn["description"] = tool["description"]
+        fn["parameters"] = dict(tool["input_schema"])
         out.append({"type": "function", "function": fn})
     return out or None
 

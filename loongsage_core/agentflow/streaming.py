@@ -15,7 +15,9 @@ views. While any other middleware lacks ``stream_holdback``, nothing is streamed
 ends (the safe default).
 
 Increments are append-only: if a later view no longer extends what was sent (a middleware changed
-its mind), that field stops streaming and the rest of it is never resent.
+its mind), that field stops streaming and the rest of it is never resent. With middleware, white
+space at either end of a partial view waits for what follows (parsers strip around what they take
+out), and leading white space of the final text is dropped if the stream already went past it.
 """
 
 from __future__ import annotations
@@ -73,13 +75,18 @@ class TextStreamer:
             response = mw.on_response(self.trajectory_id, copy.deepcopy(self.request), response)
         return response["choices"][0]["message"]
 
-    def _increments(self, message: Mapping[str, Any]) -> dict[str, str]:
+    def _increments(self, message: Mapping[str, Any], final: bool) -> dict[str, str]:
         out = {}
         for field in ("reasoning_content", "content"):
             value = message.get(field)
             if not isinstance(value, str) or field in self.broken:
                 continue
             sent = self.sent[field]
+            if self.middlewares:  # parsers strip the text around what they take out: whitespace waits
+                if not final:
+                    value = value.rstrip() if sent else value.strip()
+                elif not value.startswith(sent) and value.lstrip().startswith(sent):
+                    value = value.lstrip()
             if not value.startswith(sent):
                 log.warning("AgentFlow streaming: %s of trajectory %s changed after it was streamed; the rest "
                             "of it is not streamed", field, self.trajectory_id)
@@ -103,11 +110,11 @@ class TextStreamer:
             text = text[:max(0, len(text) - hold)]
         if not text:
             return {}
-        return self._increments(self._view(text))
+        return self._increments(self._view(text), final=False)
 
     def finish(self, message: Mapping[str, Any]) -> dict[str, str]:
         """What is left to send of the final ``message`` (after the real ``on_response`` ran)."""
-        return self._increments(message)
+        return self._increments(message, final=True)
 
 
 class SSEStream:

@@ -43,7 +43,11 @@ class ReasoningParser:
         return request
 
     def stream_holdback(self, request: dict[str, Any], text: str) -> int:
-        """While streaming: hold back a tail that may be the start of a delimiter."""
+        """While streaming: hold back everything until the model wrote a delimiter (text before
+        one may be reasoning whose opening tag was in the prompt), then a tail that may be the
+        start of one."""
+        if self.start not in text and self.end not in text:
+            return len(text)
         for n in range(min(max(len(self.start), len(self.end)) - 1, len(text)), 0, -1):
             if self.start.startswith(text[-n:]) or self.end.startswith(text[-n:]):
                 return n

@@ -181,7 +181,7 @@ class EngineServer:
         return web.json_response(outs[0] if single else outs)
 
     async def _generate_stream(self, request: web.Request, item: Any) -> web.StreamResponse:
-        """One request, streamed: a ``data:`` event per engine step with everything so far."""
+        """One request, streamed: a ``data:`` event per generated token with everything so far."""
         loop = asyncio.get_running_loop()
         updates: asyncio.Queue[Any] = asyncio.Queue()
         [future] = self.engine.scheduler.submit([item], progress=lambda res: loop.call_soon_threadsafe(
@@ -203,11 +203,11 @@ class EngineServer:
                 if not getter.done():
                     getter.cancel()
                     continue
-                latest = getter.result()
-                while not updates.empty():  # send only the newest state when several steps queued up
-                    latest = updates.get_nowait()
-                if not done.done():
-                    await response.write(b"data: " + json.dumps(self._response(item, latest)).encode() + b"\n\n")
+                states = [getter.result()]
+                while not updates.empty():  # one event per step (SGLang's stream_interval 1)
+                    states.append(updates.get_nowait())
+                await response.write(b"".join(b"data: " + json.dumps(self._response(item, state)).encode() + b"\n\n"
+                                              for state in states))
             final = self._response(item, done.result())
             await response.write(b"data: " + json.dumps(final).encode() + b"\n\ndata: [DONE]\n\n")
             await response.write_eof()
