@@ -52,6 +52,11 @@ MODEL_CONFIG: dict[str, Any] = {
 TOOL_CALL = ('<tool_call>\n{"name": "bash", "arguments": {"command": "echo hello > hello.txt", '
              '"description": "Write hello.txt"}}\n</tool_call>')
 FINAL = "Done."
+TOOLS_HEADER = ("\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+                "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n")
+TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
+                'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
+                '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
 
 
 def corpus_ids(tok: PreTrainedTokenizerBase) -> list[int]:
@@ -89,7 +94,12 @@ class Examples:
     def example(self, length: int) -> tuple[list[int], list[int]]:
         """(input ids, labels): about ``length`` prompt tokens, loss on the answer only."""
         ids = self.ids
-        head = ids("<|im_start|>system\n") + self.filler(max(0, length - 120)) + ids("<|im_end|>\n")
+        if self.rng.random() < 0.8:  # tools offered: the template's hermes header (it holds <tool_call> too)
+            split = self.rng.randint(0, max(0, length - 300))
+            head = (ids("<|im_start|>system\n") + self.filler(split) + ids(TOOLS_HEADER)
+                    + self.filler(max(0, length - 300 - split)) + ids(TOOLS_FOOTER))
+        else:
+            head = ids("<|im_start|>system\n") + self.filler(max(0, length - 120)) + ids("<|im_end|>\n")
         user = ids("<|im_start|>user\n") + self.filler(self.rng.randint(3, 60)) + ids("<|im_end|>\n")
         prompt = head + user
         if self.rng.random() < 0.5:  # a tool result follows the model's call: answer
@@ -110,15 +120,16 @@ def build_model(tok: PreTrainedTokenizerBase, seed: int) -> Any:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
-def train(model: Any, data: Examples, steps: int, max_len: int, lr: float, log_every: int = 50) -> None:
+def train(model: Any, data: Examples, steps: int, max_len: int, lr: float, long_every: int = 5, min_long: int = 0,
+          log_every: int = 50) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
     model.train()
     t0 = time.time()
     for step in range(steps):
-        # mostly short prompts (batch of 8), every 5th step one long prompt
-        if step % 5 == 4:
-            batch = [data.example(data.rng.randint(max_len // 4, max_len))]
+        # mostly short prompts (batch of 8), every ``long_every``-th step one long prompt
+        if step % long_every == long_every - 1:
+            batch = [data.example(data.rng.randint(min_long or max_len // 4, max_len))]
         else:
             n = data.rng.randint(40, 600)
             batch = [data.example(n) for _ in range(8)]
@@ -176,6 +187,9 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--long-every", type=int, default=5, help="every n-th step trains on one long prompt")
+    parser.add_argument("--min-long", type=int, default=0, help="shortest long prompt (default: max-len / 4)")
+    parser.add_argument("--init", type=Path, help="continue from this model instead of a random one")
     parser.add_argument("--check", action="store_true", help="only evaluate the model in --out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -184,8 +198,9 @@ def main() -> None:
     if args.check:
         model = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32)
     else:
-        model = build_model(tok, args.seed)
-        train(model, data, args.steps, args.max_len, args.lr)
+        model = (AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32) if args.init
+                 else build_model(tok, args.seed))
+        train(model, data, args.steps, args.max_len, args.lr, args.long_every, args.min_long)
     result = check(model, Examples(tok, args.seed + 100), [60, 500, 4000, 16000, 28000])
     print(json.dumps(result))
     if not args.check:

@@ -65,7 +65,7 @@ def served():
     try:
         yield router
     finally:
-        router.stop()
+        router.shutdown()
         engine.shutdown()
 
 
@@ -98,7 +98,8 @@ def test_cli_does_a_tool_round_trip_through_the_router(served, agents, name):
     started = len(router.access_log.entries())
     traj = Trajectory(id=tid, prompt_id="p0", group_id="g0", prompt=PROMPT, label="Done.")
     traj = asyncio.run(run_agent_trajectory(router, agents[name], {**CLI_ARGS[name], "timeout_s": 600}, None,
-                                            trajectory=traj, sampling={"max_new_tokens": 96}, timeout_s=660))
+                                            trajectory=traj, sampling={"max_new_tokens": 96, "temperature": 0.0},
+                                            timeout_s=660))
     assert traj.status == TrajectoryStatus.COMPLETED, traj.error
     # every request the CLI made was served, and it made two model calls: the tool call, then the answer
     calls = [e for e in router.access_log.entries()[started:] if e["path"].startswith(f"/{tid}/")]
@@ -194,6 +195,7 @@ micro_batch_size = 1
 prompts_per_step = 2
 samples_per_prompt = 2
 max_new_tokens = 96
+temperature = 0.0
 max_context_length = {CONTEXT}
 weight_transport = "inprocess"
 engine_args = {toml_inline(ENGINE_ARGS)}
