@@ -64,7 +64,7 @@ def _text_of(content: Any, param: str) -> str:
 
 
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
-    """Chat messages for Anthropic ``messages`` (roles ``user`` and ``assistant`` only)."""
+    """Chat messages for Anthropic ``messages`` (roles ``user`` and ``assistant``; ``system`` after the first)."""
     if not isinstance(messages, list) or not messages:
         raise bad_request("messages: at least one message is required", param="messages")
     out: list[dict[str, Any]] = []
@@ -73,6 +73,12 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(msg, Mapping):
             raise bad_request(f"{p}: a message must be an object", param=p)
         role = msg.get("role")
+        if role == "system" and i > 0:
+            # Claude Code 2.1 sends system messages between turns (environment notes). The chat
+            # templates of the models served here place a system prompt first only, so such a
+            # message is rendered in place, as a user turn with its text.
+            out.append({"role": "user", "content": _text_of(msg.get("content"), f"{p}.content")})
+            continue
         if role not in ("user", "assistant"):
             raise bad_request(f"{p}.role: Input should be 'user' or 'assistant' (got {json.dumps(role)}; put "
                               "system prompts in the top-level 'system' field)", param=f"{p}.role")

@@ -28,6 +28,7 @@ class EngineOutput:
     finish_reason: str
     matched_stop: Any = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
 
 
 def _version(value: Any) -> int:
@@ -84,7 +85,9 @@ def parse_generate_response(data: Any, url: str) -> EngineOutput:
     top_lps = None
     if isinstance(top, list) and len(top) == len(out_ids):
         top_lps = [[(float(e[0]), int(e[1])) for e in (row or []) if e and e[0] is not None] for row in top]
-    return EngineOutput(out_ids, logprobs, versions, kind, matched, top_lps)
+    cached = meta.get("cached_tokens")
+    return EngineOutput(out_ids, logprobs, versions, kind, matched, top_lps,
+                        cached_tokens=int(cached) if isinstance(cached, int) else 0)
 
 
 class EngineBalancer:

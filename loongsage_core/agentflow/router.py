@@ -86,6 +86,7 @@ class _Generation:
     continuations: int = 0
     top_logprobs: list[list[tuple[float, int]]] | None = None
     content: str | None = None
+    cached_tokens: int = 0
 
 
 def _load_tokenizer(tokenizer: Any) -> Any:
@@ -730,6 +731,7 @@ class AgentFlowRouter:
             gen.ids += out.output_ids
             gen.logprobs += out.logprobs
             gen.versions += out.weight_versions
+            gen.cached_tokens += out.cached_tokens
             if gen.top_logprobs is not None:
                 gen.top_logprobs += out.top_logprobs or [[] for _ in out.output_ids]
             if entry.aborted:
@@ -840,7 +842,8 @@ class AgentFlowRouter:
                                       new_prompt_tokens=len(plan.delta), completion_tokens=len(gen.ids),
                                       finish_reason=gen.finish_reason, weight_versions=(min(versions), max(versions)),
                                       engine=gen.engine, latency_s=time.perf_counter() - started,
-                                      continuations=gen.continuations, new_segment=plan.new_segment))
+                                      continuations=gen.continuations, new_segment=plan.new_segment,
+                                      cached_tokens=gen.cached_tokens))
             self._stats["completion_tokens"] += len(gen.ids)
         rec.messages = plan.messages + [dict(message)]
         rec.finish_reason = response["choices"][0]["finish_reason"]

@@ -89,7 +89,10 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
     trajectory.messages = (result.messages if result is not None and result.messages
                            else (record.messages if record is not None else []))
     trajectory.response_text = result.response_text if result is not None else ""
-    trajectory.metadata = {**trajectory.metadata, "agentflow": {
+    turns = record.turns if record is not None else []
+    trajectory.metadata = {**trajectory.metadata, "prefix_cache": {
+        "prompt_tokens": sum(t.prompt_tokens for t in turns), "cached_tokens": sum(t.cached_tokens for t in turns)},
+        "agentflow": {
         "attempt": attempt, "turns": len(record.turns) if record is not None else 0,
         "segments": len(trajectory.segments), "agent": dict(result.metadata) if result is not None else {}}}
     if record is not None and record.status == TrajectoryStatus.ABORTED:

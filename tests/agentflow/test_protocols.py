@@ -537,3 +537,18 @@ def test_recorded_tokens_are_generated_plus_template(engine_url, router_factory,
 
     check()
 
+
+
+def test_messages_system_messages_between_turns_are_rendered_in_place(engine_url, router_factory, renderer):
+    """Claude Code 2.1 sends ``system`` messages after its first user message (environment notes)."""
+    router = router_factory([engine_url])
+    url = router.register("a-midsys", sampling={"max_new_tokens": 2})
+    body = {"model": "p", "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "first"}]},
+        {"role": "system", "content": [{"type": "text", "text": "cwd: /work"}]},
+        {"role": "user", "content": "second"}]}
+    resp = httpx.post(url + "/messages", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    record = router.pop("a-midsys")
+    text = renderer.decode(record.segments[0].tokens)
+    assert "<|im_start|>user\nfirst<|im_end|>\n<|im_start|>user\ncwd: /work<|im_end|>\n<|im_start|>user\nsecond" in text
