@@ -59,7 +59,7 @@ def test_rank_0_group_shares_the_listener_it_opened_first(tmp_path):
 
 
 def test_the_store_listens_before_anyone_joins():
-    rendezvous = host_rendezvous()
+    rendezvous = host_rendezvous(LOOPBACK)  # named: Ray may be up in this process (another test's cluster)
     try:
         assert rendezvous.address == LOOPBACK and rendezvous.port > 0
         assert rendezvous.init_method == f"tcp://127.0.0.1:{rendezvous.port}"
@@ -82,7 +82,22 @@ def test_an_explicit_port_that_is_taken_fails_naming_it():
 
 
 def test_outside_ray_the_reachable_address_is_loopback():
-    assert reachable_address() == LOOPBACK
+    # a fresh interpreter: this one may hold another test's Ray cluster
+    code = "from loongsage_core.rendezvous import reachable_address; print(reachable_address())"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == LOOPBACK, done.stderr
+
+
+def test_in_ray_the_reachable_address_is_the_node_ip(ray_cluster):
+    node_ip = ray_cluster.util.get_node_ip_address()
+    assert reachable_address() == node_ip
+    rendezvous = host_rendezvous()
+    try:
+        assert rendezvous.address == node_ip
+        with socket.create_connection((node_ip, rendezvous.port), timeout=10):
+            pass  # reachable at the address it reports
+    finally:
+        rendezvous.close()
 
 
 def test_a_collision_is_retried_on_another_port_and_other_errors_are_not():
