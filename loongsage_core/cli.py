@@ -1,4 +1,4 @@
-"""The ``loongsage`` command line: ``run``, ``validate``, ``plugins``, ``serve``.
+"""The ``loongsage`` command line: ``run``, ``validate``, ``plugins``, ``recipes``, ``serve``, ``view``.
 
 Imports stay lazy so ``loongsage --help`` answers instantly; bad input is reported as one line
 naming the file and key at fault, with exit code 2 and no traceback.
@@ -15,7 +15,7 @@ EXIT_USAGE = 2
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("job", help="TOML job file")
+    p.add_argument("job", help="TOML job file, or a recipe name (`loongsage recipes` lists them)")
     p.add_argument("overrides", nargs="*", metavar="key=value",
                    help="override a job-file value by dotted key, e.g. train.lr=1e-5 data.0.weight=0.5")
 
@@ -36,17 +36,28 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plugins", help="list installed plugins and the components they provide")
     p.add_argument("--json", action="store_true", help="machine-readable listing (stable interface)")
 
+    p = sub.add_parser("recipes", help="list the named job files (recipes) that run/validate accept by name")
+    p.add_argument("--json", action="store_true", help="machine-readable listing (stable interface)")
+
     p = sub.add_parser("serve", help="start rollout engines and the AgentFlow router without training")
     _add_job_args(p)
     p.add_argument("--port", type=int, default=0, help="router port (default: any free port)")
+    p.add_argument("--output-dir", help="where the run secret file goes (default: a new private temporary "
+                                        "directory)")
+
+    p = sub.add_parser("view", help="a local web page over run directories: metrics, trajectories, tokens")
+    p.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (several are overlaid)")
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any free port)")
+    p.add_argument("--open", action="store_true", help="open the page in the default browser")
     return parser
 
 
 def _load(args: argparse.Namespace) -> Any:
     from .config import load_job
+    from .recipes import find_job
     from .resolve import resolve_job
 
-    job = load_job(args.job, args.overrides)
+    job = load_job(find_job(args.job), args.overrides)
     return resolve_job(job)
 
 
@@ -82,6 +93,19 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recipes(args: argparse.Namespace) -> int:
+    from .recipes import list_recipes
+
+    recipes = list_recipes()
+    if args.json:
+        print(json.dumps({"recipes": [r.to_dict() for r in recipes]}, indent=2))
+        return 0
+    width = max((len(r.name) for r in recipes), default=0)
+    for r in recipes:
+        print(f"{r.name:{width}s}  {r.description}")
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .controller.run import run_job
 
@@ -94,11 +118,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .controller.serve import serve_job
 
     resolved = _load(args)
-    serve_job(resolved, port=args.port)
+    serve_job(resolved, port=args.port, output_dir=args.output_dir)
     return 0
 
 
-COMMANDS = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "serve": cmd_serve}
+def cmd_view(args: argparse.Namespace) -> int:
+    from .viewer import serve
+
+    try:
+        serve(args.dirs, port=args.port, open_browser=args.open)
+    except OSError as exc:  # the port is taken, or not ours to bind
+        print(f"loongsage: error: view: cannot listen on 127.0.0.1:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return EXIT_USAGE
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "recipes": cmd_recipes,
+            "serve": cmd_serve, "view": cmd_view}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

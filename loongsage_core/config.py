@@ -25,7 +25,8 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 
-T = TypeVar("T")
+A = TypeVar("A", bound=attrs.AttrsInstance)
+"""An attrs class (component ``*_args`` schemas are attrs classes)."""
 
 
 class ConfigError(ValueError):
@@ -242,6 +243,9 @@ class AgentFlowConfig:
     agent_timeout_s: float = 600.0
     max_concurrent_agents: int = 64
     port: int = 0
+    # requests bigger than this get a 413, conversations with more text a 400, before tokenizing
+    max_request_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=attrs.validators.ge(1))
+    max_prompt_chars: int = attrs.field(default=1_000_000, validator=attrs.validators.ge(1))
 
 
 @attrs.define
@@ -285,6 +289,9 @@ class RunConfig:
     ray_address: str | None = None
     ray_num_cpus: int | None = None
     ray_object_store_mb: int = 256
+    ray_dashboard: bool = False  # the Ray dashboard (loopback only) of a local cluster
+    # rollout records (docs/records.md): -1 every trajectory of each step, 0 none, N a sample of N
+    rollout_records: int = attrs.field(default=-1, validator=attrs.validators.ge(-1))
 
 
 @attrs.define
@@ -472,7 +479,7 @@ def load_job(path: str | Path, overrides: Sequence[str] = ()) -> JobConfig:
     return structure_job(raw, str(path))
 
 
-def structure_args(cls: type[T], args: Mapping[str, Any], key: str, owner: str) -> T:
+def structure_args(cls: type[A], args: Mapping[str, Any], key: str, owner: str) -> A:
     """A component's ``*_args`` table (e.g. ``[train] backend_args``) as the attrs class ``cls``.
 
     Unknown keys and invalid values raise ``ValueError`` naming ``key`` and, for unknown keys, the

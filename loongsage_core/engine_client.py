@@ -13,6 +13,9 @@ Every method exists twice: ``await client.generate(...)`` (httpx.AsyncClient) an
 ``client.generate_sync(...)`` (httpx.Client). A 4xx/5xx answer raises :class:`EngineError` with
 the engine's own message.
 
+Every request carries the run secret (``Authorization: Bearer``) when the client has one: the
+``api_key`` argument, else the secret set in this process (:mod:`loongsage_core.security`).
+
 Importing this module does not import torch; :func:`encode_direct_tensors` imports it when called.
 """
 
@@ -27,6 +30,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
 
 import attrs
 import httpx
+
+from .security import engine_headers
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -81,6 +86,19 @@ class GenerationResult:
     @property
     def aborted(self) -> bool:
         return self.finish_reason == "abort"
+
+    def token_record(self) -> tuple[list[float], list[int]]:
+        """Log-probs and weight versions of ``output_ids`` as a :class:`~loongsage_hookspecs.Segment`
+        records them, by the AgentFlow router's rule: one log-prob per token (an entry the engine
+        left empty counts 0.0) and integer versions (-1 where unknown). An answer without one
+        log-prob per token is a ``ValueError`` naming the request."""
+        n = len(self.output_ids)
+        if self.logprobs is None or len(self.logprobs) != n:
+            got = "no" if self.logprobs is None else str(len(self.logprobs))
+            raise ValueError(f"request {self.rid!r}: the engine returned {got} log-probs for {n} tokens")
+        logprobs = [0.0 if lp is None else float(lp) for lp in self.logprobs]
+        versions = [v if isinstance(v, int) and not isinstance(v, bool) else -1 for v in self.weight_versions]
+        return logprobs, versions
 
     @classmethod
     def from_response(cls, obj: Mapping[str, Any], rid: str | None = None) -> "GenerationResult":
@@ -156,9 +174,10 @@ def _json_or_text(resp: httpx.Response) -> Any:
 class EngineClient:
     """Talks to one engine at ``base_url`` (``http://host:port``)."""
 
-    def __init__(self, base_url: str, *, timeout: float | None = 600.0) -> None:
+    def __init__(self, base_url: str, *, timeout: float | None = 600.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.headers = engine_headers(api_key)
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self._sync: httpx.Client | None = None
@@ -169,13 +188,13 @@ class EngineClient:
     def _aclient(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._async is None or self._async_loop is not loop or self._async.is_closed:
-            self._async = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout)
+            self._async = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, headers=self.headers)
             self._async_loop = loop
         return self._async
 
     def _sclient(self) -> httpx.Client:
         if self._sync is None or self._sync.is_closed:
-            self._sync = httpx.Client(base_url=self.base_url, timeout=self.timeout)
+            self._sync = httpx.Client(base_url=self.base_url, timeout=self.timeout, headers=self.headers)
         return self._sync
 
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None | str = "default") -> Any:

@@ -17,5 +17,9 @@ class ConflictError(PluginError):
     """Two plugins provide a component of the same kind under the same name."""
 
 
-USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, PluginError)
+class NotARunError(ValueError):
+    """A directory given to ``loongsage view`` that is not a LoongSage run directory."""
+
+
+USER_ERRORS: tuple[type[Exception], ...] = (ConfigError, PluginError, NotARunError)
 """Exceptions that describe bad input (shown without a traceback)."""

@@ -1,7 +1,9 @@
 """Resolving a job: every component the job file names, looked up in the plugin host.
 
 ``resolve_job`` is what ``loongsage validate`` runs and what ``loongsage run`` runs first: it
-fails on the first unknown name with the job-file key at fault and the list of choices.
+fails on the first unknown name with the job-file key at fault and the list of choices, on
+settings that would do nothing, and on component arguments the component does not take
+(:mod:`loongsage_core.component_args`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any
 
 import attrs
 
+from .component_args import check_component_args, check_effective_settings
 from .config import ConfigError, JobConfig
 from .plugins import PluginHost
 
@@ -108,4 +111,6 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     from .controller.teachers import distill_setup  # light: torch is imported only when teachers run
 
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
+    check_effective_settings(job)
+    check_component_args(job, host)  # a misspelt *_args key is a config error, not a run of failures
     return resolved

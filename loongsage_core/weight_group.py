@@ -18,7 +18,7 @@ import os
 import socket
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 if TYPE_CHECKING:
     from .rendezvous import Rendezvous
@@ -78,8 +78,10 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     # the keyword naming backend options changed across torch releases
     params = inspect.signature(c10d._new_process_group_helper).parameters
     options = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
+    # torch types the name as ``GroupName``, a NewType of str (a string here: older torch lacks it)
+    name = cast("c10d.GroupName", group_name)
     group, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                              group_name=group_name, timeout=timeout, **options)
+                                              group_name=name, timeout=timeout, **options)
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
 

@@ -14,6 +14,12 @@ if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-ge
   (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap) >/dev/null \
     || echo "warning: could not install bubblewrap; the local sandbox will enforce less" >&2
 fi
+# the run viewer's browser tests drive Debian's chromium through its chromedriver (Selenium)
+if ! { command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; } \
+    && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null \
+    || echo "warning: could not install chromium; the run viewer's browser tests will fail" >&2
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build

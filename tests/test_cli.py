@@ -76,6 +76,15 @@ reward = ["brevity_bonus"]
     (lambda t: t.replace('advantage = "centered_clipped"', 'advantage = "grpoo"'),
      "algorithm.advantage: unknown advantage 'grpoo'"),
     (lambda t: t.replace("[algorithm]", "[algorithm"), "malformed TOML"),
+    # component arguments are checked against the component's signature before anything runs
+    (lambda t: t + "reward_args = { brevity_bonus = { target_token = 8 } }\n",
+     "data[0].reward_args.brevity_bonus.target_token: unknown argument of reward 'brevity_bonus'; "
+     "it takes: target_tokens, weight"),
+    (lambda t: t.replace('advantage = "centered_clipped"', 'advantage = "centered_clipped"\nadvantage_args = '
+                         '{ clipp = 2.0 }'), "algorithm.advantage_args.clipp: unknown argument of advantage"),
+    # settings that would do nothing are refused
+    (lambda t: t.replace('advantage = "centered_clipped"', 'advantage = "centered_clipped"\nkl_in_reward = true'),
+     "algorithm.kl_in_reward = true but algorithm.kl is not set"),
 ])
 def test_bad_job_files_exit_2_with_one_line(tmp_path, edit, key_text):
     text = BASE.format(module=REPO / "examples" / "my_hooks.py", model=REPO / "configs" / "quickstart" / "model")

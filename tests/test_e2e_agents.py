@@ -13,6 +13,7 @@ from loongsage_core.config import load_job
 from loongsage_core.controller.run import run_job
 from loongsage_core.controller.serve import start_serving
 from loongsage_core.resolve import resolve_job
+from loongsage_core.security import read_secret_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -70,13 +71,15 @@ def test_black_box_agent_trains_through_the_router(ray_cluster, tmp_path):
 def test_serve_exposes_the_policy_to_any_openai_client(ray_cluster, tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(JOB)
-    serving = start_serving(resolve_job(load_job(path)))
+    serving = start_serving(resolve_job(load_job(path)), output_dir=tmp_path / "serve")
     try:
-        client = OpenAI(base_url=serving.trajectory_url, api_key="x")
+        client = OpenAI(base_url=serving.trajectory_url, api_key=serving.trajectory_key)
         reply = client.chat.completions.create(model="policy", max_tokens=6,
                                                messages=[{"role": "user", "content": "What is 2 + 3?"}])
         assert reply.choices[0].finish_reason in ("stop", "length")
-        record = httpx.get(f"{serving.router.base_url}/admin/trajectories/{serving.trajectory_id}").json()
+        secret = read_secret_file(serving.secret_path)
+        record = httpx.get(f"{serving.router.base_url}/admin/trajectories/{serving.trajectory_id}",
+                           headers={"Authorization": f"Bearer {secret}"}).json()
         (segment,) = record["segments"]
         generated = sum(segment["loss_mask"])
         assert generated == reply.usage.completion_tokens

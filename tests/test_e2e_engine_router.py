@@ -9,6 +9,7 @@ import httpx
 from loongsage_core.config import load_job
 from loongsage_core.controller.run import RLController
 from loongsage_core.resolve import resolve_job
+from loongsage_core.security import read_secret_file
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,8 +44,9 @@ reward = ["exact_match"]
 """
 
 
-def generated_tokens(url: str) -> int:
-    return httpx.get(url + "/get_server_info", trust_env=False).json()["internal_states"][0]["generated_tokens"]
+def generated_tokens(url: str, auth: dict[str, str]) -> int:
+    info = httpx.get(url + "/get_server_info", trust_env=False, headers=auth).json()
+    return info["internal_states"][0]["generated_tokens"]
 
 
 def test_generation_goes_through_the_sglang_router(ray_cluster, tmp_path):
@@ -57,15 +59,20 @@ def test_generation_goes_through_the_sglang_router(ray_cluster, tmp_path):
         assert controller.rollout.generate_urls == [router_url]
         engines = controller.actors.engine_urls
         assert router_url not in engines and len(engines) == 2
+        # the engines and the router in front of them need the run secret; the run holds it
+        auth = {"Authorization": f"Bearer {read_secret_file(tmp_path / 'run')}"}
+        assert httpx.post(router_url + "/generate", json={"input_ids": [1, 2], "sampling_params": {}},
+                          trust_env=False).status_code == 401
         for step in range(2):
             metrics = controller.run_step(step)
             controller.step = step + 1
             assert metrics["rollout/num_rows"] == 16.0
             # weights still go to each engine directly
             for url in engines:
-                assert httpx.get(url + "/get_weight_version", trust_env=False).json()["weight_version"] == str(step + 1)
+                version = httpx.get(url + "/get_weight_version", trust_env=False, headers=auth).json()
+                assert version["weight_version"] == str(step + 1)
         # round robin over the router: both engines generated
-        assert all(generated_tokens(url) > 0 for url in engines)
+        assert all(generated_tokens(url, auth) > 0 for url in engines)
         assert metrics["train/is_approx_k3_kl"] < 1e-6
     finally:
         controller.close()

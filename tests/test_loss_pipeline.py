@@ -14,10 +14,14 @@ from loongsage_core.algorithms import (
     LossPipeline,
     LossPipelineError,
     MetricAccumulator,
+    StepAlgorithm,
     compute_norm,
+    train_inference_gap,
 )
 from loongsage_core.config import AlgorithmConfig, JobConfig
 from loongsage_hookspecs import (
+    AdvantageOutput,
+    AdvantageSpec,
     AggregationNorm,
     AggregationSpec,
     Batch,
@@ -93,7 +97,7 @@ class Registry:
         self.specs = {}
         for spec in specs:
             kind = {PolicyLossSpec: "policy_loss", AggregationSpec: "loss_aggregation", KLSpec: "kl",
-                    CorrectionSpec: "correction"}[type(spec)]
+                    CorrectionSpec: "correction", AdvantageSpec: "advantage"}[type(spec)]
             self.specs[(kind, spec.name)] = spec
 
     def get(self, kind, name):
@@ -110,6 +114,7 @@ REGISTRY = Registry(
     CorrectionSpec(name="drop_far", fn=drop_far, stage="post_forward"),
     CorrectionSpec(name="record_mask", fn=record_mask, stage="pre_advantage"),
     CorrectionSpec(name="halve_first_row", fn=halve_first_row, stage="pre_advantage"),
+    AdvantageSpec(name="grpo", fn=lambda x: AdvantageOutput(advantages=x.rewards[:, None] * x.response_mask)),
 )
 
 
@@ -182,7 +187,7 @@ def test_split_invariance_of_loss_gradient_and_metrics(agg, micro):
                    correction_args={"capped_is": {"cap": 1.5}, "drop_far": {"threshold": 0.6}})
     pipe = LossPipeline(job, REGISTRY)
     batch = make_batch(rows=8)
-    pipe.prepare(batch)
+    StepAlgorithm(job, REGISTRY).correct(batch)
     lp, ent = current(batch)
     norm = compute_norm(batch)
 
@@ -208,7 +213,8 @@ def test_split_invariance_of_loss_gradient_and_metrics(agg, micro):
     split, full = acc.result(), whole.result()
     assert split.keys() == full.keys()
     assert {"train/loss", "train/pg_loss", "train/clip_ratio", "train/kl", "train/entropy",
-            "train/dropped", "train/is_approx_k3_kl"} <= split.keys()
+            "train/dropped"} <= split.keys()
+    assert "train/is_approx_k3_kl" not in split  # the step's gap, computed once by StepAlgorithm
     for key in full:
         assert split[key] == pytest.approx(full[key], rel=1e-6, abs=1e-9), key
 
@@ -227,7 +233,8 @@ def test_metric_means_are_masked_token_means():
     expected_entropy = ent.detach()[m].double().mean().item()
     r = (batch["old_logprobs"] - batch["rollout_logprobs"]).double()[m]
     assert acc.result()["train/entropy"] == pytest.approx(expected_entropy, rel=1e-9)
-    assert acc.result()["train/is_approx_k3_kl"] == pytest.approx((torch.exp(r) - r - 1).mean().item(), rel=1e-6)
+    assert train_inference_gap(batch)["train/is_approx_k3_kl"] == pytest.approx((torch.exp(r) - r - 1).mean().item(),
+                                                                                rel=1e-6)
 
 
 def test_pre_advantage_corrections_run_in_job_order_with_args_and_reduce_the_loss():
@@ -236,7 +243,7 @@ def test_pre_advantage_corrections_run_in_job_order_with_args_and_reduce_the_los
                    correction_args={"capped_is": {"cap": 1.2}})
     pipe = LossPipeline(job, REGISTRY)
     batch = make_batch()
-    metrics = pipe.prepare(batch)
+    metrics = StepAlgorithm(job, REGISTRY).correct(batch)
     first_row_tokens = int(batch["loss_mask"][0].sum())
     assert CALLS == ["halve_first_row", f"record_mask:{int(batch['loss_mask'].sum()) - first_row_tokens}",
                      "capped_is"]
@@ -270,11 +277,11 @@ def test_post_forward_correction_masks_tokens_far_from_old_policy():
     assert torch.equal(metrics["dropped"], far.float())
 
 
-def test_missing_prepare_and_missing_tensors_are_clear_errors():
+def test_missing_step_tensors_and_missing_tensors_are_clear_errors():
     pipe = LossPipeline(make_job(corrections=["capped_is"]), REGISTRY)
     batch = make_batch()
     lp, ent = current(batch)
-    with pytest.raises(LossPipelineError, match="prepare"):
+    with pytest.raises(LossPipelineError, match="StepAlgorithm.prepare"):
         pipe.loss(batch, lp, ent, compute_norm(batch))
 
     pipe = LossPipeline(make_job(kl="k1", kl_coef=0.1), REGISTRY)

@@ -7,14 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from loongsage_core.algorithms import LossPipeline, LossPipelineError
+from loongsage_core.algorithms import LossPipeline, LossPipelineError, StepAlgorithm
 from loongsage_core.config import AlgorithmConfig, ConfigError, DataConfig, JobConfig, PlacementConfig, TeacherConfig
 from loongsage_core.controller.teachers import (
     TEACHER_MASK,
     TeacherGroup,
     apply_teachers,
     distill_setup,
-    distill_token_penalty,
     uses_reference_model,
 )
 from loongsage_core.plugins import PluginHost
@@ -199,11 +198,13 @@ def test_reward_penalty_is_masked_to_distilled_tokens(teacher_dirs, host, batch)
     group = TeacherGroup.from_job(job, host)
     work = Batch(tensors=dict(batch.tensors), meta=dict(batch.meta))
     apply_teachers(work, job, host, group)
-    penalty = distill_token_penalty(work, group.setup, host)
+    penalty, metrics = StepAlgorithm(job, host, distill=group.setup).token_penalties(work)
     mask = work["loss_mask"] * work[TEACHER_MASK]
-    torch.testing.assert_close(penalty, 0.5 * (work["old_logprobs"] - work["ref_logprobs"]) * mask)
+    torch.testing.assert_close(penalty, -0.5 * (work["old_logprobs"] - work["ref_logprobs"]) * mask)
     assert not bool(penalty[[2, 5]].any())
-    assert distill_token_penalty(work, make_setup(teacher_dirs, host), host) is None
+    assert "train/reward_distill" in metrics and "train/reward_kl" not in metrics  # the teachers feed kl
+    in_loss = make_job(teacher_dirs)
+    assert StepAlgorithm(in_loss, host, distill=distill_setup(in_loss, host)).token_penalties(work)[0] is None
 
 
 def make_setup(dirs, host):

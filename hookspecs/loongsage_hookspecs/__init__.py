@@ -14,6 +14,7 @@ and register the module under the ``loongsage`` entry-point group.
 from __future__ import annotations
 
 from . import hookspecs
+from .chat import prompt_messages
 from .hookspecs import KINDS, Kind
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .protocols import (

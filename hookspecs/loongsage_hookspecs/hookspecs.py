@@ -6,6 +6,9 @@ names, rejects a name provided twice, and selects components by the names a job 
 Pipelines whose order matters (filters, corrections, router middleware, loggers) are composed in
 the order of the job file, never in plugin registration order.
 
+A hookspec's body is never called (pluggy calls the plugins' implementations); each returns an
+empty tuple, what a plugin that provides nothing of that kind would return.
+
 The :data:`KINDS` table maps each component kind (the word a job file and ``loongsage plugins``
 use) to its hook and spec class.
 """
@@ -54,6 +57,7 @@ def loongsage_agents() -> Iterable[AgentSpec]:
         def loongsage_agents():
             yield AgentSpec(name="echo", description="answers once", factory=EchoAgent)
     """
+    return ()
 
 
 @hookspec
@@ -63,6 +67,8 @@ def loongsage_rewards() -> Iterable[RewardSpec]:
     The host calls ``fn(trajectory: Trajectory, **args)`` (``args`` from ``reward_args``) after
     the agent returns; it must return a float or a :class:`Reward`. An exception marks the
     trajectory failed with the error recorded; the run goes on.
+    A :class:`Reward` may say why in ``reason`` (kept in the rollout records, shown by
+    ``loongsage view``).
 
     Example::
 
@@ -70,6 +76,7 @@ def loongsage_rewards() -> Iterable[RewardSpec]:
         def loongsage_rewards():
             yield RewardSpec(name="length", fn=lambda traj: len(traj.response_text) / 100)
     """
+    return ()
 
 
 @hookspec
@@ -86,6 +93,7 @@ def loongsage_data_sources() -> Iterable[DataSourceSpec]:
         def loongsage_data_sources():
             yield DataSourceSpec(name="addition", factory=make_addition_rows)
     """
+    return ()
 
 
 @hookspec
@@ -101,6 +109,7 @@ def loongsage_sandboxes() -> Iterable[SandboxSpec]:
         def loongsage_sandboxes():
             yield SandboxSpec(name="local", factory=LocalSandboxProvider)
     """
+    return ()
 
 
 @hookspec
@@ -109,7 +118,9 @@ def loongsage_advantages() -> Iterable[AdvantageSpec]:
 
     The host calls ``fn(inputs: AdvantageInputs, **args)`` on the rows of one step (``args`` from
     ``[algorithm] advantage_args``) and expects an :class:`AdvantageOutput` with per-token
-    advantages ``[B, T]``.
+    advantages ``[B, T]``. ``token_rewards`` hold the penalties folded into the reward (KL,
+    distillation), never the score; ``sample_index`` groups the rows (segments) of one trajectory,
+    which group statistics must count once.
 
     Example::
 
@@ -117,6 +128,7 @@ def loongsage_advantages() -> Iterable[AdvantageSpec]:
         def loongsage_advantages():
             yield AdvantageSpec(name="grpo", fn=grpo_advantage, description="group-normalised")
     """
+    return ()
 
 
 @hookspec
@@ -133,6 +145,7 @@ def loongsage_policy_losses() -> Iterable[PolicyLossSpec]:
         def loongsage_policy_losses():
             yield PolicyLossSpec(name="reinforce", fn=lambda x: PolicyLossOutput(-x.advantages * x.logprobs))
     """
+    return ()
 
 
 @hookspec
@@ -147,6 +160,7 @@ def loongsage_kls() -> Iterable[KLSpec]:
         def loongsage_kls():
             yield KLSpec(name="k1", fn=lambda x: x.logprobs - x.ref_logprobs)
     """
+    return ()
 
 
 @hookspec
@@ -162,6 +176,7 @@ def loongsage_loss_aggregations() -> Iterable[AggregationSpec]:
         def loongsage_loss_aggregations():
             yield AggregationSpec(name="token_mean", fn=lambda l, m, n: (l * m).sum() / n.num_tokens)
     """
+    return ()
 
 
 @hookspec
@@ -177,6 +192,7 @@ def loongsage_corrections() -> Iterable[CorrectionSpec]:
         def loongsage_corrections():
             yield CorrectionSpec(name="tis", fn=truncated_is, stage="pre_advantage")
     """
+    return ()
 
 
 @hookspec
@@ -192,6 +208,7 @@ def loongsage_router_middlewares() -> Iterable[RouterMiddlewareSpec]:
         def loongsage_router_middlewares():
             yield RouterMiddlewareSpec(name="log_requests", factory=RequestLogger)
     """
+    return ()
 
 
 @hookspec
@@ -207,6 +224,7 @@ def loongsage_filters() -> Iterable[FilterSpec]:
         def loongsage_filters():
             yield FilterSpec(name="nonzero_std", fn=lambda gs: [g for g in gs if len(set(g.scores)) > 1])
     """
+    return ()
 
 
 @hookspec
@@ -222,6 +240,7 @@ def loongsage_schedulers() -> Iterable[SchedulerSpec]:
         def loongsage_schedulers():
             yield SchedulerSpec(name="sync", factory=SyncScheduler)
     """
+    return ()
 
 
 @hookspec
@@ -237,6 +256,7 @@ def loongsage_teachers() -> Iterable[TeacherSpec]:
         def loongsage_teachers():
             yield TeacherSpec(name="torch", factory=TorchTeacher)
     """
+    return ()
 
 
 @hookspec
@@ -253,6 +273,7 @@ def loongsage_weight_transports() -> Iterable[WeightTransportSpec]:
         def loongsage_weight_transports():
             yield WeightTransportSpec(name="shm", sender=ShmSender, receiver=ShmReceiver)
     """
+    return ()
 
 
 @hookspec
@@ -270,6 +291,7 @@ def loongsage_engine_routers() -> Iterable[EngineRouterSpec]:
         def loongsage_engine_routers():
             yield EngineRouterSpec(name="sglang_router", factory=SGLangRouterProcess)
     """
+    return ()
 
 
 @hookspec
@@ -277,7 +299,11 @@ def loongsage_loggers() -> Iterable[LoggerSpec]:
     """Provide metrics loggers.
 
     ``factory(output_dir, **args)`` returns an object with ``log(step, metrics)`` and ``close()``;
-    every logger in the job file's ``[[loggers]]`` list receives every step.
+    every logger in the job file's ``[[loggers]]`` list receives every step. Optional methods:
+    ``truncate_after(step)`` (called when a run resumes at ``step``) and
+    ``log_trajectories(step, records)``, which receives each step's rollout records (dicts of the
+    format in docs/records.md) from the records writer's thread unless the logger has a false
+    ``wants_trajectories`` attribute.
 
     Example::
 
@@ -285,6 +311,7 @@ def loongsage_loggers() -> Iterable[LoggerSpec]:
         def loongsage_loggers():
             yield LoggerSpec(name="jsonl", factory=JsonlLogger)
     """
+    return ()
 
 
 @hookspec
@@ -300,6 +327,7 @@ def loongsage_train_backends() -> Iterable[TrainBackendSpec]:
         def loongsage_train_backends():
             yield TrainBackendSpec(name="torch", factory=TorchTrainWorker)
     """
+    return ()
 
 
 @hookspec
@@ -307,7 +335,8 @@ def loongsage_rollout_engines() -> Iterable[RolloutEngineSpec]:
     """Provide rollout engines.
 
     ``factory(ctx: EngineContext)`` runs inside each engine actor and returns a ``RolloutEngine``
-    that serves SGLang's native HTTP API on loopback.
+    that serves SGLang's native HTTP API on loopback. When ``ctx.api_key`` (the run secret) is
+    set, every endpoint but the health probes must require ``Authorization: Bearer <api_key>``.
 
     Example::
 
@@ -315,6 +344,7 @@ def loongsage_rollout_engines() -> Iterable[RolloutEngineSpec]:
         def loongsage_rollout_engines():
             yield RolloutEngineSpec(name="torch", factory=EmbeddedEngine)
     """
+    return ()
 
 
 @attrs.define(frozen=True)

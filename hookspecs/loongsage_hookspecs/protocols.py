@@ -145,6 +145,8 @@ class MetricsLogger(Protocol):
 
     def close(self) -> None: ...
 
+    # optional: ``truncate_after(step)`` and ``log_trajectories(step, records)`` (see the hookspec)
+
 
 @runtime_checkable
 class EngineRouter(Protocol):
@@ -226,13 +228,19 @@ class TrainWorker(Protocol):
 
 @attrs.define
 class EngineContext:
-    """What a rollout engine factory receives inside its engine actor."""
+    """What a rollout engine factory receives inside its engine actor.
+
+    ``api_key`` is the run secret: when set, the engine must refuse every endpoint except its
+    health probes to requests without ``Authorization: Bearer <api_key>`` (SGLang's ``--api-key``
+    and ``--admin-api-key``). ``None`` leaves the engine open (tests, a user's own process).
+    """
 
     job: Any
     components: Any
     engine_index: int = 0
     host: str = "127.0.0.1"
     port: int = 0
+    api_key: str | None = attrs.field(default=None, repr=False)
 
 
 @runtime_checkable

@@ -41,11 +41,16 @@ class Reward:
     ``score`` is what the advantage estimator sees; ``details`` are extra named numbers that are
     logged per data source (``rollout_per_source/<name>/reward/<key>``); ``error`` is set when the
     reward function raised, in which case ``score`` is 0 and the trajectory is marked failed.
+    ``reason`` says in words why the score is what it is (shown in rollout records and the run
+    viewer). When a data source lists several rewards, the host sums them and keeps each one's
+    own outcome in ``components`` (reward name -> :class:`Reward`).
     """
 
     score: float
     details: dict[str, float] = attrs.field(factory=dict)
     error: str | None = None
+    reason: str = ""
+    components: dict[str, "Reward"] = attrs.field(factory=dict)
 
 
 @attrs.define
@@ -196,6 +201,9 @@ BATCH_FIELDS: Mapping[str, str] = {
     "values": "[B, T] critic values at rollout time",
     "rewards": "[B] sequence scores",
     "group_index": "[B] long, rows with the same index were sampled for the same prompt",
+    "sample_index": "[B] long, rows with the same index are segments of the same trajectory",
+    "correction_weights": "[B, T] product of the pre-advantage corrections' IS weights",
+    "correction_mask": "[B, T] product of the pre-advantage corrections' masks",
     "weight_versions": "[B, T] long, policy version that produced each token (-1: not generated)",
 }
 """Documented tensor names of :class:`Batch`; components may add their own keys."""
@@ -267,10 +275,14 @@ class Batch:
 class AdvantageInputs:
     """What an advantage estimator receives (one mini-batch or the whole step's rows).
 
-    ``rewards`` ``[B]`` are sequence scores; ``token_rewards`` ``[B, T]`` is set when per-token
-    rewards exist (e.g. a KL penalty folded into the reward), otherwise the score sits on the last
-    generated token. ``group_index`` ``[B]`` groups rows of the same prompt; ``values`` ``[B, T]``
-    are critic values when a critic is trained.
+    ``rewards`` ``[B]`` are sequence scores (the trajectory's score, equal on all its rows);
+    ``token_rewards`` ``[B, T]`` is set when per-token rewards exist besides the score (a KL or
+    distillation penalty folded into the reward): token-level estimators add them on their tokens,
+    sequence-level ones add their sum over the trajectory to its score. ``group_index`` ``[B]``
+    groups rows of the same prompt; ``sample_index`` ``[B]`` (when set) groups the rows (segments)
+    of one trajectory, so group statistics count each trajectory once however many segments it
+    has (``None``: every row is its own trajectory). ``values`` ``[B, T]`` are critic values when
+    a critic is trained.
     """
 
     rewards: "torch.Tensor"
@@ -278,6 +290,7 @@ class AdvantageInputs:
     group_index: "torch.Tensor"
     token_rewards: "torch.Tensor | None" = None
     values: "torch.Tensor | None" = None
+    sample_index: "torch.Tensor | None" = None
 
 
 @attrs.define

@@ -105,3 +105,17 @@ def test_spec_classes_are_frozen():
     spec = AdvantageSpec(name="a", fn=len)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         spec.name = "b"  # type: ignore[misc]
+
+
+def test_prompt_messages_is_the_one_rule_for_prompts():
+    from loongsage_hookspecs import prompt_messages
+
+    assert prompt_messages("hi") == [{"role": "user", "content": "hi"}]
+    assert prompt_messages("hi", "sys") == [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi"}]
+    given = [{"role": "system", "content": "own"}, {"role": "user", "content": "q"}]
+    out = prompt_messages(given, "sys")
+    assert out == given and out[0] is not given[0]  # the row's system message wins; copies, not aliases
+    for bad, what in ((3, "int"), ([], "an empty list"), (["q"], "list")):
+        with pytest.raises(ValueError, match=f"a prompt must be a string or a non-empty list of chat messages, "
+                                             f"got {what}"):
+            prompt_messages(bad)

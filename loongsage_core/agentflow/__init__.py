@@ -21,10 +21,10 @@ from .openai_api import ChatRequest, parse_chat_request
 from .record import SamplingDefaults, TrajectoryRecord, TurnInfo
 from .router import AgentFlowRouter
 from .runner import run_agent_trajectory
-from .tito import ChatRenderer, TemplateError
+from .tito import ChatRenderer, TemplateError, turn_end_token_ids
 
 __all__ = [
     "AgentFlowRouter", "ChatRenderer", "ChatRequest", "ConversationTracker", "RouterClient", "RouterClientError",
     "RouterError", "SamplingDefaults", "TemplateError", "TrajectoryRecord", "TurnInfo", "TurnPlan",
-    "build_middlewares", "parse_chat_request", "run_agent_trajectory",
+    "build_middlewares", "parse_chat_request", "run_agent_trajectory", "turn_end_token_ids",
 ]

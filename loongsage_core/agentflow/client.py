@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
+from ..security import trajectory_key as derive_trajectory_key
 from .record import TrajectoryRecord
 
 
@@ -17,15 +18,21 @@ class RouterClientError(RuntimeError):
 
 
 class RouterClient:
-    """Talks to a running router at ``base_url`` (``http://host:port``)."""
+    """Talks to a running router at ``base_url`` (``http://host:port``); ``api_key`` is the run
+    secret (``/admin`` needs it; ``None`` for a router without one)."""
 
     def __init__(self, base_url: str, api_key: str | None = None, timeout_s: float = 60.0) -> None:
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
 
     def url_for(self, trajectory_id: str, attempt: int = 0) -> str:
         return f"{self.base_url}/{trajectory_id}/{int(attempt)}/v1"
+
+    def trajectory_key(self, trajectory_id: str, attempt: int = 0) -> str:
+        """The key an agent sends for this trajectory attempt (see ``AgentFlowRouter.trajectory_key``)."""
+        return derive_trajectory_key(self.api_key, trajectory_id, attempt) if self.api_key else "loongsage"
 
     @staticmethod
     def _check(resp: Any) -> Any:

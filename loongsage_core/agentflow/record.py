@@ -2,12 +2,66 @@
 
 from __future__ import annotations
 
+import math
 import time
-from typing import Any
+from typing import Any, Mapping
 
 import attrs
 
 from loongsage_hookspecs import Segment, TrajectoryStatus
+
+SEED_RANGE = (-(2**63), 2**63 - 1)
+"""Seeds the router accepts (a signed 64-bit integer, what engines can seed a generator with)."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def check_sampling(values: Mapping[str, Any]) -> None:
+    """Refuse sampling settings an engine would reject, naming the key (``ValueError``).
+
+    Checked at registration so a bad trajectory fails there, not on its agent's first request.
+    Keys not listed here are passed to the engine unchanged.
+    """
+    def fail(key: str, rule: str) -> None:
+        raise ValueError(f"sampling.{key} must be {rule}, got {values[key]!r}")
+
+    def number(key: str, lo: float, hi: float, lo_open: bool = False) -> None:
+        v = values.get(key)
+        if v is None:
+            return
+        if not _is_number(v) or v < lo or v > hi or (lo_open and v == lo):
+            fail(key, f"a number in {'(' if lo_open else '['}{lo}, {hi}]")
+
+    number("temperature", 0.0, 1e6)
+    number("top_p", 0.0, 1.0, lo_open=True)
+    number("min_p", 0.0, 1.0)
+    number("repetition_penalty", 0.0, 1e6, lo_open=True)
+    number("presence_penalty", -2.0, 2.0)
+    number("frequency_penalty", -2.0, 2.0)
+    top_k = values.get("top_k")
+    if top_k is not None and (not _is_int(top_k) or (top_k != -1 and top_k < 1)):
+        fail("top_k", "-1 (disabled) or an integer >= 1")
+    for key in ("max_new_tokens", "max_tokens"):
+        v = values.get(key)
+        if v is not None and (not _is_int(v) or v < 1):
+            fail(key, "an integer >= 1")
+    for key in ("seed", "sampling_seed"):
+        v = values.get(key)
+        if v is not None and (not _is_int(v) or not SEED_RANGE[0] <= v <= SEED_RANGE[1]):
+            fail(key, "a 64-bit signed integer")
+    stops = values.get("stop_token_ids")
+    if stops is not None and (not isinstance(stops, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in stops)):
+        fail("stop_token_ids", "a list of token ids (non-negative integers)")
+    locked = values.get("locked")
+    if locked is not None and not isinstance(locked, bool):
+        fail("locked", "a boolean")
 
 
 @attrs.define

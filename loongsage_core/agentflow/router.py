@@ -11,12 +11,23 @@ The server runs on its own event loop in a background thread, so the same object
 synchronous host, an asyncio host or a Ray actor: ``start()`` returns the base URL, the
 trajectory API (``register``, ``get``, ``pop``, ``abort``) is callable from any thread (with
 ``a``-prefixed coroutine twins), and the same operations exist over HTTP under ``/admin``.
+
+Security (:mod:`loongsage_core.security`): a router given the run's ``secret`` answers ``/health``
+to anyone, ``/admin/*`` and every other path only to requests carrying the secret, and a
+trajectory's endpoints (``/{trajectory_id}/{attempt}/...``, whatever the protocol) to the secret
+or that attempt's own key (:meth:`AgentFlowRouter.trajectory_key`), so an agent can reach its own
+endpoint and nothing else. The check is one aiohttp middleware, so routes added later are covered.
+Request bodies and prompts are bounded (``max_request_bytes`` -> 413, ``max_prompt_chars`` -> 400,
+both before any tokenization), chat templates and tokenization run on worker threads so one huge
+request does not stall ``/health`` or other trajectories, and a client that disconnects has its
+generation aborted at the engine without noise in the logs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import threading
@@ -28,15 +39,22 @@ import attrs
 
 from loongsage_hookspecs import SamplingParams, TrajectoryStatus
 
+from ..security import OPEN_PATHS, engine_headers, presented_token, token_matches
+from ..security import trajectory_key as derive_trajectory_key
 from .conversation import ConversationTracker, TurnPlan
 from .engines import EngineBalancer, EngineOutput, engine_abort, engine_generate
 from .errors import RouterError, bad_request, not_found
 from .openai_api import ChatRequest, completion_body, new_completion_id, parse_chat_request, stream_chunks
-from .record import SamplingDefaults, TrajectoryRecord, TurnInfo
+from .record import SamplingDefaults, TrajectoryRecord, TurnInfo, check_sampling
 from .tito import ChatRenderer, TemplateError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+"""Largest request body the router reads (``[agentflow] max_request_bytes``); larger ones get a 413."""
+DEFAULT_MAX_PROMPT_CHARS = 1_000_000
+"""Most characters of message text (+ tool schemas) one request may carry (``[agentflow] max_prompt_chars``)."""
 
 
 @attrs.define(eq=False)
@@ -87,7 +105,13 @@ class AgentFlowRouter:
         middlewares: router middleware objects (``on_request`` / ``on_response``), applied in order.
         host, port: where to listen (port 0 picks a free port).
         model_name: the model id reported by ``GET /models`` and in responses.
-        api_key: when set, every request must send ``Authorization: Bearer <api_key>``.
+        secret: the run secret. When set, ``/admin/*`` (and any path that is not a trajectory's)
+            needs ``Authorization: Bearer <secret>``, a trajectory's endpoints accept the secret or
+            :meth:`trajectory_key`, and requests to engines carry it. ``None``: no authentication
+            (a router embedded in a test or a user's own process).
+        max_request_bytes: largest request body (413 beyond it).
+        max_prompt_chars: most characters of message text and tool schemas per request (400 beyond it).
+        render_threads: worker threads that render chat templates and tokenize.
         default_sampling: sampling defaults for trajectories registered without their own.
         max_context_length: default per-segment token limit (prompt + generation).
         engine_timeout_s: limit for one ``/generate`` call.
@@ -101,7 +125,9 @@ class AgentFlowRouter:
     """
 
     def __init__(self, tokenizer: Any, engine_urls: Sequence[str], middlewares: Sequence[Any] = (), *,
-                 host: str = "127.0.0.1", port: int = 0, model_name: str = "policy", api_key: str | None = None,
+                 host: str = "127.0.0.1", port: int = 0, model_name: str = "policy", secret: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
+                 render_threads: int = 4,
                  default_sampling: Mapping[str, Any] | None = None, max_context_length: int | None = None,
                  engine_timeout_s: float = 600.0, max_continuations: int = 8, engine_stop_strings: bool = False,
                  engine_top_logprobs: bool = False, chat_template: str | None = None,
@@ -109,13 +135,22 @@ class AgentFlowRouter:
         self.tokenizer = _load_tokenizer(tokenizer)
         self.renderer = ChatRenderer(self.tokenizer, chat_template=chat_template, turn_end_ids=turn_end_ids)
         self.balancer = EngineBalancer(engine_urls)
+        self.known_engines: set[str] = set(self.balancer.urls)  # what /admin/engines may switch to
         for i, mw in enumerate(middlewares):
             if not (callable(getattr(mw, "on_request", None)) and callable(getattr(mw, "on_response", None))):
                 raise TypeError(f"middleware #{i} ({type(mw).__name__}) lacks on_request/on_response")
         self.middlewares = list(middlewares)
         self.host, self.port = host, port
         self.model_name = model_name
-        self.api_key = api_key
+        self.secret = secret
+        for name, value in (("max_request_bytes", max_request_bytes), ("max_prompt_chars", max_prompt_chars),
+                            ("render_threads", render_threads)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"AgentFlowRouter: {name} must be a positive integer, got {value!r}")
+        self.max_request_bytes = max_request_bytes
+        self.max_prompt_chars = max_prompt_chars
+        self._render_pool = concurrent.futures.ThreadPoolExecutor(max_workers=render_threads,
+                                                                  thread_name_prefix="agentflow-render")
         self.default_sampling = dict(default_sampling or {})
         self.max_context_length = max_context_length
         self.engine_timeout_s = engine_timeout_s
@@ -166,7 +201,7 @@ class AgentFlowRouter:
         import aiohttp
         from aiohttp import web
 
-        app = web.Application(client_max_size=256 * 1024 * 1024, middlewares=[self._error_middleware])
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._error_middleware])
         app.router.add_post("/{tid}/{attempt}/v1/chat/completions", self._handle_chat)
         app.router.add_get("/{tid}/{attempt}/v1/models", self._handle_models)
         app.router.add_get("/health", self._handle_health)
@@ -176,8 +211,10 @@ class AgentFlowRouter:
         app.router.add_get("/admin/trajectories/{tid}", self._handle_get)
         app.router.add_delete("/admin/trajectories/{tid}", self._handle_pop)
         app.router.add_post("/admin/trajectories/{tid}/abort", self._handle_abort)
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self._runner = web.AppRunner(app, access_log=None)
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                              headers=engine_headers(self.secret))
+        # a client that goes away cancels its handler: the generation is aborted at the engine
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
@@ -200,6 +237,7 @@ class AgentFlowRouter:
         thread.join(timeout=30)
         self._thread = None
         self._loop = None
+        self._render_pool.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> "AgentFlowRouter":
         self.start()
@@ -239,6 +277,15 @@ class AgentFlowRouter:
             raise RuntimeError("AgentFlowRouter is not started; call start() first")
         return f"{self.base_url}/{check_trajectory_id(trajectory_id)}/{int(attempt)}/v1"
 
+    def trajectory_key(self, trajectory_id: str, attempt: int = 0) -> str:
+        """The API key an agent sends for this trajectory attempt (only valid on its own endpoint).
+
+        Without a run secret the router checks no keys and any placeholder works.
+        """
+        if self.secret is None:
+            return "loongsage"
+        return derive_trajectory_key(self.secret, check_trajectory_id(trajectory_id), attempt)
+
     def _register(self, trajectory_id: str, attempt: int, sampling: Mapping[str, Any] | SamplingParams | None,
                   max_response_tokens: int | None, max_context_length: int | None,
                   metadata: Mapping[str, Any] | None) -> str:
@@ -246,6 +293,7 @@ class AgentFlowRouter:
         if isinstance(sampling, SamplingParams):
             sampling = attrs.asdict(sampling)
         merged = {**self.default_sampling, **dict(sampling or {})}
+        check_sampling(merged)
         for name, value in (("max_response_tokens", max_response_tokens), ("max_context_length", max_context_length)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
@@ -335,9 +383,14 @@ class AgentFlowRouter:
     async def aabort(self, trajectory_id: str) -> None:
         await self._on_loop(lambda: self._abort(trajectory_id))
 
+    def _set_engines(self, urls: Sequence[str]) -> None:
+        self.balancer.set_engines(urls)
+        self.known_engines.update(self.balancer.urls)
+
     def set_engines(self, urls: Sequence[str]) -> None:
-        """Replace the engine list (e.g. after engines restarted)."""
-        self._call(self._async(lambda: self.balancer.set_engines(urls)))
+        """Replace the engine list (e.g. after engines restarted). Only this Python API may add
+        engines the router has not seen; ``POST /admin/engines`` chooses among known ones."""
+        self._call(self._async(lambda: self._set_engines(urls)))
 
     def stats(self) -> dict[str, Any]:
         """Counters: requests, errors, engine calls, generated tokens, live trajectories, load."""
@@ -365,19 +418,23 @@ class AgentFlowRouter:
         @web.middleware
         async def errors(request: Any, handler: Any) -> Any:
             try:
-                if self.api_key is not None and request.path != "/health":
-                    if request.headers.get("Authorization", "") != f"Bearer {self.api_key}":
-                        raise RouterError(401, "invalid API key", type="invalid_request_error",
-                                          code="invalid_api_key", retry=False)
+                self._authorize(request)
                 return await handler(request)
+            except ConnectionError:  # the client went away mid-answer: nobody to tell, nothing to log
+                log.debug("AgentFlow router: client of %s %s disconnected", request.method, request.path)
+                return web.Response(status=499, reason="Client Closed Request")
             except RouterError as exc:
                 self._stats["errors"] += 1
                 return self._json(exc.body(), exc.status, exc.headers())
             except web.HTTPException as exc:
                 if exc.status < 400:
                     raise
-                http_err = RouterError(exc.status, f"{exc.reason}: {request.method} {request.path}",
-                                       code="not_found" if exc.status == 404 else None, retry=False)
+                message = f"{exc.reason}: {request.method} {request.path}"
+                if exc.status == 413:
+                    message = (f"request body too large: the limit is {self.max_request_bytes} bytes "
+                               "([agentflow] max_request_bytes)")
+                http_err = RouterError(exc.status, message, code={404: "not_found", 413: "request_too_large"}
+                                       .get(exc.status), retry=False)
                 return self._json(http_err.body(), http_err.status, http_err.headers())
             except Exception as exc:  # a bug or a failing middleware: answer instead of dropping
                 log.exception("AgentFlow router: unhandled error on %s", request.path)
@@ -387,6 +444,28 @@ class AgentFlowRouter:
                 return self._json(bug.body(), 500, bug.headers())
 
         return errors
+
+    def _authorize(self, request: Any) -> None:
+        """Check the request's credential for its path (see the module docstring); raise 401/403."""
+        if self.secret is None or request.path in OPEN_PATHS:
+            return
+        token = presented_token(request.headers)
+        if token_matches(token, self.secret):
+            return
+        info = request.match_info
+        tid, attempt = info.get("tid"), info.get("attempt")
+        own_endpoint = tid is not None and attempt is not None and not request.path.startswith("/admin/")
+        if token is None:
+            raise RouterError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+                              retry=False)
+        if own_endpoint and attempt.isdigit() and token_matches(token, derive_trajectory_key(
+                self.secret, tid, int(attempt))):
+            return
+        if own_endpoint:
+            raise RouterError(401, f"invalid API key for trajectory '{tid}' attempt {attempt}",
+                              code="invalid_api_key", retry=False)
+        raise RouterError(403, f"{request.method} {request.path} needs the run secret", code="forbidden",
+                          retry=False)
 
     @staticmethod
     async def _read_json(request: Any) -> Any:
@@ -425,6 +504,11 @@ class AgentFlowRouter:
         urls = body.get("urls") if isinstance(body, dict) else None
         if not isinstance(urls, list) or not urls or not all(isinstance(u, str) for u in urls):
             raise bad_request("'urls' must be a non-empty list of engine URLs", param="urls")
+        unknown = [u for u in urls if u.rstrip("/") not in self.known_engines]
+        if unknown:
+            raise RouterError(403, f"not an engine of this run: {', '.join(unknown)[:500]}; the router only "
+                                   f"switches between engines the run launched", param="urls",
+                              code="unknown_engine", retry=False)
         self.balancer.set_engines(urls)
         return self._json({"urls": self.balancer.urls})
 
@@ -448,7 +532,8 @@ class AgentFlowRouter:
                                  body.get("metadata"))
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc)) from None
-        return self._json({"trajectory_id": body["trajectory_id"], "attempt": attempt, "base_url": url})
+        return self._json({"trajectory_id": body["trajectory_id"], "attempt": attempt, "base_url": url,
+                           "api_key": self.trajectory_key(body["trajectory_id"], attempt)})
 
     def _admin_entry(self, request: Any) -> str:
         tid = request.match_info["tid"]
@@ -644,10 +729,7 @@ class AgentFlowRouter:
         """Plan, generate, run response middleware, commit: one chat-completion turn."""
         rec = entry.record
         started = time.perf_counter()
-        try:
-            plan = entry.tracker.plan(req.messages, req.tools, req.chat_template_kwargs)
-        except TemplateError as exc:
-            raise bad_request(str(exc), param="messages", code="chat_template_error") from None
+        plan = await self._plan(entry, req.messages, req.tools, req.chat_template_kwargs)
         engine_ctx = await self._engine_context(self.balancer.pick(rec.trajectory_id))
         max_new = self._max_new(entry, req, plan, engine_ctx)
         if max_new > 0:
@@ -681,14 +763,53 @@ class AgentFlowRouter:
         rec.finish_reason = response["choices"][0]["finish_reason"]
         return response
 
+    def check_prompt_size(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> None:
+        """Refuse (400) a conversation whose text exceeds ``max_prompt_chars``, before rendering it.
+
+        Counts every string in the messages (content, tool-call arguments, names) and the tool
+        schemas as JSON; protocol adapters call it through :meth:`_plan`.
+        """
+        total = len(json.dumps(tools, ensure_ascii=False, default=str)) if tools else 0
+
+        def count(value: Any) -> int:
+            if isinstance(value, str):
+                return len(value)
+            if isinstance(value, Mapping):
+                return sum(count(v) for v in value.values())
+            if isinstance(value, (list, tuple)):
+                return sum(count(v) for v in value)
+            return 0
+
+        for message in messages:
+            total += count(message)
+            if total > self.max_prompt_chars:
+                break
+        if total > self.max_prompt_chars:
+            raise bad_request(f"the conversation has more than {self.max_prompt_chars} characters of text "
+                              "([agentflow] max_prompt_chars); shorten or compact it", param="messages",
+                              code="prompt_too_long")
+
+    async def _plan(self, entry: _Entry, messages: Sequence[Mapping[str, Any]], tools: Any,
+                    template_kwargs: Mapping[str, Any] | None) -> TurnPlan:
+        """The turn plan, rendered and tokenized on a worker thread after the size check."""
+        self.check_prompt_size(messages, tools)
+        work = functools.partial(entry.tracker.plan, messages, tools, template_kwargs)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._render_pool, work)
+        except TemplateError as exc:
+            raise bad_request(str(exc), param="messages", code="chat_template_error") from None
+
     async def _stream(self, request: Any, response: dict[str, Any], include_usage: bool) -> Any:
         from aiohttp import web
 
         resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        for chunk in stream_chunks(response, include_usage=include_usage):
-            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+        try:
+            await resp.prepare(request)
+            for chunk in stream_chunks(response, include_usage=include_usage):
+                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+        except ConnectionError:  # the client left: nothing to finish
+            log.debug("AgentFlow router: client left during the stream of %s", request.path)
         return resp

@@ -36,7 +36,7 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
                                sandbox_provider: Any = None, *, trajectory: Trajectory, attempt: int = 0,
                                sampling: Mapping[str, Any] | None = None, max_response_tokens: int | None = None,
                                max_context_length: int | None = None, timeout_s: float | None = None,
-                               api_key: str = "loongsage", needs_sandbox: bool | None = None) -> Trajectory:
+                               api_key: str | None = None, needs_sandbox: bool | None = None) -> Trajectory:
     """Run ``agent`` for ``trajectory`` through ``router`` and fill in what happened.
 
     Args:
@@ -48,12 +48,17 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
         sampling, max_response_tokens, max_context_length: registered with the router.
         timeout_s: wall-clock limit of the agent run (also given to the agent as ``ctx.timeout_s``).
         needs_sandbox: override the spec's ``needs_sandbox``.
+        api_key: what the agent sends as its API key; default: the router's key for this trajectory
+            attempt (:meth:`~.router.AgentFlowRouter.trajectory_key`), which opens its endpoint only.
     """
     obj, spec_needs = build_agent(agent, agent_args)
     wants_sandbox = spec_needs if needs_sandbox is None else needs_sandbox
     tid = trajectory.id
     base_url = await router.aregister(tid, attempt=attempt, sampling=sampling, max_response_tokens=max_response_tokens,
                                       max_context_length=max_context_length, metadata={"source": trajectory.source})
+    if api_key is None:
+        key_for = getattr(router, "trajectory_key", None)
+        api_key = key_for(tid, attempt) if callable(key_for) else "loongsage"
     trajectory.status = TrajectoryStatus.GENERATING
     sandbox = None
     result: AgentResult | None = None

@@ -41,12 +41,29 @@ class TemplateError(ValueError):
     """The chat template cannot render a request (the message comes from the template)."""
 
 
+def turn_end_token_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens that end a model turn: the tokenizer's EOS token, then every token of
+    :data:`TURN_END_TOKENS` its vocabulary has (no duplicates).
+
+    This is the one stop rule of generation: the router and the single-turn fast path both send
+    these ids to the engine as ``stop_token_ids``, so a model that closes its turn with
+    ``<|im_end|>`` where the tokenizer's EOS is ``<|endoftext|>`` (or the other way round) stops
+    the same way on both paths.
+    """
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    vocab = tokenizer.get_vocab()
+    ids += [int(vocab[t]) for t in TURN_END_TOKENS if t in vocab]
+    return tuple(dict.fromkeys(ids))
+
+
 class ChatRenderer:
     """Renders chat messages to token ids with a tokenizer's chat template, incrementally.
 
     ``turn_end_ids`` are the token ids that end an assistant turn; the router also sends them
-    to the engine as ``stop_token_ids``. By default they are the tokenizer's EOS token plus every
-    token of :data:`TURN_END_TOKENS` the vocabulary has.
+    to the engine as ``stop_token_ids``. By default they are :func:`turn_end_token_ids`: the
+    tokenizer's EOS token plus every token of :data:`TURN_END_TOKENS` the vocabulary has.
     """
 
     def __init__(self, tokenizer: Any, *, turn_end_ids: Iterable[int] | None = None,
@@ -56,12 +73,7 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         if turn_end_ids is None:
-            ids: list[int] = []
-            if tokenizer.eos_token_id is not None:
-                ids.append(int(tokenizer.eos_token_id))
-            vocab = tokenizer.get_vocab()
-            ids += [int(vocab[t]) for t in TURN_END_TOKENS if t in vocab]
-            turn_end_ids = ids
+            turn_end_ids = turn_end_token_ids(tokenizer)
         self.turn_end_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in turn_end_ids))
         if not self.turn_end_ids:
             raise TemplateError("no turn-end token: the tokenizer has no EOS token; pass turn_end_ids=...")

@@ -1,8 +1,11 @@
 """The host-side loss pipeline (DESIGN.md section 6).
 
-Train backends build one :class:`LossPipeline` from the job's ``[algorithm]`` table and call it
-per micro-batch; :func:`compute_norm` gives the global denominators of a mini-batch and
-:class:`MetricAccumulator` turns per-micro-batch metric contributions into exact mini-batch means.
+The controller runs :class:`StepAlgorithm` once per step on all of its rows (pre-advantage
+corrections, token rewards, advantages and returns, mini-batches with their global aggregation
+denominators, the train-inference gap); train backends build one :class:`LossPipeline` from the
+job's ``[algorithm]`` table and call it per micro-batch; :func:`compute_norm` gives the global
+denominators of a mini-batch and :class:`MetricAccumulator` turns per-micro-batch metric
+contributions into exact mini-batch means.
 
 Importing this package does not import torch; tensor work happens inside the functions.
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 from .metrics import MetricAccumulator
 from .norm import compute_norm
 from .pipeline import CORRECTION_MASK_KEY, CORRECTION_WEIGHTS_KEY, LossPipeline, LossPipelineError
+from .step import StepAlgorithm, advantage_metrics, train_inference_gap
 
 __all__ = [
     "CORRECTION_MASK_KEY",
@@ -19,5 +23,8 @@ __all__ = [
     "LossPipeline",
     "LossPipelineError",
     "MetricAccumulator",
+    "StepAlgorithm",
+    "advantage_metrics",
     "compute_norm",
+    "train_inference_gap",
 ]

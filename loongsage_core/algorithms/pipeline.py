@@ -1,8 +1,11 @@
-"""The loss pipeline of DESIGN.md section 6, composed from named components.
+"""The per-micro-batch loss of DESIGN.md section 6, composed from named components.
 
-Order (per micro-batch, after the trainer's forward pass)::
+What runs once per step on all of its rows (pre-advantage corrections, token rewards, advantages,
+the aggregation denominators, the train-inference gap) is
+:class:`~loongsage_core.algorithms.step.StepAlgorithm`, called by the controller. Order here (per
+micro-batch, after the trainer's forward pass)::
 
-    pre_advantage corrections (once per step, ``prepare``)  -> IS weights / masks
+    pre_advantage weights / masks (the step's, from the batch)
     post_forward corrections (see current log-probs)        -> more weights / masks
     policy loss per token -> x masks x IS weights -> aggregation (global norm)
     + kl_coef * aggregated KL to the reference   (when [algorithm] kl is set and not in the reward)
@@ -49,8 +52,7 @@ class LossPipelineError(ValueError):
 class LossPipeline:
     """Per-micro-batch loss of one job, built from its ``[algorithm]`` table.
 
-    ``prepare(batch)`` runs the pre-advantage corrections once on a step's rows; ``loss(micro,
-    logprobs, entropy, norm)`` returns the scalar micro-batch loss (already divided by the global
+    ``loss(micro, logprobs, entropy, norm)`` returns the scalar micro-batch loss (already divided by the global
     ``norm``, so the sum over micro-batches and ranks is the mini-batch loss) and its metrics.
     """
 
@@ -60,7 +62,9 @@ class LossPipeline:
         self.policy_loss_args = dict(alg.policy_loss_args)
         self.aggregation = components.get("loss_aggregation", alg.loss_agg)
         self.aggregation_args = dict(alg.loss_agg_args)
-        self.kl = components.get("kl", alg.kl) if alg.kl and not alg.kl_in_reward else None
+        # a KL term in the loss; with kl_coef = 0 there is none (and no reference model runs)
+        in_loss = alg.kl and not alg.kl_in_reward and float(alg.kl_coef) != 0.0
+        self.kl = components.get("kl", alg.kl) if in_loss else None
         self.kl_args = dict(alg.kl_args)
         self.kl_coef = float(alg.kl_coef)
         distill = getattr(alg, "distill_kl", None)
@@ -91,38 +95,6 @@ class LossPipeline:
         """Whether :meth:`loss` needs the full logits (a vocabulary-level KL estimator)."""
         return any(t is not None and t.requires != "logprobs" for t in (self.kl, self.distill))
 
-    # -- once per step ---------------------------------------------------------------------------
-
-    def prepare(self, batch: Batch) -> dict[str, float]:
-        """Run the pre-advantage corrections on ``batch`` (all rows of a step, in job-file order).
-
-        Stores the product of their weights and masks in ``batch`` under
-        :data:`CORRECTION_WEIGHTS_KEY` / :data:`CORRECTION_MASK_KEY` (so they travel with the rows
-        into micro-batches) and returns their metrics as ``train/<name>`` (per-token values as
-        means over the loss mask). A no-op returning ``{}`` when there are none.
-        """
-        import torch
-
-        if not self.pre_corrections:
-            return {}
-        mask = _require(batch, "loss_mask").to(torch.float32)
-        rollout = _require(batch, "rollout_logprobs", "the off-policy corrections compare against it")
-        old = batch.get("old_logprobs")
-        old = rollout if old is None else old
-        weights = torch.ones_like(mask)
-        keep = torch.ones_like(mask)
-        metrics: dict[str, float] = {}
-        for name, spec, args in self.pre_corrections:
-            inputs = CorrectionInputs(old_logprobs=old, rollout_logprobs=rollout, response_mask=mask * keep,
-                                      advantages=batch.get("advantages"))
-            out = _check_correction(name, spec.fn(inputs, **args), mask.shape)
-            weights, keep = _combine(weights, keep, out)
-            for key, value in out.metrics.items():
-                metrics[f"train/{key}"] = _mean_metric(value, mask)
-        batch.tensors[CORRECTION_WEIGHTS_KEY] = weights.detach()
-        batch.tensors[CORRECTION_MASK_KEY] = keep.detach()
-        return metrics
-
     # -- per micro-batch -------------------------------------------------------------------------
 
     def loss(self, micro: Batch, logprobs: "torch.Tensor", entropy: "torch.Tensor | None",
@@ -137,12 +109,12 @@ class LossPipeline:
         """
         import torch
 
-        ids = _require(micro, "input_ids")
+        ids = require(micro, "input_ids")
         if tuple(logprobs.shape) != tuple(ids.shape):
             raise LossPipelineError(f"logprobs have shape {tuple(logprobs.shape)} but input_ids {tuple(ids.shape)}")
         dtype = logprobs.dtype
-        mask = _require(micro, "loss_mask").to(device=logprobs.device, dtype=dtype)
-        advantages = _on(_require(micro, "advantages"), logprobs)
+        mask = require(micro, "loss_mask").to(device=logprobs.device, dtype=dtype)
+        advantages = _on(require(micro, "advantages"), logprobs)
         rollout = micro.get("rollout_logprobs")
         rollout = _on(rollout, logprobs) if rollout is not None else None
         old = micro.get("old_logprobs")
@@ -159,8 +131,8 @@ class LossPipeline:
             if CORRECTION_WEIGHTS_KEY not in micro or CORRECTION_MASK_KEY not in micro:
                 names = [c[0] for c in self.pre_corrections]
                 raise LossPipelineError(f"pre-advantage corrections {names} are configured but the batch has no "
-                                        f"'{CORRECTION_WEIGHTS_KEY}'; call LossPipeline.prepare(batch) on the "
-                                        "step's rows before training")
+                                        f"'{CORRECTION_WEIGHTS_KEY}'; StepAlgorithm.prepare(batch) computes it "
+                                        "on the step's rows before training")
             weights = _on(micro[CORRECTION_WEIGHTS_KEY], logprobs)
             keep = _on(micro[CORRECTION_MASK_KEY], logprobs)
 
@@ -171,8 +143,8 @@ class LossPipeline:
             for name, spec, args in self.post_corrections:
                 inputs = CorrectionInputs(old_logprobs=old, rollout_logprobs=rollout, response_mask=mask * keep,
                                           advantages=advantages, logprobs=logprobs.detach())
-                out = _check_correction(name, spec.fn(inputs, **args), mask.shape)
-                weights, keep = _combine(weights, keep, out)
+                out = check_correction(name, spec.fn(inputs, **args), mask.shape)
+                weights, keep = combine_corrections(weights, keep, out)
                 for key, value in out.metrics.items():
                     metrics[key] = _per_token_metric(value, mask)
         weights = weights.detach()
@@ -227,11 +199,6 @@ class LossPipeline:
         elif self.entropy_coef != 0.0:
             raise LossPipelineError("[algorithm] entropy_coef is set but no entropy was passed to the loss")
 
-        if rollout is not None:
-            # float64 and expm1: exp(r) - r - 1 cancels catastrophically in fp32 for the tiny r of a
-            # consistent trainer and engine (the metric would read as negative noise)
-            r = (old - rollout).detach().double()
-            metrics["is_approx_k3_kl"] = torch.expm1(r) - r
         metrics["loss"] = total.detach()
         return total, metrics
 
@@ -261,18 +228,18 @@ class LossPipeline:
     def _kl(self, spec: Any, args: dict[str, Any], prefix: str, micro: Batch, logprobs: "torch.Tensor",
             mask: "torch.Tensor", logits: "torch.Tensor | None") -> "torch.Tensor":
         what = "the reference" if prefix == "ref_" else "the teacher"
-        ref = _require(micro, f"{prefix}logprobs", f"KL {spec.name!r} compares against {what}")
+        ref = require(micro, f"{prefix}logprobs", f"KL {spec.name!r} compares against {what}")
         inputs = KLInputs(logprobs=logprobs, ref_logprobs=_on(ref, logprobs), response_mask=mask)
         if spec.requires in ("topk", "logits"):
             if logits is None:
                 raise LossPipelineError(f"KL {spec.name!r} needs the full logits; pass logits= to loss()")
             inputs.logits = logits
             if spec.requires == "topk":
-                inputs.ref_topk_ids = _require(micro, f"{prefix}topk_ids", f"KL {spec.name!r} uses {what}'s top-k")
-                inputs.ref_topk_logprobs = _require(micro, f"{prefix}topk_logprobs",
+                inputs.ref_topk_ids = require(micro, f"{prefix}topk_ids", f"KL {spec.name!r} uses {what}'s top-k")
+                inputs.ref_topk_logprobs = require(micro, f"{prefix}topk_logprobs",
                                                     f"KL {spec.name!r} uses {what}'s top-k")
             else:
-                inputs.ref_logits = _require(micro, f"{prefix}logits", f"KL {spec.name!r} uses {what}'s logits")
+                inputs.ref_logits = require(micro, f"{prefix}logits", f"KL {spec.name!r} uses {what}'s logits")
         kl_tok = spec.fn(inputs, **args)
         if tuple(kl_tok.shape) != tuple(mask.shape):
             raise LossPipelineError(f"KL {spec.name!r} returned shape {tuple(kl_tok.shape)}, expected per-token "
@@ -280,7 +247,7 @@ class LossPipeline:
         return kl_tok
 
 
-def _require(batch: Batch, key: str, why: str = "") -> "torch.Tensor":
+def require(batch: Batch, key: str, why: str = "") -> "torch.Tensor":
     value = batch.get(key)
     if value is None:
         have = ", ".join(sorted(batch.tensors)) or "none"
@@ -299,7 +266,7 @@ def _on(tensor: "torch.Tensor", like: "torch.Tensor") -> "torch.Tensor":
     return tensor.to(device=like.device, dtype=like.dtype)
 
 
-def _check_correction(name: str, out: Any, shape: Any) -> CorrectionOutput:
+def check_correction(name: str, out: Any, shape: Any) -> CorrectionOutput:
     if not isinstance(out, CorrectionOutput):
         raise LossPipelineError(f"correction {name!r} returned {type(out).__name__}, expected CorrectionOutput")
     for field in ("weights", "mask"):
@@ -310,7 +277,7 @@ def _check_correction(name: str, out: Any, shape: Any) -> CorrectionOutput:
     return out
 
 
-def _combine(weights: "torch.Tensor", keep: "torch.Tensor", out: CorrectionOutput,
+def combine_corrections(weights: "torch.Tensor", keep: "torch.Tensor", out: CorrectionOutput,
              ) -> "tuple[torch.Tensor, torch.Tensor]":
     if out.weights is not None:
         weights = weights * out.weights.detach().to(device=weights.device, dtype=weights.dtype)
@@ -328,7 +295,7 @@ def _per_token_metric(value: Any, mask: "torch.Tensor") -> "torch.Tensor":
     return torch.full_like(mask, float(value), dtype=torch.float32)
 
 
-def _mean_metric(value: Any, mask: "torch.Tensor") -> float:
+def mean_metric(value: Any, mask: "torch.Tensor") -> float:
     if hasattr(value, "dim") and value.dim() > 0:
         m = mask.to(value.device, dtype=value.dtype if value.is_floating_point() else mask.dtype)
         return float((value * m).sum() / m.sum().clamp_min(1))

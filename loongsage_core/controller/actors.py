@@ -4,6 +4,10 @@ Each actor rebuilds the plugin host from the job (so user hookimpl modules load 
 builds its components through their factories: the train backend's worker, a frozen reference
 worker when a KL term needs one, and the rollout engine, whose HTTP server runs in a background
 thread of the actor and is reached by URL like any SGLang server.
+
+The run secret comes in as a constructor argument (never through the environment): the engine
+requires it on its endpoints, and weight transports and engine clients built in the actor send it
+(:func:`loongsage_core.security.set_process_secret`).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from loongsage_hookspecs import AggregationNorm, Batch, EngineContext, TrainWork
 from ..config import JobConfig
 from ..plugins import PluginHost
 from ..rendezvous import Rendezvous, host_rendezvous
+from ..security import set_process_secret
 
 
 class ModelActor:
@@ -32,7 +37,9 @@ class ModelActor:
     """
 
     def __init__(self, job: JobConfig, rank: int | None, world_size: int, engine_index: int | None,
-                 needs_reference: bool) -> None:
+                 needs_reference: bool, secret: str | None = None) -> None:
+        set_process_secret(secret)
+        self.secret = secret
         self.job = job
         self.host = PluginHost.from_job(job)
         self.worker: Any = None
@@ -66,14 +73,15 @@ class ModelActor:
                 self.reference = spec.factory(ref_ctx)
         if self.engine_index is not None:
             spec = self.host.get("rollout_engine", job.rollout.engine)
-            self.engine = spec.factory(EngineContext(job=job, components=self.host, engine_index=self.engine_index))
+            self.engine = spec.factory(EngineContext(job=job, components=self.host, engine_index=self.engine_index,
+                                                     api_key=self.secret))
             self.engine_url = self.engine.start()
 
     def ready(self) -> dict[str, Any]:
         """Where this actor stands: its engine URL and, for a trainer rank, its data-parallel rank
         and size (a backend with model parallelism has several ranks per data-parallel rank)."""
         info: dict[str, Any] = {"pid": os.getpid(), "engine_url": self.engine_url, "rank": self.rank}
-        if self.worker is not None:
+        if self.worker is not None and self.rank is not None:  # a trainer rank
             info["dp_rank"] = int(getattr(self.worker, "data_parallel_rank", self.rank))
             info["dp_size"] = int(getattr(self.worker, "data_parallel_size", self.world_size))
         return info

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from typing import Any
@@ -109,7 +110,7 @@ class AsyncRLController(RLController):
             self.scheduler.on_dispatch(group_id, self.version)
             task = asyncio.ensure_future(self.rollout.group(prompt, index, self.version))
             self.inflight[group_id] = (task, prompt)
-            task.add_done_callback(lambda t, gid=group_id: self._on_done(gid, t))
+            task.add_done_callback(functools.partial(self._on_done, group_id))
 
     def _collect(self, group_id: str, task: asyncio.Task[TrajectoryGroup]) -> None:
         """File a finished group: into the buffer, or back to the queue, or dropped by a filter."""
@@ -183,6 +184,7 @@ class AsyncRLController(RLController):
         metrics["rollout/partial_ratio"] = partial_ratio(groups)
         t_train = time.perf_counter()
         train_metrics, tokens = await loop.run_in_executor(None, self.learn, groups, step)
+        self.record_rollouts(step, groups)
         metrics.update(train_metrics)
         metrics["timing/train"] = time.perf_counter() - t_train
         if tokens:

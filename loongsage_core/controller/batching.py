@@ -1,7 +1,9 @@
 """Turning trajectory groups into a padded training :class:`Batch`.
 
 Every trainable segment of a completed trajectory becomes one row; rows of the same prompt share
-a ``group_index`` so group-relative advantage estimators can find their peers.
+a ``group_index`` so group-relative advantage estimators can find their peers, and rows of the same
+trajectory share a ``sample_index`` so a trajectory split into several segments counts once in
+its group's statistics.
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
     ``mask_stale`` drops from the loss mask every generated token whose weight version is older
     than the newest version in its trajectory (the off-policy prefix of a partial rollout).
     """
-    rows: list[tuple[int, Any, Any]] = []
+    rows: list[tuple[int, int, Any, Any]] = []
+    samples = 0
     for g_idx, group in enumerate(groups):
         for traj in group.trajectories:
             if traj.status != TrajectoryStatus.COMPLETED:
                 continue
-            for s_idx, seg in enumerate(traj.segments):
-                if seg.trainable:
-                    rows.append((g_idx, traj, (s_idx, seg)))
+            trainable = [(s_idx, seg) for s_idx, seg in enumerate(traj.segments) if seg.trainable]
+            rows += [(g_idx, samples, traj, item) for item in trainable]
+            samples += bool(trainable)
     if not rows:
         return Batch()
-    width = max(len(seg.tokens) for _, _, (_, seg) in rows)
+    width = max(len(seg.tokens) for _, _, _, (_, seg) in rows)
     n = len(rows)
     input_ids = torch.full((n, width), pad_id, dtype=torch.long)
     attention = torch.zeros((n, width), dtype=torch.long)
@@ -38,8 +41,9 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
     versions = torch.full((n, width), -1, dtype=torch.long)
     rewards = torch.zeros(n, dtype=torch.float32)
     group_index = torch.zeros(n, dtype=torch.long)
+    sample_index = torch.zeros(n, dtype=torch.long)
     meta: dict[str, list[Any]] = {"trajectory_id": [], "prompt_id": [], "source": [], "segment": []}
-    for i, (g_idx, traj, (s_idx, seg)) in enumerate(rows):
+    for i, (g_idx, sample, traj, (s_idx, seg)) in enumerate(rows):
         L = len(seg.tokens)
         input_ids[i, :L] = torch.tensor(seg.tokens, dtype=torch.long)
         attention[i, :L] = 1
@@ -52,6 +56,7 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
         versions[i, :L] = torch.tensor(seg.weight_versions, dtype=torch.long)
         rewards[i] = traj.score
         group_index[i] = g_idx
+        sample_index[i] = sample
         meta["trajectory_id"].append(traj.id)
         meta["prompt_id"].append(traj.prompt_id)
         meta["source"].append(traj.source)
@@ -59,7 +64,7 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
     return Batch(
         tensors={"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
                  "rollout_logprobs": logprobs, "weight_versions": versions, "rewards": rewards,
-                 "group_index": group_index},
+                 "group_index": group_index, "sample_index": sample_index},
         meta=meta,
     )
 

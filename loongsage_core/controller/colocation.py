@@ -22,6 +22,7 @@ import time
 from typing import Any
 
 from ..config import JobConfig
+from .remote import gather
 
 TRAINING_TAGS = ("kv_cache", "weights")
 
@@ -47,12 +48,10 @@ class PhaseSwitch:
         """Engines release their memory, then the trainer ranks onload."""
         if not self.enabled:
             return {}
-        import ray
-
         start = time.perf_counter()
         self._engines("release_memory_occupation", TRAINING_TAGS)
         self.released |= set(TRAINING_TAGS)
-        ray.get([t.onload.remote() for t in self.trainers])
+        gather([t.onload.remote() for t in self.trainers])
         return {"timing/to_training": time.perf_counter() - start,
                 "perf/engine_memory_released": float(len(self.released))}
 
@@ -69,10 +68,8 @@ class PhaseSwitch:
         """Trainer ranks offload, then the engines take back everything still released."""
         if not self.enabled:
             return {}
-        import ray
-
         start = time.perf_counter()
-        ray.get([t.offload.remote() for t in self.trainers])
+        gather([t.offload.remote() for t in self.trainers])
         if self.released:
             self._engines("resume_memory_occupation", tuple(sorted(self.released)))
             self.released.clear()

@@ -10,7 +10,7 @@ clipped value loss on ``values`` (rollout-time) and ``returns`` (targets).
 In one step of the loop (:class:`loongsage_core.controller.run.RLController`)::
 
     rows -> Critic.values(batch) -> batch["values"] -> advantage (values=..., gives returns)
-         -> policy update -> Critic.train(batch, step) -> weights to engines
+         -> policy update -> Critic.train(batch, step, algorithm, order) -> weights to engines
 
 Checkpoints: each critic rank writes ``checkpoints/step_<N>/critic_rank_<r>/`` next to the
 trainer ranks' ``rank_<r>/``, before ``controller.json`` completes the checkpoint; a resumed run
@@ -22,10 +22,9 @@ loads them back. Metrics: ``train/critic_loss``, ``train/value_mean``, ``train/v
 from __future__ import annotations
 
 import os
-import random
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -36,6 +35,7 @@ from ..plugins import PluginHost
 from ..rendezvous import Rendezvous, host_rendezvous
 from . import checkpoint as ckpt
 from .batching import shard_rows
+from .remote import gather
 
 CRITIC_RANK_DIR = "critic_rank_{rank}"
 """Directory of critic rank ``r`` inside a checkpoint's ``step_<N>/``."""
@@ -143,8 +143,9 @@ class Critic:
         crit = job.critic
         world = crit.num_workers
         remote = ray.remote(CriticActor)
-        actors = [remote.options(num_cpus=crit.cpus, num_gpus=crit.gpus).remote(job, rank, world)
-                  for rank in range(world)]
+        # Ray actor handles are typed Any, as in placement.py: Ray's stubs do not type actor method calls
+        actors: list[Any] = [remote.options(num_cpus=crit.cpus, num_gpus=crit.gpus).remote(job, rank, world)
+                             for rank in range(world)]
         try:
             # several ranks: rank 0 listens first (a port the OS assigns) and reports where; then all join
             address, port = ray.get(actors[0].host_rendezvous.remote()) if world > 1 else ("127.0.0.1", 0)
@@ -160,24 +161,21 @@ class Critic:
 
     def values(self, batch: Batch) -> torch.Tensor:
         """Critic values ``[B, T]`` of every row (float32, 0 off ``loss_mask``)."""
-        import ray
-
         calls = [a.forward.remote(batch.select(rows))
                  for a, rows in zip(self.actors, shard_rows(len(batch), len(self.actors))) if rows]
         width = batch["input_ids"].shape[1]
-        parts = [torch.nn.functional.pad(o["values"], (0, width - o["values"].shape[1])) for o in ray.get(calls)]
+        parts = [torch.nn.functional.pad(o["values"], (0, width - o["values"].shape[1])) for o in gather(calls)]
         return torch.cat(parts, 0).float() * batch["loss_mask"].float()
 
-    def train(self, batch: Batch, step: int) -> dict[str, float]:
-        """Train on the step's rows (``values`` and ``returns`` set) in shuffled mini-batches.
+    def train(self, batch: Batch, step: int, algorithm: Any, order: Sequence[int]) -> dict[str, float]:
+        """Train on the step's rows (``values`` and ``returns`` set) in mini-batches.
 
-        Mini-batch size and epochs are ``[critic]``'s, else ``[train]``'s; each mini-batch is
-        split over the critic ranks with its global aggregation norm, like the policy's.
+        ``algorithm`` is the step's :class:`~loongsage_core.algorithms.StepAlgorithm` and ``order``
+        the rows in the policy's mini-batch order: with ``[critic] mini_batch_size`` unset the
+        critic trains on exactly the policy's mini-batches, with the same aggregation norms.
+        Epochs are ``[critic]``'s, else ``[train]``'s; each mini-batch is split over the critic
+        ranks with its global norm, like the policy's.
         """
-        import ray
-
-        from ..algorithms import compute_norm
-
         for key in ("values", "returns"):
             if key not in batch:
                 raise KeyError(f"Critic.train: the batch has no {key!r} tensor; the advantage estimator "
@@ -187,24 +185,18 @@ class Critic:
         ev = explained_variance(batch["values"], batch["returns"], batch["loss_mask"])
         if ev is not None:
             out["train/explained_variance"] = ev
-        order = list(range(len(batch)))
-        random.Random(f"{self.job.run.seed}:{step}:critic").shuffle(order)
         size = crit.mini_batch_size or train.mini_batch_size
         sums: dict[str, float] = defaultdict(float)
         count = 0
         for _epoch in range(crit.ppo_epochs or train.ppo_epochs):
-            for start in range(0, len(order), size):
-                mini = batch.select(order[start:start + size])
-                if float(mini["loss_mask"].sum()) == 0.0:
-                    continue
-                norm = compute_norm(mini)
+            for mini, norm in algorithm.mini_batches(batch, order, size):
                 shards = shard_rows(len(mini), len(self.actors))
-                per_rank = ray.get([a.train_mini_batch.remote(mini.select(rows), norm)
-                                    for a, rows in zip(self.actors, shards)])
+                per_rank = gather([a.train_mini_batch.remote(mini.select(rows), norm)
+                                   for a, rows in zip(self.actors, shards)])
                 for key, value in per_rank[0].items():  # equal on every rank (all-reduced)
                     sums[key] += float(value)
                 count += 1
-        out.update({k: v / count for k, v in sums.items()})
+        out.update({k: v / max(count, 1) for k, v in sums.items()})
         out["train/critic_num_mini_batches"] = float(count)
         return out
 

@@ -1,13 +1,12 @@
-"""Step metrics computed by the controller (rollout statistics and the train-inference gap)."""
+"""Rollout metrics computed by the controller (the train-inference gap and the advantage
+statistics are the step algorithm's: :mod:`loongsage_core.algorithms.step`)."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 from typing import Sequence
 
-import torch
-
-from loongsage_hookspecs import Batch, TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import TrajectoryGroup, TrajectoryStatus
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float = 1.0) -> dict[str, float]:
@@ -50,34 +49,3 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float 
         for k, vs in details[name].items():
             out[f"rollout_per_source/{name}/reward/{k}"] = sum(vs) / len(vs)
     return out
-
-
-def train_inference_gap(batch: Batch) -> dict[str, float]:
-    """Gap between the trainer's old log-probs and the engine's rollout log-probs on the same tokens.
-
-    ``train/is_approx_k3_kl`` is the masked mean of ``exp(r) - r - 1`` with
-    ``r = logp_old - logp_rollout`` (DESIGN.md section 6).
-    """
-    mask = batch["loss_mask"] > 0
-    if not bool(mask.any()):
-        return {}
-    r = (batch["old_logprobs"] - batch["rollout_logprobs"]).double()[mask]
-    k3 = torch.expm1(r) - r
-    diff = r.abs()
-    return {
-        "train/is_approx_k3_kl": float(k3.mean()),
-        "train/logprob_abs_diff_mean": float(diff.mean()),
-        "train/logprob_abs_diff_max": float(diff.max()),
-    }
-
-
-def advantage_metrics(batch: Batch) -> dict[str, float]:
-    mask = batch["loss_mask"] > 0
-    if not bool(mask.any()):
-        return {}
-    adv = batch["advantages"][mask]
-    return {
-        "train/adv_mean": float(adv.mean()),
-        "train/adv_abs_mean": float(adv.abs().mean()),
-        "train/adv_zero_ratio": float((adv == 0).float().mean()),
-    }

@@ -39,8 +39,26 @@ def check_resources(job: JobConfig) -> None:
                 f"(or start a bigger cluster: run.ray_num_cpus)")
 
 
+def bind_ray_to_loopback() -> None:
+    """Make the next local Ray cluster listen on 127.0.0.1 only.
+
+    ``ray.init(_node_ip_address="127.0.0.1")`` is not enough: Ray swaps a loopback address for the
+    machine's routable one, and its GCS, raylet and worker servers then bind every interface. Ray
+    keeps them on loopback when it believes clusters are unsupported on this platform
+    (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read at ``import ray``, so the constant is set too).
+    Ray's own token authentication (on by default since Ray 2.52) still guards those ports.
+    """
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # inherited by Ray's processes
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # pragma: no cover - Ray reorganised: the environment variable still applies
+        return
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def init_ray(job: JobConfig) -> None:
-    """Start (or join) the Ray cluster: loopback only, capped object store, no dashboard.
+    """Start (or join) the Ray cluster: one node on loopback, capped object store, no dashboard
+    unless ``run.ray_dashboard`` asks for one (then on loopback too).
 
     A local cluster gets at least as many logical CPUs as the actors reserve: on a small machine
     the trainer and the engines then share the cores instead of waiting for each other.
@@ -53,7 +71,8 @@ def init_ray(job: JobConfig) -> None:
         ray.init(address=job.run.ray_address, ignore_reinit_error=True)
         return
     cpus = job.run.ray_num_cpus or max(os.cpu_count() or 1, int(required_resources(job)["CPU"] + 0.999))
-    ray.init(num_cpus=cpus, include_dashboard=False,
+    bind_ray_to_loopback()
+    ray.init(num_cpus=cpus, include_dashboard=bool(job.run.ray_dashboard), dashboard_host="127.0.0.1",
              object_store_memory=job.run.ray_object_store_mb * 2**20, ignore_reinit_error=True,
              _node_ip_address="127.0.0.1", log_to_driver=True,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
@@ -132,8 +151,11 @@ def create_placement_group(job: JobConfig) -> Any:
     return placement_group(bundles, strategy="PACK")
 
 
-def create_actors(job: JobConfig, needs_reference: bool) -> Actors:
-    """Reserve a placement group, start every model actor in its bundle, wait until they are ready."""
+def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = None) -> Actors:
+    """Reserve a placement group, start every model actor in its bundle, wait until they are ready.
+
+    ``secret``: the run secret, required by the engines and sent by the actors' weight transports.
+    """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -153,14 +175,14 @@ def create_actors(job: JobConfig, needs_reference: bool) -> Actors:
     engines: list[Any] = []
     for rank in range(world):
         engine_index = rank if pl.colocate and rank < job.rollout.num_engines else None
-        actor = in_bundle(rank, pl.trainer_cpus, pl.trainer_gpus).remote(job, rank, world, engine_index,
-                                                                           needs_reference)
+        actor = in_bundle(rank, pl.trainer_cpus, pl.trainer_gpus).remote(
+            job, rank, world, engine_index, needs_reference, secret)
         trainers.append(actor)
         if engine_index is not None:
             engines.append(actor)
     if not pl.colocate:
         for i in range(job.rollout.num_engines):
-            engines.append(in_bundle(world + i, pl.engine_cpus, pl.engine_gpus).remote(job, None, 1, i, False))
+            engines.append(in_bundle(world + i, pl.engine_cpus, pl.engine_gpus).remote(job, None, 1, i, False, secret))
     distinct = trainers + ([] if pl.colocate else engines)
     try:
         # rank 0 listens first (a port the OS assigns) and reports where; then every rank joins there

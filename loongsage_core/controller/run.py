@@ -3,12 +3,18 @@
 One step::
 
     prompts -> engines generate (tokens, log-probs, weight version) -> rewards -> filters
-            -> rows -> old log-probs (recomputed) [-> reference log-probs] -> advantages
-            -> trainer mini-batches (policy loss, KL, corrections inside the train backend)
+            -> rows -> old log-probs (recomputed) [-> reference log-probs] [-> teachers] [-> values]
+            -> StepAlgorithm.prepare (corrections, token rewards, advantages, the k3 gap)
+            -> mini-batches with their norms (policy loss per micro-batch inside the train backend)
             -> weights to engines (version += 1) -> metrics -> checkpoint
 
+The algorithm of the step is :class:`loongsage_core.algorithms.StepAlgorithm`; this module only
+moves rows between the actors. Actor calls go through :func:`.remote.gather` (Ray handles in a
+run, :class:`.remote.LocalActor` in-process in the controller tests).
+
 Outputs in the run directory: ``metrics.jsonl`` (one object per step), ``checkpoints/``,
-``config.resolved.toml`` and, at the end, ``final_hf/`` (a Hugging Face directory).
+``config.resolved.toml``, ``run_secret`` (the run secret, mode 0600: engines and the router's admin
+API require it) and, at the end, ``final_hf/`` (a Hugging Face directory).
 """
 
 from __future__ import annotations
@@ -23,19 +29,23 @@ from typing import Any, Sequence
 
 import torch
 
-from loongsage_hookspecs import AdvantageInputs, AggregationNorm, Batch, TrajectoryGroup
+from loongsage_hookspecs import Batch, TrajectoryGroup
 
+from ..algorithms import StepAlgorithm
 from ..config import ConfigError, JobConfig, dump_job_toml
+from ..records.writer import RolloutRecorder, recorder_for_run
 from ..resolve import ResolvedJob
+from ..security import new_secret, set_process_secret, write_secret_file
 from . import checkpoint as ckpt
 from .batching import build_batch
 from .colocation import PhaseSwitch
 from .critic import Critic
 from .data import DataMixer, interleave_by_source
-from .metrics import advantage_metrics, rollout_metrics, train_inference_gap
+from .metrics import rollout_metrics
 from .placement import Actors, create_actors, init_ray, start_engine_router
+from .remote import gather
 from .rollout import RolloutManager
-from .teachers import TeacherGroup, apply_teachers, distill_token_penalty, uses_reference_model
+from .teachers import TeacherGroup, apply_teachers, distill_setup, uses_reference_model
 
 log = logging.getLogger("loongsage")
 
@@ -58,14 +68,6 @@ def load_tokenizer(job: JobConfig) -> Any:
         raise ConfigError(f"{where}: model.path: no config.json in model directory "
                           f"'{job.resolve_path(job.model.path)}'")
     return AutoTokenizer.from_pretrained(str(path))
-
-
-def aggregation_norm(batch: Batch) -> AggregationNorm:
-    """Global denominators of a mini-batch, computed once before it is sharded."""
-    mask = batch["loss_mask"]
-    per_seq = mask.sum(-1)
-    return AggregationNorm(num_tokens=float(per_seq.sum()), num_sequences=float((per_seq > 0).sum()),
-                           max_response_length=float(per_seq.max()) if len(per_seq) else 0.0)
 
 
 def truncate_jsonl(path: Path, step: int) -> None:
@@ -104,7 +106,9 @@ class RLController:
         alg = self.job.algorithm
         self.needs_reference = uses_reference_model(self.job, self.host)
         self.teachers = TeacherGroup.from_job(self.job, self.host)
-        self.advantage = self.host.get("advantage", alg.advantage)
+        # the step's algorithm, in one place (DESIGN.md section 6)
+        self.algorithm = StepAlgorithm(self.job, self.host, distill=distill_setup(self.job, self.host))
+        self.advantage = self.algorithm.advantage
         self.filters = [self.host.get("filter", n) for n in alg.filters]
         self.loggers: list[Any] = []
         self.step = 0
@@ -114,20 +118,27 @@ class RLController:
         self.phases: PhaseSwitch | None = None
         self.rollout: RolloutManager | None = None
         self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
+        self.records: RolloutRecorder | None = None  # rollout records writer (loongsage_core/records)
+        self.last_batch: Batch | None = None  # the batch of the last learn() (for the rollout records)
+        self.sampled_groups: list[TrajectoryGroup] = []  # every group the last collect() sampled
         # one event loop for the whole run: the engine clients' connections belong to it
         self.loop = asyncio.new_event_loop()
+        self.secret = new_secret()  # the run secret: engines and the router's control endpoints need it
 
     # ------------------------------------------------------------------ setup
 
     def start(self) -> None:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
+        write_secret_file(self.output_dir, self.secret)
+        set_process_secret(self.secret)  # for clients built in this process (e.g. an engine load balancer)
         init_ray(self.job)
-        self.actors = create_actors(self.job, self.needs_reference)
+        self.actors = create_actors(self.job, self.needs_reference, self.secret)
         if self.advantage.needs_critic:
             self.critic = Critic.create(self.job)
         self.engine_router, generate_urls = start_engine_router(self.job, self.host, self.actors.engine_urls)
-        self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls)
+        self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls,
+                                      secret=self.secret)
         self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
         self._maybe_resume()
         self.phases.to_generation()  # a colocated trainer gives the devices to the engines first
@@ -141,10 +152,9 @@ class RLController:
             if hasattr(logger, "truncate_after"):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)
+        self.records = recorder_for_run(self.job, self.output_dir, self.tokenizer, self.loggers, self.step)
 
     def _maybe_resume(self) -> bool:
-        import ray
-
         if not self.job.run.resume:
             return False
         found = ckpt.latest_checkpoint(self.output_dir)
@@ -153,7 +163,7 @@ class RLController:
             return False
         step, state = found
         assert self.actors is not None
-        ray.get([a.load_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
+        gather([a.load_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
                  for a in self.actors.trainers])
         if self.critic is not None:
             self.critic.load(self.output_dir, step)
@@ -188,6 +198,7 @@ class RLController:
             attempts += 1
             if attempts > self.job.algorithm.max_filter_retries:
                 break
+        self.sampled_groups = sampled  # the rollout records keep the filtered-out groups too
         metrics = rollout_metrics(sampled)
         metrics["rollout/filter_drop"] = float(dropped)
         metrics["rollout/filter_attempts"] = float(attempts)
@@ -195,8 +206,6 @@ class RLController:
         return kept, metrics
 
     def _forward(self, batch: Batch, reference: bool = False) -> torch.Tensor:
-        import ray
-
         assert self.actors is not None
         shards = self.actors.rows_per_trainer(len(batch))
         calls, replica_of = [], []
@@ -207,68 +216,36 @@ class RLController:
             replica_of.append(replica)
         # every rank of a model replica returns the same rows: keep one answer per replica, in order
         first: dict[int, Any] = {}
-        for replica, out in zip(replica_of, ray.get(calls)):
+        for replica, out in zip(replica_of, gather(calls)):
             first.setdefault(replica, out)
         outs = [first[r] for r in sorted(first)]
         width = batch["input_ids"].shape[1]
         parts = [torch.nn.functional.pad(o["logprobs"], (0, width - o["logprobs"].shape[1])) for o in outs]
         return torch.cat(parts, 0).float()
 
-    def compute_advantages(self, batch: Batch) -> None:
-        alg = self.job.algorithm
-        mask = batch["loss_mask"]
-        token_rewards = None
-        if self.needs_reference and alg.kl_in_reward:
-            kl_spec = self.host.get("kl", alg.kl)
-            from loongsage_hookspecs import KLInputs
-
-            kl = kl_spec.fn(KLInputs(logprobs=batch["old_logprobs"], ref_logprobs=batch["ref_logprobs"],
-                                     response_mask=mask), **alg.kl_args)
-            token_rewards = -alg.kl_coef * kl * mask
-            last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
-            token_rewards = token_rewards + last.float() * batch["rewards"][:, None]
-        penalty = distill_token_penalty(batch, self.teachers.setup if self.teachers else None, self.host)
-        if penalty is not None:
-            if token_rewards is None:
-                last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & (mask > 0)
-                token_rewards = last.float() * batch["rewards"][:, None]
-            token_rewards = token_rewards - penalty
-        out = self.advantage.fn(AdvantageInputs(rewards=batch["rewards"], response_mask=mask,
-                                                group_index=batch["group_index"], token_rewards=token_rewards,
-                                                values=batch.get("values")),
-                                **alg.advantage_args)
-        batch.tensors["advantages"] = out.advantages.float() * mask
-        if out.returns is not None:
-            batch.tensors["returns"] = out.returns.float()
+    def mini_batch_order(self, batch: Batch, step: int) -> list[int]:
+        """The step's rows in mini-batch order: interleaved so every mini-batch and every rank
+        carries each source's share (the policy and the critic train on the same mini-batches)."""
+        assert self.actors is not None
+        return interleave_by_source(batch.meta["source"], self.job.train.mini_batch_size, self.actors.dp_size,
+                                    seed=f"{self.job.run.seed}:{step}:minibatch")
 
     def train(self, batch: Batch, step: int) -> dict[str, float]:
-        import ray
-
         assert self.actors is not None
-        # rows interleaved so every mini-batch and every rank carries each source's share
-        order = interleave_by_source(batch.meta["source"], self.job.train.mini_batch_size, self.actors.dp_size,
-                                     seed=f"{self.job.run.seed}:{step}:minibatch")
-        mb = self.job.train.mini_batch_size
+        order = self.mini_batch_order(batch, step)
         results: list[dict[str, float]] = []
         for _epoch in range(self.job.train.ppo_epochs):
-            for start in range(0, len(order), mb):
-                mini = batch.select(order[start:start + mb])
-                norm = aggregation_norm(mini)
-                if norm.num_tokens == 0:
-                    continue
+            for mini, norm in self.algorithm.mini_batches(batch, order, self.job.train.mini_batch_size):
                 shards = self.actors.rows_per_trainer(len(mini))
                 calls = [a.train_mini_batch.remote(mini.select(rows), norm)
                          for a, rows in zip(self.actors.trainers, shards)]
-                per_rank = ray.get(calls)
-                results.append(mean_metrics(per_rank))
+                results.append(mean_metrics(gather(calls)))
         out = mean_metrics(results)
         out["train/num_mini_batches"] = float(len(results))
         return out
 
     def _push_weights(self, version: int | None = None) -> dict[str, float]:
         """Move the trainer's weights into every engine, tagged ``version`` (default: current)."""
-        import ray
-
         assert self.actors is not None
         version = self.version if version is None else version
         # every rank joins (reading the weights is a collective under model parallelism); colocated,
@@ -278,7 +255,7 @@ class RLController:
             targets: list[Any] = [None if i < n_engines else [] for i in range(len(self.actors.trainers))]
         else:
             targets = [list(self.actors.engine_urls) if i == 0 else [] for i in range(len(self.actors.trainers))]
-        stats = [s for s in ray.get([a.push_weights.remote(version, t)
+        stats = [s for s in gather([a.push_weights.remote(version, t)
                                      for a, t in zip(self.actors.trainers, targets)]) if s]
         return {f"perf/weight_sync_{k}": v for k, v in mean_metrics(stats).items()}
 
@@ -288,12 +265,11 @@ class RLController:
         Returns the ``train/*`` metrics and the number of trained tokens; the caller moves the
         new weights to the engines (the sync and async loops do that differently).
         """
-        import ray
-
         assert self.actors is not None
         t0 = time.perf_counter()
         batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0,
                             mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale)
+        self.last_batch = batch
         metrics: dict[str, float] = {"rollout/num_rows": float(len(batch))}
         if not len(batch):
             return metrics, 0.0
@@ -308,16 +284,14 @@ class RLController:
         if self.critic is not None:
             batch.tensors["values"] = self.critic.values(batch)
         metrics.update(apply_teachers(batch, self.job, self.host, self.teachers))
-        self.compute_advantages(batch)
-        metrics.update(advantage_metrics(batch))
+        # corrections, token rewards, advantages and returns, the train-inference gap: once, here
+        metrics.update(self.algorithm.prepare(batch))
         metrics.update(self.train(batch, step))
         if self.critic is not None:
-            metrics.update(self.critic.train(batch, step))
-        # the whole step's gap in float64 supersedes the per-mini-batch means of the trainer
-        metrics.update(train_inference_gap(batch))
+            metrics.update(self.critic.train(batch, step, self.algorithm, self.mini_batch_order(batch, step)))
         every = alg.ref_update_every
         if self.needs_reference and every > 0 and (step + 1) % every == 0:
-            ray.get([a.refresh_reference.remote() for a in self.actors.trainers])
+            gather([a.refresh_reference.remote() for a in self.actors.trainers])
         return metrics, float(batch["loss_mask"].sum())
 
     def run_step(self, step: int) -> dict[str, float]:
@@ -328,6 +302,7 @@ class RLController:
         t_rollout = time.perf_counter()
         metrics.update(self.phases.to_training())
         train_metrics, tokens = self.learn(groups, step)
+        self.record_rollouts(step, groups)
         metrics.update(train_metrics)
         t_train = time.perf_counter()
         if tokens:
@@ -348,6 +323,13 @@ class RLController:
         })
         return metrics
 
+    def record_rollouts(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
+        """Hand the step's trajectories and the batch that trained them to the records writer
+        (call right after :meth:`learn`, before the weight version moves on)."""
+        if self.records is not None:
+            sampled, self.sampled_groups = self.sampled_groups, []
+            self.records.add(step, groups, self.last_batch, policy_version=self.version, filtered=sampled)
+
     def record_trained(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
         """Append the prompt ids trained at ``step`` to ``trained_prompts.jsonl`` (an audit trail:
         with resume, every prompt of an epoch appears exactly once)."""
@@ -356,13 +338,13 @@ class RLController:
             fh.write(line + "\n")
 
     def save(self, step: int) -> None:
-        import ray
-
         assert self.actors is not None
-        ray.get([a.save_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
+        gather([a.save_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
                  for a in self.actors.trainers])
         if self.critic is not None:
             self.critic.save(self.output_dir, step)
+        if self.records is not None:
+            self.records.flush()  # every step before the checkpoint has its records on disk
         ckpt.write_controller_state(self.output_dir, step, self.controller_state(step),
                                     keep=self.job.run.keep_checkpoints)
 
@@ -389,12 +371,13 @@ class RLController:
 
     def _export_final(self) -> None:
         if self.job.run.save_hf_at_end and self.actors is not None:
-            import ray
-
             # every rank takes part (rank 0 writes, the others meet it at a barrier)
-            ray.get([a.save_hf.remote(str(self.output_dir / "final_hf")) for a in self.actors.trainers])
+            gather([a.save_hf.remote(str(self.output_dir / "final_hf")) for a in self.actors.trainers])
 
     def close(self) -> None:
+        if self.records is not None:
+            self.records.close()  # before the loggers: it hands them trajectories
+            self.records = None
         for lg in self.loggers:
             lg.close()
         if self.teachers is not None:

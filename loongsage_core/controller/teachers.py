@@ -353,22 +353,3 @@ def _distill_metrics(batch: Batch, setup: DistillSetup, plan: dict[str, list[int
             out[f"train_per_teacher/{name}/opd_kl"] = float(diff.mean())
             out[f"train_per_teacher/{name}/rows"] = float(len(rows))
     return out
-
-
-def distill_token_penalty(batch: Batch, setup: DistillSetup | None, host: Any) -> "torch.Tensor | None":
-    """``[B, T]`` ``coef * term`` on distilled tokens (0 elsewhere, detached) to subtract from the
-    token rewards when the distillation term goes into the rewards; ``None`` otherwise.
-
-    The term is evaluated on the batch's ``old_logprobs`` and the teacher's sampled-token
-    log-probs (only ``"logprobs"`` terms may go into the rewards, see :func:`distill_setup`).
-    """
-    if setup is None or not setup.in_reward:
-        return None
-    import torch
-
-    spec = host.get("kl", setup.kl_name)
-    mask = batch["loss_mask"] * batch[TEACHER_MASK]
-    value = spec.fn(KLInputs(logprobs=batch["old_logprobs"], ref_logprobs=batch[setup.key("logprobs")],
-                             response_mask=mask), **setup.kl_args)
-    value = torch.where(mask > 0, value.detach().float(), torch.zeros_like(mask, dtype=torch.float32))
-    return setup.coef * value

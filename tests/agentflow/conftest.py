@@ -71,16 +71,51 @@ def engine_url() -> Iterator[str]:
     yield from _serve()
 
 
+@pytest.fixture(scope="session")
+def run_secret() -> str:
+    """A run secret, as ``loongsage run`` generates one."""
+    from loongsage_core.security import new_secret
+
+    return new_secret()
+
+
+@pytest.fixture(scope="session")
+def secure_engine_url(run_secret) -> Iterator[str]:
+    """A real embedded engine (random tiny Qwen3) that requires ``run_secret``, as a run's engines do."""
+    from loongsage_plugin_torch.engine.engine import EmbeddedEngine
+
+    from loongsage_hookspecs import EngineContext
+
+    engine = EmbeddedEngine(EngineContext(job=_job(), components=None, api_key=run_secret))
+    try:
+        yield engine.start()
+    finally:
+        engine.shutdown()
+
+
 def tool_call_model(tokenizer: Any) -> Any:
     """A tiny Qwen3 whose next token depends only on the current one, chained through the tool call."""
+    model = chain_model(tokenizer, TOOL_CALL_PIECES)
+    assert tokenizer.decode(chain_ids(tokenizer, TOOL_CALL_PIECES)[1:-1]) == TOOL_CALL_TEXT
+    return model
+
+
+def chain_ids(tokenizer: Any, pieces: list[str]) -> list[int]:
+    """The ids of ``pieces`` (one token each) after the ``"\n"`` that ends a generation prompt."""
+    vocab = {tokenizer.decode([i]): i for i in range(len(tokenizer))}
+    chain = [tokenizer.encode("\n", add_special_tokens=False)[-1]] + [vocab[p] for p in pieces]
+    assert len(set(chain)) == len(chain), "the chain needs distinct tokens"
+    return chain
+
+
+def chain_model(tokenizer: Any, pieces: list[str]) -> Any:
+    """A tiny Qwen3 that, after any prompt ending with ``"\n"``, writes ``pieces`` one token each
+    (greedy and sampled alike): the logits depend on the current token only."""
     import torch
     from loongsage_plugin_torch.modeling import TINY_QWEN3
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    vocab = {tokenizer.decode([i]): i for i in range(len(tokenizer))}
-    chain = [tokenizer.encode("\n", add_special_tokens=False)[-1]] + [vocab[p] for p in TOOL_CALL_PIECES]
-    assert len(set(chain)) == len(chain), "the chain needs distinct tokens"
-    assert tokenizer.decode(chain[1:-1]) == TOOL_CALL_TEXT
+    chain = chain_ids(tokenizer, pieces)
     conf = dict(TINY_QWEN3)
     model_type = conf.pop("model_type")
     conf["tie_word_embeddings"] = False
@@ -122,3 +157,15 @@ def router_factory(tokenizer):
     yield make
     for r in routers:
         r.shutdown()
+
+
+EOT_PIECES = ["4", "<|endoftext|>", "7", "<|im_end|>"]
+
+
+@pytest.fixture(scope="session")
+def eot_engine(tokenizer) -> Iterator[dict[str, Any]]:
+    """A real embedded engine whose model answers every chat turn with ``4<|endoftext|>7<|im_end|>``:
+    it ends its turn with ``<|endoftext|>``, a chat turn-end token that is not the tokenizer's EOS
+    (``<|im_end|>``), and would go on writing after it. ``{"url", "pieces"}``."""
+    for url in _serve(chain_model(tokenizer, EOT_PIECES)):
+        yield {"url": url, "pieces": list(EOT_PIECES)}

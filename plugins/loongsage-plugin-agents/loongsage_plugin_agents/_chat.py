@@ -1,21 +1,12 @@
-"""Helpers shared by the built-in agents: prompts to messages, SDK objects to plain dicts."""
+"""Helpers shared by the built-in agents: SDK objects to plain dicts, the OpenAI client.
+
+Prompts become messages by the contract's :func:`loongsage_hookspecs.prompt_messages`, the rule
+the host's single-turn fast path uses too.
+"""
 
 from __future__ import annotations
 
 from typing import Any
-
-
-def prompt_messages(prompt: Any, system_prompt: str | None = None) -> list[dict[str, Any]]:
-    """Chat messages for a data row's prompt: a string becomes one user message."""
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, list) and all(isinstance(m, dict) and "role" in m for m in prompt):
-        messages = [dict(m) for m in prompt]
-    else:
-        raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
-    if system_prompt and messages[0]["role"] != "system":
-        messages.insert(0, {"role": "system", "content": system_prompt})
-    return messages
 
 
 def message_dict(message: Any) -> dict[str, Any]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from loongsage_hookspecs import AgentContext, AgentResult
+from loongsage_hookspecs import AgentContext, AgentResult, prompt_messages
 
-from ._chat import message_dict, openai_client, prompt_messages
+from ._chat import message_dict, openai_client
 
 
 class SingleTurnAgent:

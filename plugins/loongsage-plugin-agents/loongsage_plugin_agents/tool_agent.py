@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from loongsage_hookspecs import AgentContext, AgentResult
+from loongsage_hookspecs import AgentContext, AgentResult, prompt_messages
 
-from ._chat import message_dict, openai_client, prompt_messages
+from ._chat import message_dict, openai_client
 from .python_tools import call_tool, function_schema, load_function
 
 SHELL_TOOL: dict[str, Any] = {"type": "function", "function": {

@@ -5,12 +5,17 @@ the chosen metrics) that updates in place. When the output is not a terminal (a 
 prints one plain line per step instead (``step 3/50  reward=0.3125  loss=0.0412  1.8s``).
 
 Steps are numbered from 0: after ``log(step, ...)`` the bar shows ``step + 1`` steps done.
+
+With ``show_samples = N`` it also prints, every N steps, one trajectory drawn from the step's
+rollout records (the host hands them over through :meth:`ConsoleLogger.log_trajectories`): its
+source, agent, status, reward with the reason, the prompt, and each turn's answer and tool calls.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import os
+import random
 import sys
 import time
 from typing import IO, Any, Mapping, Sequence
@@ -56,21 +61,29 @@ class ConsoleLogger:
         every: in plain mode, print every ``every``-th step (and always the last one).
         stream: ``"stdout"`` or ``"stderr"``.
         console: a ``rich.console.Console`` to draw on (for embedding and tests); overrides ``stream``.
+        show_samples: every this many steps, print one sampled trajectory of the step (0: never).
+        sample_chars: texts of a printed trajectory are cut to this many characters.
     """
 
     def __init__(self, output_dir: str | os.PathLike[str] | None = None, *, total_steps: int | None = None,
                  keys: Sequence[str] | str | None = None, live: bool | None = None, every: int = 1,
-                 stream: str = "stdout", console: Any = None) -> None:
+                 stream: str = "stdout", console: Any = None, show_samples: int = 0,
+                 sample_chars: int = 300) -> None:
         if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
                                         or total_steps < 0):
             raise ValueError(f"console logger: 'total_steps' must be a non-negative integer, got {total_steps!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"console logger: 'every' must be a positive integer, got {every!r}")
+        for name, value in (("show_samples", show_samples), ("sample_chars", sample_chars)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"console logger: {name!r} must be a non-negative integer, got {value!r}")
         if stream not in ("stdout", "stderr"):
             raise ValueError(f"console logger: 'stream' must be 'stdout' or 'stderr', got {stream!r}")
         self.total_steps = total_steps
         self.keys = [keys] if isinstance(keys, str) else (list(keys) if keys is not None else None)
         self.every = every
+        self.show_samples = show_samples
+        self.sample_chars = max(20, sample_chars)
         self._stream: IO[str] = sys.stdout if stream == "stdout" else sys.stderr
         self._console = console
         self._live = live
@@ -154,9 +167,53 @@ class ConsoleLogger:
                                           soft_wrap=True)
         self._last_time = now
 
+    @property
+    def wants_trajectories(self) -> bool:
+        """Whether the host should hand this logger rollout records (only with ``show_samples``)."""
+        return self.show_samples > 0
+
+    def log_trajectories(self, step: int, records: Sequence[Mapping[str, Any]]) -> None:
+        """Print one of ``step``'s trajectory records every ``show_samples`` steps (seeded by the step)."""
+        if not self.show_samples or not records or (int(step) + 1) % self.show_samples:
+            return
+        record = random.Random(int(step)).choice(list(records))
+        self._get_console().print(self.format_sample(record), markup=False, highlight=False, soft_wrap=True)
+
+    def format_sample(self, record: Mapping[str, Any]) -> str:
+        """A trajectory record as a few lines of text (docs/records.md describes the fields)."""
+        reward = record.get("reward") or {}
+        score = reward.get("score")
+        why = reward.get("reason") or reward.get("error") or ""
+        head = (f"── sample of step {record.get('step')}: {record.get('source')} / {record.get('agent')} "
+                f"#{record.get('index')}  {record.get('status')}  reward={_fmt(score) if score is not None else '-'}"
+                + (f" ({self._cut(why)})" if why else ""))
+        lines = [head, f"  prompt: {self._cut(_prompt_text(record.get('prompt')))}"]
+        for k, turn in enumerate(record.get("turns") or []):
+            lines.append(f"  turn {k}: {self._cut(turn.get('response_text') or '')}")
+            for call in turn.get("tool_calls") or []:
+                lines.append(f"    tool {call.get('name')}({self._cut(str(call.get('arguments') or ''))}) -> "
+                             f"{self._cut(str(call.get('output')))}")
+        if not record.get("turns"):
+            lines.append(f"  response: {self._cut(record.get('response_text') or '')}")
+        if record.get("error"):
+            lines.append(f"  error: {self._cut(record['error'])}")
+        return "\n".join(lines)
+
+    def _cut(self, text: str) -> str:
+        text = " ".join(str(text).split())  # one line per field
+        return text if len(text) <= self.sample_chars else text[: self.sample_chars] + "..."
+
     def close(self) -> None:
         if self._progress is not None:
             self._progress.refresh()
             self._progress.stop()
             self._progress = None
         self._closed = True
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A data row's prompt as text: a string, or the last user message of a chat prompt."""
+    if isinstance(prompt, list):
+        users = [m.get("content") for m in prompt if isinstance(m, dict) and m.get("role") == "user"]
+        return str(users[-1]) if users else str(prompt)
+    return "" if prompt is None else str(prompt)

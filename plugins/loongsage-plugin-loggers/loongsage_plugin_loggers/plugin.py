@@ -12,6 +12,7 @@ from loongsage_hookspecs import LoggerSpec, hookimpl
 from .console import ConsoleLogger
 from .jsonl import JsonlLogger
 from .tensorboard import TensorBoardLogger
+from .wandb_logger import WandbLogger
 
 
 @hookimpl
@@ -22,3 +23,5 @@ def loongsage_loggers() -> Iterator[LoggerSpec]:
                      description="one JSON object per step appended to <output_dir>/metrics.jsonl")
     yield LoggerSpec(name="tensorboard", factory=TensorBoardLogger,
                      description="TensorBoard scalars under <output_dir>/tensorboard")
+    yield LoggerSpec(name="wandb", factory=WandbLogger,
+                     description="Weights & Biases run (offline by default: <output_dir>/wandb, `wandb sync` later)")

@@ -55,3 +55,62 @@ def test_live_bar_on_a_terminal(tmp_path):
 def test_bad_arguments(tmp_path, kwargs):
     with pytest.raises(ValueError):
         ConsoleLogger(tmp_path, **kwargs)
+
+
+def _record(step: int, index: int) -> dict:
+    """A rollout record (docs/records.md) with the fields the console shows."""
+    return {"format": 1, "step": step, "index": index, "source": "tools", "agent": "tool_agent", "status": "ok",
+            "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1+2?"}],
+            "reward": {"score": 1.0, "reason": "numeric_match: answer 3 matches the label", "error": None},
+            "turns": [{"response_text": "<tool_call>{\"name\": \"add\"}</tool_call>",
+                       "tool_calls": [{"name": "add", "arguments": "{\"a\": 1, \"b\": 2}", "output": "3"}]},
+                      {"response_text": "The answer is\n3", "tool_calls": []}],
+            "response_text": "The answer is 3", "error": None}
+
+
+def test_show_samples_prints_one_trajectory_every_n_steps(tmp_path):
+    buf = io.StringIO()
+    lg = ConsoleLogger(tmp_path, total_steps=4, show_samples=2, console=Console(file=buf, force_terminal=False,
+                                                                                  width=300))
+    assert lg.wants_trajectories
+    for step in range(4):
+        lg.log(step, {"train/loss": 1.0})
+        lg.log_trajectories(step, [_record(step, i) for i in range(3)])
+    lg.close()
+    samples = [ln for ln in buf.getvalue().splitlines() if ln.startswith("── sample")]
+    assert [s.split()[4].rstrip(":") for s in samples] == ["1", "3"]  # steps 1 and 3: every 2nd
+    assert "tools / tool_agent" in samples[0] and "reward=1 (numeric_match: answer 3 matches the label)" in samples[0]
+    text = buf.getvalue()
+    assert "  prompt: What is 1+2?" in text
+    assert '    tool add({"a": 1, "b": 2}) -> 3' in text
+    assert "  turn 1: The answer is 3" in text  # one line per field
+
+
+def test_show_samples_off_and_bad_values(tmp_path):
+    buf = io.StringIO()
+    lg = ConsoleLogger(tmp_path, console=Console(file=buf, force_terminal=False))
+    assert not lg.wants_trajectories
+    lg.log_trajectories(0, [_record(0, 0)])
+    assert buf.getvalue() == ""
+    with pytest.raises(ValueError, match="'show_samples' must be a non-negative integer, got -1"):
+        ConsoleLogger(tmp_path, show_samples=-1)
+    short = ConsoleLogger(tmp_path, sample_chars=20, live=False)
+    assert "turn 0: <tool_call>{\"name\": ...\n" in short.format_sample(_record(0, 0))  # 20 characters
+
+
+def test_samples_beside_the_live_bar_from_another_thread(tmp_path):
+    import threading
+
+    buf = io.StringIO()
+    lg = ConsoleLogger(tmp_path, total_steps=4, show_samples=1, keys=["train/loss"],
+                       console=Console(file=buf, force_terminal=True, width=200))
+    for step in range(4):
+        lg.log(step, {"train/loss": float(step)})
+        # the host's records writer calls from its own thread while the bar is live
+        t = threading.Thread(target=lg.log_trajectories, args=(step, [_record(step, 0)]))
+        t.start()
+        t.join()
+    lg.close()
+    out = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", buf.getvalue())
+    assert [int(m) for m in re.findall(r"── sample of step (\d+):", out)] == [0, 1, 2, 3]
+    assert "4/4" in out and "loss=3" in out

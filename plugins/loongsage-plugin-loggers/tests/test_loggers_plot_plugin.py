@@ -43,7 +43,7 @@ def test_plot_without_matplotlib_says_how_to_install(metrics_file, tmp_path, mon
 
 def test_hook_provides_loggers_that_follow_the_protocol(tmp_path):
     specs = {s.name: s for s in plugin.loongsage_loggers()}
-    assert set(specs) == {"console", "jsonl", "tensorboard"}
+    assert set(specs) == {"console", "jsonl", "tensorboard", "wandb"}
     for name, spec in specs.items():
         assert isinstance(spec, LoggerSpec) and spec.description
         logger = spec.factory(str(tmp_path / name), **({"live": False} if name == "console" else {}))

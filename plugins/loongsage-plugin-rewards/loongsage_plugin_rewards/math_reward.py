@@ -107,5 +107,9 @@ def math_verify_reward(trajectory: Trajectory, *, backend: str = "auto", timeout
         correct, parsed = correct or ok, parsed or found
         if correct:
             break
+    how = "math-verify" if use_mv else "simple comparison"
+    reason = (f"equivalent to the label ({how})" if correct else
+              f"answer not equivalent to {', '.join(repr(str(lab)) for lab in labels)} ({how})" if parsed
+              else "no answer found in the response")
     return Reward(score=float(score) if correct else 0.0,
-                  details={"correct": float(correct), "parsed": float(parsed)})
+                  details={"correct": float(correct), "parsed": float(parsed)}, reason=reason)

@@ -48,8 +48,11 @@ def exact_match(trajectory: Trajectory, *, case_sensitive: bool = False, extract
     got = normalize_answer(answer, case_sensitive=case_sensitive)
     correct = any(got == normalize_answer(str(lab), case_sensitive=case_sensitive)
                   for lab in _labels(trajectory.label))
+    labels = ", ".join(repr(str(lab)) for lab in _labels(trajectory.label))
+    reason = (f"answer {answer.strip()!r} matches the label" if correct else
+              f"answer {answer.strip()!r} is not {labels}" if got else "no answer found in the response")
     return Reward(score=float(score) if correct else 0.0,
-                  details={"correct": float(correct), "parsed": float(bool(got))})
+                  details={"correct": float(correct), "parsed": float(bool(got))}, reason=reason)
 
 
 def _label_number(label: Any) -> Fraction | float:
@@ -94,8 +97,11 @@ def numeric_match(trajectory: Trajectory, *, tolerance: float = 1e-6, rel_tolera
             if diff <= tolerance or diff <= rel_tolerance * abs(float(target)):
                 correct = True
                 break
+    shown = ", ".join(str(t) for t in targets)
+    reason = (f"answer {value} matches the label" if correct else
+              f"answer {value} is not {shown}" if value is not None else "no number found in the response")
     return Reward(score=float(score) if correct else 0.0,
-                  details={"correct": float(correct), "parsed": float(value is not None)})
+                  details={"correct": float(correct), "parsed": float(value is not None)}, reason=reason)
 
 
 @functools.lru_cache(maxsize=256)
@@ -126,4 +132,5 @@ def format_reward(trajectory: Trajectory, *, pattern: str, mode: str = "search",
     if mode == "fullmatch":
         text = text.strip()
     matched = getattr(regex, mode)(text) is not None
-    return Reward(score=float(score) if matched else 0.0, details={"matched": float(matched)})
+    reason = f"{'matches' if matched else 'does not match'} {pattern!r} ({mode})"
+    return Reward(score=float(score) if matched else 0.0, details={"matched": float(matched)}, reason=reason)

@@ -9,6 +9,13 @@ Token-level rewards (used by ``reinforce_pp`` and ``gae``): the sequence score s
 trained token of its row and ``token_rewards`` (when given, e.g. a KL penalty folded into the
 reward) are added on every trained token. Discounting steps over trained tokens only: tokens with
 mask 0 (prompt, tool output, padding) neither receive reward nor count as a time step.
+
+Sequence-level estimators (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp_baseline``) score a
+trajectory by its score plus the sum of its ``token_rewards`` over all its trained tokens (what
+verl does with a KL penalty in the reward: the group statistics see the penalised sequence
+return). Their group statistics are over trajectories, not rows: rows sharing a ``sample_index``
+(the segments of one trajectory) count once, and the trajectory's advantage is broadcast onto the
+trained tokens of every one of its segments.
 """
 
 from __future__ import annotations
@@ -54,15 +61,70 @@ def _rows(owner: str, inputs: AdvantageInputs) -> _Rows:
     return _Rows(mask, rewards.to(torch.float64), dtype)
 
 
-def _group_stats(owner: str, inputs: AdvantageInputs, values: "torch.Tensor") -> _GroupStats:
-    """Mean, unbiased std and size of each row's group, and whether the group has any spread."""
+class _Samples(NamedTuple):
+    """Trajectory-level view of the rows: ``inv`` ``[B]`` the sample of each row, ``group`` ``[S]``
+    the group of each sample, ``score`` ``[S]`` float64 its score plus its summed token rewards."""
+
+    inv: "torch.Tensor"
+    group: "torch.Tensor"
+    score: "torch.Tensor"
+
+
+def _int_index(owner: str, name: str, value: "torch.Tensor", rows: int) -> "torch.Tensor":
     import torch
 
-    index = chk.tensor1d(owner, "group_index", inputs.group_index, values.shape[0])
+    index = chk.tensor1d(owner, name, value, rows)
     if index.is_floating_point() or index.dtype == torch.bool:
-        raise TypeError(f"{owner}: group_index must be an integer tensor, got dtype {index.dtype}")
-    n_rows = values.shape[0]
-    if n_rows == 0:
+        raise TypeError(f"{owner}: {name} must be an integer tensor, got dtype {index.dtype}")
+    return index
+
+
+def _row_token_reward_sums(owner: str, inputs: AdvantageInputs, mask: "torch.Tensor") -> "torch.Tensor | None":
+    """Float64 ``[B]``: each row's ``token_rewards`` summed over its trained tokens (``None`` without)."""
+    import torch
+
+    if inputs.token_rewards is None:
+        return None
+    extra = chk.float_tensor2d(owner, "token_rewards", inputs.token_rewards, mask).to(torch.float64)
+    if not torch.isfinite(extra[mask]).all():
+        raise ValueError(f"{owner}: token_rewards hold NaN or inf on trained tokens")
+    return torch.where(mask, extra, torch.zeros((), dtype=torch.float64, device=mask.device)).sum(dim=1)
+
+
+def _samples(owner: str, inputs: AdvantageInputs, rows: _Rows) -> _Samples:
+    """Group the rows into trajectories (``sample_index``; every row its own without one) and
+    score each once: its score (equal on all its rows) plus its summed token rewards."""
+    import torch
+
+    n_rows = rows.mask.shape[0]
+    group = _int_index(owner, "group_index", inputs.group_index, n_rows).to(rows.mask.device)
+    if inputs.sample_index is None:
+        inv = torch.arange(n_rows, device=rows.mask.device)
+    else:
+        sample = _int_index(owner, "sample_index", inputs.sample_index, n_rows).to(rows.mask.device)
+        _, inv = torch.unique(sample, return_inverse=True)
+    n_samples = int(inv.max()) + 1 if n_rows else 0
+    score = rows.rewards.new_zeros(n_samples).scatter_reduce(0, inv, rows.rewards, "amax", include_self=False)
+    low = rows.rewards.new_zeros(n_samples).scatter_reduce(0, inv, rows.rewards, "amin", include_self=False)
+    g_max = group.new_zeros(n_samples).scatter_reduce(0, inv, group, "amax", include_self=False)
+    g_min = group.new_zeros(n_samples).scatter_reduce(0, inv, group, "amin", include_self=False)
+    bad = ((score != low) | (g_max != g_min)).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"{owner}: the rows of one trajectory (same sample_index) must share their rewards and "
+                         f"group_index; samples {bad[:10]} do not")
+    extra = _row_token_reward_sums(owner, inputs, rows.mask)
+    if extra is not None:
+        score = score + score.new_zeros(n_samples).index_add_(0, inv, extra)
+    return _Samples(inv, g_max, score)
+
+
+def _group_stats(index: "torch.Tensor", values: "torch.Tensor") -> _GroupStats:
+    """Mean, unbiased std and size of each item's group, and whether the group has any spread
+    (``index`` and ``values`` are ``[N]``, one entry per trajectory)."""
+    import torch
+
+    n_items = values.shape[0]
+    if n_items == 0:
         empty = values.new_zeros(0)
         return _GroupStats(empty, empty, empty, torch.zeros(0, dtype=torch.bool, device=values.device))
     _, inv = torch.unique(index.to(values.device), return_inverse=True)
@@ -156,14 +218,15 @@ def grpo(inputs: AdvantageInputs, *, norm_std: bool = True, eps: float = 1e-6) -
     norm_std = chk.flag(owner, "norm_std", norm_std)
     eps = chk.number(owner, "eps", eps, low=0.0)
     rows = _rows(owner, inputs)
-    stats = _group_stats(owner, inputs, rows.rewards)
-    centred = rows.rewards - stats.mean
+    samples = _samples(owner, inputs, rows)
+    stats = _group_stats(samples.group, samples.score)
+    centred = samples.score - stats.mean
     if norm_std:
         centred = centred / (stats.std_unbiased + eps)
     import torch
 
-    seq_adv = torch.where(stats.has_signal, centred, torch.zeros_like(centred))
-    return AdvantageOutput(advantages=_broadcast(seq_adv, rows.mask, rows.dtype))
+    sample_adv = torch.where(stats.has_signal, centred, torch.zeros_like(centred))
+    return AdvantageOutput(advantages=_broadcast(sample_adv[samples.inv], rows.mask, rows.dtype))
 
 
 def dr_grpo(inputs: AdvantageInputs) -> AdvantageOutput:
@@ -177,10 +240,11 @@ def rloo(inputs: AdvantageInputs) -> AdvantageOutput:
 
     owner = "rloo"
     rows = _rows(owner, inputs)
-    stats = _group_stats(owner, inputs, rows.rewards)
+    samples = _samples(owner, inputs, rows)
+    stats = _group_stats(samples.group, samples.score)
     scale = stats.count / (stats.count - 1).clamp_min(1)
-    seq_adv = torch.where(stats.has_signal, (rows.rewards - stats.mean) * scale, torch.zeros_like(rows.rewards))
-    return AdvantageOutput(advantages=_broadcast(seq_adv, rows.mask, rows.dtype))
+    sample_adv = torch.where(stats.has_signal, (samples.score - stats.mean) * scale, torch.zeros_like(samples.score))
+    return AdvantageOutput(advantages=_broadcast(sample_adv[samples.inv], rows.mask, rows.dtype))
 
 
 def reinforce_pp(inputs: AdvantageInputs, *, gamma: float = 1.0, whiten: bool = True,
@@ -198,8 +262,8 @@ def reinforce_pp(inputs: AdvantageInputs, *, gamma: float = 1.0, whiten: bool = 
 
 
 def reinforce_pp_baseline(inputs: AdvantageInputs, *, whiten: bool = True, eps: float = 1e-8) -> AdvantageOutput:
-    """REINFORCE++ with a group baseline: ``R_i`` (score plus the row's summed ``token_rewards``)
-    minus its group mean, broadcast onto tokens and whitened over the trained tokens of rows
+    """REINFORCE++ with a group baseline: ``R_i`` (score plus the trajectory's summed
+    ``token_rewards``) minus its group mean, broadcast onto tokens and whitened over the trained tokens of rows
     whose group has a signal; rows of groups without spread stay exactly 0."""
     import torch
 
@@ -207,14 +271,13 @@ def reinforce_pp_baseline(inputs: AdvantageInputs, *, whiten: bool = True, eps: 
     whiten = chk.flag(owner, "whiten", whiten)
     eps = chk.number(owner, "eps", eps, low=0.0)
     rows = _rows(owner, inputs)
-    seq_return = _token_rewards(owner, inputs, rows).sum(dim=1)
-    # Rows without trained tokens hold no token reward: their return is the bare score.
-    seq_return = torch.where(rows.mask.any(dim=1), seq_return, rows.rewards)
-    stats = _group_stats(owner, inputs, seq_return)
-    seq_adv = torch.where(stats.has_signal, seq_return - stats.mean, torch.zeros_like(seq_return))
+    samples = _samples(owner, inputs, rows)
+    stats = _group_stats(samples.group, samples.score)
+    sample_adv = torch.where(stats.has_signal, samples.score - stats.mean, torch.zeros_like(samples.score))
+    seq_adv = sample_adv[samples.inv]
     token_adv = torch.where(rows.mask, seq_adv[:, None], torch.zeros((), dtype=torch.float64, device=rows.mask.device))
     if whiten:
-        token_adv = masked_whiten(token_adv, rows.mask & stats.has_signal[:, None], eps)
+        token_adv = masked_whiten(token_adv, rows.mask & stats.has_signal[samples.inv][:, None], eps)
     return AdvantageOutput(advantages=token_adv.to(rows.dtype))
 
 

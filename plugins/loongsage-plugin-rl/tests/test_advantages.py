@@ -297,3 +297,78 @@ def test_errors_name_the_bad_input():
         inputs = make_inputs()
         inputs.group_index = inputs.group_index.float()
         adv.grpo(inputs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Token rewards in sequence-level estimators, and trajectories split into segments
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_sequence_estimators_score_the_summed_token_rewards(name):
+    # equal scores, different KL penalties folded into the token rewards: a signal appears
+    rewards = [1.0, 1.0, 1.0]
+    mask = [[1, 1, 0], [1, 1, 1], [0, 1, 1]]
+    penalty = [[-0.1, -0.1, -5.0], [-0.3, 0.0, -0.2], [-9.0, 0.0, -0.05]]  # off-mask values are ignored
+    plain = getattr(adv, name)(make_inputs(rewards, [0, 0, 0], mask)).advantages
+    assert torch.count_nonzero(plain) == 0
+    folded = getattr(adv, name)(make_inputs(rewards, [0, 0, 0], mask, token_rewards=penalty)).advantages
+    assert torch.count_nonzero(folded) > 0
+    # the row with the smallest penalty (-0.05) gets the largest advantage
+    first = [folded[i][torch.tensor(mask[i]).bool()][0].item() for i in range(3)]
+    assert first[2] > first[0] > first[1]
+    if name == "dr_grpo":
+        returns = [1.0 - 0.2, 1.0 - 0.5, 1.0 - 0.05]
+        mean = sum(returns) / 3
+        assert first == pytest.approx([r - mean for r in returns], abs=1e-6)
+
+
+def segmented(name, **kw):
+    """Group 0: trajectory A in three segments (rows 0-2, score 1), B and C one row each (score 0);
+    group 1: D (two segments, score 0.5) and E (score 0.5, no signal)."""
+    return AdvantageInputs(
+        rewards=torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.5]),
+        response_mask=torch.tensor([[1, 1, 0]] * 8),
+        group_index=torch.tensor([0, 0, 0, 0, 0, 1, 1, 1]),
+        sample_index=torch.tensor([10, 10, 10, 11, 12, 13, 13, 14]), **kw)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
+def test_a_trajectory_in_several_segments_counts_once(name):
+    out = getattr(adv, name)(segmented(name)).advantages
+    # per trajectory, exactly what three one-row trajectories with scores 1, 0, 0 give
+    single = getattr(adv, name)(make_inputs([1.0, 0.0, 0.0], [0, 0, 0], [[1, 1, 0]] * 3)).advantages
+    assert out[0].tolist() == out[1].tolist() == out[2].tolist()  # broadcast onto every segment
+    if name != "reinforce_pp_baseline":  # whitening spans all tokens, so only the signs compare
+        assert out[0, 0].item() == pytest.approx(single[0, 0].item())
+        assert out[3, 0].item() == pytest.approx(single[1, 0].item())
+    assert out[0, 0] > 0 > out[3, 0]
+    assert out[3].tolist() == out[4].tolist()
+    assert torch.count_nonzero(out[5:]) == 0  # equal scores: no signal, however many segments
+    if name == "grpo":  # counted per row, A would weigh three times: mean 0.6 instead of 1/3
+        rowwise = adv.grpo(make_inputs([1.0, 1.0, 1.0, 0.0, 0.0], [0] * 5, [[1, 1, 0]] * 5)).advantages
+        assert rowwise[0, 0].item() != pytest.approx(out[0, 0].item())
+
+
+def test_token_rewards_of_all_segments_add_to_the_trajectory_score():
+    penalty = torch.zeros(8, 3)
+    penalty[0, 0] = penalty[2, 1] = -0.25  # two segments of A, -0.5 in all
+    out = adv.dr_grpo(segmented("dr_grpo", token_rewards=penalty)).advantages
+    mean = (0.5 + 0.0 + 0.0) / 3
+    assert out[1, 0].item() == pytest.approx(0.5 - mean, abs=1e-6)
+    assert out[3, 0].item() == pytest.approx(-mean, abs=1e-6)
+
+
+def test_segments_of_one_trajectory_must_agree():
+    bad = segmented("grpo")
+    bad.rewards[1] = 0.0
+    with pytest.raises(ValueError, match="sample_index"):
+        adv.grpo(bad)
+    with pytest.raises(TypeError, match="sample_index must be an integer"):
+        adv.grpo(attrs_evolve(segmented("grpo"), sample_index=torch.zeros(8)))
+
+
+def attrs_evolve(inputs, **changes):
+    import attrs
+
+    return attrs.evolve(inputs, **changes)

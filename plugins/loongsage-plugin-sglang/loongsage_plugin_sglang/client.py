@@ -29,6 +29,8 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
+from loongsage_core.security import engine_headers
+
 DEFAULT_GROUP = "weight_update_group"
 """SGLang's default weight-update group name."""
 
@@ -85,9 +87,11 @@ def update_weights_from_distributed_body(names: Sequence[str], dtypes: Sequence[
 class SGLangClient:
     """Synchronous client of one SGLang server's control endpoints."""
 
-    def __init__(self, base_url: str, *, timeout: float | None = 600.0) -> None:
+    def __init__(self, base_url: str, *, timeout: float | None = 600.0, api_key: str | None = None) -> None:
+        """``api_key``: the run secret (default: the one set in this process, see ``loongsage_core.security``)."""
         self.base_url = base_url.rstrip("/")
-        self._client = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False)
+        self._client = httpx.Client(base_url=self.base_url, timeout=timeout, trust_env=False,
+                                    headers=engine_headers(api_key))
 
     def close(self) -> None:
         self._client.close()

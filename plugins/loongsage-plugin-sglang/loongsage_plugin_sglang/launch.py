@@ -38,6 +38,8 @@ RESERVED: dict[str, str] = {
     "dtype": "[model] dtype",
     "context_length": "[rollout] max_context_length",
     "tokenizer_path": "[model] tokenizer",
+    "api_key": "the run secret (every run generates one)",
+    "admin_api_key": "the run secret (every run generates one)",
 }
 """``engine_args`` keys LoongSage sets from the job, and where each one is configured instead."""
 

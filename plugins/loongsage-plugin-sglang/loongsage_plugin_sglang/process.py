@@ -35,6 +35,18 @@ def log_tail(path: str | os.PathLike[str] | None, max_lines: int = 40) -> str:
     return "\n".join(text.splitlines()[-max_lines:])
 
 
+SECRET_FLAGS = ("--api-key", "--admin-api-key")
+"""Flags whose value is the run secret: masked wherever a command line is shown."""
+
+
+def redact_command(command: Sequence[str]) -> list[str]:
+    """``command`` with the values of :data:`SECRET_FLAGS` replaced by ``***``."""
+    out = []
+    for i, arg in enumerate(command):
+        out.append("***" if i > 0 and command[i - 1] in SECRET_FLAGS else arg)
+    return out
+
+
 class ManagedProcess:
     """One server command line run as a subprocess in a new process group.
 
@@ -64,7 +76,7 @@ class ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **self.env}
         with open(self.log_path, "ab") as log:
-            log.write(("$ " + " ".join(self.command) + "\n").encode())
+            log.write(("$ " + " ".join(redact_command(self.command)) + "\n").encode())
             log.flush()
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, cwd=self.cwd, start_new_session=True)
@@ -72,7 +84,8 @@ class ManagedProcess:
     def failure(self, reason: str) -> ServerStartError:
         """A :class:`ServerStartError` for ``reason`` with the command line and the log tail."""
         tail = log_tail(self.log_path)
-        return ServerStartError(f"{self.name} {reason}\ncommand: {' '.join(self.command)}\nlog: {self.log_path}"
+        return ServerStartError(f"{self.name} {reason}\ncommand: {' '.join(redact_command(self.command))}\n"
+                                f"log: {self.log_path}"
                                 + (f"\n--- last lines of the log ---\n{tail}" if tail else ""))
 
     def wait_healthy(self, base_url: str, paths: Sequence[str] = ("/health",), timeout_s: float = 600.0,

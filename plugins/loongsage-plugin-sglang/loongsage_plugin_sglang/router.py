@@ -49,12 +49,16 @@ class SGLangRouterProcess:
 
     ``policy``: ``"cache_aware"`` (prefix-affinity with load balance) or ``"round_robin"`` (or
     ``"random"``, ``"power_of_two"``); ``extra_args``: more launcher flags (``{"log_level": "warn"}``);
-    ``startup_timeout_s``: limit for ``/health``; ``log_path``: the router's log file.
+    ``startup_timeout_s``: limit for ``/health``; ``log_path``: the router's log file;
+    ``api_key``: the run secret the router sends to the workers (``--api-key``; default: the one set
+    in this process, see ``loongsage_core.security``).
     """
 
     def __init__(self, worker_urls: Sequence[str], policy: str = "cache_aware", *, host: str = "127.0.0.1",
                  port: int = 0, extra_args: Mapping[str, Any] | None = None, startup_timeout_s: float = 120.0,
-                 log_path: str | None = None, python: str | None = None) -> None:
+                 log_path: str | None = None, python: str | None = None, api_key: str | None = None) -> None:
+        from loongsage_core.security import process_secret
+
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.policy = policy
         self.host = host
@@ -63,8 +67,8 @@ class SGLangRouterProcess:
         self.port = int(port) or free_port(host)
         self.python = python or sys.executable
         self.extra_args = dict(extra_args or {})
-        self.command = router_command(self.worker_urls, host=host, port=self.port, policy=policy,
-                                      extra_args=self.extra_args, python=self.python)
+        self.secret = api_key or process_secret()
+        self.command = self._command(self.port)
         self.startup_timeout_s = float(startup_timeout_s)
         self.log_path = Path(log_path) if log_path \
             else Path(tempfile.mkdtemp(prefix="loongsage-router-")) / "router.log"
@@ -86,12 +90,17 @@ class SGLangRouterProcess:
                                                     where="sglang router")
         return self.base_url
 
+    def _command(self, port: int) -> list[str]:
+        """The launch command line for ``port`` (with the run secret as ``--api-key`` when there is one)."""
+        command = router_command(self.worker_urls, host=self.host, port=port, policy=self.policy,
+                                 extra_args=self.extra_args, python=self.python)
+        return command + (["--api-key", self.secret] if self.secret else [])
+
     def _launch(self, port: int) -> str:
         """Run the router on ``port`` and wait for ``/health`` (stopped again if it never answers)."""
         if port != self.port:
             self.port = port
-            self.command = router_command(self.worker_urls, host=self.host, port=port, policy=self.policy,
-                                          extra_args=self.extra_args, python=self.python)
+            self.command = self._command(port)
         self.process = ManagedProcess(self.command, name="sglang router", log_path=self.log_path)
         return self.process.launch(f"http://{self.host}:{port}", ("/health",), timeout_s=self.startup_timeout_s)
 

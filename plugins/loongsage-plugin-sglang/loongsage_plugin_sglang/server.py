@@ -9,6 +9,11 @@ terminates the process group. The server is then reached only through SGLang's n
 Three ``[rollout] engine_args`` keys configure the launcher itself and are not passed to SGLang:
 ``startup_timeout_s`` (default 900), ``log_dir`` (default: a fresh temporary directory; the log is
 ``sglang_engine_<index>.log``) and ``env`` (a table of extra environment variables).
+
+With the run secret (``EngineContext.api_key``) the server is launched with ``--api-key`` and
+``--admin-api-key`` set to it, so generation and every control endpoint (weight updates,
+pause/continue, memory release) need ``Authorization: Bearer <secret>``; the secret is masked in
+the logged command line.
 """
 
 from __future__ import annotations
@@ -93,8 +98,8 @@ class SGLangServer:
         """A port given in the context is used as is; otherwise a free one, another if it is taken first."""
         self.port = int(ctx.port) if ctx.port else free_port(self.host)
         self.engine_index = int(ctx.engine_index)
-        self.command = sglang_command(job, host=self.host, port=self.port, engine_index=self.engine_index,
-                                      python=self.python)
+        self.secret = getattr(ctx, "api_key", None)
+        self.command = self._command(self.port)
         log_dir = Path(job.resolve_path(self.options["log_dir"])) if self.options.get("log_dir") \
             else Path(tempfile.mkdtemp(prefix="loongsage-sglang-"))
         self.log_path = log_dir / f"sglang_engine_{self.engine_index}.log"
@@ -116,12 +121,17 @@ class SGLangServer:
             self.base_url = retry_on_port_collision(self._launch, host=self.host, first_port=self.port, where=name)
         return self.base_url
 
+    def _command(self, port: int) -> list[str]:
+        """The launch command line for ``port`` (with the run secret as the server's API keys when set)."""
+        command = sglang_command(self.ctx.job, host=self.host, port=port, engine_index=self.engine_index,
+                                 python=self.python)
+        return command + (["--api-key", self.secret, "--admin-api-key", self.secret] if self.secret else [])
+
     def _launch(self, port: int) -> str:
         """Run the server on ``port`` and wait until it serves (stopped again if it never does)."""
         if port != self.port:
             self.port = port
-            self.command = sglang_command(self.ctx.job, host=self.host, port=port, engine_index=self.engine_index,
-                                          python=self.python)
+            self.command = self._command(port)
         self.process = ManagedProcess(self.command, name=f"sglang server (engine {self.engine_index})",
                                       log_path=self.log_path, env=self.options["env"])
         return self.process.launch(f"http://{self.host}:{port}", HEALTH_PATHS,

@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 from loongsage_plugin_sglang.launch import LaunchConfigError, build_launch_command, engine_args_to_flags
-from loongsage_plugin_sglang.process import ManagedProcess, ServerStartError
+from loongsage_plugin_sglang.process import ManagedProcess, ServerStartError, redact_command
+from loongsage_plugin_sglang.router import SGLangRouterProcess
 from loongsage_plugin_sglang.server import INSTALL_HINT, SGLangNotInstalled, SGLangServer, sglang_command
 
 from loongsage_core.config import load_job
@@ -199,3 +200,28 @@ def test_memory_saver_follows_colocated_offload(tmp_path):
     refused = load_job(write_job(tmp_path, "engine_args = { enable_memory_saver = false }"))
     with pytest.raises(LaunchConfigError, match="placement.offload = false"):
         sglang_command(refused, port=30000)
+
+
+def test_the_run_secret_becomes_api_key_and_admin_api_key_and_is_masked_in_logs(tmp_path):
+    job = load_job(write_job(tmp_path))
+    server = SGLangServer(EngineContext(job=job, components=None, engine_index=0, api_key="s3cret"))
+    argv = server.command
+    assert argv[argv.index("--api-key") + 1] == "s3cret" and argv[argv.index("--admin-api-key") + 1] == "s3cret"
+    assert "s3cret" not in " ".join(redact_command(argv))
+    assert "--api-key" not in SGLangServer(EngineContext(job=job, components=None)).command  # no secret: open
+    router = SGLangRouterProcess(["http://127.0.0.1:1"], api_key="s3cret")
+    assert router.command[-2:] == ["--api-key", "s3cret"]
+    proc = ManagedProcess([sys.executable, "-c", "import sys; sys.exit(2)", "--api-key", "s3cret"], name="t",
+                          log_path=tmp_path / "t.log")
+    proc.start()
+    with socket.socket() as closed, pytest.raises(ServerStartError) as err:  # bound, never listening
+        closed.bind(("127.0.0.1", 0))
+        proc.wait_healthy(f"http://127.0.0.1:{closed.getsockname()[1]}", timeout_s=30)
+    assert "s3cret" not in str(err.value) and "s3cret" not in (tmp_path / "t.log").read_text()
+
+
+@pytest.mark.parametrize("key", ["api_key", "admin-api-key"])
+def test_engine_args_cannot_set_the_api_keys(tmp_path, key):
+    job = load_job(write_job(tmp_path, engine_args=f'engine_args = {{ "{key}" = "mine" }}'))
+    with pytest.raises(LaunchConfigError, match="run secret"):
+        build_launch_command(job, port=30000)

@@ -80,7 +80,7 @@ class EmbeddedEngine:
         from .server import EngineServer
 
         self.scheduler.start()
-        server = EngineServer(self)
+        server = EngineServer(self, api_key=getattr(self.ctx, "api_key", None))
         ready = threading.Event()
         failure: list[BaseException] = []
         host = getattr(self.ctx, "host", "127.0.0.1") or "127.0.0.1"

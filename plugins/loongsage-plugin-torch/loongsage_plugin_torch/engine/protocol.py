@@ -187,6 +187,8 @@ def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: 
     seed_key = "sampling_seed" if "sampling_seed" in raw else "seed"
     if seed is not None and not _is_int(seed):
         raise InvalidRequest(f"'{w}{seed_key}' must be an integer, got {seed!r}", w + seed_key)
+    if seed is not None and not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
+        raise InvalidRequest(f"'{w}{seed_key}' must be in [-2**63, 2**64), got {seed}", w + seed_key)
     room = max_context - prompt_len
     max_new = raw.get("max_new_tokens")
     if max_new is None:

@@ -26,6 +26,11 @@ Paths and JSON fields follow SGLang so that one client drives both engines:
 ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``, ``GET /get_server_info``
 =============================  ==========================================================
 
+Authentication: an engine built with the run secret (``EngineContext.api_key``) answers only its
+health probes without it; every other request (generation included: it is cheap to check and
+keeps agents off the engines) needs ``Authorization: Bearer <secret>`` or ``x-api-key``, as SGLang
+with ``--api-key`` and ``--admin-api-key`` does, and gets a 401 otherwise.
+
 ``meta_info`` carries SGLang's ``id``, ``finish_reason``, ``prompt_tokens``,
 ``completion_tokens``, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
 ``weight_versions`` (spans ``{"version", "start", "end"}`` over the output tokens), the
@@ -45,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
+from loongsage_core.security import OPEN_PATHS, presented_token, token_matches
 from loongsage_core.weight_group import node_id
 
 from .protocol import (
@@ -100,10 +106,11 @@ def weight_version_spans(versions: list[int]) -> list[dict[str, Any]]:
 class EngineServer:
     """aiohttp application over an :class:`~.engine.EmbeddedEngine`."""
 
-    def __init__(self, engine: "EmbeddedEngine") -> None:
+    def __init__(self, engine: "EmbeddedEngine", api_key: str | None = None) -> None:
         self.engine = engine
+        self.api_key = api_key
         self.app = web.Application(client_max_size=engine.settings.max_request_mb * 1024 * 1024,
-                                   middlewares=[self._errors])
+                                   middlewares=[self._auth, self._errors])
         r = self.app.router
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
@@ -126,6 +133,16 @@ class EngineServer:
         # newer SGLang names of the same endpoints (sglang-router probes these)
         r.add_get("/model_info", self.get_model_info)
         r.add_get("/server_info", self.get_server_info)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """Every path but the health probes needs the run secret (when the engine has one)."""
+        if self.api_key is None or request.path in OPEN_PATHS:
+            return await handler(request)
+        if not token_matches(presented_token(request.headers), self.api_key):
+            return _error(401, f"{request.method} {request.path} needs the run secret "
+                               "('Authorization: Bearer <secret>')", "authentication_error")
+        return await handler(request)
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:

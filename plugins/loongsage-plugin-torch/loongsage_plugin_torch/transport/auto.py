@@ -29,6 +29,7 @@ from typing import Any, Iterable
 
 import torch
 
+from loongsage_core.security import engine_headers
 from loongsage_core.weight_group import node_id
 
 from .broadcast import BroadcastSender
@@ -61,7 +62,8 @@ class AutoSender:
         import httpx
 
         try:
-            response = httpx.get(url + "/get_server_info", timeout=self.timeout_s, trust_env=False)
+            response = httpx.get(url + "/get_server_info", timeout=self.timeout_s, trust_env=False,
+                                 headers=engine_headers())
             response.raise_for_status()
             info = response.json()
         except (httpx.HTTPError, ValueError) as exc:

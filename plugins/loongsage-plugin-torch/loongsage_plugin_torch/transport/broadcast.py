@@ -33,6 +33,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from loongsage_core.rendezvous import host_rendezvous, reachable_address
+from loongsage_core.security import engine_headers
 from loongsage_core.weight_group import (
     destroy_weight_update_group,
     init_weight_update_group,
@@ -113,7 +114,7 @@ class BroadcastSender:
                                           f"{answer.get('message', answer)}")
             return answer if isinstance(answer, dict) else {}
         if self._client is None:
-            self._client = httpx.Client(timeout=self.timeout_s, trust_env=False)
+            self._client = httpx.Client(timeout=self.timeout_s, trust_env=False, headers=engine_headers())
         try:
             response = self._client.post(url + path, json=body, timeout=timeout or self.timeout_s)
         except httpx.HTTPError as exc:

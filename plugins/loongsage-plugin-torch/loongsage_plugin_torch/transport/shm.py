@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
+from loongsage_core.security import engine_headers
+
 from .buckets import (
     BucketAssembler,
     BucketPacker,
@@ -165,7 +167,7 @@ class ShmSender:
 
         with self._lock:
             if self._client is None:
-                self._client = httpx.Client(timeout=self.timeout_s, trust_env=False)
+                self._client = httpx.Client(timeout=self.timeout_s, trust_env=False, headers=engine_headers())
             client = self._client
         url = target.rstrip("/") + ENDPOINT
         try:

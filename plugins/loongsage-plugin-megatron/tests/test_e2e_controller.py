@@ -1,4 +1,4 @@
-"""The megatron train backend end to end through the controller: Ray actors, a colocated
+"""The megatron train backend end to end through the host's controller: Ray actors, a colocated
 embedded engine, weights pushed every step, a frozen reference model; tensor parallelism 2
 against one rank on the same checkpoint and the same rollouts."""
 
@@ -13,7 +13,7 @@ from loongsage_core.config import load_job
 from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 MODEL = REPO / "configs" / "quickstart" / "model"  # a real HF checkpoint: 3 layers, 2 KV heads
 
 JOB = """
@@ -52,6 +52,22 @@ reward = ["exact_match"]
 [[loggers]]
 name = "jsonl"
 """
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """The session's Ray cluster when one is up (the whole suite), else a small local one for
+    this module (the plugin's own test environment)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    yield ray
+    if started:
+        ray.shutdown()
 
 
 def run(tmp_path: Path, tp: int) -> tuple[list[dict], Path]:

@@ -1,0 +1,239 @@
+"""The step's algorithm (DESIGN.md section 6), once per step and in one place.
+
+After the controller has put a step's rows into one :class:`Batch` with the log-probs the loss
+needs (``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs`` when a reference model runs,
+the teachers' tensors when sources distil, ``values`` when a critic runs),
+:meth:`StepAlgorithm.prepare` runs, in order::
+
+    pre-advantage corrections (M2PO mask, IS weights vs the rollout log-probs)
+        -> batch["correction_weights"], batch["correction_mask"]
+    token rewards: - kl_coef * KL(old || ref)            ([algorithm] kl_in_reward)
+                   - coef * distillation term            (distill_in_reward, or kl_in_reward when
+                                                           the teachers stand in for the reference)
+    advantages (and returns) from the rewards, the token rewards, the group and sample indices
+        -> batch["advantages"], batch["returns"]
+    step metrics: the train-inference gap ``train/is_approx_k3_kl`` (once, over the step's rows),
+                  advantage statistics, the corrections' and the penalties' means
+
+and :meth:`StepAlgorithm.mini_batches` cuts the rows into mini-batches, each with the one
+:class:`AggregationNorm` (global denominators) that the policy and the critic both train with.
+What is left per micro-batch (current log-probs -> post-forward corrections -> policy loss x
+masks x weights -> aggregation -> + KL / distillation / entropy terms) is
+:class:`~loongsage_core.algorithms.pipeline.LossPipeline`, inside the train backends: they never
+need to know this order.
+
+Token rewards hold only the penalties: the sequence score stays in ``rewards``; token-level
+estimators (``reinforce_pp``, ``gae``) add the penalties on their tokens, sequence-level ones
+(``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp_baseline``) add their sum to the trajectory's
+score (as verl does).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
+
+from loongsage_hookspecs import AdvantageInputs, AdvantageOutput, AggregationNorm, Batch, KLInputs
+
+from .norm import compute_norm
+from .pipeline import (
+    CORRECTION_MASK_KEY,
+    CORRECTION_WEIGHTS_KEY,
+    TEACHER_MASK_KEY,
+    LossPipelineError,
+    check_correction,
+    combine_corrections,
+    mean_metric,
+    require,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+
+class StepAlgorithm:
+    """Everything of the loss pipeline that runs once per step, on all of the step's rows.
+
+    ``components`` is the plugin host (or anything with ``get(kind, name)``). ``distill`` is the
+    job's distillation setup (``loongsage_core.controller.teachers.DistillSetup``: ``kl_name``,
+    ``kl_args``, ``coef``, ``in_reward``, ``separate``, ``key(field)``) or ``None``.
+    """
+
+    def __init__(self, job: Any, components: Any, *, distill: Any = None) -> None:
+        alg = job.algorithm
+        self.advantage = components.get("advantage", alg.advantage)
+        self.advantage_args = dict(alg.advantage_args)
+        self.pre_corrections: list[tuple[str, Any, dict[str, Any]]] = []
+        for name in alg.corrections:
+            spec = components.get("correction", name)
+            if spec.stage == "pre_advantage":
+                self.pre_corrections.append((name, spec, dict(alg.correction_args.get(name, {}))))
+        teachers_feed_kl = distill is not None and not distill.separate
+        # KL to the frozen reference model in the reward (the teachers feed it when they stand in
+        # for the reference: that is the distillation penalty below)
+        self.kl = None
+        if alg.kl and alg.kl_in_reward and alg.kl_coef != 0.0 and not teachers_feed_kl:
+            self.kl = components.get("kl", alg.kl)
+        self.kl_args = dict(alg.kl_args)
+        self.kl_coef = float(alg.kl_coef)
+        self.distill = distill if distill is not None and distill.in_reward else None
+        self.distill_spec = components.get("kl", distill.kl_name) if self.distill is not None else None
+
+    # -- once per step ---------------------------------------------------------------------------
+
+    def prepare(self, batch: Batch) -> dict[str, float]:
+        """Corrections, token rewards, advantages and returns into ``batch``; the step's metrics."""
+        if len(batch) == 0:
+            return {}
+        metrics = self.correct(batch)
+        penalty, penalty_metrics = self.token_penalties(batch)
+        metrics.update(penalty_metrics)
+        self.advantages(batch, penalty)
+        metrics.update(advantage_metrics(batch))
+        metrics.update(train_inference_gap(batch))
+        return metrics
+
+    def correct(self, batch: Batch) -> dict[str, float]:
+        """Run the pre-advantage corrections (job-file order) on the step's rows.
+
+        Stores the product of their weights and masks under :data:`CORRECTION_WEIGHTS_KEY` /
+        :data:`CORRECTION_MASK_KEY` (they travel with the rows into the micro-batches, where
+        :class:`LossPipeline` applies them) and returns their metrics as ``train/<name>``.
+        """
+        import torch
+
+        if not self.pre_corrections:
+            return {}
+        mask = require(batch, "loss_mask").to(torch.float32)
+        rollout = require(batch, "rollout_logprobs", "the off-policy corrections compare against it").float()
+        old = batch.get("old_logprobs")
+        old = rollout if old is None else old.float()
+        weights = torch.ones_like(mask)
+        keep = torch.ones_like(mask)
+        metrics: dict[str, float] = {}
+        for name, spec, args in self.pre_corrections:
+            from loongsage_hookspecs import CorrectionInputs
+
+            inputs = CorrectionInputs(old_logprobs=old, rollout_logprobs=rollout, response_mask=mask * keep)
+            out = check_correction(name, spec.fn(inputs, **args), mask.shape)
+            weights, keep = combine_corrections(weights, keep, out)
+            for key, value in out.metrics.items():
+                metrics[f"train/{key}"] = mean_metric(value, mask)
+        batch.tensors[CORRECTION_WEIGHTS_KEY] = weights.detach()
+        batch.tensors[CORRECTION_MASK_KEY] = keep.detach()
+        metrics["train/correction_kept_ratio"] = mean_metric(keep, mask)
+        return metrics
+
+    def token_penalties(self, batch: Batch) -> "tuple[torch.Tensor | None, dict[str, float]]":
+        """``[B, T]`` penalties folded into the token rewards (negative; 0 off the trained tokens),
+        or ``None`` when nothing goes into the reward; and their ``train/*`` means."""
+        mask = require(batch, "loss_mask").float()
+        total: torch.Tensor | None = None
+        metrics: dict[str, float] = {}
+        if self.kl is not None:
+            inputs = KLInputs(logprobs=require(batch, "old_logprobs", "the KL in the reward is of the policy").float(),
+                              ref_logprobs=require(batch, "ref_logprobs", "the KL in the reward compares against "
+                                                   "the reference model").float(), response_mask=mask)
+            kl = self._per_token("kl", self.kl, self.kl.fn(inputs, **self.kl_args), mask)
+            total = -self.kl_coef * kl
+            metrics["train/reward_kl"] = mean_metric(kl, mask)
+        if self.distill is not None:
+            assert self.distill_spec is not None
+            term_mask = mask * require(batch, TEACHER_MASK_KEY, "the teachers' pass fills it").float()
+            inputs = KLInputs(logprobs=require(batch, "old_logprobs").float(),
+                              ref_logprobs=require(batch, self.distill.key("logprobs")).float(),
+                              response_mask=term_mask)
+            term = self._per_token("distillation term", self.distill_spec,
+                                   self.distill_spec.fn(inputs, **dict(self.distill.kl_args)), term_mask)
+            penalty = float(self.distill.coef) * term
+            total = -penalty if total is None else total - penalty
+            if bool((term_mask > 0).any()):
+                metrics["train/reward_distill"] = mean_metric(term, term_mask)
+        return total, metrics
+
+    def advantages(self, batch: Batch, token_rewards: "torch.Tensor | None" = None) -> None:
+        """Advantages ``[B, T]`` (0 off the trained tokens) and, from estimators that give them,
+        ``returns`` into ``batch``. Tokens a pre-advantage correction masked are not trained
+        tokens for the estimator either."""
+        mask = require(batch, "loss_mask")
+        if CORRECTION_MASK_KEY in batch:
+            mask = mask * batch[CORRECTION_MASK_KEY].to(mask.dtype)
+        out = self.advantage.fn(AdvantageInputs(rewards=require(batch, "rewards"), response_mask=mask,
+                                                group_index=require(batch, "group_index"),
+                                                sample_index=batch.get("sample_index"),
+                                                token_rewards=token_rewards, values=batch.get("values")),
+                                **self.advantage_args)
+        if not isinstance(out, AdvantageOutput):
+            raise LossPipelineError(f"advantage {self.advantage.name!r} returned {type(out).__name__}, "
+                                    "expected AdvantageOutput")
+        if tuple(out.advantages.shape) != tuple(mask.shape):
+            raise LossPipelineError(f"advantage {self.advantage.name!r} returned shape {tuple(out.advantages.shape)}, "
+                                    f"expected per token {tuple(mask.shape)}")
+        batch.tensors["advantages"] = out.advantages.float() * batch["loss_mask"].float()
+        if out.returns is not None:
+            batch.tensors["returns"] = out.returns.float()
+
+    # -- mini-batches ----------------------------------------------------------------------------
+
+    @staticmethod
+    def norm(mini: Batch) -> AggregationNorm:
+        """The global denominators of one mini-batch (computed before it is sharded)."""
+        return compute_norm(mini)
+
+    def mini_batches(self, batch: Batch, order: Sequence[int], size: int) -> Iterator[tuple[Batch, AggregationNorm]]:
+        """Consecutive mini-batches of ``size`` rows in ``order``, each with its norm; a mini-batch
+        without a trained token is skipped (it has nothing to learn from)."""
+        for start in range(0, len(order), size):
+            mini = batch.select(list(order[start:start + size]))
+            if float(mini["loss_mask"].sum()) == 0.0:
+                continue
+            yield mini, self.norm(mini)
+
+    @staticmethod
+    def _per_token(what: str, spec: Any, value: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":
+        import torch
+
+        if tuple(value.shape) != tuple(mask.shape):
+            raise LossPipelineError(f"{what} {spec.name!r} returned shape {tuple(value.shape)}, expected per-token "
+                                    f"{tuple(mask.shape)}")
+        return torch.where(mask > 0, value.detach().float(), torch.zeros_like(mask, dtype=torch.float32))
+
+
+def train_inference_gap(batch: Batch) -> dict[str, float]:
+    """Gap between the trainer's old log-probs and the engine's rollout log-probs on the same tokens.
+
+    ``train/is_approx_k3_kl`` is the masked mean of ``exp(r) - r - 1`` with
+    ``r = logp_old - logp_rollout`` (DESIGN.md section 6), in float64 with ``expm1`` (in fp32,
+    ``exp(r) - r - 1`` cancels catastrophically for the tiny ``r`` of a consistent trainer and
+    engine).
+    """
+    import torch
+
+    if "old_logprobs" not in batch or "rollout_logprobs" not in batch:
+        return {}
+    mask = batch["loss_mask"] > 0
+    if not bool(mask.any()):
+        return {}
+    r = (batch["old_logprobs"] - batch["rollout_logprobs"]).double()[mask]
+    k3 = torch.expm1(r) - r
+    diff = r.abs()
+    return {
+        "train/is_approx_k3_kl": float(k3.mean()),
+        "train/logprob_abs_diff_mean": float(diff.mean()),
+        "train/logprob_abs_diff_max": float(diff.max()),
+    }
+
+
+def advantage_metrics(batch: Batch) -> dict[str, float]:
+    """``train/adv_*``: mean, mean absolute value and share of zeros over the trained tokens."""
+    mask = batch["loss_mask"] > 0
+    if not bool(mask.any()):
+        return {}
+    adv = batch["advantages"][mask]
+    return {
+        "train/adv_mean": float(adv.mean()),
+        "train/adv_abs_mean": float(adv.abs().mean()),
+        "train/adv_zero_ratio": float((adv == 0).float().mean()),
+    }
+
+
+__all__ = ["StepAlgorithm", "advantage_metrics", "train_inference_gap"]

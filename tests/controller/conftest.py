@@ -1,0 +1,199 @@
+"""A controller in one process, without Ray: the real loop, algorithm, rollout manager, rewards,
+filters and torch trainer on a tiny model; only the engines and the actor transport are fakes.
+
+* :class:`FakeEngine` has the face of :class:`loongsage_core.engine_client.EngineClient` (the
+  ``/generate`` call and the control calls). It answers each sample with a response text chosen
+  by a ``responder`` (correct or wrong answers to the prompt it recognises), tokenised with the
+  real tokenizer, with log-probs of its own (so the engine and the trainer disagree, as a
+  different inference stack would), and records every control call in a shared event list.
+* Trainer ranks are real :class:`loongsage_core.controller.actors.ModelActor` objects behind
+  :class:`loongsage_core.controller.remote.LocalActor` (in-process calls with Ray's face).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from loongsage_core.config import apply_override, structure_job
+from loongsage_core.controller.actors import ModelActor
+from loongsage_core.controller.colocation import PhaseSwitch
+from loongsage_core.controller.placement import Actors
+from loongsage_core.controller.remote import LocalActor
+from loongsage_core.controller.rollout import RolloutManager
+from loongsage_core.engine_client import GenerationResult
+from loongsage_core.resolve import resolve_job
+
+REPO = Path(__file__).resolve().parents[2]
+TOKENIZER = REPO / "tests" / "data" / "tokenizer"
+
+TINY = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 64,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        "max_position_embeddings": 512, "tie_word_embeddings": True}
+
+
+def base_job() -> dict[str, Any]:
+    """The job table of the controller tests: one arithmetic source, 2 prompts x 4 samples."""
+    return {
+        "plugins": {"enable": ["torch", "rl", "rewards", "agents", "distill", "schedulers"]},
+        "model": {"tokenizer": str(TOKENIZER), "config": dict(TINY)},
+        "train": {"lr": 1e-3, "total_steps": 2, "mini_batch_size": 8, "micro_batch_size": 4},
+        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 4, "max_new_tokens": 32,
+                    "max_context_length": 256},
+        "placement": {"colocate": False},
+        "run": {"seed": 3, "checkpoint_every": 0, "save_hf_at_end": False},
+        "algorithm": {"advantage": "grpo", "policy_loss": "ppo_clip", "loss_agg": "token_mean"},
+        "loggers": [],
+        "data": [{"name": "add", "generator": "arithmetic", "generator_args": {"num_samples": 32},
+                  "reward": ["exact_match"]}],
+    }
+
+
+def arithmetic_responder(prompt_text: str, sample: int) -> tuple[str, str]:
+    """Even samples answer ``What is a + b?`` correctly, odd ones wrongly; ``(text, finish_reason)``."""
+    m = re.search(r"What is ([-+ 0-9]+)\?", prompt_text)
+    value = eval(m.group(1)) if m else 0  # noqa: S307 - digits and +/- from our own generator
+    return (f"The answer is {value if sample % 2 == 0 else value + 1 + sample}", "stop")
+
+
+class FakeEngine:
+    """An engine client answering from ``responder``; control calls go to ``events``."""
+
+    def __init__(self, tokenizer: Any, events: list[str], responder: Callable[[str, int], tuple[str, str]],
+                 name: str = "engine0") -> None:
+        self.tokenizer = tokenizer
+        self.events = events
+        self.responder = responder
+        self.name = name
+        self.version = 0
+        self.requests = 0
+
+    async def generate(self, input_ids: Any, sampling_params: Any, *, return_logprob: bool = True,
+                       rids: Any = None, **_: Any) -> list[GenerationResult]:
+        prompts = [list(p) for p in input_ids]
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        out = []
+        for i, (tokens, p) in enumerate(zip(prompts, params)):
+            self.requests += 1
+            seed = int(p.get("sampling_seed", p.get("seed", 0)))
+            sample = int(str(rids[i]).rsplit(":", 1)[-1]) if rids else i
+            text, finish = self.responder(self.tokenizer.decode(tokens), sample)
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            rng = random.Random(seed)
+            # around log(1/512), what the untrained tiny model gives, off by up to +-0.2
+            logprobs = [-6.24 + 0.4 * (rng.random() - 0.5) for _ in ids]
+            out.append(GenerationResult(rid=str(rids[i]) if rids else str(i), output_ids=ids, logprobs=logprobs,
+                                        finish_reason=finish, finish_detail={}, weight_version=self.version,
+                                        weight_versions=[self.version] * len(ids), prompt_tokens=len(tokens),
+                                        cached_tokens=0, text=text, meta_info={}))
+        await asyncio.sleep(0)
+        return out
+
+    async def pause(self, mode: str = "abort") -> None:
+        self.events.append(f"{self.name}.pause:{mode}")
+
+    async def resume(self) -> None:
+        self.events.append(f"{self.name}.resume")
+
+    async def release_memory_occupation(self, tags: Any = None) -> None:
+        self.events.append(f"{self.name}.release:{','.join(tags or [])}")
+
+    async def resume_memory_occupation(self, tags: Any = None) -> None:
+        self.events.append(f"{self.name}.resume_memory:{','.join(tags or [])}")
+
+    async def aclose(self) -> None:
+        self.events.append(f"{self.name}.close")
+
+
+class RecordingTrainer(ModelActor):
+    """A real trainer rank that also notes the calls whose order the tests check."""
+
+    events: list[str]
+
+    def offload(self) -> None:
+        self.events.append("trainer.offload")
+        super().offload()
+
+    def onload(self) -> None:
+        self.events.append("trainer.onload")
+        super().onload()
+
+    def train_mini_batch(self, batch: Any, norm: Any) -> dict[str, float]:
+        self.events.append("trainer.train")
+        self.norms.append(norm)
+        return super().train_mini_batch(batch, norm)
+
+    def push_weights(self, version: int, targets: Any) -> dict[str, float]:
+        self.events.append(f"trainer.push:{version}")
+        return super().push_weights(version, [])  # nowhere to send: the engines are fakes
+
+
+def make_job(overrides: dict[str, Any] | None = None, dotted: tuple[str, ...] = ()) -> Any:
+    raw = base_job()
+    for section, table in (overrides or {}).items():
+        if isinstance(table, dict) and isinstance(raw.get(section), dict):
+            raw[section].update(table)
+        else:
+            raw[section] = table
+    for item in dotted:
+        apply_override(raw, item)
+    return structure_job(raw, source="<controller test>")
+
+
+def build_controller(tmp_path: Path, overrides: dict[str, Any] | None = None, *, dotted: tuple[str, ...] = (),
+                     responder: Callable[[str, int], tuple[str, str]] = arithmetic_responder) -> Any:
+    """A started controller (sync, or async with ``async.enable``) whose engines are fakes."""
+    from loongsage_core.controller.run import RLController
+
+    job = make_job(overrides, dotted)
+    resolved = resolve_job(job)
+    if job.async_.enable:
+        from loongsage_core.controller.async_run import AsyncRLController
+
+        controller: Any = AsyncRLController(resolved, tmp_path / "run")
+    else:
+        controller = RLController(resolved, tmp_path / "run")
+    controller.output_dir.mkdir(parents=True, exist_ok=True)
+    events: list[str] = []
+    trainer = RecordingTrainer(job, 0, 1, None, controller.needs_reference)
+    trainer.start("127.0.0.1", 0)  # one rank: no group to join
+    trainer.events = events
+    trainer.norms = []
+    controller.actors = Actors(trainers=[LocalActor(trainer)], engine_actors=[], engine_urls=["http://fake-engine"],
+                               colocated=job.placement.colocate, dp_ranks=[0], dp_size=1)
+    controller.rollout = RolloutManager(job, controller.host, controller.tokenizer, ["http://fake-engine"])
+    engine = FakeEngine(controller.tokenizer, events, responder)
+    controller.rollout.clients = [engine]
+    controller.rollout.generate_clients = [engine]
+    controller.phases = PhaseSwitch(job, controller.actors.trainers, controller.rollout.clients, controller.loop)
+    if controller.advantage.needs_critic:
+        from loongsage_core.controller.critic import Critic, CriticActor
+
+        critic = CriticActor(job, 0, 1)
+        critic.start("127.0.0.1", 0)  # one rank: no group to join
+        controller.critic = Critic(job, [LocalActor(critic)])
+    controller.events = events
+    controller.trainer = trainer
+    controller.engine = engine
+    return controller
+
+
+@pytest.fixture
+def controller_factory(tmp_path: Path):
+    """``make(overrides, dotted=..., responder=...)`` -> a controller; closed after the test."""
+    made: list[Any] = []
+
+    def make(overrides: dict[str, Any] | None = None, **kw: Any) -> Any:
+        c = build_controller(tmp_path / f"c{len(made)}", overrides, **kw)
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.actors = c.critic = None  # in-process: nothing to kill
+        c.close()

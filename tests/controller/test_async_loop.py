@@ -1,0 +1,95 @@
+"""The asynchronous loop without Ray: dispatch, collect through the filters, requeue, weight updates."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def _answer(prompt_text: str) -> int:
+    import re
+
+    m = re.search(r"What is ([-+ 0-9]+)\?", prompt_text)
+    return eval(m.group(1))  # noqa: S307 - digits and +/- from our own generator
+
+
+def test_async_steps_filter_requeue_and_update_weights(controller_factory):
+    groups = {"n": 0}
+
+    def responder(prompt_text, sample):
+        # the first two groups: every sample wrong (dropped by the filter); later every other one right
+        if sample == 0:
+            groups["n"] += 1
+        right = groups["n"] > 2 and sample % 2 == 0
+        return f"The answer is {_answer(prompt_text) + (0 if right else 1)}", "stop"
+
+    c = controller_factory({"async": {"enable": True, "scheduler": "no_window", "stale_steps": 1},
+                            "algorithm": {"filters": ["dynamic_sampling"]}}, responder=responder)
+    history = c.fit()
+    assert len(history) == 2
+    for m in history:
+        assert m["train/num_mini_batches"] == 1.0 and m["train/adv_abs_mean"] > 0
+        assert m["rollout/reward_mean"] == pytest.approx(0.5)  # only groups with a signal were trained
+    assert history[-1]["rollout/filter_drop"] == 2  # the two groups without a signal
+    assert c.version == 2
+    # each update: engines paused, weights pushed, engines resumed, in that order
+    updates = [e for e in c.events if e.startswith(("engine0.pause", "trainer.push", "engine0.resume"))]
+    assert updates[:6] == ["engine0.pause:abort", "trainer.push:1", "engine0.resume",
+                           "engine0.pause:abort", "trainer.push:2", "engine0.resume"]
+    lines = [json.loads(x) for x in (c.output_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    trained = [p for line in lines for p in line["prompt_ids"]]
+    assert len(trained) == 4 and len(set(trained)) == 4
+
+
+def test_failed_and_aborted_groups_go_back_to_the_queue(controller_factory):
+    def responder(text, sample):
+        return f"The answer is {sample}", "abort" if sample == 1 else "stop"
+
+    c = controller_factory({"async": {"enable": True, "scheduler": "no_window", "stale_steps": 0}},
+                           responder=responder)
+
+    async def scenario():
+        c._dispatch()
+        dispatched = c.dispatched
+        c.stopping = True  # collect what is in flight, dispatch nothing more
+        while c.inflight:
+            c.changed.clear()
+            await c.changed.wait()
+        return dispatched
+
+    dispatched = c.loop.run_until_complete(scenario())
+    assert dispatched == 2  # capacity: prompts_per_step * (1 + stale_steps)
+    assert c.buffer == [] and len(c.requeue) == 2  # aborted samples: the prompts are generated again
+    assert c.scheduler.metrics()["rollout/discarded_total"] == 2.0
+    assert [p.prompt_id for p in c.pending_prompts()] == [p.prompt_id for p in c.requeue]
+
+
+def test_surplus_groups_are_evicted_and_their_prompts_requeued(controller_factory):
+    # oversampling: 4 groups for a step of 2, no staleness allowed; the 2 the step does not take
+    # can never be trained within the bound, so the controller evicts them and requeues their prompts
+    c = controller_factory({"async": {"enable": True, "scheduler": "window_gated", "stale_steps": 0,
+                                      "scheduler_args": {"oversample": 1.0}}})
+
+    async def scenario():
+        c._dispatch()
+        c.stopping = True
+        while c.inflight:
+            c.changed.clear()
+            await c.changed.wait()
+        assert len(c.buffer) == 4
+        chosen = c.scheduler.select(c.buffer, c.version, 2)
+        for g in chosen:
+            c.buffer.remove(g)
+        await c._abort_unusable()
+        return chosen
+
+    chosen = c.loop.run_until_complete(scenario())
+    assert len(chosen) == 2 and c.buffer == []
+    assert len(c.requeue) == 2
+    requeued = {p.prompt_id for p in c.requeue}
+    assert requeued.isdisjoint({g.prompt_id for g in chosen})
+    assert set(c.group_prompts) == {g.group_id for g in chosen}  # evicted groups forgotten, chosen kept
+    # the chosen groups train as a normal step
+    metrics, tokens = c.learn(chosen, 0)
+    assert tokens > 0 and metrics["train/num_mini_batches"] == 1.0

@@ -1,0 +1,111 @@
+"""Component arguments checked at validate time against each component's signature or schema."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from loongsage_core.component_args import accepted_args, check_component_args, check_effective_settings
+from loongsage_core.config import ConfigError, structure_job
+from loongsage_core.plugins import PluginHost
+
+
+def job(**tables):
+    raw = {"plugins": {"enable": ["torch", "rl", "rewards", "agents", "schedulers", "loggers"]},
+           "data": [{"name": "a", "generator": "arithmetic", "reward": ["exact_match"]}]}
+    for key, value in tables.items():
+        raw.setdefault(key, {}) if not isinstance(value, list) else None
+        if isinstance(value, dict):
+            raw[key].update(value)
+        else:
+            raw[key] = value
+    return structure_job(raw, source="job.toml")
+
+
+@pytest.fixture(scope="module")
+def host():
+    return PluginHost.from_job(job())
+
+
+def test_signature_gives_accepted_and_required_keywords():
+    def reward(trajectory, *, pattern, mode="search"):
+        return 0.0
+
+    def loose(trajectory, **kwargs):
+        return 0.0
+
+    assert accepted_args(reward, 1) == (["pattern", "mode"], ["pattern"])
+    assert accepted_args(loose, 1) is None  # takes any keyword
+    assert accepted_args(lambda loss, mask, norm, scale=1.0: loss, 3) == (["scale"], [])
+    assert accepted_args(lambda batch_size, stale_steps, window=2: None, 0, ("batch_size", "stale_steps")) == (
+        ["window"], [])
+
+
+@pytest.mark.parametrize("tables, message", [
+    ({"data": [{"name": "a", "generator": "arithmetic", "reward": ["exact_match"],
+                "reward_args": {"exact_match": {"case_sensitve": True}}}]},
+     "job.toml: data[0].reward_args.exact_match.case_sensitve: unknown argument of reward 'exact_match'; "
+     "it takes: case_sensitive, extract, score"),
+    ({"data": [{"name": "a", "generator": "arithmetic", "reward": ["format"]}]},
+     "job.toml: data[0].reward_args.format: reward 'format' needs the argument(s) pattern"),
+    ({"algorithm": {"advantage": "grpo", "advantage_args": {"norm_stdd": False}}},
+     "algorithm.advantage_args.norm_stdd: unknown argument of advantage 'grpo'; it takes: norm_std, eps"),
+    ({"algorithm": {"loss_agg": "seq_mean_token_sum_norm", "loss_agg_args": {"max_length": 4}}},
+     "algorithm.loss_agg_args.max_length: unknown argument of loss aggregation"),
+    ({"algorithm": {"corrections": ["tis"], "correction_args": {"tis": {"uper": 2.0}}}},
+     "algorithm.correction_args.tis.uper: unknown argument of correction 'tis'"),
+    ({"algorithm": {"filters": ["dynamic_sampling"], "filter_args": {"dynamic_sampling": {"spread": 0.1}}}},
+     "algorithm.filter_args.dynamic_sampling.spread: unknown argument of filter 'dynamic_sampling'"),
+    ({"algorithm": {"kl": "k3", "kl_coef": 0.1, "kl_args": {"clip": 1.0}}},
+     "algorithm.kl_args.clip: unknown argument of kl 'k3'"),
+    ({"data": [{"name": "a", "generator": "arithmetic", "generator_args": {"num_sample": 3}}]},
+     "data[0].generator_args.num_sample: unknown argument of data source 'arithmetic'"),
+    ({"async": {"enable": True, "scheduler_args": {"batch_size": 3}}},
+     "async.scheduler_args.batch_size: unknown argument of scheduler"),  # the host sets it from the job
+])
+def test_bad_component_args_name_the_key(host, tables, message):
+    with pytest.raises(ConfigError) as err:
+        check_component_args(job(**tables), host)
+    assert message in str(err.value)
+
+
+def test_good_component_args_pass(host):
+    check_component_args(job(algorithm={"advantage": "grpo", "advantage_args": {"norm_std": False},
+                                        "corrections": ["tis"], "correction_args": {"tis": {"upper": 2.0}}},
+                             data=[{"name": "a", "generator": "arithmetic", "generator_args": {"num_samples": 4},
+                                    "reward": ["format"], "reward_args": {"format": {"pattern": "x"}}}]), host)
+
+
+def test_a_declared_args_schema_wins_over_the_signature(host):
+    @attrs.define
+    class Schema:
+        strength: float
+        bias: float = 0.0
+
+    @attrs.define
+    class SchemaSpec:  # a spec that declares its arguments (grpo's signature would refuse `strength`)
+        fn: object
+        args_schema: type = Schema
+
+    class Host:
+        def get(self, kind, name, where=None):
+            spec = host.get(kind, name, where=where)
+            return SchemaSpec(spec.fn) if kind == "advantage" else spec
+
+    with pytest.raises(ConfigError, match="needs the argument\\(s\\) strength"):
+        check_component_args(job(algorithm={"advantage_args": {}}), Host())
+    check_component_args(job(algorithm={"advantage_args": {"strength": 1.0}}), Host())
+
+
+@pytest.mark.parametrize("algorithm, message", [
+    ({"kl_in_reward": True}, "algorithm.kl_in_reward = true but algorithm.kl is not set"),
+    ({"kl": "k1", "kl_in_reward": True, "kl_coef": 0.0}, "kl_coef = 0 folds nothing"),
+    ({"kl_args": {"clamp": 1.0}}, "algorithm.kl_args is set but algorithm.kl is not"),
+    ({"distill_in_reward": True}, "algorithm.distill_in_reward is set but algorithm.distill_kl is not"),
+    ({"distill_kl": "opd_k3"}, "no [[data]] source names a teacher"),
+    ({"max_filter_retries": 2}, "algorithm.filters is empty"),
+])
+def test_settings_without_effect_are_refused(algorithm, message):
+    with pytest.raises(ConfigError) as err:
+        check_effective_settings(job(algorithm=algorithm))
+    assert message in str(err.value) and str(err.value).startswith("job.toml: ")
