@@ -56,9 +56,11 @@ def test_validate_by_name_applies_overrides(capsys):
 def test_listing_is_json_with_names_descriptions_and_paths(capsys):
     assert main(["recipes", "--json"]) == 0
     listed = {r["name"]: r for r in json.loads(capsys.readouterr().out)["recipes"]}
-    shipped = {p.relative_to(REPO / "configs").with_suffix("").as_posix()
+    # a file named like its folder (recipes/x/x.toml) is listed under the folder's name
+    shipped = {(p.parent if p.stem == p.parent.name else p.with_suffix("")).relative_to(REPO / "configs").as_posix()
                for p in (REPO / "configs").rglob("*.toml")}
     assert set(listed) == shipped
+    assert {"recipes/math_dapo", "recipes/mopd"} <= shipped
     assert listed["recipes/grpo"]["description"].startswith("GRPO (DeepSeekMath)")
     assert listed["recipes/dr_grpo"]["description"].startswith("Dr. GRPO")  # no cut at "Dr."
     assert Path(listed["recipes/grpo"]["path"]).is_file()

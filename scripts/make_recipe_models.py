@@ -1,0 +1,160 @@
+"""Build the data and tiny models of the ``math_dapo`` and ``mopd`` recipes (configs/recipes/).
+
+Both start from the warm-started quickstart model (configs/quickstart/model, built by
+``scripts/make_quickstart_model.py``), which knows single-digit addition and subtraction in the
+form ``What is 7 - 2?``. Fine-tuning it for a few epochs is enough to give each recipe a model
+that samples some right answers (so the reward is not stuck at 0) and leaves room to learn.
+
+``math_dapo`` (``--only math_dapo``):
+    * ``configs/recipes/math_dapo/word_problems.jsonl``: short word problems with a numeric answer
+      (``{"prompt", "label"}`` rows), e.g. ``Ann has 7 pens and loses 2. How many pens now?`` ->
+      ``5``, graded by the ``math_verify`` reward;
+    * ``configs/recipes/math_dapo/model/``: the quickstart model fine-tuned on those problems with
+      right answers (``--clean-epochs``), then with only a ``--p-correct`` share of right targets
+      (the rest random numbers of the answer range, ``--noisy-epochs``), so it learns the format
+      and ranks the right answer high without reliably sampling it.
+
+``mopd`` (``--only mopd``):
+    * ``configs/recipes/mopd/teacher_add/`` and ``teacher_sub/``: the quickstart model trained
+      further on right answers only, one on additions and one on subtractions. Each teacher is
+      much better than the student (the quickstart model) on its own task; the recipe routes each
+      data source to its teacher.
+
+Everything is seeded and runs on one CPU thread: the same arguments rewrite the same files.
+
+Usage::
+
+    python scripts/make_recipe_models.py                  # both recipes
+    python scripts/make_recipe_models.py --only mopd
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+QUICKSTART = ROOT / "configs" / "quickstart" / "model"
+RECIPES = ROOT / "configs" / "recipes"
+
+NAMES = ("Ann", "Bob", "Sam", "Eve")
+ITEMS = ("pens", "cats", "cups", "eggs")
+
+
+def word_problem(rng: random.Random) -> dict[str, Any]:
+    """One problem: ``a`` things, then ``b`` more (addition) or ``b`` fewer (subtraction, ``b <= a``)."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    if rng.random() < 0.5:
+        text, answer = f"{name} has {a} {item} and gets {b} more. How many {item} now?", a + b
+    else:
+        a, b = max(a, b), min(a, b)
+        text, answer = f"{name} has {a} {item} and loses {b}. How many {item} now?", a - b
+    return {"prompt": text, "label": str(answer)}
+
+
+def word_problems(num: int, seed: int) -> list[dict[str, Any]]:
+    """``num`` distinct problems (fewer if the templates run out), in a seeded order."""
+    rng = random.Random(seed)
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(num * 20):
+        row = word_problem(rng)
+        seen.setdefault(row["prompt"], row)
+        if len(seen) == num:
+            break
+    return list(seen.values())
+
+
+def _sft_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows in the shape the quickstart warm start trains on (``metadata["answer"]`` an int)."""
+    return [{"prompt": r["prompt"], "label": r["label"], "metadata": {"answer": int(r["label"])}} for r in rows]
+
+
+def _save(model: Any, tok: Any, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    tok.save_pretrained(str(out))
+    print(f"wrote {out}", flush=True)
+
+
+def build_math_dapo(mq: Any, args: argparse.Namespace) -> None:
+    """Write the word-problem set and the warm-started model of the ``math_dapo`` recipe."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = RECIPES / "math_dapo"
+    rows = word_problems(args.num_problems, args.seed)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "word_problems.jsonl", "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    print(f"wrote {len(rows)} problems to {out / 'word_problems.jsonl'}", flush=True)
+
+    tok = AutoTokenizer.from_pretrained(str(QUICKSTART))
+    model = AutoModelForCausalLM.from_pretrained(str(QUICKSTART))
+    train = _sft_rows(rows[:args.sft_problems])
+    mq.warm_start(model, tok, train, p_correct=1.0, epochs=args.clean_epochs, lr=args.lr,
+                  batch_size=32, seed=args.seed)
+    mq.warm_start(model, tok, train, p_correct=args.p_correct, epochs=args.noisy_epochs, lr=args.noisy_lr,
+                  batch_size=32, seed=args.seed + 3)
+    held_out = _sft_rows(rows[-64:])
+    print("math_dapo student:", json.dumps(mq.evaluate(model, tok, held_out, samples=4, max_new_tokens=8,
+                                                      seed=args.seed + 1)), flush=True)
+    _save(model, tok, out / "model")
+
+
+def build_mopd(mq: Any, args: argparse.Namespace) -> None:
+    """Write the two teachers of the ``mopd`` recipe, one per arithmetic operation."""
+    from loongsage_plugin_rewards.sources.arithmetic import arithmetic_rows
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(QUICKSTART))
+    for name, op in (("teacher_add", "+"), ("teacher_sub", "-")):
+        rows = arithmetic_rows(num_samples=2000, seed=0, digits=1, num_operands=2, ops=op)
+        questions = list({r["prompt"]: r for r in rows}.values())
+        model = AutoModelForCausalLM.from_pretrained(str(QUICKSTART))
+        before = mq.evaluate(model, tok, questions, samples=2, max_new_tokens=8, seed=args.seed + 1)
+        mq.warm_start(model, tok, questions, p_correct=1.0, epochs=args.teacher_epochs, lr=args.teacher_lr,
+                      batch_size=32, seed=args.seed)
+        after = mq.evaluate(model, tok, questions, samples=2, max_new_tokens=8, seed=args.seed + 1)
+        print(f"{name} ({op}): student {json.dumps(before)} -> teacher {json.dumps(after)}", flush=True)
+        _save(model, tok, RECIPES / "mopd" / name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("math_dapo", "mopd"), help="build one recipe's files only")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-problems", type=int, default=2000, help="word problems in the shipped set")
+    parser.add_argument("--sft-problems", type=int, default=1200, help="problems the student is fine-tuned on")
+    parser.add_argument("--clean-epochs", type=int, default=6, help="epochs on right answers only")
+    parser.add_argument("--noisy-epochs", type=int, default=1, help="epochs on partly random answers")
+    parser.add_argument("--p-correct", type=float, default=0.3, help="share of right targets when noisy")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the clean phase")
+    parser.add_argument("--noisy-lr", type=float, default=3e-4, help="peak learning rate of the noisy phase")
+    parser.add_argument("--teacher-epochs", type=int, default=20)
+    parser.add_argument("--teacher-lr", type=float, default=1e-3)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import make_quickstart_model as mq
+
+    torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    if args.only in (None, "math_dapo"):
+        build_math_dapo(mq, args)
+    if args.only in (None, "mopd"):
+        build_mopd(mq, args)
+    print(f"done in {time.perf_counter() - t0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
