@@ -2,8 +2,9 @@
 
 Property tests run with no per-example deadline: on a loaded machine (CI, a flake hunt under CPU
 load) one example may take longer than Hypothesis's 200 ms default without anything being wrong.
-Their order is pytest-randomly's (a seed per run, printed in the header); Hypothesis's own
-randomness follows that seed, so a failing run replays with ``--randomly-seed=SEED``.
+Under the flake hunt's random order (``-p randomly``, a seed per run printed in the header)
+Hypothesis's own randomness follows that seed, so a failing run replays with
+``-p randomly --randomly-seed=SEED``.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ if settings is not None:
 @pytest.fixture(autouse=True)
 def no_run_secret_from_an_earlier_test():
     """Each test starts without a run secret in this process: a controller run (``run_job``) sets
-    one process-wide and keeps it, so without this a later test (an sglang-router test, say) would
-    send or demand it depending on the order the tests ran in."""
+    one process-wide until it closes, and a test that stops a run half-way (or builds a controller
+    without closing it) would otherwise leave it to a later test."""
     try:
         from loongsage_core.security import set_process_secret
     except ImportError:  # an environment without the host (tox's hookspecs env)
