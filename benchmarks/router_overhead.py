@@ -12,6 +12,9 @@ processes, as in a deployment (the router is its own Ray actor there):
 Latency: sequential calls, median and p90 per call; the router's added latency is the median of
 paired differences (each router call next to the direct call of the same turn), which keeps
 drifting machine load out of it.
+Per protocol (``protocols``: Chat Completions, Responses, Anthropic Messages), paired the same
+way: the added latency of a non-streaming call, and the time to the first streamed text event
+against the time to the first streamed token of ``/generate`` with ``stream: true``.
 Throughput: ``--concurrency`` clients in parallel, requests per second for each path.
 ``--turns`` > 1 makes every router trajectory a growing conversation, so later calls pay the
 delta rendering of a longer history (the direct path gets the same token contexts).
@@ -95,6 +98,81 @@ async def conversation(client: Any, router: Any, renderer: Any, engine_url: str,
             messages = messages + [body["choices"][0]["message"], {"role": "user", "content": "more"}]
 
 
+PROTOCOLS: dict[str, tuple[str, Any]] = {
+    "chat": ("/chat/completions", lambda text, n: {"model": "m", "messages": [{"role": "user", "content": text}]}),
+    "responses": ("/responses", lambda text, n: {"model": "m", "input": text}),
+    "anthropic": ("/messages", lambda text, n: {"model": "m", "max_tokens": n,
+                                                "messages": [{"role": "user", "content": text}]}),
+}
+
+
+def is_text_event(protocol: str, event: dict[str, Any]) -> bool:
+    """Whether a streamed event carries generated text (per protocol), or a token (engine)."""
+    if protocol == "direct":
+        return bool(event.get("output_ids"))
+    if protocol == "chat":
+        return bool(event.get("choices") and event["choices"][0]["delta"].get("content"))
+    if protocol == "responses":
+        return event.get("type") == "response.output_text.delta"
+    return event.get("type") == "content_block_delta" and event["delta"].get("type") == "text_delta"
+
+
+async def first_text_s(client: Any, url: str, body: dict[str, Any], protocol: str) -> float:
+    """Seconds until the first text event of a streamed call (the rest is read to the end)."""
+    t0 = time.perf_counter()
+    first = None
+    async with client.stream("POST", url, json={**body, "stream": True}) as resp:
+        async for line in resp.aiter_lines():
+            if first is None and line.startswith("data: {") and is_text_event(protocol, json.loads(line[6:])):
+                first = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError(f"{protocol}: the stream had no text event")
+    return first
+
+
+async def protocol_latency(client: Any, router: Any, renderer: Any, engine_url: str, calls: int,
+                           max_tokens: int) -> dict[str, Any]:
+    """Per protocol: added latency of a call and added time to the first streamed token, paired."""
+    out: dict[str, Any] = {}
+    # enough tokens that a stream has a first token well before its last
+    sampling = {**sampling_for(max(max_tokens, 16)), "stop_token_ids": [511]}
+    for protocol, (path, make) in PROTOCOLS.items():
+        added: list[float] = []
+        ttft: list[float] = []
+        ttft_direct: list[float] = []
+        for i in range(calls + 2):  # the first two warm up
+            text = f"Question {i}: what is 12 * 34?"
+            prompt = renderer.prompt_tokens([{"role": "user", "content": text}])
+            direct = {"input_ids": prompt, "return_logprob": True, "sampling_params": sampling}
+            names = [f"{protocol}-{i}-{k}" for k in range(2)]
+            for name in names:
+                await router.aregister(name, sampling=sampling)
+            t0 = time.perf_counter()
+            (await client.post(f"{engine_url}/generate", json=direct)).raise_for_status()
+            t_direct = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            (await client.post(router.url_for(names[0]) + path, json=make(text, sampling["max_new_tokens"]))
+             ).raise_for_status()
+            t_router = time.perf_counter() - t0
+            f_direct = await first_text_s(client, f"{engine_url}/generate", direct, "direct")
+            f_router = await first_text_s(client, router.url_for(names[1]) + path,
+                                          make(text, sampling["max_new_tokens"]), protocol)
+            for name in names:
+                await router.apop(name)
+            if i >= 2:
+                added.append(t_router - t_direct)
+                ttft.append(f_router)
+                ttft_direct.append(f_direct)
+        out[protocol] = {
+            "added_median_ms": round(statistics.median(added) * 1000, 3),
+            "first_token_median_ms": round(statistics.median(ttft) * 1000, 3),
+            "engine_first_token_median_ms": round(statistics.median(ttft_direct) * 1000, 3),
+            "first_token_added_median_ms": round(statistics.median(
+                [r - d for r, d in zip(ttft, ttft_direct)]) * 1000, 3),
+        }
+    return out
+
+
 def sampling_for(max_tokens: int) -> dict[str, Any]:
     return {"max_new_tokens": max_tokens, "temperature": 1.0, "ignore_eos": True}
 
@@ -152,6 +230,8 @@ async def measure(router: Any, renderer: Any, engine_url: str, args: argparse.Na
         lat_r: list[float] = []
         elapsed = await batch(router, [f"pr{i}" for i in range(convs)], args.max_tokens, parallel("pr", False, lat_r))
         result["router_requests_per_s"] = round(len(lat_r) / elapsed, 2)
+        result["protocols"] = await protocol_latency(client, router, renderer, engine_url, args.protocol_calls,
+                                                     args.max_tokens)
         return result
 
 
@@ -161,6 +241,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=4)
     parser.add_argument("--turns", type=int, default=1, help="calls per trajectory (conversation length)")
+    parser.add_argument("--protocol-calls", type=int, default=30, help="paired calls per protocol")
     args = parser.parse_args()
 
     from transformers import AutoTokenizer

@@ -302,7 +302,11 @@ class DataConfig:
 
 @attrs.define
 class AgentFlowConfig:
-    """The AgentFlow router: middleware in the listed order, per-trajectory budgets, agent limits."""
+    """The AgentFlow router: middleware in the listed order, per-trajectory budgets, agent limits.
+
+    ``access_log``: a JSON-lines file that gets one line per router request (method, path,
+    status, milliseconds); empty: the log is kept in memory only (``GET /admin/access_log``).
+    """
 
     middleware: list[str] = attrs.field(factory=list)
     middleware_args: dict[str, Args] = attrs.field(factory=dict)
@@ -313,6 +317,7 @@ class AgentFlowConfig:
     # requests bigger than this get a 413, conversations with more text a 400, before tokenizing
     max_request_bytes: int = attrs.field(default=8 * 1024 * 1024, validator=_count)
     max_prompt_chars: int = attrs.field(default=1_000_000, validator=_count)
+    access_log: str = ""  # a file the router appends its access log to (JSON lines); "" keeps it in memory
 
 
 @attrs.define

@@ -104,6 +104,13 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     for key, kind, name in named_components(job):
         host.get(kind, name, where=f"{where}: {key}")
         resolved.components[key] = (kind, name, host.provider(kind, name))
+    for i, src in enumerate(job.data):
+        check = getattr(host.get("agent", src.agent, where=f"{where}: data[{i}].agent"), "check_args", None)
+        if check is not None:
+            try:
+                check(**dict(src.agent_args))
+            except (ValueError, TypeError, OSError) as exc:
+                raise ConfigError(f"{where}: data[{i}].agent_args: {exc}") from None
     from .controller.teachers import distill_setup  # light: torch is imported only when teachers run
 
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run

@@ -3,8 +3,9 @@
 A weight transport that broadcasts (the torch plugin's ``broadcast``, the sglang plugin's
 ``sglang_nccl``) needs a ``torch.distributed`` group of its own beside any group the trainer
 already belongs to (its data/tensor-parallel world). SGLang's ``/init_weights_update_group``
-fixes the shape: the trainer is rank 0 and hosts a TCP store on ``master_port``; each engine rank
-joins as ``rank_offset + i``; the store is namespaced by ``group_name`` so several groups can
+fixes the shape: the trainer is rank 0 and hosts a TCP store on ``master_port`` (opened first with
+:func:`loongsage_core.rendezvous.host_rendezvous`, so the port is bound before any engine is told
+it); each engine rank joins as ``rank_offset + i``; the store is namespaced by ``group_name`` so several groups can
 share one port's lifetime without clashing. The sender side and every receiver (an engine built
 on this project, or a stand-in) call :func:`init_weight_update_group` with the same arguments
 except the rank; the group is set up once and reused for every update.
@@ -17,14 +18,10 @@ import os
 import socket
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from datetime import timedelta
-from typing import Any, Callable, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now (for a rendezvous the caller hosts)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+if TYPE_CHECKING:
+    from .rendezvous import Rendezvous
 
 
 NODE_ID_ENV = "LOONGSAGE_NODE_ID"
@@ -57,20 +54,25 @@ def resolve_backend(backend: str, device: str | None = None) -> str:
 
 
 def init_weight_update_group(master_address: str, master_port: int, rank: int, world_size: int, *,
-                             group_name: str, backend: str = "nccl", timeout_s: float = 600.0) -> Any:
+                             group_name: str, backend: str = "nccl", timeout_s: float = 600.0,
+                             store: Any = None) -> Any:
     """Join a process group of its own (beside any default group) and return it.
 
     Every member calls this with the same address, port, world size and group name: rank 0
-    hosts the TCP store, and the group is registered with ``torch.distributed`` so collectives
+    hosts the TCP store (``store``: the one it opened with ``host_rendezvous``, else it listens on
+    ``master_port`` here), and the group is registered with ``torch.distributed`` so collectives
     accept it as ``group=`` and ranks inside it are the ranks given here.
     """
     from torch.distributed import distributed_c10d as c10d
 
     if not 0 <= int(rank) < int(world_size):
         raise ValueError(f"weight update group {group_name!r}: rank {rank} is outside world size {world_size}")
+    if store is not None and int(rank) != 0:
+        raise ValueError(f"weight update group {group_name!r}: only rank 0 hosts the store, got rank {rank}")
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{int(master_port)}", int(rank),
-                                                   int(world_size), timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{int(master_port)}", int(rank),
+                                                       int(world_size), timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)
     # the keyword naming backend options changed across torch releases
@@ -84,18 +86,20 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     return group
 
 
-def join_with_engines(pool: Executor, engine_joins: Sequence[Callable[[], Any]], master_address: str,
-                      master_port: int, world_size: int, *, group_name: str, backend: str, timeout_s: float,
-                      where: str) -> Any:
+def join_with_engines(pool: Executor, engine_joins: Sequence[Callable[[], Any]], rendezvous: "Rendezvous",
+                      world_size: int, *, group_name: str, backend: str, timeout_s: float, where: str) -> Any:
     """Set up a group as its rank 0 while every engine is asked to join; returns the group.
 
-    ``engine_joins`` are the engines' join requests (each a ``POST /init_weights_update_group``),
-    run in ``pool`` beside this process's own rendezvous. An engine that refuses to join fails the
-    set-up at once instead of after the rendezvous timeout; ``where`` names the caller in errors.
+    ``rendezvous`` is the store this process opened (``host_rendezvous``) before the engines were
+    told its address and port; ``engine_joins`` are the engines' join requests (each a
+    ``POST /init_weights_update_group``), run in ``pool`` beside this process's own join. An engine
+    that refuses to join fails the set-up at once instead of after the rendezvous timeout;
+    ``where`` names the caller in errors.
     """
+    master_address, master_port = rendezvous.address, rendezvous.port
     joins = [pool.submit(join) for join in engine_joins]
     group = pool.submit(init_weight_update_group, master_address, master_port, 0, world_size,
-                        group_name=group_name, backend=backend, timeout_s=timeout_s)
+                        group_name=group_name, backend=backend, timeout_s=timeout_s, store=rendezvous.store)
     done, _ = wait([*joins, group], timeout=timeout_s + 60, return_when=FIRST_EXCEPTION)
     for fut in done:
         fut.result()

@@ -28,4 +28,6 @@ fi
 # Megatron-Core backend: megatron-bridge declares GPU-only packages it does not need here
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-megatron.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps megatron-bridge==0.3.1
+# the black-box agent CLIs (agents `codex`, `claude_code`, `opencode`), pinned, into .tools/npm
+bash scripts/install_agent_clis.sh || echo "warning: could not install the agent CLIs; see scripts/install_agent_clis.sh" >&2
 echo "LoongSage installed in .venv ($(.venv/bin/python --version))"

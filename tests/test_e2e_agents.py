@@ -65,6 +65,8 @@ def test_black_box_agent_trains_through_the_router(ray_cluster, tmp_path):
         # two model turns each, so the recorded rows hold two generated spans per trajectory
         assert m["rollout/num_rows"] >= 6.0
         assert m["train/is_approx_k3_kl"] < 1e-6
+        # the second turn extends the first: the engine's prefix cache serves most of its prompt
+        assert 0.3 < m["rollout/prefix_cache_hit_ratio"] < 1.0
     assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1]
 
 

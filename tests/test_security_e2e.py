@@ -151,9 +151,10 @@ def test_loongsage_serve_prints_the_agent_url_its_key_and_where_the_secret_is(tm
 
     (tmp_path / "job.toml").write_text(JOB)
     run_dir = tmp_path / "served"
+    log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen([sys.executable, "-m", "loongsage_core", "serve", str(tmp_path / "job.toml"),
                              "run.ray_num_cpus=2", "run.ray_object_store_mb=80", "--output-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 300
@@ -163,6 +164,8 @@ def test_loongsage_serve_prints_the_agent_url_its_key_and_where_the_secret_is(tm
                 break
             lines.append(line.strip())
         printed = {line.split(":", 1)[0]: line.split(": ", 1)[1] for line in lines if ": " in line}
+        assert "what it recorded" in printed, f"serve printed {lines}; stderr tail: " \
+            f"{(tmp_path / 'serve.log').read_text()[-3000:]}"
         secret_file = run_dir / "run_secret"
         assert printed["run secret file (mode 0600; /admin and the engines want it as a bearer token)"] \
             == str(secret_file)
@@ -180,3 +183,4 @@ def test_loongsage_serve_prints_the_agent_url_its_key_and_where_the_secret_is(tm
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+        log.close()

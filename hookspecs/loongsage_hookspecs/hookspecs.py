@@ -200,7 +200,12 @@ def loongsage_router_middlewares() -> Iterable[RouterMiddlewareSpec]:
     """Provide AgentFlow router middleware (request/response inspection and rewriting).
 
     ``factory(**args)`` returns an object with ``on_request`` and ``on_response``; the router
-    chains them in job-file order.
+    chains them in job-file order. Both see chat-completions bodies whatever protocol the agent
+    speaks (the router translates Responses and Anthropic Messages requests). Optional, for
+    streaming: ``stream_holdback(request, text) -> int`` declares ``on_response`` safe to run on
+    partial responses and says how many trailing characters of the partial text it cannot judge
+    yet (a tool call being written); ``changes_response = False`` marks one that never changes
+    responses (a logger). While a middleware has neither, a turn's text is streamed only at its end.
 
     Example::
 

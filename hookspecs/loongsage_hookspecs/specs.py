@@ -128,10 +128,14 @@ class AgentSpec(ComponentSpec):
     """``factory(**args) -> Agent`` (see :class:`~loongsage_hookspecs.protocols.Agent`).
 
     ``needs_sandbox`` asks the host to create a sandbox for every trajectory of this agent.
+    ``check_args(**args)``, when given, is what ``loongsage validate`` runs on the data source's
+    ``agent_args`` before anything starts (unknown arguments, a program that is not installed):
+    it raises ``ValueError`` with a one-line reason, which the host reports with the job-file key.
     """
 
     factory: "Callable[..., Any]"
     needs_sandbox: bool = False
+    check_args: "Callable[..., None] | None" = None
 
 
 @attrs.define(frozen=True, kw_only=True)

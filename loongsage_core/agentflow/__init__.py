@@ -1,8 +1,9 @@
-"""AgentFlow: the OpenAI-compatible router that turns agents' chat completions into trajectories.
+"""AgentFlow: the router that turns agents' model calls into token-exact trajectories.
 
 Agents never see tokens. Each trajectory gets a base URL ``{router}/{trajectory_id}/{attempt}/v1``
-where any OpenAI client can call ``chat/completions`` (streaming or not, with tools or not) and
-``models``. The router renders requests with the model's chat template incrementally (token-in,
+where an agent calls ``chat/completions`` (OpenAI Chat Completions), ``responses`` (OpenAI
+Responses, Codex) or ``messages`` (Anthropic Messages, Claude Code), streaming or not, with tools
+or not. The router renders requests with the model's chat template incrementally (token-in,
 token-out: earlier model output is reused token for token, never re-tokenized), sends token ids to
 rollout engines (SGLang's native ``/generate``), and records per trajectory the tokens, loss
 mask, rollout log-probs, weight versions and turn boundaries, as

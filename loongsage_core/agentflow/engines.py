@@ -3,13 +3,15 @@
 The router sends token ids, never text: ``POST /generate`` with ``input_ids``,
 ``sampling_params``, ``return_logprob`` and a request id, and reads ``output_ids``, the per-token
 log-probs (``meta_info.output_token_logprobs``), the finish reason and the weight version.
+:func:`engine_generate_stream` asks for ``stream: true`` and yields the generation as it grows
+(SGLang's server-sent events: ``data: {...}`` lines, ``data: [DONE]`` at the end).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import attrs
 
@@ -26,6 +28,7 @@ class EngineOutput:
     finish_reason: str
     matched_stop: Any = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
 
 
 def _version(value: Any) -> int:
@@ -82,7 +85,9 @@ def parse_generate_response(data: Any, url: str) -> EngineOutput:
     top_lps = None
     if isinstance(top, list) and len(top) == len(out_ids):
         top_lps = [[(float(e[0]), int(e[1])) for e in (row or []) if e and e[0] is not None] for row in top]
-    return EngineOutput(out_ids, logprobs, versions, kind, matched, top_lps)
+    cached = meta.get("cached_tokens")
+    return EngineOutput(out_ids, logprobs, versions, kind, matched, top_lps,
+                        cached_tokens=int(cached) if isinstance(cached, int) else 0)
 
 
 class EngineBalancer:
@@ -156,6 +161,82 @@ async def engine_generate(session: Any, url: str, payload: dict[str, Any], timeo
     except ValueError as exc:
         raise RouterError(502, f"engine {url} returned invalid JSON", type="api_error", code="engine_error") from exc
     return parse_generate_response(data, url)
+
+
+def _merge_chunk(prev: EngineOutput | None, data: Any, url: str) -> EngineOutput:
+    """Fold one streamed ``/generate`` chunk into the generation so far.
+
+    SGLang streams cumulative ``output_ids`` and log-probs by default and increments with
+    ``--incremental-streaming-output``; ``meta_info.completion_tokens`` (the total so far) tells
+    which, so both work.
+    """
+    if isinstance(data, dict) and isinstance(data.get("meta_info"), dict):
+        meta = data["meta_info"]
+        total = meta.get("completion_tokens")
+        ids = data.get("output_ids")
+        lps = meta.get("output_token_logprobs")
+        if prev is not None and isinstance(ids, list) and isinstance(total, int) and total > len(ids) \
+                and total == len(prev.output_ids) + len(ids):  # an increment: make it cumulative
+            data = {**data, "output_ids": prev.output_ids + ids,
+                    "meta_info": {**meta, "output_token_logprobs": [[lp, t] for lp, t in
+                                                                    zip(prev.logprobs, prev.output_ids)]
+                                  + list(lps or [])}}
+            if prev.top_logprobs is not None and isinstance(meta.get("output_top_logprobs"), list):
+                data["meta_info"]["output_top_logprobs"] = (
+                    [[[lp, t] for lp, t in row] for row in prev.top_logprobs] + meta["output_top_logprobs"])
+    out = parse_generate_response(data, url)
+    if isinstance(data, dict) and data["meta_info"].get("finish_reason") is None:
+        out.finish_reason = ""  # still generating
+    return out
+
+
+async def engine_generate_stream(session: Any, url: str, payload: dict[str, Any],
+                                 timeout_s: float | None) -> AsyncIterator[EngineOutput]:
+    """POST ``payload`` with ``stream: true``; yield the whole generation so far after every chunk.
+
+    The last item has the finish reason; earlier ones have ``finish_reason == ""``. Leaving the
+    iteration early closes the connection, which aborts the request at the engine.
+    """
+    import aiohttp
+
+    out: EngineOutput | None = None
+    try:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with session.post(f"{url}/generate", json={**payload, "stream": True}, timeout=timeout) as resp:
+            if resp.status != 200:
+                text = await resp.text()
+                if 400 <= resp.status < 500 and resp.status not in (404, 408, 429):
+                    try:
+                        detail = json.loads(text)["error"]["message"]
+                    except (ValueError, KeyError, TypeError):
+                        detail = text[:500]
+                    raise RouterError(400, f"the rollout engine rejected the request: {detail}",
+                                      code="engine_rejected", retry=False)
+                raise RouterError(502, f"engine {url} answered HTTP {resp.status}: {text[:500]}", type="api_error",
+                                  code="engine_error")
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                body = line[5:].strip()
+                if body == b"[DONE]":
+                    break
+                try:
+                    data = json.loads(body)
+                except ValueError as exc:
+                    raise RouterError(502, f"engine {url} streamed invalid JSON", type="api_error",
+                                      code="engine_error") from exc
+                if isinstance(data, dict) and "error" in data and "meta_info" not in data:
+                    raise RouterError(502, f"engine {url} failed mid-stream: {data['error']}", type="api_error",
+                                      code="engine_error")
+                out = _merge_chunk(out, data, url)
+                yield out
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        raise RouterError(503, f"engine {url} unreachable: {type(exc).__name__}: {exc}", type="api_error",
+                          code="engine_unavailable") from exc
+    if out is None or not out.finish_reason:
+        raise RouterError(502, f"engine {url} ended the stream before the generation finished", type="api_error",
+                          code="engine_error")
 
 
 async def engine_abort(session: Any, url: str, rid: str) -> None:

@@ -1,8 +1,9 @@
-"""Errors the AgentFlow router answers with, in the OpenAI error-body format.
+"""Errors the AgentFlow router answers with, in the error-body format of the agent's protocol.
 
-Agents talk to the router through ordinary OpenAI clients, so every failure must look like an
-OpenAI API error: an HTTP status plus ``{"error": {"message", "type", "param", "code"}}``. The
-official SDK turns those into ``BadRequestError``, ``NotFoundError``, ... exceptions.
+Agents talk to the router through ordinary SDKs, so every failure must look like that API's
+error: an HTTP status plus ``{"error": {"message", "type", "param", "code"}}`` for OpenAI's
+protocols, ``{"type": "error", "error": {"type", "message"}}`` for Anthropic's. The official SDKs
+turn those into ``BadRequestError``, ``NotFoundError``, ... exceptions.
 """
 
 from __future__ import annotations
@@ -45,3 +46,25 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 def not_found(message: str, code: str = "not_found") -> RouterError:
     """A 404 (unknown trajectory, stale attempt, unknown path)."""
     return RouterError(404, message, code=code, retry=False)
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
+                    429: "rate_limit_error", 529: "overloaded_error"}
+
+
+def anthropic_error_body(exc: RouterError) -> dict[str, Any]:
+    """The error in Anthropic's shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _ANTHROPIC_TYPES.get(exc.status, "api_error" if exc.status >= 500 else "invalid_request_error")
+    message = exc.message if exc.param is None or exc.param in exc.message else f"{exc.param}: {exc.message}"
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether ``path`` is an Anthropic Messages endpoint (``.../v1/messages[/count_tokens]``)."""
+    return path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
+
+
+def error_response_body(path: str, exc: RouterError) -> dict[str, Any]:
+    """The error body in the shape of the protocol that ``path`` speaks (Anthropic or OpenAI)."""
+    return anthropic_error_body(exc) if is_anthropic_path(path) else exc.body()

@@ -2,8 +2,9 @@
 
 :func:`parse_chat_request` checks a request body the way the OpenAI API does (unknown fields,
 wrong types and unsupported values are 400 errors naming the parameter) and turns it into a
-:class:`ChatRequest`; :func:`completion_body` and :func:`stream_chunks` build the
-``chat.completion`` object and its ``chat.completion.chunk`` stream from one finished turn.
+:class:`ChatRequest`; :func:`completion_body` builds the
+``chat.completion`` object; :class:`ChatCompletionStream` streams a turn as ``chat.completion.chunk``
+events while it is generated.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import json
 import math
 import time
 import uuid
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import attrs
 
-from .errors import bad_request
+from .errors import RouterError, bad_request
+from .streaming import SSEStream
 
 # Fields of OpenAI's chat-completions request that the router honours.
 _SUPPORTED = {
@@ -306,28 +308,50 @@ def completion_body(*, completion_id: str, model: str, message: dict[str, Any], 
     return body
 
 
-def stream_chunks(body: Mapping[str, Any], *, include_usage: bool) -> Iterator[dict[str, Any]]:
-    """The ``chat.completion.chunk`` objects that stream the finished ``body``.
+class ChatCompletionStream(SSEStream):
+    """Streams one turn as ``chat.completion.chunk`` events while the engine generates.
 
-    Order: the role, reasoning text, content, one chunk per tool call, then the finish reason
-    (and a final usage chunk with empty ``choices`` when ``include_usage``), as OpenAI sends them.
+    Order, as OpenAI sends it: the role, then reasoning and content pieces as they are generated,
+    one chunk per tool call once the turn ended, the finish reason (with the turn's log-probs when
+    asked), a usage chunk with empty ``choices`` when ``stream_options.include_usage``, ``[DONE]``.
     """
-    choice = body["choices"][0]
-    message = choice["message"]
-    head = {"id": body["id"], "object": "chat.completion.chunk", "created": body["created"], "model": body["model"]}
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        return {**head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+    def __init__(self, request: Any, body: Mapping[str, Any]) -> None:
+        super().__init__(request)
+        options = body.get("stream_options")
+        self.include_usage = bool(isinstance(options, Mapping) and options.get("include_usage"))
+        self.head: dict[str, Any] = {"id": new_completion_id(), "object": "chat.completion.chunk",
+                                     "created": int(time.time()), "model": ""}
 
-    yield chunk({"role": "assistant", "content": ""})
-    if message.get("reasoning_content"):
-        yield chunk({"reasoning_content": message["reasoning_content"]})
-    if message.get("content"):
-        yield chunk({"content": message["content"]}, logprobs=choice.get("logprobs"))
-    for i, call in enumerate(message.get("tool_calls") or []):
-        yield chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                     "function": {"name": call["function"]["name"],
-                                                  "arguments": call["function"]["arguments"]}}]})
-    yield chunk({}, finish=choice["finish_reason"])
-    if include_usage:
-        yield {**head, "choices": [], "usage": body["usage"]}
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        return {**self.head, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+    async def start(self, *, prompt_tokens: int, model: str) -> None:
+        self.head["model"] = model
+        await self.open()
+        await self.send(self._chunk({"role": "assistant", "content": ""}))
+
+    async def delta(self, increments: Mapping[str, str]) -> None:
+        if increments.get("reasoning_content"):
+            await self.send(self._chunk({"reasoning_content": increments["reasoning_content"]}))
+        if increments.get("content"):
+            await self.send(self._chunk({"content": increments["content"]}))
+
+    async def finish(self, body: Mapping[str, Any]) -> Any:
+        choice = body["choices"][0]
+        for i, call in enumerate(choice["message"].get("tool_calls") or []):
+            await self.send(self._chunk({"tool_calls": [{
+                "index": i, "id": call["id"], "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]}}]}))
+        await self.send(self._chunk({}, finish=choice["finish_reason"], logprobs=choice.get("logprobs")))
+        if self.include_usage:
+            await self.send({**self.head, "choices": [], "usage": body["usage"]})
+        await self.send_raw("data: [DONE]\n\n")
+        return await self.close()
+
+    async def fail(self, exc: RouterError) -> Any:
+        """An error after the stream started: an ``{"error": ...}`` event (the SDKs raise it)."""
+        self.mark_failed(exc.status)
+        await self.send(exc.body())
+        await self.send_raw("data: [DONE]\n\n")
+        return await self.close()

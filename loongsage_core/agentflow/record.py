@@ -103,7 +103,8 @@ class TurnInfo:
     ``prompt_tokens`` is the context length sent to the engine, ``new_prompt_tokens`` how many of
     those were appended by this request (mask 0), ``completion_tokens`` the generated ones.
     ``weight_versions`` are the first and last policy versions among the generated tokens;
-    ``continuations`` counts engine aborts (weight updates) the turn was resumed across.
+    ``continuations`` counts engine aborts (weight updates) the turn was resumed across;
+    ``cached_tokens`` how many prompt tokens the engine's prefix cache served (summed over them).
     """
 
     segment: int
@@ -116,6 +117,7 @@ class TurnInfo:
     latency_s: float = 0.0
     continuations: int = 0
     new_segment: bool = False
+    cached_tokens: int = 0
 
 
 @attrs.define

@@ -1,11 +1,14 @@
 """The AgentFlow router: an OpenAI-compatible HTTP server that records token-exact trajectories.
 
 Each registered trajectory gets its own base URL ``{router}/{trajectory_id}/{attempt}/v1``. An
-agent (any OpenAI client) calls ``chat/completions`` there; the router renders the request to
-token ids (:mod:`.tito`), continues or starts a segment (:mod:`.conversation`), asks an engine
-to generate from those ids, records the output tokens with their log-probs and weight versions,
-and answers in OpenAI's format (JSON or server-sent events). Router middleware sees every request
-and response in the configured order.
+agent calls ``chat/completions`` there (OpenAI Chat Completions), ``responses`` (OpenAI Responses,
+:mod:`.responses_api`) or ``messages`` (Anthropic Messages, :mod:`.anthropic_api`). Every protocol
+is translated to one chat-completions turn (:meth:`AgentFlowRouter.run_turn`): the router renders
+it to token ids (:mod:`.tito`), continues or starts a segment (:mod:`.conversation`), asks an
+engine to generate from those ids (streaming tokens to the agent as they come when it asked for a
+stream, :mod:`.streaming`), records the output tokens with their log-probs and weight versions,
+and the protocol's adapter answers in its own format. Router middleware sees every request and
+response, in chat-completions form, in the configured order.
 
 The server runs on its own event loop in a background thread, so the same object works inside a
 synchronous host, an asyncio host or a Ray actor: ``start()`` returns the base URL, the
@@ -41,11 +44,14 @@ from loongsage_hookspecs import SamplingParams, TrajectoryStatus
 
 from ..security import OPEN_PATHS, engine_headers, presented_token, token_matches
 from ..security import trajectory_key as derive_trajectory_key
+from . import anthropic_api, responses_api
+from .access_log import AccessLog
 from .conversation import ConversationTracker, TurnPlan
-from .engines import EngineBalancer, EngineOutput, engine_abort, engine_generate
-from .errors import RouterError, bad_request, not_found
-from .openai_api import ChatRequest, completion_body, new_completion_id, parse_chat_request, stream_chunks
+from .engines import EngineBalancer, EngineOutput, engine_abort, engine_generate, engine_generate_stream
+from .errors import RouterError, bad_request, error_response_body, not_found
+from .openai_api import ChatCompletionStream, ChatRequest, completion_body, new_completion_id, parse_chat_request
 from .record import SamplingDefaults, TrajectoryRecord, TurnInfo, check_sampling
+from .streaming import TextStreamer, as_router_error, cut_at_stop
 from .tito import ChatRenderer, TemplateError
 
 log = logging.getLogger(__name__)
@@ -67,6 +73,7 @@ class _Entry:
     lock: asyncio.Lock = attrs.field(factory=asyncio.Lock)
     in_flight: dict[str, str] = attrs.field(factory=dict)  # rid -> engine url
     aborted: bool = False
+    protocol_state: dict[str, Any] = attrs.field(factory=dict)  # per-protocol stores (e.g. stored responses)
 
 
 @attrs.define
@@ -79,6 +86,7 @@ class _Generation:
     continuations: int = 0
     top_logprobs: list[list[tuple[float, int]]] | None = None
     content: str | None = None
+    cached_tokens: int = 0
 
 
 def _load_tokenizer(tokenizer: Any) -> Any:
@@ -117,11 +125,12 @@ class AgentFlowRouter:
         engine_timeout_s: limit for one ``/generate`` call.
         max_continuations: how often one turn may be resumed after the engine aborted it (weight
             updates with partial rollouts); the tokens generated so far are kept.
-        engine_stop_strings: also send ``stop`` strings to the engine (SGLang honours them); the
-            router truncates at stop strings itself either way.
-        engine_top_logprobs: the engines return top-k log-probs (``top_logprobs_num``; SGLang
-            does); without it a request for ``top_logprobs`` is a 400.
         chat_template, turn_end_ids: override the tokenizer's template / turn-end tokens.
+        access_log_path: also append every request's access-log line (JSON) to this file.
+
+    Stop strings go to the engine (``sampling_params.stop``, which SGLang and the embedded engine
+    honour): the turn ends at the token that completes one, and the content ends before it.
+    ``top_logprobs`` is forwarded as SGLang's ``top_logprobs_num``.
     """
 
     def __init__(self, tokenizer: Any, engine_urls: Sequence[str], middlewares: Sequence[Any] = (), *,
@@ -129,9 +138,8 @@ class AgentFlowRouter:
                  max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_prompt_chars: int = DEFAULT_MAX_PROMPT_CHARS,
                  render_threads: int = 4,
                  default_sampling: Mapping[str, Any] | None = None, max_context_length: int | None = None,
-                 engine_timeout_s: float = 600.0, max_continuations: int = 8, engine_stop_strings: bool = False,
-                 engine_top_logprobs: bool = False, chat_template: str | None = None,
-                 turn_end_ids: Sequence[int] | None = None) -> None:
+                 engine_timeout_s: float = 600.0, max_continuations: int = 8, chat_template: str | None = None,
+                 turn_end_ids: Sequence[int] | None = None, access_log_path: str | None = None) -> None:
         self.tokenizer = _load_tokenizer(tokenizer)
         self.renderer = ChatRenderer(self.tokenizer, chat_template=chat_template, turn_end_ids=turn_end_ids)
         self.balancer = EngineBalancer(engine_urls)
@@ -155,8 +163,7 @@ class AgentFlowRouter:
         self.max_context_length = max_context_length
         self.engine_timeout_s = engine_timeout_s
         self.max_continuations = max_continuations
-        self.engine_stop_strings = engine_stop_strings
-        self.engine_top_logprobs = engine_top_logprobs
+        self.access_log = AccessLog(access_log_path)
         self.base_url: str | None = None
         self._entries: dict[str, _Entry] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,9 +208,12 @@ class AgentFlowRouter:
         import aiohttp
         from aiohttp import web
 
-        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._error_middleware])
+        app = web.Application(client_max_size=self.max_request_bytes,
+                              middlewares=[self.access_log.middleware(), self._error_middleware])
         app.router.add_post("/{tid}/{attempt}/v1/chat/completions", self._handle_chat)
         app.router.add_get("/{tid}/{attempt}/v1/models", self._handle_models)
+        responses_api.add_routes(app, self)
+        anthropic_api.add_routes(app, self)
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/admin/stats", self._handle_stats)
         app.router.add_post("/admin/engines", self._handle_set_engines)
@@ -211,6 +221,9 @@ class AgentFlowRouter:
         app.router.add_get("/admin/trajectories/{tid}", self._handle_get)
         app.router.add_delete("/admin/trajectories/{tid}", self._handle_pop)
         app.router.add_post("/admin/trajectories/{tid}/abort", self._handle_abort)
+        app.router.add_get("/admin/access_log", self._handle_access_log)
+        for base in ("/{tid}/{attempt}", "/{tid}/{attempt}/", "/{tid}/{attempt}/v1", "/{tid}/{attempt}/v1/"):
+            app.router.add_get(base, self._handle_base)  # HEAD too: clients probe their base URL
         self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                               headers=engine_headers(self.secret))
         # a client that goes away cancels its handler: the generation is aborted at the engine
@@ -425,7 +438,7 @@ class AgentFlowRouter:
                 return web.Response(status=499, reason="Client Closed Request")
             except RouterError as exc:
                 self._stats["errors"] += 1
-                return self._json(exc.body(), exc.status, exc.headers())
+                return self._json(error_response_body(request.path, exc), exc.status, exc.headers())
             except web.HTTPException as exc:
                 if exc.status < 400:
                     raise
@@ -435,13 +448,13 @@ class AgentFlowRouter:
                                "([agentflow] max_request_bytes)")
                 http_err = RouterError(exc.status, message, code={404: "not_found", 413: "request_too_large"}
                                        .get(exc.status), retry=False)
-                return self._json(http_err.body(), http_err.status, http_err.headers())
+                return self._json(error_response_body(request.path, http_err), http_err.status, http_err.headers())
             except Exception as exc:  # a bug or a failing middleware: answer instead of dropping
                 log.exception("AgentFlow router: unhandled error on %s", request.path)
                 self._stats["errors"] += 1
                 bug = RouterError(500, f"internal router error: {type(exc).__name__}: {exc}", type="server_error",
                                   retry=False)
-                return self._json(bug.body(), 500, bug.headers())
+                return self._json(error_response_body(request.path, bug), 500, bug.headers())
 
         return errors
 
@@ -493,6 +506,15 @@ class AgentFlowRouter:
 
     async def _handle_stats(self, request: Any) -> Any:
         return self._json(self._stats_now())
+
+    async def _handle_access_log(self, request: Any) -> Any:
+        return self._json({"entries": self.access_log.entries()})
+
+    async def _handle_base(self, request: Any) -> Any:
+        """``GET``/``HEAD`` on a trajectory's base URL: 200 while it is live (clients probe it)."""
+        entry = self._lookup(request)
+        return self._json({"trajectory_id": entry.record.trajectory_id, "attempt": entry.record.attempt,
+                           "status": entry.record.status.value})
 
     async def _handle_models(self, request: Any) -> Any:
         self._lookup(request)
@@ -551,12 +573,37 @@ class AgentFlowRouter:
         self._abort(self._admin_entry(request))
         return self._json({"trajectory_id": request.match_info["tid"], "status": "aborted"})
 
-    # ------------------------------------------------------------------------ chat completions
+    # ------------------------------------------------------------------------ turns (every protocol)
     async def _handle_chat(self, request: Any) -> Any:
+        self._lookup(request)
+        body = await self._read_json(request)
+        parse_chat_request(body)  # a stream starts only for a valid request
+        stream = ChatCompletionStream(request, body) if isinstance(body, dict) and body.get("stream") else None
+        try:
+            req, response = await self.run_turn(request, body, stream)
+        except Exception as exc:  # after the stream started, errors are reported in it
+            if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
+                raise
+            return await stream.fail(as_router_error(exc))
+        if stream is not None:
+            return await stream.finish(response)
+        return self._json(response)
+
+    async def run_turn(self, request: Any, body: Any, stream: Any = None) -> tuple[ChatRequest, dict[str, Any]]:
+        """Serve one model turn of the trajectory that ``request``'s URL names; any protocol.
+
+        ``body`` is a chat-completions request (protocol adapters translate theirs into one).
+        Request middleware runs, the turn is planned, generated and recorded, response middleware
+        runs; returns the validated request and the ``chat.completion`` answer. With ``stream``
+        (an object with ``async start(*, prompt_tokens, model)`` and ``async delta(increments)``,
+        see :class:`~.openai_api.ChatCompletionStream`), ``start`` is awaited once the turn is
+        accepted (errors before it are ordinary error answers) and ``delta`` with each piece of
+        new text (``{"content": ..., "reasoning_content": ...}``) as tokens arrive from the
+        engine, the last piece before this returns.
+        """
         self._stats["requests"] += 1
         entry = self._lookup(request)
         tid = entry.record.trajectory_id
-        body = await self._read_json(request)
         parse_chat_request(body)  # middleware sees only valid requests
         for mw in self.middlewares:
             body = mw.on_request(tid, body)
@@ -564,18 +611,23 @@ class AgentFlowRouter:
                 raise RouterError(500, f"middleware {type(mw).__name__}.on_request returned "
                                        f"{type(body).__name__}, expected a dict", type="server_error")
         req = parse_chat_request(body)
-        if req.top_logprobs and not self.engine_top_logprobs:
-            raise bad_request("'top_logprobs' is not supported by the rollout engine", param="top_logprobs",
-                              code="unsupported_parameter")
         async with entry.lock:
             if entry.aborted:
                 raise RouterError(409, f"trajectory '{tid}' was aborted", code="trajectory_aborted", retry=False)
             if self._entries.get(tid) is not entry:
                 raise not_found(f"unknown trajectory '{tid}'", code="trajectory_not_found")
-            response = await self._complete(entry, req, body)
-        if req.stream:
-            return await self._stream(request, response, req.include_usage)
-        return self._json(response)
+            response = await self._complete(entry, req, body, stream)
+        return req, response
+
+    def protocol_state(self, request: Any, protocol: str) -> dict[str, Any]:
+        """A dict that lives as long as the trajectory ``request`` names, for one protocol's own state."""
+        return self._lookup(request).protocol_state.setdefault(protocol, {})
+
+    async def count_prompt_tokens(self, request: Any, body: Any) -> int:
+        """Tokens the chat-completions ``body`` would send to the engine (nothing is recorded)."""
+        entry = self._lookup(request)
+        req = parse_chat_request(body)
+        return len((await self._plan(entry, req.messages, req.tools, req.chat_template_kwargs)).context)
 
     def _sampling(self, entry: _Entry, req: ChatRequest, max_new: int) -> dict[str, Any]:
         """SGLang ``sampling_params`` for this turn: request values over the registered defaults.
@@ -605,7 +657,7 @@ class AgentFlowRouter:
             value = getattr(req, name)
             if value is not None and not d.locked:
                 params[name] = value
-        if req.stop and self.engine_stop_strings:
+        if req.stop:
             params["stop"] = list(req.stop)
         return params
 
@@ -643,8 +695,13 @@ class AgentFlowRouter:
             wanted = min(wanted, engine_ctx - len(plan.context) - 1)
         return max(0, wanted)
 
-    async def _generate(self, entry: _Entry, plan: TurnPlan, req: ChatRequest, max_new: int) -> _Generation:
-        """Generate one turn, resuming after engine aborts (weight updates) up to a limit."""
+    async def _generate(self, entry: _Entry, plan: TurnPlan, req: ChatRequest, max_new: int,
+                        on_tokens: Callable[[list[int]], Awaitable[None]] | None = None) -> _Generation:
+        """Generate one turn, resuming after engine aborts (weight updates) up to a limit.
+
+        With ``on_tokens`` the engine streams, and ``on_tokens`` gets all tokens of the turn so
+        far after every engine update.
+        """
         tid = entry.record.trajectory_id
         url = self.balancer.pick(tid)
         gen = _Generation([], [], [], "length", engine=url, top_logprobs=[] if req.top_logprobs else None)
@@ -661,8 +718,11 @@ class AgentFlowRouter:
             self.balancer.acquire(url)
             self._stats["engine_calls"] += 1
             try:
-                out: EngineOutput = await engine_generate(self._session, url, payload, self.engine_timeout_s)
-            except asyncio.CancelledError:  # the client went away: free the engine
+                if on_tokens is None:
+                    out: EngineOutput = await engine_generate(self._session, url, payload, self.engine_timeout_s)
+                else:
+                    out = await self._generate_streaming(url, payload, gen.ids, on_tokens)
+            except BaseException:  # the client went away or the stream broke: free the engine
                 await asyncio.shield(engine_abort(self._session, url, rid))
                 raise
             finally:
@@ -671,6 +731,7 @@ class AgentFlowRouter:
             gen.ids += out.output_ids
             gen.logprobs += out.logprobs
             gen.versions += out.weight_versions
+            gen.cached_tokens += out.cached_tokens
             if gen.top_logprobs is not None:
                 gen.top_logprobs += out.top_logprobs or [[] for _ in out.output_ids]
             if entry.aborted:
@@ -688,27 +749,17 @@ class AgentFlowRouter:
             await asyncio.sleep(min(0.05 * gen.continuations, 1.0))
             url = self.balancer.pick(tid)
 
-    def _apply_stop_strings(self, gen: _Generation, stops: Sequence[str]) -> None:
-        """Cut the generation after the first stop string; the content ends before it."""
-        if not stops or not gen.ids:
-            return
-        text = self.renderer.content_of(gen.ids)
-        hits = [(text.find(s), s) for s in stops if text.find(s) >= 0]
-        if not hits:
-            return
-        at, stop = min(hits)
-        lo, hi = 1, len(gen.ids)  # smallest prefix whose text contains the stop string
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if stop in self.renderer.decode(gen.ids[:mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        del gen.ids[lo:], gen.logprobs[lo:], gen.versions[lo:]
-        if gen.top_logprobs is not None:
-            del gen.top_logprobs[lo:]
-        gen.content = text[:at]
-        gen.finish_reason = "stop"
+    async def _generate_streaming(self, url: str, payload: dict[str, Any], before: list[int],
+                                  on_tokens: Callable[[list[int]], Awaitable[None]]) -> EngineOutput:
+        """One streamed engine call; ``before`` are the turn's tokens from earlier (aborted) calls."""
+        out: EngineOutput | None = None
+        seen = 0
+        async for out in engine_generate_stream(self._session, url, payload, self.engine_timeout_s):
+            if len(out.output_ids) > seen:
+                seen = len(out.output_ids)
+                await on_tokens(before + out.output_ids)
+        assert out is not None  # engine_generate_stream raises when nothing finished
+        return out
 
     def _logprobs_body(self, gen: _Generation) -> dict[str, Any]:
         ids = gen.ids
@@ -725,25 +776,59 @@ class AgentFlowRouter:
                             "top_logprobs": tops})
         return {"content": content, "refusal": None}
 
-    async def _complete(self, entry: _Entry, req: ChatRequest, body: dict[str, Any]) -> dict[str, Any]:
-        """Plan, generate, run response middleware, commit: one chat-completion turn."""
+    def _context_limit(self, entry: _Entry, plan: TurnPlan, engine_ctx: int | None) -> None:
+        """A prompt that leaves no room to generate is a 400 ``context_length_exceeded``; the
+        trajectory is marked failed (its agent cannot go on as it is)."""
+        # the same room _max_new computes: the engine needs one position beyond the prompt
+        limits = [n for n in (entry.record.max_context_length, None if engine_ctx is None else engine_ctx - 1)
+                  if n is not None]
+        if not limits or len(plan.context) < min(limits):
+            return
+        limit = min(limits)
+        if engine_ctx is not None and limit == engine_ctx - 1:
+            limit = engine_ctx
+        message = (f"This model's maximum context length is {limit} tokens. However, your messages resulted in "
+                   f"{len(plan.context)} tokens. Please reduce the length of the messages.")
+        entry.record.status = TrajectoryStatus.FAILED
+        entry.record.error = f"context_length_exceeded: {message}"
+        entry.record.finish_reason = "context_length_exceeded"
+        raise bad_request(message, param="messages", code="context_length_exceeded")
+
+    async def _complete(self, entry: _Entry, req: ChatRequest, body: dict[str, Any],
+                        stream: Any = None) -> dict[str, Any]:
+        """Plan, generate, run response middleware, commit: one turn."""
         rec = entry.record
         started = time.perf_counter()
         plan = await self._plan(entry, req.messages, req.tools, req.chat_template_kwargs)
         engine_ctx = await self._engine_context(self.balancer.pick(rec.trajectory_id))
+        self._context_limit(entry, plan, engine_ctx)
         max_new = self._max_new(entry, req, plan, engine_ctx)
+        streamer = None
+        if stream is not None:
+            await stream.start(prompt_tokens=len(plan.context), model=req.model or self.model_name)
+            streamer = TextStreamer(self.renderer.content_of, self.middlewares, rec.trajectory_id, body, req.stop)
+
+        async def on_tokens(ids: list[int]) -> None:
+            assert streamer is not None
+            increments = streamer.update(ids)
+            if increments:
+                await stream.delta(increments)
+
         if max_new > 0:
             rec.status = TrajectoryStatus.GENERATING
-            gen = await self._generate(entry, plan, req, max_new)
-            self._apply_stop_strings(gen, req.stop)
+            gen = await self._generate(entry, plan, req, max_new, on_tokens if streamer is not None else None)
+            gen.content, matched_stop = cut_at_stop(self.renderer.content_of(gen.ids), req.stop)
+            if matched_stop is not None:
+                gen.finish_reason = "stop"
         else:  # a budget is spent: end the turn without generating
-            gen = _Generation([], [], [], "length", content="")
-        content = gen.content if gen.content is not None else self.renderer.content_of(gen.ids)
+            gen, matched_stop = _Generation([], [], [], "length", content=""), None
         response = completion_body(
             completion_id=new_completion_id(), model=req.model or self.model_name,
-            message={"role": "assistant", "content": content}, finish_reason=gen.finish_reason,
+            message={"role": "assistant", "content": gen.content}, finish_reason=gen.finish_reason,
             prompt_tokens=len(plan.context), completion_tokens=len(gen.ids),
             logprobs=self._logprobs_body(gen) if req.logprobs else None)
+        if matched_stop is not None:
+            response["choices"][0]["matched_stop"] = matched_stop  # as SGLang reports it
         for mw in self.middlewares:
             response = mw.on_response(rec.trajectory_id, body, response)
             if not isinstance(response, dict):
@@ -757,10 +842,15 @@ class AgentFlowRouter:
                                       new_prompt_tokens=len(plan.delta), completion_tokens=len(gen.ids),
                                       finish_reason=gen.finish_reason, weight_versions=(min(versions), max(versions)),
                                       engine=gen.engine, latency_s=time.perf_counter() - started,
-                                      continuations=gen.continuations, new_segment=plan.new_segment))
+                                      continuations=gen.continuations, new_segment=plan.new_segment,
+                                      cached_tokens=gen.cached_tokens))
             self._stats["completion_tokens"] += len(gen.ids)
         rec.messages = plan.messages + [dict(message)]
         rec.finish_reason = response["choices"][0]["finish_reason"]
+        if streamer is not None:
+            rest = streamer.finish(message)  # what the stream has not shown yet of the final message
+            if rest:
+                await stream.delta(rest)
         return response
 
     def check_prompt_size(self, messages: Sequence[Mapping[str, Any]], tools: Any = None) -> None:
@@ -798,18 +888,3 @@ class AgentFlowRouter:
             return await asyncio.get_running_loop().run_in_executor(self._render_pool, work)
         except TemplateError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
-
-    async def _stream(self, request: Any, response: dict[str, Any], include_usage: bool) -> Any:
-        from aiohttp import web
-
-        resp = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
-        try:
-            await resp.prepare(request)
-            for chunk in stream_chunks(response, include_usage=include_usage):
-                await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
-            await resp.write(b"data: [DONE]\n\n")
-            await resp.write_eof()
-        except ConnectionError:  # the client left: nothing to finish
-            log.debug("AgentFlow router: client left during the stream of %s", request.path)
-        return resp

@@ -5,7 +5,8 @@ the agent needs one, runs the agent against the trajectory's OpenAI endpoint und
 always destroys the sandbox and collects the router's record, and returns the
 :class:`~loongsage_hookspecs.Trajectory` with its segments, messages, response text and status:
 ``completed`` when the agent returned, ``failed`` when it raised or timed out (the error is
-recorded), ``aborted`` when the host aborted it through the router meanwhile.
+recorded) or when its last request was refused as over-context, ``aborted`` when the host aborted
+it through the router meanwhile.
 """
 
 from __future__ import annotations
@@ -88,7 +89,10 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
     trajectory.messages = (result.messages if result is not None and result.messages
                            else (record.messages if record is not None else []))
     trajectory.response_text = result.response_text if result is not None else ""
-    trajectory.metadata = {**trajectory.metadata, "agentflow": {
+    turns = record.turns if record is not None else []
+    trajectory.metadata = {**trajectory.metadata, "prefix_cache": {
+        "prompt_tokens": sum(t.prompt_tokens for t in turns), "cached_tokens": sum(t.cached_tokens for t in turns)},
+        "agentflow": {
         "attempt": attempt, "turns": len(record.turns) if record is not None else 0,
         "segments": len(trajectory.segments), "agent": dict(result.metadata) if result is not None else {}}}
     if record is not None and record.status == TrajectoryStatus.ABORTED:
@@ -97,6 +101,9 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
     elif error is not None:
         trajectory.status = TrajectoryStatus.FAILED
         trajectory.error = error
+    elif record is not None and record.status == TrajectoryStatus.FAILED:  # e.g. its prompt outgrew the context
+        trajectory.status = TrajectoryStatus.FAILED
+        trajectory.error = record.error or "the router marked the trajectory failed"
     else:
         trajectory.status = TrajectoryStatus.COMPLETED
     return trajectory

@@ -20,6 +20,7 @@ from loongsage_hookspecs import AggregationNorm, Batch, EngineContext, TrainWork
 
 from ..config import JobConfig
 from ..plugins import PluginHost
+from ..rendezvous import Rendezvous, host_rendezvous
 from ..security import set_process_secret
 
 
@@ -28,11 +29,17 @@ class ModelActor:
 
     ``rank is None`` means engine only; ``engine_index is None`` means trainer only; both set is the
     colocated layout where the engine receives weights in-process.
+
+    Built in two steps so that no port is picked in one process and bound in another: the
+    driver creates every actor, asks trainer rank 0 to :meth:`host_rendezvous` (it listens on a
+    port the OS assigns and reports its address and port), then calls :meth:`start` on every
+    actor with that address, which builds the models (the trainer ranks join the group there).
     """
 
-    def __init__(self, job: JobConfig, rank: int | None, world_size: int, master_port: int,
-                 engine_index: int | None, needs_reference: bool, secret: str | None = None) -> None:
+    def __init__(self, job: JobConfig, rank: int | None, world_size: int, engine_index: int | None,
+                 needs_reference: bool, secret: str | None = None) -> None:
         set_process_secret(secret)
+        self.secret = secret
         self.job = job
         self.host = PluginHost.from_job(job)
         self.worker: Any = None
@@ -41,18 +48,33 @@ class ModelActor:
         self.engine_url: str | None = None
         self.rank = rank
         self.world_size = world_size
-        if rank is not None:
+        self.engine_index = engine_index
+        self.needs_reference = needs_reference
+        self.rendezvous: Rendezvous | None = None
+
+    def host_rendezvous(self) -> tuple[str, int]:
+        """Trainer rank 0: listen for the trainer group's rendezvous; returns ``(address, port)``."""
+        if self.rank != 0:
+            raise RuntimeError(f"trainer rank {self.rank} asked to host the rendezvous; rank 0 hosts it")
+        self.rendezvous = host_rendezvous()
+        return self.rendezvous.address, self.rendezvous.port
+
+    def start(self, master_addr: str, master_port: int) -> None:
+        """Build the trainer worker (joining the group at ``master_addr:master_port``), the
+        reference worker and the engine this actor holds."""
+        job = self.job
+        if self.rank is not None:
             spec = self.host.get("train_backend", job.train.backend)
-            ctx = TrainWorkerContext(job=job, components=self.host, rank=rank, world_size=world_size,
-                                     master_addr="127.0.0.1", master_port=master_port, role="actor")
+            ctx = TrainWorkerContext(job=job, components=self.host, rank=self.rank, world_size=self.world_size,
+                                     master_addr=master_addr, master_port=master_port, role="actor")
             self.worker = spec.factory(ctx)
-            if needs_reference:
+            if self.needs_reference:
                 ref_ctx = TrainWorkerContext(job=job, components=self.host, rank=0, world_size=1, role="reference")
                 self.reference = spec.factory(ref_ctx)
-        if engine_index is not None:
+        if self.engine_index is not None:
             spec = self.host.get("rollout_engine", job.rollout.engine)
-            self.engine = spec.factory(EngineContext(job=job, components=self.host, engine_index=engine_index,
-                                                     api_key=secret))
+            self.engine = spec.factory(EngineContext(job=job, components=self.host, engine_index=self.engine_index,
+                                                     api_key=self.secret))
             self.engine_url = self.engine.start()
 
     def ready(self) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from loongsage_hookspecs import Batch, TrainWorkerContext
 
 from ..config import ConfigError, JobConfig
 from ..plugins import PluginHost
-from ..weight_group import free_port
+from ..rendezvous import Rendezvous, host_rendezvous
 from . import checkpoint as ckpt
 from .batching import shard_rows
 from .remote import gather
@@ -68,13 +68,27 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 class CriticActor:
     """One critic rank in its own process (wrapped with ``ray.remote`` by :class:`Critic`)."""
 
-    def __init__(self, job: JobConfig, rank: int, world_size: int, master_port: int) -> None:
+    def __init__(self, job: JobConfig, rank: int, world_size: int) -> None:
+        self.job = job
         self.host = PluginHost.from_job(job)
-        spec = self.host.get("train_backend", job.train.backend)
-        ctx = TrainWorkerContext(job=job, components=self.host, rank=rank, world_size=world_size,
-                                 master_addr="127.0.0.1", master_port=master_port, role="critic")
-        self.worker: Any = spec.factory(ctx)
+        self.worker: Any = None
         self.rank = rank
+        self.world_size = world_size
+        self.rendezvous: Rendezvous | None = None
+
+    def host_rendezvous(self) -> tuple[str, int]:
+        """Critic rank 0: listen for the critic group's rendezvous; returns ``(address, port)``."""
+        if self.rank != 0:
+            raise RuntimeError(f"critic rank {self.rank} asked to host the rendezvous; rank 0 hosts it")
+        self.rendezvous = host_rendezvous()
+        return self.rendezvous.address, self.rendezvous.port
+
+    def start(self, master_addr: str, master_port: int) -> None:
+        """Build the critic worker, joining the critic group at ``master_addr:master_port``."""
+        spec = self.host.get("train_backend", self.job.train.backend)
+        ctx = TrainWorkerContext(job=self.job, components=self.host, rank=self.rank, world_size=self.world_size,
+                                 master_addr=master_addr, master_port=master_port, role="critic")
+        self.worker = spec.factory(ctx)
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self.rank}
@@ -128,12 +142,14 @@ class Critic:
         check_critic_resources(job, ray.cluster_resources())
         crit = job.critic
         world = crit.num_workers
-        port = free_port() if world > 1 else 0
         remote = ray.remote(CriticActor)
         # Ray actor handles are typed Any, as in placement.py: Ray's stubs do not type actor method calls
-        actors: list[Any] = [remote.options(num_cpus=crit.cpus, num_gpus=crit.gpus).remote(job, rank, world, port)
-                  for rank in range(world)]
+        actors: list[Any] = [remote.options(num_cpus=crit.cpus, num_gpus=crit.gpus).remote(job, rank, world)
+                             for rank in range(world)]
         try:
+            # several ranks: rank 0 listens first (a port the OS assigns) and reports where; then all join
+            address, port = ray.get(actors[0].host_rendezvous.remote()) if world > 1 else ("127.0.0.1", 0)
+            ray.get([a.start.remote(address, port) for a in actors])
             ray.get([a.ready.remote() for a in actors])
         except Exception:
             for a in actors:

@@ -28,6 +28,10 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float 
         "rollout/failed_ratio": sum(t.status == TrajectoryStatus.FAILED for t in trajs) / len(trajs),
         "rollout/aborted_ratio": sum(t.status == TrajectoryStatus.ABORTED for t in trajs) / len(trajs),
     }
+    cache = [t.metadata["prefix_cache"] for t in trajs if isinstance(t.metadata.get("prefix_cache"), dict)]
+    prompt_tokens = sum(int(c.get("prompt_tokens", 0)) for c in cache)
+    if prompt_tokens:  # share of prompt tokens the engines' prefix caches served (SGLang's cached_tokens)
+        out["rollout/prefix_cache_hit_ratio"] = sum(int(c.get("cached_tokens", 0)) for c in cache) / prompt_tokens
     groups_scores = [g.scores for g in groups if g.trajectories]
     out["rollout/all_correct_ratio"] = sum(all(s >= correct_threshold for s in gs) for gs in groups_scores) / max(
         1, len(groups_scores))

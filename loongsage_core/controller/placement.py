@@ -13,7 +13,6 @@ from typing import Any
 import attrs
 
 from ..config import ConfigError, JobConfig
-from ..weight_group import free_port
 from .actors import ModelActor
 
 
@@ -165,7 +164,6 @@ def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = No
     pg = create_placement_group(job)
     ray.get(pg.ready())
     world = job.train.num_workers
-    port = free_port()
     remote = ray.remote(ModelActor)
     pl = job.placement
 
@@ -178,16 +176,24 @@ def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = No
     for rank in range(world):
         engine_index = rank if pl.colocate and rank < job.rollout.num_engines else None
         actor = in_bundle(rank, pl.trainer_cpus, pl.trainer_gpus).remote(
-            job, rank, world, port, engine_index, needs_reference, secret)
+            job, rank, world, engine_index, needs_reference, secret)
         trainers.append(actor)
         if engine_index is not None:
             engines.append(actor)
     if not pl.colocate:
         for i in range(job.rollout.num_engines):
-            engines.append(in_bundle(world + i, pl.engine_cpus, pl.engine_gpus).remote(job, None, 1, 0, i, False,
-                                                                                        secret))
-    infos = ray.get([a.ready.remote() for a in engines])
-    ranks = ray.get([a.ready.remote() for a in trainers])
+            engines.append(in_bundle(world + i, pl.engine_cpus, pl.engine_gpus).remote(job, None, 1, i, False, secret))
+    distinct = trainers + ([] if pl.colocate else engines)
+    try:
+        # rank 0 listens first (a port the OS assigns) and reports where; then every rank joins there
+        address, port = ray.get(trainers[0].host_rendezvous.remote())
+        ray.get([a.start.remote(address, port) for a in distinct])
+        infos = ray.get([a.ready.remote() for a in engines])
+        ranks = ray.get([a.ready.remote() for a in trainers])
+    except BaseException:  # a rank that failed to start leaves no actor or reservation behind
+        Actors(trainers=trainers, engine_actors=engines, engine_urls=[], colocated=pl.colocate,
+               placement_group=pg, dp_ranks=[], dp_size=1).shutdown()
+        raise
     dp_sizes = {r["dp_size"] for r in ranks}
     if len(dp_sizes) != 1 or sorted({r["dp_rank"] for r in ranks}) != list(range(dp_sizes.pop() if dp_sizes else 1)):
         raise RuntimeError(f"trainer ranks report inconsistent data-parallel layouts: "

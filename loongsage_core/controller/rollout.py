@@ -117,7 +117,8 @@ class RolloutManager:
                                           build_middlewares(self.components, entries),
                                           port=af.port, max_context_length=self.job.rollout.max_context_length,
                                           secret=self.secret, max_request_bytes=af.max_request_bytes,
-                                          max_prompt_chars=af.max_prompt_chars)
+                                          max_prompt_chars=af.max_prompt_chars,
+                                          access_log_path=af.access_log or None)
             self.router.start()
         return str(self.router.base_url)
 
@@ -213,7 +214,9 @@ class RolloutManager:
             text = self.renderer.content_of(res.output_ids)
             traj = Trajectory(id=rids[j], prompt_id=prompt.prompt_id, group_id=group_id, source=prompt.source,
                               prompt=source_prompt(prompt.prompt, source), label=prompt.label,
-                              metadata=dict(prompt.metadata), segments=[seg], response_text=text,
+                              metadata={**prompt.metadata, "prefix_cache": {"prompt_tokens": len(tokens),
+                                                                            "cached_tokens": res.cached_tokens}},
+                              segments=[seg], response_text=text,
                               messages=[*messages, {"role": "assistant", "content": text}],
                               finish_reason=res.finish_reason)
             traj.status = TrajectoryStatus.ABORTED if res.finish_reason == "abort" else TrajectoryStatus.COMPLETED

@@ -382,6 +382,7 @@ class RLController:
             gather([a.save_hf.remote(str(self.output_dir / "final_hf")) for a in self.actors.trainers])
 
     def close(self) -> None:
+        set_process_secret(None)  # the run's secret ends with the run (a later run in this process makes its own)
         if self.records is not None:
             self.records.close()  # before the loggers: it hands them trajectories
             self.records = None

@@ -123,6 +123,22 @@ def test_crashing_command_agent_marks_the_trajectory_failed(engine_url, router_f
         router.get("crash-1")
 
 
+def test_agent_that_outgrows_the_context_is_marked_failed(engine_url, router_factory, agents):
+    router = router_factory([engine_url])
+    # a black-box agent that ignores the 400 it gets and exits normally
+    script = ("import json, os, urllib.request, urllib.error\n"
+              "body = json.dumps({'model': 'p', 'messages': [{'role': 'user', 'content': 'word ' * 3000}]})\n"
+              "req = urllib.request.Request(os.environ['OPENAI_BASE_URL'] + '/chat/completions', body.encode(),\n"
+              "                             {'Content-Type': 'application/json'})\n"
+              "try:\n    urllib.request.urlopen(req)\nexcept urllib.error.HTTPError as exc:\n"
+              "    print(exc.code, json.load(exc)['error']['code'])\n")
+    traj = run(run_agent_trajectory(router, agents["command"], {"command": [sys.executable, "-c", script]}, None,
+                                    trajectory=trajectory("ctx-1", "x"), timeout_s=60))
+    assert traj.status == TrajectoryStatus.FAILED
+    assert traj.error.startswith("context_length_exceeded") and "1024 tokens" in traj.error
+    assert traj.segments == []
+
+
 def test_hanging_command_agent_times_out_and_is_killed(engine_url, router_factory, agents, tmp_path):
     router = router_factory([engine_url])
     pid_file = tmp_path / "pid"

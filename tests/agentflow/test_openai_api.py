@@ -6,7 +6,6 @@ import pytest
 
 from loongsage_core.agentflow import RouterError, parse_chat_request
 from loongsage_core.agentflow.engines import EngineBalancer, parse_generate_response
-from loongsage_core.agentflow.openai_api import completion_body, stream_chunks
 
 MSGS = [{"role": "user", "content": "hi"}]
 
@@ -66,22 +65,6 @@ def test_error_body_shape():
     assert err.body() == {"error": {"message": "Unrecognized request argument supplied: foo",
                                     "type": "invalid_request_error", "param": "foo", "code": "unknown_parameter"}}
     assert error_of([1, 2]).code == "invalid_json"
-
-
-def test_stream_chunks_follow_openai_order():
-    body = completion_body(completion_id="c", model="m", created=1, finish_reason="tool_calls",
-                           message={"role": "assistant", "content": "hi", "reasoning_content": "r",
-                                    "tool_calls": [{"id": "t", "type": "function",
-                                                    "function": {"name": "f", "arguments": "{}"}}]},
-                           prompt_tokens=3, completion_tokens=2)
-    chunks = list(stream_chunks(body, include_usage=True))
-    deltas = [c["choices"][0]["delta"] if c["choices"] else None for c in chunks]
-    assert deltas[:4] == [{"role": "assistant", "content": ""}, {"reasoning_content": "r"}, {"content": "hi"},
-                          {"tool_calls": [{"index": 0, "id": "t", "type": "function",
-                                           "function": {"name": "f", "arguments": "{}"}}]}]
-    assert chunks[4]["choices"][0]["finish_reason"] == "tool_calls" and deltas[5] is None
-    assert chunks[5]["usage"] == {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "c" for c in chunks)
 
 
 def test_engine_answer_parsing():

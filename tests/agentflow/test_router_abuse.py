@@ -150,7 +150,8 @@ def test_a_huge_request_does_not_stall_health_or_other_trajectories(engine_url, 
             small_status.append(chat(small_url, {"messages": MSGS}).status_code)
             done["small"] = time.monotonic()
     worker.join(600)
-    assert done["huge_status"] == 200 and small_status == [200]
+    # far over the model's context: refused as context_length_exceeded once rendered, never an empty 200
+    assert done["huge_status"] == 400 and small_status == [200]
     assert done["small"] < done["huge"], "the small trajectory waited for the huge request"
     assert len(health_latency) >= 2 and min(health_latency) < 0.5, health_latency
 

@@ -24,6 +24,11 @@ def engine_generate(url: str, input_ids: list[int], sampling: dict) -> dict:
     return resp.json()
 
 
+def engine_state(url: str) -> dict:
+    """The embedded engine's scheduler counters (running, waiting, generated_tokens, ...)."""
+    return httpx.get(url + "/get_server_info", trust_env=False).json()["internal_states"][0]
+
+
 def spans(mask: list[int], value: int) -> list[tuple[int, int]]:
     out, start = [], None
     for i, m in enumerate(list(mask) + [1 - value]):
@@ -246,16 +251,18 @@ def test_engine_abort_mid_turn_is_resumed(engine_url, router_factory):
     def call() -> None:
         result["resp"] = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "long"}])
 
+    before = engine_state(engine_url)["generated_tokens"]  # a counter since the engine started
     worker = threading.Thread(target=call)
     worker.start()
-    deadline = time.time() + 30
-    while router.stats()["in_flight"][engine_url] == 0 and time.time() < deadline:
+    # pause once the engine is decoding the request (observed, not guessed with a sleep)
+    deadline = time.monotonic() + 60
+    while engine_state(engine_url)["generated_tokens"] == before:
+        assert worker.is_alive() and time.monotonic() < deadline, "the request never started decoding"
         time.sleep(0.01)
-    time.sleep(0.05)
     httpx.post(f"{engine_url}/pause_generation", json={"mode": "abort"}).raise_for_status()
-    time.sleep(0.1)
     httpx.post(f"{engine_url}/continue_generation", json={}).raise_for_status()
-    worker.join(60)
+    worker.join(300)  # popping a trajectory still in flight would abort it: wait until the call returned
+    assert not worker.is_alive(), "the resumed call did not return"
     record = router.pop("pause-1")
     [turn] = record.turns
     assert turn.continuations >= 1

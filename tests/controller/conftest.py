@@ -160,7 +160,8 @@ def build_controller(tmp_path: Path, overrides: dict[str, Any] | None = None, *,
         controller = RLController(resolved, tmp_path / "run")
     controller.output_dir.mkdir(parents=True, exist_ok=True)
     events: list[str] = []
-    trainer = RecordingTrainer(job, 0, 1, 0, None, controller.needs_reference)
+    trainer = RecordingTrainer(job, 0, 1, None, controller.needs_reference)
+    trainer.start("127.0.0.1", 0)  # one rank: no group to join
     trainer.events = events
     trainer.norms = []
     controller.actors = Actors(trainers=[LocalActor(trainer)], engine_actors=[], engine_urls=["http://fake-engine"],
@@ -173,7 +174,9 @@ def build_controller(tmp_path: Path, overrides: dict[str, Any] | None = None, *,
     if controller.advantage.needs_critic:
         from loongsage_core.controller.critic import Critic, CriticActor
 
-        controller.critic = Critic(job, [LocalActor(CriticActor(job, 0, 1, 0))])
+        critic = CriticActor(job, 0, 1)
+        critic.start("127.0.0.1", 0)  # one rank: no group to join
+        controller.critic = Critic(job, [LocalActor(critic)])
     controller.events = events
     controller.trainer = trainer
     controller.engine = engine

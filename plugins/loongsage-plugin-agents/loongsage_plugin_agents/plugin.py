@@ -29,6 +29,33 @@ def _command(**args: Any) -> Any:
     return CommandAgent(**args)
 
 
+def _cli_agent(cls_name: str) -> Any:
+    from . import cli_agents
+
+    return getattr(cli_agents, cls_name)
+
+
+def _codex(**args: Any) -> Any:
+    return _cli_agent("CodexAgent")(**args)
+
+
+def _claude_code(**args: Any) -> Any:
+    return _cli_agent("ClaudeCodeAgent")(**args)
+
+
+def _opencode(**args: Any) -> Any:
+    return _cli_agent("OpenCodeAgent")(**args)
+
+
+def _cli_check(cls_name: str) -> Any:
+    def check(**args: Any) -> None:
+        from .cli_runner import check_cli_args
+
+        check_cli_args(_cli_agent(cls_name), args)
+
+    return check
+
+
 def _local_sandbox(**args: Any) -> Any:
     from .local_sandbox import LocalSandboxProvider
 
@@ -62,6 +89,12 @@ def loongsage_agents() -> Iterator[AgentSpec]:
     yield AgentSpec(name="command", factory=_command,
                     description="black-box program run as a subprocess with OPENAI_BASE_URL set; "
                                 "stdout is the response")
+    yield AgentSpec(name="codex", factory=_codex, check_args=_cli_check("CodexAgent"),
+                    description="OpenAI Codex CLI (codex exec) over the Responses API, in a throwaway home")
+    yield AgentSpec(name="claude_code", factory=_claude_code, check_args=_cli_check("ClaudeCodeAgent"),
+                    description="Anthropic Claude Code (claude -p) over the Messages API, in a throwaway home")
+    yield AgentSpec(name="opencode", factory=_opencode, check_args=_cli_check("OpenCodeAgent"),
+                    description="OpenCode (opencode run) over chat completions, in a throwaway home")
 
 
 @hookimpl

@@ -22,6 +22,8 @@ class RequestLogger:
         requests, responses: which events to log.
     """
 
+    changes_response = False  # streaming leaves it out of partial views (see loongsage_core.agentflow.streaming)
+
     def __init__(self, path: str, requests: bool = True, responses: bool = True) -> None:
         if not isinstance(path, str) or not path:
             raise ValueError("request_logger: 'path' must be a file path")

@@ -138,6 +138,25 @@ class ToolCallParser:
     def on_request(self, trajectory_id: str, request: dict[str, Any]) -> dict[str, Any]:
         return request
 
+    def stream_holdback(self, request: dict[str, Any], text: str) -> int:
+        """While streaming: hold back a tool call being written (from its marker on) and a tail
+        that may be the start of a marker, so no call text reaches the agent as content."""
+        if not request.get("tools") or request.get("tool_choice") == "none":
+            return 0
+        if self.format == "llama3_json":
+            body = text.lstrip()
+            if body.startswith(("{", "<|python_tag|>")) or "{".startswith(body) or "<|python_tag|>".startswith(body):
+                return len(text)
+            return 0
+        marker = "<tool_call>" if self.format == "hermes" else "[TOOL_CALLS]"
+        at = text.rfind(marker)
+        if at >= 0 and (self.format == "mistral" or "</tool_call>" not in text[at:]):
+            return len(text) - at
+        for n in range(min(len(marker) - 1, len(text)), 0, -1):
+            if marker.startswith(text[-n:]):
+                return n
+        return 0
+
     def on_response(self, trajectory_id: str, request: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
         if not request.get("tools") or request.get("tool_choice") == "none":
             return response

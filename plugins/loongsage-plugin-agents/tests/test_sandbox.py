@@ -133,7 +133,9 @@ def _processes_with(marker: str) -> list[int]:
 
 
 def test_timeout_kills_the_whole_process_tree(provider):
-    marker = "31.4159"  # an unusual sleep length that identifies our processes on the host
+    # a sleep length unique to this test process identifies its sleeps on the host: a fixed one
+    # would also match the sleeps of a concurrent run of this test (another checkout, a parallel CI job)
+    marker = f"31.{os.getpid():07d}{time.monotonic_ns() % 1000:03d}"
 
     async def scenario():
         box = await provider.create("slow")

@@ -9,7 +9,8 @@ two-rank phases after them, rank 0 alone for the one-rank references.
 
 from __future__ import annotations
 
-import socket
+import json
+import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ from loongsage_plugin_torch.trainer import create_train_worker as create_torch_w
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
 from loongsage_core.plugins import PluginHost
+from loongsage_core.rendezvous import host_rendezvous
 from loongsage_hookspecs import Batch, TrainWorker, TrainWorkerContext
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
@@ -201,19 +203,32 @@ def test_offload_onload_keep_cpu_results(workers):
         torch.testing.assert_close(out["logprobs"], before["logprobs"], rtol=0, atol=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_ports(rank: int, out: str, count: int) -> tuple[list[int], list]:
+    """One rendezvous port per phase: rank 0 listens on ``count`` ports the OS assigns and
+    publishes them in ``out/ports.json``; the other ranks wait for that file. Returns the ports
+    and (on rank 0) the listening stores, which must stay alive while the phases run."""
+    published = Path(out) / "ports.json"
+    if rank == 0:
+        stores = [host_rendezvous() for _ in range(count)]
+        (Path(out) / "ports.tmp").write_text(json.dumps([r.port for r in stores]))
+        (Path(out) / "ports.tmp").rename(published)  # whole or absent, never half written
+        return [r.port for r in stores], stores
+    deadline = time.monotonic() + 300
+    while not published.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 published no rendezvous ports in {published}")
+        time.sleep(0.05)
+    return json.loads(published.read_text()), []
 
 
 def _weights(worker) -> dict[str, torch.Tensor]:
     return {n: t.clone() for n, t in worker.named_weights()}
 
 
-def _multi_rank_job(rank: int, ports: list[int], hf_dir: str, batches: list[Batch], out: str,
-                    moe: tuple[str, Batch]) -> None:
-    """Phases of one of four ranks; each phase leaves its process group before the next starts."""
+def _multi_rank_job(rank: int, hf_dir: str, batches: list[Batch], out: str, moe: tuple[str, Batch]) -> None:
+    """Phases of one of four ranks; each phase leaves its process group before the next starts
+    and the next joins a rendezvous of its own."""
+    ports, _listening = _rendezvous_ports(rank, out, 7)
     host = PluginHost.create([])
     first, second = batches
     moe_dir, moe_batch = moe
@@ -336,9 +351,8 @@ def multi_rank(hf_dir, moe_model, host, tmp_path_factory):
     expected = {"forward": ref.forward(make_batch()), "initial": _weights(ref)}
     batches = [make_train_batch(ref, seed=6), make_train_batch(ref, seed=7)]
     out = tmp_path_factory.mktemp("multi_rank")
-    ports = [_free_port() for _ in range(7)]
     moe = (moe_model[0], make_moe_train_batch(moe_model[1], seed=6))
-    mp.start_processes(_multi_rank_job, args=(ports, hf_dir, batches, str(out), moe), nprocs=4, join=True,
+    mp.start_processes(_multi_rank_job, args=(hf_dir, batches, str(out), moe), nprocs=4, join=True,
                        start_method="spawn")
     expected["metrics"] = ref.train_mini_batch(batches[0], compute_norm(batches[0]))
     expected["weights"] = dict(ref.named_weights())

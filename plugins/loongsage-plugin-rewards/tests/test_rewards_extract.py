@@ -35,7 +35,10 @@ def test_last_boxed_handles_fbox_and_missing():
     assert last_boxed("no box") is None
 
 
-@given(st.text(alphabet=st.characters(blacklist_characters="{}\\", blacklist_categories=("Cs",)), max_size=30))
+# Contents holding "</think>" are excluded: everything before the last one is reasoning, dropped
+# by design (see the "<think>" cases above), so such a box cannot round-trip.
+@given(st.text(alphabet=st.characters(blacklist_characters="{}\\", blacklist_categories=("Cs",)), max_size=30)
+       .filter(lambda text: "</think>" not in text))
 def test_boxed_content_round_trips(content):
     assert extract_final_answer(f"work... \\boxed{{{content}}} end") == content.strip()
 

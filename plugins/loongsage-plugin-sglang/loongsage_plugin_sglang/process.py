@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,13 +22,6 @@ import httpx
 
 class ServerStartError(RuntimeError):
     """A server subprocess exited or did not become healthy in time; the message has its log tail."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free on ``host`` right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def log_tail(path: str | os.PathLike[str] | None, max_lines: int = 40) -> str:

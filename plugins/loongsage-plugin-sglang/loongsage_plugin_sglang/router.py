@@ -16,7 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from .process import ManagedProcess, ServerStartError, free_port
+from loongsage_core.rendezvous import free_port, retry_on_port_collision
+
+from .process import ManagedProcess, ServerStartError
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 """Routing policies of sglang-router usable with plain worker URLs."""
@@ -60,13 +62,13 @@ class SGLangRouterProcess:
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.policy = policy
         self.host = host
+        self.fixed_port = bool(port)
+        """A port given is used as is; otherwise a free one, another if it is taken before the router binds it."""
         self.port = int(port) or free_port(host)
         self.python = python or sys.executable
-        self.command = router_command(self.worker_urls, host=host, port=self.port, policy=policy,
-                                      extra_args=extra_args, python=self.python)
-        secret = api_key or process_secret()
-        if secret:
-            self.command += ["--api-key", secret]
+        self.extra_args = dict(extra_args or {})
+        self.secret = api_key or process_secret()
+        self.command = self._command(self.port)
         self.startup_timeout_s = float(startup_timeout_s)
         self.log_path = Path(log_path) if log_path \
             else Path(tempfile.mkdtemp(prefix="loongsage-router-")) / "router.log"
@@ -81,10 +83,26 @@ class SGLangRouterProcess:
                 and importlib.util.find_spec("sglang_router") is None:
             raise ServerStartError(f"sglang-router is not installed for {self.python}; install it with: "
                                    f"{ROUTER_INSTALL_HINT}")
-        self.process = ManagedProcess(self.command, name="sglang router", log_path=self.log_path)
-        self.base_url = self.process.launch(f"http://{self.host}:{self.port}", ("/health",),
-                                            timeout_s=self.startup_timeout_s)
+        if self.fixed_port:
+            self.base_url = self._launch(self.port)
+        else:  # the router binds its port itself, later: start it again on another port if that one was taken
+            self.base_url = retry_on_port_collision(self._launch, host=self.host, first_port=self.port,
+                                                    where="sglang router")
         return self.base_url
+
+    def _command(self, port: int) -> list[str]:
+        """The launch command line for ``port`` (with the run secret as ``--api-key`` when there is one)."""
+        command = router_command(self.worker_urls, host=self.host, port=port, policy=self.policy,
+                                 extra_args=self.extra_args, python=self.python)
+        return command + (["--api-key", self.secret] if self.secret else [])
+
+    def _launch(self, port: int) -> str:
+        """Run the router on ``port`` and wait for ``/health`` (stopped again if it never answers)."""
+        if port != self.port:
+            self.port = port
+            self.command = self._command(port)
+        self.process = ManagedProcess(self.command, name="sglang router", log_path=self.log_path)
+        return self.process.launch(f"http://{self.host}:{port}", ("/health",), timeout_s=self.startup_timeout_s)
 
     def shutdown(self) -> None:
         """Terminate the router (idempotent)."""

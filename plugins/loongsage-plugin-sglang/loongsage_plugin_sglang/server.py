@@ -25,8 +25,10 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
+from loongsage_core.rendezvous import free_port, retry_on_port_collision
+
 from .launch import LaunchConfigError, build_launch_command
-from .process import ManagedProcess, ServerStartError, free_port
+from .process import ManagedProcess, ServerStartError
 
 INSTALL_HINT = "pip install 'loongsage-plugin-sglang[sglang]'"
 """How to install SGLang next to this plugin."""
@@ -92,13 +94,12 @@ class SGLangServer:
         self.python = python or sys.executable
         self.options, _ = _launcher_options(job)
         self.host = ctx.host or "127.0.0.1"
+        self.fixed_port = bool(ctx.port)
+        """A port given in the context is used as is; otherwise a free one, another if it is taken first."""
         self.port = int(ctx.port) if ctx.port else free_port(self.host)
         self.engine_index = int(ctx.engine_index)
-        self.command = sglang_command(job, host=self.host, port=self.port, engine_index=self.engine_index,
-                                      python=self.python)
-        secret = getattr(ctx, "api_key", None)
-        if secret:
-            self.command += ["--api-key", secret, "--admin-api-key", secret]
+        self.secret = getattr(ctx, "api_key", None)
+        self.command = self._command(self.port)
         log_dir = Path(job.resolve_path(self.options["log_dir"])) if self.options.get("log_dir") \
             else Path(tempfile.mkdtemp(prefix="loongsage-sglang-"))
         self.log_path = log_dir / f"sglang_engine_{self.engine_index}.log"
@@ -113,11 +114,28 @@ class SGLangServer:
             raise SGLangNotInstalled(f"the sglang rollout engine needs SGLang, which {self.python} cannot import; "
                                      f"install it with: {INSTALL_HINT} (it needs a CUDA machine), or select "
                                      "[rollout] engine = \"torch\"")
+        name = f"sglang server (engine {self.engine_index})"
+        if self.fixed_port:
+            self.base_url = self._launch(self.port)
+        else:  # the server binds its port itself, later: start it again on another port if that one was taken
+            self.base_url = retry_on_port_collision(self._launch, host=self.host, first_port=self.port, where=name)
+        return self.base_url
+
+    def _command(self, port: int) -> list[str]:
+        """The launch command line for ``port`` (with the run secret as the server's API keys when set)."""
+        command = sglang_command(self.ctx.job, host=self.host, port=port, engine_index=self.engine_index,
+                                 python=self.python)
+        return command + (["--api-key", self.secret, "--admin-api-key", self.secret] if self.secret else [])
+
+    def _launch(self, port: int) -> str:
+        """Run the server on ``port`` and wait until it serves (stopped again if it never does)."""
+        if port != self.port:
+            self.port = port
+            self.command = self._command(port)
         self.process = ManagedProcess(self.command, name=f"sglang server (engine {self.engine_index})",
                                       log_path=self.log_path, env=self.options["env"])
-        self.base_url = self.process.launch(f"http://{self.host}:{self.port}", HEALTH_PATHS,
-                                            timeout_s=self.options["startup_timeout_s"])
-        return self.base_url
+        return self.process.launch(f"http://{self.host}:{port}", HEALTH_PATHS,
+                                   timeout_s=self.options["startup_timeout_s"])
 
     def shutdown(self) -> None:
         """Terminate the server's process group (idempotent)."""

@@ -26,7 +26,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from loongsage_core.weight_group import destroy_weight_update_group, free_port, join_with_engines
+from loongsage_core.rendezvous import host_rendezvous, reachable_address
+from loongsage_core.weight_group import destroy_weight_update_group, join_with_engines
 
 from .client import SGLangClient, update_weights_from_distributed_body
 from .targets import target_url
@@ -72,12 +73,14 @@ class NcclSender:
 
     ``bucket_bytes``: bucket size (default 512 MiB); ``tp_size``: ranks of each SGLang server (its
     ``--tp-size``); ``master_address`` / ``master_port``: where the trainer hosts the rendezvous
-    (reachable from the engines; port 0 picks a free one); ``group_name`` / ``backend``: the group;
-    ``device``: where tensors are broadcast from (default ``"cuda"`` for NCCL, ``"cpu"`` otherwise);
+    (reachable from the engines, default this node's IP in Ray, else loopback; port 0: the port
+    the OS assigns when the trainer starts listening, before any engine is told it);
+    ``group_name`` / ``backend``: the group; ``device``: where tensors are broadcast from (default
+    ``"cuda"`` for NCCL, ``"cpu"`` otherwise);
     ``init_timeout_s``: group set-up limit; ``timeout_s``: per-request HTTP timeout.
     """
 
-    def __init__(self, bucket_bytes: int = 512 << 20, tp_size: int = 1, master_address: str = "127.0.0.1",
+    def __init__(self, bucket_bytes: int = 512 << 20, tp_size: int = 1, master_address: str | None = None,
                  master_port: int = 0, group_name: str = "loongsage_weight_sync", backend: str = "nccl",
                  device: str | None = None, init_timeout_s: float = 600.0, timeout_s: float | None = None,
                  abort_all_requests: bool = False) -> None:
@@ -87,7 +90,7 @@ class NcclSender:
             raise ValueError(f"sglang_nccl weight transport: tp_size must be >= 1, got {tp_size}")
         self.bucket_bytes = int(bucket_bytes)
         self.tp_size = int(tp_size)
-        self.master_address = master_address
+        self.master_address = master_address or reachable_address()
         self.master_port = int(master_port)
         self.group_name = group_name
         self.backend = backend
@@ -121,13 +124,15 @@ class NcclSender:
 
     def _setup(self, urls: list[str]) -> float:
         start = time.perf_counter()
-        if not self.master_port:
-            self.master_port = free_port(self.master_address)
+        # the store listens before any engine hears of it: port 0 is the port the OS assigns here
+        self._rendezvous = host_rendezvous(self.master_address, self.master_port,
+                                           timeout_s=self.init_timeout_s)
+        self.master_address, self.master_port = self._rendezvous.address, self._rendezvous.port
         self._pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="sglang-nccl")
         bodies = self.init_requests(urls)
         joins = [functools.partial(self._client(u).request, "POST", "/init_weights_update_group", body,
                                    timeout=self.init_timeout_s) for u, body in zip(urls, bodies)]
-        self.group = join_with_engines(self._pool, joins, self.master_address, self.master_port,
+        self.group = join_with_engines(self._pool, joins, self._rendezvous,
                                        bodies[0]["world_size"], group_name=self.group_name, backend=self.backend,
                                        timeout_s=self.init_timeout_s, where="sglang_nccl weight transport")
         self.urls = urls

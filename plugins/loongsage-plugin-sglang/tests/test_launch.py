@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import textwrap
 import time
@@ -11,11 +12,12 @@ from pathlib import Path
 import httpx
 import pytest
 from loongsage_plugin_sglang.launch import LaunchConfigError, build_launch_command, engine_args_to_flags
-from loongsage_plugin_sglang.process import ManagedProcess, ServerStartError, free_port, redact_command
+from loongsage_plugin_sglang.process import ManagedProcess, ServerStartError, redact_command
 from loongsage_plugin_sglang.router import SGLangRouterProcess
 from loongsage_plugin_sglang.server import INSTALL_HINT, SGLangNotInstalled, SGLangServer, sglang_command
 
 from loongsage_core.config import load_job
+from loongsage_core.rendezvous import retry_on_port_collision
 from loongsage_hookspecs import EngineContext
 
 
@@ -144,15 +146,16 @@ def test_a_server_that_exits_reports_its_log_tail(tmp_path):
     proc = ManagedProcess([sys.executable, "-c", "import sys; print('loading weights failed: no such file'); "
                            "sys.exit(3)"], name="test server", log_path=tmp_path / "s.log")
     proc.start()
-    with pytest.raises(ServerStartError) as err:
-        proc.wait_healthy(f"http://127.0.0.1:{free_port()}", timeout_s=30)
+    with socket.socket() as closed:  # bound, never listening: nothing can answer at this address
+        closed.bind(("127.0.0.1", 0))
+        with pytest.raises(ServerStartError) as err:
+            proc.wait_healthy(f"http://127.0.0.1:{closed.getsockname()[1]}", timeout_s=30)
     text = str(err.value)
     assert "exited with status 3" in text and "loading weights failed: no such file" in text
     assert str(tmp_path / "s.log") in text
 
 
 def test_health_wait_timeout_and_group_shutdown(tmp_path):
-    port = free_port()
     # a real HTTP server whose child process shares its process group
     code = ("import subprocess, sys, http.server\n"
             "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
@@ -160,13 +163,18 @@ def test_health_wait_timeout_and_group_shutdown(tmp_path):
             "http.server.test(HandlerClass=http.server.SimpleHTTPRequestHandler, port=int(sys.argv[2]), "
             "bind='127.0.0.1')\n")
     pid_file = tmp_path / "child.pid"
-    proc = ManagedProcess([sys.executable, "-c", code, str(pid_file), str(port)], name="http server",
-                          log_path=tmp_path / "h.log", cwd=str(tmp_path))
-    proc.start()
+
+    def launch(port: int) -> tuple[ManagedProcess, int]:
+        proc = ManagedProcess([sys.executable, "-c", code, str(pid_file), str(port)], name="http server",
+                              log_path=tmp_path / f"h{port}.log", cwd=str(tmp_path))
+        # the first path never answers, the second does: waiting falls through to it
+        proc.launch(f"http://127.0.0.1:{port}", ("/no-such-path", "/"), timeout_s=60)
+        return proc, port
+
+    proc, port = retry_on_port_collision(launch, where="http server")  # the child binds the port itself
     try:
         with pytest.raises(ServerStartError, match="did not answer /no-such-path"):
             proc.wait_healthy(f"http://127.0.0.1:{port}", ("/no-such-path",), timeout_s=3)
-        proc.wait_healthy(f"http://127.0.0.1:{port}", ("/no-such-path", "/"), timeout_s=30)
         assert httpx.get(f"http://127.0.0.1:{port}/").status_code == 200
         child = int(pid_file.read_text())
     finally:
@@ -206,8 +214,9 @@ def test_the_run_secret_becomes_api_key_and_admin_api_key_and_is_masked_in_logs(
     proc = ManagedProcess([sys.executable, "-c", "import sys; sys.exit(2)", "--api-key", "s3cret"], name="t",
                           log_path=tmp_path / "t.log")
     proc.start()
-    with pytest.raises(ServerStartError) as err:
-        proc.wait_healthy(f"http://127.0.0.1:{free_port()}", timeout_s=30)
+    with socket.socket() as closed, pytest.raises(ServerStartError) as err:  # bound, never listening
+        closed.bind(("127.0.0.1", 0))
+        proc.wait_healthy(f"http://127.0.0.1:{closed.getsockname()[1]}", timeout_s=30)
     assert "s3cret" not in str(err.value) and "s3cret" not in (tmp_path / "t.log").read_text()
 
 

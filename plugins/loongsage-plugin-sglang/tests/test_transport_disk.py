@@ -7,6 +7,7 @@ import json
 import pytest
 import torch  # noqa: E402  (a hard dependency of this plugin)
 from loongsage_plugin_sglang.transport_disk import DiskSender, write_safetensors  # noqa: E402
+from standin_sglang import StandIn  # noqa: E402  (on sys.path through conftest.py)
 
 
 def weights(seed: int):
@@ -28,18 +29,25 @@ def test_each_version_is_written_and_reloaded_by_every_engine(standin, tmp_path)
     (model_dir / "config.json").write_text(json.dumps({"model_type": "qwen3"}))
     (model_dir / "model.safetensors").write_bytes(b"old weights are not copied")
     sender = DiskSender(directory=str(tmp_path / "out"), config_from=str(model_dir), load_format="safetensors")
-    second = type("Engine", (), {"base_url": standin.url + "/"})()  # an engine object with a base URL
-    stats = sender.send(iter(weights(0)), 1, [standin.url, second])
+    # two engines reload concurrently: each keeps its own record, so neither's loads interleave with the other's
+    other = StandIn().start()
+    try:
+        second = type("Engine", (), {"base_url": other.url + "/"})()  # an engine object with a base URL
+        stats = sender.send(iter(weights(0)), 1, [standin.url, second])
+    finally:
+        other.stop()
     v1 = tmp_path / "out" / "v1"
     assert sorted(p.name for p in v1.iterdir()) == ["config.json", "model.safetensors"]
-    reqs = [r for r in standin.requests if r["path"] == "/update_weights_from_disk"]
-    assert [r["body"] for r in reqs] == [{"model_path": str(v1), "load_format": "safetensors", "weight_version": "1",
-                                          "flush_cache": True, "abort_all_requests": False}] * 2
-    got = {r["name"]: (r["dtype"], r["shape"], r["sum"]) for r in standin.loaded[:4]}
     want = expected(weights(0))
-    assert got.keys() == want.keys()
-    for name in want:
-        assert got[name][:2] == want[name][:2] and got[name][2] == pytest.approx(want[name][2], rel=1e-6)
+    for engine in (standin, other):
+        reqs = [r for r in engine.requests if r["path"] == "/update_weights_from_disk"]
+        assert [r["body"] for r in reqs] == [{"model_path": str(v1), "load_format": "safetensors",
+                                              "weight_version": "1", "flush_cache": True,
+                                              "abort_all_requests": False}]
+        got = {r["name"]: (r["dtype"], r["shape"], r["sum"]) for r in engine.loaded}
+        assert len(engine.loaded) == len(want) and got.keys() == want.keys()
+        for name in want:
+            assert got[name][:2] == want[name][:2] and got[name][2] == pytest.approx(want[name][2], rel=1e-6)
     assert stats["perf/weight_update_bytes"] == 64 * 16 * 4 * 2 + 32 * 16 * 2 + 16 * 4
     assert stats["timing/weight_update_s"] >= stats["timing/weight_write_s"] > 0
 

@@ -305,7 +305,8 @@ BAD_REQUESTS = [
     ({"input_ids": [1] * CONTEXT}, "input_ids", "context length"),
     ({"input_ids": [1, 2], "sampling_params": {"n": 2}}, "sampling_params.n", "batch"),
     ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "sampling_params.stop", "stop_token_ids"),
-    ({"input_ids": [1, 2], "stream": True}, "stream", "stream"),
+    ({"input_ids": [[1], [2]], "stream": True}, "stream", "single prompt"),
+    ({"input_ids": [1, 2], "top_logprobs_num": -1}, "top_logprobs_num", "integer"),
     ({"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob", "boolean"),
     ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid", "duplicate"),
     ({"input_ids": [1, 2], "rid": 5}, "rid", "string"),
@@ -351,14 +352,28 @@ def test_a_rid_in_use_is_rejected(served):
     assert fut.result(timeout=120)[0].finish_reason == "abort"
 
 
+def test_a_streamed_request_refused_before_its_first_token_gets_a_plain_error(served):
+    _, client, pool = served
+    fut = long_request(client, pool, [73, 74], "dup-stream", n=400)
+    started(client)
+    resp = httpx.post(client.base_url + "/generate", json={"input_ids": [1, 2], "rid": "dup-stream", "stream": True,
+                                                           "sampling_params": {"max_new_tokens": 2}})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "rid", resp.text
+    client.abort_sync("dup-stream")
+    assert fut.result(timeout=120)[0].finish_reason == "abort"
+
+
 def test_release_and_resume_memory_occupation(served):
     engine, client, pool = served
-    prompt, params = [11, 12, 13, 14], {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    # 4 + 24 tokens: more than one prefix-cache block, so this request alone leaves a cached prefix
+    # (the KV cache itself is given back whenever the engine goes idle); no earlier test is needed
+    prompt, params = [11, 12, 13, 14], {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
     before = client.generate_sync([prompt], params)[0]
-    assert state(client)["kv_capacity"] > 0 or state(client)["prefix_cache_entries"] > 0
+    assert state(client)["prefix_cache_entries"] > 0
     # busy: a running request keeps the memory
     fut = long_request(client, pool, [5, 6, 7], "holds-memory")
     started(client)
+    assert state(client)["kv_capacity"] > 0
     with pytest.raises(EngineError) as busy:
         client.release_memory_occupation_sync(["kv_cache"])
     assert busy.value.status_code == 400 and "running or waiting" in str(busy.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import httpx
@@ -160,3 +161,62 @@ def test_text_is_decoded_with_the_tokenizer(served):
     body = {"text": tok.decode(ids), "sampling_params": {**GREEDY, "max_new_tokens": 8}}
     out = httpx.post(client.base_url + "/generate", json=body).json()
     assert out["output_ids"] == res.output_ids and out["meta_info"]["prompt_tokens"] == len(ids)
+
+
+def test_stream_sends_every_token_as_it_is_generated(served):
+    _, client, _ = served
+    (prompt,) = prompts(9, seed=8)
+    params = {"temperature": 1.0, "sampling_seed": 77, "max_new_tokens": 20, "ignore_eos": True}
+    plain = httpx.post(client.base_url + "/generate", json={"input_ids": prompt, "sampling_params": params,
+                                                            "return_logprob": True}, timeout=60).json()
+    events = []
+    with httpx.stream("POST", client.base_url + "/generate", json={
+            "input_ids": prompt, "sampling_params": params, "return_logprob": True, "stream": True},
+            timeout=60) as resp:
+        assert resp.status_code == 200 and resp.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in resp.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    assert len(events) == 20  # SGLang's format: one event per token, each with everything so far
+    for n, event in enumerate(events, start=1):
+        meta = event["meta_info"]
+        assert event["output_ids"] == plain["output_ids"][:n] and meta["completion_tokens"] == n
+        assert len(meta["output_token_logprobs"]) == n
+        assert (meta["finish_reason"] is None) == (n < 20)
+    assert events[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 20}
+    assert events[-1]["text"] == plain["text"]
+    assert [e[0] for e in events[-1]["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [e[0] for e in plain["meta_info"]["output_token_logprobs"]], abs=1e-6)
+
+
+def test_top_logprobs_num_lists_the_most_likely_tokens(served):
+    _, client, ref = served
+    (prompt,) = prompts(6, seed=9)
+    out = httpx.post(client.base_url + "/generate", json={
+        "input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 5}, "return_logprob": True,
+        "top_logprobs_num": 3}, timeout=60).json()
+    meta = out["meta_info"]
+    rows = meta["output_top_logprobs"]
+    assert len(rows) == 5 and all(len(row) == 3 for row in rows)
+    full = torch.log_softmax(ref(torch.tensor([prompt + out["output_ids"]])).logits[0].float(), dim=-1)
+    for i, (row, (lp, tok, _)) in enumerate(zip(rows, meta["output_token_logprobs"])):
+        expected = full[len(prompt) - 1 + i].topk(3)
+        assert [t for _, t, _ in row] == expected.indices.tolist()
+        assert [v for v, _, _ in row] == pytest.approx(expected.values.tolist(), abs=1e-4)
+        assert row[0][1] == tok and row[0][0] == pytest.approx(lp, abs=1e-5)  # greedy took the top token
+
+
+def test_stop_strings_end_generation_on_the_token_that_completes_them(served):
+    _, client, _ = served
+    tok = load_tokenizer(make_job())
+    (prompt,) = prompts(7, seed=4)
+    free = client.generate_sync([prompt], {**GREEDY, "max_new_tokens": 16})[0].output_ids
+    text = tok.decode(free[3:6], skip_special_tokens=False)
+    stop = text[1:-1] if len(text) > 2 else text  # spans token boundaries
+    body = {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 16, "stop": [stop]}}
+    out = httpx.post(client.base_url + "/generate", json=body, timeout=60).json()
+    ids = out["output_ids"]
+    assert ids == free[:len(ids)] and stop in tok.decode(ids, skip_special_tokens=False)
+    assert stop not in tok.decode(ids[:-1], skip_special_tokens=False)  # the last token completed it
+    assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert stop not in out["text"]  # SGLang trims the matched stop string from the text

@@ -214,3 +214,18 @@ def test_fp32_lm_head_computes_the_output_layer_in_float32():
     # float32 output layer: only float32 rounding; bf16 output layer: bf16 rounding of every logit
     assert err_wide < 1e-5
     assert err_plain > 10 * err_wide
+
+
+def test_prefix_cache_keeps_one_copy_of_a_growing_conversation():
+    cache = PrefixCache(capacity_tokens=1000, block=4)
+    turn1 = list(range(20))
+    turn2 = turn1 + [50, 51, 52, 53, 54, 55]
+    turn3 = turn2 + [60] * 9
+    for turn in (turn1, turn2, turn3):
+        cache.insert(turn, *kv(len(turn), len(turn)), version=0)
+    assert len(cache) == 1 and cache.tokens == len(turn3)  # earlier turns subsumed, not duplicated
+    entry, n = cache.lookup(turn3 + [1, 2], version=0, max_len=100)
+    assert n == len(turn3) and entry.tokens == turn3
+    other = list(range(12)) + [7, 7, 7, 7]  # shares 12 tokens but is no prefix: kept beside
+    cache.insert(other, *kv(16, 3), version=0)
+    assert len(cache) == 2 and cache.lookup(turn1, version=0, max_len=20)[1] == 20

@@ -1,16 +1,18 @@
 """Data parallelism of the torch train backend: 2 real processes over Gloo equal 1 process.
 
-The test launches this file as a script once per rank (``python test_trainer_dp.py RANK WORLD PORT OUT``);
-each rank trains on its half of the rows with the mini-batch's global norm and writes its
-gradients, metrics and updated weights for the test to compare with a single-process run.
+The test launches this file as a script once per rank (``python test_trainer_dp.py RANK WORLD OUT``);
+rank 0 listens for the rendezvous on a port the OS assigns and writes it to ``OUT/port`` for the
+other rank (no port is picked in one process and bound in another); each rank trains on its
+half of the rows with the mini-batch's global norm and writes its gradients, metrics and updated
+weights for the test to compare with a single-process run.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from loongsage_plugin_torch.trainer import create_train_worker
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
+from loongsage_core.rendezvous import host_rendezvous
 from loongsage_hookspecs import (
     AggregationSpec,
     Batch,
@@ -88,11 +91,8 @@ def train_once(rank: int, world: int, port: int) -> dict:
 
 
 def test_two_ranks_with_half_the_rows_equal_one_rank_with_all(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(port), str(tmp_path)], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
     single = train_once(0, 1, 0)
     for p in procs:
@@ -116,5 +116,18 @@ def test_two_ranks_with_half_the_rows_equal_one_rank_with_all(tmp_path):
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    rank_, world_, port_, out_ = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+    rank_, world_, out_ = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    port_file = out_ / "port"
+    if rank_ == 0:
+        rendezvous = host_rendezvous()  # listening before the other rank learns the port
+        (out_ / "port.tmp").write_text(str(rendezvous.port))
+        (out_ / "port.tmp").rename(port_file)
+        port_ = rendezvous.port
+    else:
+        deadline = time.monotonic() + 120
+        while not port_file.exists():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"rank {rank_}: rank 0 published no rendezvous port in {port_file}")
+            time.sleep(0.05)
+        port_ = int(port_file.read_text())
     torch.save(train_once(rank_, world_, port_), out_ / f"rank{rank_}.pt")

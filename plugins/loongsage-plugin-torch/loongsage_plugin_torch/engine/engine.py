@@ -63,6 +63,8 @@ class EmbeddedEngine:
                                   fp32_lm_head=bool(job.model.fp32_lm_head))
         self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(self.runner, self.settings, _eos_ids(self.model, self.tokenizer, self.vocab_size))
+        if self.tokenizer is not None:  # stop strings are matched on decoded text
+            self.scheduler.decode = lambda ids: self.decode(ids, skip_special_tokens=False)
         self._receivers: dict[str, Any] = {}
         self._weight_groups: Any = None
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -10,7 +10,11 @@ batch and its longest sequence, not the configured batch size and context length
 whole sequences after they finish) so that a later request that starts with the same tokens (the
 other samples of a group, the next turn of a multi-turn agent) skips their prefill. Lookup hashes
 fixed-size token blocks, so finding the longest cached prefix costs time linear in the prompt.
-Entries are tagged with the weight version that computed them and only serve that version.
+Entries are tagged with the weight version that computed them and only serve that version. An
+entry that extends an older one (the next turn of a conversation) replaces it, so a conversation
+keeps one copy of its shared prefix; the budget ``capacity_tokens`` bounds the memory held
+(``tokens x layers x 2 x kv_heads x head_dim x dtype size`` bytes) and least recently used
+entries are evicted first.
 """
 
 from __future__ import annotations
@@ -158,6 +162,14 @@ class PrefixCache:
                     and other.tokens[:n] == list(tokens):
                 self._entries.move_to_end(last)
                 return
+        # Entries whose tokens are a prefix of ``tokens`` (the previous turn of this conversation)
+        # are subsumed by the new entry: drop them, so a long conversation holds one copy of its
+        # shared prefix, as a radix tree would.
+        owners = {owner for h in hashes if (owner := self._by_hash.get(h)) is not None}
+        for owner in owners:
+            other = self._entries[owner]
+            if len(other.tokens) <= n and other.tokens == list(tokens[: len(other.tokens)]):
+                self._remove(owner)
         entry_id = self._next_id
         self._next_id += 1
         self._entries[entry_id] = PrefixEntry(list(tokens), keys, values, version, hashes)
@@ -168,7 +180,10 @@ class PrefixCache:
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
-        entry_id, entry = self._entries.popitem(last=False)
+        self._remove(next(iter(self._entries)))
+
+    def _remove(self, entry_id: int) -> None:
+        entry = self._entries.pop(entry_id)
         for h in entry.block_hashes:
             if self._by_hash.get(h) == entry_id:
                 del self._by_hash[h]

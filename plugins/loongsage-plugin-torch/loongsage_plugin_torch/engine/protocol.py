@@ -43,6 +43,8 @@ class GenerateItem:
     return_logprob: bool
     return_text_in_logprobs: bool = False
     parent_rid: str | None = None
+    top_logprobs_num: int = 0
+    stream: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,10 +128,9 @@ GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
 }
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids",
-                   "ignore_eos", "sampling_seed", "seed", "skip_special_tokens", "n", "stop"}
+                   "ignore_eos", "sampling_seed", "seed", "skip_special_tokens", "n", "stop", "no_stop_trim"}
 SAMPLING_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "spaces_between_special_tokens": lambda v: isinstance(v, bool) or v is None,
-    "no_stop_trim": lambda v: isinstance(v, bool) or v is None,
     "stream_interval": lambda v: v is None or _is_int(v),
     "frequency_penalty": lambda v: v in (None, 0, 0.0),
     "presence_penalty": lambda v: v in (None, 0, 0.0),
@@ -141,7 +142,7 @@ SAMPLING_NEUTRAL: dict[str, Callable[[Any], bool]] = {
 
 
 def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: int,
-                          max_context: int) -> SamplingParams:
+                          max_context: int, can_decode: bool = True) -> SamplingParams:
     """Validate one ``sampling_params`` object for a prompt of ``prompt_len`` tokens."""
     if raw is None:
         raw = {}
@@ -174,8 +175,17 @@ def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: 
         raise InvalidRequest(f"'{w}n' = {n!r} is not supported: send the prompt once per sample in a batch",
                              w + "n")
     stop = raw.get("stop")
-    if not _empty(stop):
-        raise InvalidRequest(f"'{w}stop' (stop strings) is not supported by the embedded engine; "
+    stops: list[str] = []
+    if isinstance(stop, str):
+        stops = [stop]
+    elif isinstance(stop, list) and all(isinstance(x, str) for x in stop):
+        stops = list(stop)
+    elif stop is not None:
+        raise InvalidRequest(f"'{w}stop' must be a string or a list of strings, got {stop!r}", w + "stop")
+    if any(not x for x in stops):
+        raise InvalidRequest(f"'{w}stop' strings must be non-empty", w + "stop")
+    if stops and not can_decode:
+        raise InvalidRequest(f"'{w}stop' (stop strings) needs a tokenizer, and this engine has none; "
                              "use 'stop_token_ids'", w + "stop")
     stop_ids = raw.get("stop_token_ids")
     if stop_ids is None:
@@ -204,7 +214,8 @@ def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: 
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=max_new,
         stop_token_ids=tuple(stop_ids), ignore_eos=_bool(raw, "ignore_eos", False, w), seed=seed,
-        skip_special_tokens=_bool(raw, "skip_special_tokens", True, w))
+        skip_special_tokens=_bool(raw, "skip_special_tokens", True, w), stop=tuple(stops),
+        no_stop_trim=_bool(raw, "no_stop_trim", False, w))
 
 
 def _token_list(value: Any, where: str, vocab_size: int) -> list[int]:
@@ -229,19 +240,22 @@ def _per_item(value: Any, count: int, key: str) -> list[Any]:
     return [value] * count
 
 
-def parse_generate(body: Any, *, vocab_size: int, max_context: int,
-                   encode: Callable[[str], list[int]] | None) -> tuple[list[GenerateItem], bool]:
+def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Callable[[str], list[int]] | None,
+                   can_decode: bool = True) -> tuple[list[GenerateItem], bool]:
     """Validate a ``/generate`` body; returns the items and whether the input was a single prompt."""
     body = _require_object(body, "/generate")
     _check_unknown(body, GENERATE_FIELDS, GENERATE_NEUTRAL)
-    if body.get("stream"):
-        raise InvalidRequest("'stream' = true is not supported by the embedded engine; send stream=false", "stream")
+    stream = _bool(body, "stream", False, "")
     start = body.get("logprob_start_len")
     if start not in (None, -1):
         raise InvalidRequest("'logprob_start_len' is not supported (only output-token log-probs are returned); "
                              "omit it or send -1", "logprob_start_len")
-    if body.get("top_logprobs_num") not in (None, 0):
-        raise InvalidRequest("'top_logprobs_num' > 0 is not supported by the embedded engine", "top_logprobs_num")
+    top_n = body.get("top_logprobs_num")
+    if top_n is None:
+        top_n = 0
+    if not _is_int(top_n) or not 0 <= top_n <= min(vocab_size, 1000):
+        raise InvalidRequest(f"'top_logprobs_num' must be an integer in [0, {min(vocab_size, 1000)}], got {top_n!r}",
+                             "top_logprobs_num")
     ids, text = body.get("input_ids"), body.get("text")
     if ids is not None and text is not None:
         raise InvalidRequest("send either 'input_ids' or 'text', not both", "input_ids")
@@ -267,6 +281,8 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int,
         else:
             prompts = [_token_list(p, f"input_ids[{i}]", vocab_size) for i, p in enumerate(ids)]
     count = len(prompts)
+    if stream and count != 1:
+        raise InvalidRequest("'stream' = true needs a single prompt, not a batch", "stream")
 
     rid = body.get("rid")
     if single:
@@ -297,7 +313,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int,
                                  f"length of {max_context} tokens", where_ids)
         where_sp = "sampling_params" if not isinstance(sp, list) else f"sampling_params[{i}]"
         params = parse_sampling_params(sps[i], where=where_sp, vocab_size=vocab_size,
-                                       prompt_len=len(prompt), max_context=max_context)
+                                       prompt_len=len(prompt), max_context=max_context, can_decode=can_decode)
         ret_lp = rl[i]
         if ret_lp is None:
             ret_lp = False
@@ -305,7 +321,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int,
             raise InvalidRequest(f"'return_logprob' must be a boolean, got {ret_lp!r}", "return_logprob")
         items.append(GenerateItem(rid=rids[i], input_ids=list(prompt), params=params, return_logprob=ret_lp,
                                   return_text_in_logprobs=_bool(body, "return_text_in_logprobs", False, ""),
-                                  parent_rid=parent))
+                                  parent_rid=parent, top_logprobs_num=top_n, stream=stream))
     return items, single
 
 
@@ -490,6 +506,11 @@ def parse_update_version(body: Any) -> tuple[int, bool]:
 def finish_json(kind: str, **extra: Any) -> dict[str, Any]:
     """SGLang's ``finish_reason`` object: ``{"type": "stop"|"length"|"abort", ...}``."""
     return {"type": kind, **extra}
+
+
+def top_logprob_rows(rows: Sequence[Sequence[tuple[float, int]]]) -> list[list[list[Any]]]:
+    """SGLang's ``output_top_logprobs``: per output token ``[[logprob, token_id, null], ...]``."""
+    return [[[lp, t, None] for lp, t in row] for row in rows]
 
 
 def token_logprob_triples(logprobs: Sequence[float], tokens: Sequence[int],

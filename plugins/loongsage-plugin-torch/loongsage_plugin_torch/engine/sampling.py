@@ -38,6 +38,8 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     skip_special_tokens: bool = True
+    stop: tuple[str, ...] = ()
+    no_stop_trim: bool = False
 
     @property
     def greedy(self) -> bool:

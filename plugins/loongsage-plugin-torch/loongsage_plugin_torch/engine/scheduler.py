@@ -78,6 +78,7 @@ class GenerationResult:
     finish_reason: dict[str, Any]
     cached_tokens: int
     latency_s: float
+    top_logprobs: list[list[tuple[float, int]]] | None = None
 
 
 @attrs.define(eq=False)
@@ -90,6 +91,8 @@ class _Request:
     created: float
     logprobs: list[float] = attrs.field(factory=list)
     versions: list[int] = attrs.field(factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = attrs.field(factory=list)
+    progress: Callable[["GenerationResult"], None] | None = None
     slot: int = -1
     kv_len: int = 0
     cached_tokens: int = 0
@@ -143,6 +146,7 @@ class Scheduler:
         self._commands: list[Callable[[], None]] = []
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.decode: Callable[[list[int]], str] | None = None  # for stop strings (set by the engine)
 
     # ------------------------------------------------------------------------------------------
     # thread-safe API
@@ -190,8 +194,13 @@ class Scheduler:
             run()
         return fut
 
-    def submit(self, items: Sequence[GenerateItem]) -> list[concurrent.futures.Future]:
-        """Queue generation requests; each future resolves to a :class:`GenerationResult`."""
+    def submit(self, items: Sequence[GenerateItem],
+               progress: Callable[[GenerationResult], None] | None = None) -> list[concurrent.futures.Future]:
+        """Queue generation requests; each future resolves to a :class:`GenerationResult`.
+
+        ``progress`` (streaming) is called in the loop thread with the request's state so far
+        (``finish_reason`` empty) after every token but the last; the future brings the last.
+        """
         requests = []
         now = time.monotonic()
         for item in items:
@@ -201,7 +210,7 @@ class Scheduler:
             if not p.greedy:
                 gen = self._torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator
             requests.append(_Request(item=item, tokens=list(item.input_ids), stop_ids=stop, generator=gen,
-                                     future=concurrent.futures.Future(), created=now))
+                                     future=concurrent.futures.Future(), created=now, progress=progress))
 
         def enqueue() -> None:
             active = {r.item.rid for r in self.running} | {r.item.rid for r in self.waiting}
@@ -445,16 +454,44 @@ class Scheduler:
     def _sample_and_append(self, reqs: Sequence[_Request], logits: "torch.Tensor") -> None:
         tokens, logprobs = sample(logits, [r.item.params for r in reqs], [r.generator for r in reqs])
         max_context = self.settings.max_context_length
-        for req, tok, lp in zip(reqs, tokens.tolist(), logprobs.tolist()):
+        top_k = max(r.item.top_logprobs_num for r in reqs)
+        top_vals = top_ids = None
+        if top_k:  # SGLang's top_logprobs_num: the most likely tokens under the raw logits
+            top_vals, top_ids = self._torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for i, (req, tok, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist())):
             req.tokens.append(tok)
             req.logprobs.append(lp)
             req.versions.append(self.version)
+            n = req.item.top_logprobs_num
+            if n and top_vals is not None and top_ids is not None:
+                req.top_logprobs.append(list(zip(top_vals[i][:n], top_ids[i][:n])))
             params = req.item.params
+            matched = self._stop_string(req) if params.stop else None
             if tok in req.stop_ids:
                 req.finish = finish_json("stop", matched=tok)
+            elif matched is not None:
+                req.finish = finish_json("stop", matched=matched)
             elif req.num_output >= params.max_new_tokens or len(req.tokens) >= max_context:
                 req.finish = finish_json("length", length=req.num_output)
+            if req.progress is not None and req.finish is None:
+                req.progress(self._result(req, {}))
         self.stats.generated_tokens += len(reqs)
+
+    def _stop_string(self, req: _Request) -> str | None:
+        """The stop string the newest token completed, if any (the tail of the output is decoded)."""
+        if self.decode is None:
+            return None
+        stops = req.item.params.stop
+        window = max(len(s) for s in stops) + 8  # tokens: enough to hold any stop string and its neighbours
+        out = req.tokens[req.prompt_len:]
+        text = self.decode(out[-window:])
+        before = self.decode(out[-window:-1]) if len(out) > 1 else ""
+        for stop in stops:
+            if stop in text and stop not in before:
+                return stop
+        return None
+
 
     def _retire(self) -> None:
         """Hand back finished requests and keep the running ones in slots ``0..B-1``."""
@@ -486,9 +523,13 @@ class Scheduler:
         self.stats.finished_requests += 1
         if req.finish and req.finish.get("type") == "abort":
             self.stats.aborted_requests += 1
-        req.future.set_result(GenerationResult(
+        req.future.set_result(self._result(req, req.finish or finish_json("abort", message="no finish reason")))
+
+    def _result(self, req: _Request, finish: dict[str, Any]) -> GenerationResult:
+        return GenerationResult(
             rid=req.item.rid, prompt_tokens=req.prompt_len, output_ids=req.tokens[req.prompt_len:],
             logprobs=list(req.logprobs), weight_versions=list(req.versions),
             weight_version=req.versions[-1] if req.versions else self.version,
-            finish_reason=dict(req.finish or finish_json("abort", message="no finish reason")),
-            cached_tokens=req.cached_tokens, latency_s=time.monotonic() - req.created))
+            finish_reason=dict(finish),
+            cached_tokens=req.cached_tokens, latency_s=time.monotonic() - req.created,
+            top_logprobs=[list(row) for row in req.top_logprobs] if req.item.top_logprobs_num else None)

@@ -3,9 +3,13 @@
 Paths and JSON fields follow SGLang so that one client drives both engines:
 
 =============================  ==========================================================
-``POST /generate``             ``input_ids`` (one prompt or a batch), ``sampling_params``,
-                               ``return_logprob``, ``rid`` -> ``text``, ``output_ids``,
-                               ``meta_info`` (one object, or a list for a batch)
+``POST /generate``             ``input_ids`` (one prompt or a batch), ``sampling_params``
+                               (``stop`` strings too), ``return_logprob``, ``top_logprobs_num``,
+                               ``rid``, ``stream`` -> ``text``, ``output_ids``, ``meta_info``
+                               (one object, or a list for a batch); with ``stream`` server-sent
+                               events ``data: {...}`` carrying the cumulative ``text``,
+                               ``output_ids`` and ``meta_info`` after each token
+                               (``finish_reason`` null until the last), then ``data: [DONE]``
 ``POST /abort_request``        ``{"rid", "abort_all"}``
 ``POST /pause_generation``     ``{"mode": "abort" | "retract" | "in_place"}``
 ``POST /continue_generation``
@@ -34,7 +38,8 @@ with ``--api-key`` and ``--admin-api-key`` does, and gets a 401 otherwise.
 ``meta_info`` carries SGLang's ``id``, ``finish_reason``, ``prompt_tokens``,
 ``completion_tokens``, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
 ``weight_versions`` (spans ``{"version", "start", "end"}`` over the output tokens), the
-``output_token_logprobs`` triples when asked, and one LoongSage extension:
+``output_token_logprobs`` triples when asked, ``output_top_logprobs`` (per token the
+``top_logprobs_num`` most likely ``[logprob, token_id, null]``) when asked, and one LoongSage extension:
 ``output_token_weight_versions``, the integer weight version of every output token.
 Weight versions are integers inside LoongSage; ``weight_version`` is sent as a string, the type
 SGLang uses.
@@ -65,6 +70,7 @@ from .protocol import (
     parse_update_version,
     parse_update_weights,
     token_logprob_triples,
+    top_logprob_rows,
 )
 from .scheduler import MEMORY_TAGS, EngineStopped, MemoryBusy, MemoryReleased, RidInUse
 from .weights import WeightUpdateError
@@ -175,7 +181,10 @@ class EngineServer:
         engine = self.engine
         body = await _body(request)
         items, single = parse_generate(body, vocab_size=engine.vocab_size,
-                                       max_context=engine.settings.max_context_length, encode=engine.encode)
+                                       max_context=engine.settings.max_context_length, encode=engine.encode,
+                                       can_decode=engine.tokenizer is not None)
+        if items[0].stream:
+            return await self._generate_stream(request, items[0])
         futures = engine.scheduler.submit(items)
         try:
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
@@ -187,6 +196,58 @@ class EngineServer:
             raise InvalidRequest(str(exc), "rid") from None
         outs = [self._response(item, res) for item, res in zip(items, results)]
         return web.json_response(outs[0] if single else outs)
+
+    async def _generate_stream(self, request: web.Request, item: Any) -> web.StreamResponse:
+        """One request, streamed: a ``data:`` event per generated token with everything so far.
+
+        The event stream opens with the first token, so a request refused before it (rid in use,
+        memory released) gets an ordinary error answer.
+        """
+        loop = asyncio.get_running_loop()
+        updates: asyncio.Queue[Any] = asyncio.Queue()
+        [future] = self.engine.scheduler.submit([item], progress=lambda res: loop.call_soon_threadsafe(
+            updates.put_nowait, res))
+        done = asyncio.wrap_future(future)
+        response: web.StreamResponse | None = None
+
+        async def send(states: list[Any], end: bytes = b"") -> None:
+            nonlocal response
+            if response is None:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                await response.prepare(request)
+            await response.write(b"".join(b"data: " + json.dumps(self._response(item, state)).encode() + b"\n\n"
+                                          for state in states) + end)
+
+        try:
+            while not done.done():
+                getter = asyncio.ensure_future(updates.get())
+                await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                states = [getter.result()]
+                while not updates.empty():  # one event per step (SGLang's stream_interval 1)
+                    states.append(updates.get_nowait())
+                await send(states)
+            try:
+                final = done.result()
+            except RidInUse as exc:
+                raise InvalidRequest(str(exc), "rid") from None
+            await send([final], b"data: [DONE]\n\n")
+            assert response is not None
+            await response.write_eof()
+            return response
+        except BaseException as exc:  # the client went away (or the engine failed): stop the request
+            self._abort_items([item], "client disconnected")
+            if isinstance(exc, ConnectionError) and response is not None:
+                log.debug("embedded engine: the client of stream %s left", item.rid)
+                return response  # nobody to tell
+            if response is not None and not isinstance(exc, asyncio.CancelledError):
+                message = str(exc) if isinstance(exc, (EngineStopped, MemoryReleased)) else type(exc).__name__
+                await response.write(b"data: " + json.dumps({"error": {"message": message}}).encode() + b"\n\n")
+                return response
+            raise
 
     def _abort_items(self, items: list[Any], message: str) -> None:
         sched = self.engine.scheduler
@@ -202,7 +263,7 @@ class EngineServer:
         params = item.params
         meta: dict[str, Any] = {
             "id": res.rid,
-            "finish_reason": res.finish_reason,
+            "finish_reason": res.finish_reason or None,
             "prompt_tokens": res.prompt_tokens,
             "completion_tokens": len(res.output_ids),
             "cached_tokens": res.cached_tokens,
@@ -216,7 +277,13 @@ class EngineServer:
             if item.return_text_in_logprobs and self.engine.tokenizer is not None:
                 texts = [self.engine.decode([t], skip_special_tokens=False) for t in res.output_ids]
             meta["output_token_logprobs"] = token_logprob_triples(res.logprobs, res.output_ids, texts)
+            if res.top_logprobs is not None:
+                meta["output_top_logprobs"] = top_logprob_rows(res.top_logprobs)
         text = self.engine.decode(res.output_ids, skip_special_tokens=params.skip_special_tokens)
+        matched = res.finish_reason.get("matched") if res.finish_reason else None
+        if isinstance(matched, str) and not params.no_stop_trim:  # SGLang trims the stop string
+            at = text.rfind(matched)
+            text = text[:at] if at >= 0 else text
         return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
 
     async def abort_request(self, request: web.Request) -> web.Response:

@@ -32,10 +32,10 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
+from loongsage_core.rendezvous import host_rendezvous, reachable_address
 from loongsage_core.security import engine_headers
 from loongsage_core.weight_group import (
     destroy_weight_update_group,
-    free_port,
     init_weight_update_group,
     join_with_engines,
     resolve_backend,
@@ -75,13 +75,14 @@ class BroadcastSender:
 
     ``bucket_bytes``: bucket capacity (default 256 MiB); ``backend``: ``"auto"``, ``"gloo"`` or
     ``"nccl"``; ``device``: where buckets are staged before the broadcast (default: CUDA for
-    NCCL, else CPU); ``master_address`` / ``master_port``: the rendezvous the trainer hosts (must
-    be reachable from the engines; port 0 picks a free one); ``group_name``; ``init_timeout_s``:
+    NCCL, else CPU); ``master_address`` / ``master_port``: the rendezvous the trainer hosts (the
+    address must be reachable from the engines, default this node's IP in Ray, else loopback;
+    port 0: the port the OS assigns when the trainer starts listening); ``group_name``; ``init_timeout_s``:
     group set-up limit; ``timeout_s``: per-request HTTP limit.
     """
 
     def __init__(self, bucket_bytes: int = 256 << 20, backend: str = "auto", device: str | None = None,
-                 master_address: str = "127.0.0.1", master_port: int = 0, group_name: str = DEFAULT_GROUP,
+                 master_address: str | None = None, master_port: int = 0, group_name: str = DEFAULT_GROUP,
                  init_timeout_s: float = 300.0, timeout_s: float = 600.0) -> None:
         if int(bucket_bytes) < 64:
             raise ValueError(f"broadcast weight transport: bucket_bytes must be >= 64, got {bucket_bytes}")
@@ -90,7 +91,7 @@ class BroadcastSender:
         self.bucket_bytes = int(bucket_bytes)
         self.backend = resolve_backend(backend, device)
         self.device = torch.device(device or ("cuda" if self.backend == "nccl" else "cpu"))
-        self.master_address = master_address
+        self.master_address = master_address or reachable_address()
         self.master_port = int(master_port)
         self.group_name = group_name
         self.init_timeout_s = float(init_timeout_s)
@@ -131,8 +132,10 @@ class BroadcastSender:
     # -- set-up ----------------------------------------------------------------------------------
     def _setup(self, urls: list[Any]) -> float:
         start = time.perf_counter()
-        if not self.master_port:
-            self.master_port = free_port(self.master_address)
+        # the store listens before any engine hears of it: port 0 is the port the OS assigns here
+        self._rendezvous = host_rendezvous(self.master_address, self.master_port,
+                                           timeout_s=self.init_timeout_s)
+        self.master_address, self.master_port = self._rendezvous.address, self._rendezvous.port
         world_size = 1 + len(urls)
         self._pool = ThreadPoolExecutor(max_workers=len(urls) + 1, thread_name_prefix="weights-broadcast")
         joins = [functools.partial(self._post, url, "/init_weights_update_group",
@@ -140,7 +143,7 @@ class BroadcastSender:
                                     "rank_offset": 1 + i, "world_size": world_size, "group_name": self.group_name,
                                     "backend": self.backend}, self.init_timeout_s + 30)
                  for i, url in enumerate(urls)]
-        self.group = join_with_engines(self._pool, joins, self.master_address, self.master_port, world_size,
+        self.group = join_with_engines(self._pool, joins, self._rendezvous, world_size,
                                        group_name=self.group_name, backend=self.backend,
                                        timeout_s=self.init_timeout_s, where="broadcast weight transport")
         self.urls = urls

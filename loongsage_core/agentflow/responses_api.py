@@ -1,0 +1,408 @@
+"""OpenAI's Responses API (``POST .../v1/responses``, what Codex speaks) as a thin adapter.
+
+A request is translated into one chat-completions turn of the trajectory (so tokens, loss masks
+and segments are recorded exactly as for any other protocol) and the answer back into a
+``response`` object, or into the Responses event stream while the engine generates.
+
+Translation: ``instructions`` become the system message; ``input`` (a string, or items) becomes
+messages: ``message`` items keep their role (``input_text`` / ``output_text`` parts), a
+``function_call`` joins the assistant message before it as a tool call (``call_id`` is the tool
+call id), a ``function_call_output`` becomes a ``tool`` message, and a ``reasoning`` item becomes
+the next assistant message's ``reasoning_content``. ``previous_response_id`` prepends the input
+and output of a response this trajectory produced earlier (kept per trajectory). Function tools
+map to chat tools; other tool types and other input items are a clear 400. The answer's
+``reasoning_content``, ``content`` and ``tool_calls`` become ``reasoning``, ``message`` and
+``function_call`` output items.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Mapping
+
+from .errors import RouterError, bad_request
+from .streaming import SSEStream, as_router_error
+
+PROTOCOL = "responses"
+
+# Request fields the adapter translates.
+_SUPPORTED = {"input", "instructions", "model", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
+              "top_logprobs", "previous_response_id", "stream", "text", "reasoning"}
+# Accepted without effect on generation (provider bookkeeping; Codex sends several).
+_IGNORED = {"include", "metadata", "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention",
+            "prompt_cache_options", "safety_identifier", "service_tier", "store", "user", "stream_options",
+            "max_tool_calls", "truncation", "client_metadata"}
+# Accepted only at their neutral value.
+_NEUTRAL = {"background": lambda v: v in (None, False), "conversation": lambda v: v is None,
+            "prompt": lambda v: v is None, "context_management": lambda v: v is None}
+_MESSAGE_ROLES = ("user", "system", "developer", "assistant")
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _text(content: Any, param: str, kinds: tuple[str, ...]) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{param} must be a string or a list of content parts", param=param, code="invalid_type")
+    out = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind not in kinds:
+            raise bad_request(f"{param}[{j}]: content parts of type {json.dumps(kind)} are not supported "
+                              f"(supported: {', '.join(kinds)})", param=f"{param}[{j}].type",
+                              code="unsupported_content")
+        if not isinstance(part.get("text"), str):
+            raise bad_request(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text", code="invalid_type")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _reasoning_text(item: Mapping[str, Any], param: str) -> str:
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise bad_request(f"{param}.content must be a list", param=f"{param}.content", code="invalid_type")
+    return _text(parts, f"{param}.content", ("reasoning_text", "summary_text", "text"))
+
+
+def input_messages(value: Any) -> list[dict[str, Any]]:
+    """Chat messages for a Responses ``input`` (a string or a list of items)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list):
+        raise bad_request("'input' must be a string or a list of input items", param="input", code="invalid_type")
+    messages: list[dict[str, Any]] = []
+    reasoning: str | None = None
+
+    def assistant() -> dict[str, Any]:
+        """The assistant message a function call or reasoning belongs to (opened when needed)."""
+        nonlocal reasoning
+        if not messages or messages[-1]["role"] != "assistant" or messages[-1].get("_closed"):
+            messages.append({"role": "assistant", "content": None})
+        if reasoning is not None:
+            messages[-1]["reasoning_content"] = reasoning
+            reasoning = None
+        return messages[-1]
+
+    for i, item in enumerate(value):
+        p = f"input[{i}]"
+        if not isinstance(item, Mapping):
+            raise bad_request(f"{p} must be an object", param=p, code="invalid_type")
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = item.get("role")
+            if role not in _MESSAGE_ROLES:
+                raise bad_request(f"{p}.role must be one of {', '.join(_MESSAGE_ROLES)}, got {json.dumps(role)}",
+                                  param=f"{p}.role", code="invalid_value")
+            kinds = ("output_text", "refusal", "input_text") if role == "assistant" else ("input_text", "text")
+            if role == "assistant":
+                content = item.get("content")
+                if isinstance(content, list):  # a refusal part carries its text as "refusal"
+                    content = [{**c, "text": c["refusal"]} if isinstance(c, Mapping) and c.get("type") == "refusal"
+                               else c for c in content]
+                text = _text(content, f"{p}.content", kinds)
+                msg = assistant()
+                msg["content"] = (msg["content"] or "") + text
+                if msg.get("tool_calls"):
+                    msg["_closed"] = True
+            else:
+                messages.append({"role": role, "content": _text(item.get("content"), f"{p}.content", kinds)})
+        elif kind == "function_call":
+            for key in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(key), str):
+                    raise bad_request(f"{p}.{key} must be a string", param=f"{p}.{key}", code="invalid_value")
+            assistant().setdefault("tool_calls", []).append(
+                {"id": item["call_id"], "type": "function",
+                 "function": {"name": item["name"], "arguments": item["arguments"]}})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise bad_request(f"{p}.call_id must be a string", param=f"{p}.call_id", code="invalid_value")
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1]["_closed"] = True
+            messages.append({"role": "tool", "tool_call_id": item["call_id"],
+                             "content": _text(item.get("output"), f"{p}.output", ("input_text", "output_text"))})
+        elif kind == "reasoning":
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1]["_closed"] = True
+            reasoning = _reasoning_text(item, p)
+        else:
+            raise bad_request(f"{p}: input items of type {json.dumps(kind)} are not supported (supported: message, "
+                              "function_call, function_call_output, reasoning)", param=f"{p}.type",
+                              code="unsupported_value")
+    for msg in messages:
+        msg.pop("_closed", None)
+    return messages
+
+
+def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise bad_request("'tools' must be a list", param="tools", code="invalid_type")
+    out = []
+    for i, tool in enumerate(tools):
+        p = f"tools[{i}]"
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if kind != "function":
+            raise bad_request(f"{p}: tools of type {json.dumps(kind)} are not supported; only 'function' tools are",
+                              param=f"{p}.type", code="unsupported_value")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise bad_request(f"{p}.name is required", param=f"{p}.name", code="invalid_value")
+        fn = {"name": tool["name"]}
+        for key in ("description", "parameters"):
+            if tool.get(key) is not None:
+                fn[key] = tool[key]
+        out.append({"type": "function", "function": fn})
+    return out or None
+
+
+def chat_tool_choice(value: Any) -> Any:
+    if value is None or value in ("auto", "none", "required"):
+        return value
+    if isinstance(value, Mapping) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    raise bad_request("tool_choice must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
+                      param="tool_choice", code="unsupported_value")
+
+
+def chat_request(body: Any, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The chat-completions body for a Responses request, and its conversation without instructions."""
+    if not isinstance(body, Mapping):
+        raise bad_request("request body must be a JSON object", code="invalid_json")
+    for key in body:
+        if key not in _SUPPORTED and key not in _IGNORED and key not in _NEUTRAL:
+            raise bad_request(f"Unrecognized request argument supplied: {key}", param=key, code="unknown_parameter")
+    for key, neutral in _NEUTRAL.items():
+        if key in body and not neutral(body[key]):
+            raise bad_request(f"'{key}' is not supported by this endpoint", param=key, code="unsupported_parameter")
+    if "input" not in body:
+        raise bad_request("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
+    text = body.get("text")
+    fmt = text.get("format") if isinstance(text, Mapping) else None
+    if text is not None and (not isinstance(text, Mapping) or (fmt is not None and (
+            not isinstance(fmt, Mapping) or fmt.get("type") != "text"))):
+        raise bad_request("only text.format {\"type\": \"text\"} is supported", param="text.format",
+                          code="unsupported_value")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise bad_request("'instructions' must be a string", param="instructions", code="invalid_type")
+    conversation = history + input_messages(body["input"])
+    chat: dict[str, Any] = {"messages": ([{"role": "system", "content": instructions}] if instructions else [])
+                            + conversation}
+    for key in ("model", "temperature", "top_p", "stream"):
+        if body.get(key) is not None:
+            chat[key] = body[key]
+    if body.get("max_output_tokens") is not None:
+        chat["max_tokens"] = body["max_output_tokens"]
+    if body.get("top_logprobs"):
+        chat["logprobs"], chat["top_logprobs"] = True, body["top_logprobs"]
+    tools = chat_tools(body.get("tools"))
+    if tools:
+        chat["tools"] = tools
+    choice = chat_tool_choice(body.get("tool_choice"))
+    if choice is not None and (tools or choice in ("auto", "none")):
+        chat["tool_choice"] = choice
+    return chat, conversation
+
+
+# ------------------------------------------------------------------------------------------ answers
+def _usage(chat: Mapping[str, Any]) -> dict[str, Any]:
+    u = chat["usage"]
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": u["total_tokens"]}
+
+
+class ResponseBuilder:
+    """Builds the ``response`` object (and its items, with stable ids) for one turn."""
+
+    def __init__(self, body: Mapping[str, Any], model: str) -> None:
+        self.id = _id("resp")
+        self.created_at = int(time.time())
+        self.body = body
+        self.model = model
+        self.ids = {"reasoning": _id("rs"), "message": _id("msg")}
+
+    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.ids["reasoning"], "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": text}] if text else [], "encrypted_content": None}
+
+    def message_item(self, text: str, status: str = "completed", logprobs: list[Any] | None = None) -> dict[str, Any]:
+        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]
+        return {"type": "message", "id": self.ids["message"], "role": "assistant", "status": status,
+                "content": content if status == "completed" else []}
+
+    @staticmethod
+    def call_item(call: Mapping[str, Any], status: str = "completed") -> dict[str, Any]:
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
+                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+    def output(self, chat: Mapping[str, Any]) -> list[dict[str, Any]]:
+        message = chat["choices"][0]["message"]
+        out = []
+        if message.get("reasoning_content"):
+            out.append(self.reasoning_item(message["reasoning_content"]))
+        if message.get("content"):
+            logprobs = (chat["choices"][0].get("logprobs") or {}).get("content")
+            out.append(self.message_item(message["content"], logprobs=logprobs))
+        out += [self.call_item(c) for c in message.get("tool_calls") or []]
+        return out
+
+    def response(self, chat: Mapping[str, Any] | None = None, status: str | None = None,
+                 error: dict[str, Any] | None = None) -> dict[str, Any]:
+        body = self.body
+        incomplete = None
+        if chat is not None and status is None:
+            status = "completed"
+            if chat["choices"][0]["finish_reason"] == "length":
+                status, incomplete = "incomplete", {"reason": "max_output_tokens"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status or "in_progress",
+            "model": self.model, "output": self.output(chat) if chat is not None else [],
+            "usage": _usage(chat) if chat is not None else None, "error": error, "incomplete_details": incomplete,
+            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "previous_response_id": body.get("previous_response_id"), "parallel_tool_calls":
+                bool(body.get("parallel_tool_calls", True)), "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [], "temperature": body.get("temperature"), "top_p": body.get("top_p"),
+            "text": {"format": {"type": "text"}}, "reasoning": body.get("reasoning"), "truncation": "disabled",
+            "metadata": body.get("metadata") or {}, "store": body.get("store", True), "background": False,
+        }
+
+
+class ResponsesStream(SSEStream):
+    """The Responses event stream of one turn, sent as the engine generates.
+
+    ``response.created``, ``response.in_progress``; for reasoning and text, as they arrive:
+    ``response.output_item.added``, ``response.content_part.added``, ``response.reasoning_text.delta``
+    / ``response.output_text.delta``, closed by their ``.done`` events, ``response.content_part.done``
+    and ``response.output_item.done``; after the turn, per tool call ``response.output_item.added``,
+    ``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``; and
+    ``response.completed`` (whose ``status`` is ``incomplete`` when the turn hit its token limit).
+    """
+
+    def __init__(self, request: Any, builder: ResponseBuilder) -> None:
+        super().__init__(request)
+        self.builder = builder
+        self.seq = 0
+        self.index = 0
+        self.open_item: str | None = None  # "reasoning" | "message"
+        self.text = {"reasoning": "", "message": ""}
+
+    async def event(self, kind: str, **fields: Any) -> None:
+        await self.send({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
+        self.seq += 1
+
+    async def start(self, *, prompt_tokens: int, model: str) -> None:
+        await self.open()
+        await self.event("response.created", response=self.builder.response())
+        await self.event("response.in_progress", response=self.builder.response())
+
+    def _part(self, kind: str, text: str) -> dict[str, Any]:
+        if kind == "reasoning":
+            return {"type": "reasoning_text", "text": text}
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def _item(self, kind: str, status: str) -> dict[str, Any]:
+        b = self.builder
+        text = self.text[kind]
+        return b.reasoning_item(text, status) if kind == "reasoning" else b.message_item(text, status)
+
+    async def _open(self, kind: str) -> None:
+        if self.open_item == kind:
+            return
+        await self._close()
+        self.open_item = kind
+        await self.event("response.output_item.added", output_index=self.index, item=self._item(kind, "in_progress"))
+        await self.event("response.content_part.added", item_id=self.builder.ids[kind], output_index=self.index,
+                         content_index=0, part=self._part(kind, ""))
+
+    async def _close(self) -> None:
+        kind = self.open_item
+        if kind is None:
+            return
+        ids = {"item_id": self.builder.ids[kind], "output_index": self.index, "content_index": 0}
+        text = self.text[kind]
+        if kind == "reasoning":
+            await self.event("response.reasoning_text.done", text=text, **ids)
+        else:
+            await self.event("response.output_text.done", text=text, logprobs=[], **ids)
+        await self.event("response.content_part.done", part=self._part(kind, text), **ids)
+        await self.event("response.output_item.done", output_index=self.index, item=self._item(kind, "completed"))
+        self.open_item = None
+        self.index += 1
+
+    async def delta(self, increments: Mapping[str, str]) -> None:
+        for field, kind in (("reasoning_content", "reasoning"), ("content", "message")):
+            piece = increments.get(field)
+            if not piece or (kind == "reasoning" and self.text["message"]):
+                continue  # reasoning after the answer started is not shown
+            await self._open(kind)
+            self.text[kind] += piece
+            ids = {"item_id": self.builder.ids[kind], "output_index": self.index, "content_index": 0}
+            if kind == "reasoning":
+                await self.event("response.reasoning_text.delta", delta=piece, **ids)
+            else:
+                await self.event("response.output_text.delta", delta=piece, logprobs=[], **ids)
+
+    async def finish(self, chat: Mapping[str, Any]) -> Any:
+        await self._close()
+        for call in chat["choices"][0]["message"].get("tool_calls") or []:
+            item = ResponseBuilder.call_item(call)
+            ids = {"item_id": item["id"], "output_index": self.index}
+            await self.event("response.output_item.added", output_index=self.index,
+                             item={**item, "arguments": "", "status": "in_progress"})
+            await self.event("response.function_call_arguments.delta", delta=item["arguments"], **ids)
+            await self.event("response.function_call_arguments.done", arguments=item["arguments"], name=item["name"],
+                             **ids)
+            await self.event("response.output_item.done", output_index=self.index, item=item)
+            self.index += 1
+        # a turn cut at its token limit still ends with response.completed (its status says
+        # "incomplete"): Codex and the SDK's stream helper treat any other end as a failed turn
+        await self.event("response.completed", response=self.builder.response(chat))
+        return await self.close()
+
+    async def fail(self, exc: RouterError) -> Any:
+        self.mark_failed(exc.status)
+        await self._close()
+        error = {"code": exc.code or exc.type, "message": exc.message}
+        await self.event("response.failed", response=self.builder.response(status="failed", error=error))
+        return await self.close()
+
+
+async def handle_responses(router: Any, request: Any) -> Any:
+    """``POST /{trajectory}/{attempt}/v1/responses``."""
+    router._lookup(request)
+    body = await router._read_json(request)
+    store = router.protocol_state(request, PROTOCOL)
+    previous = body.get("previous_response_id") if isinstance(body, Mapping) else None
+    history: list[dict[str, Any]] = []
+    if previous is not None:
+        if previous not in store:
+            raise bad_request(f"Previous response with id '{previous}' not found.", param="previous_response_id",
+                              code="previous_response_not_found")
+        history = [dict(m) for m in store[previous]]
+    chat, conversation = chat_request(body, history)
+    builder = ResponseBuilder(body, chat.get("model") or router.model_name)
+    stream = ResponsesStream(request, builder) if chat.get("stream") else None
+    try:
+        _, answer = await router.run_turn(request, chat, stream)
+    except Exception as exc:  # after the stream started, errors are reported in it
+        if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
+            raise
+        return await stream.fail(as_router_error(exc))
+    store[builder.id] = conversation + [dict(answer["choices"][0]["message"])]
+    if stream is not None:
+        return await stream.finish(answer)
+    return router._json(builder.response(answer))
+
+
+def add_routes(app: Any, router: Any) -> None:
+    """Serve the Responses API on every trajectory's base URL."""
+    async def responses(request: Any) -> Any:
+        return await handle_responses(router, request)
+
+    app.router.add_post("/{tid}/{attempt}/v1/responses", responses)

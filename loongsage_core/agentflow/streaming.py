@@ -1,0 +1,166 @@
+"""Turning a generation in progress into the text increments every protocol streams.
+
+The engine streams token ids as they are generated. What an agent may see of them is not the raw
+text: stop strings end the content, and response middleware (tool-call and reasoning parsers)
+rewrites the final message. :class:`TextStreamer` computes, after every engine update, the
+``content`` and ``reasoning_content`` that are already certain and hands out what is new.
+
+Certainty comes from *hold-back*: the trailing characters that a stop string or a middleware may
+still claim are kept until more text arrives. A middleware takes part in streaming by defining
+``stream_holdback(request, text) -> int`` (how many trailing characters of the partial ``text``
+it cannot judge yet); it thereby declares that its ``on_response`` is a pure function of the
+response that may also run on a partial one (``finish_reason`` ``None``). A middleware that never
+changes responses (a logger) says so with ``changes_response = False`` and is left out of partial
+views. While any other middleware lacks ``stream_holdback``, nothing is streamed before the turn
+ends (the safe default).
+
+Increments are append-only: if a later view no longer extends what was sent (a middleware changed
+its mind), that field stops streaming and the rest of it is never resent. With middleware, white
+space at either end of a partial view waits for what follows (parsers strip around what they take
+out), and leading white space of the final text is dropped if the stream already went past it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+log = logging.getLogger(__name__)
+
+
+def stop_holdback(text: str, stops: Sequence[str]) -> int:
+    """Characters at the end of ``text`` that could be the start of a stop string."""
+    hold = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), hold, -1):
+            if stop.startswith(text[-n:]):
+                hold = n
+                break
+    return hold
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
+    """``text`` up to the first stop string, and that stop string (``None`` when none occurs)."""
+    hits = sorted((at, s) for s in stops if (at := text.find(s)) >= 0)
+    return (text[:hits[0][0]], hits[0][1]) if hits else (text, None)
+
+
+class TextStreamer:
+    """Incremental ``content`` / ``reasoning_content`` of one turn (see the module docstring).
+
+    Args:
+        decode: the text of generated token ids (without the final turn-end token).
+        middlewares: the router's response middleware, in order.
+        trajectory_id, request: what ``on_response`` is called with.
+        stops: the request's stop strings (the content ends before the first one).
+    """
+
+    def __init__(self, decode: Callable[[Sequence[int]], str], middlewares: Sequence[Any], trajectory_id: str,
+                 request: Mapping[str, Any], stops: Sequence[str]) -> None:
+        self.decode = decode
+        self.middlewares = [mw for mw in middlewares if getattr(mw, "changes_response", True) is not False]
+        self.trajectory_id = trajectory_id
+        self.request = request
+        self.stops = list(stops)
+        self.live = all(callable(getattr(mw, "stream_holdback", None)) for mw in self.middlewares)
+        self.sent = {"content": "", "reasoning_content": ""}
+        self.broken: set[str] = set()
+
+    def _view(self, text: str) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        response = {"choices": [{"index": 0, "message": message, "finish_reason": None}]}
+        for mw in self.middlewares:
+            response = mw.on_response(self.trajectory_id, copy.deepcopy(self.request), response)
+        return response["choices"][0]["message"]
+
+    def _increments(self, message: Mapping[str, Any], final: bool) -> dict[str, str]:
+        out = {}
+        for field in ("reasoning_content", "content"):
+            value = message.get(field)
+            if not isinstance(value, str) or field in self.broken:
+                continue
+            sent = self.sent[field]
+            if self.middlewares:  # parsers strip the text around what they take out: whitespace waits
+                if not final:
+                    value = value.rstrip() if sent else value.strip()
+                elif not value.startswith(sent) and value.lstrip().startswith(sent):
+                    value = value.lstrip()
+            if not value.startswith(sent):
+                log.warning("AgentFlow streaming: %s of trajectory %s changed after it was streamed; the rest "
+                            "of it is not streamed", field, self.trajectory_id)
+                self.broken.add(field)
+                continue
+            if len(value) > len(sent):
+                out[field] = value[len(sent):]
+                self.sent[field] = value
+        return out
+
+    def update(self, generated: Sequence[int]) -> dict[str, str]:
+        """New certain text after the engine reported ``generated`` (all tokens of the turn so far)."""
+        if not self.live or not generated:
+            return {}
+        # a trailing replacement character is an incomplete UTF-8 sequence: wait for its other bytes
+        text, stopped = cut_at_stop(self.decode(generated).rstrip("\ufffd"), self.stops)
+        if stopped is None:
+            text = text[:len(text) - stop_holdback(text, self.stops)]
+        for mw in self.middlewares:
+            hold = int(mw.stream_holdback(self.request, text))
+            text = text[:max(0, len(text) - hold)]
+        if not text:
+            return {}
+        return self._increments(self._view(text), final=False)
+
+    def finish(self, message: Mapping[str, Any]) -> dict[str, str]:
+        """What is left to send of the final ``message`` (after the real ``on_response`` ran)."""
+        return self._increments(message, final=True)
+
+
+def as_router_error(exc: Exception) -> Any:
+    """``exc`` as a :class:`~.errors.RouterError` a stream can report (a bug becomes a 500)."""
+    from .errors import RouterError
+
+    if isinstance(exc, RouterError):
+        return exc
+    log.error("AgentFlow router: a streamed turn failed", exc_info=exc)
+    return RouterError(500, f"internal router error: {type(exc).__name__}: {exc}", type="server_error", retry=False)
+
+
+class SSEStream:
+    """A server-sent-events answer that opens only when the turn is accepted.
+
+    Until :meth:`open` nothing is sent, so a request refused before generation gets an ordinary
+    JSON error with its status; after it, protocols report failures as an error event.
+    """
+
+    def __init__(self, request: Any) -> None:
+        self.request = request
+        self.response: Any = None
+        self.started = False
+
+    async def open(self) -> None:
+        from aiohttp import web
+
+        self.response = web.StreamResponse(status=200, headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        await self.response.prepare(self.request)
+        self.started = True
+
+    async def send(self, data: Any, event: str | None = None) -> None:
+        """One event: ``event: NAME`` (when given) and ``data: JSON``."""
+        head = f"event: {event}\n" if event else ""
+        await self.response.write((head + "data: " + json.dumps(data) + "\n\n").encode())
+
+    async def send_raw(self, text: str) -> None:
+        await self.response.write(text.encode())
+
+    async def close(self) -> Any:
+        await self.response.write_eof()
+        return self.response
+
+    def mark_failed(self, status: int) -> None:
+        """Let the access log show the error a stream reported after its 200 header."""
+        from ._request_keys import STATUS
+
+        self.request[STATUS] = status
