@@ -161,7 +161,7 @@ class FaultSupervisor:
                                                     placement_group_bundle_index=job.train.num_workers + index)
         remote: Any = ray.remote(ModelActor)
         actor = remote.options(num_cpus=pl.engine_cpus, num_gpus=pl.engine_gpus,
-                               scheduling_strategy=strategy).remote(job, None, 1, 0, index, False, ctrl.secret)
+                               scheduling_strategy=strategy).remote(job, None, 1, index, False, ctrl.secret)
         url = ray.get(actor.ready.remote())["engine_url"]
         actors.engine_actors[index] = actor
         actors.engine_urls[index] = url
