@@ -162,6 +162,7 @@ class FaultSupervisor:
         remote: Any = ray.remote(ModelActor)
         actor = remote.options(num_cpus=pl.engine_cpus, num_gpus=pl.engine_gpus,
                                scheduling_strategy=strategy).remote(job, None, 1, index, False, ctrl.secret)
+        ray.get(actor.start.remote("127.0.0.1", 0))  # an engine-only actor joins no trainer group
         url = ray.get(actor.ready.remote())["engine_url"]
         actors.engine_actors[index] = actor
         actors.engine_urls[index] = url
