@@ -1,5 +1,6 @@
 """Fuzzing the router's HTTP surface with hypothesis: random and near-valid JSON bodies, random
-credentials, every route. The router must answer every request (no 5xx, no dropped connection),
+credentials, every route of the three protocols (Chat Completions, Responses, Anthropic Messages) and
+the admin API. The router must answer every request (no 5xx, no dropped connection),
 in the OpenAI error shape for 4xx, and log no error or traceback; the counts are printed.
 
 The harness is generic over routes: a protocol adapter added to the router is fuzzed by adding a
@@ -93,6 +94,88 @@ def register_bodies() -> st.SearchStrategy[Any]:
     return near | json_values
 
 
+text_part = st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text", "text", "image"]),
+                                   "text": texts | json_values})
+response_items = st.one_of(
+    st.fixed_dictionaries({"type": st.just("message"), "role": st.sampled_from(["user", "assistant", "system",
+                                                                                "developer", "tool"]) | texts},
+                          optional={"content": texts | st.lists(text_part, max_size=3) | json_values}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": texts, "name": texts | json_values,
+                           "arguments": texts | json_values}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": texts | json_values,
+                           "output": texts | json_values}),
+    st.fixed_dictionaries({"type": st.just("reasoning")},
+                          optional={"summary": st.lists(text_part, max_size=2) | json_values,
+                                    "content": json_values}),
+    st.fixed_dictionaries({"type": texts}, optional={"content": json_values}),
+)
+response_tools = st.lists(st.fixed_dictionaries(
+    {"type": st.sampled_from(["function", "web_search", "custom"]) | texts},
+    optional={"name": texts, "description": texts, "parameters": json_values, "strict": st.booleans()}), max_size=2)
+RESPONSES_FIELD_VALUES: dict[str, Any] = {
+    "instructions": texts | json_values, "tools": response_tools | json_values,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | json_values,
+    "max_output_tokens": st.integers(min_value=-2, max_value=6) | numbers,
+    "previous_response_id": st.sampled_from(["resp_x", ""]) | texts | json_values,
+    "stream": st.booleans() | json_values, "temperature": st.floats(min_value=0, max_value=2) | numbers,
+    "top_p": unit | numbers, "reasoning": json_values, "store": st.booleans() | json_values,
+    "parallel_tool_calls": st.booleans() | json_values, "model": texts, "metadata": json_values,
+}
+
+
+def responses_bodies() -> st.SearchStrategy[Any]:
+    """Near-valid Responses API bodies (string or item input, function and other tools) and arbitrary JSON."""
+    inputs = texts | st.lists(response_items, max_size=4) | json_values
+    near = st.fixed_dictionaries({"input": inputs}, optional=RESPONSES_FIELD_VALUES)
+    valid = st.fixed_dictionaries({"input": st.text(min_size=1, max_size=30)},
+                                  optional={"max_output_tokens": st.integers(1, 4), "stream": st.booleans()})
+    return valid | near | json_values
+
+
+anthropic_blocks = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": texts | json_values}),
+    st.fixed_dictionaries({"type": st.just("tool_use"), "id": texts, "name": texts | json_values,
+                           "input": json_values}),
+    st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": texts | json_values},
+                          optional={"content": texts | st.lists(st.fixed_dictionaries(
+                              {"type": st.just("text"), "text": texts}), max_size=2) | json_values,
+                              "is_error": st.booleans() | json_values}),
+    st.fixed_dictionaries({"type": st.just("thinking"), "thinking": texts | json_values},
+                          optional={"signature": texts}),
+    st.fixed_dictionaries({"type": texts}, optional={"source": json_values}),
+)
+anthropic_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]) | texts,
+                                           "content": texts | st.lists(anthropic_blocks, max_size=3) | json_values})
+ANTHROPIC_FIELD_VALUES: dict[str, Any] = {
+    "system": texts | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2)
+    | json_values,
+    "tools": st.lists(st.fixed_dictionaries({"name": texts | json_values},
+                                            optional={"description": texts, "input_schema": json_values,
+                                                      "type": texts}), max_size=2) | json_values,
+    "tool_choice": st.fixed_dictionaries({"type": st.sampled_from(["auto", "any", "tool", "none"]) | texts},
+                                         optional={"name": texts}) | json_values,
+    "stop_sequences": st.lists(texts, max_size=3) | json_values, "stream": st.booleans() | json_values,
+    "temperature": st.floats(min_value=0, max_value=1) | numbers, "top_p": unit | numbers,
+    "top_k": st.integers(min_value=-1, max_value=50) | numbers, "thinking": json_values, "metadata": json_values,
+}
+
+
+def messages_bodies() -> st.SearchStrategy[Any]:
+    """Near-valid Anthropic Messages bodies (every block type, odd roles and values) and arbitrary JSON."""
+    near = st.fixed_dictionaries({"model": texts, "max_tokens": st.integers(min_value=-2, max_value=6) | numbers,
+                                  "messages": st.lists(anthropic_message, max_size=4) | json_values},
+                                 optional=ANTHROPIC_FIELD_VALUES)
+    valid = st.fixed_dictionaries({"model": st.just("m"), "max_tokens": st.integers(1, 4),
+                                   "messages": st.just([{"role": "user", "content": "go"}])},
+                                  optional={"stream": st.booleans(), "system": texts})
+    return valid | near | json_values
+
+
+def count_tokens_bodies() -> st.SearchStrategy[Any]:
+    return st.fixed_dictionaries({"model": texts, "messages": st.lists(anthropic_message, max_size=3) | json_values},
+                                 optional={k: ANTHROPIC_FIELD_VALUES[k] for k in ("system", "tools")}) | json_values
+
+
 # --------------------------------------------------------------------------------------------
 # routes
 # --------------------------------------------------------------------------------------------
@@ -114,6 +197,13 @@ class Route:
 ROUTES = [
     Route("chat.completions", "POST", "/{tid}/{attempt}/v1/chat/completions", "trajectory", chat_bodies, 120),
     Route("models", "GET", "/{tid}/{attempt}/v1/models", "trajectory"),
+    Route("responses", "POST", "/{tid}/{attempt}/v1/responses", "trajectory", responses_bodies, 100),
+    Route("messages", "POST", "/{tid}/{attempt}/v1/messages", "trajectory", messages_bodies, 100),
+    Route("messages.beta", "POST", "/{tid}/{attempt}/v1/messages?beta=true", "trajectory", messages_bodies, 25),
+    Route("messages.count_tokens", "POST", "/{tid}/{attempt}/v1/messages/count_tokens", "trajectory",
+          count_tokens_bodies, 40),
+    Route("base", "GET", "/{tid}/{attempt}/v1", "trajectory"),
+    Route("admin.access_log", "GET", "/admin/access_log", "secret"),
     Route("admin.register", "POST", "/admin/trajectories", "secret", register_bodies, 60),
     Route("admin.engines", "POST", "/admin/engines", "secret",
           lambda: st.fixed_dictionaries({"urls": st.lists(texts, max_size=3) | json_values}) | json_values),
@@ -122,7 +212,8 @@ ROUTES = [
     Route("admin.pop", "DELETE", "/admin/trajectories/{tid}", "secret"),
     Route("admin.stats", "GET", "/admin/stats", "secret"),
 ]
-"""Every route of the router. Add a protocol by listing it here."""
+"""Every route of the router (checked by :func:`test_every_router_route_is_fuzzed`). Add a protocol
+by listing it here."""
 
 # path segments: the registered trajectory most of the time, else anything an attacker might send
 tids = st.sampled_from([TID] * 6 + ["other", "..", "%2e%2e", "a" * 300, "ü", "%00"])
@@ -206,3 +297,13 @@ def test_fuzz_route(route, fuzz_router, run_secret, http, caplog, capfd):
     assert bad == [], [r.getMessage() for r in bad]
     out, err = capfd.readouterr()
     assert "Traceback" not in out + err
+
+
+def test_every_router_route_is_fuzzed(fuzz_router):
+    """A route added to the router without a fuzz entry fails here (health is open and has no body)."""
+    served = {(r.method, r.resource.canonical) for r in fuzz_router._runner.app.router.routes()
+              if r.method != "HEAD" and r.resource is not None}
+    fuzzed = {(r.method, r.path.split("?")[0].rstrip("/")) for r in ROUTES}
+    missing = {(m, p) for m, p in served if (m, p.rstrip("/")) not in fuzzed and p not in ("/health",)}
+    missing -= {("GET", "/{tid}/{attempt}"), ("GET", "/{tid}/{attempt}/")}  # the same handler as ".../v1"
+    assert not missing, f"routes without a fuzz entry in ROUTES: {sorted(missing)}"
