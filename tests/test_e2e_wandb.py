@@ -17,13 +17,21 @@ SMALL = ("rollout.prompts_per_step=2", "rollout.samples_per_prompt=4", "train.mi
          "train.micro_batch_size=8", "run.checkpoint_every=1", 'loggers=[{name="jsonl"},{name="wandb"}]')
 
 
+def metric_rows(history: list[dict]) -> list[dict]:
+    """The history rows that hold a step's metrics (not its completions table)."""
+    return [r for r in history if "train/loss" in r]
+
+
 def test_offline_wandb_run_holds_every_step_and_resume_continues_it(ray_cluster, tmp_path):
     out = tmp_path / "run"
     run_job(resolve_job(load_job(QUICKSTART, [*SMALL, "train.total_steps=2"])), output_dir=str(out))
     run_id = (out / "wandb_run_id").read_text().strip()
-    ids, _config, rows = read_offline_history(out)
+    ids, _config, history = read_offline_history(out)
     assert ids == {run_id}
+    rows = metric_rows(history)
     assert [r["step"] for r in rows] == [0, 1]
+    # each step also logs a completions table from its rollout records (a row of its own)
+    assert sorted(r["step"] for r in history if "rollout/completions/_type" in r) == [0, 1]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for row, m in zip(rows, metrics):
         assert row["rollout/reward_mean"] == m["rollout/reward_mean"]
@@ -31,7 +39,7 @@ def test_offline_wandb_run_holds_every_step_and_resume_continues_it(ray_cluster,
 
     run_job(resolve_job(load_job(QUICKSTART, [*SMALL, "train.total_steps=3", "run.resume=true"])),
             output_dir=str(out))
-    ids, _config, rows = read_offline_history(out)
+    ids, _config, history = read_offline_history(out)
     assert ids == {run_id}  # the same W&B run, continued
-    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert [r["step"] for r in metric_rows(history)] == [0, 1, 2]
     assert len(list(out.glob("wandb/offline-run-*"))) == 2  # `wandb sync` uploads both into one run

@@ -428,6 +428,11 @@ def test_a_failure_after_the_stream_started_is_reported_in_it(engine_url, router
     with pytest.raises(openai.APIError):
         list(openai.OpenAI(base_url=url, api_key="k", max_retries=0).chat.completions.create(
             model="p", messages=[{"role": "user", "content": "x"}], stream=True))
+    # a streamed request is logged when its handler returns, which may be just after the client
+    # has read the end of the stream: wait for the fourth entry
+    deadline = time.monotonic() + 30
+    while len(router.access_log.entries()) < 4 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert [e["status"] for e in router.access_log.entries()] == [500] * 4
     assert router.pop("fail-mid").turns == []
 
