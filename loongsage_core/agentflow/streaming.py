@@ -70,7 +70,7 @@ class TextStreamer:
 
     def _view(self, text: str) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        response = {"choices": [{"index": 0, "message": message, "finish_reason": None}]}
+        response: Any = {"choices": [{"index": 0, "message": message, "finish_reason": None}]}
         for mw in self.middlewares:
             response = mw.on_response(self.trajectory_id, copy.deepcopy(self.request), response)
         return response["choices"][0]["message"]
