@@ -19,12 +19,14 @@ strings. The answer's reasoning, text and tool calls become ``thinking``, ``text
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, anthropic_error_body, bad_request
-from .streaming import SSEStream, as_router_error
+from .protocol import json_response, read_json, serve_turn
+from .streaming import SSEStream
 
 _SUPPORTED = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
               "stream", "tools", "tool_choice"}
@@ -350,36 +352,23 @@ class MessagesStream(SSEStream):
         return await self.close()
 
 
-async def handle_messages(router: Any, request: Any) -> Any:
+async def handle_messages(turns: Any, request: Any) -> Any:
     """``POST /{trajectory}/{attempt}/v1/messages``."""
-    router._lookup(request)
-    chat = chat_request(await router._read_json(request))
+    turns.lookup(request)
+    chat = chat_request(await read_json(request))
     stream = MessagesStream(request) if chat.get("stream") else None
-    try:
-        _, answer = await router.run_turn(request, chat, stream)
-    except Exception as exc:  # after the stream started, errors are reported in it
-        if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
-            raise
-        return await stream.fail(as_router_error(exc))
-    if stream is not None:
-        return await stream.finish(answer)
-    return router._json(message_body(answer, _id("msg"), chat["model"]))
+    return await serve_turn(turns, request, chat, stream,
+                            lambda answer: message_body(answer, _id("msg"), chat["model"]))
 
 
-async def handle_count_tokens(router: Any, request: Any) -> Any:
+async def handle_count_tokens(turns: Any, request: Any) -> Any:
     """``POST /{trajectory}/{attempt}/v1/messages/count_tokens``: ``{"input_tokens": n}``."""
-    router._lookup(request)
-    chat = chat_request(await router._read_json(request), counting=True)
-    return router._json({"input_tokens": await router.count_prompt_tokens(request, chat)})
+    turns.lookup(request)
+    chat = chat_request(await read_json(request), counting=True)
+    return json_response({"input_tokens": await turns.count_prompt_tokens(request, chat)})
 
 
-def add_routes(app: Any, router: Any) -> None:
+def add_routes(app: Any, turns: Any) -> None:
     """Serve Anthropic's Messages API on every trajectory's base URL."""
-    async def messages(request: Any) -> Any:
-        return await handle_messages(router, request)
-
-    async def count_tokens(request: Any) -> Any:
-        return await handle_count_tokens(router, request)
-
-    app.router.add_post("/{tid}/{attempt}/v1/messages", messages)
-    app.router.add_post("/{tid}/{attempt}/v1/messages/count_tokens", count_tokens)
+    app.router.add_post("/{tid}/{attempt}/v1/messages", functools.partial(handle_messages, turns))
+    app.router.add_post("/{tid}/{attempt}/v1/messages/count_tokens", functools.partial(handle_count_tokens, turns))

@@ -239,6 +239,25 @@ async def engine_generate_stream(session: Any, url: str, payload: dict[str, Any]
                           code="engine_error")
 
 
+async def engine_context_length(session: Any, url: str) -> tuple[bool, int | None]:
+    """``(reachable, context length)`` of the engine at ``url``: ``/get_model_info``, else
+    ``/get_server_info``; the length is ``None`` when neither names one."""
+    import aiohttp
+
+    for path, keys in (("/get_model_info", ("max_context_length", "context_length")),
+                       ("/get_server_info", ("context_length", "max_context_length"))):
+        try:
+            async with session.get(url + path, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+                info = await resp.json() if resp.status == 200 else {}
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+            return False, None
+        values = [info.get(k) for k in keys if isinstance(info, dict)]
+        found = next((int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+        if found is not None:
+            return True, found
+    return True, None
+
+
 async def engine_abort(session: Any, url: str, rid: str) -> None:
     """Ask ``url`` to abort request ``rid`` (best effort: errors are ignored)."""
     import aiohttp

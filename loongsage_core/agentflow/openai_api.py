@@ -9,6 +9,7 @@ events while it is generated.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
@@ -18,6 +19,7 @@ from typing import Any, Mapping
 import attrs
 
 from .errors import RouterError, bad_request
+from .protocol import json_response, read_json, serve_turn
 from .streaming import SSEStream
 
 # Fields of OpenAI's chat-completions request that the router honours.
@@ -355,3 +357,25 @@ class ChatCompletionStream(SSEStream):
         await self.send(exc.body())
         await self.send_raw("data: [DONE]\n\n")
         return await self.close()
+
+
+async def handle_chat(turns: Any, request: Any) -> Any:
+    """``POST /{trajectory}/{attempt}/v1/chat/completions``."""
+    turns.lookup(request)
+    body = await read_json(request)
+    parse_chat_request(body)  # a stream starts only for a valid request
+    stream = ChatCompletionStream(request, body) if isinstance(body, dict) and body.get("stream") else None
+    return await serve_turn(turns, request, body, stream, lambda answer: answer)
+
+
+async def handle_models(turns: Any, request: Any) -> Any:
+    """``GET /{trajectory}/{attempt}/v1/models``: the one model the router serves."""
+    turns.lookup(request)
+    return json_response({"object": "list", "data": [
+        {"id": turns.model_name, "object": "model", "created": 0, "owned_by": "loongsage"}]})
+
+
+def add_routes(app: Any, turns: Any) -> None:
+    """Serve OpenAI's Chat Completions API (and the model list) on every trajectory's base URL."""
+    app.router.add_post("/{tid}/{attempt}/v1/chat/completions", functools.partial(handle_chat, turns))
+    app.router.add_get("/{tid}/{attempt}/v1/models", functools.partial(handle_models, turns))

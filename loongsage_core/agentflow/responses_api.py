@@ -17,13 +17,15 @@ map to chat tools; other tool types and other input items are a clear 400. The a
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, bad_request
-from .streaming import SSEStream, as_router_error
+from .protocol import read_json, serve_turn
+from .streaming import SSEStream
 
 PROTOCOL = "responses"
 
@@ -373,11 +375,11 @@ class ResponsesStream(SSEStream):
         return await self.close()
 
 
-async def handle_responses(router: Any, request: Any) -> Any:
+async def handle_responses(turns: Any, request: Any) -> Any:
     """``POST /{trajectory}/{attempt}/v1/responses``."""
-    router._lookup(request)
-    body = await router._read_json(request)
-    store = router.protocol_state(request, PROTOCOL)
+    turns.lookup(request)
+    body = await read_json(request)
+    store = turns.protocol_state(request, PROTOCOL)
     previous = body.get("previous_response_id") if isinstance(body, Mapping) else None
     history: list[dict[str, Any]] = []
     if previous is not None:
@@ -386,23 +388,15 @@ async def handle_responses(router: Any, request: Any) -> Any:
                               code="previous_response_not_found")
         history = [dict(m) for m in store[previous]]
     chat, conversation = chat_request(body, history)
-    builder = ResponseBuilder(body, chat.get("model") or router.model_name)
+    builder = ResponseBuilder(body, chat.get("model") or turns.model_name)
     stream = ResponsesStream(request, builder) if chat.get("stream") else None
-    try:
-        _, answer = await router.run_turn(request, chat, stream)
-    except Exception as exc:  # after the stream started, errors are reported in it
-        if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
-            raise
-        return await stream.fail(as_router_error(exc))
-    store[builder.id] = conversation + [dict(answer["choices"][0]["message"])]
-    if stream is not None:
-        return await stream.finish(answer)
-    return router._json(builder.response(answer))
+
+    def remember(answer: dict[str, Any]) -> None:
+        store[builder.id] = conversation + [dict(answer["choices"][0]["message"])]
+
+    return await serve_turn(turns, request, chat, stream, builder.response, on_answer=remember)
 
 
-def add_routes(app: Any, router: Any) -> None:
+def add_routes(app: Any, turns: Any) -> None:
     """Serve the Responses API on every trajectory's base URL."""
-    async def responses(request: Any) -> Any:
-        return await handle_responses(router, request)
-
-    app.router.add_post("/{tid}/{attempt}/v1/responses", responses)
+    app.router.add_post("/{tid}/{attempt}/v1/responses", functools.partial(handle_responses, turns))
