@@ -15,16 +15,16 @@ OpenAI error format (:mod:`.errors`); a client that went away is not an error wo
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..http_server import secret_middleware
 from . import anthropic_api, openai_api, responses_api
+from .access_log import AccessLog
+from .engines import EngineBalancer
 from .errors import RouterError, bad_request, error_response_body
 from .protocol import json_response, read_json
-from .registry import check_trajectory_id
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .router import AgentFlowRouter
+from .registry import TrajectoryRegistry, check_trajectory_id
+from .turns import TurnRunner
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,23 @@ REGISTER_FIELDS = frozenset({"trajectory_id", "attempt", "sampling", "max_respon
 """The fields of ``POST /admin/trajectories``."""
 
 
-def build_app(router: "AgentFlowRouter") -> Any:
+class ServedRouter(Protocol):
+    """What the application needs of the router (:class:`~.router.AgentFlowRouter`)."""
+
+    turns: TurnRunner
+    registry: TrajectoryRegistry
+    balancer: EngineBalancer
+    known_engines: set[str]
+    access_log: AccessLog
+    secret: str | None
+    max_request_bytes: int
+
+    def url_for(self, trajectory_id: str, attempt: int = 0) -> str: ...
+
+    def stats_now(self) -> dict[str, Any]: ...
+
+
+def build_app(router: ServedRouter) -> Any:
     """The aiohttp application of ``router`` (served by its :class:`~loongsage_core.http_server.ThreadedServer`)."""
     from aiohttp import web
 
