@@ -26,7 +26,7 @@ from typing import Any, Mapping
 
 from .errors import RouterError, anthropic_error_body, bad_request
 from .protocol import json_response, read_json, serve_turn
-from .streaming import SSEStream
+from .streaming import BlockStream
 
 _SUPPORTED = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
               "stream", "tools", "tool_choice"}
@@ -271,7 +271,7 @@ def message_body(chat: Mapping[str, Any], message_id: str, model: str) -> dict[s
             "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(chat)}
 
 
-class MessagesStream(SSEStream):
+class MessagesStream(BlockStream):
     """Anthropic's event stream of one turn, sent as the engine generates.
 
     ``message_start``, ``ping``; ``content_block_start`` / ``content_block_delta``
@@ -280,13 +280,14 @@ class MessagesStream(SSEStream):
     ``message_delta`` (``stop_reason``, usage) and ``message_stop``.
     """
 
+    REASONING, TEXT = "thinking", "text"  # the content block types
+
     def __init__(self, request: Any) -> None:
         super().__init__(request)
         self.id = _id("msg")
         self.model = ""
         self.index = -1
         self.open_kind: str | None = None
-        self.texts: dict[str, str] = {"thinking": "", "text": ""}
 
     async def event(self, kind: str, **fields: Any) -> None:
         await self.send({"type": kind, **fields}, event=kind)
@@ -320,16 +321,10 @@ class MessagesStream(SSEStream):
         await self.event("content_block_stop", index=self.index)
         self.open_kind = None
 
-    async def delta(self, increments: Mapping[str, str]) -> None:
-        for field, kind in (("reasoning_content", "thinking"), ("content", "text")):
-            piece = increments.get(field)
-            if not piece or (kind == "thinking" and self.texts["text"]):
-                continue  # reasoning after the answer started is not shown
-            await self._open(kind)
-            self.texts[kind] += piece
-            delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else {
-                "type": "text_delta", "text": piece}
-            await self.event("content_block_delta", index=self.index, delta=delta)
+    async def _piece(self, kind: str, piece: str) -> None:
+        delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else {
+            "type": "text_delta", "text": piece}
+        await self.event("content_block_delta", index=self.index, delta=delta)
 
     async def finish(self, chat: Mapping[str, Any]) -> Any:
         await self._close()
