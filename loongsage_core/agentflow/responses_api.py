@@ -369,6 +369,9 @@ async def handle_responses(turns: Any, request: Any) -> Any:
     previous = body.get("previous_response_id") if isinstance(body, Mapping) else None
     history: list[dict[str, Any]] = []
     if previous is not None:
+        if not isinstance(previous, str):
+            raise bad_request("'previous_response_id' must be a string", param="previous_response_id",
+                              code="invalid_type")
         if previous not in store:
             raise bad_request(f"Previous response with id '{previous}' not found.", param="previous_response_id",
                               code="previous_response_not_found")

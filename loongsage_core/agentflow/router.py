@@ -39,10 +39,9 @@ from typing import Any, Mapping, Sequence
 from loongsage_hookspecs import SamplingParams
 
 from ..http_server import BlockingView, ThreadedServer
-from ..security import engine_headers
 from .access_log import AccessLog
 from .app import build_app
-from .engines import EngineBalancer
+from .engines import EngineBalancer, EnginePool
 from .record import TrajectoryRecord
 from .registry import TrajectoryRegistry, check_trajectory_id
 from .tito import ChatRenderer
@@ -117,29 +116,22 @@ class AgentFlowRouter:
                                                                   thread_name_prefix="agentflow-render")
         self.registry = TrajectoryRegistry(self.renderer, self._abort_at_engine, self.balancer.forget, secret=secret,
                                            default_sampling=default_sampling, max_context_length=max_context_length)
-        self.turns = TurnRunner(self.registry, self.renderer, self.balancer, middlewares, model_name,
-                                TurnLimits(max_prompt_chars=max_prompt_chars, engine_timeout_s=engine_timeout_s,
-                                           max_continuations=max_continuations), self._render_pool)
+        self.engines = EnginePool(secret, engine_timeout_s)
+        limits = TurnLimits(max_prompt_chars=max_prompt_chars, max_continuations=max_continuations)
+        self.turns = TurnRunner(self.registry, self.renderer, self.balancer, self.engines, middlewares, model_name,
+                                limits, self._render_pool)
         self.server = ThreadedServer(self._build_app(), host=host, port=port, name="agentflow-router",
                                      handler_cancellation=True)  # a client that goes away cancels its turn
         self.blocking = BlockingView(self, self.server.call)
         """Synchronous trajectory API: ``router.blocking.register(...)`` runs ``await router.aregister(...)``."""
 
     def _build_app(self) -> Any:
-        import aiohttp
-
         app = build_app(self)
 
-        async def open_session(_app: Any) -> None:
-            self.turns.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                                       headers=engine_headers(self.secret))
+        async def close_engine_clients(_app: Any) -> None:
+            await self.engines.aclose()
 
-        async def close_session(_app: Any) -> None:
-            if self.turns.session is not None:
-                await self.turns.session.close()
-
-        app.on_startup.append(open_session)
-        app.on_cleanup.append(close_session)
+        app.on_cleanup.append(close_engine_clients)
         return app
 
     def _abort_at_engine(self, url: str, rid: str) -> None:

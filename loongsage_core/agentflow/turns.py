@@ -24,14 +24,7 @@ import attrs
 from loongsage_hookspecs import TrajectoryStatus
 
 from .conversation import TurnPlan
-from .engines import (
-    EngineBalancer,
-    EngineOutput,
-    engine_abort,
-    engine_context_length,
-    engine_generate,
-    engine_generate_stream,
-)
+from .engines import EngineBalancer, EngineOutput, EnginePool
 from .errors import RouterError, bad_request, not_found
 from .openai_api import ChatRequest, completion_body, new_completion_id, parse_chat_request
 from .record import TurnInfo
@@ -61,7 +54,6 @@ class TurnLimits:
     """The router's limits on one turn (see :class:`~.router.AgentFlowRouter`)."""
 
     max_prompt_chars: int
-    engine_timeout_s: float
     max_continuations: int
 
 
@@ -69,16 +61,16 @@ class TurnRunner:
     """Serves the turns of a router's trajectories (runs on the router's event loop only)."""
 
     def __init__(self, registry: TrajectoryRegistry, renderer: ChatRenderer, balancer: EngineBalancer,
-                 middlewares: Sequence[Any], model_name: str, limits: TurnLimits,
+                 engines: EnginePool, middlewares: Sequence[Any], model_name: str, limits: TurnLimits,
                  render_pool: concurrent.futures.Executor) -> None:
         self.registry = registry
         self.renderer = renderer
         self.balancer = balancer
+        self.engines = engines
         self.middlewares = list(middlewares)
         self.model_name = model_name
         self.limits = limits
         self.render_pool = render_pool
-        self.session: Any = None  # the aiohttp client session to the engines (opened on the router's loop)
         self.stats = {"requests": 0, "errors": 0, "engine_calls": 0, "completion_tokens": 0}
         self._engine_ctx: dict[str, int | None] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -86,14 +78,14 @@ class TurnRunner:
     # ------------------------------------------------------------------------ engine plumbing
     def abort_at_engine(self, url: str, rid: str) -> None:
         """Ask ``url`` to abort ``rid`` in the background (the registry's abort hook)."""
-        task = asyncio.get_running_loop().create_task(engine_abort(self.session, url, rid))
+        task = asyncio.get_running_loop().create_task(self.engines.abort(url, rid))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _engine_context(self, url: str) -> int | None:
         """The engine's context length, cached once known."""
         if url not in self._engine_ctx:
-            reachable, found = await engine_context_length(self.session, url)
+            reachable, found = await self.engines.context_length(url)
             if not reachable:
                 return None  # ask again next time
             self._engine_ctx[url] = found
@@ -228,22 +220,19 @@ class TurnRunner:
         while True:
             remaining = max_new - len(gen.ids)
             rid = f"{tid}-{entry.record.attempt}-{turn}-{gen.continuations}-{uuid.uuid4().hex[:8]}"
-            payload: dict[str, Any] = {
-                "input_ids": plan.context + gen.ids, "return_logprob": True, "rid": rid,
-                "sampling_params": engine_sampling(entry.sampling, req, turn, self.renderer.turn_end_ids, remaining)}
-            if req.top_logprobs:
-                payload["top_logprobs_num"] = req.top_logprobs
+            call = (url, plan.context + gen.ids,
+                    engine_sampling(entry.sampling, req, turn, self.renderer.turn_end_ids, remaining), rid,
+                    req.top_logprobs)
             entry.in_flight[rid] = url
             self.balancer.acquire(url)
             self.stats["engine_calls"] += 1
             try:
                 if on_tokens is None:
-                    out: EngineOutput = await engine_generate(self.session, url, payload,
-                                                              self.limits.engine_timeout_s)
+                    out: EngineOutput = await self.engines.generate(*call)
                 else:
-                    out = await self._generate_streaming(url, payload, gen.ids, on_tokens)
+                    out = await self._generate_streaming(call, gen.ids, on_tokens)
             except BaseException:  # the client went away or the stream broke: free the engine
-                await asyncio.shield(engine_abort(self.session, url, rid))
+                await asyncio.shield(self.engines.abort(url, rid))
                 raise
             finally:
                 entry.in_flight.pop(rid, None)
@@ -269,16 +258,16 @@ class TurnRunner:
             await asyncio.sleep(min(0.05 * gen.continuations, 1.0))
             url = self.balancer.pick(tid)
 
-    async def _generate_streaming(self, url: str, payload: dict[str, Any], before: list[int],
+    async def _generate_streaming(self, call: tuple[Any, ...], before: list[int],
                                   on_tokens: Callable[[list[int]], Awaitable[None]]) -> EngineOutput:
         """One streamed engine call; ``before`` are the turn's tokens from earlier (aborted) calls."""
         out: EngineOutput | None = None
         seen = 0
-        async for out in engine_generate_stream(self.session, url, payload, self.limits.engine_timeout_s):
+        async for out in self.engines.generate_stream(*call):
             if len(out.output_ids) > seen:
                 seen = len(out.output_ids)
                 await on_tokens(before + out.output_ids)
-        assert out is not None  # engine_generate_stream raises when nothing finished
+        assert out is not None  # generate_stream raises when nothing finished
         return out
 
     def _logprobs_body(self, gen: Generation) -> dict[str, Any]:

@@ -148,6 +148,7 @@ def test_responses_bad_input_gets_openai_errors(engine_url, router_factory):
         ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
          "input[0].content[0].type"),
         ({"input": "x", "previous_response_id": "resp_missing"}, "previous_response_id"),
+        ({"input": "x", "previous_response_id": ["resp_1"]}, "previous_response_id"),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
     ]
     for body, param in cases:
