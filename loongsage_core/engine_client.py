@@ -224,7 +224,9 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.headers = engine_headers(api_key)
-        self.limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=20)
+        # without a connection limit every connection is kept alive for reuse (the router's case)
+        self.limits = httpx.Limits(max_connections=max_connections,
+                                   max_keepalive_connections=None if max_connections is None else 20)
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self._sync: httpx.Client | None = None
