@@ -211,11 +211,11 @@ def test_budgets_end_turns_with_length(engine_url, router_factory, renderer):
 def test_admin_api_over_http(engine_url, router_factory):
     router = router_factory([engine_url])
     admin = RouterClient(router.base_url)
-    url = admin.register("adm-1", sampling={"max_new_tokens": 4}, metadata={"k": 1})
+    url = admin.blocking.register("adm-1", sampling={"max_new_tokens": 4}, metadata={"k": 1})
     assert url == router.url_for("adm-1")
     openai.OpenAI(base_url=url, api_key="k", max_retries=0).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "x"}])
-    record = admin.pop("adm-1")
+    record = admin.blocking.pop("adm-1")
     assert isinstance(record, TrajectoryRecord) and record.metadata == {"k": 1}
     assert record.segments[0].trainable and record.status.value == "generating"
     assert TrajectoryRecord.from_dict(record.to_dict()) == record
