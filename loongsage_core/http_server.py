@@ -36,17 +36,20 @@ class ThreadedServer:
     Args:
         app: the ``aiohttp.web.Application`` to serve (its startup/cleanup signals run on the
             server's loop, so per-loop resources such as client sessions belong there).
-        host: the address to bind; the base URL names it too.
+        host: the address to bind.
         port: the port to bind (0: a free one, reported by :attr:`port` once started).
+        advertise: the host the base URL names, where clients reach the server (default: ``host``;
+            a server bound to ``0.0.0.0`` advertises its node's address).
         name: the thread's name (seen in thread dumps and logs).
         handler_cancellation: cancel a handler when its client disconnects (aiohttp's option).
         shutdown_timeout: seconds :meth:`stop` lets open requests finish.
     """
 
-    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, name: str = "http-server",
-                 handler_cancellation: bool = False, shutdown_timeout: float = 5.0) -> None:
+    def __init__(self, app: Any, *, host: str = "127.0.0.1", port: int = 0, advertise: str | None = None,
+                 name: str = "http-server", handler_cancellation: bool = False, shutdown_timeout: float = 5.0) -> None:
         self.app = app
         self.host = host
+        self.advertise = advertise or host
         self.port = int(port)
         self.name = name
         self.handler_cancellation = handler_cancellation
@@ -105,7 +108,7 @@ class ThreadedServer:
         await self._runner.setup()
         await web.TCPSite(self._runner, self.host, self.port).start()
         self.port = int(self._runner.addresses[0][1])
-        self.base_url = f"http://{self.host}:{self.port}"
+        self.base_url = f"http://{self.advertise}:{self.port}"
         return self.base_url
 
     async def _astop(self) -> None:
@@ -118,8 +121,8 @@ class ThreadedServer:
         thread, loop = self._thread, self.loop
         if thread is None or loop is None:
             return
-        if thread is not threading.current_thread():
-            loop.call_soon_threadsafe(loop.stop)
+        loop.call_soon_threadsafe(loop.stop)
+        if thread is not threading.current_thread():  # on the server thread itself: it stops once this returns
             thread.join(timeout=timeout_s)
         self._thread = None
         self.loop = None

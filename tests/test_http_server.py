@@ -44,6 +44,16 @@ def test_serves_on_a_chosen_port_from_its_own_thread_and_stops():
     server.stop()  # idempotent
 
 
+def test_the_base_url_names_the_advertised_host():
+    server = ThreadedServer(app_with(), host="0.0.0.0", advertise="127.0.0.1")
+    url = server.start()
+    try:
+        assert url == f"http://127.0.0.1:{server.port}"
+        assert httpx.get(url + "/health").status_code == 200
+    finally:
+        server.stop()
+
+
 def test_cleanup_runs_on_the_server_loop_when_stopped():
     seen: list[str] = []
     app = app_with()
