@@ -48,6 +48,8 @@ def test_trainer_and_engine_on_two_nodes_train_and_broadcast_weights(tmp_path, t
     # two Ray nodes, each with one of the roles' resources
     assert sorted(n["resources"] for n in out["nodes"]) == [["engine_node"], ["train_node"]]
     assert len({n["id"] for n in out["nodes"]}) == 2
+    # the run's two model actors (trainer rank 0, engine 0) lived on the two nodes, one each
+    assert sorted(out["model_actor_nodes"]) == sorted(n["id"] for n in out["nodes"])
 
     # one real step: trained, weights moved by broadcast (the trainer's and engine's nodes differ)
     (step,) = out["metrics"]

@@ -90,11 +90,18 @@ def main(job_path: str, run_dir: str) -> int:
         nodes = [{"ip": n["NodeManagerAddress"], "id": n["NodeID"],
                   "resources": sorted(k for k in n["Resources"] if k.endswith("_node"))}
                  for n in ray.nodes() if n["Alive"]]
+        # where the run's model actors lived (Ray's actor table keeps finished actors; the state
+        # API would need the dashboard)
+        from ray._private.state import actors as actor_table
+
+        model_actors = sorted(a["Address"]["NodeID"] for a in actor_table().values()
+                              if a["ActorClassName"] == "ModelActor")
         probe = probe_engine(job_path, read_secret_file(run_dir)) if code == 0 else {}
         metrics = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
                    if line.strip()] if code == 0 else []
         host = urlsplit(probe["url"]).hostname if probe else None
-        print(json.dumps({"exit_code": code, "nodes": nodes, "metrics": metrics, "probe": probe,
+        print(json.dumps({"exit_code": code, "nodes": nodes, "model_actor_nodes": model_actors,
+                          "metrics": metrics, "probe": probe,
                           "engine_host": host, "seconds": {"cluster": t_cluster - t0, "run": t_run - t_cluster,
                                                            "total": time.perf_counter() - t0}}))
         return 0
