@@ -96,12 +96,12 @@ class SGLangServer:
         self.python = python or sys.executable
         self.options, _ = _launcher_options(job)
         self.host = ctx.host or "127.0.0.1"
-        self.fixed_port = bool(ctx.port)
-        """A port given in the context is used as is; otherwise a free one, another if it is taken first."""
-        self.port = int(ctx.port) if ctx.port else free_port(self.host)
         self.engine_index = int(ctx.engine_index)
         self.secret = getattr(ctx, "api_key", None)
         check_listen_address(self.host, self.secret, f"sglang server (engine {self.engine_index})")
+        self.fixed_port = bool(ctx.port)
+        """A port given in the context is used as is; otherwise a free one, another if it is taken first."""
+        self.port = int(ctx.port) if ctx.port else free_port(self.host)
         self.command = self._command(self.port)
         log_dir = Path(job.resolve_path(self.options["log_dir"])) if self.options.get("log_dir") \
             else Path(tempfile.mkdtemp(prefix="loongsage-sglang-"))
