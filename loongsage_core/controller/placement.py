@@ -54,7 +54,8 @@ def bind_ray_to_loopback() -> None:
     machine's routable one, and its GCS, raylet and worker servers then bind every interface. Ray
     keeps them on loopback when it believes clusters are unsupported on this platform
     (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read at ``import ray``, so the constant is set too).
-    Ray's own token authentication (on by default since Ray 2.52) still guards those ports.
+    Ray's token authentication guards those ports only when enabled (``RAY_AUTH_MODE=token``; Ray
+    2.60 leaves it off by default), so the loopback binding is what keeps them local.
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # inherited by Ray's processes
     try:
