@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,10 +39,18 @@ def test_trainer_and_engine_on_two_nodes_train_and_broadcast_weights(tmp_path, t
     text = job.read_text().replace("total_steps = 3", "total_steps = 1").replace("checkpoint_every = 1",
                                                                                  "checkpoint_every = 0")
     job.write_text(text + PLACEMENT)
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # a Ray temp dir of its own: the cluster's address file (Ray's "latest cluster", which a plain
+    # ray.init() elsewhere on this machine would join) and its sockets stay out of /tmp/ray; short,
+    # because Unix socket paths are limited to ~100 bytes
+    ray_tmp = tempfile.mkdtemp(prefix="lsray-", dir="/tmp")
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "TOKENIZERS_PARALLELISM": "false",
+           "RAY_TMPDIR": ray_tmp}
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(job), str(tmp_path / "run")], env=env,
-                          capture_output=True, text=True, timeout=300)
+    try:
+        proc = subprocess.run([sys.executable, str(SCRIPT), str(job), str(tmp_path / "run")], env=env,
+                              capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["exit_code"] == 0, proc.stderr[-4000:]
