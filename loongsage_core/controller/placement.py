@@ -65,6 +65,18 @@ def bind_ray_to_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def keep_workers_at_driver_priority() -> None:
+    """Start the next local Ray cluster's workers at the driver's CPU priority.
+
+    Ray starts worker processes at niceness 15 (``RAY_worker_niceness``, read by the raylet) to
+    keep its own daemons responsive. Here the workers are the run itself (trainer ranks, engines):
+    at niceness 15 they would wait behind the driver's router and agents and behind any other
+    busy process of the machine, so a loaded CPU machine would stall the step. A value the user
+    set is kept.
+    """
+    os.environ.setdefault("RAY_worker_niceness", "0")
+
+
 def init_ray(job: JobConfig) -> None:
     """Start (or join) the Ray cluster: one node on loopback, capped object store, no dashboard
     unless ``run.ray_dashboard`` asks for one (then on loopback too). ``run.ray_address`` (else the
@@ -85,6 +97,7 @@ def init_ray(job: JobConfig) -> None:
         return
     cpus = job.run.ray_num_cpus or max(os.cpu_count() or 1, int(required_resources(job)["CPU"] + 0.999))
     bind_ray_to_loopback()
+    keep_workers_at_driver_priority()
     ray.init(num_cpus=cpus, include_dashboard=bool(job.run.ray_dashboard), dashboard_host="127.0.0.1",
              object_store_memory=job.run.ray_object_store_mb * 2**20, ignore_reinit_error=True,
              _node_ip_address="127.0.0.1", log_to_driver=True,
