@@ -43,8 +43,9 @@ def test_trainer_and_engine_on_two_nodes_train_and_broadcast_weights(tmp_path, t
     # ray.init() elsewhere on this machine would join) and its sockets stay out of /tmp/ray; short,
     # because Unix socket paths are limited to ~100 bytes
     ray_tmp = tempfile.mkdtemp(prefix="lsray-", dir="/tmp")
+    # workers at the test's own priority, as on the local cluster (placement.keep_workers_at_driver_priority)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "TOKENIZERS_PARALLELISM": "false",
-           "RAY_TMPDIR": ray_tmp}
+           "RAY_TMPDIR": ray_tmp, "RAY_worker_niceness": "0"}
     env.pop("RAY_ADDRESS", None)
     try:
         proc = subprocess.run([sys.executable, str(SCRIPT), str(job), str(tmp_path / "run")], env=env,
