@@ -2,7 +2,8 @@
 
 ``EmbeddedEngine(ctx)`` loads the policy of ``ctx.job`` (see :mod:`..modeling`) and, when the job
 names one, its tokenizer; :meth:`EmbeddedEngine.start` starts the decode loop and the HTTP server
-on ``ctx.host`` (port ``ctx.port``, 0 picks a free one) and returns the base URL;
+on ``ctx.host`` (port ``ctx.port``, 0 picks a free one) and returns the base URL (an address
+beyond loopback needs the run secret, ``ctx.api_key``);
 :meth:`EmbeddedEngine.shutdown` stops both. :meth:`EmbeddedEngine.load_weights` is the in-process
 weight-update entry (used by the in-process transport); HTTP updates go through
 ``/update_weights_from_tensor``, whose ``load_format`` names a weight transport component.
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
+
+from loongsage_core.security import check_listen_address
 
 from ..modeling import ModelLoadError, load_model, load_tokenizer
 from .protocol import InvalidRequest
@@ -77,10 +80,12 @@ class EmbeddedEngine:
 
         from .server import EngineServer
 
-        self.scheduler.start()
-        server = EngineServer(self, api_key=getattr(self.ctx, "api_key", None))
+        api_key = getattr(self.ctx, "api_key", None)
         host = getattr(self.ctx, "host", "127.0.0.1") or "127.0.0.1"
         port = int(getattr(self.ctx, "port", 0) or 0)
+        check_listen_address(host, api_key, "embedded engine")
+        self.scheduler.start()
+        server = EngineServer(self, api_key=api_key)
         self._http = ThreadedServer(server.app, host=host, port=port, name="loongsage-engine-http")
         try:
             self.base_url = self._http.start()
