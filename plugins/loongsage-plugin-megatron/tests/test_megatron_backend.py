@@ -111,8 +111,10 @@ def make_batch(rows: int = 4, width: int = 12, seed: int = 0) -> Batch:
                           "advantages": adv.float()}, meta={"sample_id": [f"s{i}" for i in range(rows)]})
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def workers(hf_dir, host):
+    """A fresh Megatron worker and the torch worker it must equal, on the same checkpoint: each
+    test gets its own pair, so a test that trains one of them cannot change what the next sees."""
     backends = {s.name: s for s in plugin.loongsage_train_backends()}
     meg = backends["megatron"].factory(TrainWorkerContext(job=make_job(hf_dir), components=host))
     ref = create_torch_worker(TrainWorkerContext(job=make_job(hf_dir), components=host))
