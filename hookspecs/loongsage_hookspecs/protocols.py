@@ -13,7 +13,15 @@ import attrs
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-    from .records import AgentContext, AgentResult, AggregationNorm, Batch, ExecResult, TrajectoryGroup
+    from .records import (
+        AgentContext,
+        AgentResult,
+        AggregationNorm,
+        Batch,
+        ExecResult,
+        TeacherOutputs,
+        TrajectoryGroup,
+    )
 
 
 @runtime_checkable
@@ -135,6 +143,30 @@ class Teacher(Protocol):
     """A frozen model that scores the student's samples."""
 
     def forward(self, batch: "Batch", *, topk: int = 0) -> Any: ...
+
+
+@runtime_checkable
+class TeacherRouter(Protocol):
+    """What a teacher manager's factory returns: routes rows to teachers, bounds residency.
+
+    ``forward`` gives teacher outputs for the rows whose source has a teacher (the others are
+    zeros, see ``row_mask``), in the batch's row order; ``plan`` says which teacher scores which
+    rows; ``resident`` lists the teachers loaded now; ``loads`` counts loads so far.
+    """
+
+    @property
+    def resident(self) -> tuple[str, ...]: ...
+
+    @property
+    def loads(self) -> int: ...
+
+    def plan(self, batch: "Batch") -> dict[str, list[int]]: ...
+
+    def row_mask(self, batch: "Batch") -> "torch.Tensor": ...
+
+    def forward(self, batch: "Batch", *, topk: int = 0, return_logits: bool = False) -> "TeacherOutputs": ...
+
+    def offload_all(self) -> None: ...
 
 
 @runtime_checkable
