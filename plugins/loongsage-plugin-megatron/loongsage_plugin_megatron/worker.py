@@ -84,8 +84,7 @@ from typing import Any, Iterator
 import attrs
 import torch
 
-from loongsage_core.algorithms import LossPipeline, MetricAccumulator
-from loongsage_core.config import structure_args
+from loongsage_core.backend_api import LossPipeline, MetricAccumulator, structure_args
 from loongsage_hookspecs import AggregationNorm, Batch
 
 from . import bridge_compat, cpu_compat

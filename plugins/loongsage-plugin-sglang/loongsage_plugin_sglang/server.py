@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from loongsage_core.rendezvous import free_port, retry_on_port_collision
+from loongsage_core.backend_api import free_port, retry_on_port_collision
 
 from .launch import LaunchConfigError, build_launch_command
 from .process import ManagedProcess, ServerStartError

@@ -55,8 +55,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 
 from aiohttp import web
 
-from loongsage_core.security import OPEN_PATHS, presented_token, token_matches
-from loongsage_core.weight_group import node_id
+from loongsage_core.backend_api import OPEN_PATHS, node_id, presented_token, token_matches
 
 from .protocol import (
     InvalidRequest,

@@ -28,14 +28,13 @@ from typing import Any
 import attrs
 import torch
 
-from loongsage_core.algorithms import MetricAccumulator
+from loongsage_core.backend_api import MetricAccumulator, make_scheduler
 from loongsage_hookspecs import AggregationNorm, Batch
 
 from ..modeling import load_model, torch_dtype
 from . import distributed
 from .checkpoint import capture_rng, seed_everything
 from .logits import decoder_of
-from .schedule import make_scheduler
 from .value_loss import clipped_value_loss
 from .worker import (
     CHECKPOINT_FORMAT,

@@ -26,15 +26,13 @@ from typing import Any, Callable, Iterable, Iterator
 import attrs
 import torch
 
-from loongsage_core.algorithms import LossPipeline, MetricAccumulator
-from loongsage_core.config import structure_args
+from loongsage_core.backend_api import LossPipeline, MetricAccumulator, make_scheduler, structure_args
 from loongsage_hookspecs import AggregationNorm, Batch
 
 from ..modeling import load_model, load_tokenizer, torch_dtype
 from . import distributed
 from .checkpoint import capture_rng, restore_rng, seed_everything
 from .logits import logprobs_and_entropy, next_token_logits
-from .schedule import make_scheduler
 
 STATE_FILE = "trainer_state.pt"
 RNG_FILE = "rng_rank{rank}.pt"

@@ -1,0 +1,68 @@
+"""The host's public API for plugins: what backends and transports legitimately share.
+
+Plugins import host names from this module only (the layer rules of ``.importlinter`` check it):
+everything else in :mod:`loongsage_core` is private to the host and may change without notice.
+Importing this module is light (no torch, ray or transformers); tensor work happens inside the
+functions.
+
+What it offers:
+
+* **loss pipeline** (:class:`LossPipeline`, :class:`LossPipelineError`) and exact mini-batch metric
+  means (:class:`MetricAccumulator`), the aggregation denominators (:func:`compute_norm`);
+* **job schema** a backend reads (:class:`JobConfig` and its tables) and :func:`structure_args`,
+  which turns a component's ``*_args`` table into its attrs class with one-line errors;
+* **learning-rate schedules** (:func:`make_scheduler`, :func:`lr_factor`), the same in every backend;
+* **the SGLang-protocol client** (:class:`EngineClient`) every engine's HTTP API is driven with;
+* **rendezvous** for ``torch.distributed`` groups across processes (:func:`host_rendezvous`,
+  :func:`reachable_address`, :func:`free_port`, :func:`retry_on_port_collision`);
+* **weight-update groups** between trainers and engines (:func:`init_weight_update_group`,
+  :func:`join_with_engines`, :func:`destroy_weight_update_group`, :func:`resolve_backend`,
+  :func:`node_id`);
+* **security**: the run secret on control endpoints (:func:`engine_headers`,
+  :func:`presented_token`, :func:`token_matches`, :func:`process_secret`, :data:`OPEN_PATHS`).
+"""
+
+from __future__ import annotations
+
+from .algorithms import LossPipeline, LossPipelineError, MetricAccumulator, compute_norm
+from .config import JobConfig, ModelConfig, RunConfig, TrainConfig, structure_args
+from .engine_client import EngineClient
+from .lr_schedule import lr_factor, make_scheduler
+from .rendezvous import free_port, host_rendezvous, reachable_address, retry_on_port_collision
+from .security import OPEN_PATHS, engine_headers, presented_token, process_secret, token_matches
+from .weight_group import (
+    destroy_weight_update_group,
+    init_weight_update_group,
+    join_with_engines,
+    node_id,
+    resolve_backend,
+)
+
+__all__ = [
+    "OPEN_PATHS",
+    "EngineClient",
+    "JobConfig",
+    "LossPipeline",
+    "LossPipelineError",
+    "MetricAccumulator",
+    "ModelConfig",
+    "RunConfig",
+    "TrainConfig",
+    "compute_norm",
+    "destroy_weight_update_group",
+    "engine_headers",
+    "free_port",
+    "host_rendezvous",
+    "init_weight_update_group",
+    "join_with_engines",
+    "lr_factor",
+    "make_scheduler",
+    "node_id",
+    "presented_token",
+    "process_secret",
+    "reachable_address",
+    "resolve_backend",
+    "retry_on_port_collision",
+    "structure_args",
+    "token_matches",
+]
