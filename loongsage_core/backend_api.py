@@ -2,8 +2,8 @@
 
 Plugins import host names from this module only (the layer rules of ``.importlinter`` check it):
 everything else in :mod:`loongsage_core` is private to the host and may change without notice.
-Importing this module is light (no torch, ray or transformers); tensor work happens inside the
-functions.
+Importing this module is light (no torch, ray, transformers or httpx: :class:`EngineClient` is
+imported on first use, PEP 562); tensor work happens inside the functions.
 
 What it offers:
 
@@ -19,14 +19,17 @@ What it offers:
   :func:`join_with_engines`, :func:`destroy_weight_update_group`, :func:`resolve_backend`,
   :func:`node_id`);
 * **security**: the run secret on control endpoints (:func:`engine_headers`,
-  :func:`presented_token`, :func:`token_matches`, :func:`process_secret`, :data:`OPEN_PATHS`).
+  :func:`presented_token`, :func:`token_matches`, :func:`process_secret`, :data:`OPEN_PATHS`);
+* **per-step JSONL files** cut back to a resumed step (:func:`truncate_jsonl`).
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .algorithms import LossPipeline, LossPipelineError, MetricAccumulator, compute_norm
 from .config import JobConfig, ModelConfig, RunConfig, TrainConfig, structure_args
-from .engine_client import EngineClient
+from .controller.run_dir import truncate_jsonl
 from .lr_schedule import lr_factor, make_scheduler
 from .rendezvous import free_port, host_rendezvous, reachable_address, retry_on_port_collision
 from .security import OPEN_PATHS, engine_headers, presented_token, process_secret, token_matches
@@ -37,6 +40,19 @@ from .weight_group import (
     node_id,
     resolve_backend,
 )
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine_client import EngineClient
+
+
+def __getattr__(name: str) -> Any:
+    """Names whose modules are heavier to import than the rest, loaded when first used."""
+    if name == "EngineClient":
+        from .engine_client import EngineClient
+
+        return EngineClient
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "OPEN_PATHS",
@@ -65,4 +81,5 @@ __all__ = [
     "retry_on_port_collision",
     "structure_args",
     "token_matches",
+    "truncate_jsonl",
 ]
