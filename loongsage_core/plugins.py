@@ -29,7 +29,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import attrs
 import pluggy
@@ -301,7 +301,3 @@ class PluginHost:
                             "components": {k: v for k, v in comps.items() if v}})
         return {"hookspecs": list(KINDS), "plugins": plugins}
 
-
-def iter_specs(host: PluginHost, kind: str, names: Iterable[str], where: str) -> list[Any]:
-    """Specs for an ordered list of names (pipelines keep job-file order)."""
-    return [host.get(kind, n, where=f"{where}[{i}]") for i, n in enumerate(names)]

@@ -222,8 +222,7 @@ class TrainBackendSpec(ComponentSpec):
 class RolloutEngineSpec(ComponentSpec):
     """``factory(ctx: EngineContext) -> RolloutEngine``, called inside each engine actor.
 
-    The engine serves SGLang's native HTTP API; ``supports`` lists optional endpoints it has.
+    The engine serves SGLang's native HTTP API.
     """
 
     factory: "Callable[..., Any]"
-    supports: tuple[str, ...] = ()

@@ -14,12 +14,6 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-SUPPORTS = ("generate", "abort_request", "pause_generation", "continue_generation", "flush_cache",
-            "update_weights_from_tensor", "update_weights_from_disk", "update_weights_from_distributed",
-            "init_weights_update_group", "release_memory_occupation", "resume_memory_occupation",
-            "update_weight_version", "get_model_info", "get_server_info", "health", "health_generate")
-"""SGLang endpoints LoongSage uses (for ``RolloutEngineSpec.supports``)."""
-
 
 def create_server(ctx: Any) -> Any:
     """``factory(ctx: EngineContext) -> SGLangServer`` of the ``sglang`` rollout engine."""
@@ -57,4 +51,4 @@ def tensor_sender(**args: Any) -> Any:
     return TensorHandleSender(**args)
 
 
-__all__ = ["SUPPORTS", "create_server", "disk_sender", "nccl_sender", "sglang_router", "tensor_sender"]
+__all__ = ["create_server", "disk_sender", "nccl_sender", "sglang_router", "tensor_sender"]

@@ -16,13 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTS = ("generate", "abort_request", "pause_generation", "continue_generation", "flush_cache",
-            "update_weights_from_tensor", "init_weights_update_group", "update_weights_from_distributed",
-            "destroy_weights_update_group", "release_memory_occupation", "resume_memory_occupation",
-            "get_weight_version", "update_weight_version", "get_model_info",
-            "get_server_info", "health")
-"""Endpoints the embedded engine serves (for ``RolloutEngineSpec.supports``)."""
-
 
 def create_engine(ctx: Any) -> Any:
     """``factory(ctx: EngineContext) -> EmbeddedEngine`` of the ``torch`` rollout engine."""
@@ -31,4 +24,4 @@ def create_engine(ctx: Any) -> Any:
     return EmbeddedEngine(ctx)
 
 
-__all__ = ["SUPPORTS", "create_engine"]
+__all__ = ["create_engine"]
