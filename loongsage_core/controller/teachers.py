@@ -276,10 +276,10 @@ class TeacherGroup:
         res = self.manager.forward(batch, topk=topk, return_logits=level == "logits")
         out = {p + "logprobs": res.logprobs.float()}
         if topk:
-            out[p + "topk_ids"] = res.topk_ids
-            out[p + "topk_logprobs"] = res.topk_logprobs
+            out[p + "topk_ids"] = _returned(res.topk_ids, "topk_ids")
+            out[p + "topk_logprobs"] = _returned(res.topk_logprobs, "topk_logprobs")
         if level == "logits":
-            out[p + "logits"] = res.logits
+            out[p + "logits"] = _returned(res.logits, "logits")
         out[TEACHER_MASK_KEY] = mask
         return out
 
@@ -294,6 +294,14 @@ class TeacherGroup:
             if isinstance(t, LazyTeacher):
                 t.teacher = None
         gc.collect()
+
+
+def _returned(value: "torch.Tensor | None", field: str) -> "torch.Tensor":
+    """A field the teacher manager was asked for; its absence is the manager's bug, said as such."""
+    if value is None:
+        raise RuntimeError(f"teacher manager: asked for '{field}', its forward returned TeacherOutputs "
+                           f"without it")
+    return value
 
 
 # --------------------------------------------------------------------------------------------
