@@ -281,7 +281,8 @@ class AdvantageInputs:
     sequence-level ones add their sum over the trajectory to its score. ``group_index`` ``[B]``
     groups rows of the same prompt; ``sample_index`` ``[B]`` (when set) groups the rows (segments)
     of one trajectory, so group statistics count each trajectory once however many segments it
-    has (``None``: every row is its own trajectory). ``values`` ``[B, T]`` are critic values when
+    has, and token-level estimators run one episode over its segments, which appear in segment
+    order (``None``: every row is its own trajectory). ``values`` ``[B, T]`` are critic values when
     a critic is trained.
     """
 

@@ -6,9 +6,12 @@ is 0. Statistics are computed in float64 and the result is cast back to the rewa
 or a group whose rewards are all equal) get exactly 0, never NaN.
 
 Token-level rewards (used by ``reinforce_pp`` and ``gae``): the sequence score sits on the last
-trained token of its row and ``token_rewards`` (when given, e.g. a KL penalty folded into the
-reward) are added on every trained token. Discounting steps over trained tokens only: tokens with
-mask 0 (prompt, tool output, padding) neither receive reward nor count as a time step.
+trained token of its trajectory and ``token_rewards`` (when given, e.g. a KL penalty folded into
+the reward) are added on every trained token. Discounting steps over trained tokens only: tokens
+with mask 0 (prompt, tool output, padding) neither receive reward nor count as a time step. A
+trajectory split into several segments (rows sharing a ``sample_index``, in segment order) is one
+episode: the score sits on its last segment only, and the return (and GAE's next value and
+advantage) of a segment's last trained token continues from the first trained token of the next.
 
 Sequence-level estimators (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp_baseline``) score a
 trajectory by its score plus the sum of its ``token_rewards`` over all its trained tokens (what
@@ -147,14 +150,59 @@ def _broadcast(seq_adv: "torch.Tensor", mask: "torch.Tensor", dtype: "torch.dtyp
     return torch.where(mask, seq_adv[:, None], torch.zeros((), dtype=seq_adv.dtype, device=mask.device)).to(dtype)
 
 
-def _token_rewards(owner: str, inputs: AdvantageInputs, rows: _Rows) -> "torch.Tensor":
-    """Float64 ``[B, T]``: the score on each row's last trained token plus masked ``token_rewards``."""
+class _Chain(NamedTuple):
+    """How the rows (segments) of each trajectory follow one another in time.
+
+    ``succ`` ``[B]`` long: the row holding the next segment (with trained tokens) of the row's
+    trajectory, -1 for a trajectory's last one. ``levels``: row indices by distance from their
+    trajectory's end, last segments first, so a backward recursion can run level by level with
+    every row's successor already done (one level when no trajectory has several segments).
+    """
+
+    succ: "torch.Tensor"
+    levels: list["torch.Tensor"]
+
+
+def _chain(owner: str, inputs: AdvantageInputs, rows: _Rows) -> _Chain:
+    """Link the segments of each trajectory (rows sharing a ``sample_index``, in row order)."""
+    import torch
+
+    n_rows = rows.mask.shape[0]
+    device = rows.mask.device
+    if inputs.sample_index is None:
+        return _Chain(torch.full((n_rows,), -1, dtype=torch.long, device=device),
+                      [torch.arange(n_rows, device=device)])
+    sample = _int_index(owner, "sample_index", inputs.sample_index, n_rows).tolist()
+    has_tokens = rows.mask.any(dim=1).tolist()
+    succ, depth, later = [-1] * n_rows, [0] * n_rows, {}
+    for i in reversed(range(n_rows)):
+        if not has_tokens[i]:  # a segment with nothing trained neither receives nor passes reward
+            continue
+        j = later.get(sample[i])
+        if j is not None:
+            succ[i], depth[i] = j, depth[j] + 1
+        later[sample[i]] = i
+    depth_t = torch.tensor(depth, dtype=torch.long, device=device)
+    levels = [(depth_t == d).nonzero().flatten() for d in range(max(depth, default=0) + 1)]
+    return _Chain(torch.tensor(succ, dtype=torch.long, device=device), levels)
+
+
+def _from_successor(carry: "torch.Tensor", succ: "torch.Tensor") -> "torch.Tensor":
+    """``carry`` of each row's successor, 0 where the row ends its trajectory."""
+    import torch
+
+    return torch.where(succ >= 0, carry[succ.clamp_min(0)], torch.zeros((), dtype=carry.dtype, device=carry.device))
+
+
+def _token_rewards(owner: str, inputs: AdvantageInputs, rows: _Rows, chain: _Chain) -> "torch.Tensor":
+    """Float64 ``[B, T]``: the score on the last trained token of each trajectory's last segment,
+    plus masked ``token_rewards``."""
     import torch
 
     mask = rows.mask
     n_rows, width = mask.shape
     out = torch.zeros(n_rows, width, dtype=torch.float64, device=mask.device)
-    has_tokens = mask.any(dim=1)
+    has_tokens = mask.any(dim=1) & (chain.succ < 0)
     last = (width - 1) - mask.flip(1).to(torch.int8).argmax(dim=1)
     row_ids = torch.arange(n_rows, device=mask.device)[has_tokens]
     out[row_ids, last[has_tokens]] = rows.rewards[has_tokens]
@@ -172,20 +220,37 @@ def _active_columns(mask: "torch.Tensor") -> list[int]:
     return mask.any(dim=0).nonzero().flatten().flip(0).tolist()
 
 
-def _discounted_returns(rewards: "torch.Tensor", mask: "torch.Tensor", gamma: float) -> "torch.Tensor":
-    """``G_t = r_t + gamma * G_next`` over the trained tokens of each row (0 off the mask)."""
+def _row_returns(rewards: "torch.Tensor", mask: "torch.Tensor", gamma: float,
+                 start: "torch.Tensor") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """``G_t = r_t + gamma * G_next`` over the trained tokens of each row, where ``G_next`` after a
+    row's last trained token is ``start``; also returns ``G`` at each row's first trained token
+    (``start`` for a row with none)."""
     import torch
 
     zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
     if gamma == 1.0:  # plain suffix sums: no Python loop over T
-        suffix = rewards.flip(1).cumsum(1).flip(1)
-        return torch.where(mask, suffix, zero)
+        suffix = rewards.flip(1).cumsum(1).flip(1) + start[:, None]
+        return torch.where(mask, suffix, zero), start + rewards.sum(dim=1)
     out = torch.zeros_like(rewards)
-    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    running = start.clone()
     for t in _active_columns(mask):
         m = mask[:, t]
         running = torch.where(m, rewards[:, t] + gamma * running, running)
         out[:, t] = torch.where(m, running, zero)
+    return out, running
+
+
+def _discounted_returns(rewards: "torch.Tensor", mask: "torch.Tensor", gamma: float,
+                        chain: _Chain) -> "torch.Tensor":
+    """``G_t = r_t + gamma * G_next`` over the trained tokens of each trajectory (0 off the mask);
+    a segment's last trained token continues from its next segment's first."""
+    import torch
+
+    out = torch.zeros_like(rewards)
+    first = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for level in chain.levels:
+        start = _from_successor(first, chain.succ[level])
+        out[level], first[level] = _row_returns(rewards[level], mask[level], gamma, start)
     return out
 
 
@@ -256,7 +321,8 @@ def reinforce_pp(inputs: AdvantageInputs, *, gamma: float = 1.0, whiten: bool = 
     whiten = chk.flag(owner, "whiten", whiten)
     eps = chk.number(owner, "eps", eps, low=0.0)
     rows = _rows(owner, inputs)
-    returns = _discounted_returns(_token_rewards(owner, inputs, rows), rows.mask, gamma)
+    chain = _chain(owner, inputs, rows)
+    returns = _discounted_returns(_token_rewards(owner, inputs, rows, chain), rows.mask, gamma, chain)
     adv = masked_whiten(returns, rows.mask, eps) if whiten else returns
     return AdvantageOutput(advantages=adv.to(rows.dtype), returns=returns.to(rows.dtype))
 
@@ -303,17 +369,25 @@ def gae(inputs: AdvantageInputs, *, gamma: float = 1.0, lam: float = 1.0, whiten
         raise ValueError("gae: values hold NaN or inf on trained tokens")
     zero = torch.zeros((), dtype=torch.float64, device=mask.device)
     values = torch.where(mask, values, zero)
-    rewards = _token_rewards(owner, inputs, rows)
+    chain = _chain(owner, inputs, rows)
+    rewards = _token_rewards(owner, inputs, rows, chain)
     adv = torch.zeros_like(rewards)
-    next_value = torch.zeros(mask.shape[0], dtype=torch.float64, device=mask.device)
-    next_adv = torch.zeros_like(next_value)
-    for t in _active_columns(mask):
-        m = mask[:, t]
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        a = delta + gamma * lam * next_adv
-        adv[:, t] = torch.where(m, a, zero)
-        next_adv = torch.where(m, a, next_adv)
-        next_value = torch.where(m, values[:, t], next_value)
+    # V and A at each row's first trained token: where the previous segment's recursion resumes
+    first_value = torch.zeros(mask.shape[0], dtype=torch.float64, device=mask.device)
+    first_adv = torch.zeros_like(first_value)
+    for level in chain.levels:
+        succ, m_level = chain.succ[level], mask[level]
+        next_value = _from_successor(first_value, succ)
+        next_adv = _from_successor(first_adv, succ)
+        level_adv = torch.zeros_like(rewards[level])
+        for t in _active_columns(m_level):
+            m = m_level[:, t]
+            delta = rewards[level, t] + gamma * next_value - values[level, t]
+            a = delta + gamma * lam * next_adv
+            level_adv[:, t] = torch.where(m, a, zero)
+            next_adv = torch.where(m, a, next_adv)
+            next_value = torch.where(m, values[level, t], next_value)
+        adv[level], first_value[level], first_adv[level] = level_adv, next_value, next_adv
     returns = torch.where(mask, adv + values, zero)
     if whiten:
         adv = masked_whiten(adv, mask, eps)

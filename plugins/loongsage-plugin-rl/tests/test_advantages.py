@@ -372,3 +372,53 @@ def attrs_evolve(inputs, **changes):
     import attrs
 
     return attrs.evolve(inputs, **changes)
+
+
+def _split_episode():
+    """One episode of 7 trained tokens with per-token rewards and values, as one row and as three
+    segments (rows 0-2, in order, with their own padding), beside an unrelated one-row trajectory.
+    Returns (whole, split, picks): ``picks[k]`` maps token k of the episode to (row, column) in
+    ``split``."""
+    rewards_tok = [0.1, -0.2, 0.0, 0.3, -0.1, 0.05, 0.2]
+    values_tok = [0.5, 0.4, -0.3, 0.2, 0.1, 0.0, 0.6]
+    score, other_score = 1.5, -0.5
+    whole = AdvantageInputs(
+        rewards=torch.tensor([score, other_score]),
+        response_mask=torch.tensor([[1] * 7 + [0], [0, 1, 1, 1, 0, 0, 0, 0]]),
+        group_index=torch.tensor([0, 0]),
+        token_rewards=torch.tensor([rewards_tok + [0.0], [0.0, 0.1, 0.1, 0.1, 0, 0, 0, 0]]),
+        values=torch.tensor([values_tok + [0.0], [0.0, 0.2, 0.1, 0.3, 0, 0, 0, 0]]))
+    # segment 0: tokens 0-1 after a 1-token prompt; segment 1: tokens 2-4 after a 2-token context
+    # (with a tool-output hole); segment 2: tokens 5-6
+    picks = [(0, 1), (0, 2), (1, 2), (1, 4), (1, 5), (2, 1), (2, 2)]
+    n_rows, width = 4, 8
+    mask = torch.zeros(n_rows, width, dtype=torch.long)
+    tok_r = torch.zeros(n_rows, width)
+    vals = torch.zeros(n_rows, width)
+    for k, (r, c) in enumerate(picks):
+        mask[r, c], tok_r[r, c], vals[r, c] = 1, rewards_tok[k], values_tok[k]
+    mask[3, 1:4] = 1
+    tok_r[3, 1:4] = 0.1
+    vals[3, 1:4] = torch.tensor([0.2, 0.1, 0.3])
+    split = AdvantageInputs(
+        rewards=torch.tensor([score, score, score, other_score]), response_mask=mask,
+        group_index=torch.tensor([0, 0, 0, 0]), token_rewards=tok_r, values=vals,
+        sample_index=torch.tensor([4, 4, 4, 9]))
+    return whole, split, picks
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (0.5, 0.0)])
+@pytest.mark.parametrize("name", ["reinforce_pp", "gae"])
+def test_token_level_estimators_treat_segments_as_one_episode(name, gamma, lam):
+    whole, split, picks = _split_episode()
+    kw = {"gamma": gamma, "whiten": False} | ({"lam": lam} if name == "gae" else {})
+    one = getattr(adv, name)(whole, **kw)
+    seg = getattr(adv, name)(split, **kw)
+    for k, (r, c) in enumerate(picks):
+        assert seg.advantages[r, c].item() == pytest.approx(one.advantages[0, k].item(), abs=1e-6)
+        assert seg.returns[r, c].item() == pytest.approx(one.returns[0, k].item(), abs=1e-6)
+    assert seg.advantages[3, 1:4].tolist() == pytest.approx(one.advantages[1, 1:4].tolist(), abs=1e-6)
+    # the score is counted once: on the last token of the last segment, not at every segment's end
+    assert torch.count_nonzero(seg.advantages * (1 - split.response_mask)) == 0
+    rowwise = getattr(adv, name)(attrs_evolve(split, sample_index=None), **kw)
+    assert rowwise.returns[0, 2].item() != pytest.approx(seg.returns[0, 2].item())  # a segment end
