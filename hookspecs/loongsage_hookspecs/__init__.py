@@ -82,6 +82,7 @@ from .specs import (
     WeightTransportSpec,
     normalize_name,
 )
+from .versions import parse_weight_version
 
 __version__ = "0.1.0"
 

@@ -15,6 +15,8 @@ from typing import Any, AsyncIterator, Sequence
 
 import attrs
 
+from loongsage_hookspecs import parse_weight_version
+
 from .errors import RouterError
 
 
@@ -33,13 +35,8 @@ class EngineOutput:
 
 def _version(value: Any) -> int:
     """A weight version as an int (engines may send it as a string); -1 when unknown."""
-    if isinstance(value, bool):
-        return -1
-    if isinstance(value, int):
-        return value
-    if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-        return int(value)
-    return -1
+    version = parse_weight_version(value)
+    return -1 if version is None else version
 
 
 def _token_versions(meta: dict[str, Any], n: int) -> list[int]:
