@@ -164,3 +164,11 @@ def test_hook_returning_wrong_spec_type_is_rejected(tmp_path):
     host = PluginHost.create(modules=["wrong.py"], base_dir=tmp_path)
     with pytest.raises(PluginError, match="loongsage_advantages returned RewardSpec, expected AdvantageSpec"):
         host.components("advantage")
+
+
+def test_the_plugin_host_is_the_registry_the_contract_hands_to_backends():
+    from loongsage_hookspecs import ComponentRegistry
+
+    host = PluginHost.create(enable=["rl"])
+    assert isinstance(host, ComponentRegistry)
+    assert host.get("advantage", "grpo") is host.components("advantage")["grpo"]

@@ -59,6 +59,7 @@ from .records import (
     WeightBucket,
     teacher_inputs,
 )
+from .registry import ComponentRegistry
 from .specs import (
     AdvantageSpec,
     AgentSpec,

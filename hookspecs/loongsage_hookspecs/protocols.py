@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Protocol, ru
 
 import attrs
 
+from .registry import ComponentRegistry
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
@@ -213,13 +215,14 @@ class TrainWorkerContext:
     """What a train backend factory receives inside its trainer actor.
 
     ``job`` is the host's resolved job configuration (``loongsage_core.config.JobConfig``);
-    ``components`` resolves ``(kind, name)`` to a spec (the host's plugin registry);
+    ``components`` resolves ``(kind, name)`` to a spec (the host's plugin registry, a
+    :class:`~loongsage_hookspecs.registry.ComponentRegistry`; ``None`` outside a run);
     ``rank``/``world_size`` and ``master_addr``/``master_port`` set up ``torch.distributed`` for
     data parallelism; ``role`` is ``"actor"``, ``"reference"`` or ``"critic"``.
     """
 
     job: Any
-    components: Any
+    components: ComponentRegistry | None
     rank: int = 0
     world_size: int = 1
     master_addr: str = "127.0.0.1"
@@ -268,7 +271,7 @@ class EngineContext:
     """
 
     job: Any
-    components: Any
+    components: ComponentRegistry | None
     engine_index: int = 0
     host: str = "127.0.0.1"
     port: int = 0
