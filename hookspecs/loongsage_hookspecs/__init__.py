@@ -60,6 +60,14 @@ from .records import (
     teacher_inputs,
 )
 from .registry import ComponentRegistry
+from .settings import (
+    CriticSettings,
+    JobSettings,
+    ModelSettings,
+    RolloutSettings,
+    RunSettings,
+    TrainSettings,
+)
 from .specs import (
     AdvantageSpec,
     AgentSpec,

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Protocol, ru
 import attrs
 
 from .registry import ComponentRegistry
+from .settings import JobSettings
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -214,14 +215,15 @@ class WeightReceiver(Protocol):
 class TrainWorkerContext:
     """What a train backend factory receives inside its trainer actor.
 
-    ``job`` is the host's resolved job configuration (``loongsage_core.config.JobConfig``);
+    ``job`` is the job as a backend may read it (:class:`~loongsage_hookspecs.settings.JobSettings`:
+    the host passes its resolved job, which satisfies it);
     ``components`` resolves ``(kind, name)`` to a spec (the host's plugin registry, a
     :class:`~loongsage_hookspecs.registry.ComponentRegistry`; ``None`` outside a run);
     ``rank``/``world_size`` and ``master_addr``/``master_port`` set up ``torch.distributed`` for
     data parallelism; ``role`` is ``"actor"``, ``"reference"`` or ``"critic"``.
     """
 
-    job: Any
+    job: JobSettings
     components: ComponentRegistry | None
     rank: int = 0
     world_size: int = 1
@@ -268,9 +270,10 @@ class EngineContext:
     ``api_key`` is the run secret: when set, the engine must refuse every endpoint except its
     health probes to requests without ``Authorization: Bearer <api_key>`` (SGLang's ``--api-key``
     and ``--admin-api-key``). ``None`` leaves the engine open (tests, a user's own process).
+    ``job`` and ``components`` are typed as in :class:`TrainWorkerContext`.
     """
 
-    job: Any
+    job: JobSettings
     components: ComponentRegistry | None
     engine_index: int = 0
     host: str = "127.0.0.1"

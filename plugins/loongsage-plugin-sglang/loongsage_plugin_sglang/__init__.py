@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from loongsage_hookspecs import EngineContext
+
 __version__ = "0.1.0"
 
 
-def create_server(ctx: Any) -> Any:
+def create_server(ctx: EngineContext) -> Any:
     """``factory(ctx: EngineContext) -> SGLangServer`` of the ``sglang`` rollout engine."""
     from .server import SGLangServer
 

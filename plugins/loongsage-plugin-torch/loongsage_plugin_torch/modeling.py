@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from loongsage_hookspecs import JobSettings
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -28,11 +30,11 @@ def torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, DTYPES[name])
 
 
-def _resolver(job: Any) -> Callable[[str], str]:
+def _resolver(job: JobSettings) -> Callable[[str], str]:
     return job.resolve_path if hasattr(job, "resolve_path") else (lambda p: str(Path(p).resolve()))
 
 
-def load_model(job: Any, *, seed: int | None = None) -> "PreTrainedModel":
+def load_model(job: JobSettings, *, seed: int | None = None) -> "PreTrainedModel":
     """Build the causal LM of ``job.model`` in train mode on the CPU, in the configured dtype.
 
     With ``path`` the weights are read from the directory (safetensors); with an inline
@@ -68,7 +70,7 @@ def load_model(job: Any, *, seed: int | None = None) -> "PreTrainedModel":
     return model
 
 
-def tokenizer_path(job: Any) -> str:
+def tokenizer_path(job: JobSettings) -> str:
     """Where the tokenizer lives: ``[model] tokenizer`` or the model directory."""
     cfg = job.model
     source = cfg.tokenizer or cfg.path
@@ -77,7 +79,7 @@ def tokenizer_path(job: Any) -> str:
     return _resolver(job)(source)
 
 
-def load_tokenizer(job: Any) -> "PreTrainedTokenizerBase":
+def load_tokenizer(job: JobSettings) -> "PreTrainedTokenizerBase":
     """The tokenizer of ``job.model`` (from ``tokenizer`` or, else, the model directory)."""
     from transformers import AutoTokenizer
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from loongsage_hookspecs import EngineContext
 
-def create_engine(ctx: Any) -> Any:
+
+def create_engine(ctx: EngineContext) -> Any:
     """``factory(ctx: EngineContext) -> EmbeddedEngine`` of the ``torch`` rollout engine."""
     from .engine import EmbeddedEngine
 

@@ -15,6 +15,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
+from loongsage_hookspecs import EngineContext
+
 from ..modeling import ModelLoadError, load_model, load_tokenizer
 from .protocol import InvalidRequest
 from .runner import ModelRunner
@@ -44,7 +46,7 @@ def _eos_ids(model: Any, tokenizer: Any, vocab_size: int) -> set[int]:
 class EmbeddedEngine:
     """A rollout engine in this process that speaks SGLang's native HTTP API (see :mod:`.server`)."""
 
-    def __init__(self, ctx: Any, *, model: Any = None) -> None:
+    def __init__(self, ctx: EngineContext, *, model: Any = None) -> None:
         self.ctx = ctx
         job = ctx.job
         self.settings = EngineSettings.from_job(job)

@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from loongsage_core.backend_api import MetricAccumulator
-from loongsage_hookspecs import AggregationNorm, Batch
+from loongsage_hookspecs import AggregationNorm, Batch, TrainWorkerContext
 
 from ..modeling import load_model
 from . import distributed
@@ -99,7 +99,7 @@ class ValueModel(torch.nn.Module):
 class TorchCriticWorker(TorchTrainWorker):
     """One data-parallel rank of the critic (role ``"critic"``) of the torch train backend."""
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: TrainWorkerContext) -> None:
         # builds its own model and loss; the rank setup and the optimizer are TorchTrainWorker's
         job = ctx.job
         if ctx.role != "critic":
@@ -126,6 +126,9 @@ class TorchCriticWorker(TorchTrainWorker):
             distributed.broadcast_parameters(self.model.state_dict().values())
 
         alg = job.algorithm
+        if ctx.components is None:
+            raise ValueError("TorchCriticWorker: the context has no component registry to find the "
+                             f"loss aggregation '{alg.loss_agg}' in")
         self.aggregation = ctx.components.get("loss_aggregation", alg.loss_agg)
         self.aggregation_args = dict(alg.loss_agg_args)
         self._init_optimizer(self.model.parameters(), lr=crit.lr or train.lr)

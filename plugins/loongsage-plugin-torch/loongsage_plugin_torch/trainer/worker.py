@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from loongsage_core.backend_api import LossPipeline, MetricAccumulator, make_scheduler, structure_args
-from loongsage_hookspecs import AggregationNorm, Batch
+from loongsage_hookspecs import AggregationNorm, Batch, TrainWorkerContext
 
 from ..modeling import load_model, load_tokenizer, torch_dtype
 from . import distributed
@@ -80,7 +80,7 @@ class TorchTrainWorker:
     runs :meth:`forward` (and accepts :meth:`load_weights` for periodic reference updates).
     """
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: TrainWorkerContext) -> None:
         job = ctx.job
         if ctx.role not in ("actor", "reference"):
             raise ValueError(f"torch train backend: role {ctx.role!r} is not supported by TorchTrainWorker "
@@ -111,7 +111,8 @@ class TorchTrainWorker:
         self._init_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=job.train.lr)
         self.model.train()
 
-    def _init_rank(self, ctx: Any, *, micro_batch_size: int, section: str, trainable: bool, training: str) -> None:
+    def _init_rank(self, ctx: TrainWorkerContext, *, micro_batch_size: int, section: str, trainable: bool,
+                   training: str) -> None:
         """What every rank of the backend sets up alike (policy, reference and critic): its place in
         the group, the ``[train] backend_args`` options, batch sizes, device and dtype, the
         process group of a trainable data-parallel role, and the seed."""
@@ -146,7 +147,7 @@ class TorchTrainWorker:
         train = self.job.train
         if len(train.betas) != 2:
             raise ValueError(f"[train] betas must have two values, got {train.betas}")
-        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=tuple(train.betas), eps=train.eps,
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=(train.betas[0], train.betas[1]), eps=train.eps,
                                            weight_decay=train.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, train)
 
