@@ -11,6 +11,8 @@ What it offers:
   means (:class:`MetricAccumulator`), the aggregation denominators (:func:`compute_norm`);
 * **job schema** a backend reads (:class:`JobConfig` and its tables) and :func:`structure_args`,
   which turns a component's ``*_args`` table into its attrs class with one-line errors;
+* **Hugging Face model loading** (:func:`load_causal_lm`, :class:`ModelLoadError`): a causal LM
+  from a local directory or an inline config, the same code for trainers, engines and teachers;
 * **learning-rate schedules** (:func:`make_scheduler`, :func:`lr_factor`), the same in every backend;
 * **the SGLang-protocol client** (:class:`EngineClient`) every engine's HTTP API is driven with;
 * **rendezvous** for ``torch.distributed`` groups across processes (:func:`host_rendezvous`,
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from .algorithms import LossPipeline, LossPipelineError, MetricAccumulator, compute_norm
 from .config import JobConfig, ModelConfig, RunConfig, TrainConfig, structure_args
 from .controller.run_dir import truncate_jsonl
+from .hf_models import ModelLoadError, load_causal_lm
 from .lr_schedule import lr_factor, make_scheduler
 from .rendezvous import free_port, host_rendezvous, reachable_address, retry_on_port_collision
 from .security import OPEN_PATHS, engine_headers, presented_token, process_secret, token_matches
@@ -68,6 +71,7 @@ __all__ = [
     "LossPipeline",
     "LossPipelineError",
     "MetricAccumulator",
+    "ModelLoadError",
     "ModelConfig",
     "RunConfig",
     "TrainConfig",
@@ -78,6 +82,7 @@ __all__ = [
     "host_rendezvous",
     "init_weight_update_group",
     "join_with_engines",
+    "load_causal_lm",
     "lr_factor",
     "make_scheduler",
     "node_id",

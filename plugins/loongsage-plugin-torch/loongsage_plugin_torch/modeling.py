@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from loongsage_core.backend_api import ModelLoadError, load_causal_lm
 from loongsage_hookspecs import JobSettings
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -18,10 +19,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-class ModelLoadError(ValueError):
-    """The model or tokenizer named by the job file cannot be loaded; the message says which path."""
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -40,34 +37,10 @@ def load_model(job: JobSettings, *, seed: int | None = None) -> "PreTrainedModel
     With ``path`` the weights are read from the directory (safetensors); with an inline
     ``config`` the model is randomly initialised from ``seed`` (default ``job.model.seed``).
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     cfg = job.model
-    dtype = torch_dtype(cfg.dtype)
-    if cfg.path:
-        path = _resolver(job)(cfg.path)
-        if not (Path(path) / "config.json").is_file():
-            raise ModelLoadError(f"[model] path: no config.json in model directory '{path}'")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"[model] path: cannot load model from '{path}': {exc}") from None
-    elif cfg.config:
-        conf = dict(cfg.config)
-        model_type = conf.pop("model_type", None)
-        if not model_type:
-            raise ModelLoadError("[model] config: needs a 'model_type' (e.g. \"qwen3\")")
-        try:
-            hf_config = AutoConfig.for_model(model_type, **conf)
-        except (KeyError, ValueError) as exc:
-            raise ModelLoadError(f"[model] config: {exc}") from None
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed if seed is None else seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    else:
-        raise ModelLoadError("[model]: set either 'path' (a Hugging Face directory) or 'config'")
-    return model
+    return load_causal_lm(_resolver(job)(cfg.path) if cfg.path else None, cfg.config, torch_dtype(cfg.dtype),
+                          cfg.seed if seed is None else seed, path_key="[model] path", config_key="[model] config",
+                          owner="[model]")
 
 
 def tokenizer_path(job: JobSettings) -> str:
