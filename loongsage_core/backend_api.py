@@ -21,7 +21,8 @@ What it offers:
   :func:`join_with_engines`, :func:`destroy_weight_update_group`, :func:`resolve_backend`,
   :func:`node_id`);
 * **security**: the run secret on control endpoints (:func:`engine_headers`,
-  :func:`presented_token`, :func:`token_matches`, :func:`process_secret`, :data:`OPEN_PATHS`);
+  :func:`presented_token`, :func:`token_matches`, :func:`process_secret`, :data:`OPEN_PATHS`) and
+  the rule that anything listening beyond loopback needs it (:func:`check_listen_address`);
 * **per-step JSONL files** cut back to a resumed step (:func:`truncate_jsonl`).
 """
 
@@ -35,7 +36,14 @@ from .controller.run_dir import truncate_jsonl
 from .hf_models import ModelLoadError, load_causal_lm
 from .lr_schedule import lr_factor, make_scheduler
 from .rendezvous import free_port, host_rendezvous, reachable_address, retry_on_port_collision
-from .security import OPEN_PATHS, engine_headers, presented_token, process_secret, token_matches
+from .security import (
+    OPEN_PATHS,
+    check_listen_address,
+    engine_headers,
+    presented_token,
+    process_secret,
+    token_matches,
+)
 from .weight_group import (
     destroy_weight_update_group,
     init_weight_update_group,
@@ -75,6 +83,7 @@ __all__ = [
     "ModelConfig",
     "RunConfig",
     "TrainConfig",
+    "check_listen_address",
     "compute_norm",
     "destroy_weight_update_group",
     "engine_headers",

@@ -93,6 +93,18 @@ def _betas(_: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 _positive = _range(gt=0)
 _non_negative = _range(ge=0)
+
+
+def _custom_resources(_: Any, attribute: attrs.Attribute, value: Any) -> None:
+    """A table of custom Ray resources: names other than CPU/GPU, non-negative finite amounts."""
+    for name, amount in value.items():
+        if name in ("CPU", "GPU"):
+            raise RangeError(f"must not name {name!r} (use the *_{name.lower()}s keys), got {value!r}",
+                             attribute.name)
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not math.isfinite(amount) \
+                or amount < 0:
+            raise RangeError(f"must map resource names to finite numbers >= 0, got {name!r} = {amount!r}",
+                             attribute.name)
 _unit = _range(ge=0, le=1)
 _count = _range(ge=1)
 _seed = _range(ge=0, le=SEED_MAX)
@@ -190,6 +202,11 @@ class PlacementConfig:
     their memory back. ``false`` keeps both resident (enough memory for both, or CPU-only runs
     that want to skip the bookkeeping).
 
+    ``trainer_resources`` / ``engine_resources``: custom Ray resources each trainer rank / engine
+    actor reserves besides its CPUs and GPUs (e.g. ``{ train_node = 1 }``, a resource that
+    ``ray start --resources`` gives one node only), which pins the role to the nodes that have them
+    on a multi-node cluster. A colocated actor reserves the trainer's.
+
     Distillation teachers: at most ``max_resident_teachers`` are loaded at once (least recently
     used offloaded first; 0 offloads each right after its forward pass). ``teacher_offload``
     says what offloading does: ``"cpu"`` moves the weights off the accelerator (host memory
@@ -204,6 +221,8 @@ class PlacementConfig:
     engine_cpus: float = attrs.field(default=1.0, validator=_non_negative)
     trainer_gpus: float = attrs.field(default=0.0, validator=_non_negative)
     engine_gpus: float = attrs.field(default=0.0, validator=_non_negative)
+    trainer_resources: dict[str, float] = attrs.field(factory=dict, validator=_custom_resources)
+    engine_resources: dict[str, float] = attrs.field(factory=dict, validator=_custom_resources)
     max_resident_teachers: int = attrs.field(default=1, validator=attrs.validators.ge(0))
     teacher_offload: str = attrs.field(default="cpu", validator=attrs.validators.in_(("cpu", "release")))
     teacher_manager: str = "per_source"

@@ -16,6 +16,9 @@ trajectory (``attempt + 1``) gets a new key.
 Inside a model actor the secret is held by this module (:func:`set_process_secret`), so weight
 transports and engine clients built there send it without every factory growing an argument. It
 is never put in an environment variable: agents' subprocesses inherit the driver's environment.
+
+A server that listens beyond loopback (an engine on a multi-node Ray cluster listens on its node's
+address) must be started with the secret: :func:`check_listen_address` refuses it otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import os
 import secrets
 from pathlib import Path
@@ -120,3 +124,23 @@ def process_secret() -> str | None:
 def engine_headers(secret: str | None = None) -> dict[str, str]:
     """Headers for a request to a run's engine: ``secret``, else this process's run secret."""
     return auth_headers(secret or _process_secret)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a host name) only reaches this machine: ``localhost`` or an
+    address in ``127.0.0.0/8`` / ``::1``. ``0.0.0.0`` and every other address are not loopback."""
+    name = str(host).strip().strip("[]")
+    if name.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:  # a host name other than localhost may resolve to any interface
+        return False
+
+
+def check_listen_address(host: str, secret: str | None, where: str) -> None:
+    """Refuse to serve on ``host`` beyond loopback without the run secret: there, any machine that
+    reaches the address could otherwise update weights, pause or abort. ``where`` names the server."""
+    if not secret and not is_loopback(host):
+        raise ValueError(f"{where}: refusing to listen on {host} (beyond loopback) without the run secret; "
+                         "start it with the run secret (EngineContext.api_key) or on 127.0.0.1")

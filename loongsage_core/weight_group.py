@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import os
 import socket
+import sys
 from concurrent.futures import FIRST_EXCEPTION, Executor, wait
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
@@ -28,12 +29,21 @@ NODE_ID_ENV = "LOONGSAGE_NODE_ID"
 
 
 def node_id() -> str:
-    """Who shares this machine's memory: ``$LOONGSAGE_NODE_ID`` when set, else the host name and
-    the kernel's boot id. Two processes with the same id can exchange weights through shared
-    memory; others need the network (a transport picking a path per engine compares these)."""
+    """Who shares this machine's memory, as a weight transport picking a path per engine compares
+    it: ``$LOONGSAGE_NODE_ID`` when set; else, in a Ray cluster (a driver or an actor), Ray's node
+    id, so that two Ray nodes started on one machine (one IP, separate object stores) count as two;
+    else the host name and the kernel's boot id. Two processes with the same id can exchange
+    weights through shared memory; others need the network. Ray is only consulted when already
+    imported (it is never imported for this)."""
     explicit = os.environ.get(NODE_ID_ENV)
     if explicit:
         return explicit
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        try:
+            return f"ray:{ray.get_runtime_context().get_node_id()}"
+        except Exception:  # noqa: BLE001 - a half torn-down worker: fall back to the machine's id
+            pass
     try:
         with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
             boot = f.read().strip()

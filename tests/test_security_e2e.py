@@ -54,8 +54,12 @@ RAY_PROBE = textwrap.dedent("""
         def pid(self):
             return os.getpid()
 
+        def niceness(self):
+            return os.nice(0)
+
     probe = Probe.remote()
     ray.get(probe.pid.remote())
+    print("NICENESS " + json.dumps({"driver": os.nice(0), "worker": ray.get(probe.niceness.remote())}))
     children = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -78,16 +82,29 @@ RAY_PROBE = textwrap.dedent("""
 """)
 
 
-def test_local_ray_cluster_listens_on_loopback_only(tmp_path):
+@pytest.fixture(scope="module")
+def ray_probe(tmp_path_factory) -> dict:
+    """What a process that started the run's local Ray cluster (``init_ray``) saw of it."""
     proc = subprocess.run([sys.executable, "-c", RAY_PROBE], capture_output=True, text=True, timeout=300,
-                          cwd=tmp_path)
+                          cwd=tmp_path_factory.mktemp("ray_probe"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    listening = json.loads(proc.stdout.split("LISTENING ", 1)[1])
+    return {key: json.loads(proc.stdout.split(f"{key} ", 1)[1].splitlines()[0])
+            for key in ("LISTENING", "NICENESS")}
+
+
+def test_local_ray_cluster_listens_on_loopback_only(ray_probe):
+    listening = ray_probe["LISTENING"]
     names = {name for _, procs in listening for name in procs}
     assert {"gcs_server", "raylet"} <= names, listening  # the probe saw Ray's servers
     loopback = re.compile(r"^(127\.0\.0\.1|\[::ffff:127\.0\.0\.1\]|\[::1\]):\d+$")
     exposed = [(addr, procs) for addr, procs in listening if not loopback.match(addr)]
     assert exposed == [], f"Ray listens beyond loopback: {exposed}"
+
+
+def test_model_actors_run_at_the_drivers_priority(ray_probe):
+    # Ray's default starts workers at niceness 15: the trainer and engines would then wait behind
+    # the driver's router and any busy process of the machine
+    assert ray_probe["NICENESS"]["worker"] == ray_probe["NICENESS"]["driver"]
 
 
 @pytest.fixture(scope="module")

@@ -360,8 +360,10 @@ def loongsage_rollout_engines() -> Iterable[RolloutEngineSpec]:
     """Provide rollout engines.
 
     ``factory(ctx: EngineContext)`` runs inside each engine actor and returns a ``RolloutEngine``
-    that serves SGLang's native HTTP API on loopback. When ``ctx.api_key`` (the run secret) is
-    set, every endpoint but the health probes must require ``Authorization: Bearer <api_key>``.
+    that serves SGLang's native HTTP API on ``ctx.host`` (its node's address: loopback on one
+    machine) and returns a URL with that address. When ``ctx.api_key`` (the run secret) is set,
+    every endpoint but the health probes must require ``Authorization: Bearer <api_key>``; without
+    it the engine must refuse to listen beyond loopback (``security.check_listen_address``).
 
     Example::
 

@@ -270,7 +270,9 @@ class EngineContext:
     ``api_key`` is the run secret: when set, the engine must refuse every endpoint except its
     health probes to requests without ``Authorization: Bearer <api_key>`` (SGLang's ``--api-key``
     and ``--admin-api-key``). ``None`` leaves the engine open (tests, a user's own process).
-    ``job`` and ``components`` are typed as in :class:`TrainWorkerContext`.
+    ``host`` is the address to listen on and to put in the returned URL: the engine actor's node
+    address (loopback on a one-machine cluster); beyond loopback an engine must refuse to start
+    without ``api_key``. ``job`` and ``components`` are typed as in :class:`TrainWorkerContext`.
     """
 
     job: JobSettings
@@ -286,7 +288,7 @@ class RolloutEngine(Protocol):
     """A server that speaks SGLang's native HTTP API (``/generate``, ``/abort_request``, ...)."""
 
     def start(self) -> str:
-        """Start serving; returns the base URL (``http://127.0.0.1:PORT``)."""
+        """Start serving on ``EngineContext.host``; returns the base URL (``http://HOST:PORT``)."""
         ...
 
     def shutdown(self) -> None: ...

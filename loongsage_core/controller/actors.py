@@ -3,7 +3,9 @@
 Each actor rebuilds the plugin host from the job (so user hookimpl modules load there too) and
 builds its components through their factories: the train backend's worker, a frozen reference
 worker when a KL term needs one, and the rollout engine, whose HTTP server runs in a background
-thread of the actor and is reached by URL like any SGLang server.
+thread of the actor and is reached by URL like any SGLang server. The engine listens on its node's
+address (Ray's node IP: loopback on a local cluster, the machine's address on a multi-node one)
+and its URL carries that address.
 
 The run secret comes in as a constructor argument (never through the environment): the engine
 requires it on its endpoints, and weight transports and engine clients built in the actor send it
@@ -20,7 +22,7 @@ from loongsage_hookspecs import AggregationNorm, Batch, EngineContext, TrainWork
 
 from ..config import JobConfig
 from ..plugins import PluginHost
-from ..rendezvous import Rendezvous, host_rendezvous
+from ..rendezvous import Rendezvous, host_rendezvous, reachable_address
 from ..security import set_process_secret
 
 
@@ -73,8 +75,10 @@ class ModelActor:
                 self.reference = spec.factory(ref_ctx)
         if self.engine_index is not None:
             spec = self.host.get("rollout_engine", job.rollout.engine)
+            # listen on this node's address (loopback on a local cluster) and advertise it: the
+            # driver, the router and trainers on other nodes reach the engine there
             self.engine = spec.factory(EngineContext(job=job, components=self.host, engine_index=self.engine_index,
-                                                     api_key=self.secret))
+                                                     api_key=self.secret, host=reachable_address()))
             self.engine_url = self.engine.start()
 
     def ready(self) -> dict[str, Any]:

@@ -177,6 +177,7 @@ class FaultSupervisor:
                                                     placement_group_bundle_index=job.train.num_workers + index)
         remote: Any = ray.remote(ModelActor)
         actor = remote.options(num_cpus=pl.engine_cpus, num_gpus=pl.engine_gpus,
+                               resources={k: float(v) for k, v in pl.engine_resources.items() if v > 0} or None,
                                scheduling_strategy=strategy).remote(job, None, 1, index, False, ctrl.secret)
         ray.get(actor.start.remote("127.0.0.1", 0))  # an engine-only actor joins no trainer group
         url = ray.get(actor.ready.remote())["engine_url"]

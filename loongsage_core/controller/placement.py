@@ -17,12 +17,16 @@ from .actors import ModelActor
 
 
 def required_resources(job: JobConfig) -> dict[str, float]:
-    """CPUs and GPUs the job's actors reserve."""
+    """CPUs, GPUs and custom resources (``placement.*_resources``) the job's actors reserve."""
     pl = job.placement
     trainers = job.train.num_workers
     engines = 0 if pl.colocate else job.rollout.num_engines
-    return {"CPU": trainers * pl.trainer_cpus + engines * pl.engine_cpus,
+    need = {"CPU": trainers * pl.trainer_cpus + engines * pl.engine_cpus,
             "GPU": trainers * pl.trainer_gpus + engines * pl.engine_gpus}
+    for count, custom in ((trainers, pl.trainer_resources), (engines, pl.engine_resources)):
+        for name, amount in custom.items() if count else ():
+            need[name] = need.get(name, 0.0) + count * float(amount)
+    return need
 
 
 def check_resources(job: JobConfig) -> None:
@@ -33,10 +37,14 @@ def check_resources(job: JobConfig) -> None:
     have = ray.cluster_resources()
     for res, amount in need.items():
         if amount > have.get(res, 0.0) + 1e-9:
-            raise ConfigError(
-                f"{job.source_path or '<job>'}: the actors need {amount:g} {res} but the Ray cluster has "
-                f"{have.get(res, 0.0):g}; lower train.num_workers / rollout.num_engines or placement.*_{res.lower()}s "
-                f"(or start a bigger cluster: run.ray_num_cpus)")
+            if res in ("CPU", "GPU"):
+                hint = (f"lower train.num_workers / rollout.num_engines or placement.*_{res.lower()}s "
+                        "(or start a bigger cluster: run.ray_num_cpus)")
+            else:
+                hint = (f"placement.trainer_resources / placement.engine_resources ask for it; give nodes that "
+                        f"resource (ray start --resources '{{\"{res}\": N}}') or change those keys")
+            raise ConfigError(f"{job.source_path or '<job>'}: the actors need {amount:g} {res} but the Ray cluster "
+                              f"has {have.get(res, 0.0):g}; {hint}")
 
 
 def bind_ray_to_loopback() -> None:
@@ -46,7 +54,8 @@ def bind_ray_to_loopback() -> None:
     machine's routable one, and its GCS, raylet and worker servers then bind every interface. Ray
     keeps them on loopback when it believes clusters are unsupported on this platform
     (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read at ``import ray``, so the constant is set too).
-    Ray's own token authentication (on by default since Ray 2.52) still guards those ports.
+    Ray's token authentication guards those ports only when enabled (``RAY_AUTH_MODE=token``; Ray
+    2.60 leaves it off by default), so the loopback binding is what keeps them local.
     """
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # inherited by Ray's processes
     try:
@@ -56,9 +65,23 @@ def bind_ray_to_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def keep_workers_at_driver_priority() -> None:
+    """Start the next local Ray cluster's workers at the driver's CPU priority.
+
+    Ray starts worker processes at niceness 15 (``RAY_worker_niceness``, read by the raylet) to
+    keep its own daemons responsive. Here the workers are the run itself (trainer ranks, engines):
+    at niceness 15 they would wait behind the driver's router and agents and behind any other
+    busy process of the machine, so a loaded CPU machine would stall the step. A value the user
+    set is kept.
+    """
+    os.environ.setdefault("RAY_worker_niceness", "0")
+
+
 def init_ray(job: JobConfig) -> None:
     """Start (or join) the Ray cluster: one node on loopback, capped object store, no dashboard
-    unless ``run.ray_dashboard`` asks for one (then on loopback too).
+    unless ``run.ray_dashboard`` asks for one (then on loopback too). ``run.ray_address`` (else the
+    ``RAY_ADDRESS`` environment variable) joins an existing cluster instead, e.g. a multi-node one
+    started with ``ray start --head`` / ``ray start --address``.
 
     A local cluster gets at least as many logical CPUs as the actors reserve: on a small machine
     the trainer and the engines then share the cores instead of waiting for each other.
@@ -67,11 +90,14 @@ def init_ray(job: JobConfig) -> None:
 
     if ray.is_initialized():
         return
-    if job.run.ray_address:
-        ray.init(address=job.run.ray_address, ignore_reinit_error=True)
+    address = job.run.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:  # an existing (possibly multi-node) cluster: its nodes already listen where they do
+        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True,
+                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
         return
     cpus = job.run.ray_num_cpus or max(os.cpu_count() or 1, int(required_resources(job)["CPU"] + 0.999))
     bind_ray_to_loopback()
+    keep_workers_at_driver_priority()
     ray.init(num_cpus=cpus, include_dashboard=bool(job.run.ray_dashboard), dashboard_host="127.0.0.1",
              object_store_memory=job.run.ray_object_store_mb * 2**20, ignore_reinit_error=True,
              _node_ip_address="127.0.0.1", log_to_driver=True,
@@ -132,22 +158,26 @@ def check_placement(job: JobConfig) -> None:
                           "(trainer and engine in one process); use 'shm' for separate actors")
 
 
-def _bundle(cpus: float, gpus: float) -> dict[str, float]:
-    return {k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0} or {"CPU": 0.001}
+def _bundle(cpus: float, gpus: float, custom: dict[str, float] | None = None) -> dict[str, float]:
+    bundle = {k: float(v) for k, v in (("CPU", cpus), ("GPU", gpus), *(custom or {}).items()) if v > 0}
+    return bundle or {"CPU": 0.001}
 
 
 def create_placement_group(job: JobConfig) -> Any:
     """One placement-group bundle per actor (trainer ranks first, then separate engines).
 
     ``PACK`` keeps the bundles of one job together (one node when it fits); every bundle is a
-    per-role resource request, so the same code places actors on CPU-only and GPU clusters.
+    per-role resource request, so the same code places actors on CPU-only and GPU clusters. A
+    role's custom resources (``placement.*_resources``) go into its bundles, so a role whose
+    resource only some nodes have is placed on those nodes.
     """
     from ray.util.placement_group import placement_group
 
     pl = job.placement
-    bundles = [_bundle(pl.trainer_cpus, pl.trainer_gpus) for _ in range(job.train.num_workers)]
+    bundles = [_bundle(pl.trainer_cpus, pl.trainer_gpus, pl.trainer_resources) for _ in range(job.train.num_workers)]
     if not pl.colocate:
-        bundles += [_bundle(pl.engine_cpus, pl.engine_gpus) for _ in range(job.rollout.num_engines)]
+        bundles += [_bundle(pl.engine_cpus, pl.engine_gpus, pl.engine_resources)
+                    for _ in range(job.rollout.num_engines)]
     return placement_group(bundles, strategy="PACK")
 
 
@@ -167,22 +197,25 @@ def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = No
     remote = ray.remote(ModelActor)
     pl = job.placement
 
-    def in_bundle(index: int, cpus: float, gpus: float) -> Any:
+    def in_bundle(index: int, cpus: float, gpus: float, custom: dict[str, float]) -> Any:
         strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=index)
-        return remote.options(num_cpus=cpus, num_gpus=gpus, scheduling_strategy=strategy)
+        resources = {k: float(v) for k, v in custom.items() if v > 0}
+        return remote.options(num_cpus=cpus, num_gpus=gpus, resources=resources or None,
+                              scheduling_strategy=strategy)
 
     trainers: list[Any] = []
     engines: list[Any] = []
     for rank in range(world):
         engine_index = rank if pl.colocate and rank < job.rollout.num_engines else None
-        actor = in_bundle(rank, pl.trainer_cpus, pl.trainer_gpus).remote(
+        actor = in_bundle(rank, pl.trainer_cpus, pl.trainer_gpus, pl.trainer_resources).remote(
             job, rank, world, engine_index, needs_reference, secret)
         trainers.append(actor)
         if engine_index is not None:
             engines.append(actor)
     if not pl.colocate:
         for i in range(job.rollout.num_engines):
-            engines.append(in_bundle(world + i, pl.engine_cpus, pl.engine_gpus).remote(job, None, 1, i, False, secret))
+            engines.append(in_bundle(world + i, pl.engine_cpus, pl.engine_gpus, pl.engine_resources).remote(
+                job, None, 1, i, False, secret))
     distinct = trainers + ([] if pl.colocate else engines)
     try:
         # rank 0 listens first (a port the OS assigns) and reports where; then every rank joins there

@@ -60,8 +60,11 @@ def ray_cluster():
     this module (the plugin's own test environment)."""
     import ray
 
+    from loongsage_core.controller.placement import keep_workers_at_driver_priority
+
     started = not ray.is_initialized()
     if started:
+        keep_workers_at_driver_priority()
         ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False,
                  _node_ip_address="127.0.0.1", log_to_driver=False,
                  runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})

@@ -57,17 +57,18 @@ class SGLangRouterProcess:
     def __init__(self, worker_urls: Sequence[str], policy: str = "cache_aware", *, host: str = "127.0.0.1",
                  port: int = 0, extra_args: Mapping[str, Any] | None = None, startup_timeout_s: float = 120.0,
                  log_path: str | None = None, python: str | None = None, api_key: str | None = None) -> None:
-        from loongsage_core.backend_api import process_secret
+        from loongsage_core.backend_api import check_listen_address, process_secret
 
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.policy = policy
         self.host = host
+        self.secret = api_key or process_secret()
+        check_listen_address(host, self.secret, "sglang router")  # beyond loopback only with the secret
         self.fixed_port = bool(port)
         """A port given is used as is; otherwise a free one, another if it is taken before the router binds it."""
         self.port = int(port) or free_port(host)
         self.python = python or sys.executable
         self.extra_args = dict(extra_args or {})
-        self.secret = api_key or process_secret()
         self.command = self._command(self.port)
         self.startup_timeout_s = float(startup_timeout_s)
         self.log_path = Path(log_path) if log_path \

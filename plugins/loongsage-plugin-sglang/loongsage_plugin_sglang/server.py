@@ -13,7 +13,8 @@ Three ``[rollout] engine_args`` keys configure the launcher itself and are not p
 With the run secret (``EngineContext.api_key``) the server is launched with ``--api-key`` and
 ``--admin-api-key`` set to it, so generation and every control endpoint (weight updates,
 pause/continue, memory release) need ``Authorization: Bearer <secret>``; the secret is masked in
-the logged command line.
+the logged command line. The server listens on ``EngineContext.host`` (the node's address on a
+multi-node Ray cluster) and refuses to start beyond loopback without the secret.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from loongsage_core.backend_api import free_port, retry_on_port_collision
+from loongsage_core.backend_api import check_listen_address, free_port, retry_on_port_collision
 from loongsage_hookspecs import EngineContext, JobSettings
 
 from .launch import LaunchConfigError, build_launch_command
@@ -95,11 +96,12 @@ class SGLangServer:
         self.python = python or sys.executable
         self.options, _ = _launcher_options(job)
         self.host = ctx.host or "127.0.0.1"
+        self.engine_index = int(ctx.engine_index)
+        self.secret = getattr(ctx, "api_key", None)
+        check_listen_address(self.host, self.secret, f"sglang server (engine {self.engine_index})")
         self.fixed_port = bool(ctx.port)
         """A port given in the context is used as is; otherwise a free one, another if it is taken first."""
         self.port = int(ctx.port) if ctx.port else free_port(self.host)
-        self.engine_index = int(ctx.engine_index)
-        self.secret = getattr(ctx, "api_key", None)
         self.command = self._command(self.port)
         log_dir = Path(job.resolve_path(self.options["log_dir"])) if self.options.get("log_dir") \
             else Path(tempfile.mkdtemp(prefix="loongsage-sglang-"))

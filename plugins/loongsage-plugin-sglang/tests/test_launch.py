@@ -220,6 +220,20 @@ def test_the_run_secret_becomes_api_key_and_admin_api_key_and_is_masked_in_logs(
     assert "s3cret" not in str(err.value) and "s3cret" not in (tmp_path / "t.log").read_text()
 
 
+def test_server_and_router_listen_on_the_address_given_and_beyond_loopback_only_with_the_secret(tmp_path):
+    job = load_job(write_job(tmp_path))
+    server = SGLangServer(EngineContext(job=job, components=None, engine_index=3, host="192.0.2.7", port=31999,
+                                        api_key="s3cret"))
+    assert server.command[server.command.index("--host") + 1] == "192.0.2.7"
+    with pytest.raises(ValueError, match="^sglang server \\(engine 3\\): refusing to listen on 192.0.2.7 "
+                                         "\\(beyond loopback\\) without the run secret"):
+        SGLangServer(EngineContext(job=job, components=None, engine_index=3, host="192.0.2.7"))
+    router = SGLangRouterProcess(["http://192.0.2.7:1"], host="192.0.2.7", port=31998, api_key="s3cret")
+    assert router.command[router.command.index("--host") + 1] == "192.0.2.7"
+    with pytest.raises(ValueError, match="^sglang router: refusing to listen on 0.0.0.0"):
+        SGLangRouterProcess(["http://192.0.2.7:1"], host="0.0.0.0", port=31998)
+
+
 @pytest.mark.parametrize("key", ["api_key", "admin-api-key"])
 def test_engine_args_cannot_set_the_api_keys(tmp_path, key):
     job = load_job(write_job(tmp_path, engine_args=f'engine_args = {{ "{key}" = "mine" }}'))

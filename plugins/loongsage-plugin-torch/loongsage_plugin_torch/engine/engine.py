@@ -2,7 +2,8 @@
 
 ``EmbeddedEngine(ctx)`` loads the policy of ``ctx.job`` (see :mod:`..modeling`) and, when the job
 names one, its tokenizer; :meth:`EmbeddedEngine.start` starts the decode loop and the HTTP server
-on ``ctx.host`` (port ``ctx.port``, 0 picks a free one) and returns the base URL;
+on ``ctx.host`` (port ``ctx.port``, 0 picks a free one) and returns the base URL (an address
+beyond loopback needs the run secret, ``ctx.api_key``);
 :meth:`EmbeddedEngine.shutdown` stops both. :meth:`EmbeddedEngine.load_weights` is the in-process
 weight-update entry (used by the in-process transport); HTTP updates go through
 ``/update_weights_from_tensor``, whose ``load_format`` names a weight transport component.
@@ -15,6 +16,7 @@ import logging
 import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
+from loongsage_core.backend_api import check_listen_address
 from loongsage_hookspecs import EngineContext
 
 from ..modeling import ModelLoadError, load_model, load_tokenizer
@@ -83,12 +85,14 @@ class EmbeddedEngine:
 
         from .server import EngineServer
 
-        self.scheduler.start()
-        server = EngineServer(self, api_key=getattr(self.ctx, "api_key", None))
-        ready = threading.Event()
-        failure: list[BaseException] = []
+        api_key = getattr(self.ctx, "api_key", None)
         host = getattr(self.ctx, "host", "127.0.0.1") or "127.0.0.1"
         port = int(getattr(self.ctx, "port", 0) or 0)
+        check_listen_address(host, api_key, "embedded engine")
+        self.scheduler.start()
+        server = EngineServer(self, api_key=api_key)
+        ready = threading.Event()
+        failure: list[BaseException] = []
 
         def serve() -> None:
             loop = asyncio.new_event_loop()

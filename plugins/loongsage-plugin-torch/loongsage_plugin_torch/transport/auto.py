@@ -10,8 +10,12 @@ accelerator                            Gloo on CPU), set up once and reused
 =====================================  ===========================================================
 
 An engine URL is asked once, at its first update, for ``GET /get_server_info`` (``node_id``,
-``device``, ``weight_load_formats``); the choice is kept for the sender's life. Same-node CUDA
-engines take ``broadcast`` over NCCL: zero-copy CUDA IPC handles are not implemented.
+``device``, ``weight_load_formats``); the choice is kept for the sender's life, logged once per
+engine, and counted per update in the metrics ``perf/weight_targets_<path>`` (see
+:func:`choose_path`). Nodes are told apart by :func:`loongsage_core.weight_group.node_id`: Ray's
+node id in a Ray cluster, never the IP (two Ray nodes on one machine share an IP but not an object
+store, and count as two nodes). Same-node CUDA engines take ``broadcast`` over NCCL: zero-copy
+CUDA IPC handles are not implemented.
 An engine that accepts neither ``shm`` nor ``broadcast`` (an SGLang server) is an error that
 names it: use the sglang plugin's ``sglang_nccl`` or ``sglang_disk`` for those.
 
@@ -24,6 +28,7 @@ tensors) so every path reads the same tensors.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Iterable
 
@@ -35,8 +40,26 @@ from .broadcast import BroadcastSender
 from .inprocess import InProcessSender
 from .shm import ShmSender, WeightTransferError
 
+log = logging.getLogger(__name__)
+
 SHM_ARGS = ("num_buffers", "split_large")
 BROADCAST_ARGS = ("backend", "device", "master_address", "master_port", "group_name", "init_timeout_s")
+
+
+def choose_path(info: dict[str, Any], trainer_node: str, url: str) -> str:
+    """``"shm"`` or ``"broadcast"`` for the engine at ``url`` whose ``/get_server_info`` is ``info``,
+    seen from a trainer on node ``trainer_node``: shared memory only for a CPU engine on the same
+    node that accepts it, a broadcast group otherwise (another node, or weights on an accelerator)."""
+    formats = info.get("weight_load_formats") or []
+    on_accelerator = not str(info.get("device", "cpu")).startswith("cpu")
+    if "shm" in formats and info.get("node_id") == trainer_node and not on_accelerator:
+        return "shm"
+    if "broadcast" in formats:
+        return "broadcast"
+    raise WeightTransferError(
+        f"auto weight transport: engine {url} accepts neither 'shm' nor 'broadcast' weight updates "
+        f"(it reports {formats or 'no weight_load_formats'}); choose a transport for it explicitly, "
+        "e.g. sglang_nccl or sglang_disk for SGLang servers")
 
 
 class AutoSender:
@@ -80,17 +103,9 @@ class AutoSender:
         url = target.rstrip("/")
         if url not in self.routes:
             info = self._server_info(url)
-            formats = info.get("weight_load_formats") or []
-            on_accelerator = not str(info.get("device", "cpu")).startswith("cpu")
-            if "shm" in formats and info.get("node_id") == self.node_id and not on_accelerator:
-                self.routes[url] = "shm"
-            elif "broadcast" in formats:
-                self.routes[url] = "broadcast"
-            else:
-                raise WeightTransferError(
-                    f"auto weight transport: engine {url} accepts neither 'shm' nor 'broadcast' weight updates "
-                    f"(it reports {formats or 'no weight_load_formats'}); choose a transport for it explicitly, "
-                    "e.g. sglang_nccl or sglang_disk for SGLang servers")
+            path = self.routes[url] = choose_path(info, self.node_id, url)
+            log.info("auto weight transport: engine %s gets %s (engine node %s, trainer node %s, device %s)",
+                     url, path, info.get("node_id"), self.node_id, info.get("device", "cpu"))
         return self.routes[url]
 
     def _sender(self, path: str) -> Any:

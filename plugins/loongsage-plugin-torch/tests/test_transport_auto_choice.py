@@ -1,0 +1,72 @@
+"""How ``auto`` picks a weight path per engine: by node id (Ray's node id inside a Ray cluster, so
+two Ray nodes on one machine count as two), device and the formats the engine accepts. The
+two-node run that sees ``broadcast`` chosen end to end is ``tests/multinode/test_two_nodes.py``."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from loongsage_core.weight_group import NODE_ID_ENV, node_id
+
+BOTH = ["direct", "shm", "broadcast"]
+
+
+@pytest.mark.parametrize("info, path", [
+    ({"node_id": "ray:a", "device": "cpu", "weight_load_formats": BOTH}, "shm"),
+    ({"node_id": "ray:b", "device": "cpu", "weight_load_formats": BOTH}, "broadcast"),  # another node
+    ({"node_id": "ray:a", "device": "cuda:0", "weight_load_formats": BOTH}, "broadcast"),  # on an accelerator
+    ({"node_id": "ray:a", "device": "cpu", "weight_load_formats": ["broadcast"]}, "broadcast"),  # no shm receiver
+    ({"device": "cpu", "weight_load_formats": BOTH}, "broadcast"),  # an engine that does not say its node
+])
+def test_choice_by_node_device_and_formats(info, path):
+    from loongsage_plugin_torch.transport.auto import choose_path
+
+    assert choose_path(info, "ray:a", "http://e:1") == path
+
+
+def test_an_engine_without_shm_or_broadcast_is_an_error_naming_it():
+    from loongsage_plugin_torch.transport.auto import choose_path
+    from loongsage_plugin_torch.transport.shm import WeightTransferError
+
+    with pytest.raises(WeightTransferError, match="engine http://e:1 accepts neither 'shm' nor 'broadcast'"):
+        choose_path({"node_id": "ray:a", "weight_load_formats": ["disk"]}, "ray:a", "http://e:1")
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """The session's Ray cluster when one is up, else a small local one for this module."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, object_store_memory=96 * 2**20, include_dashboard=False,
+                 _node_ip_address="127.0.0.1", log_to_driver=False)
+    yield ray
+    if started:
+        ray.shutdown()
+
+
+def _ids() -> tuple[str, str]:
+    import ray
+
+    return node_id(), ray.get_runtime_context().get_node_id()
+
+
+def test_in_ray_the_node_id_is_rays_and_the_environment_overrides_it(ray_local, monkeypatch):
+    ray = ray_local
+    ours, ray_node = ray.get(ray.remote(_ids).remote())
+    assert ours == f"ray:{ray_node}"
+    assert node_id() == f"ray:{ray.get_runtime_context().get_node_id()}" == ours  # the driver, same node
+    monkeypatch.setenv(NODE_ID_ENV, "node-b")
+    assert node_id() == "node-b"
+
+
+def test_outside_ray_the_node_id_is_the_machines():
+    code = "import socket; from loongsage_core.weight_group import node_id; print(node_id(), socket.gethostname())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PATH": "/usr/bin:/bin"}).stdout.split()
+    ours, host = out
+    assert ours.startswith(f"{host}:") and len(ours) > len(host) + 1  # host name and boot id
