@@ -15,6 +15,8 @@ What it offers:
   from a local directory or an inline config, the same code for trainers, engines and teachers;
 * **learning-rate schedules** (:func:`make_scheduler`, :func:`lr_factor`), the same in every backend;
 * **the SGLang-protocol client** (:class:`EngineClient`) every engine's HTTP API is driven with;
+* **HTTP serving** from a background thread (:class:`ThreadedServer`) behind the run secret
+  (:func:`secret_middleware`), as the router and the embedded engine serve;
 * **rendezvous** for ``torch.distributed`` groups across processes (:func:`host_rendezvous`,
   :func:`reachable_address`, :func:`free_port`, :func:`retry_on_port_collision`);
 * **weight-update groups** between trainers and engines (:func:`init_weight_update_group`,
@@ -34,6 +36,7 @@ from .algorithms import LossPipeline, LossPipelineError, MetricAccumulator, comp
 from .config import JobConfig, ModelConfig, RunConfig, TrainConfig, structure_args
 from .controller.run_dir import truncate_jsonl
 from .hf_models import ModelLoadError, load_causal_lm
+from .http_server import ThreadedServer, secret_middleware
 from .lr_schedule import lr_factor, make_scheduler
 from .rendezvous import free_port, host_rendezvous, reachable_address, retry_on_port_collision
 from .security import (
@@ -82,6 +85,7 @@ __all__ = [
     "ModelLoadError",
     "ModelConfig",
     "RunConfig",
+    "ThreadedServer",
     "TrainConfig",
     "check_listen_address",
     "compute_norm",
@@ -100,6 +104,7 @@ __all__ = [
     "reachable_address",
     "resolve_backend",
     "retry_on_port_collision",
+    "secret_middleware",
     "structure_args",
     "token_matches",
     "truncate_jsonl",

@@ -24,9 +24,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import json
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Iterable, Mapping, Sequence, cast
 
 import attrs
 import httpx
@@ -48,6 +49,13 @@ class EngineError(RuntimeError):
         self.message = message
         self.path = path
         self.param = param
+
+
+class EngineProtocolError(EngineError):
+    """The engine answered, but not in SGLang's format (a malformed ``/generate`` body or stream)."""
+
+    def __init__(self, message: str, path: str = "/generate") -> None:
+        super().__init__(502, message, path)
 
 
 def _version(value: Any) -> int | str | None:
@@ -76,6 +84,7 @@ class GenerationResult:
     cached_tokens: int
     text: str
     meta_info: dict[str, Any] = attrs.field(repr=False)
+    top_logprobs: list[list[tuple[float, int]]] | None = None  # per token: (log-prob, token id) of the most likely
 
     @property
     def aborted(self) -> bool:
@@ -95,10 +104,21 @@ class GenerationResult:
         return logprobs, versions
 
     @classmethod
-    def from_response(cls, obj: Mapping[str, Any], rid: str | None = None) -> "GenerationResult":
-        """Read one element of a ``/generate`` response (SGLang's format)."""
-        meta = dict(obj.get("meta_info") or {})
-        output_ids = [int(t) for t in obj.get("output_ids") or []]
+    def from_response(cls, obj: Any, rid: str | None = None) -> "GenerationResult":
+        """Read one element of a ``/generate`` response (SGLang's format; the one reader of it).
+
+        Per-token weight versions: ``meta_info.output_token_weight_versions`` (one per token),
+        else the ``weight_versions`` spans ``[{"version", "start", "end"}]`` over
+        ``weight_version``, else ``weight_version`` for every token. An answer without
+        ``meta_info`` or ``output_ids`` is an :class:`EngineProtocolError`.
+        """
+        if not isinstance(obj, Mapping) or not isinstance(obj.get("meta_info"), Mapping):
+            raise EngineProtocolError("returned an unexpected /generate body")
+        if not isinstance(obj.get("output_ids"), list):
+            raise EngineProtocolError("did not return output_ids")
+        meta = dict(obj["meta_info"])
+        output_ids = [int(t) for t in obj["output_ids"]]
+        n = len(output_ids)
         finish = meta.get("finish_reason")
         if isinstance(finish, Mapping):
             detail = dict(finish)
@@ -109,21 +129,46 @@ class GenerationResult:
         logprobs = None
         if lp_triples is not None:
             logprobs = [None if e is None or e[0] is None else float(e[0]) for e in lp_triples]
+        top = meta.get("output_top_logprobs")
+        top_logprobs = None
+        if isinstance(top, list) and len(top) == n:
+            top_logprobs = [[(float(e[0]), int(e[1])) for e in (row or []) if e and e[0] is not None] for row in top]
         version = _version(meta.get("weight_version"))
-        n = len(output_ids)
-        if meta.get("output_token_weight_versions") is not None:
-            versions = [_version(v) for v in meta["output_token_weight_versions"]]
-        elif meta.get("weight_versions"):
-            versions = [version] * n
-            for span in meta["weight_versions"]:
-                for i in range(max(0, int(span["start"])), min(n, int(span["end"]))):
-                    versions[i] = _version(span["version"])
-        else:
-            versions = [version] * n
+        versions: list[int | str | None] = [version] * n
+        per_token, spans = meta.get("output_token_weight_versions"), meta.get("weight_versions")
+        if isinstance(per_token, list) and len(per_token) == n:
+            versions = [_version(v) for v in per_token]
+        elif isinstance(spans, list) and spans and all(isinstance(span, Mapping) for span in spans):
+            for span in spans:
+                start, end = max(0, int(span.get("start", 0))), min(n, int(span.get("end", n)))
+                versions[start:end] = [_version(span.get("version"))] * max(0, end - start)
+        cached = meta.get("cached_tokens")
         return cls(rid=str(meta.get("id") or rid or ""), output_ids=output_ids, logprobs=logprobs,
                    finish_reason=kind, finish_detail=detail, weight_version=version, weight_versions=versions,
-                   prompt_tokens=int(meta.get("prompt_tokens") or 0), cached_tokens=int(meta.get("cached_tokens") or 0),
-                   text=str(obj.get("text") or ""), meta_info=meta)
+                   prompt_tokens=int(meta.get("prompt_tokens") or 0),
+                   cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else 0,
+                   text=str(obj.get("text") or ""), meta_info=meta, top_logprobs=top_logprobs)
+
+
+def merge_stream_chunk(prev: GenerationResult | None, data: Any) -> GenerationResult:
+    """Fold one streamed ``/generate`` chunk into the generation so far (``prev``).
+
+    SGLang streams cumulative ``output_ids`` and log-probs by default and increments with
+    ``--incremental-streaming-output``; ``meta_info.completion_tokens`` (the total so far) tells
+    which, so both work. ``finish_reason`` is ``""`` until the last chunk.
+    """
+    if prev is not None and isinstance(data, Mapping) and isinstance(data.get("meta_info"), Mapping):
+        meta = data["meta_info"]
+        total, ids = meta.get("completion_tokens"), data.get("output_ids")
+        if isinstance(ids, list) and isinstance(total, int) and total > len(ids) \
+                and total == len(prev.output_ids) + len(ids):  # an increment: make it cumulative
+            earlier = [[lp, t] for lp, t in zip(prev.logprobs or [], prev.output_ids)]
+            merged = {**meta, "output_token_logprobs": earlier + list(meta.get("output_token_logprobs") or [])}
+            if prev.top_logprobs is not None and isinstance(meta.get("output_top_logprobs"), list):
+                merged["output_top_logprobs"] = ([[[lp, t] for lp, t in row] for row in prev.top_logprobs]
+                                                 + meta["output_top_logprobs"])
+            data = {**data, "output_ids": prev.output_ids + ids, "meta_info": merged}
+    return GenerationResult.from_response(data)
 
 
 def encode_direct_tensors(named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> str:
@@ -168,10 +213,14 @@ def _json_or_text(resp: httpx.Response) -> Any:
 class EngineClient:
     """Talks to one engine at ``base_url`` (``http://host:port``)."""
 
-    def __init__(self, base_url: str, *, timeout: float | None = 600.0, api_key: str | None = None) -> None:
+    def __init__(self, base_url: str, *, timeout: float | None = 600.0, api_key: str | None = None,
+                 max_connections: int | None = 100) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.headers = engine_headers(api_key)
+        # without a connection limit every connection is kept alive for reuse (the router's case)
+        self.limits = httpx.Limits(max_connections=max_connections,
+                                   max_keepalive_connections=None if max_connections is None else 20)
         self._async: httpx.AsyncClient | None = None
         self._async_loop: asyncio.AbstractEventLoop | None = None
         self._sync: httpx.Client | None = None
@@ -182,7 +231,8 @@ class EngineClient:
     def _aclient(self) -> httpx.AsyncClient:
         loop = asyncio.get_running_loop()
         if self._async is None or self._async_loop is not loop or self._async.is_closed:
-            self._async = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, headers=self.headers)
+            self._async = httpx.AsyncClient(base_url=self.base_url, timeout=self.timeout, headers=self.headers,
+                                            limits=self.limits)
             self._async_loop = loop
         return self._async
 
@@ -218,8 +268,11 @@ class EngineClient:
     @staticmethod
     def generate_payload(input_ids: Sequence[Sequence[int]] | Sequence[int],
                          sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-                         *, return_logprob: bool = True, rids: Sequence[str] | None = None) -> dict[str, Any]:
-        """The ``/generate`` body for a batch (a single prompt is sent as a batch of one)."""
+                         *, return_logprob: bool = True, rids: Sequence[str] | None = None,
+                         top_logprobs_num: int = 0) -> dict[str, Any]:
+        """The ``/generate`` body for a batch (a single prompt is sent as a batch of one);
+        ``top_logprobs_num`` asks for that many most likely tokens per position."""
+        extra = {"top_logprobs_num": top_logprobs_num} if top_logprobs_num else {}
         rows: Any = input_ids
         batch = [[int(t) for t in p] for p in rows] if rows and isinstance(rows[0], (list, tuple)) \
             else [[int(t) for t in rows]]
@@ -236,9 +289,9 @@ class EngineClient:
             # a batch of one goes unbatched: SGLang routers accept only a string rid
             single = params[0] if isinstance(params, list) else params
             return {"input_ids": batch[0], "sampling_params": single, "return_logprob": return_logprob,
-                    "rid": rids[0]}
+                    "rid": rids[0], **extra}
         return {"input_ids": batch, "sampling_params": params, "return_logprob": return_logprob,
-                "rid": list(rids)}
+                "rid": list(rids), **extra}
 
     @staticmethod
     def _rid_list(payload: Mapping[str, Any]) -> list[str]:
@@ -255,15 +308,52 @@ class EngineClient:
     # ------------------------------------------------------------------------------------------
     async def generate(self, input_ids: Sequence[Sequence[int]] | Sequence[int],
                        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-                       *, return_logprob: bool = True, rids: Sequence[str] | None = None) -> list[GenerationResult]:
+                       *, return_logprob: bool = True, rids: Sequence[str] | None = None,
+                       top_logprobs_num: int = 0) -> list[GenerationResult]:
         """Generate for every prompt of ``input_ids``; results in prompt order."""
-        payload = self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
+        payload = self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=rids,
+                                        top_logprobs_num=top_logprobs_num)
         body = await self._request("POST", "/generate", payload)
         return self._results(body, self._rid_list(payload))
 
-    async def abort(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+    async def generate_stream(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
+                              *, rid: str, return_logprob: bool = True,
+                              top_logprobs_num: int = 0) -> AsyncGenerator[GenerationResult, None]:
+        """Generate for one prompt with ``stream: true``; yields the whole generation so far after
+        every chunk (SGLang's server-sent events), the last one with its finish reason.
+
+        Leaving the iteration early closes the connection, which aborts the request at the engine.
+        A stream that breaks off or carries an error is an :class:`EngineProtocolError`.
+        """
+        payload = {**self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=[rid],
+                                           top_logprobs_num=top_logprobs_num), "stream": True}
+        out: GenerationResult | None = None
+        async with self._aclient().stream("POST", "/generate", json=payload) as resp:
+            if resp.status_code >= 400:
+                await resp.aread()
+                _check(resp, "/generate")
+            async for raw in resp.aiter_lines():
+                line = raw.strip()
+                if not line.startswith("data:"):
+                    continue
+                body = line[5:].strip()
+                if body == "[DONE]":
+                    break
+                try:
+                    data = json.loads(body)
+                except ValueError:
+                    raise EngineProtocolError("streamed invalid JSON") from None
+                if isinstance(data, Mapping) and "error" in data and "meta_info" not in data:
+                    raise EngineProtocolError(f"failed mid-stream: {data['error']}")
+                out = merge_stream_chunk(out, data)
+                yield out
+        if out is None or not out.finish_reason:
+            raise EngineProtocolError("ended the stream before the generation finished")
+
+    async def abort(self, rid: str | None = None, *, abort_all: bool = False,
+                    timeout: float | None | str = "default") -> None:
         """Abort one request (or a batch sent with this ``rid`` prefix), or every request."""
-        await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
+        await self._request("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all}, timeout=timeout)
 
     async def pause(self, mode: str = "abort") -> None:
         """``mode``: ``"abort"`` | ``"retract"`` | ``"in_place"`` (SGLang's pause modes)."""
@@ -306,8 +396,11 @@ class EngineClient:
             return False
         return resp.status_code == 200
 
-    async def model_info(self) -> dict[str, Any]:
-        return await self._request("GET", "/get_model_info")
+    async def model_info(self, timeout: float | None | str = "default") -> dict[str, Any]:
+        return await self._request("GET", "/get_model_info", timeout=timeout)
+
+    async def server_info(self, timeout: float | None | str = "default") -> dict[str, Any]:
+        return await self._request("GET", "/get_server_info", timeout=timeout)
 
     async def wait_healthy(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

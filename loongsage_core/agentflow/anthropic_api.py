@@ -19,12 +19,14 @@ strings. The answer's reasoning, text and tool calls become ``thinking``, ``text
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, anthropic_error_body, bad_request
-from .streaming import SSEStream, as_router_error
+from .protocol import json_response, read_json, serve_turn
+from .streaming import BlockStream
 
 _SUPPORTED = {"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
               "stream", "tools", "tool_choice"}
@@ -269,7 +271,7 @@ def message_body(chat: Mapping[str, Any], message_id: str, model: str) -> dict[s
             "stop_reason": reason, "stop_sequence": sequence, "usage": _usage(chat)}
 
 
-class MessagesStream(SSEStream):
+class MessagesStream(BlockStream):
     """Anthropic's event stream of one turn, sent as the engine generates.
 
     ``message_start``, ``ping``; ``content_block_start`` / ``content_block_delta``
@@ -278,13 +280,14 @@ class MessagesStream(SSEStream):
     ``message_delta`` (``stop_reason``, usage) and ``message_stop``.
     """
 
+    REASONING, TEXT = "thinking", "text"  # the content block types
+
     def __init__(self, request: Any) -> None:
         super().__init__(request)
         self.id = _id("msg")
         self.model = ""
         self.index = -1
         self.open_kind: str | None = None
-        self.texts: dict[str, str] = {"thinking": "", "text": ""}
 
     async def event(self, kind: str, **fields: Any) -> None:
         await self.send({"type": kind, **fields}, event=kind)
@@ -318,16 +321,10 @@ class MessagesStream(SSEStream):
         await self.event("content_block_stop", index=self.index)
         self.open_kind = None
 
-    async def delta(self, increments: Mapping[str, str]) -> None:
-        for field, kind in (("reasoning_content", "thinking"), ("content", "text")):
-            piece = increments.get(field)
-            if not piece or (kind == "thinking" and self.texts["text"]):
-                continue  # reasoning after the answer started is not shown
-            await self._open(kind)
-            self.texts[kind] += piece
-            delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else {
-                "type": "text_delta", "text": piece}
-            await self.event("content_block_delta", index=self.index, delta=delta)
+    async def _piece(self, kind: str, piece: str) -> None:
+        delta = {"type": "thinking_delta", "thinking": piece} if kind == "thinking" else {
+            "type": "text_delta", "text": piece}
+        await self.event("content_block_delta", index=self.index, delta=delta)
 
     async def finish(self, chat: Mapping[str, Any]) -> Any:
         await self._close()
@@ -350,36 +347,23 @@ class MessagesStream(SSEStream):
         return await self.close()
 
 
-async def handle_messages(router: Any, request: Any) -> Any:
+async def handle_messages(turns: Any, request: Any) -> Any:
     """``POST /{trajectory}/{attempt}/v1/messages``."""
-    router._lookup(request)
-    chat = chat_request(await router._read_json(request))
+    turns.lookup(request)
+    chat = chat_request(await read_json(request))
     stream = MessagesStream(request) if chat.get("stream") else None
-    try:
-        _, answer = await router.run_turn(request, chat, stream)
-    except Exception as exc:  # after the stream started, errors are reported in it
-        if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
-            raise
-        return await stream.fail(as_router_error(exc))
-    if stream is not None:
-        return await stream.finish(answer)
-    return router._json(message_body(answer, _id("msg"), chat["model"]))
+    return await serve_turn(turns, request, chat, stream,
+                            lambda answer: message_body(answer, _id("msg"), chat["model"]))
 
 
-async def handle_count_tokens(router: Any, request: Any) -> Any:
+async def handle_count_tokens(turns: Any, request: Any) -> Any:
     """``POST /{trajectory}/{attempt}/v1/messages/count_tokens``: ``{"input_tokens": n}``."""
-    router._lookup(request)
-    chat = chat_request(await router._read_json(request), counting=True)
-    return router._json({"input_tokens": await router.count_prompt_tokens(request, chat)})
+    turns.lookup(request)
+    chat = chat_request(await read_json(request), counting=True)
+    return json_response({"input_tokens": await turns.count_prompt_tokens(request, chat)})
 
 
-def add_routes(app: Any, router: Any) -> None:
+def add_routes(app: Any, turns: Any) -> None:
     """Serve Anthropic's Messages API on every trajectory's base URL."""
-    async def messages(request: Any) -> Any:
-        return await handle_messages(router, request)
-
-    async def count_tokens(request: Any) -> Any:
-        return await handle_count_tokens(router, request)
-
-    app.router.add_post("/{tid}/{attempt}/v1/messages", messages)
-    app.router.add_post("/{tid}/{attempt}/v1/messages/count_tokens", count_tokens)
+    app.router.add_post("/{tid}/{attempt}/v1/messages", functools.partial(handle_messages, turns))
+    app.router.add_post("/{tid}/{attempt}/v1/messages/count_tokens", functools.partial(handle_count_tokens, turns))

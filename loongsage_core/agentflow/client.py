@@ -1,14 +1,17 @@
 """A client for a router in another process (a Ray actor, ``loongsage serve``): the ``/admin`` API.
 
-:class:`RouterClient` has the same trajectory methods as :class:`~.router.AgentFlowRouter`
-(``aregister``, ``aget``, ``apop``, ``aabort`` and their synchronous forms), so
-:func:`~.runner.run_agent_trajectory` works with either.
+:class:`RouterClient` has the same trajectory API as :class:`~.router.AgentFlowRouter`:
+coroutines (``aregister``, ``aget``, ``apop``, ``aabort``, ``astats``) and, for synchronous
+code, the same ``blocking`` view (``client.blocking.register(...)``), so
+:func:`~.runner.run_agent_trajectory` and their other callers work with either.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, Mapping
 
+from ..http_server import BlockingView
 from ..security import trajectory_key as derive_trajectory_key
 from .record import TrajectoryRecord
 
@@ -26,6 +29,8 @@ class RouterClient:
         self.api_key = api_key
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout_s = timeout_s
+        self.blocking = BlockingView(self, asyncio.run)
+        """Synchronous trajectory API (from code outside an event loop): ``client.blocking.pop(tid)``."""
 
     def url_for(self, trajectory_id: str, attempt: int = 0) -> str:
         return f"{self.base_url}/{trajectory_id}/{int(attempt)}/v1"
@@ -49,13 +54,6 @@ class RouterClient:
             resp = await client.request(method, self.base_url + path, json=body, headers=self.headers)
         return self._check(resp)
 
-    def _request(self, method: str, path: str, body: Any = None) -> Any:
-        import httpx
-
-        with httpx.Client(timeout=self.timeout_s) as client:
-            resp = client.request(method, self.base_url + path, json=body, headers=self.headers)
-        return self._check(resp)
-
     @staticmethod
     def _register_body(trajectory_id: str, attempt: int, sampling: Mapping[str, Any] | None,
                        max_response_tokens: int | None, max_context_length: int | None,
@@ -70,14 +68,9 @@ class RouterClient:
     async def aregister(self, trajectory_id: str, *, attempt: int = 0, sampling: Mapping[str, Any] | None = None,
                         max_response_tokens: int | None = None, max_context_length: int | None = None,
                         metadata: Mapping[str, Any] | None = None) -> str:
+        """Register a trajectory; returns its base URL (see ``AgentFlowRouter.aregister``)."""
         body = self._register_body(trajectory_id, attempt, sampling, max_response_tokens, max_context_length, metadata)
         return (await self._arequest("POST", "/admin/trajectories", body))["base_url"]
-
-    def register(self, trajectory_id: str, **kwargs: Any) -> str:
-        body = self._register_body(trajectory_id, kwargs.get("attempt", 0), kwargs.get("sampling"),
-                                   kwargs.get("max_response_tokens"), kwargs.get("max_context_length"),
-                                   kwargs.get("metadata"))
-        return self._request("POST", "/admin/trajectories", body)["base_url"]
 
     async def aget(self, trajectory_id: str) -> TrajectoryRecord:
         return TrajectoryRecord.from_dict(await self._arequest("GET", f"/admin/trajectories/{trajectory_id}"))
@@ -85,14 +78,8 @@ class RouterClient:
     async def apop(self, trajectory_id: str) -> TrajectoryRecord:
         return TrajectoryRecord.from_dict(await self._arequest("DELETE", f"/admin/trajectories/{trajectory_id}"))
 
-    def pop(self, trajectory_id: str) -> TrajectoryRecord:
-        return TrajectoryRecord.from_dict(self._request("DELETE", f"/admin/trajectories/{trajectory_id}"))
-
     async def aabort(self, trajectory_id: str) -> None:
         await self._arequest("POST", f"/admin/trajectories/{trajectory_id}/abort")
 
-    def abort(self, trajectory_id: str) -> None:
-        self._request("POST", f"/admin/trajectories/{trajectory_id}/abort")
-
-    def stats(self) -> dict[str, Any]:
-        return self._request("GET", "/admin/stats")
+    async def astats(self) -> dict[str, Any]:
+        return await self._arequest("GET", "/admin/stats")

@@ -2,89 +2,75 @@
 
 The router sends token ids, never text: ``POST /generate`` with ``input_ids``,
 ``sampling_params``, ``return_logprob`` and a request id, and reads ``output_ids``, the per-token
-log-probs (``meta_info.output_token_logprobs``), the finish reason and the weight version.
-:func:`engine_generate_stream` asks for ``stream: true`` and yields the generation as it grows
-(SGLang's server-sent events: ``data: {...}`` lines, ``data: [DONE]`` at the end).
+log-probs, the finish reason and the weight versions. The HTTP calls and the reading of answers
+are the host's engine client (:class:`~loongsage_core.engine_client.EngineClient`, also used by
+the controller's fast path); :class:`EnginePool` holds one client per engine and turns the
+client's failures into the router's answers (:class:`~.errors.RouterError`: 400 when the engine
+rejected the request, 502 for a bad answer, 503 when it cannot be reached).
 """
 
 from __future__ import annotations
 
-import asyncio
-import json
 from typing import Any, AsyncIterator, Sequence
 
 import attrs
+import httpx
 
-from loongsage_hookspecs import parse_weight_version
-
+from ..engine_client import EngineClient, EngineError, EngineProtocolError, GenerationResult
 from .errors import RouterError
+
+ABORT_TIMEOUT_S = 5.0
+INFO_TIMEOUT_S = 10.0
 
 
 @attrs.define
 class EngineOutput:
-    """One generation: the sampled tokens, their log-probs and policy versions."""
+    """One generation as the router records it: tokens, their log-probs and policy versions."""
 
     output_ids: list[int]
     logprobs: list[float]
     weight_versions: list[int]
-    finish_reason: str
+    finish_reason: str  # "" while a stream is still generating
     matched_stop: Any = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
 
 
-def _version(value: Any) -> int:
-    """A weight version as an int (engines may send it as a string); -1 when unknown."""
-    version = parse_weight_version(value)
-    return -1 if version is None else version
-
-
-def _token_versions(meta: dict[str, Any], n: int) -> list[int]:
-    """Per-token weight versions: ``output_token_weight_versions`` (one per token), else the
-    ``weight_versions`` spans ``[{"version", "start", "end"}]``, else ``weight_version`` for all."""
-    per_token = meta.get("output_token_weight_versions")
-    if isinstance(per_token, list) and len(per_token) == n:
-        return [_version(v) for v in per_token]
-    spans = meta.get("weight_versions")
-    if isinstance(spans, list) and spans and all(isinstance(s, dict) for s in spans):
-        out = [_version(meta.get("weight_version"))] * n
-        for span in spans:
-            start, end = int(span.get("start", 0)), int(span.get("end", n))
-            out[max(0, start):min(n, end)] = [_version(span.get("version"))] * max(0, min(n, end) - max(0, start))
-        return out
-    return [_version(meta.get("weight_version"))] * n
+def engine_output(res: GenerationResult, url: str) -> EngineOutput:
+    """The router's view of a generation: one log-prob per token (502 otherwise), integer versions."""
+    try:
+        logprobs, versions = res.token_record()
+    except ValueError as exc:
+        raise RouterError(502, f"engine {url}: {exc}", type="api_error", code="engine_error") from None
+    return EngineOutput(res.output_ids, logprobs, versions, res.finish_reason, res.finish_detail.get("matched"),
+                        res.top_logprobs, cached_tokens=res.cached_tokens)
 
 
 def parse_generate_response(data: Any, url: str) -> EngineOutput:
-    """Read one SGLang ``/generate`` result; a malformed answer is a 502 naming the engine."""
+    """Read one ``/generate`` result (a batch of one too); a malformed answer is a 502 naming the engine."""
     if isinstance(data, list) and len(data) == 1:
         data = data[0]
-    if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
-        raise RouterError(502, f"engine {url} returned an unexpected /generate body", type="api_error",
-                          code="engine_error")
-    meta = data["meta_info"]
-    out_ids = data.get("output_ids")
-    if out_ids is None:
-        raise RouterError(502, f"engine {url} did not return output_ids", type="api_error", code="engine_error")
-    out_ids = [int(t) for t in out_ids]
-    token_lps = meta.get("output_token_logprobs") or []
-    if len(token_lps) != len(out_ids):
-        raise RouterError(502, f"engine {url} returned {len(token_lps)} log-probs for {len(out_ids)} tokens",
-                          type="api_error", code="engine_error")
-    logprobs = [float(e[0]) if e[0] is not None else 0.0 for e in token_lps]
-    versions = _token_versions(meta, len(out_ids))
-    fr = meta.get("finish_reason")
-    if isinstance(fr, dict):
-        kind, matched = str(fr.get("type")), fr.get("matched")
-    else:
-        kind, matched = str(fr) if fr is not None else "stop", None
-    top = meta.get("output_top_logprobs")
-    top_lps = None
-    if isinstance(top, list) and len(top) == len(out_ids):
-        top_lps = [[(float(e[0]), int(e[1])) for e in (row or []) if e and e[0] is not None] for row in top]
-    cached = meta.get("cached_tokens")
-    return EngineOutput(out_ids, logprobs, versions, kind, matched, top_lps,
-                        cached_tokens=int(cached) if isinstance(cached, int) else 0)
+    try:
+        res = GenerationResult.from_response(data)
+    except EngineError as exc:
+        raise as_router_error(exc, url) from None
+    out = engine_output(res, url)
+    out.finish_reason = out.finish_reason or "stop"
+    return out
+
+
+def as_router_error(exc: Exception, url: str) -> RouterError:
+    """The router's answer for a failed engine call."""
+    if isinstance(exc, EngineProtocolError):
+        return RouterError(502, f"engine {url} {exc.message}", type="api_error", code="engine_error")
+    if isinstance(exc, EngineError):
+        if 400 <= exc.status_code < 500 and exc.status_code not in (404, 408, 429):
+            return RouterError(400, f"the rollout engine rejected the request: {exc.message}",
+                               code="engine_rejected", retry=False)
+        return RouterError(502, f"engine {url} answered HTTP {exc.status_code}: {exc.message[:500]}",
+                           type="api_error", code="engine_error")
+    return RouterError(503, f"engine {url} unreachable: {type(exc).__name__}: {exc}", type="api_error",
+                       code="engine_unavailable")
 
 
 class EngineBalancer:
@@ -132,117 +118,76 @@ class EngineBalancer:
             self.in_flight[url] -= 1
 
 
-async def engine_generate(session: Any, url: str, payload: dict[str, Any], timeout_s: float | None) -> EngineOutput:
-    """POST ``payload`` to ``url``/generate and parse the answer (errors become 502/503)."""
-    import aiohttp
+class EnginePool:
+    """One :class:`EngineClient` per engine URL (made on first use, on the router's event loop).
 
-    try:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.post(f"{url}/generate", json=payload, timeout=timeout) as resp:
-            text = await resp.text()
-            if 400 <= resp.status < 500 and resp.status not in (404, 408, 429):
-                try:
-                    detail = json.loads(text)["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    detail = text[:500]
-                raise RouterError(400, f"the rollout engine rejected the request: {detail}", code="engine_rejected",
-                                  retry=False)
-            if resp.status != 200:
-                raise RouterError(502, f"engine {url} answered HTTP {resp.status}: {text[:500]}", type="api_error",
-                                  code="engine_error")
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        raise RouterError(503, f"engine {url} unreachable: {type(exc).__name__}: {exc}", type="api_error",
-                          code="engine_unavailable") from exc
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise RouterError(502, f"engine {url} returned invalid JSON", type="api_error", code="engine_error") from exc
-    return parse_generate_response(data, url)
-
-
-def _merge_chunk(prev: EngineOutput | None, data: Any, url: str) -> EngineOutput:
-    """Fold one streamed ``/generate`` chunk into the generation so far.
-
-    SGLang streams cumulative ``output_ids`` and log-probs by default and increments with
-    ``--incremental-streaming-output``; ``meta_info.completion_tokens`` (the total so far) tells
-    which, so both work.
+    Args:
+        secret: the run secret every request carries.
+        timeout_s: the limit of one ``/generate`` call.
     """
-    if isinstance(data, dict) and isinstance(data.get("meta_info"), dict):
-        meta = data["meta_info"]
-        total = meta.get("completion_tokens")
-        ids = data.get("output_ids")
-        lps = meta.get("output_token_logprobs")
-        if prev is not None and isinstance(ids, list) and isinstance(total, int) and total > len(ids) \
-                and total == len(prev.output_ids) + len(ids):  # an increment: make it cumulative
-            data = {**data, "output_ids": prev.output_ids + ids,
-                    "meta_info": {**meta, "output_token_logprobs": [[lp, t] for lp, t in
-                                                                    zip(prev.logprobs, prev.output_ids)]
-                                  + list(lps or [])}}
-            if prev.top_logprobs is not None and isinstance(meta.get("output_top_logprobs"), list):
-                data["meta_info"]["output_top_logprobs"] = (
-                    [[[lp, t] for lp, t in row] for row in prev.top_logprobs] + meta["output_top_logprobs"])
-    out = parse_generate_response(data, url)
-    if isinstance(data, dict) and data["meta_info"].get("finish_reason") is None:
-        out.finish_reason = ""  # still generating
-    return out
 
+    def __init__(self, secret: str | None, timeout_s: float | None) -> None:
+        self.secret = secret
+        self.timeout_s = timeout_s
+        self._clients: dict[str, EngineClient] = {}
 
-async def engine_generate_stream(session: Any, url: str, payload: dict[str, Any],
-                                 timeout_s: float | None) -> AsyncIterator[EngineOutput]:
-    """POST ``payload`` with ``stream: true``; yield the whole generation so far after every chunk.
+    def client(self, url: str) -> EngineClient:
+        if url not in self._clients:  # no connection limit: the balancer spreads the load
+            self._clients[url] = EngineClient(url, timeout=self.timeout_s, api_key=self.secret, max_connections=None)
+        return self._clients[url]
 
-    The last item has the finish reason; earlier ones have ``finish_reason == ""``. Leaving the
-    iteration early closes the connection, which aborts the request at the engine.
-    """
-    import aiohttp
+    async def generate(self, url: str, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
+                       top_logprobs_num: int = 0) -> EngineOutput:
+        """One generation (errors become 400/502/503 :class:`RouterError`)."""
+        try:
+            (res,) = await self.client(url).generate(input_ids, sampling_params, rids=[rid],
+                                                     top_logprobs_num=top_logprobs_num)
+        except (EngineError, httpx.HTTPError, OSError) as exc:
+            raise as_router_error(exc, url) from exc
+        out = engine_output(res, url)
+        out.finish_reason = out.finish_reason or "stop"
+        return out
 
-    out: EngineOutput | None = None
-    try:
-        timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with session.post(f"{url}/generate", json={**payload, "stream": True}, timeout=timeout) as resp:
-            if resp.status != 200:
-                text = await resp.text()
-                if 400 <= resp.status < 500 and resp.status not in (404, 408, 429):
-                    try:
-                        detail = json.loads(text)["error"]["message"]
-                    except (ValueError, KeyError, TypeError):
-                        detail = text[:500]
-                    raise RouterError(400, f"the rollout engine rejected the request: {detail}",
-                                      code="engine_rejected", retry=False)
-                raise RouterError(502, f"engine {url} answered HTTP {resp.status}: {text[:500]}", type="api_error",
-                                  code="engine_error")
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                body = line[5:].strip()
-                if body == b"[DONE]":
-                    break
-                try:
-                    data = json.loads(body)
-                except ValueError as exc:
-                    raise RouterError(502, f"engine {url} streamed invalid JSON", type="api_error",
-                                      code="engine_error") from exc
-                if isinstance(data, dict) and "error" in data and "meta_info" not in data:
-                    raise RouterError(502, f"engine {url} failed mid-stream: {data['error']}", type="api_error",
-                                      code="engine_error")
-                out = _merge_chunk(out, data, url)
-                yield out
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
-        raise RouterError(503, f"engine {url} unreachable: {type(exc).__name__}: {exc}", type="api_error",
-                          code="engine_unavailable") from exc
-    if out is None or not out.finish_reason:
-        raise RouterError(502, f"engine {url} ended the stream before the generation finished", type="api_error",
-                          code="engine_error")
+    async def generate_stream(self, url: str, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
+                              top_logprobs_num: int = 0) -> AsyncIterator[EngineOutput]:
+        """One streamed generation: the whole generation so far after every chunk; the last item
+        has the finish reason. Leaving early closes the connection (the engine aborts the request)."""
+        stream = self.client(url).generate_stream(input_ids, sampling_params, rid=rid,
+                                                  top_logprobs_num=top_logprobs_num)
+        try:
+            async for res in stream:
+                yield engine_output(res, url)
+        except (EngineError, httpx.HTTPError, OSError) as exc:
+            raise as_router_error(exc, url) from exc
+        finally:
+            await stream.aclose()
 
+    async def abort(self, url: str, rid: str) -> None:
+        """Ask ``url`` to abort request ``rid`` (best effort: errors are ignored)."""
+        try:
+            await self.client(url).abort(rid, timeout=ABORT_TIMEOUT_S)
+        except (EngineError, httpx.HTTPError, OSError):
+            pass
 
-async def engine_abort(session: Any, url: str, rid: str) -> None:
-    """Ask ``url`` to abort request ``rid`` (best effort: errors are ignored)."""
-    import aiohttp
+    async def context_length(self, url: str) -> tuple[bool, int | None]:
+        """``(reachable, context length)`` of the engine at ``url``: ``/get_model_info``, else
+        ``/get_server_info``; the length is ``None`` when neither names one."""
+        client = self.client(url)
+        for ask, keys in ((client.model_info, ("max_context_length", "context_length")),
+                          (client.server_info, ("context_length", "max_context_length"))):
+            try:
+                info = await ask(timeout=INFO_TIMEOUT_S)
+            except EngineError:
+                info = {}
+            except (httpx.HTTPError, OSError, ValueError):
+                return False, None
+            values = [info.get(k) for k in keys if isinstance(info, dict)]
+            found = next((int(v) for v in values if isinstance(v, int) and not isinstance(v, bool) and v > 0), None)
+            if found is not None:
+                return True, found
+        return True, None
 
-    try:
-        async with session.post(f"{url}/abort_request", json={"rid": rid},
-                                timeout=aiohttp.ClientTimeout(total=5)) as resp:
-            await resp.read()
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-        pass
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()

@@ -9,15 +9,17 @@ events while it is generated.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import time
 import uuid
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 
 from .errors import RouterError, bad_request
+from .protocol import json_response, read_json, serve_turn
 from .streaming import SSEStream
 
 # Fields of OpenAI's chat-completions request that the router honours.
@@ -174,24 +176,32 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
     return out
 
 
-def parse_tools(tools: Any) -> list[dict[str, Any]] | None:
+def chat_function(tool: Any, param: str) -> dict[str, Any]:
+    """The ``function`` of one chat-completions tool (``{"type": "function", "function": {...}}``)."""
+    if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+        raise bad_request(f"{param}: only tools of type 'function' are supported", param=param, code="invalid_value")
+    fn = tool.get("function")
+    if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
+        raise bad_request(f"{param}.function.name is required", param=f"{param}.function.name", code="invalid_value")
+    if "parameters" in fn and not isinstance(fn["parameters"], Mapping):
+        raise bad_request(f"{param}.function.parameters must be a JSON schema object",
+                          param=f"{param}.function.parameters", code="invalid_type")
+    return dict(fn)
+
+
+def parse_tools(tools: Any, function_of: Callable[[Any, str], dict[str, Any]] = chat_function
+                ) -> list[dict[str, Any]] | None:
+    """Chat-completions tools from a request's ``tools`` list (``None`` when there are none).
+
+    ``function_of(tool, param)`` reads one tool as its protocol spells it into the function
+    object (``name``, ``description``, ``parameters``) or raises a 400 naming ``param``.
+    """
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise bad_request("'tools' must be a list", param="tools", code="invalid_type")
-    out = []
-    for i, tool in enumerate(tools):
-        p = f"tools[{i}]"
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            raise bad_request(f"{p}: only tools of type 'function' are supported", param=p, code="invalid_value")
-        fn = tool.get("function")
-        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise bad_request(f"{p}.function.name is required", param=f"{p}.function.name", code="invalid_value")
-        if "parameters" in fn and not isinstance(fn["parameters"], Mapping):
-            raise bad_request(f"{p}.function.parameters must be a JSON schema object",
-                              param=f"{p}.function.parameters", code="invalid_type")
-        out.append({"type": "function", "function": dict(fn)})
-    return out or None
+    return [{"type": "function", "function": function_of(tool, f"tools[{i}]")} for i, tool in enumerate(tools)] \
+        or None
 
 
 def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
@@ -355,3 +365,25 @@ class ChatCompletionStream(SSEStream):
         await self.send(exc.body())
         await self.send_raw("data: [DONE]\n\n")
         return await self.close()
+
+
+async def handle_chat(turns: Any, request: Any) -> Any:
+    """``POST /{trajectory}/{attempt}/v1/chat/completions``."""
+    turns.lookup(request)
+    body = await read_json(request)
+    parse_chat_request(body)  # a stream starts only for a valid request
+    stream = ChatCompletionStream(request, body) if isinstance(body, dict) and body.get("stream") else None
+    return await serve_turn(turns, request, body, stream, lambda answer: answer)
+
+
+async def handle_models(turns: Any, request: Any) -> Any:
+    """``GET /{trajectory}/{attempt}/v1/models``: the one model the router serves."""
+    turns.lookup(request)
+    return json_response({"object": "list", "data": [
+        {"id": turns.model_name, "object": "model", "created": 0, "owned_by": "loongsage"}]})
+
+
+def add_routes(app: Any, turns: Any) -> None:
+    """Serve OpenAI's Chat Completions API (and the model list) on every trajectory's base URL."""
+    app.router.add_post("/{tid}/{attempt}/v1/chat/completions", functools.partial(handle_chat, turns))
+    app.router.add_get("/{tid}/{attempt}/v1/models", functools.partial(handle_models, turns))

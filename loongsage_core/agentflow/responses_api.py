@@ -17,13 +17,16 @@ map to chat tools; other tool types and other input items are a clear 400. The a
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, bad_request
-from .streaming import SSEStream, as_router_error
+from .openai_api import parse_tools
+from .protocol import read_json, serve_turn
+from .streaming import BlockStream
 
 PROTOCOL = "responses"
 
@@ -138,26 +141,16 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
-    if tools is None:
-        return None
-    if not isinstance(tools, list):
-        raise bad_request("'tools' must be a list", param="tools", code="invalid_type")
-    out = []
-    for i, tool in enumerate(tools):
-        p = f"tools[{i}]"
-        kind = tool.get("type") if isinstance(tool, Mapping) else None
-        if kind != "function":
-            raise bad_request(f"{p}: tools of type {json.dumps(kind)} are not supported; only 'function' tools are",
-                              param=f"{p}.type", code="unsupported_value")
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise bad_request(f"{p}.name is required", param=f"{p}.name", code="invalid_value")
-        fn = {"name": tool["name"]}
-        for key in ("description", "parameters"):
-            if tool.get(key) is not None:
-                fn[key] = tool[key]
-        out.append({"type": "function", "function": fn})
-    return out or None
+def function_of(tool: Any, param: str) -> dict[str, Any]:
+    """The chat-completions function of one Responses tool (``{"type": "function", "name", ...}``)."""
+    kind = tool.get("type") if isinstance(tool, Mapping) else None
+    if kind != "function":
+        raise bad_request(f"{param}: tools of type {json.dumps(kind)} are not supported; only 'function' tools are",
+                          param=f"{param}.type", code="unsupported_value")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise bad_request(f"{param}.name is required", param=f"{param}.name", code="invalid_value")
+    return {"name": tool["name"], **{key: tool[key] for key in ("description", "parameters")
+                                     if tool.get(key) is not None}}
 
 
 def chat_tool_choice(value: Any) -> Any:
@@ -200,7 +193,7 @@ def chat_request(body: Any, history: list[dict[str, Any]]) -> tuple[dict[str, An
         chat["max_tokens"] = body["max_output_tokens"]
     if body.get("top_logprobs"):
         chat["logprobs"], chat["top_logprobs"] = True, body["top_logprobs"]
-    tools = chat_tools(body.get("tools"))
+    tools = parse_tools(body.get("tools"), function_of)
     if tools:
         chat["tools"] = tools
     choice = chat_tool_choice(body.get("tool_choice"))
@@ -273,7 +266,7 @@ class ResponseBuilder:
         }
 
 
-class ResponsesStream(SSEStream):
+class ResponsesStream(BlockStream):
     """The Responses event stream of one turn, sent as the engine generates.
 
     ``response.created``, ``response.in_progress``; for reasoning and text, as they arrive:
@@ -284,13 +277,14 @@ class ResponsesStream(SSEStream):
     ``response.completed`` (whose ``status`` is ``incomplete`` when the turn hit its token limit).
     """
 
+    REASONING, TEXT = "reasoning", "message"  # the output item types
+
     def __init__(self, request: Any, builder: ResponseBuilder) -> None:
         super().__init__(request)
         self.builder = builder
         self.seq = 0
         self.index = 0
         self.open_item: str | None = None  # "reasoning" | "message"
-        self.text = {"reasoning": "", "message": ""}
 
     async def event(self, kind: str, **fields: Any) -> None:
         await self.send({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
@@ -308,7 +302,7 @@ class ResponsesStream(SSEStream):
 
     def _item(self, kind: str, status: str) -> dict[str, Any]:
         b = self.builder
-        text = self.text[kind]
+        text = self.texts[kind]
         return b.reasoning_item(text, status) if kind == "reasoning" else b.message_item(text, status)
 
     async def _open(self, kind: str) -> None:
@@ -325,7 +319,7 @@ class ResponsesStream(SSEStream):
         if kind is None:
             return
         ids = {"item_id": self.builder.ids[kind], "output_index": self.index, "content_index": 0}
-        text = self.text[kind]
+        text = self.texts[kind]
         if kind == "reasoning":
             await self.event("response.reasoning_text.done", text=text, **ids)
         else:
@@ -335,18 +329,12 @@ class ResponsesStream(SSEStream):
         self.open_item = None
         self.index += 1
 
-    async def delta(self, increments: Mapping[str, str]) -> None:
-        for field, kind in (("reasoning_content", "reasoning"), ("content", "message")):
-            piece = increments.get(field)
-            if not piece or (kind == "reasoning" and self.text["message"]):
-                continue  # reasoning after the answer started is not shown
-            await self._open(kind)
-            self.text[kind] += piece
-            ids = {"item_id": self.builder.ids[kind], "output_index": self.index, "content_index": 0}
-            if kind == "reasoning":
-                await self.event("response.reasoning_text.delta", delta=piece, **ids)
-            else:
-                await self.event("response.output_text.delta", delta=piece, logprobs=[], **ids)
+    async def _piece(self, kind: str, piece: str) -> None:
+        ids = {"item_id": self.builder.ids[kind], "output_index": self.index, "content_index": 0}
+        if kind == "reasoning":
+            await self.event("response.reasoning_text.delta", delta=piece, **ids)
+        else:
+            await self.event("response.output_text.delta", delta=piece, logprobs=[], **ids)
 
     async def finish(self, chat: Mapping[str, Any]) -> Any:
         await self._close()
@@ -373,36 +361,31 @@ class ResponsesStream(SSEStream):
         return await self.close()
 
 
-async def handle_responses(router: Any, request: Any) -> Any:
+async def handle_responses(turns: Any, request: Any) -> Any:
     """``POST /{trajectory}/{attempt}/v1/responses``."""
-    router._lookup(request)
-    body = await router._read_json(request)
-    store = router.protocol_state(request, PROTOCOL)
+    turns.lookup(request)
+    body = await read_json(request)
+    store = turns.protocol_state(request, PROTOCOL)
     previous = body.get("previous_response_id") if isinstance(body, Mapping) else None
     history: list[dict[str, Any]] = []
     if previous is not None:
+        if not isinstance(previous, str):
+            raise bad_request("'previous_response_id' must be a string", param="previous_response_id",
+                              code="invalid_type")
         if previous not in store:
             raise bad_request(f"Previous response with id '{previous}' not found.", param="previous_response_id",
                               code="previous_response_not_found")
         history = [dict(m) for m in store[previous]]
     chat, conversation = chat_request(body, history)
-    builder = ResponseBuilder(body, chat.get("model") or router.model_name)
+    builder = ResponseBuilder(body, chat.get("model") or turns.model_name)
     stream = ResponsesStream(request, builder) if chat.get("stream") else None
-    try:
-        _, answer = await router.run_turn(request, chat, stream)
-    except Exception as exc:  # after the stream started, errors are reported in it
-        if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
-            raise
-        return await stream.fail(as_router_error(exc))
-    store[builder.id] = conversation + [dict(answer["choices"][0]["message"])]
-    if stream is not None:
-        return await stream.finish(answer)
-    return router._json(builder.response(answer))
+
+    def remember(answer: dict[str, Any]) -> None:
+        store[builder.id] = conversation + [dict(answer["choices"][0]["message"])]
+
+    return await serve_turn(turns, request, chat, stream, builder.response, on_answer=remember)
 
 
-def add_routes(app: Any, router: Any) -> None:
+def add_routes(app: Any, turns: Any) -> None:
     """Serve the Responses API on every trajectory's base URL."""
-    async def responses(request: Any) -> Any:
-        return await handle_responses(router, request)
-
-    app.router.add_post("/{tid}/{attempt}/v1/responses", responses)
+    app.router.add_post("/{tid}/{attempt}/v1/responses", functools.partial(handle_responses, turns))

@@ -164,3 +164,35 @@ class SSEStream:
         from ._request_keys import STATUS
 
         self.request[STATUS] = status
+
+
+class BlockStream(SSEStream):
+    """A stream that shows a turn as a reasoning block, then a text block, as they are generated
+    (Anthropic's content blocks, the Responses API's output items).
+
+    Subclasses name the two kinds (:attr:`REASONING`, :attr:`TEXT`) and say how a block opens
+    (``_open(kind)``, which closes the other) and how a piece of one is sent (``_piece``).
+    Reasoning that arrives after the answer started is not shown.
+    """
+
+    REASONING = "reasoning"
+    TEXT = "text"
+
+    def __init__(self, request: Any) -> None:
+        super().__init__(request)
+        self.texts = {self.REASONING: "", self.TEXT: ""}  # what each block has shown
+
+    async def _open(self, kind: str) -> None:
+        raise NotImplementedError
+
+    async def _piece(self, kind: str, piece: str) -> None:
+        raise NotImplementedError
+
+    async def delta(self, increments: Mapping[str, str]) -> None:
+        for field, kind in (("reasoning_content", self.REASONING), ("content", self.TEXT)):
+            piece = increments.get(field)
+            if not piece or (kind == self.REASONING and self.texts[self.TEXT]):
+                continue
+            await self._open(kind)
+            self.texts[kind] += piece
+            await self._piece(kind, piece)

@@ -65,7 +65,7 @@ def start_serving(resolved: ResolvedJob, port: int = 0, output_dir: str | Path |
                              max_prompt_chars=af.max_prompt_chars)
     router.start()
     tid = f"debug-{uuid.uuid4().hex[:8]}"
-    url = router.register(tid, max_response_tokens=af.max_response_tokens or None)
+    url = router.blocking.register(tid, max_response_tokens=af.max_response_tokens or None)
     return Serving(router=router, actors=actors, trajectory_id=tid, trajectory_url=url,
                    trajectory_key=router.trajectory_key(tid), secret_path=secret_path, engine_router=engine_router)
 

@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from aiohttp import web
 
+from ..http_server import ThreadedServer
 from .runs import RunDir, trajectory_row
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -104,33 +105,15 @@ class ViewerServer:
         self.app = build_app(dirs)  # checks the directories before anything starts
         self.port = port
         self.url = ""
-        self._loop = asyncio.new_event_loop()
-        self._runner: web.AppRunner | None = None
-        self._thread: threading.Thread | None = None
-
-    async def _start(self) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, HOST, self.port)
-        await site.start()
-        port = self._runner.addresses[0][1]
-        return f"http://{HOST}:{port}/"
+        self._server = ThreadedServer(self.app, host=HOST, port=port, name="loongsage-view")
 
     def start(self) -> str:
-        self.url = self._loop.run_until_complete(self._start())
-        self._thread = threading.Thread(target=self._loop.run_forever, name="loongsage-view", daemon=True)
-        self._thread.start()
+        self.url = self._server.start() + "/"
+        self.port = self._server.port
         return self.url
 
     def stop(self) -> None:
-        if self._thread is None:
-            return
-        assert self._runner is not None
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(timeout=30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(timeout=30)
-        self._thread = None
-        self._loop.close()
+        self._server.stop()
 
 
 def serve(dirs: Sequence[str], port: int = 0, open_browser: bool = False) -> None:

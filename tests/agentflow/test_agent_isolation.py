@@ -48,7 +48,7 @@ def test_a_hostile_command_agent_reaches_its_own_endpoint_only(secure_engine_url
     script = tmp_path / "hostile.py"
     script.write_text(HOSTILE)
     router = router_factory([secure_engine_url], secret=run_secret)
-    router.register("victim", sampling={"max_new_tokens": 2})
+    router.blocking.register("victim", sampling={"max_new_tokens": 2})
     agent = CommandAgent(command=[sys.executable, str(script), secure_engine_url], stdin=False)
     traj = Trajectory(id="attacker", prompt_id="p", group_id="g", prompt="hi")
     traj = asyncio.run(run_agent_trajectory(router, agent, trajectory=traj, sampling={"max_new_tokens": 2},
@@ -61,6 +61,6 @@ def test_a_hostile_command_agent_reaches_its_own_endpoint_only(secure_engine_url
     assert env["OPENAI_API_KEY"] == router.trajectory_key("attacker") != run_secret
     assert not any(run_secret in value for value in env.values())
     assert len(traj.segments) == 1 and sum(traj.segments[0].loss_mask) >= 1  # its own turn was recorded
-    assert router.get("victim").status == TrajectoryStatus.PENDING
+    assert router.blocking.get("victim").status == TrajectoryStatus.PENDING
     info = httpx.get(secure_engine_url + "/get_server_info", headers={"Authorization": f"Bearer {run_secret}"})
     assert info.json()["internal_states"][0]["paused"] is False

@@ -53,7 +53,7 @@ def test_single_turn_agent(engine_url, router_factory, agents, renderer):
     assert traj.response_length == len(generated) > 0
     assert traj.metadata["agentflow"]["turns"] == 1
     with pytest.raises(KeyError):  # collected: the router forgot it
-        router.get("st-1")
+        router.blocking.get("st-1")
 
 
 def test_tool_agent_calls_python_tools_and_destroys_its_sandbox(tool_engine_url, router_factory, agents, tmp_path,
@@ -120,7 +120,7 @@ def test_crashing_command_agent_marks_the_trajectory_failed(engine_url, router_f
     assert "exited with status 3" in traj.error and "oops" in traj.error
     assert traj.segments == [] and traj.response_text == ""
     with pytest.raises(KeyError):
-        router.get("crash-1")
+        router.blocking.get("crash-1")
 
 
 def test_agent_that_outgrows_the_context_is_marked_failed(engine_url, router_factory, agents):

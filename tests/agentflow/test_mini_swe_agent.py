@@ -39,7 +39,7 @@ def long_context_engine_url():
 
 def test_mini_swe_agent_calls_are_served_and_recorded(router_factory, long_context_engine_url, tmp_path):
     router = router_factory([long_context_engine_url])
-    url = router.register("mini", max_response_tokens=200, sampling={"max_new_tokens": 12, "locked": True})
+    url = router.blocking.register("mini", max_response_tokens=200, sampling={"max_new_tokens": 12, "locked": True})
     mini = shutil.which("mini", path=str(Path(sys.executable).parent)) or shutil.which("mini")
     assert mini, "mini-swe-agent is a test dependency (pip install -e '.[test]')"
     env = dict(os.environ, OPENAI_API_KEY="loongsage", MSWEA_COST_TRACKING="ignore_errors",
@@ -51,7 +51,7 @@ def test_mini_swe_agent_calls_are_served_and_recorded(router_factory, long_conte
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL,
                          cwd=tmp_path)
     assert (tmp_path / "trajectory.json").exists(), out.stdout[-2000:] + out.stderr[-2000:]
-    record = router.get("mini")
+    record = router.blocking.get("mini")
     assert len(record.turns) >= 2  # the agent kept talking after format errors
     assert all(t.completion_tokens > 0 for t in record.turns)
     generated = sum(sum(seg.loss_mask) for seg in record.segments)

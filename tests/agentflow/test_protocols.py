@@ -40,7 +40,7 @@ def anthropic_client(url: str) -> anthropic.Anthropic:
 # ------------------------------------------------------------------------------- Chat Completions
 def test_chat_top_logprobs_come_from_the_engine(engine_url, router_factory, renderer):
     router = router_factory([engine_url])
-    url = router.register("c-top", sampling={"max_new_tokens": 6, "seed": 2})
+    url = router.blocking.register("c-top", sampling={"max_new_tokens": 6, "seed": 2})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     messages = [{"role": "user", "content": "hi"}]
     resp = client.chat.completions.create(model="p", messages=messages, logprobs=True, top_logprobs=3)
@@ -56,16 +56,16 @@ def test_chat_top_logprobs_come_from_the_engine(engine_url, router_factory, rend
     for entry, row in zip(content, direct["meta_info"]["output_top_logprobs"]):
         assert [t.token for t in entry.top_logprobs] == [renderer.decode([t]) for _, t, _ in row]
         assert [t.logprob for t in entry.top_logprobs] == pytest.approx([lp for lp, _, _ in row], abs=1e-5)
-    assert generated(router.pop("c-top")) == ids
+    assert generated(router.blocking.pop("c-top")) == ids
 
 
 # ------------------------------------------------------------------------------------- Responses
 def test_responses_text_is_recorded_token_exact(engine_url, router_factory, renderer):
     router = router_factory([engine_url])
-    url = router.register("r-1", sampling={"max_new_tokens": 12, "seed": 3})
+    url = router.blocking.register("r-1", sampling={"max_new_tokens": 12, "seed": 3})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     resp = client.responses.create(model="policy", instructions="Be brief.", input="Say something.")
-    record = router.pop("r-1")
+    record = router.blocking.pop("r-1")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
     prompt = renderer.prompt_tokens(messages)
     seg = record.segments[0]
@@ -81,7 +81,7 @@ def test_responses_text_is_recorded_token_exact(engine_url, router_factory, rend
 
 def test_responses_stream_events(engine_url, router_factory, renderer):
     router = router_factory([engine_url])
-    url = router.register("r-2", sampling={"max_new_tokens": 16, "seed": 9})
+    url = router.blocking.register("r-2", sampling={"max_new_tokens": 16, "seed": 9})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     events = list(client.responses.create(model="policy", input=[
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "hi"}]}], stream=True))
@@ -90,24 +90,24 @@ def test_responses_stream_events(engine_url, router_factory, renderer):
     assert kinds[-1] == "response.completed"
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    record = router.pop("r-2")
+    record = router.blocking.pop("r-2")
     assert text == renderer.content_of(generated(record)) == events[-1].response.output_text
     if text:
         assert kinds.index("response.output_item.added") < kinds.index("response.content_part.added") < \
             kinds.index("response.output_text.delta") < kinds.index("response.output_text.done") < \
             kinds.index("response.output_item.done")
     # the SDK's own accumulating stream helper understands the events
-    url = router.register("r-3", sampling={"max_new_tokens": 8, "seed": 9})
+    url = router.blocking.register("r-3", sampling={"max_new_tokens": 8, "seed": 9})
     with openai.OpenAI(base_url=url, api_key="k", max_retries=0).responses.stream(model="p", input="hi") as s:
         final = s.get_final_response()
-    assert final.output_text == renderer.content_of(generated(router.pop("r-3")))
+    assert final.output_text == renderer.content_of(generated(router.blocking.pop("r-3")))
 
 
 def test_responses_tool_round_trip(tool_engine_url, router_factory, renderer, tool_call):
     from loongsage_plugin_agents.tool_parser import ToolCallParser
 
     router = router_factory([tool_engine_url], [ToolCallParser("hermes")])
-    url = router.register("r-tools", sampling={"max_new_tokens": 32})
+    url = router.blocking.register("r-tools", sampling={"max_new_tokens": 32})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     first = client.responses.create(model="p", input="What is 1+2?", tools=RESPONSES_TOOLS)
     [call] = [o for o in first.output if o.type == "function_call"]
@@ -129,7 +129,7 @@ def test_responses_tool_round_trip(tool_engine_url, router_factory, renderer, to
         call.model_dump(), {"type": "function_call_output", "call_id": call.call_id, "output": "3"},
         call2.model_dump(), {"type": "function_call_output", "call_id": call2.call_id, "output": "3 again"}])
     assert third.output[-1].type == "function_call"
-    record = router.pop("r-tools")
+    record = router.blocking.pop("r-tools")
     assert len(record.segments) == 1 and len(record.turns) == 3  # every turn extended the one segment
     text = renderer.decode(record.segments[0].tokens)
     assert "<tool_response>\n3\n</tool_response>" in text and "<tool_response>\n3 again\n</tool_response>" in text
@@ -138,7 +138,7 @@ def test_responses_tool_round_trip(tool_engine_url, router_factory, renderer, to
 
 def test_responses_bad_input_gets_openai_errors(engine_url, router_factory):
     router = router_factory([engine_url])
-    url = router.register("r-bad", sampling={"max_new_tokens": 4})
+    url = router.blocking.register("r-bad", sampling={"max_new_tokens": 4})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     cases = [
         ({"input": "x", "bogus": 1}, "bogus"),
@@ -148,6 +148,7 @@ def test_responses_bad_input_gets_openai_errors(engine_url, router_factory):
         ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
          "input[0].content[0].type"),
         ({"input": "x", "previous_response_id": "resp_missing"}, "previous_response_id"),
+        ({"input": "x", "previous_response_id": ["resp_1"]}, "previous_response_id"),
         ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
     ]
     for body, param in cases:
@@ -161,20 +162,20 @@ def test_responses_bad_input_gets_openai_errors(engine_url, router_factory):
 # ----------------------------------------------------------------------------- Anthropic Messages
 def test_messages_text_stream_and_count_tokens(engine_url, router_factory, renderer):
     router = router_factory([engine_url])
-    url = router.register("a-1", sampling={"max_new_tokens": 12, "seed": 5})
+    url = router.blocking.register("a-1", sampling={"max_new_tokens": 12, "seed": 5})
     client = anthropic_client(url)
     count = client.messages.count_tokens(model="p", system="Be brief.", messages=[{"role": "user", "content": "hi"}])
     msg = client.messages.create(model="p", max_tokens=12, system=[{"type": "text", "text": "Be brief."}],
                                  messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}]}])
     prompt = renderer.prompt_tokens([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}])
     assert count.input_tokens == len(prompt) == msg.usage.input_tokens
-    record = router.pop("a-1")
+    record = router.blocking.pop("a-1")
     assert record.segments[0].tokens[:len(prompt)] == prompt
     text = renderer.content_of(generated(record))
     assert "".join(b.text for b in msg.content if b.type == "text") == text
     assert msg.stop_reason in ("end_turn", "max_tokens") and msg.usage.output_tokens == len(generated(record))
     # streaming, through the SDK's accumulating helper and as raw events
-    url = router.register("a-2", sampling={"max_new_tokens": 12, "seed": 5})
+    url = router.blocking.register("a-2", sampling={"max_new_tokens": 12, "seed": 5})
     with anthropic_client(url).messages.stream(model="p", max_tokens=12,
                                                messages=[{"role": "user", "content": "hi"}]) as s:
         events = list(s)
@@ -182,9 +183,9 @@ def test_messages_text_stream_and_count_tokens(engine_url, router_factory, rende
     kinds = [e.type for e in events]
     assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "message_delta" in kinds
     streamed = "".join(b.text for b in final.content if b.type == "text")
-    assert streamed == renderer.content_of(generated(router.pop("a-2")))
+    assert streamed == renderer.content_of(generated(router.blocking.pop("a-2")))
     # HEAD / GET on the base URL answer while the trajectory is live
-    router.register("a-3")
+    router.blocking.register("a-3")
     assert httpx.head(url.removesuffix("/v1").replace("a-2", "a-3"), timeout=10).status_code == 200
     assert httpx.get(url.replace("a-2", "a-3"), timeout=10).status_code == 200
 
@@ -193,7 +194,7 @@ def test_messages_tool_round_trip(tool_engine_url, router_factory, renderer, too
     from loongsage_plugin_agents.tool_parser import ToolCallParser
 
     router = router_factory([tool_engine_url], [ToolCallParser("hermes")])
-    url = router.register("a-tools", sampling={"max_new_tokens": 32})
+    url = router.blocking.register("a-tools", sampling={"max_new_tokens": 32})
     client = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key="k", max_retries=0,
                                  default_headers={"anthropic-beta": "interleaved-thinking-2025-05-14"})
     messages: list[dict] = [{"role": "user", "content": "What is 1+2?"}]
@@ -218,7 +219,7 @@ def test_messages_tool_round_trip(tool_engine_url, router_factory, renderer, too
                                                         "content": [{"type": "text", "text": "3 again"}]}]}]},
                       timeout=60)
     assert resp.status_code == 200 and resp.json()["stop_reason"] == "tool_use"
-    record = router.pop("a-tools")
+    record = router.blocking.pop("a-tools")
     assert len(record.segments) == 1 and len(record.turns) == 3
     text = renderer.decode(record.segments[0].tokens)
     assert "<tool_response>\n3 again\n</tool_response>" in text and text.count(tool_call["text"]) == 3
@@ -226,7 +227,7 @@ def test_messages_tool_round_trip(tool_engine_url, router_factory, renderer, too
 
 def test_messages_bad_input_gets_anthropic_errors(engine_url, router_factory):
     router = router_factory([engine_url])
-    url = router.register("a-bad", sampling={"max_new_tokens": 4})
+    url = router.blocking.register("a-bad", sampling={"max_new_tokens": 4})
     base = url + "/messages"
     user = [{"role": "user", "content": "hi"}]
     cases = [
@@ -269,17 +270,17 @@ class SplitReasoning:
 def test_reasoning_comes_out_as_reasoning_items_and_thinking_blocks(engine_url, router_factory, renderer):
     router = router_factory([engine_url], [SplitReasoning()], turn_end_ids=[511])
     sampling = {"max_new_tokens": 8, "seed": 4, "ignore_eos": True}
-    url = router.register("think-r", sampling=sampling)
+    url = router.blocking.register("think-r", sampling=sampling)
     events = list(openai.OpenAI(base_url=url, api_key="k", max_retries=0).responses.create(
         model="p", input="hi", stream=True))
-    text = renderer.content_of(generated(router.pop("think-r")))
+    text = renderer.content_of(generated(router.blocking.pop("think-r")))
     final = events[-1].response
     assert [o.type for o in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text + final.output_text == text
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text[:len(text) // 2]
-    url = router.register("think-a", sampling=sampling)
+    url = router.blocking.register("think-a", sampling=sampling)
     msg = anthropic_client(url).messages.create(model="p", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
-    text = renderer.content_of(generated(router.pop("think-a")))
+    text = renderer.content_of(generated(router.blocking.pop("think-a")))
     assert [b.type for b in msg.content] == ["thinking", "text"]
     assert msg.content[0].thinking + msg.content[1].text == text
 
@@ -296,7 +297,7 @@ def over_context_request(protocol: str, text: str) -> tuple[str, dict]:
 @pytest.mark.parametrize("protocol", ["chat", "responses", "anthropic"])
 def test_over_context_prompt_is_a_400_and_marks_the_trajectory(engine_url, router_factory, protocol):
     router = router_factory([engine_url])
-    url = router.register(f"ctx-{protocol}", max_context_length=64)
+    url = router.blocking.register(f"ctx-{protocol}", max_context_length=64)
     path, body = over_context_request(protocol, "word " * 200)
     for stream in (False, True):
         resp = httpx.post(url + path, json={**body, "stream": stream}, timeout=30)
@@ -306,19 +307,19 @@ def test_over_context_prompt_is_a_400_and_marks_the_trajectory(engine_url, route
             assert err["error"]["type"] == "invalid_request_error" and "context length" in err["error"]["message"]
         else:
             assert err["error"]["code"] == "context_length_exceeded"
-    record = router.pop(f"ctx-{protocol}")
+    record = router.blocking.pop(f"ctx-{protocol}")
     assert record.status.value == "failed" and record.error.startswith("context_length_exceeded")
     assert record.segments == []
     # at the boundary: a prompt that fills the limit is refused, one token of room generates one token
     path, body = over_context_request(protocol, "hello")
-    url = router.register(f"edge-{protocol}", max_context_length=10**6, sampling={"max_new_tokens": 1})
+    url = router.blocking.register(f"edge-{protocol}", max_context_length=10**6, sampling={"max_new_tokens": 1})
     assert httpx.post(url + path, json=body, timeout=30).status_code == 200
-    prompt_len = router.pop(f"edge-{protocol}").turns[0].prompt_tokens
+    prompt_len = router.blocking.pop(f"edge-{protocol}").turns[0].prompt_tokens
     for limit, status in ((prompt_len, 400), (prompt_len + 1, 200)):
-        url = router.register(f"edge-{protocol}", max_context_length=limit, sampling={"max_new_tokens": 5})
+        url = router.blocking.register(f"edge-{protocol}", max_context_length=limit, sampling={"max_new_tokens": 5})
         resp = httpx.post(url + path, json=body, timeout=30)
         assert resp.status_code == status, (limit, resp.text)
-        record = router.pop(f"edge-{protocol}")
+        record = router.blocking.pop(f"edge-{protocol}")
         assert (record.response_tokens, record.status.value) == ((0, "failed") if status == 400 else (1, "generating"))
 
 
@@ -352,10 +353,10 @@ def test_stream_arrives_as_it_is_generated(engine_url, router_factory, protocol)
                   "responses": ("/responses", {"model": "p", "input": "go"}),
                   "anthropic": ("/messages", {"model": "p", "messages": [{"role": "user", "content": "go"}]})}[protocol]
     for n in (32, 128):
-        url = router.register(f"s-{protocol}-{n}", sampling={"max_new_tokens": n, "seed": 1, "ignore_eos": True,
-                                                             "temperature": 0.0})
+        url = router.blocking.register(f"s-{protocol}-{n}", sampling={"max_new_tokens": n, "seed": 1,
+                                                                      "ignore_eos": True, "temperature": 0.0})
         times = text_event_times(url, path, {**body, "max_tokens": n} if protocol == "anthropic" else body, protocol)
-        assert router.pop(f"s-{protocol}-{n}").turns[0].completion_tokens == n
+        assert router.blocking.pop(f"s-{protocol}-{n}").turns[0].completion_tokens == n
         assert len(times) >= n // 2, (protocol, n, len(times))
         if n == 128:  # long enough to time: the first text came well before the last
             assert times[0] < 0.5 * times[-1], (protocol, times[0], times[-1])
@@ -363,7 +364,7 @@ def test_stream_arrives_as_it_is_generated(engine_url, router_factory, protocol)
 
 def test_client_disconnect_aborts_the_generation(engine_url, router_factory):
     router = router_factory([engine_url], turn_end_ids=[511])
-    url = router.register("gone", sampling={"max_new_tokens": 600, "ignore_eos": True})
+    url = router.blocking.register("gone", sampling={"max_new_tokens": 600, "ignore_eos": True})
 
     def aborted() -> int:
         return httpx.get(engine_url + "/get_server_info", timeout=10).json()["internal_states"][0]["aborted_requests"]
@@ -379,14 +380,14 @@ def test_client_disconnect_aborts_the_generation(engine_url, router_factory):
     while aborted() == before and time.time() < deadline:
         time.sleep(0.1)
     assert aborted() == before + 1
-    record = router.pop("gone")
+    record = router.blocking.pop("gone")
     assert record.segments == [] and record.turns == []  # an unfinished turn is never recorded
 
 
 def test_access_log_records_every_request(engine_url, router_factory, tmp_path):
     log = tmp_path / "access.jsonl"
     router = router_factory([engine_url], access_log_path=str(log))
-    url = router.register("log-1", sampling={"max_new_tokens": 2})
+    url = router.blocking.register("log-1", sampling={"max_new_tokens": 2})
     httpx.post(url + "/responses", json={"model": "p", "input": "hi"}, timeout=30)
     httpx.post(url + "/messages", json={"model": "p", "messages": []}, timeout=30)
     entries = router.access_log.entries()
@@ -412,7 +413,7 @@ class Broken:
 
 def test_a_failure_after_the_stream_started_is_reported_in_it(engine_url, router_factory):
     router = router_factory([engine_url], [Broken()])
-    url = router.register("fail-mid", sampling={"max_new_tokens": 3})
+    url = router.blocking.register("fail-mid", sampling={"max_new_tokens": 3})
     for path, body in (("/chat/completions", {"messages": [{"role": "user", "content": "x"}]}),
                        ("/responses", {"input": "x"}),
                        ("/messages", {"max_tokens": 3, "messages": [{"role": "user", "content": "x"}]})):
@@ -434,7 +435,7 @@ def test_a_failure_after_the_stream_started_is_reported_in_it(engine_url, router
     while len(router.access_log.entries()) < 4 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert [e["status"] for e in router.access_log.entries()] == [500] * 4
-    assert router.pop("fail-mid").turns == []
+    assert router.blocking.pop("fail-mid").turns == []
 
 
 # ------------------------------------------------------------------- token exactness, property
@@ -510,17 +511,17 @@ def test_recorded_tokens_are_generated_plus_template(engine_url, router_factory,
     @given(history=conversations(), follow_up=_TEXT, stream=st.booleans())
     def check(history, follow_up, stream):
         tid = f"prop-{protocol}-{next(counter)}"
-        url = router.register(tid, sampling=sampling)
+        url = router.blocking.register(tid, sampling=sampling)
         path, body = as_protocol(protocol, history)
         assert httpx.post(url + path, json={**body, "stream": stream}, timeout=60).status_code == 200
-        record = router.get(tid)
+        record = router.blocking.get(tid)
         answer = record.messages[-1]
         # turn 2: the client adds the model's answer (as it saw it) and a new user message
         history2 = history + [{"role": "assistant", "content": answer["content"]},
                               {"role": "user", "content": follow_up}]
         path, body = as_protocol(protocol, history2)
         assert httpx.post(url + path, json={**body, "stream": stream}, timeout=60).status_code == 200
-        record = router.pop(tid)
+        record = router.blocking.pop(tid)
         assert len(record.segments) == 1 and len(record.turns) == 2
         seg = record.segments[0]
         (s1, e1), (s2, e2) = seg.turns
@@ -547,13 +548,13 @@ def test_recorded_tokens_are_generated_plus_template(engine_url, router_factory,
 def test_messages_system_messages_between_turns_are_rendered_in_place(engine_url, router_factory, renderer):
     """Claude Code 2.1 sends ``system`` messages after its first user message (environment notes)."""
     router = router_factory([engine_url])
-    url = router.register("a-midsys", sampling={"max_new_tokens": 2})
+    url = router.blocking.register("a-midsys", sampling={"max_new_tokens": 2})
     body = {"model": "p", "max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "first"}]},
         {"role": "system", "content": [{"type": "text", "text": "cwd: /work"}]},
         {"role": "user", "content": "second"}]}
     resp = httpx.post(url + "/messages", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
-    record = router.pop("a-midsys")
+    record = router.blocking.pop("a-midsys")
     text = renderer.decode(record.segments[0].tokens)
     assert "<|im_start|>user\nfirst<|im_end|>\n<|im_start|>user\ncwd: /work<|im_end|>\n<|im_start|>user\nsecond" in text

@@ -43,7 +43,7 @@ def chat(url: str, body: dict[str, Any], timeout: float = 120) -> httpx.Response
 
 def test_oversized_body_is_a_413_before_it_is_parsed(engine_url, router_factory):
     router = router_factory([engine_url], max_request_bytes=64 * 1024)
-    url = router.register("big")
+    url = router.blocking.register("big")
     resp = chat(url, {"messages": [{"role": "user", "content": "x" * 200_000}]})
     assert resp.status_code == 413
     err = resp.json()["error"]
@@ -55,7 +55,7 @@ def test_overlong_prompt_is_a_400_before_any_tokenization(engine_url, router_fac
     counting = CountingTokenizer(tokenizer)
     router = router_factory([engine_url], max_prompt_chars=10_000)
     router.renderer.tokenizer = counting
-    url = router.register("long")
+    url = router.blocking.register("long")
     for messages, tools in (([{"role": "user", "content": "y" * 12_000}], None),
                             ([{"role": "user", "content": "a"}] * 6_000, None),
                             (MSGS, [{"type": "function", "function": {"name": "f", "description": "d" * 12_000}}])):
@@ -88,17 +88,17 @@ BAD_REQUESTS = [
 @pytest.mark.parametrize("extra,param", BAD_REQUESTS)
 def test_bad_sampling_values_are_400s(engine_url, router_factory, extra, param):
     router = router_factory([engine_url])
-    url = router.register("s", sampling={"max_new_tokens": 4})
+    url = router.blocking.register("s", sampling={"max_new_tokens": 4})
     resp = chat(url, {"messages": MSGS, **extra})
     assert resp.status_code == 400, resp.text
     if param is not None:
         assert resp.json()["error"]["param"] == param
-    assert router.get("s").turns == []
+    assert router.blocking.get("s").turns == []
 
 
 def test_extreme_but_valid_seeds_are_served(engine_url, router_factory):
     router = router_factory([engine_url])
-    url = router.register("seeds", sampling={"max_new_tokens": 2})
+    url = router.blocking.register("seeds", sampling={"max_new_tokens": 2})
     for seed in (2**63 - 1, -(2**63), 0):
         resp = chat(url, {"messages": MSGS, "seed": seed})
         assert resp.status_code == 200, resp.text
@@ -117,18 +117,18 @@ def test_trajectory_with_bad_sampling_is_refused_at_registration(engine_url, rou
     router = router_factory([engine_url])
     key = next(iter(sampling))
     with pytest.raises(ValueError, match=f"sampling.{key}"):
-        router.register("bad", sampling=sampling)
+        router.blocking.register("bad", sampling=sampling)
     if isinstance(sampling[key], float) and sampling[key] != sampling[key]:
         return  # NaN cannot be sent as JSON
     resp = httpx.post(router.base_url + "/admin/trajectories", json={"trajectory_id": "bad", "sampling": sampling})
     assert resp.status_code == 400 and f"sampling.{key}" in resp.json()["error"]["message"]
-    assert router.stats()["trajectories"] == 0
+    assert router.blocking.stats()["trajectories"] == 0
 
 
 def test_a_huge_request_does_not_stall_health_or_other_trajectories(engine_url, router_factory):
     router = router_factory([engine_url], max_prompt_chars=4_000_000, max_request_bytes=32 * 2**20)
-    big_url = router.register("huge", sampling={"max_new_tokens": 2})
-    small_url = router.register("small", sampling={"max_new_tokens": 2, "seed": 3})
+    big_url = router.blocking.register("huge", sampling={"max_new_tokens": 2})
+    small_url = router.blocking.register("small", sampling={"max_new_tokens": 2, "seed": 3})
     done: dict[str, float] = {}
 
     def huge() -> None:
@@ -158,7 +158,7 @@ def test_a_huge_request_does_not_stall_health_or_other_trajectories(engine_url, 
 
 def test_client_disconnect_aborts_the_generation_quietly(engine_url, router_factory, caplog, capfd):
     router = router_factory([engine_url], turn_end_ids=[511])
-    url = router.register("gone", sampling={"max_new_tokens": 900, "seed": 4, "ignore_eos": True})
+    url = router.blocking.register("gone", sampling={"max_new_tokens": 900, "seed": 4, "ignore_eos": True})
     info = lambda: httpx.get(engine_url + "/get_server_info").json()["internal_states"][0]  # noqa: E731
     aborted_before = info()["aborted_requests"]
     body = json.dumps({"messages": MSGS, "stream": True}).encode()
@@ -173,15 +173,15 @@ def test_client_disconnect_aborts_the_generation_quietly(engine_url, router_fact
             time.sleep(0.02)
         assert info()["running"] == 1
     left = time.monotonic()
-    while (info()["running"] or router.stats()["in_flight"][engine_url]) and time.monotonic() - left < 30:
+    while (info()["running"] or router.blocking.stats()["in_flight"][engine_url]) and time.monotonic() - left < 30:
         time.sleep(0.02)
     state = info()
-    assert state["running"] == 0 and router.stats()["in_flight"][engine_url] == 0
+    assert state["running"] == 0 and router.blocking.stats()["in_flight"][engine_url] == 0
     assert state["aborted_requests"] == aborted_before + 1
-    assert router.get("gone").turns == []  # nothing half-generated was recorded
+    assert router.blocking.get("gone").turns == []  # nothing half-generated was recorded
     # the agent comes back and carries on
     again = chat(url, {"messages": MSGS, "max_tokens": 3})
-    assert again.status_code == 200 and len(router.get("gone").turns) == 1
+    assert again.status_code == 200 and len(router.blocking.get("gone").turns) == 1
     errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert errors == [], [r.getMessage() for r in errors]
     out, err = capfd.readouterr()

@@ -279,7 +279,7 @@ def test_fuzz_route(route, fuzz_router, run_secret, http, caplog, capfd):
               suppress_health_check=list(HealthCheck))
     @given(body=body_strategy, raw=st.none() | st.none() | raw_bodies, tid=tids, attempt=attempts, cred=credentials)
     def one(body: Any, raw: bytes | None, tid: str, attempt: str, cred: str) -> None:
-        router.register(TID, sampling={"max_new_tokens": 3, "seed": 1}, max_response_tokens=6)
+        router.blocking.register(TID, sampling={"max_new_tokens": 3, "seed": 1}, max_response_tokens=6)
         url = router.base_url + route.path.format(tid=tid, attempt=attempt)
         headers = _headers(cred, run_secret, tid, attempt)
         if raw is not None and route.bodies is not None:
@@ -301,7 +301,7 @@ def test_fuzz_route(route, fuzz_router, run_secret, http, caplog, capfd):
 
 def test_every_router_route_is_fuzzed(fuzz_router):
     """A route added to the router without a fuzz entry fails here (health is open and has no body)."""
-    served = {(r.method, r.resource.canonical) for r in fuzz_router._runner.app.router.routes()
+    served = {(r.method, r.resource.canonical) for r in fuzz_router.app.router.routes()
               if r.method != "HEAD" and r.resource is not None}
     fuzzed = {(r.method, r.path.split("?")[0].rstrip("/")) for r in ROUTES}
     missing = {(m, p) for m, p in served if (m, p.rstrip("/")) not in fuzzed and p not in ("/health",)}

@@ -42,11 +42,11 @@ def spans(mask: list[int], value: int) -> list[tuple[int, int]]:
 
 def test_chat_records_exactly_what_the_engine_generated(engine_url, router_factory, renderer):
     router = router_factory([engine_url])
-    url = router.register("traj-1", sampling={"temperature": 1.0, "max_new_tokens": 16, "seed": 11})
+    url = router.blocking.register("traj-1", sampling={"temperature": 1.0, "max_new_tokens": 16, "seed": 11})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Say something."}]
     resp = client.chat.completions.create(model="policy", messages=messages)
-    record = router.pop("traj-1")
+    record = router.blocking.pop("traj-1")
     seg = record.segments[0]
     prompt = renderer.prompt_tokens(messages)
     assert seg.tokens[:len(prompt)] == prompt and seg.loss_mask[:len(prompt)] == [0] * len(prompt)
@@ -71,7 +71,7 @@ def test_multi_turn_tool_conversation_is_token_exact(tool_engine_url, router_fac
     from loongsage_plugin_agents.tool_parser import ToolCallParser
 
     router = router_factory([tool_engine_url], [ToolCallParser("hermes")])
-    url = router.register("tools-1", sampling={"temperature": 1.0, "max_new_tokens": 32})
+    url = router.blocking.register("tools-1", sampling={"temperature": 1.0, "max_new_tokens": 32})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     messages: list[dict] = [{"role": "user", "content": "What is 1+2?"}]
     for turn in range(2):
@@ -92,7 +92,7 @@ def test_multi_turn_tool_conversation_is_token_exact(tool_engine_url, router_fac
     assert [d.tool_calls[0].function.name for d in deltas if d.tool_calls] == ["add"]
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(tool_call["pieces"])
-    record = router.pop("tools-1")
+    record = router.blocking.pop("tools-1")
     assert len(record.segments) == 1 and len(record.turns) == 3
     seg = record.segments[0]
     ones = spans(seg.loss_mask, 1)
@@ -116,12 +116,12 @@ def test_multi_turn_tool_conversation_is_token_exact(tool_engine_url, router_fac
 
 def test_streaming_matches_the_record(engine_url, router_factory, renderer):
     router = router_factory([engine_url])
-    url = router.register("stream-1", sampling={"max_new_tokens": 12, "seed": 5})
+    url = router.blocking.register("stream-1", sampling={"max_new_tokens": 12, "seed": 5})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     chunks = list(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                                  stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    record = router.pop("stream-1")
+    record = router.blocking.pop("stream-1")
     generated = [t for t, m in zip(record.segments[0].tokens, record.segments[0].loss_mask) if m]
     assert text == renderer.content_of(generated)
     assert chunks[-1].usage.completion_tokens == len(generated)
@@ -130,14 +130,14 @@ def test_streaming_matches_the_record(engine_url, router_factory, renderer):
 
 def test_requests_extend_the_record_or_start_a_new_segment(engine_url, router_factory):
     router = router_factory([engine_url])
-    url = router.register("seg-1", sampling={"max_new_tokens": 6, "seed": 1})
+    url = router.blocking.register("seg-1", sampling={"max_new_tokens": 6, "seed": 1})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     msgs = [{"role": "user", "content": "one"}]
     a = client.chat.completions.create(model="m", messages=msgs)
     msgs += [{"role": "assistant", "content": a.choices[0].message.content}, {"role": "user", "content": "two"}]
     client.chat.completions.create(model="m", messages=msgs)
     client.chat.completions.create(model="m", messages=[{"role": "user", "content": "compacted history"}])
-    record = router.pop("seg-1")
+    record = router.blocking.pop("seg-1")
     assert [t.segment for t in record.turns] == [0, 0, 1]
     assert [t.new_segment for t in record.turns] == [True, False, True]
     assert len(record.segments) == 2 and all(s.trainable for s in record.segments)
@@ -145,7 +145,7 @@ def test_requests_extend_the_record_or_start_a_new_segment(engine_url, router_fa
 
 def test_invalid_requests_get_openai_errors(engine_url, router_factory):
     router = router_factory([engine_url])
-    url = router.register("err-1")
+    url = router.blocking.register("err-1")
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     msgs = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.BadRequestError) as info:
@@ -180,42 +180,42 @@ def test_invalid_requests_get_openai_errors(engine_url, router_factory):
     assert info.value.body["code"] == "stale_attempt"
     assert httpx.get(router.base_url + "/nowhere").json()["error"]["code"] == "not_found"
     assert [m.id for m in client.models.list()] == ["policy"]
-    assert router.get("err-1").turns == []  # nothing was recorded by failed requests
+    assert router.blocking.get("err-1").turns == []  # nothing was recorded by failed requests
 
 
 def test_budgets_end_turns_with_length(engine_url, router_factory, renderer):
     # ignore_eos and a rare turn-end token: the random model writes until a limit stops it
     router = router_factory([engine_url], turn_end_ids=[511])
     sampling = {"max_new_tokens": 50, "seed": 4, "ignore_eos": True}
-    url = router.register("budget-1", sampling=sampling, max_response_tokens=7)
+    url = router.blocking.register("budget-1", sampling=sampling, max_response_tokens=7)
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     msgs = [{"role": "user", "content": "go"}]
     first = client.chat.completions.create(model="m", messages=msgs)
     assert first.usage.completion_tokens == 7 and first.choices[0].finish_reason == "length"
-    calls = router.stats()["engine_calls"]
+    calls = router.blocking.stats()["engine_calls"]
     msgs += [{"role": "assistant", "content": first.choices[0].message.content}, {"role": "user", "content": "more"}]
     second = client.chat.completions.create(model="m", messages=msgs)
     assert second.choices[0].finish_reason == "length" and second.usage.completion_tokens == 0
     assert second.choices[0].message.content == ""
-    assert router.stats()["engine_calls"] == calls  # no generation once the budget is spent
-    assert router.pop("budget-1").response_tokens == 7
+    assert router.blocking.stats()["engine_calls"] == calls  # no generation once the budget is spent
+    assert router.blocking.pop("budget-1").response_tokens == 7
     # context budget: prompt + generation never exceeds max_context_length
     prompt_len = len(renderer.prompt_tokens([{"role": "user", "content": "go"}]))
-    url = router.register("budget-2", sampling=sampling, max_context_length=prompt_len + 3)
+    url = router.blocking.register("budget-2", sampling=sampling, max_context_length=prompt_len + 3)
     resp = openai.OpenAI(base_url=url, api_key="k", max_retries=0).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "go"}])
     assert resp.usage.completion_tokens == 3 and resp.choices[0].finish_reason == "length"
-    assert len(router.pop("budget-2").segments[0].tokens) == prompt_len + 3
+    assert len(router.blocking.pop("budget-2").segments[0].tokens) == prompt_len + 3
 
 
 def test_admin_api_over_http(engine_url, router_factory):
     router = router_factory([engine_url])
     admin = RouterClient(router.base_url)
-    url = admin.register("adm-1", sampling={"max_new_tokens": 4}, metadata={"k": 1})
+    url = admin.blocking.register("adm-1", sampling={"max_new_tokens": 4}, metadata={"k": 1})
     assert url == router.url_for("adm-1")
     openai.OpenAI(base_url=url, api_key="k", max_retries=0).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "x"}])
-    record = admin.pop("adm-1")
+    record = admin.blocking.pop("adm-1")
     assert isinstance(record, TrajectoryRecord) and record.metadata == {"k": 1}
     assert record.segments[0].trainable and record.status.value == "generating"
     assert TrajectoryRecord.from_dict(record.to_dict()) == record
@@ -227,7 +227,7 @@ def test_admin_api_over_http(engine_url, router_factory):
 def test_sticky_and_least_loaded_engines(engine_url, tool_engine_url, router_factory):
     router = router_factory([engine_url, tool_engine_url])
     for i in range(4):
-        url = router.register(f"lb-{i}", sampling={"max_new_tokens": 3, "seed": i})
+        url = router.blocking.register(f"lb-{i}", sampling={"max_new_tokens": 3, "seed": i})
         client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
         msgs = [{"role": "user", "content": "a"}]
         r = client.chat.completions.create(model="m", messages=msgs)
@@ -235,7 +235,7 @@ def test_sticky_and_least_loaded_engines(engine_url, tool_engine_url, router_fac
         client.chat.completions.create(model="m", messages=msgs)
     engines = []
     for i in range(4):
-        turns = router.pop(f"lb-{i}").turns
+        turns = router.blocking.pop(f"lb-{i}").turns
         assert len({t.engine for t in turns}) == 1  # sticky: one engine per trajectory
         engines.append(turns[0].engine)
     assert sorted(engines) == sorted([engine_url, tool_engine_url] * 2)  # spread over both
@@ -244,7 +244,7 @@ def test_sticky_and_least_loaded_engines(engine_url, tool_engine_url, router_fac
 def test_engine_abort_mid_turn_is_resumed(engine_url, router_factory):
     router = router_factory([engine_url], turn_end_ids=[511])
     # seed 4 with ignore_eos runs the whole 300 tokens (about a second): long enough to interrupt
-    url = router.register("pause-1", sampling={"max_new_tokens": 300, "seed": 4, "ignore_eos": True})
+    url = router.blocking.register("pause-1", sampling={"max_new_tokens": 300, "seed": 4, "ignore_eos": True})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     result: dict = {}
 
@@ -263,7 +263,7 @@ def test_engine_abort_mid_turn_is_resumed(engine_url, router_factory):
     httpx.post(f"{engine_url}/continue_generation", json={}).raise_for_status()
     worker.join(300)  # popping a trajectory still in flight would abort it: wait until the call returned
     assert not worker.is_alive(), "the resumed call did not return"
-    record = router.pop("pause-1")
+    record = router.blocking.pop("pause-1")
     [turn] = record.turns
     assert turn.continuations >= 1
     seg = record.segments[0]
@@ -274,17 +274,17 @@ def test_engine_abort_mid_turn_is_resumed(engine_url, router_factory):
 
 def test_stop_strings_cut_the_turn(tool_engine_url, router_factory, renderer, tool_call):
     router = router_factory([tool_engine_url])
-    url = router.register("stop-1", sampling={"max_new_tokens": 32})
+    url = router.blocking.register("stop-1", sampling={"max_new_tokens": 32})
     client = openai.OpenAI(base_url=url, api_key="k", max_retries=0)
     msgs = [{"role": "user", "content": "go"}]
     resp = client.chat.completions.create(model="m", messages=msgs, stop=["add", '"name"'])
     assert resp.choices[0].message.content == "<tool_call>{" and resp.choices[0].finish_reason == "stop"
-    seg = router.get("stop-1").segments[0]
+    seg = router.blocking.get("stop-1").segments[0]
     generated = [t for t, m in zip(seg.tokens, seg.loss_mask) if m]
     assert renderer.decode(generated) == '<tool_call>{"name":'  # up to the token that completed the stop
     msgs += [{"role": "assistant", "content": "<tool_call>{"}, {"role": "user", "content": "again"}]
     client.chat.completions.create(model="m", messages=msgs)
-    seg = router.pop("stop-1").segments[0]
+    seg = router.blocking.pop("stop-1").segments[0]
     first_end = seg.turns[0][1]
     # the cut turn is closed by the template's turn end, as prompt text (mask 0)
     closing = renderer.decode(seg.tokens[first_end:seg.turns[1][0]])
@@ -316,12 +316,12 @@ def test_middleware_runs_in_configured_order(engine_url, router_factory, rendere
     seen: list = []
     log = tmp_path / "requests.jsonl"
     router = router_factory([engine_url], [Marker("first", seen), Marker("second", seen), RequestLogger(str(log))])
-    url = router.register("mw-1", sampling={"max_new_tokens": 3})
+    url = router.blocking.register("mw-1", sampling={"max_new_tokens": 3})
     resp = openai.OpenAI(base_url=url, api_key="k", max_retries=0).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "hi"}])
     assert seen == [("request", "first"), ("request", "second"), ("response", "first"), ("response", "second")]
     assert resp.choices[0].message.content.endswith("[first][second]")
-    record = router.pop("mw-1")
+    record = router.blocking.pop("mw-1")
     assert renderer.decode(record.segments[0].tokens).startswith("<|im_start|>system\ninjected<|im_end|>")
     assert record.messages[-1]["content"] == resp.choices[0].message.content
     events = [json.loads(line) for line in log.read_text().splitlines()]

@@ -87,14 +87,14 @@ ADMIN_CALLS = [
 def test_admin_api_refuses_requests_without_the_secret(router, secure_engine, method, path, body):
     if body == {"urls": "ENGINE"}:
         body = {"urls": [secure_engine]}
-    router.register("victim")
+    router.blocking.register("victim")
     agent_key = router.trajectory_key("victim")
     for headers, status in (({}, 401), ({"Authorization": "Bearer wrong"}, 403),
                             ({"Authorization": f"Bearer {agent_key}"}, 403), ({"x-api-key": "wrong"}, 403)):
         resp = httpx.request(method, router.base_url + path, json=body, headers=headers)
         assert resp.status_code == status, (headers, resp.text)
         assert resp.json()["error"]["code"] in ("invalid_api_key", "forbidden")
-    record = router.get("victim")  # nothing happened to the trajectory
+    record = router.blocking.get("victim")  # nothing happened to the trajectory
     assert record.attempt == 0 and record.status.value == "pending"
     assert httpx.get(router.base_url + "/health").status_code == 200
     ok = httpx.request(method, router.base_url + path, json=body, headers=AUTH)
@@ -102,21 +102,21 @@ def test_admin_api_refuses_requests_without_the_secret(router, secure_engine, me
 
 
 def test_agent_key_opens_its_own_endpoint_only(router):
-    url_a = router.register("a", sampling={"max_new_tokens": 4, "seed": 1})
-    url_b = router.register("b", sampling={"max_new_tokens": 4, "seed": 1})
+    url_a = router.blocking.register("a", sampling={"max_new_tokens": 4, "seed": 1})
+    url_b = router.blocking.register("b", sampling={"max_new_tokens": 4, "seed": 1})
     key_a = router.trajectory_key("a")
     msgs = [{"role": "user", "content": "hi"}]
     reply = openai.OpenAI(base_url=url_a, api_key=key_a, max_retries=0).chat.completions.create(
         model="policy", messages=msgs)
     assert reply.usage.completion_tokens >= 1
-    assert len(router.get("a").turns) == 1
+    assert len(router.blocking.get("a").turns) == 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url_b, api_key=key_a, max_retries=0).chat.completions.create(model="p", messages=msgs)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url_b, api_key="guess", max_retries=0).models.list()
-    assert router.get("b").turns == []
+    assert router.blocking.get("b").turns == []
     # the key belongs to one attempt: a retried trajectory gets a new key
-    url_a1 = router.register("a", attempt=1, sampling={"max_new_tokens": 4})
+    url_a1 = router.blocking.register("a", attempt=1, sampling={"max_new_tokens": 4})
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=url_a1, api_key=key_a, max_retries=0).models.list()
     assert openai.OpenAI(base_url=url_a1, api_key=router.trajectory_key("a", 1), max_retries=0).models.list()
@@ -213,12 +213,12 @@ def test_weight_overwrite_attempt_fails_and_greedy_outputs_are_unchanged():
 
 
 def test_router_reaches_a_secured_engine_with_the_secret(router, secure_engine, router_factory):
-    url = router.register("ok", sampling={"max_new_tokens": 3})
+    url = router.blocking.register("ok", sampling={"max_new_tokens": 3})
     reply = openai.OpenAI(base_url=url, api_key=router.trajectory_key("ok"), max_retries=0).chat.completions.create(
         model="policy", messages=[{"role": "user", "content": "x"}])
     assert reply.usage.completion_tokens >= 1
     # a router without the secret cannot use the engine: the agent gets an error, never a 5xx
     open_router = router_factory([secure_engine])
-    url = open_router.register("no", sampling={"max_new_tokens": 3})
+    url = open_router.blocking.register("no", sampling={"max_new_tokens": 3})
     resp = httpx.post(url + "/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}, timeout=60)
     assert resp.status_code == 400 and "run secret" in resp.json()["error"]["message"]

@@ -43,3 +43,30 @@ def test_generate_payload_batches_with_request_ids():
     assert payload["rid"] == ["a", "b"] and payload["sampling_params"][1] == {"top_k": 5}
     with pytest.raises(ValueError, match="rids"):
         EngineClient.generate_payload([[1], [2]], rids=["only-one"])
+
+
+def test_a_malformed_generate_answer_is_a_protocol_error():
+    from loongsage_core.engine_client import EngineProtocolError
+
+    for body, wanted in (([1, 2], "unexpected /generate body"), ({"meta_info": {}}, "did not return output_ids"),
+                         ({"output_ids": [1]}, "unexpected /generate body")):
+        with pytest.raises(EngineProtocolError, match=wanted) as info:
+            GenerationResult.from_response(body)
+        assert info.value.status_code == 502
+
+
+def test_incremental_stream_chunks_add_up_to_the_whole_generation():
+    from loongsage_core.engine_client import merge_stream_chunk
+
+    def chunk(ids, lps, total, finish=None):
+        return {"output_ids": ids, "meta_info": {"completion_tokens": total, "finish_reason": finish,
+                                                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids)],
+                                                 "weight_version": "2"}}
+
+    first = merge_stream_chunk(None, chunk([5, 6], [-0.5, -0.25], 2))
+    assert first.output_ids == [5, 6] and first.finish_reason == ""
+    second = merge_stream_chunk(first, chunk([7], [-1.0], 3, {"type": "stop", "matched": 7}))  # an increment
+    assert second.output_ids == [5, 6, 7] and second.logprobs == [-0.5, -0.25, -1.0]
+    assert second.finish_reason == "stop" and second.weight_versions == [2, 2, 2]
+    cumulative = merge_stream_chunk(first, chunk([5, 6, 7], [-0.5, -0.25, -1.0], 3, "length"))
+    assert cumulative.output_ids == [5, 6, 7] and cumulative.finish_reason == "length"

@@ -11,9 +11,7 @@ weight-update entry (used by the in-process transport); HTTP updates go through
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import threading
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from loongsage_core.backend_api import check_listen_address
@@ -71,9 +69,7 @@ class EmbeddedEngine:
             self.scheduler.decode = lambda ids: self.decode(ids, skip_special_tokens=False)
         self._receivers: dict[str, Any] = {}
         self._weight_groups: Any = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._site_runner: Any = None
+        self._http: Any = None  # the ThreadedServer serving the HTTP API
         self.base_url: str | None = None
 
     # ------------------------------------------------------------------------------------------
@@ -81,7 +77,7 @@ class EmbeddedEngine:
         """Start the decode loop and the HTTP server; returns ``http://HOST:PORT``."""
         if self.base_url is not None:
             return self.base_url
-        from aiohttp import web
+        from loongsage_core.backend_api import ThreadedServer
 
         from .server import EngineServer
 
@@ -91,49 +87,22 @@ class EmbeddedEngine:
         check_listen_address(host, api_key, "embedded engine")
         self.scheduler.start()
         server = EngineServer(self, api_key=api_key)
-        ready = threading.Event()
-        failure: list[BaseException] = []
-
-        def serve() -> None:
-            loop = asyncio.new_event_loop()
-            self._loop = loop
-            asyncio.set_event_loop(loop)
-            try:
-                runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
-                loop.run_until_complete(runner.setup())
-                site = web.TCPSite(runner, host, port)
-                loop.run_until_complete(site.start())
-                self._site_runner = runner
-                bound = runner.addresses[0][1]
-                self.base_url = f"http://{host}:{bound}"
-            except BaseException as exc:  # reported to start()
-                failure.append(exc)
-                ready.set()
-                loop.close()
-                return
-            ready.set()
-            try:
-                loop.run_forever()
-            finally:
-                loop.run_until_complete(runner.cleanup())
-                loop.close()
-
-        self._thread = threading.Thread(target=serve, name="loongsage-engine-http", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if failure:
+        self._http = ThreadedServer(server.app, host=host, port=port, name="loongsage-engine-http")
+        try:
+            self.base_url = self._http.start()
+        except Exception as exc:
             self.scheduler.stop()
-            raise RuntimeError(f"embedded engine: cannot serve on {host}:{port}: {failure[0]}") from failure[0]
+            self._http = None
+            raise RuntimeError(f"embedded engine: cannot serve on {host}:{port}: {exc}") from exc
         log.info("embedded engine serving at %s", self.base_url)
-        return self.base_url  # type: ignore[return-value]
+        return self.base_url
 
     def shutdown(self) -> None:
         """Stop the decode loop (pending requests fail with an error) and then the HTTP server."""
         self.scheduler.stop()
-        if self._loop is not None and self._thread is not None:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
-        self._loop = self._thread = None
+        if self._http is not None:
+            self._http.stop()
+        self._http = None
         self.base_url = None
         if self._weight_groups is not None:
             self._weight_groups.close()

@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 
 from aiohttp import web
 
-from loongsage_core.backend_api import OPEN_PATHS, node_id, presented_token, token_matches
+from loongsage_core.backend_api import node_id, secret_middleware
 
 from .protocol import (
     InvalidRequest,
@@ -146,7 +146,7 @@ class EngineServer:
         self.engine = engine
         self.api_key = api_key
         self.app = web.Application(client_max_size=engine.settings.max_request_mb * 1024 * 1024,
-                                   middlewares=[self._auth, self._errors])
+                                   middlewares=[secret_middleware(api_key, self._refuse), self._errors])
         r = self.app.router
         r.add_post("/generate", self.generate)
         r.add_put("/generate", self.generate)
@@ -170,15 +170,10 @@ class EngineServer:
         r.add_get("/model_info", self.get_model_info)
         r.add_get("/server_info", self.get_server_info)
 
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        """Every path but the health probes needs the run secret (when the engine has one)."""
-        if self.api_key is None or request.path in OPEN_PATHS:
-            return await handler(request)
-        if not token_matches(presented_token(request.headers), self.api_key):
-            return _error(401, f"{request.method} {request.path} needs the run secret "
-                               "('Authorization: Bearer <secret>')", "authentication_error")
-        return await handler(request)
+    @staticmethod
+    def _refuse(request: web.Request, token: str | None) -> web.Response:
+        return _error(401, f"{request.method} {request.path} needs the run secret "
+                           "('Authorization: Bearer <secret>')", "authentication_error")
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:

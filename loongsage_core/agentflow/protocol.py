@@ -1,0 +1,57 @@
+"""What every protocol adapter of the router shares: reading a body, answering JSON, serving a turn.
+
+An adapter (:mod:`.openai_api`, :mod:`.responses_api`, :mod:`.anthropic_api`) has one shape:
+``add_routes(app, turns)`` adds its routes; a handler finds the trajectory
+(``turns.lookup(request)``: 404 first), reads the JSON body (:func:`read_json`), translates it into
+a chat-completions body, and hands it to :func:`serve_turn` with its own stream (or none) and its
+own rendering of the ``chat.completion`` answer. ``turns`` is the router's
+:class:`~.turns.TurnRunner`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Mapping
+
+from .errors import bad_request
+from .streaming import as_router_error
+
+
+def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Any:
+    """An ``application/json`` response."""
+    from aiohttp import web
+
+    return web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json",
+                        headers=headers)
+
+
+async def read_json(request: Any) -> Any:
+    """The request's JSON body; anything else is a 400 ``invalid_json``."""
+    raw = await request.read()
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("We could not parse the JSON body of your request: it is not valid JSON.",
+                          code="invalid_json") from None
+
+
+async def serve_turn(turns: Any, request: Any, chat: Any, stream: Any, render: Callable[[dict[str, Any]], Any],
+                     on_answer: Callable[[dict[str, Any]], None] | None = None) -> Any:
+    """Run the chat-completions turn ``chat`` and answer in the adapter's format.
+
+    Without a ``stream`` the answer is ``render(chat_completion)`` as JSON. With one, the stream
+    carries the turn and is finished with the answer; an error after the stream started is
+    reported in the stream (before, it is an ordinary error answer). ``on_answer`` sees every
+    successful answer first (e.g. to store it for a later request).
+    """
+    try:
+        _, answer = await turns.run_turn(request, chat, stream)
+    except Exception as exc:
+        if stream is None or not stream.started or isinstance(exc, ConnectionResetError):
+            raise
+        return await stream.fail(as_router_error(exc))
+    if on_answer is not None:
+        on_answer(answer)
+    if stream is not None:
+        return await stream.finish(answer)
+    return json_response(render(answer))
