@@ -110,7 +110,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from .controller.run import run_job
+    from .controller.entry import run_job
 
     resolved = _load(args)
     run_job(resolved, output_dir=args.output_dir, overwrite=args.overwrite)

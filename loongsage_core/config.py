@@ -211,7 +211,9 @@ class PlacementConfig:
     used offloaded first; 0 offloads each right after its forward pass). ``teacher_offload``
     says what offloading does: ``"cpu"`` moves the weights off the accelerator (host memory
     keeps them, reloading is a copy), ``"release"`` frees the teacher entirely and rebuilds it
-    from its ``path`` on next use (bounds host memory too, reloading reads the files)."""
+    from its ``path`` on next use (bounds host memory too, reloading reads the files).
+    ``teacher_manager`` names the component (kind ``teacher_manager``) that routes rows to the
+    teachers and applies that residency bound (``per_source``: the distill plugin's)."""
 
     colocate: bool = True
     offload: bool = True
@@ -223,6 +225,7 @@ class PlacementConfig:
     engine_resources: dict[str, float] = attrs.field(factory=dict, validator=_custom_resources)
     max_resident_teachers: int = attrs.field(default=1, validator=attrs.validators.ge(0))
     teacher_offload: str = attrs.field(default="cpu", validator=attrs.validators.in_(("cpu", "release")))
+    teacher_manager: str = "per_source"
 
 
 @attrs.define

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Iterable, Mapping, Sequen
 import attrs
 import httpx
 
+from loongsage_hookspecs import parse_weight_version
+
 from .security import engine_headers
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -58,16 +60,8 @@ class EngineProtocolError(EngineError):
 
 def _version(value: Any) -> int | str | None:
     """A weight version as an int when it is one (SGLang sends strings), else unchanged."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) or value is None:
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            return value
-    return value
+    version = parse_weight_version(value)
+    return value if version is None else version
 
 
 @attrs.define

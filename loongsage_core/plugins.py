@@ -8,11 +8,13 @@ error that lists the choices.
 
 Selection rules (``[plugins] enable``):
 
-* empty list: every installed plugin is active;
+* empty list: every installed plugin is imported and active; one that fails to import is a
+  warning and is skipped;
 * otherwise only the named ones (distribution name ``loongsage-plugin-rl``, entry-point name ``rl``
-  or the short name after ``loongsage-plugin-``) plus user modules are active; a named plugin that
-  is missing, broken or blocked is a hard error listing what is installed; an unnamed broken plugin
-  is a warning and is skipped.
+  or the short name after ``loongsage-plugin-``) plus user modules are imported and active: the
+  other entry points are read from their distributions' metadata and never loaded, in the driver
+  and in every actor. A named plugin that is missing, broken or blocked is a hard error listing
+  what is installed.
 
 ``LOONGSAGE_DISABLE_PLUGINS`` (comma separated names) blocks plugins before they are imported.
 """
@@ -27,7 +29,7 @@ import os
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import attrs
 import pluggy
@@ -117,6 +119,7 @@ class PluginHost:
         self.pm.add_hookspecs(hookspecs)
         self.plugins: dict[str, PluginInfo] = {}
         self.skipped: dict[str, str] = {}
+        self.available: dict[str, frozenset[str]] = {}  # every installed entry point (metadata only): aliases
         self._active: set[str] | None = None
         self._index: dict[str, dict[str, Provided]] | None = None
 
@@ -128,7 +131,8 @@ class PluginHost:
         """Discover installed plugins, load user modules and activate the ``enable`` selection."""
         host = cls()
         if entry_points:
-            host.load_entry_points(required=[normalize_name(n) for n in enable], where=where)
+            wanted = [normalize_name(n) for n in enable]
+            host.load_entry_points(required=wanted, where=where, only=wanted or None)
         for i, item in enumerate(modules):
             path = Path(item).expanduser()
             if not path.is_absolute():
@@ -147,13 +151,18 @@ class PluginHost:
         where = f"{job.source_path or '<job>'}: [plugins]"
         return cls.create(job.plugins.enable, job.plugins.modules, base_dir=job.base_dir, where=where)
 
-    def load_entry_points(self, required: Sequence[str] = (), where: str = "[plugins]") -> None:
-        """Import and register every installed, unblocked plugin of the entry-point group."""
+    def load_entry_points(self, required: Sequence[str] = (), where: str = "[plugins]",
+                          only: Sequence[str] | None = None) -> None:
+        """Import and register the installed, unblocked plugins of the entry-point group: all of
+        them, or with ``only`` those an alias of which it names (the rest stay unimported)."""
         blocked = blocked_names()
         for ep in installed_entry_points():
             dist = ep.dist.name if ep.dist else None
             aliases = _aliases(ep.name, dist)
             label = dist or ep.name
+            self.available[ep.name] = aliases
+            if only is not None and not aliases & set(only):
+                continue  # not enabled: listed from metadata, never imported
             if aliases & blocked:
                 self.pm.set_blocked(ep.name)
                 self.skipped[label] = f"blocked by {DISABLE_ENV}"
@@ -202,7 +211,9 @@ class PluginHost:
                 if wanted in blocked:
                     raise PluginError(f"{where}: plugin '{raw}' is enabled but blocked by {DISABLE_ENV}")
                 installed = ", ".join(self.installed_names()) or "none"
-                close = difflib.get_close_matches(wanted, [a for p in self.plugins.values() for a in p.aliases], 1)
+                known = {a for p in self.plugins.values() for a in p.aliases} | \
+                    {a for aliases in self.available.values() for a in aliases}
+                close = difflib.get_close_matches(wanted, sorted(known), 1)
                 hint = f" (did you mean '{close[0]}'?)" if close else ""
                 raise PluginError(f"{where}: plugin '{raw}' is not installed{hint}; installed: {installed}")
             active.update(match)
@@ -212,12 +223,9 @@ class PluginHost:
     # ------------------------------------------------------------------ queries
 
     def installed_names(self) -> list[str]:
-        """Short names of registered entry-point plugins (what ``enable`` accepts)."""
-        names = []
-        for p in self.plugins.values():
-            if p.name.startswith("module:"):
-                continue
-            names.append(p.name)
+        """Short names of installed entry-point plugins (what ``enable`` accepts), imported or not."""
+        names = set(self.available)
+        names.update(p.name for p in self.plugins.values() if not p.name.startswith("module:"))
         return sorted(names)
 
     def active_plugins(self) -> list[PluginInfo]:
@@ -293,7 +301,3 @@ class PluginHost:
                             "components": {k: v for k, v in comps.items() if v}})
         return {"hookspecs": list(KINDS), "plugins": plugins}
 
-
-def iter_specs(host: PluginHost, kind: str, names: Iterable[str], where: str) -> list[Any]:
-    """Specs for an ordered list of names (pipelines keep job-file order)."""
-    return [host.get(kind, n, where=f"{where}[{i}]") for i, n in enumerate(names)]

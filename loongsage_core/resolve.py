@@ -61,6 +61,8 @@ def named_components(job: JobConfig) -> list[tuple[str, str, str]]:
         items.append(("async.scheduler", "scheduler", job.async_.scheduler))
     items += [(f"loggers[{i}].name", "logger", lg.name) for i, lg in enumerate(job.loggers)]
     items += [(f"teachers[{i}].backend", "teacher", t.backend) for i, t in enumerate(job.teachers)]
+    if job.teachers:
+        items.append(("placement.teacher_manager", "teacher_manager", job.placement.teacher_manager))
     return items
 
 

@@ -183,7 +183,7 @@ reward = ["exact_match"]
 def test_two_training_steps_with_each_cli_as_the_agent(ray_cluster, tmp_path):
     """A 2-step GRPO run over three sources, one per CLI, plus a source whose CLI hangs."""
     from loongsage_core.config import load_job
-    from loongsage_core.controller.run import run_job
+    from loongsage_core.controller.entry import run_job
     from loongsage_core.resolve import resolve_job
 
     script, _ = hanging_cli(tmp_path)

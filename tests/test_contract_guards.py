@@ -35,6 +35,7 @@ KIND_SELECTORS: dict[str, tuple[str, str]] = {
     "filter": ("algorithm.filters", "algorithm.filters[0]"),
     "scheduler": ("async.scheduler", "async.scheduler"),
     "teacher": ("teachers.0.backend", "teachers[0].backend"),
+    "teacher_manager": ("placement.teacher_manager", "placement.teacher_manager"),
     "weight_transport": ("rollout.weight_transport", "rollout.weight_transport"),
     "logger": ("loggers.0.name", "loggers[0].name"),
     "train_backend": ("train.backend", "train.backend"),

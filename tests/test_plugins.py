@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
@@ -97,9 +98,20 @@ def test_unnamed_broken_plugin_is_a_warning_and_others_still_work(install_plugin
     install_plugin("loongsage-plugin-broken", "broken", "ls_dummy_broken", BROKEN)
     install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
     with pytest.warns(PluginWarning, match="skipping plugin 'loongsage-plugin-broken'"):
-        host = PluginHost.create(enable=["dummy"])
+        host = PluginHost.create()  # every installed plugin is imported
     assert host.get("reward", "always_one").fn(None) == 1.0
     assert "loongsage-plugin-broken" in host.skipped
+
+
+def test_a_plugin_the_job_does_not_enable_is_not_imported(install_plugin):
+    install_plugin("loongsage-plugin-broken", "broken", "ls_dummy_broken", BROKEN)
+    install_plugin("loongsage-plugin-dummy", "dummy", "ls_dummy_good", GOOD)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the broken plugin is never imported, so nothing warns
+        host = PluginHost.create(enable=["dummy"])
+    assert host.get("reward", "always_one").fn(None) == 1.0
+    assert "ls_dummy_broken" not in sys.modules and not host.skipped
+    assert "broken" in host.installed_names()  # still known, from its metadata
 
 
 def test_missing_plugin_lists_what_is_installed(install_plugin):
@@ -152,3 +164,11 @@ def test_hook_returning_wrong_spec_type_is_rejected(tmp_path):
     host = PluginHost.create(modules=["wrong.py"], base_dir=tmp_path)
     with pytest.raises(PluginError, match="loongsage_advantages returned RewardSpec, expected AdvantageSpec"):
         host.components("advantage")
+
+
+def test_the_plugin_host_is_the_registry_the_contract_hands_to_backends():
+    from loongsage_hookspecs import ComponentRegistry
+
+    host = PluginHost.create(enable=["rl"])
+    assert isinstance(host, ComponentRegistry)
+    assert host.get("advantage", "grpo") is host.components("advantage")["grpo"]

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from loongsage_core.algorithms import LossPipeline, LossPipelineError, StepAlgorithm
+from loongsage_core.algorithms.pipeline import TEACHER_MASK_KEY
 from loongsage_core.config import AlgorithmConfig, ConfigError, DataConfig, JobConfig, PlacementConfig, TeacherConfig
 from loongsage_core.controller.teachers import (
-    TEACHER_MASK,
     TeacherGroup,
     apply_teachers,
     distill_setup,
@@ -103,7 +103,7 @@ def test_rows_are_routed_by_source_to_their_own_teacher(teacher_dirs, host, batc
     group = TeacherGroup.from_job(make_job(teacher_dirs), host)
     assert group is not None
     out = group.forward(batch)
-    assert set(out) == {"ref_logprobs", TEACHER_MASK}
+    assert set(out) == {"ref_logprobs", TEACHER_MASK_KEY}
     math_rows, code_rows, chat_rows = [0, 3], [1, 4], [2, 5]
     big = reference_logprobs(teacher_dirs["big"], batch, math_rows)
     coder = reference_logprobs(teacher_dirs["coder"], batch, code_rows)
@@ -114,7 +114,7 @@ def test_rows_are_routed_by_source_to_their_own_teacher(teacher_dirs, host, batc
     assert (other - big).abs().max() > 1e-2
     # rows without a teacher: zeros and a zero mask row; rows with one: a mask row of ones
     assert torch.equal(out["ref_logprobs"][chat_rows], torch.zeros(2, batch["input_ids"].shape[1]))
-    mask = out[TEACHER_MASK]
+    mask = out[TEACHER_MASK_KEY]
     assert mask.shape == batch["input_ids"].shape
     assert torch.equal(mask[:, 0], torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0, 0.0]))
     assert bool((mask == mask[:, :1]).all())
@@ -124,7 +124,7 @@ def test_topk_and_logits_levels_fill_the_vocabulary_tensors(teacher_dirs, host, 
     group = TeacherGroup.from_job(make_job(teacher_dirs, distill_kl="opd_topk_kl", distill_topk=5), host)
     assert group is not None and group.setup.separate and group.setup.topk == 5
     out = group.forward(batch)
-    assert set(out) == {"teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs", TEACHER_MASK}
+    assert set(out) == {"teacher_logprobs", "teacher_topk_ids", "teacher_topk_logprobs", TEACHER_MASK_KEY}
     assert out["teacher_topk_ids"].shape == (*batch["input_ids"].shape, 5)
     logits = group.forward(batch, requires="logits")["teacher_logits"]
     assert logits.shape == (*batch["input_ids"].shape, 512)
@@ -171,7 +171,7 @@ def test_a_teacher_no_source_uses_is_never_built(teacher_dirs, host, batch):
     assert group is not None
     out = group.forward(batch)
     assert group.teachers["coder"].builds == 0
-    assert torch.equal(out[TEACHER_MASK][:, 0], torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0]))
+    assert torch.equal(out[TEACHER_MASK_KEY][:, 0], torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0]))
 
 
 def test_apply_teachers_stores_tensors_and_reports_metrics(teacher_dirs, host, batch):
@@ -179,8 +179,8 @@ def test_apply_teachers_stores_tensors_and_reports_metrics(teacher_dirs, host, b
     group = TeacherGroup.from_job(job, host)
     work = Batch(tensors=dict(batch.tensors), meta=dict(batch.meta))
     metrics = apply_teachers(work, job, host, group)
-    assert "ref_logprobs" in work and TEACHER_MASK in work
-    mask = (work["loss_mask"] * work[TEACHER_MASK]) > 0
+    assert "ref_logprobs" in work and TEACHER_MASK_KEY in work
+    mask = (work["loss_mask"] * work[TEACHER_MASK_KEY]) > 0
     expected = float((work["old_logprobs"] - work["ref_logprobs"])[mask].mean())
     assert metrics["train/opd_kl"] == pytest.approx(expected, rel=1e-5)
     assert metrics["train/teacher_row_ratio"] == pytest.approx(4 / 6)
@@ -199,7 +199,7 @@ def test_reward_penalty_is_masked_to_distilled_tokens(teacher_dirs, host, batch)
     work = Batch(tensors=dict(batch.tensors), meta=dict(batch.meta))
     apply_teachers(work, job, host, group)
     penalty, metrics = StepAlgorithm(job, host, distill=group.setup).token_penalties(work)
-    mask = work["loss_mask"] * work[TEACHER_MASK]
+    mask = work["loss_mask"] * work[TEACHER_MASK_KEY]
     torch.testing.assert_close(penalty, -0.5 * (work["old_logprobs"] - work["ref_logprobs"]) * mask)
     assert not bool(penalty[[2, 5]].any())
     assert "train/reward_distill" in metrics and "train/reward_kl" not in metrics  # the teachers feed kl
@@ -242,7 +242,7 @@ def test_a_batch_without_teacher_rows_runs_no_teacher(teacher_dirs, host, batch)
     assert group is not None
     chat = batch.select([2, 5])
     out = group.forward(chat)
-    assert group.loads == 0 and not bool(out[TEACHER_MASK].any())
+    assert group.loads == 0 and not bool(out[TEACHER_MASK_KEY].any())
     assert out["teacher_logits"].shape == (2, chat["input_ids"].shape[1], 0)
     assert not bool(out["teacher_logprobs"].any())
 

@@ -28,6 +28,7 @@ from .protocols import (
     SandboxProvider,
     Scheduler,
     Teacher,
+    TeacherRouter,
     TrainWorker,
     TrainWorkerContext,
     WeightReceiver,
@@ -58,6 +59,15 @@ from .records import (
     WeightBucket,
     teacher_inputs,
 )
+from .registry import ComponentRegistry
+from .settings import (
+    CriticSettings,
+    JobSettings,
+    ModelSettings,
+    RolloutSettings,
+    RunSettings,
+    TrainSettings,
+)
 from .specs import (
     AdvantageSpec,
     AgentSpec,
@@ -75,11 +85,13 @@ from .specs import (
     RouterMiddlewareSpec,
     SandboxSpec,
     SchedulerSpec,
+    TeacherManagerSpec,
     TeacherSpec,
     TrainBackendSpec,
     WeightTransportSpec,
     normalize_name,
 )
+from .versions import parse_weight_version
 
 __version__ = "0.1.0"
 

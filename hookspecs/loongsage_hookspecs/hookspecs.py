@@ -37,6 +37,7 @@ from .specs import (
     RouterMiddlewareSpec,
     SandboxSpec,
     SchedulerSpec,
+    TeacherManagerSpec,
     TeacherSpec,
     TrainBackendSpec,
     WeightTransportSpec,
@@ -265,6 +266,25 @@ def loongsage_teachers() -> Iterable[TeacherSpec]:
 
 
 @hookspec
+def loongsage_teacher_managers() -> Iterable[TeacherManagerSpec]:
+    """Provide teacher managers: how a step's rows reach the run's teachers.
+
+    The host builds the one ``[placement] teacher_manager`` names (when the job has ``[[teachers]]``)
+    with the run's teachers and the data sources' routes, and calls its ``forward`` once per step;
+    the manager decides which teacher scores which rows and which teachers stay loaded. It returns
+    a ``TeacherRouter``; ``metrics(inputs: KLInputs, *, input_ids)``, when the spec gives one, is
+    logged every step over the distilled tokens.
+
+    Example::
+
+        @hookimpl
+        def loongsage_teacher_managers():
+            yield TeacherManagerSpec(name="per_source", factory=TeacherManager, metrics=distill_metrics)
+    """
+    return ()
+
+
+@hookspec
 def loongsage_weight_transports() -> Iterable[WeightTransportSpec]:
     """Provide weight transports from the trainer to rollout engines.
 
@@ -379,6 +399,7 @@ KINDS: dict[str, Kind] = {
         Kind("filter", "loongsage_filters", FilterSpec),
         Kind("scheduler", "loongsage_schedulers", SchedulerSpec),
         Kind("teacher", "loongsage_teachers", TeacherSpec),
+        Kind("teacher_manager", "loongsage_teacher_managers", TeacherManagerSpec),
         Kind("weight_transport", "loongsage_weight_transports", WeightTransportSpec),
         Kind("logger", "loongsage_loggers", LoggerSpec),
         Kind("train_backend", "loongsage_train_backends", TrainBackendSpec),

@@ -10,10 +10,21 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Protocol, ru
 
 import attrs
 
+from .registry import ComponentRegistry
+from .settings import JobSettings
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-    from .records import AgentContext, AgentResult, AggregationNorm, Batch, ExecResult, TrajectoryGroup
+    from .records import (
+        AgentContext,
+        AgentResult,
+        AggregationNorm,
+        Batch,
+        ExecResult,
+        TeacherOutputs,
+        TrajectoryGroup,
+    )
 
 
 @runtime_checkable
@@ -138,6 +149,30 @@ class Teacher(Protocol):
 
 
 @runtime_checkable
+class TeacherRouter(Protocol):
+    """What a teacher manager's factory returns: routes rows to teachers, bounds residency.
+
+    ``forward`` gives teacher outputs for the rows whose source has a teacher (the others are
+    zeros, see ``row_mask``), in the batch's row order; ``plan`` says which teacher scores which
+    rows; ``resident`` lists the teachers loaded now; ``loads`` counts loads so far.
+    """
+
+    @property
+    def resident(self) -> tuple[str, ...]: ...
+
+    @property
+    def loads(self) -> int: ...
+
+    def plan(self, batch: "Batch") -> dict[str, list[int]]: ...
+
+    def row_mask(self, batch: "Batch") -> "torch.Tensor": ...
+
+    def forward(self, batch: "Batch", *, topk: int = 0, return_logits: bool = False) -> "TeacherOutputs": ...
+
+    def offload_all(self) -> None: ...
+
+
+@runtime_checkable
 class MetricsLogger(Protocol):
     """Receives the metrics of each step (a flat ``name -> number`` mapping)."""
 
@@ -180,14 +215,16 @@ class WeightReceiver(Protocol):
 class TrainWorkerContext:
     """What a train backend factory receives inside its trainer actor.
 
-    ``job`` is the host's resolved job configuration (``loongsage_core.config.JobConfig``);
-    ``components`` resolves ``(kind, name)`` to a spec (the host's plugin registry);
+    ``job`` is the job as a backend may read it (:class:`~loongsage_hookspecs.settings.JobSettings`:
+    the host passes its resolved job, which satisfies it);
+    ``components`` resolves ``(kind, name)`` to a spec (the host's plugin registry, a
+    :class:`~loongsage_hookspecs.registry.ComponentRegistry`; ``None`` outside a run);
     ``rank``/``world_size`` and ``master_addr``/``master_port`` set up ``torch.distributed`` for
     data parallelism; ``role`` is ``"actor"``, ``"reference"`` or ``"critic"``.
     """
 
-    job: Any
-    components: Any
+    job: JobSettings
+    components: ComponentRegistry | None
     rank: int = 0
     world_size: int = 1
     master_addr: str = "127.0.0.1"
@@ -235,11 +272,11 @@ class EngineContext:
     and ``--admin-api-key``). ``None`` leaves the engine open (tests, a user's own process).
     ``host`` is the address to listen on and to put in the returned URL: the engine actor's node
     address (loopback on a one-machine cluster); beyond loopback an engine must refuse to start
-    without ``api_key``.
+    without ``api_key``. ``job`` and ``components`` are typed as in :class:`TrainWorkerContext`.
     """
 
-    job: Any
-    components: Any
+    job: JobSettings
+    components: ComponentRegistry | None
     engine_index: int = 0
     host: str = "127.0.0.1"
     port: int = 0

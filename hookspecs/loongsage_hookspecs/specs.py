@@ -167,6 +167,22 @@ class TeacherSpec(ComponentSpec):
 
 
 @attrs.define(frozen=True, kw_only=True)
+class TeacherManagerSpec(ComponentSpec):
+    """The policy that runs a step's rows through the run's teachers.
+
+    ``factory(teachers, routes, *, max_resident, source_key) -> TeacherRouter`` (see
+    :class:`~loongsage_hookspecs.protocols.TeacherRouter`): ``teachers`` maps a teacher name to a
+    ``Teacher``, ``routes`` a data source to a teacher name (``None``: not distilled),
+    ``max_resident`` bounds the teachers loaded at once, ``source_key`` names the per-row
+    ``batch.meta`` list of sources. ``metrics(inputs: KLInputs, *, input_ids) -> dict[str, float]``,
+    when given, is logged each step over the distilled tokens (``inputs.ref_*`` hold the teacher's).
+    """
+
+    factory: "Callable[..., Any]"
+    metrics: "Callable[..., dict[str, float]] | None" = None
+
+
+@attrs.define(frozen=True, kw_only=True)
 class WeightTransportSpec(ComponentSpec):
     """A way to move trainer weights into rollout engines.
 
@@ -206,8 +222,7 @@ class TrainBackendSpec(ComponentSpec):
 class RolloutEngineSpec(ComponentSpec):
     """``factory(ctx: EngineContext) -> RolloutEngine``, called inside each engine actor.
 
-    The engine serves SGLang's native HTTP API; ``supports`` lists optional endpoints it has.
+    The engine serves SGLang's native HTTP API.
     """
 
     factory: "Callable[..., Any]"
-    supports: tuple[str, ...] = ()

@@ -119,3 +119,14 @@ def test_prompt_messages_is_the_one_rule_for_prompts():
         with pytest.raises(ValueError, match=f"a prompt must be a string or a non-empty list of chat messages, "
                                              f"got {what}"):
             prompt_messages(bad)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (3, 3), ("3", 3), (" 12 ", 12), ("-1", -1), ("+4", 4), (0, 0),
+    (None, None), (True, None), (False, None), ("", None), ("v3", None), ("3.0", None), (3.0, None), ("-", None),
+    ("٣", None),  # a non-ASCII digit is not a version on the wire
+])
+def test_weight_versions_on_the_wire_read_one_way(value, expected):
+    from loongsage_hookspecs import parse_weight_version
+
+    assert parse_weight_version(value) == expected

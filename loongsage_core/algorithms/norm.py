@@ -16,9 +16,11 @@ def compute_norm(batches: Batch | Sequence[Batch], *, world: bool = False) -> Ag
     response maxed), so each rank gets the denominators of the whole mini-batch. A controller
     that computes the norm on the unsharded mini-batch leaves ``world`` off.
 
-    ``num_tokens`` counts trained tokens, ``num_sequences`` rows with at least one trained token,
+    ``num_tokens`` counts trained tokens (nonzero mask entries: a mask that carries weights
+    counts each weighted token once), ``num_sequences`` rows with at least one trained token,
     ``max_response_length`` the largest number of trained tokens in one row. Each is at least 1,
-    so an aggregation over an all-masked mini-batch is 0, not NaN.
+    so an aggregation over an all-masked mini-batch is 0, not NaN. This is the one place the
+    aggregation denominators are computed (the controller, every train backend and the tests).
     """
     import torch
 
@@ -31,7 +33,10 @@ def compute_norm(batches: Batch | Sequence[Batch], *, world: bool = False) -> Ag
             continue
         if "loss_mask" not in part:
             raise KeyError("compute_norm: the batch has no 'loss_mask' tensor")
-        per_row = part["loss_mask"].to(torch.float64).sum(dim=1)
+        mask = part["loss_mask"]
+        if mask.dim() != 2:
+            raise ValueError(f"compute_norm: 'loss_mask' must be 2-D [B, T], got shape {tuple(mask.shape)}")
+        per_row = (mask != 0).to(torch.float64).sum(dim=1)
         tokens += float(per_row.sum())
         sequences += float((per_row > 0).sum())
         longest = max(longest, float(per_row.max()))

@@ -174,11 +174,6 @@ class StepAlgorithm:
 
     # -- mini-batches ----------------------------------------------------------------------------
 
-    @staticmethod
-    def norm(mini: Batch) -> AggregationNorm:
-        """The global denominators of one mini-batch (computed before it is sharded)."""
-        return compute_norm(mini)
-
     def mini_batches(self, batch: Batch, order: Sequence[int], size: int) -> Iterator[tuple[Batch, AggregationNorm]]:
         """Consecutive mini-batches of ``size`` rows in ``order``, each with its norm; a mini-batch
         without a trained token is skipped (it has nothing to learn from)."""
@@ -186,7 +181,7 @@ class StepAlgorithm:
             mini = batch.select(list(order[start:start + size]))
             if float(mini["loss_mask"].sum()) == 0.0:
                 continue
-            yield mini, self.norm(mini)
+            yield mini, compute_norm(mini)  # the global denominators, before the mini-batch is sharded
 
     @staticmethod
     def _per_token(what: str, spec: Any, value: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":

@@ -300,15 +300,6 @@ def quota_sequence(weights: Sequence[int], counts: list[int], n: int) -> list[in
     return out
 
 
-def apportion(weights: Sequence[float | int], total: int, counts: list[int]) -> list[int]:
-    """How many of the next ``total`` items each source gets (:func:`quota_sequence`, in place)."""
-    seq = quota_sequence(integer_weights(weights), counts, total)
-    out = [0] * len(weights)
-    for i in seq:
-        out[i] += 1
-    return out
-
-
 def round_shares(totals: Sequence[int], sizes: Sequence[int]) -> list[list[int]]:
     """Split each source's ``totals[s]`` items over blocks of ``sizes[k]`` items.
 

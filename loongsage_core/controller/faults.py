@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 from loongsage_hookspecs import TrajectoryGroup
 
@@ -30,7 +31,9 @@ from .data import Prompt
 from .remote import LocalActor
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .run import RLController
+    from ..config import JobConfig
+    from .placement import Actors
+    from .rollout import RolloutManager
 
 log = logging.getLogger("loongsage")
 
@@ -67,11 +70,24 @@ def is_actor_death(exc: BaseException) -> bool:
     return isinstance(exc, ray.exceptions.RayActorError)
 
 
-class FaultSupervisor:
-    """Detects dead actors for one :class:`~loongsage_core.controller.run.RLController`,
-    replaces dead engines and explains fatal deaths."""
+class SupervisedRun(Protocol):
+    """What the supervisor needs of the run it watches (the controller of
+    :mod:`loongsage_core.controller.run` is one): its actors, clients and a way to push weights."""
 
-    def __init__(self, controller: "RLController") -> None:
+    job: JobConfig
+    output_dir: Path
+    secret: str
+    actors: Actors | None
+    rollout: RolloutManager | None
+
+    def _push_weights(self, version: int | None = None) -> dict[str, float]: ...
+
+
+class FaultSupervisor:
+    """Detects dead actors for one run (a :class:`SupervisedRun`), replaces dead engines and
+    explains fatal deaths."""
+
+    def __init__(self, controller: SupervisedRun) -> None:
         self.ctrl = controller
         self.engine_restarts = 0
         self.retired: list[EngineClient] = []  # clients of replaced engines, to close

@@ -36,7 +36,6 @@ from ..config import ConfigError, JobConfig, dump_job_toml
 from ..records.writer import RolloutRecorder, recorder_for_run
 from ..resolve import ResolvedJob
 from ..security import new_secret, set_process_secret, write_secret_file
-from ..validation import check_output_dir
 from . import checkpoint as ckpt
 from .batching import build_batch
 from .colocation import PhaseSwitch
@@ -48,7 +47,7 @@ from .metrics import rollout_metrics
 from .placement import Actors, create_actors, init_ray, start_engine_router
 from .remote import gather
 from .rollout import RolloutManager
-from .run_dir import prepare_run_dir, truncate_jsonl
+from .run_dir import truncate_jsonl
 from .teachers import TeacherGroup, apply_teachers, distill_setup, uses_reference_model
 
 log = logging.getLogger("loongsage")
@@ -410,32 +409,3 @@ def remote_cause(exc: BaseException) -> str:
     if isinstance(cause, BaseException):
         exc = cause
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-
-
-def run_job(resolved: ResolvedJob, output_dir: str | None = None, *, overwrite: bool = False,
-            ) -> list[dict[str, float]]:
-    """Train the resolved job; returns the metrics of every step run.
-
-    A directory that already holds a run is continued (``run.resume = true``), moved aside
-    (``overwrite``) or refused: see :mod:`loongsage_core.controller.run_dir`.
-    """
-    job = resolved.job
-    out = Path(output_dir or job.resolve_path(job.run.output_dir))
-    check_output_dir(out, "--output-dir" if output_dir else f"{job.source_path or '<job>'}: run.output_dir")
-    prepare_run_dir(out, resume=job.run.resume, overwrite=overwrite, where=job.source_path or "<job>")
-    if job.async_.enable:
-        from .async_run import AsyncRLController
-
-        controller: RLController = AsyncRLController(resolved, out)
-    else:
-        controller = RLController(resolved, out)
-    try:
-        controller.start()
-        return controller.fit()
-    except Exception as exc:
-        explained = controller.faults.explain(exc)  # a dead actor: say which, where and why
-        if explained is exc:
-            raise
-        raise explained from None
-    finally:
-        controller.close()

@@ -73,20 +73,27 @@ def prepare_run_dir(out: Path, *, resume: bool, overwrite: bool, where: str) -> 
                           "it aside and start fresh")
 
 
-def truncate_jsonl(path: Path, step: int) -> None:
-    """Drop lines of a per-step JSONL file whose ``step`` is ``>= step`` (redone after a resume).
+def truncate_jsonl(path: Path, step: int) -> int:
+    """Drop lines of a per-step JSONL file whose ``step`` is ``>= step`` (redone after a resume),
+    and lines without a step or cut short by a kill; returns how many non-blank lines went.
 
     The file is rewritten atomically, so a kill meanwhile leaves either the old or the new one.
     """
+    path = Path(path)
     if not path.exists():
-        return
-    kept = []
+        return 0
+    kept, dropped = [], 0
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            if json.loads(line)["step"] < step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError, TypeError):
-            continue  # a line cut short by a kill
+            record = json.loads(line)
+            keep = isinstance(record, dict) and int(record["step"]) < step
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            keep = False  # a line cut short by a kill
+        if keep:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
     tmp.replace(path)
+    return dropped

@@ -2,9 +2,10 @@
 
 A job lists teachers in ``[[teachers]]`` and points data sources at them (``[[data]] teacher =
 "big"``). :class:`TeacherGroup` builds each teacher through its backend's factory the first time
-one of its rows needs scoring, routes the rows of a step by ``batch.meta["source"]`` (through the
-distill plugin's ``TeacherManager``), and keeps at most ``[placement] max_resident_teachers``
-loaded, offloading the least recently used first. ``[placement] teacher_offload`` says what
+one of its rows needs scoring, and hands the rows of a step to the teacher manager that
+``[placement] teacher_manager`` names (a ``teacher_manager`` component, e.g. the distill plugin's
+``per_source``: rows by ``batch.meta["source"]``, at most ``[placement] max_resident_teachers``
+loaded, the least recently used offloaded first). ``[placement] teacher_offload`` says what
 offloading does: ``"cpu"`` calls the teacher's own ``offload()`` (weights leave the accelerator,
 host memory keeps them); ``"release"`` also drops the teacher, so a later use rebuilds it from
 its ``path``.
@@ -31,15 +32,13 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
-from loongsage_hookspecs import Batch, KLInputs
+from loongsage_hookspecs import Batch, KLInputs, TeacherManagerSpec, TeacherRouter
 
+from ..algorithms.pipeline import TEACHER_MASK_KEY
 from ..config import ConfigError, JobConfig
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
-
-TEACHER_MASK = "teacher_mask"
-"""Batch tensor ``[B, T]``: 1 on rows that have a teacher, 0 on rows that do not."""
 
 REQUIRES_LEVELS = ("logprobs", "topk", "logits")
 
@@ -197,13 +196,13 @@ class TeacherGroup:
     first use, so a teacher no source routes to is never built.
     """
 
-    def __init__(self, teachers: dict[str, Any], routes: dict[str, str | None], setup: DistillSetup, *,
-                 max_resident: int = 1) -> None:
-        from loongsage_plugin_distill import TeacherManager
-
+    def __init__(self, teachers: dict[str, Any], routes: dict[str, str | None], setup: DistillSetup,
+                 manager: TeacherManagerSpec, *, max_resident: int = 1) -> None:
         self.setup = setup
         self.teachers = teachers
-        self.manager = TeacherManager(teachers, routes, max_resident=max_resident, source_key="source")
+        self.manager: TeacherRouter = manager.factory(teachers, routes, max_resident=max_resident,
+                                                      source_key="source")
+        self.metrics_fn = manager.metrics
 
     @classmethod
     def from_job(cls, job: JobConfig, host: Any) -> "TeacherGroup | None":
@@ -211,16 +210,13 @@ class TeacherGroup:
         setup = distill_setup(job, host)
         if setup is None:
             return None
-        try:
-            import loongsage_plugin_distill  # noqa: F401  (the routing and residency policy)
-        except ImportError:
-            raise ConfigError(f"{job.source_path or '<job>'}: [[teachers]] need the distill plugin "
-                              "(pip install loongsage-plugin-distill)") from None
+        manager = host.get("teacher_manager", job.placement.teacher_manager,
+                           where=f"{job.source_path or '<job>'}: placement.teacher_manager")
         release = job.placement.teacher_offload == "release"
         teachers = {t.name: LazyTeacher(t.name, _teacher_builder(job, host, i), release=release)
                     for i, t in enumerate(job.teachers)}
         routes = {src.name: src.teacher for src in job.data}
-        return cls(teachers, routes, setup, max_resident=job.placement.max_resident_teachers)
+        return cls(teachers, routes, setup, manager, max_resident=job.placement.max_resident_teachers)
 
     # -- routing -----------------------------------------------------------------------------
 
@@ -275,16 +271,16 @@ class TeacherGroup:
                 out[p + "topk_logprobs"] = torch.zeros(rows, width, topk)
             if level == "logits":  # no teacher ran, so the vocabulary size is unknown: an empty last axis
                 out[p + "logits"] = torch.zeros(rows, width, 0)
-            out[TEACHER_MASK] = mask
+            out[TEACHER_MASK_KEY] = mask
             return out
         res = self.manager.forward(batch, topk=topk, return_logits=level == "logits")
         out = {p + "logprobs": res.logprobs.float()}
         if topk:
-            out[p + "topk_ids"] = res.topk_ids
-            out[p + "topk_logprobs"] = res.topk_logprobs
+            out[p + "topk_ids"] = _returned(res.topk_ids, "topk_ids")
+            out[p + "topk_logprobs"] = _returned(res.topk_logprobs, "topk_logprobs")
         if level == "logits":
-            out[p + "logits"] = res.logits
-        out[TEACHER_MASK] = mask
+            out[p + "logits"] = _returned(res.logits, "logits")
+        out[TEACHER_MASK_KEY] = mask
         return out
 
     def offload_all(self) -> None:
@@ -300,6 +296,14 @@ class TeacherGroup:
         gc.collect()
 
 
+def _returned(value: "torch.Tensor | None", field: str) -> "torch.Tensor":
+    """A field the teacher manager was asked for; its absence is the manager's bug, said as such."""
+    if value is None:
+        raise RuntimeError(f"teacher manager: asked for '{field}', its forward returned TeacherOutputs "
+                           f"without it")
+    return value
+
+
 # --------------------------------------------------------------------------------------------
 # What the controller calls
 # --------------------------------------------------------------------------------------------
@@ -309,9 +313,9 @@ def apply_teachers(batch: Batch, job: JobConfig, host: Any, group: TeacherGroup 
     """Score ``batch`` with the teachers, store their tensors in it, return step metrics.
 
     Call after ``old_logprobs`` are in the batch. Returns ``timing/teacher``, ``perf/teacher_*``
-    (builds and loads this step, resident count), ``train/teacher_row_ratio`` and the distill
-    plugin's ``train/opd_*`` metrics over the distilled tokens (those its inputs allow: the
-    controller has the student's sampled log-probs, not its logits), plus
+    (builds and loads this step, resident count), ``train/teacher_row_ratio`` and the teacher
+    manager's metrics (the distill plugin's ``train/opd_*``) over the distilled tokens (those its
+    inputs allow: the controller has the student's sampled log-probs, not its logits), plus
     ``train_per_teacher/<name>/opd_kl``. A ``None`` group (no distillation) returns ``{}``.
     """
     if group is None or len(batch) == 0:
@@ -327,24 +331,26 @@ def apply_teachers(batch: Batch, job: JobConfig, host: Any, group: TeacherGroup 
         "perf/teacher_loads": float(group.loads - loads_before),
         "perf/teacher_builds": float(sum(getattr(t, "builds", 0) for t in group.teachers.values()) - builds_before),
         "perf/teachers_resident": float(len(group.resident)),
-        "train/teacher_row_ratio": float(tensors[TEACHER_MASK][:, 0].mean()) if len(batch) else 0.0,
+        "train/teacher_row_ratio": float(tensors[TEACHER_MASK_KEY][:, 0].mean()) if len(batch) else 0.0,
     }
-    metrics.update(_distill_metrics(batch, group.setup, plan))
+    metrics.update(_distill_metrics(batch, group.setup, plan, group.metrics_fn))
     return metrics
 
 
-def _distill_metrics(batch: Batch, setup: DistillSetup, plan: dict[str, list[int]]) -> dict[str, float]:
+def _distill_metrics(batch: Batch, setup: DistillSetup, plan: dict[str, list[int]],
+                     manager_metrics: Callable[..., dict[str, float]] | None) -> dict[str, float]:
+    """The teacher manager's own metrics (when it has any) and the per-teacher gap."""
     student = batch.get("old_logprobs")
     if student is None:
         return {}
-    from loongsage_plugin_distill import distill_metrics
-
-    mask = batch["loss_mask"] * batch[TEACHER_MASK]
-    inputs = KLInputs(logprobs=student, ref_logprobs=batch[setup.key("logprobs")], response_mask=mask,
-                      ref_topk_ids=batch.get(setup.key("topk_ids")),
-                      ref_topk_logprobs=batch.get(setup.key("topk_logprobs")),
-                      ref_logits=batch.get(setup.key("logits")))
-    out = {k: float(v) for k, v in distill_metrics(inputs, input_ids=batch["input_ids"]).items()}
+    out: dict[str, float] = {}
+    if manager_metrics is not None:
+        mask = batch["loss_mask"] * batch[TEACHER_MASK_KEY]
+        inputs = KLInputs(logprobs=student, ref_logprobs=batch[setup.key("logprobs")], response_mask=mask,
+                          ref_topk_ids=batch.get(setup.key("topk_ids")),
+                          ref_topk_logprobs=batch.get(setup.key("topk_logprobs")),
+                          ref_logits=batch.get(setup.key("logits")))
+        out.update({k: float(v) for k, v in manager_metrics(inputs, input_ids=batch["input_ids"]).items()})
     for name, rows in plan.items():
         sub = batch.select(rows)
         sub_mask = sub["loss_mask"] > 0

@@ -157,7 +157,8 @@ def recorded_run(ray_cluster, tmp_path_factory) -> dict[str, Any]:
     import copy
 
     from loongsage_core.config import load_job
-    from loongsage_core.controller.run import RLController, run_job
+    from loongsage_core.controller.entry import run_job
+    from loongsage_core.controller.run import RLController
     from loongsage_core.resolve import resolve_job
 
     root = tmp_path_factory.mktemp("recorded")

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from loongsage_hookspecs import KLSpec, TeacherSpec, hookimpl
+from loongsage_hookspecs import KLSpec, TeacherManagerSpec, TeacherSpec, hookimpl
 
 from . import terms, torch_teacher
+from .metrics import distill_metrics
+from .teacher_manager import TeacherManager
 
 
 @hookimpl
@@ -43,3 +45,10 @@ def loongsage_teachers() -> Iterator[TeacherSpec]:
     yield TeacherSpec(name="torch", factory=torch_teacher.make_torch_teacher,
                       description="frozen transformers causal LM (local directory or inline config) with CPU "
                                   "offload; args dtype, device, micro_batch_size, output_device, logits_dtype")
+
+
+@hookimpl
+def loongsage_teacher_managers() -> Iterator[TeacherManagerSpec]:
+    yield TeacherManagerSpec(name="per_source", factory=TeacherManager, metrics=distill_metrics,
+                             description="each data source's rows to its teacher, at most max_resident teachers "
+                                         "loaded (least recently used offloaded first); train/opd_* metrics")

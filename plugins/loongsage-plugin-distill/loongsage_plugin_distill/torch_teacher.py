@@ -14,9 +14,9 @@ position 0 and padding positions hold 0.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loongsage_core.backend_api import ModelLoadError, load_causal_lm
 from loongsage_hookspecs import Batch, TeacherOutputs, teacher_inputs
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -38,30 +38,11 @@ def _dtype(name: str) -> "torch.dtype":
 
 
 def _build_model(path: str | None, config: dict[str, Any] | None, dtype: "torch.dtype", seed: int) -> Any:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if path:
-        directory = Path(path).expanduser()
-        if not (directory / "config.json").is_file():
-            raise TeacherLoadError(f"torch teacher: no config.json in model directory '{directory}'")
-        try:
-            return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
-        except (OSError, ValueError) as exc:
-            raise TeacherLoadError(f"torch teacher: cannot load model from '{directory}': {exc}") from None
-    if config:
-        conf = dict(config)
-        model_type = conf.pop("model_type", None)
-        if not model_type:
-            raise TeacherLoadError("torch teacher: config needs a 'model_type' (e.g. \"qwen3\")")
-        try:
-            hf_config = AutoConfig.for_model(model_type, **conf)
-        except (KeyError, ValueError) as exc:
-            raise TeacherLoadError(f"torch teacher: config: {exc}") from None
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    raise TeacherLoadError("torch teacher: set 'path' (a Hugging Face model directory) or 'config'")
+    try:
+        return load_causal_lm(path, config, dtype, seed, path_key="torch teacher: path",
+                              config_key="torch teacher: config", owner="torch teacher")
+    except ModelLoadError as exc:
+        raise TeacherLoadError(str(exc)) from None
 
 
 class TorchTeacher:

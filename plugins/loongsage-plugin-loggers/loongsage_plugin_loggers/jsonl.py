@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 from typing import Any, Mapping
 
+from loongsage_core.backend_api import truncate_jsonl
+
 DEFAULT_FILENAME = "metrics.jsonl"
 
 
@@ -89,21 +91,7 @@ class JsonlLogger:
         if not self.truncate_on_resume:
             return 0
         self._fh.close()
-        kept, dropped = [], 0
-        with open(self.path, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    record = json.loads(line)
-                    keep = isinstance(record, dict) and int(record.get("step", step)) < step
-                except (json.JSONDecodeError, TypeError, ValueError):
-                    keep = False
-                if keep:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-                elif line.strip():
-                    dropped += 1
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        dropped = truncate_jsonl(self.path, step)
         self._fh = open(self.path, "a", encoding="utf-8")
         return dropped
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from loongsage_core.config import structure_args
+from loongsage_core.backend_api import structure_args
 
 from . import cpu_compat
 

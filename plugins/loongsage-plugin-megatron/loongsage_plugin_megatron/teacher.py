@@ -4,7 +4,7 @@ The model is the megatron train backend's forward-only worker (:class:`~.worker.
 with role ``"reference"``): Megatron-Bridge converts the Hugging Face directory ``path`` into a
 Megatron-Core ``GPTModel`` (float32), and :meth:`~.worker.MegatronTrainWorker.score` runs batches
 through Megatron-Core's forward schedule. Arguments, residency and outputs follow the distill
-plugin's ``torch`` teacher, so the host's ``TeacherManager`` treats both alike:
+plugin's ``torch`` teacher, so the run's teacher manager (``[placement] teacher_manager``) treats both alike:
 
 * outputs follow the batch layout of ``loongsage_hookspecs.records``: entry ``t`` describes the
   distribution that produced token ``t`` (``logprobs[:, t] = log q(input_ids[:, t] |
@@ -161,7 +161,7 @@ class MegatronTeacher:
         """The forward-only megatron worker on ``self.path``, built without touching the caller's RNG."""
         import torch
 
-        from loongsage_core.config import JobConfig, ModelConfig, RunConfig, TrainConfig
+        from loongsage_core.backend_api import JobConfig, ModelConfig, RunConfig, TrainConfig
         from loongsage_hookspecs import TrainWorkerContext
 
         from .worker import MegatronTrainWorker

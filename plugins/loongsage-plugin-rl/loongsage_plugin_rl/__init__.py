@@ -5,9 +5,8 @@ The helpers a trainer or host calls directly are re-exported here; importing thi
 not import torch.
 """
 
-from .aggregation import aggregation_norm, merge_norms
 from .metrics import adv_zero_ratio, rollout_group_metrics
 
 __version__ = "0.1.0"
 
-__all__ = ["adv_zero_ratio", "aggregation_norm", "merge_norms", "rollout_group_metrics", "__version__"]
+__all__ = ["adv_zero_ratio", "rollout_group_metrics", "__version__"]

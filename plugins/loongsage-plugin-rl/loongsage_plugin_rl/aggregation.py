@@ -2,8 +2,8 @@
 
 A mini-batch is trained as several micro-batches whose aggregated losses are summed before the
 optimizer step. Every aggregation here divides only by the global statistics in ``norm`` (computed
-once over all micro-batches of the mini-batch, and across data-parallel ranks, with
-:func:`aggregation_norm` and :func:`merge_norms`), never by a micro-batch's own token or row count,
+once over all micro-batches of the mini-batch, and across data-parallel ranks, by the host's
+``compute_norm``), never by a micro-batch's own token or row count,
 so the mini-batch loss and its gradient are the same however the mini-batch is split.
 
 ``mask`` multiplies the loss (it may carry weights); entries where it is 0 never contribute, even
@@ -13,7 +13,6 @@ if the loss holds NaN or inf there. A row's length is its number of nonzero mask
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from loongsage_hookspecs import AggregationNorm
@@ -22,43 +21,6 @@ from . import _checks as chk
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
-
-
-def aggregation_norm(masks: "torch.Tensor | Sequence[torch.Tensor]") -> AggregationNorm:
-    """Global denominators of one mini-batch from the loss masks of its micro-batches.
-
-    ``num_tokens``: nonzero mask entries; ``num_sequences``: rows with at least one nonzero
-    entry; ``max_response_length``: the largest per-row count of nonzero entries (0 when empty).
-    Pass the masks that will be handed to the aggregation (after any correction masks). For
-    data-parallel training, combine the per-rank results with :func:`merge_norms`.
-    """
-    import torch
-
-    if isinstance(masks, torch.Tensor):
-        masks = [masks]
-    tokens = 0
-    sequences = 0
-    longest = 0
-    for i, mask in enumerate(masks):
-        lengths = (chk.tensor2d("aggregation_norm", f"masks[{i}]", mask) != 0).sum(dim=1)
-        tokens += int(lengths.sum())
-        sequences += int((lengths > 0).sum())
-        if lengths.numel():
-            longest = max(longest, int(lengths.max()))
-    return AggregationNorm(num_tokens=float(tokens), num_sequences=float(sequences),
-                           max_response_length=float(longest))
-
-
-def merge_norms(norms: Iterable[AggregationNorm]) -> AggregationNorm:
-    """The norm of the union of several disjoint parts (e.g. data-parallel ranks): token and
-    sequence counts add up, the longest response is the maximum."""
-    norms = list(norms)
-    for i, n in enumerate(norms):
-        if not isinstance(n, AggregationNorm):
-            raise TypeError(f"merge_norms: norms[{i}] is {type(n).__name__}, expected AggregationNorm")
-    return AggregationNorm(num_tokens=float(sum(n.num_tokens for n in norms)),
-                           num_sequences=float(sum(n.num_sequences for n in norms)),
-                           max_response_length=float(max((n.max_response_length for n in norms), default=0.0)))
 
 
 def _weighted(owner: str, loss: Any, mask: Any, norm: Any) -> tuple["torch.Tensor", "torch.Tensor"]:
@@ -70,7 +32,8 @@ def _weighted(owner: str, loss: Any, mask: Any, norm: Any) -> tuple["torch.Tenso
     if mask.shape != loss.shape:
         raise ValueError(f"{owner}: mask has shape {tuple(mask.shape)} but loss has shape {tuple(loss.shape)}")
     if not isinstance(norm, AggregationNorm):
-        raise TypeError(f"{owner}: norm must be an AggregationNorm (see aggregation_norm()), got {type(norm).__name__}")
+        raise TypeError(f"{owner}: norm must be an AggregationNorm (the host's compute_norm), "
+                        f"got {type(norm).__name__}")
     for field in ("num_tokens", "num_sequences", "max_response_length"):
         value = getattr(norm, field)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
@@ -85,7 +48,7 @@ def _divide(owner: str, total: "torch.Tensor", denom: float, nonzero: "torch.Ten
         return total / denom
     if bool(nonzero.any()):
         raise ValueError(f"{owner}: {what} is 0 but the mask has trained tokens; build the norm with "
-                         "aggregation_norm() over the masks of the whole mini-batch")
+                         "the norm over the masks of the whole mini-batch")
     return total  # no trained token anywhere: the loss is an exact 0 that keeps the graph
 
 

@@ -9,12 +9,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from loongsage_plugin_rl import aggregation as agg
-from loongsage_plugin_rl import aggregation_norm, merge_norms
 from loongsage_plugin_rl import policy_losses as pl
 
-from loongsage_hookspecs import AggregationNorm, PolicyLossInputs
+from loongsage_core.backend_api import compute_norm
+from loongsage_hookspecs import AggregationNorm, Batch, PolicyLossInputs
 
 NAMES = ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+def aggregation_norm(masks):
+    """The host's global denominators over the loss masks of a mini-batch's micro-batches."""
+    masks = [masks] if isinstance(masks, torch.Tensor) else masks
+    return compute_norm([Batch(tensors={"loss_mask": m}) for m in masks])
 
 
 def ref_aggregate(name, loss, mask, max_len=None):
@@ -114,18 +120,15 @@ def test_sequence_order_does_not_change_the_loss(name):
     torch.testing.assert_close(grad, base_grad[perm], atol=1e-7, rtol=1e-5)
 
 
-def test_aggregation_norm_counts_and_merge():
+def test_the_host_norm_counts_weighted_masks_once_per_token_over_micro_batches():
     m1 = torch.tensor([[0, 1, 1, 0], [0, 0, 0, 0]])
     m2 = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 0, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0]])
     norm = aggregation_norm([m1, m2])
     assert norm == AggregationNorm(num_tokens=10.0, num_sequences=4.0, max_response_length=5.0)
     assert aggregation_norm(m1) == AggregationNorm(num_tokens=2.0, num_sequences=1.0, max_response_length=2.0)
-    assert merge_norms([aggregation_norm(m1), aggregation_norm(m2)]) == norm
-    assert aggregation_norm([]) == AggregationNorm(0.0, 0.0, 0.0)
-    with pytest.raises(ValueError, match="aggregation_norm: masks\\[1\\] must be 2-D"):
+    assert aggregation_norm(m1 * 0.5) == aggregation_norm(m1)  # a weighted mask counts tokens, not weights
+    with pytest.raises(ValueError, match="compute_norm: 'loss_mask' must be 2-D"):
         aggregation_norm([m1, torch.ones(3)])
-    with pytest.raises(TypeError, match="merge_norms: norms\\[0\\] is dict"):
-        merge_norms([{"num_tokens": 1}])
 
 
 def test_seq_mean_token_sum_norm_uses_max_len_argument():

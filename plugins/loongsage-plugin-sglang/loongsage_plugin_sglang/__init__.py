@@ -12,16 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from loongsage_hookspecs import EngineContext
+
 __version__ = "0.1.0"
 
-SUPPORTS = ("generate", "abort_request", "pause_generation", "continue_generation", "flush_cache",
-            "update_weights_from_tensor", "update_weights_from_disk", "update_weights_from_distributed",
-            "init_weights_update_group", "release_memory_occupation", "resume_memory_occupation",
-            "update_weight_version", "get_model_info", "get_server_info", "health", "health_generate")
-"""SGLang endpoints LoongSage uses (for ``RolloutEngineSpec.supports``)."""
 
-
-def create_server(ctx: Any) -> Any:
+def create_server(ctx: EngineContext) -> Any:
     """``factory(ctx: EngineContext) -> SGLangServer`` of the ``sglang`` rollout engine."""
     from .server import SGLangServer
 
@@ -57,4 +53,4 @@ def tensor_sender(**args: Any) -> Any:
     return TensorHandleSender(**args)
 
 
-__all__ = ["SUPPORTS", "create_server", "disk_sender", "nccl_sender", "sglang_router", "tensor_sender"]
+__all__ = ["create_server", "disk_sender", "nccl_sender", "sglang_router", "tensor_sender"]

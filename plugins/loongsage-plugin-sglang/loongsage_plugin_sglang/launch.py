@@ -28,6 +28,8 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping
 
+from loongsage_hookspecs import JobSettings
+
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 """``[model] dtype`` -> SGLang ``--dtype`` value."""
 
@@ -96,7 +98,7 @@ def engine_args_to_flags(engine_args: Mapping[str, Any], where: str = "<job>") -
     return argv
 
 
-def tokenizer_dir(job: Any) -> str | None:
+def tokenizer_dir(job: JobSettings) -> str | None:
     """``[model] tokenizer`` as a directory SGLang can load (a file's parent directory)."""
     if not job.model.tokenizer:
         return None
@@ -104,7 +106,7 @@ def tokenizer_dir(job: Any) -> str | None:
     return str(path.parent if path.is_file() else path)
 
 
-def build_launch_command(job: Any, *, host: str = "127.0.0.1", port: int, engine_index: int = 0,
+def build_launch_command(job: JobSettings, *, host: str = "127.0.0.1", port: int, engine_index: int = 0,
                          python: str | None = None, engine_args: Mapping[str, Any] | None = None) -> list[str]:
     """The full ``python -m sglang.launch_server ...`` argv for engine ``engine_index`` of ``job``.
 

@@ -12,12 +12,12 @@ from typing import Iterator
 
 from loongsage_hookspecs import EngineRouterSpec, RolloutEngineSpec, WeightTransportSpec, hookimpl
 
-from . import SUPPORTS, create_server, disk_sender, nccl_sender, sglang_router, tensor_sender
+from . import create_server, disk_sender, nccl_sender, sglang_router, tensor_sender
 
 
 @hookimpl
 def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
-    yield RolloutEngineSpec(name="sglang", factory=create_server, supports=SUPPORTS,
+    yield RolloutEngineSpec(name="sglang", factory=create_server,
                             description="SGLang server subprocess per engine (python -m sglang.launch_server; "
                                         "[rollout] engine_args pass through as flags); needs a GPU")
 

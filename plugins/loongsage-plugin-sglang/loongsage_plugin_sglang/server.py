@@ -26,8 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from loongsage_core.rendezvous import free_port, retry_on_port_collision
-from loongsage_core.security import check_listen_address
+from loongsage_core.backend_api import check_listen_address, free_port, retry_on_port_collision
+from loongsage_hookspecs import EngineContext, JobSettings
 
 from .launch import LaunchConfigError, build_launch_command
 from .process import ManagedProcess, ServerStartError
@@ -55,7 +55,7 @@ def sglang_available(python: str | None = None) -> bool:
     return probe.returncode == 0
 
 
-def _launcher_options(job: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+def _launcher_options(job: JobSettings) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split ``engine_args`` into (launcher options, SGLang arguments), validating the former."""
     where = job.source_path or "<job>"
     args = dict(job.rollout.engine_args)
@@ -75,7 +75,7 @@ def _launcher_options(job: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     return opts, args
 
 
-def sglang_command(job: Any, *, host: str = "127.0.0.1", port: int, engine_index: int = 0,
+def sglang_command(job: JobSettings, *, host: str = "127.0.0.1", port: int, engine_index: int = 0,
                    python: str | None = None) -> list[str]:
     """The SGLang argv for ``job`` with the launcher-only ``engine_args`` keys left out."""
     _, args = _launcher_options(job)
@@ -90,7 +90,7 @@ class SGLangServer:
     fails before anything is launched; ``python`` picks the interpreter that runs SGLang.
     """
 
-    def __init__(self, ctx: Any, *, python: str | None = None) -> None:
+    def __init__(self, ctx: EngineContext, *, python: str | None = None) -> None:
         self.ctx = ctx
         job = ctx.job
         self.python = python or sys.executable
@@ -147,7 +147,7 @@ class SGLangServer:
         self.base_url = None
 
 
-def create_server(ctx: Any) -> SGLangServer:
+def create_server(ctx: EngineContext) -> SGLangServer:
     """``factory(ctx: EngineContext) -> SGLangServer`` of the ``sglang`` rollout engine."""
     return SGLangServer(ctx)
 

@@ -26,8 +26,12 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from loongsage_core.rendezvous import host_rendezvous, reachable_address
-from loongsage_core.weight_group import destroy_weight_update_group, join_with_engines
+from loongsage_core.backend_api import (
+    destroy_weight_update_group,
+    host_rendezvous,
+    join_with_engines,
+    reachable_address,
+)
 
 from .client import SGLangClient, update_weights_from_distributed_body
 from .targets import target_url

@@ -130,8 +130,11 @@ class TensorHandleSender:
                 following = next(buckets, None)
                 last = following is None
                 slot = n_buckets % self.num_buffers
-                for fut in in_flight.pop(slot, []):  # the engines are done with this buffer
-                    fut.result()
+                # the engines are done with this buffer; before the last bucket (the one carrying the
+                # version) with every buffer, so no earlier bucket lands after it and moves the version on
+                for done in [slot] if not last else list(in_flight):
+                    for fut in in_flight.pop(done, []):
+                        fut.result()
                 views = self._pack(bucket, slot)
                 payload = [serialize_named_tensors(views)] * self.tp_size
                 in_flight[slot] = [pool.submit(self._client(u).update_weights_from_tensor, payload,

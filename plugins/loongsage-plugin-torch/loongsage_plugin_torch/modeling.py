@@ -11,15 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
+from loongsage_core.backend_api import ModelLoadError, load_causal_lm
+from loongsage_hookspecs import JobSettings
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
-
-class ModelLoadError(ValueError):
-    """The model or tokenizer named by the job file cannot be loaded; the message says which path."""
 
 
 def torch_dtype(name: str) -> "torch.dtype":
@@ -28,47 +27,23 @@ def torch_dtype(name: str) -> "torch.dtype":
     return getattr(torch, DTYPES[name])
 
 
-def _resolver(job: Any) -> Callable[[str], str]:
+def _resolver(job: JobSettings) -> Callable[[str], str]:
     return job.resolve_path if hasattr(job, "resolve_path") else (lambda p: str(Path(p).resolve()))
 
 
-def load_model(job: Any, *, seed: int | None = None) -> "PreTrainedModel":
+def load_model(job: JobSettings, *, seed: int | None = None) -> "PreTrainedModel":
     """Build the causal LM of ``job.model`` in train mode on the CPU, in the configured dtype.
 
     With ``path`` the weights are read from the directory (safetensors); with an inline
     ``config`` the model is randomly initialised from ``seed`` (default ``job.model.seed``).
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     cfg = job.model
-    dtype = torch_dtype(cfg.dtype)
-    if cfg.path:
-        path = _resolver(job)(cfg.path)
-        if not (Path(path) / "config.json").is_file():
-            raise ModelLoadError(f"[model] path: no config.json in model directory '{path}'")
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"[model] path: cannot load model from '{path}': {exc}") from None
-    elif cfg.config:
-        conf = dict(cfg.config)
-        model_type = conf.pop("model_type", None)
-        if not model_type:
-            raise ModelLoadError("[model] config: needs a 'model_type' (e.g. \"qwen3\")")
-        try:
-            hf_config = AutoConfig.for_model(model_type, **conf)
-        except (KeyError, ValueError) as exc:
-            raise ModelLoadError(f"[model] config: {exc}") from None
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(cfg.seed if seed is None else seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-    else:
-        raise ModelLoadError("[model]: set either 'path' (a Hugging Face directory) or 'config'")
-    return model
+    return load_causal_lm(_resolver(job)(cfg.path) if cfg.path else None, cfg.config, torch_dtype(cfg.dtype),
+                          cfg.seed if seed is None else seed, path_key="[model] path", config_key="[model] config",
+                          owner="[model]")
 
 
-def tokenizer_path(job: Any) -> str:
+def tokenizer_path(job: JobSettings) -> str:
     """Where the tokenizer lives: ``[model] tokenizer`` or the model directory."""
     cfg = job.model
     source = cfg.tokenizer or cfg.path
@@ -77,7 +52,7 @@ def tokenizer_path(job: Any) -> str:
     return _resolver(job)(source)
 
 
-def load_tokenizer(job: Any) -> "PreTrainedTokenizerBase":
+def load_tokenizer(job: JobSettings) -> "PreTrainedTokenizerBase":
     """The tokenizer of ``job.model`` (from ``tokenizer`` or, else, the model directory)."""
     from transformers import AutoTokenizer
 

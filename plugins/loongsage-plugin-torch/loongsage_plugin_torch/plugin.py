@@ -11,7 +11,7 @@ from typing import Iterator
 
 from loongsage_hookspecs import RolloutEngineSpec, TrainBackendSpec, WeightTransportSpec, hookimpl
 
-from .engine import SUPPORTS, create_engine
+from .engine import create_engine
 from .trainer import create_train_worker
 from .transport import (
     auto_sender,
@@ -33,7 +33,7 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
 
 @hookimpl
 def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
-    yield RolloutEngineSpec(name="torch", factory=create_engine, supports=SUPPORTS,
+    yield RolloutEngineSpec(name="torch", factory=create_engine,
                             description="embedded engine: continuous batching, KV cache, SGLang-native HTTP API")
 
 

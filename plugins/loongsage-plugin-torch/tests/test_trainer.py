@@ -11,9 +11,9 @@ import torch
 from loongsage_plugin_torch.modeling import TINY_QWEN3, ModelLoadError, load_model
 from loongsage_plugin_torch.trainer import TorchTrainWorker, create_train_worker
 from loongsage_plugin_torch.trainer.logits import decoder_of
-from loongsage_plugin_torch.trainer.schedule import lr_factor
 
 from loongsage_core.algorithms import compute_norm
+from loongsage_core.backend_api import lr_factor
 from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
 from loongsage_hookspecs import (
     AggregationSpec,

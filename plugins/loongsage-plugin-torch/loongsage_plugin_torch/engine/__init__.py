@@ -16,19 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
-SUPPORTS = ("generate", "abort_request", "pause_generation", "continue_generation", "flush_cache",
-            "update_weights_from_tensor", "init_weights_update_group", "update_weights_from_distributed",
-            "destroy_weights_update_group", "release_memory_occupation", "resume_memory_occupation",
-            "get_weight_version", "update_weight_version", "get_model_info",
-            "get_server_info", "health")
-"""Endpoints the embedded engine serves (for ``RolloutEngineSpec.supports``)."""
+from loongsage_hookspecs import EngineContext
 
 
-def create_engine(ctx: Any) -> Any:
+def create_engine(ctx: EngineContext) -> Any:
     """``factory(ctx: EngineContext) -> EmbeddedEngine`` of the ``torch`` rollout engine."""
     from .engine import EmbeddedEngine
 
     return EmbeddedEngine(ctx)
 
 
-__all__ = ["SUPPORTS", "create_engine"]
+__all__ = ["create_engine"]

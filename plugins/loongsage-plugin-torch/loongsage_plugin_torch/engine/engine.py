@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
-from loongsage_core.security import check_listen_address
+from loongsage_core.backend_api import check_listen_address
+from loongsage_hookspecs import EngineContext
 
 from ..modeling import ModelLoadError, load_model, load_tokenizer
 from .protocol import InvalidRequest
@@ -45,7 +46,7 @@ def _eos_ids(model: Any, tokenizer: Any, vocab_size: int) -> set[int]:
 class EmbeddedEngine:
     """A rollout engine in this process that speaks SGLang's native HTTP API (see :mod:`.server`)."""
 
-    def __init__(self, ctx: Any, *, model: Any = None) -> None:
+    def __init__(self, ctx: EngineContext, *, model: Any = None) -> None:
         self.ctx = ctx
         job = ctx.job
         self.settings = EngineSettings.from_job(job)
@@ -76,7 +77,7 @@ class EmbeddedEngine:
         """Start the decode loop and the HTTP server; returns ``http://HOST:PORT``."""
         if self.base_url is not None:
             return self.base_url
-        from loongsage_core.http_server import ThreadedServer
+        from loongsage_core.backend_api import ThreadedServer
 
         from .server import EngineServer
 

@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
+from loongsage_hookspecs import parse_weight_version
+
 from .sampling import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -357,13 +359,9 @@ def parse_pause(body: Any) -> str:
 
 def parse_version(value: Any, field: str) -> int:
     """A weight version: LoongSage versions are integers (SGLang sends them as strings)."""
-    if _is_int(value):
-        return value
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
+    version = parse_weight_version(value)
+    if version is not None:
+        return version
     raise InvalidRequest(f"'{field}' must be an integer weight version (or its decimal string), got {value!r}", field)
 
 

@@ -51,12 +51,11 @@ import asyncio
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
 
 from aiohttp import web
 
-from loongsage_core.http_server import secret_middleware
-from loongsage_core.weight_group import node_id
+from loongsage_core.backend_api import node_id, secret_middleware
 
 from .protocol import (
     InvalidRequest,
@@ -72,11 +71,14 @@ from .protocol import (
     token_logprob_triples,
     top_logprob_rows,
 )
-from .scheduler import MEMORY_TAGS, EngineStopped, MemoryBusy, MemoryReleased, RidInUse
+from .scheduler import MEMORY_TAGS, EngineStopped, MemoryBusy, MemoryReleased, RidInUse, Scheduler
+from .settings import EngineSettings
 from .weights import WeightUpdateError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import EmbeddedEngine
+    import torch
+
+    from .runner import ModelRunner
     from .scheduler import GenerationResult
 
 log = logging.getLogger(__name__)
@@ -109,10 +111,38 @@ def weight_version_spans(versions: list[int]) -> list[dict[str, Any]]:
     return spans
 
 
-class EngineServer:
-    """aiohttp application over an :class:`~.engine.EmbeddedEngine`."""
+class ServedEngine(Protocol):
+    """What the HTTP server needs of the engine it serves (:class:`~.engine.EmbeddedEngine` is one).
 
-    def __init__(self, engine: "EmbeddedEngine", api_key: str | None = None) -> None:
+    Declared here so that the server depends on this shape only, and the engine on the server.
+    """
+
+    settings: EngineSettings
+    scheduler: Scheduler
+    runner: ModelRunner
+    model: Any
+    tokenizer: Any
+    vocab_size: int
+    model_path: str | None
+    tokenizer_path: str | None
+
+    @property
+    def weight_groups(self) -> Any: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
+
+    def load_formats(self) -> list[str]: ...
+
+    def named_tensors_from(self, load_format: str,
+                           payload: Mapping[str, Any]) -> Iterator[tuple[str, "torch.Tensor"]]: ...
+
+
+class EngineServer:
+    """aiohttp application over a :class:`ServedEngine` (the :class:`~.engine.EmbeddedEngine`)."""
+
+    def __init__(self, engine: ServedEngine, api_key: str | None = None) -> None:
         self.engine = engine
         self.api_key = api_key
         self.app = web.Application(client_max_size=engine.settings.max_request_mb * 1024 * 1024,

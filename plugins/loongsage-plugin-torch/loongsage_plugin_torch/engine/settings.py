@@ -6,6 +6,8 @@ from typing import Any, Mapping
 
 import attrs
 
+from loongsage_hookspecs import JobSettings
+
 
 class EngineConfigError(ValueError):
     """``[rollout] engine_args`` holds an unknown key or a bad value; the message names it."""
@@ -33,7 +35,7 @@ class EngineSettings:
     max_request_mb: int = 4096
 
     @classmethod
-    def from_job(cls, job: Any) -> "EngineSettings":
+    def from_job(cls, job: JobSettings) -> "EngineSettings":
         rollout = job.rollout
         args: Mapping[str, Any] = dict(rollout.engine_args or {})
         valid = [f.name for f in attrs.fields(cls) if f.name != "max_context_length"]

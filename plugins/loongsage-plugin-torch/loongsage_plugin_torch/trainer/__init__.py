@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from loongsage_hookspecs import TrainWorkerContext
+
 if TYPE_CHECKING:  # pragma: no cover
     from .critic import TorchCriticWorker
     from .worker import TorchTrainWorker
 
 
-def create_train_worker(ctx: Any) -> "TorchTrainWorker":
+def create_train_worker(ctx: TrainWorkerContext) -> "TorchTrainWorker":
     """Build one data-parallel rank (``ctx`` is a ``TrainWorkerContext``) of the torch backend:
     a :class:`TorchTrainWorker` for roles ``actor`` / ``reference``, a value model
     (:class:`~.critic.TorchCriticWorker`) for role ``critic``."""

@@ -28,24 +28,22 @@ from typing import Any
 import attrs
 import torch
 
-from loongsage_core.algorithms import MetricAccumulator
-from loongsage_hookspecs import AggregationNorm, Batch
+from loongsage_core.backend_api import MetricAccumulator
+from loongsage_hookspecs import AggregationNorm, Batch, TrainWorkerContext
 
-from ..modeling import load_model, torch_dtype
+from ..modeling import load_model
 from . import distributed
-from .checkpoint import capture_rng, seed_everything
+from .checkpoint import capture_rng
 from .logits import decoder_of
-from .schedule import make_scheduler
 from .value_loss import clipped_value_loss
 from .worker import (
     CHECKPOINT_FORMAT,
     RNG_FILE,
     STATE_FILE,
-    BackendOptions,
     TorchTrainWorker,
     _atomic_save,
     _load_file,
-    resolve_device,
+    enable_gradient_checkpointing,
 )
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -101,47 +99,23 @@ class ValueModel(torch.nn.Module):
 class TorchCriticWorker(TorchTrainWorker):
     """One data-parallel rank of the critic (role ``"critic"``) of the torch train backend."""
 
-    def __init__(self, ctx: Any) -> None:
-        # builds its own model, optimizer and settings: TorchTrainWorker.__init__ is not called
+    def __init__(self, ctx: TrainWorkerContext) -> None:
+        # builds its own model and loss; the rank setup and the optimizer are TorchTrainWorker's
         job = ctx.job
         if ctx.role != "critic":
             raise ValueError(f"TorchCriticWorker: role must be 'critic', got {ctx.role!r}")
         crit, train = job.critic, job.train
-        self.job = job
-        self.role = "critic"
-        self.rank = int(ctx.rank)
-        self.world_size = int(ctx.world_size)
-        self.options = BackendOptions.from_args(dict(train.backend_args))
-        self.micro_batch_size = crit.micro_batch_size or train.micro_batch_size
-        if self.micro_batch_size < 1:
-            raise ValueError(f"[critic] micro_batch_size must be >= 1, got {self.micro_batch_size}")
-        self.forward_micro_batch_size = self.options.forward_micro_batch_size or self.micro_batch_size
         if crit.value_clip < 0:
             raise ValueError(f"[critic] value_clip must be >= 0 (0 disables clipping), got {crit.value_clip}")
+        self._init_rank(ctx, micro_batch_size=crit.micro_batch_size or train.micro_batch_size, section="critic",
+                        trainable=True, training="train a critic")
         self.value_clip = float(crit.value_clip)
         self.loss_coef = float(crit.loss_coef)
-        self.device = resolve_device(self.options.device)
-        self.compute_dtype = torch_dtype(job.model.dtype)
-        if self.compute_dtype == torch.float16:
-            raise ValueError("torch train backend: [model] dtype = 'float16' cannot train a critic without loss "
-                             "scaling; use 'bfloat16' or 'float32'")
-        if self.world_size > 1:
-            backend = self.options.dist_backend
-            if backend == "auto":
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
-            distributed.init_process_group(rank=self.rank, world_size=self.world_size,
-                                           master_addr=ctx.master_addr, master_port=int(ctx.master_port),
-                                           backend=backend)
-        seed_everything(int(job.run.seed) + self.rank)
 
         lm: Any = load_model(critic_model_job(job))
         backbone = decoder_of(lm)
         if train.gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            if hasattr(backbone, "activation_checkpointing_enable"):  # transformers >= 5.x naming
-                backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            enable_gradient_checkpointing(backbone)
         param_dtype = torch.float32 if self.options.master_weights == "float32" else self.compute_dtype
         model = ValueModel(backbone, hidden_size_of(lm))
         model.backbone.to(device=self.device, dtype=param_dtype)
@@ -152,13 +126,12 @@ class TorchCriticWorker(TorchTrainWorker):
             distributed.broadcast_parameters(self.model.state_dict().values())
 
         alg = job.algorithm
+        if ctx.components is None:
+            raise ValueError("TorchCriticWorker: the context has no component registry to find the "
+                             f"loss aggregation '{alg.loss_agg}' in")
         self.aggregation = ctx.components.get("loss_aggregation", alg.loss_agg)
         self.aggregation_args = dict(alg.loss_agg_args)
-        if len(train.betas) != 2:
-            raise ValueError(f"[train] betas must have two values, got {train.betas}")
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=crit.lr or train.lr, betas=tuple(train.betas),
-                                           eps=train.eps, weight_decay=train.weight_decay)
-        self.scheduler = make_scheduler(self.optimizer, train)
+        self._init_optimizer(self.model.parameters(), lr=crit.lr or train.lr)
         self.pipeline = None
         self.global_step = 0
         self._offloaded = False

@@ -26,15 +26,13 @@ from typing import Any, Callable, Iterable, Iterator
 import attrs
 import torch
 
-from loongsage_core.algorithms import LossPipeline, MetricAccumulator
-from loongsage_core.config import structure_args
-from loongsage_hookspecs import AggregationNorm, Batch
+from loongsage_core.backend_api import LossPipeline, MetricAccumulator, make_scheduler, structure_args
+from loongsage_hookspecs import AggregationNorm, Batch, TrainWorkerContext
 
 from ..modeling import load_model, load_tokenizer, torch_dtype
 from . import distributed
 from .checkpoint import capture_rng, restore_rng, seed_everything
 from .logits import logprobs_and_entropy, next_token_logits
-from .schedule import make_scheduler
 
 STATE_FILE = "trainer_state.pt"
 RNG_FILE = "rng_rank{rank}.pt"
@@ -66,6 +64,15 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute activations in the backward pass (non-reentrant), in either transformers naming."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x naming
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
 class TorchTrainWorker:
     """One rank of the torch train backend (implements ``loongsage_hookspecs.TrainWorker``).
 
@@ -73,38 +80,15 @@ class TorchTrainWorker:
     runs :meth:`forward` (and accepts :meth:`load_weights` for periodic reference updates).
     """
 
-    def __init__(self, ctx: Any) -> None:
+    def __init__(self, ctx: TrainWorkerContext) -> None:
         job = ctx.job
         if ctx.role not in ("actor", "reference"):
             raise ValueError(f"torch train backend: role {ctx.role!r} is not supported by TorchTrainWorker "
                              "(actor, reference; create_train_worker builds the critic's TorchCriticWorker)")
-        self.job = job
-        self.role = ctx.role
-        self.rank = int(ctx.rank)
-        self.world_size = int(ctx.world_size)
-        self.options = BackendOptions.from_args(dict(job.train.backend_args))
-        if job.train.micro_batch_size < 1:
-            raise ValueError(f"[train] micro_batch_size must be >= 1, got {job.train.micro_batch_size}")
-        self.micro_batch_size = job.train.micro_batch_size
-        self.forward_micro_batch_size = self.options.forward_micro_batch_size or self.micro_batch_size
-        if self.forward_micro_batch_size < 1:
-            raise ValueError("[train] backend_args.forward_micro_batch_size must be >= 1")
-        self.device = resolve_device(self.options.device)
-        self.compute_dtype = torch_dtype(job.model.dtype)
+        trainable = ctx.role == "actor"
+        self._init_rank(ctx, micro_batch_size=job.train.micro_batch_size, section="train", trainable=trainable,
+                        training="be trained")
         self.fp32_lm_head = bool(job.model.fp32_lm_head)
-        trainable = self.role == "actor"
-        if trainable and self.compute_dtype == torch.float16:
-            raise ValueError("torch train backend: [model] dtype = 'float16' cannot be trained without loss "
-                             "scaling; use 'bfloat16' or 'float32'")
-
-        if trainable and self.world_size > 1:
-            backend = self.options.dist_backend
-            if backend == "auto":
-                backend = "nccl" if self.device.type == "cuda" else "gloo"
-            distributed.init_process_group(rank=self.rank, world_size=self.world_size,
-                                           master_addr=ctx.master_addr, master_port=int(ctx.master_port),
-                                           backend=backend)
-        seed_everything(int(job.run.seed) + self.rank)
 
         model: Any = load_model(job)
         param_dtype = torch.float32 if trainable and self.options.master_weights == "float32" else self.compute_dtype
@@ -120,22 +104,52 @@ class TorchTrainWorker:
             return
 
         if job.train.gradient_checkpointing:
-            kwargs = {"use_reentrant": False}
-            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x naming
-                self.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:
-                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+            enable_gradient_checkpointing(self.model)
         if distributed.is_distributed():
             distributed.broadcast_parameters(self.model.state_dict().values())
         self.pipeline = LossPipeline(job, ctx.components)
-        train = job.train
+        self._init_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=job.train.lr)
+        self.model.train()
+
+    def _init_rank(self, ctx: TrainWorkerContext, *, micro_batch_size: int, section: str, trainable: bool,
+                   training: str) -> None:
+        """What every rank of the backend sets up alike (policy, reference and critic): its place in
+        the group, the ``[train] backend_args`` options, batch sizes, device and dtype, the
+        process group of a trainable data-parallel role, and the seed."""
+        job = ctx.job
+        self.job = job
+        self.role = ctx.role
+        self.rank = int(ctx.rank)
+        self.world_size = int(ctx.world_size)
+        self.options = BackendOptions.from_args(dict(job.train.backend_args))
+        if micro_batch_size < 1:
+            raise ValueError(f"[{section}] micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.forward_micro_batch_size = self.options.forward_micro_batch_size or self.micro_batch_size
+        if self.forward_micro_batch_size < 1:
+            raise ValueError("[train] backend_args.forward_micro_batch_size must be >= 1")
+        self.device = resolve_device(self.options.device)
+        self.compute_dtype = torch_dtype(job.model.dtype)
+        if trainable and self.compute_dtype == torch.float16:
+            raise ValueError(f"torch train backend: [model] dtype = 'float16' cannot {training} without loss "
+                             "scaling; use 'bfloat16' or 'float32'")
+        if trainable and self.world_size > 1:
+            backend = self.options.dist_backend
+            if backend == "auto":
+                backend = "nccl" if self.device.type == "cuda" else "gloo"
+            distributed.init_process_group(rank=self.rank, world_size=self.world_size,
+                                           master_addr=ctx.master_addr, master_port=int(ctx.master_port),
+                                           backend=backend)
+        seed_everything(int(job.run.seed) + self.rank)
+
+    def _init_optimizer(self, params: Any, *, lr: float) -> None:
+        """AdamW over ``params`` with the ``[train]`` betas, eps and weight decay, and its LR schedule."""
+        train = self.job.train
         if len(train.betas) != 2:
             raise ValueError(f"[train] betas must have two values, got {train.betas}")
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=train.lr, betas=tuple(train.betas),
-            eps=train.eps, weight_decay=train.weight_decay)
+        self.optimizer = torch.optim.AdamW(params, lr=lr, betas=(train.betas[0], train.betas[1]), eps=train.eps,
+                                           weight_decay=train.weight_decay)
         self.scheduler = make_scheduler(self.optimizer, train)
-        self.model.train()
 
     # ------------------------------------------------------------------------------------------
     # Forward passes

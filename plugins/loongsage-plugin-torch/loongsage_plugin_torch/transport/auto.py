@@ -34,8 +34,7 @@ from typing import Any, Iterable
 
 import torch
 
-from loongsage_core.security import engine_headers
-from loongsage_core.weight_group import node_id
+from loongsage_core.backend_api import engine_headers, node_id
 
 from .broadcast import BroadcastSender
 from .inprocess import InProcessSender

@@ -32,12 +32,13 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from loongsage_core.rendezvous import host_rendezvous, reachable_address
-from loongsage_core.security import engine_headers
-from loongsage_core.weight_group import (
+from loongsage_core.backend_api import (
     destroy_weight_update_group,
+    engine_headers,
+    host_rendezvous,
     init_weight_update_group,
     join_with_engines,
+    reachable_address,
     resolve_backend,
 )
 

@@ -1,4 +1,5 @@
-"""Learning-rate schedules: constant, linear or cosine decay after a linear warmup."""
+"""Learning-rate schedules shared by the train backends: constant, linear or cosine decay after a
+linear warmup (the same schedule in every backend, so they train alike)."""
 
 from __future__ import annotations
 
