@@ -24,8 +24,8 @@ from typing import Any, Sequence
 from loongsage_hookspecs import Batch, TrajectoryGroup
 
 from .batching import build_batch
-from .data import interleave_by_source
 from .metrics import rollout_metrics
+from .mixing import interleave_by_source
 from .remote import gather
 from .teachers import apply_teachers
 from .worker_group import WorkerGroup, mean_metrics
