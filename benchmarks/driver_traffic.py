@@ -16,14 +16,24 @@ Prints JSON: per job, bytes per step in total and per actor method.
     python benchmarks/driver_traffic.py [--steps 2]
 
 Measured on a 2-core CPU machine, 2 steps, 64 rows per step, one trainer rank and one critic
-rank (bytes per step; "before": every stage pickled its selected rows into each call):
+rank (bytes per step). Before: every stage pickled its selected rows into each actor call (old
+log-probs, reference, each policy mini-batch of each epoch, critic values, each critic
+mini-batch). After (:class:`loongsage_core.controller.worker_group.WorkerGroup`): two ``ray.put``
+per step (the rollout rows, then the rows with advantages), each call carries the object
+reference and its row indices:
 
-=================  ==========  =========
-job                before      after
-=================  ==========  =========
-grpo               149,076     (todo)
-ppo_critic_kl      436,858     (todo)
-=================  ==========  =========
+=================  ========  ========  ==============================================
+job                before    after     after, by kind
+=================  ========  ========  ==============================================
+grpo               149,076   96,645    ray.put 95,820; calls 825
+ppo_critic_kl      436,858   118,137   ray.put 116,320; calls 1,817
+=================  ========  ========  ==============================================
+
+The saving grows with the number of stages and epochs and with the ranks: before, every rank
+of every stage received its rows pickled once more; after, the rows cross once per stage no
+matter how many ranks, epochs and roles read them. Rewards and ``train/loss`` of both jobs
+were identical before and after; ``train/is_approx_k3_kl`` stayed at 2-11e-13 (it varies by
+that much between two runs of the same code).
 """
 
 from __future__ import annotations
@@ -123,7 +133,10 @@ def measure(name: str, steps: int, meter: TrafficMeter) -> dict[str, Any]:
         "bytes_per_step": round(total / steps),
         "bytes_per_step_by_method": {k: round(v / steps) for k, v in sorted(meter.by_method.items())},
         "calls_per_step_by_method": {k: v / steps for k, v in sorted(meter.calls.items())},
+        # the training itself must not change with how rows travel: same rewards, k3 gap and loss
         "reward_mean": [m.get("rollout/reward_mean") for m in history],
+        "k3_gap": [m.get("train/is_approx_k3_kl") for m in history],
+        "loss": [m.get("train/loss") for m in history],
     }
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from loongsage_hookspecs import AggregationNorm, Batch
 from loongsage_core.controller.remote import LocalActor
 from loongsage_core.controller.worker_group import WorkerGroup, mean_metrics
+from loongsage_hookspecs import AggregationNorm, Batch
 
 
 class RowsActor:
