@@ -52,10 +52,10 @@ def ensure_parallel_state() -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from .worker import _tmp_rendezvous
+    from .parallel import tmp_rendezvous
 
     if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"file://{_tmp_rendezvous()}", rank=0, world_size=1)
+        dist.init_process_group("gloo", init_method=f"file://{tmp_rendezvous()}", rank=0, world_size=1)
     if parallel_state.model_parallel_is_initialized():
         sizes = {"tp": parallel_state.get_tensor_model_parallel_world_size(),
                  "pp": parallel_state.get_pipeline_model_parallel_world_size(),

@@ -20,7 +20,10 @@ from loongsage_core.config import structure_job  # noqa: E402
 from loongsage_core.engine_client import EngineClient, EngineError, encode_direct_tensors  # noqa: E402
 from loongsage_hookspecs import EngineContext, WeightTransportSpec  # noqa: E402
 
-CONTEXT = 1024
+CONTEXT = 4096
+UNTIL_ABORTED = CONTEXT - 16
+"""Length of a request a test aborts: tens of seconds of generation, so it is still running when
+the test acts on it however long a loaded machine keeps the test's thread waiting."""
 
 
 class DictReceiver:
@@ -85,7 +88,7 @@ def wait_for(predicate, timeout=60.0):
         time.sleep(0.005)
 
 
-def long_request(client, pool, prompt, rid, n=900):
+def long_request(client, pool, prompt, rid, n=UNTIL_ABORTED):
     """Start a long greedy generation in the background; returns its future."""
     return pool.submit(client.generate_sync, [prompt], {"temperature": 0.0, "max_new_tokens": n,
                                                         "ignore_eos": True}, rids=[rid])
@@ -97,6 +100,25 @@ def started(client, count=1):
     wait_for(lambda: state(client)["generated_tokens"] > generated + 4)
 
 
+def paused_while_running(client, pool, prompt, rid, mode, n=300, attempts=5):
+    """A ``n``-token greedy request paused (``mode``) while it runs; returns its future.
+
+    The request runs to its end in about a second, so a test thread a loaded machine keeps waiting
+    can reach the engine after it finished: then the pause met nothing, and the request is sent
+    again (the engine's state, not a guessed time, tells which).
+    """
+    for _ in range(attempts):
+        fut = long_request(client, pool, prompt, rid, n=n)
+        started(client)
+        client.pause_sync(mode)
+        now = state(client)
+        if now["running"] + now["waiting"] == 1:
+            return fut
+        client.resume_sync()
+        assert fut.result(timeout=120)[0].finish_reason == "length"
+    raise AssertionError(f"the {n}-token request finished before the pause in {attempts} attempts")
+
+
 def test_abort_by_rid_returns_the_tokens_so_far(served):
     _, client, pool = served
     fut = long_request(client, pool, [5, 6, 7], "to-abort")
@@ -105,13 +127,13 @@ def test_abort_by_rid_returns_the_tokens_so_far(served):
     client.abort_sync("to-abort")
     res = fut.result(timeout=120)[0]
     assert res.finish_reason == "abort" and res.rid == "to-abort"
-    assert 0 < len(res.output_ids) < 900 and len(res.logprobs) == len(res.output_ids)
+    assert 0 < len(res.output_ids) < UNTIL_ABORTED and len(res.logprobs) == len(res.output_ids)
     assert other.result(timeout=120)[0].finish_reason == "length"
 
 
 def test_abort_all_and_batch_rid_prefix(served):
     _, client, pool = served
-    batch = pool.submit(client.generate_sync, [[3, 4], [5, 6]], {"temperature": 0.0, "max_new_tokens": 900,
+    batch = pool.submit(client.generate_sync, [[3, 4], [5, 6]], {"temperature": 0.0, "max_new_tokens": UNTIL_ABORTED,
                                                                   "ignore_eos": True}, rids=["b_0", "b_1"])
     single = long_request(client, pool, [7, 8], "single")
     started(client, 3)
@@ -119,7 +141,8 @@ def test_abort_all_and_batch_rid_prefix(served):
     results = batch.result(timeout=120) + single.result(timeout=120)
     assert [r.finish_reason for r in results] == ["abort"] * 3
     # a batch sent with one string rid is addressed by that rid
-    body = {"input_ids": [[3, 4], [5, 6]], "rid": "grp", "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+    body = {"input_ids": [[3, 4], [5, 6]], "rid": "grp", "sampling_params": {"max_new_tokens": UNTIL_ABORTED,
+                                                                           "ignore_eos": True}}
     fut = pool.submit(httpx.post, client.base_url + "/generate", json=body, timeout=60)
     started(client, 2)
     client.abort_sync("grp")
@@ -132,9 +155,7 @@ def test_pause_in_place_keeps_requests_and_their_kv(served):
     engine, client, pool = served
     ref = load_model(make_job())
     prompt = [11, 12, 13, 14]
-    fut = long_request(client, pool, prompt, "paused", n=300)
-    started(client)
-    client.pause_sync("in_place")
+    fut = paused_while_running(client, pool, prompt, "paused", "in_place")
     frozen = state(client)
     assert frozen["paused"] and frozen["running"] == 1
     time.sleep(0.1)
@@ -150,9 +171,7 @@ def test_pause_retract_recomputes_and_gives_the_same_sequence(served):
     _, client, pool = served
     prompt = [21, 22, 23]
     straight = client.generate_sync([prompt], {"temperature": 0.0, "max_new_tokens": 300, "ignore_eos": True})[0]
-    fut = long_request(client, pool, prompt, "retracted", n=300)
-    started(client)
-    client.pause_sync("retract")
+    fut = paused_while_running(client, pool, prompt, "retracted", "retract")
     assert state(client)["running"] == 0 and state(client)["waiting"] == 1
     client.resume_sync()
     res = fut.result(timeout=120)[0]
@@ -243,9 +262,7 @@ def test_bad_weight_updates_are_rejected_by_name(served):
 
 def test_in_place_update_reports_versions_per_token(served):
     engine, client, pool = served
-    fut = long_request(client, pool, [61, 62, 63], "spans", n=300)
-    started(client)
-    client.pause_sync("in_place")
+    fut = paused_while_running(client, pool, [61, 62, 63], "spans", "in_place")
     version = client.weight_version_sync()
     original = [(n, p.detach().clone()) for n, p in load_model(make_job()).named_parameters()]
     client.update_weights_from_tensor_sync({"serialized_named_tensors": encode_direct_tensors(original),
@@ -343,7 +360,7 @@ def test_client_raises_engine_error_with_the_engine_message(served):
 
 def test_a_rid_in_use_is_rejected(served):
     _, client, pool = served
-    fut = long_request(client, pool, [71, 72], "dup-rid", n=400)
+    fut = long_request(client, pool, [71, 72], "dup-rid")
     started(client)
     with pytest.raises(EngineError) as err:
         client.generate_sync([[1, 2]], {"max_new_tokens": 2}, rids=["dup-rid"])
@@ -354,7 +371,7 @@ def test_a_rid_in_use_is_rejected(served):
 
 def test_a_streamed_request_refused_before_its_first_token_gets_a_plain_error(served):
     _, client, pool = served
-    fut = long_request(client, pool, [73, 74], "dup-stream", n=400)
+    fut = long_request(client, pool, [73, 74], "dup-stream")
     started(client)
     resp = httpx.post(client.base_url + "/generate", json={"input_ids": [1, 2], "rid": "dup-stream", "stream": True,
                                                            "sampling_params": {"max_new_tokens": 2}})

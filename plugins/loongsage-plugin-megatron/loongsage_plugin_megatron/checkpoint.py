@@ -1,0 +1,115 @@
+"""Checkpoints and Hugging Face export of the megatron train backend.
+
+A checkpoint holds, per rank (:data:`STATE_FILE`), the model shard, the Megatron optimizer's
+``state_dict()``, the learning-rate schedule, the step and the RNG state; under the distributed
+optimizer the sharded Adam state goes to one more file per model-parallel rank
+(:data:`PARAM_STATE_FILE`, ``save_parameter_state``, gathered on data-parallel rank 0). A run
+resumed from it continues exactly (same parallel layout and optimizer kind).
+
+Hugging Face weights are Megatron-Bridge's export: full tensors under Hugging Face names,
+gathered over tensor parallelism and broadcast from the pipeline stage that holds them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .parallel import model_parallel_rank
+
+STATE_FILE = "megatron_state_rank{rank}.pt"
+# The distributed optimizer's parameter state, written by data-parallel rank 0 of each model-parallel rank.
+PARAM_STATE_FILE = "megatron_optimizer_params_mp{rank}.pt"
+CHECKPOINT_FORMAT = 2
+
+
+def save_checkpoint(path: str, *, rank: int, role: str, step: int, module: Any, optimizer: Any,
+                    scheduler: Any, distributed_optimizer: bool) -> None:
+    """Write this rank's ``module`` (its first model chunk), ``optimizer`` and ``scheduler`` (None
+    for a forward-only worker), ``step`` and RNG state under ``path``; every rank waits for all."""
+    import torch.distributed as dist
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {"format": CHECKPOINT_FORMAT, "role": role, "step": step,
+             "model": module.state_dict(),
+             "optimizer": optimizer.state_dict() if optimizer is not None else None,
+             "scheduler": scheduler.state_dict() if scheduler is not None else None,
+             "rng": torch.get_rng_state()}
+    target = out / STATE_FILE.format(rank=rank)
+    tmp = target.with_name(target.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, target)
+    if optimizer is not None and distributed_optimizer:
+        optimizer.save_parameter_state(str(out / PARAM_STATE_FILE.format(rank=model_parallel_rank())))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_checkpoint(path: str, *, rank: int, module: Any, optimizer: Any, scheduler: Any,
+                    distributed_optimizer: bool) -> int:
+    """Restore what :func:`save_checkpoint` wrote into ``module``, ``optimizer``, ``scheduler`` and
+    the RNG; returns the saved step. FileNotFoundError / ValueError name the checkpoint at fault."""
+    src = Path(path) / STATE_FILE.format(rank=rank)
+    if not src.is_file():
+        raise FileNotFoundError(f"MegatronTrainWorker.load_checkpoint: no {src.name} in checkpoint directory "
+                                f"'{Path(path).resolve()}'")
+    state = torch.load(src, map_location="cpu", weights_only=False)
+    if state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' has format {state.get('format')!r}, "
+                         f"expected {CHECKPOINT_FORMAT} (Megatron optimizer state)")
+    module.load_state_dict(state["model"])
+    if optimizer is not None:
+        if state["optimizer"] is None:
+            raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' holds no optimizer state "
+                             f"(saved by a {state.get('role')!r} worker)")
+        optimizer.load_state_dict(state["optimizer"])
+        if distributed_optimizer:
+            params = Path(path) / PARAM_STATE_FILE.format(rank=model_parallel_rank())
+            optimizer.load_parameter_state(str(params))
+        scheduler.load_state_dict(state["scheduler"])
+    step = int(state["step"])
+    torch.set_rng_state(state["rng"])
+    return step
+
+
+def export_hf_weights(bridge: Any, modules: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors of ``modules`` under Hugging Face names, on every rank.
+
+    The bridge gathers them over tensor parallelism and, under PP > 1, broadcasts each from
+    the pipeline stage that holds it. Without autograd: the broadcasts write parameters'
+    storage, which must not enter the next training step's graph.
+    """
+    yield from _without_grad(bridge.export_hf_weights(modules, cpu=True, show_progress=False))
+
+
+def save_hf(bridge: Any, modules: list[Any], path: str, *, rank: int, tokenizer_source: str) -> None:
+    """Write a Hugging Face directory (config, safetensors; rank 0 adds the tokenizer of
+    ``tokenizer_source`` when it has one) through Megatron-Bridge; every rank waits for all."""
+    import torch.distributed as dist
+
+    with torch.no_grad():  # see export_hf_weights
+        bridge.save_hf_pretrained(modules, path, show_progress=False)
+    if rank == 0:
+        from transformers import AutoTokenizer
+
+        try:
+            AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(path)
+        except (OSError, ValueError):
+            pass  # a model directory without tokenizer files: weights and config only
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _without_grad(items: Iterator[Any]) -> Iterator[Any]:
+    """``items`` advanced under ``torch.no_grad()``, the caller's grad mode untouched between items."""
+    while True:
+        with torch.no_grad():
+            try:
+                item = next(items)
+            except StopIteration:
+                return
+        yield item

@@ -1,0 +1,101 @@
+"""Building the megatron backend's model: a Megatron-Core ``GPTModel`` from a Hugging Face directory.
+
+Megatron-Bridge converts the weights on load (:func:`build_model`) in float32, without dropout
+or sequence parallelism, with ``calculate_per_token_loss`` (Megatron back-propagates the host's
+loss as it is and sums data-parallel gradients). Under PP > 1 each rank holds one pipeline
+stage's share of the layers (the first stage the embedding, the last the final norm and output
+layer, built with ``pre_process`` / ``post_process``).
+
+Mixture-of-Experts models (a Hugging Face config naming routed experts, e.g. ``qwen3_moe``) get
+Megatron-Core's MoE layers; under expert parallelism each rank holds ``num_experts / ep`` of
+every MoE layer's experts. The load-balancing (auxiliary) loss is off by default
+(``moe_aux_loss_coeff = 0``): the gradient is the host's RL loss's exactly; with a positive
+coefficient its gradient is added at the scale :func:`aux_loss_scale` gives.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from . import bridge_compat, cpu_compat
+from .parallel import BackendOptions, sum_over_data_parallel
+
+
+@attrs.define(frozen=True)
+class BuiltModel:
+    """What :func:`build_model` returns: the bridge (for export), the unwrapped model chunks
+    (what Megatron-Bridge converts to and from Hugging Face names) and the Hugging Face
+    vocabulary size (Megatron may pad its output layer beyond it)."""
+
+    bridge: Any
+    modules: list[Any]
+    vocab_size: int
+
+
+def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, sizes: tuple[int, int, int],
+                hf_config: dict[str, Any], num_experts: int | None, device: torch.device) -> BuiltModel:
+    """This rank's share of the model in ``model_path``, with ``sizes`` = ``(tp, pp, ep)``.
+
+    Needs Megatron-Core's parallel state (:func:`.parallel.init_parallel`) and the
+    compatibility patches (:mod:`.bridge_compat`, :mod:`.cpu_compat`) applied.
+    """
+    tp, pp, ep = sizes
+    # ``torch_dtype`` (the bridge's own argument), not ``dtype``: other keywords are kept for
+    # loading the tokenizer and config, whose save_pretrained in save_hf cannot serialise a dtype.
+    bridge = auto_bridge.from_hf_pretrained(model_path, torch_dtype=torch.float32)
+    provider = bridge.to_megatron_provider(load_weights=True)
+    # Megatron-Bridge turns initialization off when it loads weights, but Megatron-Core marks a
+    # tensor-parallel shard (``tensor_model_parallel``, partition dim) only while initializing
+    # it; unmarked shards would count as replicas in the optimizer's gradient norm under TP > 1.
+    # Initialize (cheap next to training), then the bridge's load overwrites the values.
+    provider.perform_initialization = True
+    provider.tensor_model_parallel_size = tp
+    provider.pipeline_model_parallel_size = pp
+    provider.expert_model_parallel_size = ep
+    provider.params_dtype = torch.float32
+    provider.bf16 = provider.fp16 = False
+    provider.hidden_dropout = provider.attention_dropout = 0.0
+    provider.sequence_parallel = False
+    # The host's loss is already divided by the mini-batch's global norm: Megatron DDP must sum
+    # the data-parallel gradients (gradient scaling factor 1), not average them.
+    provider.calculate_per_token_loss = True
+    if num_experts:
+        _configure_moe(provider, hf_config, options, num_experts)
+    cpu_compat.configure_provider(provider)
+    provider.finalize()
+    vocab_size = int(provider.vocab_size)
+    modules = provider.provide_distributed_model(
+        wrap_with_ddp=False, use_cpu_initialization=device.type == "cpu", mixed_precision_wrapper=None)
+    return BuiltModel(bridge=bridge, modules=modules, vocab_size=vocab_size)
+
+
+def _configure_moe(provider: Any, hf_config: dict[str, Any], options: BackendOptions, num_experts: int) -> None:
+    """Mixture-of-Experts settings of the provider (expert parallelism is set with the other sizes).
+
+    The load-balancing loss is off unless ``backend_args.moe_aux_loss_coeff`` > 0 (the
+    bridge's default coefficient would add its gradient to the RL loss's); see
+    :func:`aux_loss_scale` for how a positive coefficient is normalised.
+    """
+    if not provider.num_moe_experts:
+        raise ValueError(f"[model] path: config.json names {num_experts} experts but Megatron-Bridge built "
+                         "a dense model from it")
+    provider.moe_aux_loss_coeff = float(options.moe_aux_loss_coeff)
+    bridge_compat.configure_router(provider, hf_config)
+
+
+def aux_loss_scale(inputs: list[Any], dp: int, device: torch.device) -> float:
+    """The factor Megatron's per-micro-batch load-balancing loss gets under this backend's loss.
+
+    With ``calculate_per_token_loss`` Megatron attaches each micro-batch's load-balancing
+    loss times its number of routed tokens and expects ``finalize_model_grads`` to divide all
+    gradients by the mini-batch's token count; this backend does not divide (the host's loss
+    is normalised already). Scaling the coefficient by 1 / (tokens routed in the whole
+    mini-batch, over all micro-batches and data-parallel ranks) gives the gradient of
+    ``moe_aux_loss_coeff`` times the token-weighted mean load-balancing loss of every MoE layer.
+    """
+    tokens = torch.tensor([float(sum(i.input_ids.numel() for i in inputs))], dtype=torch.float64, device=device)
+    sum_over_data_parallel(tokens, dp)
+    return 1.0 / max(float(tokens.item()), 1.0)

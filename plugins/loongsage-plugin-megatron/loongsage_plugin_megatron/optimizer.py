@@ -1,0 +1,91 @@
+"""The megatron backend's data-parallel wrapper, optimizer, learning-rate schedule and step.
+
+The actor's model chunks are wrapped in ``megatron.core.distributed.DistributedDataParallel``
+(:func:`wrap_ddp`): gradients accumulate in its contiguous buffers and
+``finalize_model_grads`` sums them over the data-parallel group (the host's loss is already
+divided by the mini-batch's global norm, so they are summed, not averaged). The optimizer is
+``megatron.core.optimizer.get_megatron_optimizer`` with Adam (decoupled weight decay on every
+parameter, like the torch backend), which computes the gradient norm over the tensor- and
+pipeline-parallel shards and clips to ``[train] grad_clip`` inside its ``step()``; under
+``use_distributed_optimizer`` its state is sharded over the data-parallel group. The learning
+rate follows the ``[train]`` schedule of the torch backend (:mod:`.schedule`: a ``LambdaLR`` on
+the torch optimizer inside the Megatron one). A step whose gradients are not finite is skipped
+(``train/skipped_step`` = 1), as in the torch backend (:func:`optimizer_step`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .parallel import BackendOptions
+
+
+def wrap_ddp(modules: list[Any], options: BackendOptions) -> list[Any]:
+    """Wrap each model chunk in Megatron-Core's ``DistributedDataParallel`` (grad buffers, DP reduction)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=options.use_distributed_optimizer,
+        overlap_grad_reduce=False, overlap_param_gather=False, average_in_collective=False)
+    return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
+                                    disable_bucketing=index > 0)
+            for index, m in enumerate(modules)]
+
+
+def build_optimizer(chunks: list[Any], train: Any, options: BackendOptions) -> tuple[Any, Any]:
+    """Megatron-Core's Adam over the DDP ``chunks``, and the ``[train]`` learning-rate schedule."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from .schedule import make_megatron_scheduler
+
+    if len(train.betas) != 2:
+        raise ValueError(f"[train] betas must have two values, got {train.betas}")
+    config = OptimizerConfig(
+        optimizer="adam", lr=float(train.lr), min_lr=float(train.lr) * float(train.min_lr_ratio),
+        weight_decay=float(train.weight_decay), adam_beta1=float(train.betas[0]),
+        adam_beta2=float(train.betas[1]), adam_eps=float(train.eps), decoupled_weight_decay=True,
+        clip_grad=float(train.grad_clip), fp16=False, bf16=False, params_dtype=torch.float32,
+        use_distributed_optimizer=options.use_distributed_optimizer)
+    # No overrides: every parameter decays like in the torch backend (Megatron's default
+    # groups would exempt biases and norms, relying on its own scheduler for ``wd_mult``).
+    optimizer = get_megatron_optimizer(config, chunks, config_overrides={})
+    return optimizer, make_megatron_scheduler(optimizer, train)
+
+
+def grad_buffers(chunks: list[Any]) -> list[Any]:
+    """Megatron DDP's gradient buffers of ``chunks`` (dense and expert-parallel; none when not wrapped)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return [buffer for chunk in chunks if isinstance(chunk, DistributedDataParallel)
+            for buffer in chunk.buffers + chunk.expert_parallel_buffers]
+
+
+def grads_finite(chunks: list[Any], device: torch.device) -> bool:
+    """Whether every rank's reduced gradient buffers are finite (all ranks get the same answer)."""
+    import torch.distributed as dist
+
+    finite = all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in grad_buffers(chunks))
+    flag = torch.tensor([1.0 if finite else 0.0], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
+def optimizer_step(optimizer: Any, scheduler: Any, chunks: list[Any], device: torch.device) -> dict[str, float]:
+    """Megatron's ``step()``: gradient norm over model-parallel shards, clipping, Adam update.
+
+    Not-finite gradients skip the update (the fp32 Megatron optimizer would apply it); the
+    schedule advances either way so resumed and uninterrupted runs stay aligned. Returns
+    ``train/grad_norm``, ``train/lr`` (the rate this step used) and ``train/skipped_step``.
+    """
+    lr = float(optimizer.param_groups[0]["lr"])
+    if grads_finite(chunks, device):
+        updated, grad_norm, _ = optimizer.step()
+    else:
+        optimizer.prepare_grads()
+        updated, grad_norm = False, optimizer.get_grad_norm()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if updated else 1.0}
