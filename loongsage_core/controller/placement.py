@@ -114,18 +114,11 @@ class Actors:
     colocated: bool
     placement_group: Any = None
     dp_ranks: list[int] = attrs.field(kw_only=True)
-    """The data-parallel rank of each trainer actor (ranks of one model replica share one)."""
+    """The data-parallel rank of each trainer actor (ranks of one model replica share one; the
+    step's rows are sharded by them in :class:`.worker_group.WorkerGroup`)."""
     dp_size: int = attrs.field(kw_only=True)
     critic_bundle: int | None = attrs.field(default=None, kw_only=True)
     """Index of the first critic bundle in ``placement_group`` (``None``: the job has no critic)."""
-
-    def rows_per_trainer(self, n: int) -> list[list[int]]:
-        """Which of ``n`` rows each trainer actor gets: a contiguous share per data-parallel rank,
-        the same share for every rank of one model replica (tensor / pipeline parallel peers)."""
-        from .batching import shard_rows
-
-        shards = shard_rows(n, self.dp_size)
-        return [shards[r] for r in self.dp_ranks]
 
     def all(self) -> list[Any]:
         """Every distinct actor (a colocated actor is both a trainer and an engine)."""

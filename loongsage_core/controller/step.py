@@ -79,16 +79,18 @@ class StepRunner:
         return interleave_by_source(batch.meta["source"], self.job.train.mini_batch_size, self.actors.dp_size,
                                     seed=f"{self.job.run.seed}:{step}:minibatch")
 
-    def train(self, batch: Batch, step: int, shared: Any = None) -> dict[str, float]:
-        """``[train] ppo_epochs`` passes over the policy's mini-batches; ``shared`` is ``batch`` as
-        :meth:`.WorkerGroup.share` shipped it (shipped here when not given)."""
+    def train(self, batch: Batch, step: int) -> dict[str, float]:
+        """Ship the prepared rows (advantages, returns) once, then ``[train] ppo_epochs`` passes
+        over the policy's mini-batches and, with a critic, the critic's epochs on the same rows."""
         policy = self.policy
-        shared = policy.share(batch) if shared is None else shared
+        shared = policy.share(batch)
         order = self.mini_batch_order(batch, step)
         size = self.job.train.mini_batch_size
         out, count = policy.train(shared, (mb for _ in range(self.job.train.ppo_epochs)
                                            for mb in self.algorithm.mini_batch_rows(batch, order, size)))
         out["train/num_mini_batches"] = float(count)
+        if self.critic is not None:
+            out.update(self.critic.train(batch, step, self.algorithm, order, shared))
         return out
 
     def learn(self, groups: Sequence[TrajectoryGroup], step: int) -> tuple[dict[str, float], float]:
@@ -122,11 +124,7 @@ class StepRunner:
         metrics.update(apply_teachers(batch, self.job, self.host, self.teachers))
         # corrections, token rewards, advantages and returns, the train-inference gap: once, here
         metrics.update(self.algorithm.prepare(batch))
-        prepared = policy.share(batch)  # the rows with advantages (and returns), shipped once
-        metrics.update(self.train(batch, step, prepared))
-        if self.critic is not None:
-            metrics.update(self.critic.train(batch, step, self.algorithm, self.mini_batch_order(batch, step),
-                                             prepared))
+        metrics.update(self.train(batch, step))
         every = alg.ref_update_every
         if self.needs_reference and every > 0 and (step + 1) % every == 0:
             policy.call("refresh_reference")
