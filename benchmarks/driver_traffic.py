@@ -25,8 +25,8 @@ reference and its row indices:
 =================  ========  ========  ==============================================
 job                before    after     after, by kind
 =================  ========  ========  ==============================================
-grpo               149,076   96,645    ray.put 95,820; calls 825
-ppo_critic_kl      436,858   118,137   ray.put 116,320; calls 1,817
+grpo               149,076   96,647    ray.put 95,822; calls 825
+ppo_critic_kl      436,858   118,139   ray.put 116,322; calls 1,817
 =================  ========  ========  ==============================================
 
 The saving grows with the number of stages and epochs and with the ranks: before, every rank
