@@ -177,11 +177,18 @@ class StepAlgorithm:
     def mini_batches(self, batch: Batch, order: Sequence[int], size: int) -> Iterator[tuple[Batch, AggregationNorm]]:
         """Consecutive mini-batches of ``size`` rows in ``order``, each with its norm; a mini-batch
         without a trained token is skipped (it has nothing to learn from)."""
+        for rows, norm in self.mini_batch_rows(batch, order, size):
+            yield batch.select(rows), norm
+
+    def mini_batch_rows(self, batch: Batch, order: Sequence[int],
+                        size: int) -> Iterator[tuple[list[int], AggregationNorm]]:
+        """:meth:`mini_batches` as row indices of ``batch`` (what a worker group ships to the ranks)."""
         for start in range(0, len(order), size):
-            mini = batch.select(list(order[start:start + size]))
+            rows = [int(i) for i in order[start:start + size]]
+            mini = batch.select(rows)
             if float(mini["loss_mask"].sum()) == 0.0:
                 continue
-            yield mini, compute_norm(mini)  # the global denominators, before the mini-batch is sharded
+            yield rows, compute_norm(mini)  # the global denominators, before the mini-batch is sharded
 
     @staticmethod
     def _per_token(what: str, spec: Any, value: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":

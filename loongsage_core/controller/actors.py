@@ -99,6 +99,16 @@ class ModelActor:
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
         return self.worker.train_mini_batch(batch, norm)
 
+    def forward_rows(self, batch: Batch, rows: list[int], reference: bool = False) -> dict[str, Any]:
+        """:meth:`forward` (or :meth:`reference_forward`) of rows ``rows`` of the step's shared batch
+        (:class:`.worker_group.WorkerGroup`: the driver ships the batch once, each rank selects)."""
+        rows_batch = batch.select(rows)
+        return self.reference_forward(rows_batch) if reference else self.forward(rows_batch)
+
+    def train_rows(self, batch: Batch, rows: list[int], norm: AggregationNorm) -> dict[str, float]:
+        """:meth:`train_mini_batch` on rows ``rows`` of the step's shared batch."""
+        return self.train_mini_batch(batch.select(rows), norm)
+
     def offload(self) -> None:
         """Move the trainer's (and the reference model's) state off the accelerator, when the
         backend can (colocated runs, while the engine generates)."""

@@ -1,7 +1,8 @@
 """The critic (value model) of jobs whose advantage estimator sets ``needs_critic`` (``gae``).
 
 The critic lives in Ray actors of its own, ``[critic] num_workers`` data-parallel ranks (one
-:class:`CriticActor` each, reserving ``[critic] cpus`` / ``gpus``), each holding the train
+:class:`CriticActor` each, in a bundle of ``[critic] cpus`` / ``gpus`` of the run's placement
+group), sharded and fed by a :class:`.worker_group.WorkerGroup` like the policy, each holding the train
 backend's worker built with ``TrainWorkerContext.role = "critic"``: a value model whose
 ``forward`` returns ``{"values": [B, T]}`` aligned with the tokens like log-probs (``values[:, t]``
 estimates the return from token ``t`` onwards) and whose ``train_mini_batch`` minimises the
@@ -22,7 +23,6 @@ loads them back. Metrics: ``train/critic_loss``, ``train/value_mean``, ``train/v
 from __future__ import annotations
 
 import os
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -34,8 +34,7 @@ from ..config import ConfigError, JobConfig
 from ..plugins import PluginHost
 from ..rendezvous import Rendezvous, host_rendezvous
 from . import checkpoint as ckpt
-from .batching import shard_rows
-from .remote import gather
+from .worker_group import WorkerGroup
 
 CRITIC_RANK_DIR = "critic_rank_{rank}"
 """Directory of critic rank ``r`` inside a checkpoint's ``step_<N>/``."""
@@ -99,6 +98,16 @@ class CriticActor:
     def train_mini_batch(self, batch: Batch, norm: Any) -> dict[str, float]:
         return self.worker.train_mini_batch(batch, norm)
 
+    def forward_rows(self, batch: Batch, rows: list[int], reference: bool = False) -> dict[str, torch.Tensor]:
+        """:meth:`forward` of rows ``rows`` of the step's shared batch (a critic has no reference)."""
+        if reference:
+            raise ValueError("a critic rank has no reference model")
+        return self.forward(batch.select(rows))
+
+    def train_rows(self, batch: Batch, rows: list[int], norm: Any) -> dict[str, float]:
+        """:meth:`train_mini_batch` on rows ``rows`` of the step's shared batch."""
+        return self.train_mini_batch(batch.select(rows), norm)
+
     def save_checkpoint(self, path: str) -> None:
         self.worker.save_checkpoint(path)
 
@@ -133,19 +142,39 @@ class Critic:
     def __init__(self, job: JobConfig, actors: list[Any]) -> None:
         self.job = job
         self.actors = actors
+        self.group = WorkerGroup(actors)  # one data-parallel rank per critic actor
 
-    @classmethod
-    def create(cls, job: JobConfig) -> "Critic":
-        """Start ``[critic] num_workers`` critic ranks on the (already initialised) Ray cluster."""
+    @staticmethod
+    def check_resources(job: JobConfig) -> None:
+        """:func:`check_critic_resources` against the running Ray cluster (before the run's
+        placement group reserves the critic's bundles, which would wait forever)."""
         import ray
 
         check_critic_resources(job, ray.cluster_resources())
+
+    @classmethod
+    def create(cls, job: JobConfig, placement_group: Any = None, first_bundle: int = 0) -> "Critic":
+        """Start ``[critic] num_workers`` critic ranks on the (already initialised) Ray cluster, in
+        bundles ``first_bundle...`` of the run's ``placement_group`` (see
+        :func:`.placement.create_placement_group`; ``None``: anywhere in the cluster)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if placement_group is None:
+            check_critic_resources(job, ray.cluster_resources())
         crit = job.critic
         world = crit.num_workers
         remote = ray.remote(CriticActor)
+
+        def options(rank: int) -> Any:
+            if placement_group is None:
+                return remote.options(num_cpus=crit.cpus, num_gpus=crit.gpus)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=placement_group,
+                                                        placement_group_bundle_index=first_bundle + rank)
+            return remote.options(num_cpus=crit.cpus, num_gpus=crit.gpus, scheduling_strategy=strategy)
+
         # Ray actor handles are typed Any, as in placement.py: Ray's stubs do not type actor method calls
-        actors: list[Any] = [remote.options(num_cpus=crit.cpus, num_gpus=crit.gpus).remote(job, rank, world)
-                             for rank in range(world)]
+        actors: list[Any] = [options(rank).remote(job, rank, world) for rank in range(world)]
         try:
             # several ranks: rank 0 listens first (a port the OS assigns) and reports where; then all join
             address, port = ray.get(actors[0].host_rendezvous.remote()) if world > 1 else ("127.0.0.1", 0)
@@ -159,16 +188,16 @@ class Critic:
 
     # -- per step --------------------------------------------------------------------------------
 
-    def values(self, batch: Batch) -> torch.Tensor:
-        """Critic values ``[B, T]`` of every row (float32, 0 off ``loss_mask``)."""
-        calls = [a.forward.remote(batch.select(rows))
-                 for a, rows in zip(self.actors, shard_rows(len(batch), len(self.actors))) if rows]
-        width = batch["input_ids"].shape[1]
-        parts = [torch.nn.functional.pad(o["values"], (0, width - o["values"].shape[1])) for o in gather(calls)]
-        return torch.cat(parts, 0).float() * batch["loss_mask"].float()
+    def values(self, batch: Batch, shared: Any = None) -> torch.Tensor:
+        """Critic values ``[B, T]`` of every row (float32, 0 off ``loss_mask``); ``shared`` is the
+        batch as :meth:`.WorkerGroup.share` shipped it (shipped here when not given)."""
+        shared = self.group.share(batch) if shared is None else shared
+        return self.group.forward(shared, batch, "values") * batch["loss_mask"].float()
 
-    def train(self, batch: Batch, step: int, algorithm: Any, order: Sequence[int]) -> dict[str, float]:
-        """Train on the step's rows (``values`` and ``returns`` set) in mini-batches.
+    def train(self, batch: Batch, step: int, algorithm: Any, order: Sequence[int],
+              shared: Any = None) -> dict[str, float]:
+        """Train on the step's rows (``values`` and ``returns`` set) in mini-batches; ``shared`` as
+        in :meth:`values` (the batch with ``values`` and ``returns``).
 
         ``algorithm`` is the step's :class:`~loongsage_core.algorithms.StepAlgorithm` and ``order``
         the rows in the policy's mini-batch order: with ``[critic] mini_batch_size`` unset the
@@ -186,17 +215,11 @@ class Critic:
         if ev is not None:
             out["train/explained_variance"] = ev
         size = crit.mini_batch_size or train.mini_batch_size
-        sums: dict[str, float] = defaultdict(float)
-        count = 0
-        for _epoch in range(crit.ppo_epochs or train.ppo_epochs):
-            for mini, norm in algorithm.mini_batches(batch, order, size):
-                shards = shard_rows(len(mini), len(self.actors))
-                per_rank = gather([a.train_mini_batch.remote(mini.select(rows), norm)
-                                   for a, rows in zip(self.actors, shards)])
-                for key, value in per_rank[0].items():  # equal on every rank (all-reduced)
-                    sums[key] += float(value)
-                count += 1
-        out.update({k: v / max(count, 1) for k, v in sums.items()})
+        shared = self.group.share(batch) if shared is None else shared
+        epochs = crit.ppo_epochs or train.ppo_epochs
+        metrics, count = self.group.train(shared, (mb for _ in range(epochs)
+                                                   for mb in algorithm.mini_batch_rows(batch, order, size)))
+        out.update(metrics)
         out["train/critic_num_mini_batches"] = float(count)
         return out
 

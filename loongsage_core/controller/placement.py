@@ -114,16 +114,11 @@ class Actors:
     colocated: bool
     placement_group: Any = None
     dp_ranks: list[int] = attrs.field(kw_only=True)
-    """The data-parallel rank of each trainer actor (ranks of one model replica share one)."""
+    """The data-parallel rank of each trainer actor (ranks of one model replica share one; the
+    step's rows are sharded by them in :class:`.worker_group.WorkerGroup`)."""
     dp_size: int = attrs.field(kw_only=True)
-
-    def rows_per_trainer(self, n: int) -> list[list[int]]:
-        """Which of ``n`` rows each trainer actor gets: a contiguous share per data-parallel rank,
-        the same share for every rank of one model replica (tensor / pipeline parallel peers)."""
-        from .batching import shard_rows
-
-        shards = shard_rows(n, self.dp_size)
-        return [shards[r] for r in self.dp_ranks]
+    critic_bundle: int | None = attrs.field(default=None, kw_only=True)
+    """Index of the first critic bundle in ``placement_group`` (``None``: the job has no critic)."""
 
     def all(self) -> list[Any]:
         """Every distinct actor (a colocated actor is both a trainer and an engine)."""
@@ -163,8 +158,9 @@ def _bundle(cpus: float, gpus: float, custom: dict[str, float] | None = None) ->
     return bundle or {"CPU": 0.001}
 
 
-def create_placement_group(job: JobConfig) -> Any:
-    """One placement-group bundle per actor (trainer ranks first, then separate engines).
+def create_placement_group(job: JobConfig, with_critic: bool = False) -> Any:
+    """One placement-group bundle per actor (trainer ranks first, then separate engines, then the
+    critic ranks when ``with_critic``).
 
     ``PACK`` keeps the bundles of one job together (one node when it fits); every bundle is a
     per-role resource request, so the same code places actors on CPU-only and GPU clusters. A
@@ -178,20 +174,26 @@ def create_placement_group(job: JobConfig) -> Any:
     if not pl.colocate:
         bundles += [_bundle(pl.engine_cpus, pl.engine_gpus, pl.engine_resources)
                     for _ in range(job.rollout.num_engines)]
+    if with_critic:
+        bundles += [_bundle(job.critic.cpus, job.critic.gpus) for _ in range(job.critic.num_workers)]
     return placement_group(bundles, strategy="PACK")
 
 
-def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = None) -> Actors:
+def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = None,
+                  with_critic: bool = False) -> Actors:
     """Reserve a placement group, start every model actor in its bundle, wait until they are ready.
 
     ``secret``: the run secret, required by the engines and sent by the actors' weight transports.
+    ``with_critic``: the group also reserves the critic ranks' bundles (``Actors.critic_bundle``
+    on), where :meth:`.critic.Critic.create` starts them (check first that the cluster holds them:
+    :meth:`.critic.Critic.check_resources`).
     """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     check_placement(job)
     check_resources(job)
-    pg = create_placement_group(job)
+    pg = create_placement_group(job, with_critic)
     ray.get(pg.ready())
     world = job.train.num_workers
     remote = ray.remote(ModelActor)
@@ -233,7 +235,8 @@ def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = No
                            f"{[(r['dp_rank'], r['dp_size']) for r in ranks]}")
     return Actors(trainers=trainers, engine_actors=engines, engine_urls=[i["engine_url"] for i in infos],
                   colocated=pl.colocate, placement_group=pg, dp_ranks=[r["dp_rank"] for r in ranks],
-                  dp_size=ranks[0]["dp_size"])
+                  dp_size=ranks[0]["dp_size"],
+                  critic_bundle=world + (0 if pl.colocate else job.rollout.num_engines) if with_critic else None)
 
 
 def start_engine_router(job: JobConfig, host: Any, engine_urls: list[str]) -> tuple[Any, list[str]]:

@@ -19,8 +19,8 @@ import attrs
 from ..agentflow import AgentFlowRouter, build_middlewares
 from ..resolve import ResolvedJob
 from ..security import new_secret, set_process_secret, write_secret_file
+from .lifecycle import load_tokenizer
 from .placement import Actors, create_actors, init_ray, start_engine_router
-from .run import load_tokenizer
 
 
 @attrs.define

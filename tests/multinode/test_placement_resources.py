@@ -84,3 +84,15 @@ def test_bundles_carry_each_roles_resources(tmp_path, ray_cluster):
             {"CPU": 0.5, "engine_node": 0.5, "fast_disk": 1.0}] * 3
     finally:
         remove_placement_group(pg)
+
+
+def test_critic_ranks_get_bundles_after_the_other_actors(tmp_path, ray_cluster):
+    from ray.util.placement_group import remove_placement_group
+
+    critic = job(tmp_path, overrides=["critic.num_workers=2", "critic.cpus=0.25"])
+    pg = create_placement_group(critic, with_critic=True)
+    try:
+        assert pg.bundle_specs[5:] == [{"CPU": 0.25}] * 2
+        assert len(pg.bundle_specs) == 7
+    finally:
+        remove_placement_group(pg)

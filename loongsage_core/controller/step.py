@@ -1,0 +1,194 @@
+"""One synchronous step of the RL loop: collect groups, learn on them, move the weights.
+
+::
+
+    prompts -> engines generate (tokens, log-probs, weight version) -> rewards -> filters
+            -> rows, shipped to the actors once (WorkerGroup.share)
+            -> old log-probs (recomputed) [-> reference log-probs] [-> teachers] [-> values]
+            -> StepAlgorithm.prepare (corrections, token rewards, advantages, the k3 gap)
+            -> the prepared rows, shipped once -> policy epochs [-> critic epochs]
+            -> weights to engines (version += 1)
+
+:class:`StepRunner` is a part of :class:`.run.RLController` (it reads the controller's state:
+``job``, ``actors``, ``critic``, ``algorithm``, ``mixer``, ...). The algorithm of the step is
+:class:`loongsage_core.algorithms.StepAlgorithm`; the actors are reached through
+:class:`.worker_group.WorkerGroup` (one sharding rule, one shipment of the rows per stage).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Sequence
+
+from loongsage_hookspecs import Batch, TrajectoryGroup
+
+from .batching import build_batch
+from .metrics import rollout_metrics
+from .mixing import interleave_by_source
+from .remote import gather
+from .teachers import apply_teachers
+from .worker_group import WorkerGroup, mean_metrics
+
+TRAINED_PROMPTS = "trained_prompts.jsonl"
+
+
+class StepRunner:
+    """Collect, learn and weight pushes of one step (a part of :class:`.run.RLController`, whose
+    ``__init__`` and ``start`` set the state read here)."""
+
+    @property
+    def policy(self) -> WorkerGroup:
+        """The trainer ranks (each holding the policy and, when needed, the reference model)."""
+        assert self.actors is not None
+        return WorkerGroup(self.actors.trainers, self.actors.dp_ranks, self.actors.dp_size)
+
+    def collect(self, step: int) -> tuple[list[TrajectoryGroup], dict[str, float]]:
+        """Generate, score and filter this step's groups (refilling dropped ones when allowed)."""
+        assert self.rollout is not None
+        want = self.job.rollout.prompts_per_step
+        kept: list[TrajectoryGroup] = []
+        sampled: list[TrajectoryGroup] = []
+        dropped = 0
+        attempts = 0
+        offset = 0
+        while len(kept) < want:
+            prompts = self.mixer.next_prompts(want - len(kept))
+            groups = self.loop.run_until_complete(self.faults.generate(prompts, step, offset=offset))
+            offset += len(prompts)
+            sampled.extend(groups)
+            for f, name in zip(self.filters, self.job.algorithm.filters):
+                before = len(groups)
+                groups = list(f.fn(groups, **self.job.algorithm.filter_args.get(name, {})))
+                dropped += before - len(groups)
+            kept.extend(groups)
+            attempts += 1
+            if attempts > self.job.algorithm.max_filter_retries:
+                break
+        self.sampled_groups = sampled  # the rollout records keep the filtered-out groups too
+        metrics = rollout_metrics(sampled)
+        metrics["rollout/filter_drop"] = float(dropped)
+        metrics["rollout/filter_attempts"] = float(attempts)
+        metrics["rollout/groups_trained"] = float(len(kept))
+        return kept, metrics
+
+    def mini_batch_order(self, batch: Batch, step: int) -> list[int]:
+        """The step's rows in mini-batch order: interleaved so every mini-batch and every rank
+        carries each source's share (the policy and the critic train on the same mini-batches)."""
+        assert self.actors is not None
+        return interleave_by_source(batch.meta["source"], self.job.train.mini_batch_size, self.actors.dp_size,
+                                    seed=f"{self.job.run.seed}:{step}:minibatch")
+
+    def train(self, batch: Batch, step: int) -> dict[str, float]:
+        """Ship the prepared rows (advantages, returns) once, then ``[train] ppo_epochs`` passes
+        over the policy's mini-batches and, with a critic, the critic's epochs on the same rows."""
+        policy = self.policy
+        shared = policy.share(batch)
+        order = self.mini_batch_order(batch, step)
+        size = self.job.train.mini_batch_size
+        out, count = policy.train(shared, (mb for _ in range(self.job.train.ppo_epochs)
+                                           for mb in self.algorithm.mini_batch_rows(batch, order, size)))
+        out["train/num_mini_batches"] = float(count)
+        if self.critic is not None:
+            out.update(self.critic.train(batch, step, self.algorithm, order, shared))
+        return out
+
+    def learn(self, groups: Sequence[TrajectoryGroup], step: int) -> tuple[dict[str, float], float]:
+        """Train on ``groups`` (rows, old/reference log-probs, advantages, mini-batches).
+
+        Returns the ``train/*`` metrics and the number of trained tokens; the caller moves the
+        new weights to the engines (the sync and async loops do that differently).
+        """
+        assert self.actors is not None
+        t0 = time.perf_counter()
+        batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0,
+                            mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale)
+        self.last_batch = batch
+        metrics: dict[str, float] = {"rollout/num_rows": float(len(batch))}
+        if not len(batch):
+            return metrics, 0.0
+        alg = self.job.algorithm
+        policy = self.policy
+        needs_forward = alg.recompute_old_logprobs or self.needs_reference or self.critic is not None
+        rows = policy.share(batch) if needs_forward else None  # the rollout rows, shipped once
+        if alg.recompute_old_logprobs:
+            batch.tensors["old_logprobs"] = policy.forward(rows, batch, "logprobs") * batch["loss_mask"]
+        else:
+            batch.tensors["old_logprobs"] = batch["rollout_logprobs"].clone()
+        if self.needs_reference:
+            batch.tensors["ref_logprobs"] = (policy.forward(rows, batch, "logprobs", reference=True)
+                                             * batch["loss_mask"])
+        metrics["timing/old_logprobs"] = time.perf_counter() - t0
+        if self.critic is not None:
+            batch.tensors["values"] = self.critic.values(batch, rows)
+        metrics.update(apply_teachers(batch, self.job, self.host, self.teachers))
+        # corrections, token rewards, advantages and returns, the train-inference gap: once, here
+        metrics.update(self.algorithm.prepare(batch))
+        metrics.update(self.train(batch, step))
+        every = alg.ref_update_every
+        if self.needs_reference and every > 0 and (step + 1) % every == 0:
+            policy.call("refresh_reference")
+        return metrics, float(batch["loss_mask"].sum())
+
+    def _push_weights(self, version: int | None = None) -> dict[str, float]:
+        """Move the trainer's weights into every engine, tagged ``version`` (default: current)."""
+        assert self.actors is not None
+        version = self.version if version is None else version
+        # every rank joins (reading the weights is a collective under model parallelism); colocated,
+        # rank i feeds its own engine i; otherwise rank 0 feeds every engine
+        n_engines = len(self.actors.engine_actors)
+        if self.actors.colocated:
+            targets: list[Any] = [None if i < n_engines else [] for i in range(len(self.actors.trainers))]
+        else:
+            targets = [list(self.actors.engine_urls) if i == 0 else [] for i in range(len(self.actors.trainers))]
+        stats = [s for s in gather([a.push_weights.remote(version, t)
+                                     for a, t in zip(self.actors.trainers, targets)]) if s]
+        return {f"perf/weight_sync_{k}": v for k, v in mean_metrics(stats).items()}
+
+    def run_step(self, step: int) -> dict[str, float]:
+        """One synchronous step: collect, learn, then move the weights to the idle engines."""
+        t0 = time.perf_counter()
+        assert self.phases is not None
+        groups, metrics = self.collect(step)
+        t_rollout = time.perf_counter()
+        metrics.update(self.phases.to_training())
+        train_metrics, tokens = self.learn(groups, step)
+        self.record_rollouts(step, groups)
+        metrics.update(train_metrics)
+        metrics.update(self.health.observe(step, metrics, groups))  # raises after train.max_bad_steps
+        t_train = time.perf_counter()
+        if tokens and self.health.last_problem is None:
+            self.version += 1
+            metrics.update(self.phases.to_weight_sync())
+            metrics.update(self.faults.push_weights(self._push_weights))  # replaces an engine that died
+        metrics.update(self.phases.to_generation())
+        t_update = time.perf_counter()
+        self.record_trained(step, groups)
+        metrics.update({
+            "timing/rollout": t_rollout - t0,
+            "timing/train": t_train - t_rollout,
+            "timing/update_weights": t_update - t_train,
+            "timing/step": time.perf_counter() - t0,
+            "perf/generated_tokens": tokens,
+            "perf/weight_version": float(self.version),
+            "perf/tokens_per_s": tokens / max(t_rollout - t0, 1e-9),
+            "fault/engine_restarts": float(self.faults.engine_restarts),
+        })
+        return metrics
+
+    def record_rollouts(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
+        """Hand the step's trajectories and the batch that trained them to the records writer
+        (call right after :meth:`learn`, before the weight version moves on)."""
+        if self.records is not None:
+            sampled, self.sampled_groups = self.sampled_groups, []
+            self.records.add(step, groups, self.last_batch, policy_version=self.version, filtered=sampled)
+
+    def record_trained(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
+        """Append the prompt ids trained at ``step`` to ``trained_prompts.jsonl`` (an audit trail:
+        with resume, every prompt of an epoch appears exactly once)."""
+        entry: dict[str, Any] = {"step": step, "prompt_ids": [g.prompt_id for g in groups]}
+        if self.health.last_problem is not None:
+            entry["skipped"] = self.health.last_problem  # drawn, but the step was not applied
+        line = json.dumps(entry)
+        with (self.output_dir / TRAINED_PROMPTS).open("a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
