@@ -107,30 +107,34 @@ class MegatronTrainWorker:
         bridge_compat.apply()
         cpu_compat.apply()
         parallel.init_parallel(self.options, ctx, self.rank, self.world_size, self.tp, self.pp, self.ep)
-        cpu_compat.init_rng_tracker(int(job.run.seed))
-        self.device = torch.device("cpu") if cpu_compat.cuda_missing() else torch.device(
-            "cuda", torch.cuda.current_device())
-        built = build_model(auto_bridge, self.model_path, self.options, (self.tp, self.pp, self.ep), hf_config,
-                            self.num_experts, self.device)
-        self.bridge, self.vocab_size = built.bridge, built.vocab_size
-        # Unwrapped model chunks (what Megatron-Bridge converts to and from Hugging Face names).
-        self.modules = built.modules
+        try:  # a worker that fails to start leaves no process group or parallel state behind
+            cpu_compat.init_rng_tracker(int(job.run.seed))
+            self.device = torch.device("cpu") if cpu_compat.cuda_missing() else torch.device(
+                "cuda", torch.cuda.current_device())
+            built = build_model(auto_bridge, self.model_path, self.options, (self.tp, self.pp, self.ep), hf_config,
+                                self.num_experts, self.device)
+            self.bridge, self.vocab_size = built.bridge, built.vocab_size
+            # Unwrapped model chunks (what Megatron-Bridge converts to and from Hugging Face names).
+            self.modules = built.modules
 
-        self.global_step = 0
-        self.optimizer: Any = None
-        self.scheduler: Any = None
-        self.pipeline: LossPipeline | None = None
-        if self.role == "actor":
-            self.pipeline = LossPipeline(job, ctx.components)
-            self.chunks: list[Any] = wrap_ddp(self.modules, self.options)
-            self.model = self.chunks[0]
-            self.optimizer, self.scheduler = build_optimizer(self.chunks, job.train, self.options)
-            self.model.train()
-        else:
-            self.chunks = list(self.modules)
-            self.model = self.chunks[0]
-            self.model.requires_grad_(False)
-            self.model.eval()
+            self.global_step = 0
+            self.optimizer: Any = None
+            self.scheduler: Any = None
+            self.pipeline: LossPipeline | None = None
+            if self.role == "actor":
+                self.pipeline = LossPipeline(job, ctx.components)
+                self.chunks: list[Any] = wrap_ddp(self.modules, self.options)
+                self.model = self.chunks[0]
+                self.optimizer, self.scheduler = build_optimizer(self.chunks, job.train, self.options)
+                self.model.train()
+            else:
+                self.chunks = list(self.modules)
+                self.model = self.chunks[0]
+                self.model.requires_grad_(False)
+                self.model.eval()
+        except BaseException:
+            parallel.close_parallel()
+            raise
         self._host = HostOffload(self.device, self.modules, self.chunks, self.optimizer,
                                  params_in_buffers=self.optimizer is not None
                                  and self.options.use_distributed_optimizer)

@@ -610,6 +610,9 @@ def _source_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def test_bad_backend_args_raise_clear_errors(hf_dir, moe_model, host):
+    import torch.distributed as dist
+
+    had_group = dist.is_initialized()
     with pytest.raises(ValueError, match=r"backend_args.pp = 4: the model's 2 layers do not split evenly"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, pp=4), components=host, world_size=4))
     with pytest.raises(ValueError, match=r"3 ranks are not divisible by tp \* pp = 2"):
@@ -641,3 +644,5 @@ def test_bad_backend_args_raise_clear_errors(hf_dir, moe_model, host):
     with pytest.raises(ValueError, match=r"use_distributed_optimizer = true cannot run here: .*needs CUDA"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, use_distributed_optimizer=True),
                                                       components=host))
+    # a worker that failed after joining the process group left it (it would break the next worker)
+    assert dist.is_initialized() == had_group

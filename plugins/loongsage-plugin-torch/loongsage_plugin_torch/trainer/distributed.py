@@ -19,15 +19,15 @@ def init_process_group(*, rank: int, world_size: int, master_addr: str, master_p
     """Join (or reuse) the default process group of ``world_size`` ranks at ``master_addr:master_port``."""
     import torch.distributed as dist
 
+    if not 0 <= rank < world_size:
+        raise ValueError(f"train worker rank {rank} is outside world size {world_size}")
+    if master_port <= 0:
+        raise ValueError(f"train worker rank {rank}: world_size {world_size} needs a master_port, got {master_port}")
     if dist.is_initialized():
         if dist.get_world_size() != world_size or dist.get_rank() != rank:
             raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, but this worker is rank {rank} of {world_size}")
         return
-    if not 0 <= rank < world_size:
-        raise ValueError(f"train worker rank {rank} is outside world size {world_size}")
-    if master_port <= 0:
-        raise ValueError(f"train worker rank {rank}: world_size {world_size} needs a master_port, got {master_port}")
     dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
