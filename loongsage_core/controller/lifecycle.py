@@ -24,6 +24,7 @@ from .placement import create_actors, init_ray, start_engine_router
 from .remote import gather
 from .rollout import RolloutManager
 from .run_dir import truncate_jsonl
+from .state import RunState
 from .step import TRAINED_PROMPTS
 
 log = logging.getLogger("loongsage")
@@ -55,7 +56,7 @@ def remote_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
-class RunLifecycle:
+class RunLifecycle(RunState):
     """Setup, resume, checkpoints and teardown (a part of :class:`.run.RLController`, whose
     ``__init__`` sets the state read here)."""
 

@@ -27,13 +27,14 @@ from .batching import build_batch
 from .metrics import rollout_metrics
 from .mixing import interleave_by_source
 from .remote import gather
+from .state import RunState
 from .teachers import apply_teachers
 from .worker_group import WorkerGroup, mean_metrics
 
 TRAINED_PROMPTS = "trained_prompts.jsonl"
 
 
-class StepRunner:
+class StepRunner(RunState):
     """Collect, learn and weight pushes of one step (a part of :class:`.run.RLController`, whose
     ``__init__`` and ``start`` set the state read here)."""
 
