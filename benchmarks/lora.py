@@ -16,7 +16,7 @@ variant in a fresh subprocess so that one does not inherit the other's memory:
 Prints one JSON object with both variants and the LoRA / full ratios (absolute times on a shared
 machine are noise; the ratios are the result). Run::
 
-    python benchmarks/lora.py [--steps 4] [--rank 8] [--hidden 512] [--layers 4]
+    python benchmarks/lora.py [--steps 3] [--rank 8] [--hidden 384] [--layers 4]
 """
 
 from __future__ import annotations
@@ -121,11 +121,11 @@ def ratios(full: dict[str, float], lora: dict[str, float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="steps of each loongsage run")
+    parser.add_argument("--steps", type=int, default=3, help="steps of each loongsage run")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--lora-lr", type=float, default=2e-3)
-    parser.add_argument("--train-steps", type=int, default=4, help="mini-batches per trainer measurement")
-    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the larger random model")
+    parser.add_argument("--train-steps", type=int, default=3, help="mini-batches per trainer measurement")
+    parser.add_argument("--hidden", type=int, default=384, help="hidden size of the larger random model")
     parser.add_argument("--layers", type=int, default=4, help="layers of the larger random model")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
