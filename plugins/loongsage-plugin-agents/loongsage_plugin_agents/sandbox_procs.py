@@ -100,18 +100,19 @@ def _kill(pids: Iterable[int]) -> None:
 def kill_tree(pid: int | None, marker: str | None, *, rounds: int = 50) -> None:
     """SIGKILL the process group of ``pid``, its descendants and every process carrying ``marker``,
     repeating until none is left (a process may fork while it is being killed)."""
+    seen: set[int] = {pid} if pid else set()  # once found, followed even after it is reparented
     for _ in range(rounds):
         procs = list(processes())
-        victims = set(descendants([pid], procs)) if pid else set()
+        live = {p.pid for p in procs}
+        victims = (seen & live) | set(descendants(seen, procs))
         if pid:
             victims |= {p.pid for p in procs if p.pgid == pid}
-            if any(p.pid == pid for p in procs):
-                victims.add(pid)
         if marker:
             victims |= set(marked(marker, procs))
         victims.discard(os.getpid())
         if not victims:
             return
+        seen |= victims
         _kill(victims)
         time.sleep(0.01)
 
