@@ -48,7 +48,7 @@ def _boxes(root: Path) -> list[str]:
     return sorted(e for e in os.listdir(root) if "--" in e) if root.exists() else []
 
 
-@pytest.mark.parametrize("isolation", ["netns", "bwrap"])
+@pytest.mark.parametrize("isolation", ["netns"])  # bubblewrap dies with its parent: netns is the harder case
 def test_kill_9_mid_rollout_then_resume_leaves_no_sandbox_behind(tmp_path, isolation):
     from loongsage_plugin_agents.local_sandbox import launcher_python
 
