@@ -61,8 +61,8 @@ class SftRun:
     """One ``loongsage sft`` run in ``output_dir`` (see the module docstring)."""
 
     def __init__(self, job: JobConfig, host: Any, output_dir: Path) -> None:
-        from ..controller.lifecycle import load_tokenizer
         from ..agentflow.tito import ChatRenderer
+        from ..controller.lifecycle import load_tokenizer
 
         self.job = job
         self.host = host
