@@ -63,6 +63,7 @@ from .registry import ComponentRegistry
 from .settings import (
     CriticSettings,
     JobSettings,
+    LoraSettings,
     ModelSettings,
     RolloutSettings,
     RunSettings,

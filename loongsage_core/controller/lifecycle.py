@@ -140,6 +140,8 @@ class RunLifecycle(RunState):
         if self.job.run.save_hf_at_end and self.actors is not None:
             # every rank takes part (rank 0 writes, the others meet it at a barrier)
             gather([a.save_hf.remote(str(self.output_dir / "final_hf")) for a in self.actors.trainers])
+            if self.job.train.lora is not None:  # the adapter alone too, as a PEFT directory
+                gather([a.save_adapter.remote(str(self.output_dir / "final_adapter")) for a in self.actors.trainers])
 
     def close(self) -> None:
         set_process_secret(None)  # the run's secret ends with the run (a later run in this process makes its own)
