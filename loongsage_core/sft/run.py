@@ -13,6 +13,10 @@ Each step logs ``sft/loss`` (mean NLL of the step's loss tokens), ``sft/grad_nor
 ``[run] checkpoint_every`` steps (trainer state plus ``controller.json``, with a verified
 manifest), resume with ``run.resume = true`` (bit-exact: weights, optimizer, schedule, RNG and the
 step, from which the data order follows), ``final_hf/`` at the end.
+
+LoRA: with ``[train] lora`` the worker trains a PEFT adapter instead of the whole model (the
+backend's own LoRA support, nothing SFT-specific); checkpoints hold the adapter, ``final_hf/`` the
+merged model and ``final_adapter/`` the PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class SftRun:
                 self.worker.load_checkpoint(str(point.directory / "trainer"))
                 self.step = point.step
                 log.info("resumed SFT from %s (step %d)", point.directory, point.step)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
         for lg in self.job.loggers:
             factory = self.host.get("logger", lg.name).factory
@@ -159,6 +164,8 @@ class SftRun:
                 self.save(self.step)
         if self.job.run.save_hf_at_end:
             self.worker.save_hf(str(self.output_dir / "final_hf"))
+            if self.job.train.lora is not None:  # the adapter alone too, as a PEFT directory
+                self.worker.save_adapter(str(self.output_dir / "final_adapter"))
         return history
 
     def save(self, step: int) -> None:

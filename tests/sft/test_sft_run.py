@@ -143,3 +143,31 @@ def test_validate_knows_sft_jobs_and_run_refuses_them(make_job):
     assert "[sft]" in ok.stdout and f"{job}: OK" in ok.stdout
     refused = cli("run", str(job))
     assert refused.returncode == 2 and "loongsage sft" in refused.stderr
+
+
+def test_sft_with_lora_trains_only_the_adapter(make_job, tmp_path):
+    """``[train] lora``: the backend's PEFT adapter trains, the base weights stay; the merged model
+    and the PEFT adapter are exported."""
+    from safetensors.torch import load_file
+
+    job_path = make_job(rows=24, sft={"epochs": 2, "eval_rows": 4, "eval_every": 2},
+                        train={"lr": 1e-2, "lora": {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}},
+                        run={"save_hf_at_end": True})
+    job = load_job(job_path)
+    run = SftRun(job, resolve_sft_job(job).host, tmp_path / "out")
+    run.start()
+    try:
+        before = {k: v.clone() for k, v in run.worker.model.state_dict().items()}
+        history = run.fit()
+        after = run.worker.model.state_dict()
+    finally:
+        run.close()
+    changed = {k for k in before if not torch.equal(before[k], after[k])}
+    assert changed and all("lora_" in k for k in changed), sorted(changed)[:5]
+    evals = [m["sft/eval_loss"] for m in history if "sft/eval_loss" in m]
+    assert evals[-1] < evals[0]
+    assert (tmp_path / "out" / "final_adapter" / "adapter_config.json").is_file()
+    merged = load_file(tmp_path / "out" / "final_hf" / "model.safetensors")
+    assert not any("lora" in k for k in merged)
+    q = "model.layers.0.self_attn.q_proj"
+    assert not torch.equal(merged[q + ".weight"], before[q + ".base_layer.weight"])  # the adapter is merged in
