@@ -2,7 +2,8 @@
 
 Both start from the warm-started quickstart model (configs/quickstart/model, built by
 ``scripts/make_quickstart_model.py``), which knows single-digit addition and subtraction in the
-form ``What is 7 - 2?``. Fine-tuning it for a few epochs is enough to give each recipe a model
+form ``What is 7 - 2?``. Fine-tuning it (with ``loongsage sft``, through
+``make_quickstart_model.finetune``) for a few epochs is enough to give each recipe a model
 that samples some right answers (so the reward is not stuck at 0) and leaves room to learn.
 
 ``math_dapo`` (``--only math_dapo``):
@@ -34,6 +35,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -95,12 +97,13 @@ def build_math_dapo(mq: Any, args: argparse.Namespace) -> None:
     print(f"wrote {len(rows)} problems to {out / 'word_problems.jsonl'}", flush=True)
 
     tok = AutoTokenizer.from_pretrained(str(QUICKSTART))
-    model = AutoModelForCausalLM.from_pretrained(str(QUICKSTART))
     train = _sft_rows(rows[:args.sft_problems])
-    mq.warm_start(model, tok, train, p_correct=1.0, epochs=args.clean_epochs, lr=args.lr,
-                  batch_size=32, seed=args.seed)
-    mq.warm_start(model, tok, train, p_correct=args.p_correct, epochs=args.noisy_epochs, lr=args.noisy_lr,
-                  batch_size=32, seed=args.seed + 3)
+    with tempfile.TemporaryDirectory(prefix="math-dapo-sft-") as tmp:
+        clean = mq.finetune("clean", train, Path(tmp), model={"path": str(QUICKSTART)}, p_correct=1.0,
+                            epochs=args.clean_epochs, lr=args.lr, batch_size=32, seed=args.seed)
+        noisy = mq.finetune("noisy", train, Path(tmp), model={"path": str(clean)}, p_correct=args.p_correct,
+                            epochs=args.noisy_epochs, lr=args.noisy_lr, batch_size=32, seed=args.seed + 3)
+        model = AutoModelForCausalLM.from_pretrained(str(noisy))
     held_out = _sft_rows(rows[-64:])
     print("math_dapo student:", json.dumps(mq.evaluate(model, tok, held_out, samples=4, max_new_tokens=8,
                                                       seed=args.seed + 1)), flush=True)
@@ -118,8 +121,10 @@ def build_mopd(mq: Any, args: argparse.Namespace) -> None:
         questions = list({r["prompt"]: r for r in rows}.values())
         model = AutoModelForCausalLM.from_pretrained(str(QUICKSTART))
         before = mq.evaluate(model, tok, questions, samples=2, max_new_tokens=8, seed=args.seed + 1)
-        mq.warm_start(model, tok, questions, p_correct=1.0, epochs=args.teacher_epochs, lr=args.teacher_lr,
-                      batch_size=32, seed=args.seed)
+        with tempfile.TemporaryDirectory(prefix=f"{name}-sft-") as tmp:
+            trained = mq.finetune(name, questions, Path(tmp), model={"path": str(QUICKSTART)}, p_correct=1.0,
+                                  epochs=args.teacher_epochs, lr=args.teacher_lr, batch_size=32, seed=args.seed)
+            model = AutoModelForCausalLM.from_pretrained(str(trained))
         after = mq.evaluate(model, tok, questions, samples=2, max_new_tokens=8, seed=args.seed + 1)
         print(f"{name} ({op}): student {json.dumps(before)} -> teacher {json.dumps(after)}", flush=True)
         _save(model, tok, RECIPES / "mopd" / name)
