@@ -21,12 +21,18 @@ that samples some right answers (so the reward is not stuck at 0) and leaves roo
       much better than the student (the quickstart model) on its own task; the recipe routes each
       data source to its teacher.
 
+``sft`` (``--only sft``):
+    * ``configs/recipes/sft_data/word_problems_chat.jsonl``: the data of the SFT recipe
+      (``configs/recipes/sft.toml``): chats of one or two word problems (``{"messages": [...]}``
+      rows, user question then the bare answer), drawn from the same problem generator.
+
 Everything is seeded and runs on one CPU thread: the same arguments rewrite the same files.
 
 Usage::
 
     python scripts/make_recipe_models.py                  # both recipes
     python scripts/make_recipe_models.py --only mopd
+    python scripts/make_recipe_models.py --only sft       # the SFT recipe's chat data only
 """
 
 from __future__ import annotations
@@ -84,6 +90,22 @@ def _save(model: Any, tok: Any, out: Path) -> None:
     print(f"wrote {out}", flush=True)
 
 
+def build_sft_data(args: argparse.Namespace) -> None:
+    """Write the chat data of the SFT recipe: ``--sft-chats`` conversations of one or two problems."""
+    rng = random.Random(args.seed + 7)
+    problems = word_problems(args.num_problems, args.seed + 7)
+    out = RECIPES / "sft_data" / "word_problems_chat.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        for _ in range(args.sft_chats):
+            messages = []
+            for row in rng.sample(problems, rng.choice((1, 2))):
+                messages += [{"role": "user", "content": row["prompt"]},
+                             {"role": "assistant", "content": row["label"]}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    print(f"wrote {args.sft_chats} chats to {out}", flush=True)
+
+
 def build_math_dapo(mq: Any, args: argparse.Namespace) -> None:
     """Write the word-problem set and the warm-started model of the ``math_dapo`` recipe."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -132,7 +154,7 @@ def build_mopd(mq: Any, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("math_dapo", "mopd"), help="build one recipe's files only")
+    parser.add_argument("--only", choices=("math_dapo", "mopd", "sft"), help="build one recipe's files only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-problems", type=int, default=2000, help="word problems in the shipped set")
     parser.add_argument("--sft-problems", type=int, default=1200, help="problems the student is fine-tuned on")
@@ -141,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p-correct", type=float, default=0.3, help="share of right targets when noisy")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the clean phase")
     parser.add_argument("--noisy-lr", type=float, default=3e-4, help="peak learning rate of the noisy phase")
+    parser.add_argument("--sft-chats", type=int, default=400, help="conversations of the SFT recipe's data")
     parser.add_argument("--teacher-epochs", type=int, default=20)
     parser.add_argument("--teacher-lr", type=float, default=1e-3)
     args = parser.parse_args(argv)
@@ -157,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         build_math_dapo(mq, args)
     if args.only in (None, "mopd"):
         build_mopd(mq, args)
+    if args.only in (None, "sft"):
+        build_sft_data(args)
     print(f"done in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0
 

@@ -38,6 +38,9 @@ from .loss import NLL_LOSS, TOKEN_MEAN, SftComponents
 
 log = logging.getLogger("loongsage")
 
+CONSOLE_KEYS = ("sft/loss", "sft/eval_loss", "sft/grad_norm", "sft/lr")
+"""What the ``console`` logger shows of an SFT step unless its ``keys`` argument says otherwise."""
+
 
 def planned_steps(job: JobConfig, data: SftData) -> int:
     """Optimizer steps of the run: ``epochs`` passes over the training examples, capped by ``max_steps``."""
@@ -104,7 +107,8 @@ class SftRun:
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
         for lg in self.job.loggers:
             factory = self.host.get("logger", lg.name).factory
-            args = {"total_steps": self.total_steps, **lg.args} if lg.name == "console" else dict(lg.args)
+            args = ({"total_steps": self.total_steps, "keys": list(CONSOLE_KEYS), **lg.args} if lg.name == "console"
+                    else dict(lg.args))
             logger = factory(str(self.output_dir), **args)
             if hasattr(logger, "truncate_after"):
                 logger.truncate_after(self.step)
