@@ -88,7 +88,7 @@ def render_conversation(renderer: ChatRenderer, messages: Any, tools: Sequence[M
             raise ConversationError("the conversation starts with an assistant message; it needs a message "
                                     "(system or user) before the first answer")
         context = msgs[:i]
-        plan = tracker.plan(context, list(tools) if tools else None)
+        plan = tracker.plan(context, [dict(t) for t in tools] if tools else None)
         generated = assistant_tokens(renderer, context, msg, tools)
         n = len(generated)
         tracker.commit(plan, generated, [0.0] * n, [0] * n, msg)
