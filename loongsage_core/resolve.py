@@ -98,6 +98,19 @@ def check_references(job: JobConfig) -> None:
                 raise ConfigError(f"{where}: data[{i}].reward_args.{name}: '{name}' is not listed in data[{i}].reward")
 
 
+def check_lora_support(job: JobConfig, host: PluginHost) -> None:
+    """``[train] lora`` needs a train backend and a rollout engine that declare ``supports_lora``."""
+    if job.train.lora is None:
+        return
+    where = job.source_path or "<job>"
+    for key, kind, name in (("train.backend", "train_backend", job.train.backend),
+                            ("rollout.engine", "rollout_engine", job.rollout.engine)):
+        if not getattr(host.get(kind, name), "supports_lora", False):
+            raise ConfigError(f"{where}: train.lora: {key} = '{name}' does not support LoRA adapters "
+                              f"(its {kind} spec does not declare supports_lora); drop [train] lora or pick "
+                              "one that does (torch)")
+
+
 def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     """Load the job's plugins (unless given) and resolve every named component."""
     check_references(job)
@@ -117,6 +130,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     from .controller.teachers import distill_setup  # light: torch is imported only when teachers run
 
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
+    check_lora_support(job, host)
     check_effective_settings(job)
     check_component_args(job, host)  # a misspelt *_args key is a config error, not a run of failures
     return resolved
@@ -155,4 +169,8 @@ def resolve_sft_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJ
     for key, kind, name in sft_components(job):
         host.get(kind, name, where=f"{where}: {key}")
         resolved.components[key] = (kind, name, host.provider(kind, name))
+    if job.train.lora is not None and not getattr(host.get("train_backend", job.train.backend), "supports_lora", False):
+        raise ConfigError(f"{where}: train.lora: train.backend = '{job.train.backend}' does not support LoRA "
+                          "adapters (its train_backend spec does not declare supports_lora); drop [train] lora "
+                          "or pick one that does (torch)")
     return resolved

@@ -142,6 +142,9 @@ class ModelActor:
         spec = self.host.get("weight_transport", self.job.rollout.weight_transport)
         if not hasattr(self, "_sender"):
             self._sender = spec.sender(**self.job.rollout.weight_transport_args)
+            configure_lora = getattr(self._sender, "configure_lora", None)
+            if self.job.train.lora is not None and callable(configure_lora):
+                configure_lora(self.job.train.lora)  # a sender that writes adapter files needs rank/alpha
         start = time.perf_counter()
         out = self._sender.send(self.worker.named_weights(), version, [self.engine] if targets is None else targets)
         stats = dict(out or {})

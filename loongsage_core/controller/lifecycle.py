@@ -76,7 +76,10 @@ class RunLifecycle(RunState):
         self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls,
                                       secret=self.secret)
         self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
-        self._maybe_resume()
+        if not self._maybe_resume() and self.job.train.lora is not None:
+            # the engines load the (still no-op) adapter before the first generation names it:
+            # SGLang serves a request's lora_path only once that adapter is loaded
+            self._push_weights()
         self.phases.to_generation()  # a colocated trainer gives the devices to the engines first
         # per-step files keep only the steps before this run's first one (all of them for a fresh
         # run into an old directory; the redone ones after a resume)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from loongsage_hookspecs import LoraSettings
+from loongsage_hookspecs import LORA_TENSOR_SUFFIXES, LoraSettings, is_lora_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 ALL_LINEAR = "all-linear"
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a base-model module name in an adapter's saved tensor names."""
-LORA_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+LORA_SUFFIXES = LORA_TENSOR_SUFFIXES
 ADAPTER_DIR = "final_adapter"
 """Where ``loongsage run`` writes the PEFT adapter directory at the end of a LoRA run."""
 
@@ -69,7 +69,7 @@ def apply_lora(model: Any, settings: LoraSettings) -> Any:
 
 def is_adapter_tensor(name: str) -> bool:
     """Whether ``name`` is a LoRA adapter tensor's name (``...lora_A.weight`` / ``...lora_B.weight``)."""
-    return name.endswith(LORA_SUFFIXES)
+    return is_lora_tensor(name)
 
 
 def adapter_target(name: str) -> tuple[str, str]:

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable, Mapping
 
+from loongsage_hookspecs import LORA_ADAPTER_NAME
+
 from ..lora import adapter_target, is_adapter_tensor, merge_weight
 from .weights import WeightUpdateError, copy_named_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-ADAPTER_NAME = "policy"
+ADAPTER_NAME = LORA_ADAPTER_NAME
 """The name the engine knows the trained adapter by: the one ``lora_path`` value it accepts."""
 
 
