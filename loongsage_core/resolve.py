@@ -159,6 +159,9 @@ def resolve_sft_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJ
         if src.name in names:
             raise ConfigError(f"{where}: data[{i}].name: duplicate data source name '{src.name}'")
         names.add(src.name)
+    if job.train.num_workers != 1:
+        raise ConfigError(f"{where}: train.num_workers = {job.train.num_workers}: loongsage sft trains in one "
+                          "process; set it to 1")
     if job.train.micro_batch_size > job.train.mini_batch_size:
         raise ConfigError(f"{where}: train.micro_batch_size ({job.train.micro_batch_size}) is larger than "
                           f"train.mini_batch_size ({job.train.mini_batch_size})")

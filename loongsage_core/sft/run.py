@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from ..config import AlgorithmConfig, ConfigError, JobConfig, SftConfig, dump_job_toml
+from ..config import AlgorithmConfig, JobConfig, SftConfig, dump_job_toml
 from ..controller import checkpoint as ckpt
 from ..controller.run_dir import prepare_run_dir
 from ..validation import check_output_dir
@@ -190,9 +190,6 @@ def run_sft(job: JobConfig, host: Any, output_dir: str | None = None, *, overwri
     where = job.source_path or "<job>"
     check_output_dir(out, "--output-dir" if output_dir else f"{where}: run.output_dir")
     prepare_run_dir(out, resume=job.run.resume, overwrite=overwrite, where=where)
-    if job.train.num_workers != 1:
-        raise ConfigError(f"{where}: train.num_workers = {job.train.num_workers}: loongsage sft trains in one "
-                          "process (set it to 1)")
     run = SftRun(job, host, out)
     try:
         run.start()

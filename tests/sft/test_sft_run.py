@@ -134,6 +134,9 @@ def test_cli_trains_and_reports_bad_sft_keys_in_one_line(make_job, tmp_path):
     job.write_text(job.read_text().replace('loss_on = "everything"', "packing = 1"))
     bad = cli("sft", str(job), "--output-dir", str(tmp_path / "o3"))
     assert bad.returncode == 2 and "sft.packing" in bad.stderr
+    job.write_text(job.read_text().replace("packing = 1", "packing = true"))
+    bad = cli("validate", str(job), "train.num_workers=2")
+    assert bad.returncode == 2 and "train.num_workers = 2" in bad.stderr
 
 
 def test_validate_knows_sft_jobs_and_run_refuses_them(make_job):
