@@ -355,6 +355,7 @@ class DataConfig:
     sandbox_args: Args = attrs.field(factory=dict)
     reward: list[str] = attrs.field(factory=lambda: ["exact_match"])
     reward_args: dict[str, Args] = attrs.field(factory=dict)
+    reward_timeout_s: float = attrs.field(default=300.0, validator=_positive)
     teacher: str | None = None
     sampling: Args = attrs.field(factory=dict)
     shuffle: bool = True
@@ -431,6 +432,35 @@ class RunConfig:
 
 
 @attrs.define
+class SftConfig:
+    """Supervised fine-tuning (``loongsage sft``): how the ``[[data]]`` conversations become steps.
+
+    Each row's ``messages_key`` column holds a chat (a list of ``{"role", "content"}`` messages,
+    optionally with ``tool_calls``; ``tools_key`` may name a column of tool schemas). It is rendered
+    with the model's chat template by the AgentFlow router's own code, and the loss is on the
+    assistant turns only (``loss_on = "assistant"``) or on every token after the first (``"all"``).
+    A step trains ``[train] mini_batch_size`` conversations; ``packing`` lays a step's
+    conversations into rows of at most ``max_seq_len`` tokens, each attending only to itself with
+    restarting position ids, which gives the same loss as one row per conversation. Conversations
+    longer than ``max_seq_len`` are cut to it. ``eval_rows`` (a count) or ``eval_fraction`` of the
+    rows are held back and their loss is reported as ``sft/eval_loss`` every ``eval_every`` steps
+    (0: at the end only). The run trains ``epochs`` passes over the rest (``max_steps`` > 0 stops
+    earlier); ``[train] total_steps`` is not used."""
+
+    epochs: int = attrs.field(default=1, validator=_count)
+    max_steps: int = attrs.field(default=0, validator=_range(ge=0))
+    packing: bool = True
+    max_seq_len: int = attrs.field(default=2048, validator=_range(ge=2))
+    loss_on: str = attrs.field(default="assistant", validator=attrs.validators.in_(("assistant", "all")))
+    messages_key: str = "messages"
+    tools_key: str | None = None
+    eval_rows: int = attrs.field(default=0, validator=_range(ge=0))
+    eval_fraction: float = attrs.field(default=0.0, validator=_range(ge=0, lt=1))
+    eval_every: int = attrs.field(default=0, validator=_range(ge=0))
+    shuffle: bool = True
+
+
+@attrs.define
 class JobConfig:
     """A whole job file. TOML table ``[async]`` maps to :attr:`async_`."""
 
@@ -447,6 +477,7 @@ class JobConfig:
     teachers: list[TeacherConfig] = attrs.field(factory=list)
     critic: CriticConfig = attrs.field(factory=CriticConfig)
     run: RunConfig = attrs.field(factory=RunConfig)
+    sft: SftConfig | None = None  # set by an [sft] table: a supervised job for ``loongsage sft``
     source_path: str | None = attrs.field(default=None, metadata={"internal": True})
 
     @property

@@ -39,6 +39,10 @@ def test_every_recipe_validates_with_the_cli():
 
 def test_recipes_pick_their_algorithms():
     jobs = {p.stem: load_job(p) for p in RECIPES.glob("*.toml")}
+    sft = jobs.pop("sft")  # the supervised recipe (loongsage sft): chat data, no algorithm
+    assert sft.sft is not None and sft.sft.loss_on == "assistant" and sft.sft.packing
+    assert Path(sft.resolve_path(sft.model.path)) == REPO / "configs" / "quickstart" / "model"
+    assert all(job.sft is None for job in jobs.values())
     for name, job in jobs.items():
         assert Path(job.resolve_path(job.model.path)) == REPO / "configs" / "quickstart" / "model", name
         assert [d.generator for d in job.data] == ["arithmetic"], name

@@ -189,8 +189,10 @@ class TorchTrainWorker:
         width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
         full_width = ids.shape[1]
         width = max(width, 1)
+        positions = micro.get("position_ids")  # packed rows (SFT): attention stays within each sequence
         logits = next_token_logits(self.model, ids[:, :width], attention[:, :width],
-                                   compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head)
+                                   compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
+                                   position_ids=None if positions is None else positions[:, :width])
         logprobs, entropy = logprobs_and_entropy(logits, ids[:, :width], entropy_grad=entropy_grad)
         assert entropy is not None
         real = attention[:, :width] > 0
