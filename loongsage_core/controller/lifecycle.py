@@ -75,6 +75,7 @@ class RunLifecycle(RunState):
         self.engine_router, generate_urls = start_engine_router(self.job, self.host, self.actors.engine_urls)
         self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls,
                                       secret=self.secret)
+        self.faults.attach(self.rollout)  # router turns whose engine died go to its replacement
         self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
         self._maybe_resume()
         self.phases.to_generation()  # a colocated trainer gives the devices to the engines first

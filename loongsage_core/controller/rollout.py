@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from typing import Any, Awaitable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from loongsage_hookspecs import Segment, Trajectory, TrajectoryGroup, TrajectoryStatus, prompt_messages
 
@@ -101,6 +101,11 @@ class RolloutManager:
         # the router's renderer and stop rule, for the fast path too
         self.renderer = ChatRenderer(tokenizer)
         self.router: Any = None
+        # the fault supervisor's hooks (faults.FaultSupervisor.attach): who hears of an engine the
+        # router could not reach, and how often / how long the router retries a turn elsewhere
+        self.on_engine_lost: Callable[[str], None] | None = None
+        self.engine_retries = 0
+        self.engine_wait_s = 0.0
         self._sandboxes: dict[str, Any] = {}
         self._agent_slots: asyncio.Semaphore | None = None
 
@@ -118,7 +123,9 @@ class RolloutManager:
                                           port=af.port, max_context_length=self.job.rollout.max_context_length,
                                           secret=self.secret, max_request_bytes=af.max_request_bytes,
                                           max_prompt_chars=af.max_prompt_chars,
-                                          access_log_path=af.access_log or None)
+                                          access_log_path=af.access_log or None,
+                                          on_engine_lost=self.on_engine_lost, engine_retries=self.engine_retries,
+                                          engine_wait_s=self.engine_wait_s)
             self.router.start()
         return str(self.router.base_url)
 
