@@ -68,8 +68,10 @@ def as_router_error(exc: Exception, url: str) -> RouterError:
         if 400 <= exc.status_code < 500 and exc.status_code not in (404, 408, 429):
             return RouterError(400, f"the rollout engine rejected the request: {exc.message}",
                                code="engine_rejected", retry=False)
+        # a 5xx may be a load balancer whose engine died: the engine may be gone (engine_url set)
         return RouterError(502, f"engine {url} answered HTTP {exc.status_code}: {exc.message[:500]}",
-                           type="api_error", code="engine_error")
+                           type="api_error", code="engine_error",
+                           engine_url=url if exc.status_code >= 500 else None)
     return RouterError(503, f"engine {url} unreachable: {type(exc).__name__}: {exc}", type="api_error",
                        code="engine_unavailable", engine_url=url)
 

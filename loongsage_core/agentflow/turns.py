@@ -278,15 +278,15 @@ class TurnRunner:
 
     def _retry_elsewhere(self, exc: RouterError, retries: int) -> bool:
         """Whether a turn whose engine call failed with ``exc`` is sent again: only when the
-        engine could not be reached (it died or went away), within ``engine_retries``. The engine
-        is marked down and the host told (``on_engine_lost``), which may replace it."""
-        if exc.code != "engine_unavailable" or retries >= self.limits.engine_retries:
-            return False
+        engine may be gone (it could not be reached, or a load balancer in front of engines
+        answered 5xx: ``exc.engine_url`` is set), within ``engine_retries``. The engine is marked
+        down and the host told (``on_engine_lost``), which may replace it."""
         url = exc.engine_url
-        if url:
-            self.balancer.mark_down(url)
-            if self.on_engine_lost is not None:
-                self.on_engine_lost(url)
+        if url is None or retries >= self.limits.engine_retries:
+            return False
+        self.balancer.mark_down(url)
+        if self.on_engine_lost is not None:
+            self.on_engine_lost(url)
         self.stats["engine_retries"] += 1
         return True
 

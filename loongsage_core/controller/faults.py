@@ -2,9 +2,11 @@
 
 * An **engine actor** of its own (``placement.colocate = false``) that dies is replaced: a new
   actor starts in the same placement-group bundle, the trainer sends it the current weights (the
-  same version the others serve), the controller's clients point at its new URL, and the groups
-  that were generating on it are dispatched again with the same prompts and sampling seeds. The
-  run goes on; ``fault/engine_restarts`` counts the replacements.
+  same version the others serve), the controller's clients point at its new URL (behind
+  ``rollout.engine_router`` the load balancer is told: ``remove_engine(old)``,
+  ``add_engine(new)``), and the groups that were generating on it are dispatched again with the
+  same prompts and sampling seeds. The run goes on; ``fault/engine_restarts`` counts the
+  replacements.
 * A **trainer actor** (with its colocated engine, if any) that dies ends the run with
   :class:`ActorDeathError`, naming the actor, its node and the exit cause reported by Ray; the run
   continues from its last checkpoint with ``run.resume = true``.
@@ -92,6 +94,7 @@ class SupervisedRun(Protocol):
     secret: str
     actors: Actors | None
     rollout: RolloutManager | None
+    engine_router: Any  # the [rollout] engine_router in front of the engines, or None
 
     def _push_weights(self, version: int | None = None) -> dict[str, float]: ...
 
@@ -241,6 +244,13 @@ class FaultSupervisor:
 
         ctrl, actors, job = self.ctrl, self.ctrl.actors, self.ctrl.job
         assert actors is not None and ctrl.rollout is not None
+        balancer = ctrl.engine_router
+        if balancer is not None and not (callable(getattr(balancer, "add_engine", None))
+                                         and callable(getattr(balancer, "remove_engine", None))):
+            raise RunError(f"engine {index} died and cannot be replaced behind rollout.engine_router "
+                           f"'{job.rollout.engine_router}': it has no add_engine/remove_engine to be told "
+                           "the new address")
+        old_url = actors.engine_urls[index]
         try:
             ray.kill(actors.engine_actors[index], no_restart=True)
         except Exception:  # already gone
@@ -256,15 +266,20 @@ class FaultSupervisor:
         url = ray.get(actor.ready.remote())["engine_url"]
         actors.engine_actors[index] = actor
         actors.engine_urls[index] = url
+        if balancer is not None:  # generation goes through it: route to the new engine, not the dead one
+            balancer.remove_engine(old_url)
+            balancer.add_engine(url)
         rollout = ctrl.rollout
-        old = {id(c): c for c in (rollout.clients[index], rollout.generate_clients[index])}
-        # the same list the phase switch and generation use; the engine wants the run secret
+        retired = rollout.clients[index]
+        # the same list the phase switch (and, without an engine router, generation) uses; the
+        # engine wants the run secret
         rollout.clients[index] = EngineClient(url, api_key=ctrl.secret)
-        rollout.generate_clients[index] = rollout.clients[index]
-        rollout.generate_urls[index] = url
+        if balancer is None:  # generation goes to each engine itself (behind a router: to the router)
+            rollout.generate_clients[index] = rollout.clients[index]
+            rollout.generate_urls[index] = url
         if rollout.router is not None:  # turns waiting for an engine go on with the new one
             rollout.router.blocking.set_engines(rollout.generate_urls)
-        self.retired.extend(old.values())  # closed by close_retired() on the event loop
+        self.retired.append(retired)  # closed by close_retired() on the event loop
         self.engine_restarts += 1
 
     # ------------------------------------------------------------------ guarded calls
