@@ -95,6 +95,7 @@ class SupervisedRun(Protocol):
     actors: Actors | None
     rollout: RolloutManager | None
     engine_router: Any  # the [rollout] engine_router in front of the engines, or None
+    loop: asyncio.AbstractEventLoop  # the run's event loop (its engine clients belong to it)
 
     def _push_weights(self, version: int | None = None) -> dict[str, float]: ...
 
