@@ -253,6 +253,7 @@ class AlgorithmConfig:
     ref_update_every: int = attrs.field(default=0, validator=_range(ge=0))
     entropy_coef: float = attrs.field(default=0.0, validator=_range())
     recompute_old_logprobs: bool = True
+    force_old_logprob_pass: bool = False
     corrections: list[str] = attrs.field(factory=list)
     correction_args: dict[str, Args] = attrs.field(factory=dict)
     filters: list[str] = attrs.field(factory=list)

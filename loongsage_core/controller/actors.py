@@ -109,6 +109,11 @@ class ModelActor:
         """:meth:`train_mini_batch` on rows ``rows`` of the step's shared batch."""
         return self.train_mini_batch(batch.select(rows), norm)
 
+    def training_forward_logprobs(self) -> Any:
+        """This rank's detached log-probs ``[b, T]`` of its rows of the last mini-batch when they
+        were the step's old log-probs (the separate pass was skipped), else ``None``."""
+        return getattr(self.worker, "training_forward_logprobs", None)
+
     def offload(self) -> None:
         """Move the trainer's (and the reference model's) state off the accelerator, when the
         backend can (colocated runs, while the engine generates)."""

@@ -4,7 +4,8 @@
 
     prompts -> engines generate (tokens, log-probs, weight version) -> rewards -> filters
             -> rows, shipped to the actors once (WorkerGroup.share)
-            -> old log-probs (recomputed) [-> reference log-probs] [-> teachers] [-> values]
+            -> old log-probs (recomputed, unless the training forward's own serve:
+               algorithms/old_logprobs.py) [-> reference log-probs] [-> teachers] [-> values]
             -> StepAlgorithm.prepare (corrections, token rewards, advantages, the k3 gap)
             -> the prepared rows, shipped once -> policy epochs [-> critic epochs]
             -> weights to engines (version += 1)
@@ -23,6 +24,7 @@ from typing import Any, Sequence
 
 from loongsage_hookspecs import Batch, TrajectoryGroup
 
+from ..algorithms.old_logprobs import mark_old_from_training_forward, old_from_training_forward, old_logprob_pass
 from .batching import build_batch
 from .metrics import rollout_metrics
 from .mixing import interleave_by_source
@@ -87,9 +89,14 @@ class StepRunner(RunState):
         shared = policy.share(batch)
         order = self.mini_batch_order(batch, step)
         size = self.job.train.mini_batch_size
-        out, count = policy.train(shared, (mb for _ in range(self.job.train.ppo_epochs)
-                                           for mb in self.algorithm.mini_batch_rows(batch, order, size)))
+        mini_batches = [mb for _ in range(self.job.train.ppo_epochs)
+                        for mb in self.algorithm.mini_batch_rows(batch, order, size)]
+        out, count = policy.train(shared, mini_batches)
         out["train/num_mini_batches"] = float(count)
+        if old_from_training_forward(batch) and count == 1:  # keep them for the records
+            old = policy.training_forward_logprobs(batch, mini_batches[0][0])
+            if old is not None:
+                batch.tensors["old_logprobs"] = old * batch["loss_mask"]
         if self.critic is not None:
             out.update(self.critic.train(batch, step, self.algorithm, order, shared))
         return out
@@ -110,10 +117,15 @@ class StepRunner(RunState):
             return metrics, 0.0
         alg = self.job.algorithm
         policy = self.policy
-        needs_forward = alg.recompute_old_logprobs or self.needs_reference or self.critic is not None
+        run_pass, _ = old_logprob_pass(self.job, batch, version=self.version, needed_before_training=(
+            self.algorithm.needs_old_logprobs_before_training or self.teachers is not None))
+        metrics["perf/old_logprob_pass_skipped"] = float(alg.recompute_old_logprobs and not run_pass)
+        needs_forward = run_pass or self.needs_reference or self.critic is not None
         rows = policy.share(batch) if needs_forward else None  # the rollout rows, shipped once
-        if alg.recompute_old_logprobs:
+        if run_pass:
             batch.tensors["old_logprobs"] = policy.forward(rows, batch, "logprobs") * batch["loss_mask"]
+        elif alg.recompute_old_logprobs:
+            mark_old_from_training_forward(batch)  # the training forward's own log-probs stand in
         else:
             batch.tensors["old_logprobs"] = batch["rollout_logprobs"].clone()
         if self.needs_reference:

@@ -94,6 +94,22 @@ class WorkerGroup:
         parts = [first[r][key] for r in sorted(first)]
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], 0).float()
 
+    def training_forward_logprobs(self, batch: Batch, rows: Sequence[int]) -> torch.Tensor | None:
+        """The log-probs ``[B, T]`` the last mini-batch (``rows`` of ``batch``) was trained with,
+        placed at their rows (0 elsewhere), when every replica kept them (the step's old log-probs
+        came from the training forward), else ``None``."""
+        answers = self.call("training_forward_logprobs")
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        done: set[int] = set()
+        for replica, share, got in zip(self.dp_ranks, self.rows_per_actor(rows), answers):
+            if replica in done or not share:
+                continue
+            if got is None or got.shape[0] != len(share):
+                return None
+            out[torch.as_tensor(share, dtype=torch.long), :got.shape[1]] = got.float()
+            done.add(replica)
+        return out
+
     def train(self, shared: Any,
               mini_batches: Iterable[tuple[list[int], AggregationNorm]]) -> tuple[dict[str, float], int]:
         """One optimiser step per mini-batch (its rows of the shared batch and its global norm),

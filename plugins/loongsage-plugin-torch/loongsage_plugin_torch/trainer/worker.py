@@ -26,7 +26,13 @@ from typing import Any, Callable, Iterable, Iterator
 import attrs
 import torch
 
-from loongsage_core.backend_api import LossPipeline, MetricAccumulator, make_scheduler, structure_args
+from loongsage_core.backend_api import (
+    LossPipeline,
+    MetricAccumulator,
+    make_scheduler,
+    old_from_training_forward,
+    structure_args,
+)
 from loongsage_hookspecs import AggregationNorm, Batch, TrainWorkerContext
 
 from ..modeling import load_model, load_tokenizer, torch_dtype
@@ -94,6 +100,7 @@ class TorchTrainWorker:
         param_dtype = torch.float32 if trainable and self.options.master_weights == "float32" else self.compute_dtype
         self.model: Any = model.to(device=self.device, dtype=param_dtype)
         self.global_step = 0
+        self.training_forward_logprobs: torch.Tensor | None = None  # of the last mini-batch, when they are old ones
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.pipeline: LossPipeline | None = None
@@ -236,6 +243,8 @@ class TorchTrainWorker:
         self.model.train()
         entropy_grad = pipeline.entropy_coef != 0.0
         acc = MetricAccumulator()
+        keep_old = old_from_training_forward(batch)  # they are the step's old log-probs: keep them
+        kept: list[torch.Tensor] = []
         for micro in batch.chunks(self.micro_batch_size):
             micro = self._to_device(micro)
             logprobs, entropy, logits = self._token_outputs(micro, entropy_grad=entropy_grad,
@@ -243,6 +252,9 @@ class TorchTrainWorker:
             loss, metrics = pipeline.loss(micro, logprobs, entropy, norm, logits=logits)
             loss.backward()
             acc.add(metrics, micro["loss_mask"])
+            if keep_old:
+                kept.append(logprobs.detach().float().cpu())
+        self.training_forward_logprobs = torch.cat(kept) if kept else None
         if distributed.is_distributed():
             distributed.sum_gradients(self.model.parameters(),
                                       bucket_bytes=int(self.options.grad_sync_bucket_mb * (1 << 20)))
