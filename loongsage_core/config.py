@@ -140,7 +140,10 @@ class TrainConfig:
 
     ``max_bad_steps``: a step whose loss, gradient norm or weights are not finite is skipped, and so
     is one that trains no row; this many such steps in a row end the run with an error naming
-    the cause."""
+    the cause.
+
+    ``peak_tflops``: one trainer device's peak the ``perf/mfu_*`` metrics divide by (default: a
+    table of accelerators, or a matmul probe on a CPU; :mod:`loongsage_core.flops`)."""
 
     backend: str = "torch"
     num_workers: int = attrs.field(default=1, validator=_count)
@@ -158,6 +161,7 @@ class TrainConfig:
     ppo_epochs: int = attrs.field(default=1, validator=_count)
     max_bad_steps: int = attrs.field(default=3, validator=_count)
     gradient_checkpointing: bool = False
+    peak_tflops: float | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     backend_args: Args = attrs.field(factory=dict)
 
 
