@@ -45,7 +45,8 @@ class StepRunner(RunState):
     def policy(self) -> WorkerGroup:
         """The trainer ranks (each holding the policy and, when needed, the reference model)."""
         assert self.actors is not None
-        return WorkerGroup(self.actors.trainers, self.actors.dp_ranks, self.actors.dp_size)
+        return WorkerGroup(self.actors.trainers, self.actors.dp_ranks, self.actors.dp_size,
+                           balance_tokens=bool(self.job.train.max_tokens_per_micro_batch))
 
     def collect(self, step: int) -> tuple[list[TrajectoryGroup], dict[str, float]]:
         """Generate, score and filter this step's groups (refilling dropped ones when allowed)."""
@@ -93,7 +94,7 @@ class StepRunner(RunState):
         mini_batches = [mb for _ in range(self.job.train.ppo_epochs)
                         for mb in self.algorithm.mini_batch_rows(batch, order, size)]
         t0 = time.perf_counter()
-        out, count = policy.train(shared, mini_batches)
+        out, count = policy.train(shared, mini_batches, batch)
         out["timing/policy_train"] = time.perf_counter() - t0
         out["train/num_mini_batches"] = float(count)
         if old_from_training_forward(batch) and count == 1:  # keep them for the records

@@ -24,9 +24,13 @@ def decoder_of(model: Any) -> Any:
     return base
 
 
-def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "torch.Tensor", *,
-                      compute_dtype: "torch.dtype", fp32_lm_head: bool) -> "torch.Tensor":
+def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "torch.Tensor | None", *,
+                      compute_dtype: "torch.dtype", fp32_lm_head: bool,
+                      position_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Float32 logits ``[B, T-1, V]``: position ``t`` scores token ``t + 1``.
+
+    ``attention_mask`` is the ``[B, T]`` padding mask, or a 4-D mask / ``None`` with restarting
+    ``position_ids`` for packed rows (:mod:`.packing`).
 
     When the parameters are stored in a wider dtype than ``compute_dtype`` (float32 master weights
     with bfloat16 compute), the decoder runs under autocast. The output projection runs in
@@ -41,8 +45,9 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "to
     autocast = (torch.autocast(device_type=device_type, dtype=compute_dtype)
                 if compute_dtype != param_dtype else contextlib.nullcontext())
     with autocast:
+        extra = {} if position_ids is None else {"position_ids": position_ids}
         hidden = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
-                                   use_cache=False).last_hidden_state[:, :-1]
+                                   use_cache=False, **extra).last_hidden_state[:, :-1]
     bias = getattr(head, "bias", None)
     with torch.autocast(device_type=device_type, enabled=False):
         if fp32_lm_head:
