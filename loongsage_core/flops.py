@@ -115,10 +115,11 @@ def generation_flops(shape: ModelShape, batch: Any) -> float:
     first = torch.where(has, mask.float().argmax(dim=1), torch.tensor(lengths)).tolist()
     groups = batch.get("group_index")
     group_ids = groups.tolist() if groups is not None else list(range(len(lengths)))
-    total, prompts = 0.0, {}
+    total = 0.0
+    prompts: dict[int, int] = {}
     for n, p, g in zip(lengths, first, group_ids):
         total += shape.forward_flops(n) - shape.forward_flops(p)
-        prompts.setdefault(g, p)
+        prompts.setdefault(int(g), int(p))
     return total + sum(shape.forward_flops(p) for p in prompts.values())
 
 

@@ -80,7 +80,9 @@ def mark_old_from_training_forward(batch: Batch) -> None:
 def old_from_training_forward(batch: Batch) -> bool:
     """Whether ``batch``'s rows take their old log-probs from the training forward."""
     source = batch.meta.get(OLD_LOGPROBS_SOURCE)
-    return bool(source) and all(s == FROM_TRAINING_FORWARD for s in source)
+    if not source:
+        return False
+    return all(s == FROM_TRAINING_FORWARD for s in source)
 
 
 __all__ = ["FROM_TRAINING_FORWARD", "OLD_LOGPROBS_SOURCE", "mark_old_from_training_forward",
