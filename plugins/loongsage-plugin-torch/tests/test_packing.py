@@ -127,3 +127,49 @@ def test_packed_training_gives_the_padded_loss_and_gradients():
         torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6, msg=n)
     sa, sb = padded.optimizer_step(), packed.optimizer_step()
     assert sb["train/grad_norm"] == pytest.approx(sa["train/grad_norm"], rel=1e-5)
+
+
+def test_packed_critic_values_and_gradients_equal_the_padded_ones():
+    from loongsage_plugin_rl import plugin as rl_plugin
+    from loongsage_plugin_rl.advantages import gae
+
+    from loongsage_core.config import CriticConfig, RunConfig
+    from loongsage_hookspecs import AdvantageInputs
+
+    class Aggregations:
+        specs = {s.name: s for s in rl_plugin.loongsage_loss_aggregations()}
+
+        def get(self, kind, name):
+            return self.specs[name]
+
+    def critic(max_tokens):
+        job = JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=TOKENIZER),
+                        train=TrainConfig(lr=1e-3, micro_batch_size=3, max_tokens_per_micro_batch=max_tokens),
+                        algorithm=AlgorithmConfig(loss_agg="token_mean"), critic=CriticConfig(micro_batch_size=3),
+                        run=RunConfig(seed=3))
+        worker = create_train_worker(TrainWorkerContext(job=job, components=Aggregations(), role="critic"))
+        with torch.no_grad():  # a fresh head is all zeros: give it weights
+            head = worker.model.value_head
+            head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(1)))
+        return worker
+
+    batch = make_batch(seed=2)
+    batch.tensors["loss_mask"] = batch["loss_mask"].float()
+    batch.tensors["rewards"] = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    batch.tensors["group_index"] = torch.arange(7) // 4
+    padded, packed = critic(None), critic(40)
+    va, vb = padded.forward(batch)["values"], packed.forward(batch)["values"]
+    assert float(va.abs().sum()) > 0
+    torch.testing.assert_close(vb, va, rtol=1e-5, atol=2e-5)
+    batch.tensors["values"] = va * batch["loss_mask"]
+    batch.tensors["returns"] = gae(AdvantageInputs(rewards=batch["rewards"], response_mask=batch["loss_mask"],
+                                                   group_index=batch["group_index"], values=batch["values"]),
+                                   lam=0.9).returns
+    norm = compute_norm(batch)
+    ma, mb = padded.accumulate_gradients(batch, norm), packed.accumulate_gradients(batch, norm)
+    assert mb["train/critic_loss"] == pytest.approx(ma["train/critic_loss"], rel=1e-5)
+    ga = {n: p.grad for n, p in padded.model.named_parameters()}
+    for n, p in packed.model.named_parameters():
+        # float32 noise scales with the gradient (the random value head makes it large here)
+        scale = max(float(ga[n].abs().max()), 1.0)
+        torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6 * scale)
