@@ -29,8 +29,10 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "to
                       position_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Float32 logits ``[B, T-1, V]``: position ``t`` scores token ``t + 1``.
 
-    ``attention_mask`` is the ``[B, T]`` padding mask, or a 4-D mask / ``None`` with restarting
-    ``position_ids`` for packed rows (:mod:`.packing`).
+    ``position_ids`` marks packed rows (several sequences per row, positions restarting at 0 for
+    each): the decoder then gets no padding mask and transformers derives a block-diagonal causal
+    mask from the restarts, so every sequence attends only to itself. With a 4-D
+    ``attention_mask`` (the block-diagonal mask of :mod:`.packing`) both are passed as given.
 
     When the parameters are stored in a wider dtype than ``compute_dtype`` (float32 master weights
     with bfloat16 compute), the decoder runs under autocast. The output projection runs in
@@ -45,9 +47,14 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "to
     autocast = (torch.autocast(device_type=device_type, dtype=compute_dtype)
                 if compute_dtype != param_dtype else contextlib.nullcontext())
     with autocast:
-        extra = {} if position_ids is None else {"position_ids": position_ids}
-        hidden = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
-                                   use_cache=False, **extra).last_hidden_state[:, :-1]
+        if position_ids is None:
+            out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        elif attention_mask is not None and attention_mask.dim() == 4:  # an explicit block-diagonal mask
+            out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False)
+        else:
+            out = decoder_of(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state[:, :-1]
     bias = getattr(head, "bias", None)
     with torch.autocast(device_type=device_type, enabled=False):
         if fp32_lm_head:
