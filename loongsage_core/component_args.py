@@ -55,7 +55,8 @@ def args_tables(job: JobConfig) -> Iterator[ArgsTable]:
         yield ArgsTable(f"algorithm.filter_args.{name}", "filter", name, alg.filter_args.get(name, {}), 1)
     for i, src in enumerate(job.data):
         for name in src.reward:
-            yield ArgsTable(f"data[{i}].reward_args.{name}", "reward", name, src.reward_args.get(name, {}), 1)
+            yield ArgsTable(f"data[{i}].reward_args.{name}", "reward", name, src.reward_args.get(name, {}), 1,
+                            reserved=("sandbox",))
         yield ArgsTable(f"data[{i}].agent_args", "agent", src.agent, src.agent_args, attr="factory")
         if src.generator:
             yield ArgsTable(f"data[{i}].generator_args", "data_source", src.generator, src.generator_args,

@@ -61,6 +61,7 @@ from .records import (
     teacher_inputs,
 )
 from .registry import ComponentRegistry
+from .sandbox_request import SandboxRequest, sandbox_request
 from .settings import (
     CriticSettings,
     JobSettings,

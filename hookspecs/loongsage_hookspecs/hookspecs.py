@@ -66,8 +66,11 @@ def loongsage_rewards() -> Iterable[RewardSpec]:
     """Provide reward functions that score a finished trajectory.
 
     The host calls ``fn(trajectory: Trajectory, **args)`` (``args`` from ``reward_args``) after
-    the agent returns; it must return a float or a :class:`Reward`. An exception marks the
-    trajectory failed with the error recorded; the run goes on.
+    the agent returns, in a worker thread with a time limit; it must return a float or a
+    :class:`Reward`. An exception or a timeout marks the trajectory failed with the error
+    recorded; the run goes on. A spec with ``needs_sandbox=True`` is called
+    ``fn(trajectory, sandbox=sandbox, **args)`` before the trajectory's sandbox is destroyed and
+    runs commands in it with the synchronous ``sandbox.run(command, timeout_s=...)``.
     A :class:`Reward` may say why in ``reason`` (kept in the rollout records, shown by
     ``loongsage view``).
 
@@ -101,8 +104,11 @@ def loongsage_data_sources() -> Iterable[DataSourceSpec]:
 def loongsage_sandboxes() -> Iterable[SandboxSpec]:
     """Provide sandbox providers for agents that execute code or commands.
 
-    ``factory(**args)`` returns a ``SandboxProvider``; the host calls ``create`` before an agent
-    that needs a sandbox runs, and ``destroy`` after it returns or raises.
+    ``factory(**args)`` returns a ``SandboxProvider``; for each trajectory the host calls
+    ``create(trajectory_id, row)`` (the data row: the provider prepares the sandbox from the
+    :class:`SandboxRequest` that ``sandbox_request(row)`` reads in it), runs the agent, runs the
+    rewards (those with ``needs_sandbox`` get the sandbox), then calls ``destroy``, also when the
+    agent raises or times out; at the end of the run it calls the provider's ``close()``.
 
     Example::
 

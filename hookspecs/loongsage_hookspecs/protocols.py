@@ -36,18 +36,32 @@ class Agent(Protocol):
 
 @runtime_checkable
 class Sandbox(Protocol):
-    """A per-trajectory isolated place to run commands."""
+    """A per-trajectory isolated place to run commands.
+
+    ``workdir`` is the directory the agent works in (the prepared repository, if the row named
+    one). ``exec`` is for agents on the event loop; ``run`` is the same command run synchronously,
+    for rewards (the host calls them in a worker thread, never on the event loop). A command past
+    ``timeout_s`` is killed with every process it started and comes back with ``timed_out``.
+    """
 
     workdir: str
 
     async def exec(self, command: str, *, timeout_s: float | None = None) -> "ExecResult": ...
 
+    def run(self, command: str, *, timeout_s: float | None = None) -> "ExecResult": ...
+
 
 @runtime_checkable
 class SandboxProvider(Protocol):
-    """Creates and destroys sandboxes; ``destroy`` is idempotent."""
+    """Creates and destroys sandboxes; ``destroy`` is idempotent.
 
-    async def create(self, trajectory_id: str) -> Sandbox: ...
+    ``create`` receives the trajectory's data row (``{"prompt", "label", "metadata"}``, or
+    ``None``) and prepares the sandbox from what :func:`~loongsage_hookspecs.sandbox_request`
+    reads in it: a repository snapshot, setup commands, environment variables. ``close`` (the
+    host calls it once at the end of a run) destroys whatever the provider still holds.
+    """
+
+    async def create(self, trajectory_id: str, row: Mapping[str, Any] | None = None) -> Sandbox: ...
 
     async def destroy(self, sandbox: Sandbox) -> None: ...
 

@@ -449,12 +449,14 @@ class WeightBucket:
 
 @attrs.define
 class ExecResult:
-    """Outcome of one sandbox command."""
+    """Outcome of one sandbox command (``exit_code`` 124 and ``timed_out`` when it ran past its
+    time limit; ``truncated`` when the output went past the sandbox's cap and was cut)."""
 
     exit_code: int
     stdout: str
     stderr: str
     timed_out: bool = False
+    truncated: bool = False
 
 
 @attrs.define
@@ -463,8 +465,9 @@ class AgentContext:
 
     ``base_url`` is the trajectory's OpenAI-compatible endpoint (``.../{trajectory_id}/{attempt}/v1``)
     and ``api_key`` the key to send; the agent talks plain chat completions to it. ``sandbox`` is
-    the sandbox the framework created for this trajectory (or ``None``); the framework destroys it
-    after the agent returns or raises.
+    the sandbox the framework created for this trajectory (or ``None``); the framework scores the
+    trajectory (rewards that need the sandbox run in it) and then destroys it, also when the agent
+    raises or times out.
     """
 
     trajectory_id: str

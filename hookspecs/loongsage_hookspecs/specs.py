@@ -45,9 +45,15 @@ class ComponentSpec:
 
 @attrs.define(frozen=True, kw_only=True)
 class RewardSpec(ComponentSpec):
-    """``fn(trajectory, **args) -> float | Reward``; may raise, the host records the error."""
+    """``fn(trajectory, **args) -> float | Reward``; may raise, the host records the error.
+
+    ``needs_sandbox``: the reward runs commands in the trajectory's sandbox (tests on the agent's
+    edits); the host calls ``fn(trajectory, sandbox=sandbox, **args)`` before it destroys the
+    sandbox (``sandbox`` is ``None`` when the source has none), in a worker thread.
+    """
 
     fn: "Callable[..., float | Reward]"
+    needs_sandbox: bool = False
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -130,3 +130,49 @@ def test_weight_versions_on_the_wire_read_one_way(value, expected):
     from loongsage_hookspecs import parse_weight_version
 
     assert parse_weight_version(value) == expected
+
+
+def test_reward_spec_needs_no_sandbox_unless_it_says_so():
+    from loongsage_hookspecs import RewardSpec
+
+    assert RewardSpec(name="r", fn=len).needs_sandbox is False
+    assert RewardSpec(name="r", fn=len, needs_sandbox=True).needs_sandbox is True
+
+
+def test_sandbox_protocols_name_run_and_the_row():
+    import inspect
+
+    from loongsage_hookspecs import Sandbox, SandboxProvider
+
+    assert "row" in inspect.signature(SandboxProvider.create).parameters
+    assert not inspect.iscoroutinefunction(Sandbox.run) and inspect.iscoroutinefunction(Sandbox.exec)
+
+
+def test_sandbox_request_reads_the_row_field_or_its_metadata():
+    from loongsage_hookspecs import SandboxRequest, sandbox_request
+
+    assert sandbox_request(None) == SandboxRequest() and sandbox_request(None).empty
+    assert sandbox_request({"prompt": "p", "metadata": {"sandbox": "repos/a"}}).snapshot == "repos/a"
+    req = sandbox_request({"sandbox": {"snapshot": "r.bundle", "commit": "abc", "setup": "make",
+                                       "env": {"N": 3}, "setup_timeout_s": 5}})
+    assert req == SandboxRequest(snapshot="r.bundle", commit="abc", setup=("make",), env={"N": "3"},
+                                 setup_timeout_s=5.0)
+    # the top-level field wins over the metadata's
+    assert sandbox_request({"sandbox": "x", "metadata": {"sandbox": "y"}}).snapshot == "x"
+
+
+@pytest.mark.parametrize("value, message", [
+    (3, "must be a path or an object"),
+    ({"snapshot": "a", "repo": "b"}, "unknown key"),
+    ({"commit": "abc"}, "sandbox.snapshot"),
+    ({"snapshot": ""}, "sandbox.snapshot must be"),
+    ({"setup": [1]}, "sandbox.setup"),
+    ({"env": {"A": [1]}}, "sandbox.env"),
+    ({"setup_timeout_s": 0}, "setup_timeout_s"),
+])
+def test_sandbox_request_refuses_malformed_fields(value, message):
+    from loongsage_hookspecs import sandbox_request
+
+    with pytest.raises(ValueError, match=message) as info:
+        sandbox_request({"sandbox": value}, where="rows.jsonl:7")
+    assert "rows.jsonl:7" in str(info.value)
