@@ -1,47 +1,81 @@
-"""The ``local`` sandbox: a per-trajectory working directory on this machine, with OS limits.
+"""The ``local`` sandbox: a per-trajectory directory on this machine, prepared from the data row,
+whose programs run unprivileged, isolated, limited and killed as a whole.
 
-Every command runs with ``cwd`` = the sandbox's directory, ``HOME`` = that directory, a small
-fixed environment, its own session (so a timeout kills the whole process group) and resource
-limits set with ``setrlimit`` in the child before ``exec``: CPU seconds, address space, file size,
-open files and, when commands run as a dedicated user, the number of processes.
+Layout: ``<root>/<owner>--<trajectory>-<random>/`` holds ``work/`` (:attr:`LocalSandbox.workdir`,
+where the row's repository snapshot is copied and the agent works) and ``home/`` (``HOME`` and,
+outside bubblewrap, ``TMPDIR`` of every command; black-box agents keep their config there).
 
-Isolation (``isolation=``) is what the OS offers, detected when the provider is built:
+Every program (a tool call's shell command, a reward's test command, a black-box agent's whole
+process) goes through :mod:`.sandbox_launch` and gets:
+
+* **an unprivileged user**: when the host is root, each sandbox has its own uid from a pool
+  (``uid_base`` + n, no passwd entry needed; ``run_as_user = "auto"``), so sandboxes cannot touch
+  each other or the host's files, the process limit counts per sandbox, and ``destroy`` kills
+  every process of that uid; a named ``run_as_user`` shares one user among sandboxes;
+* **a scrubbed environment**: ``PATH``, ``HOME``, ``TMPDIR``, ``LANG``, the provider's ``env``,
+  the row's ``sandbox.env`` and what the caller passes; nothing else of the host's;
+* **limits** (``setrlimit``): CPU seconds, address space, file size, open files, processes;
+  a wall-clock limit per command (``default_timeout_s`` or the call's) and per trajectory
+  (``trajectory_timeout_s``: the agent's commands and programs stop getting time once it is spent;
+  rewards' :meth:`~LocalSandbox.run` calls have their own timeouts);
+* **output capped while it is read** (``max_output_bytes`` per stream; the rest is read and dropped);
+* **the whole process tree killed** at its timeout and at ``destroy``: by uid (above), by the
+  marker in its environment, by process group and by ``/proc`` descendants, ``setsid`` and
+  ``nohup`` children included (:mod:`.sandbox_procs`).
+
+Isolation (``isolation=``), detected when the provider is built:
 
 ``bwrap``
-    bubblewrap (Debian: ``apt-get install -y bubblewrap``): the whole file system is mounted
-    read-only except the sandbox directory; ``/tmp`` and ``/dev/shm`` are private and empty; no
-    network (own network namespace with only a down loopback), own PID/IPC/UTS namespaces,
-    all capabilities dropped (so even a root command cannot remount anything writable), killed
-    when the host dies. Writes outside the directory fail with "Read-only file system".
+    bubblewrap (Debian: ``apt-get install -y bubblewrap``): the file system is read-only except the
+    sandbox's ``work`` and ``home``; ``/tmp`` is private; own network (only a loopback), PID, IPC
+    and UTS namespaces; all capabilities dropped; killed when the host dies.
 ``netns``
-    ``unshare -n`` only (no bubblewrap, but network namespaces are permitted): no network;
-    the file system is NOT protected beyond normal permissions.
+    ``unshare -n`` (no bubblewrap): no network but the loopback; the file system is protected by
+    the sandbox's user and file permissions only.
 ``none``
-    neither is available: working directory, environment and resource limits only.
+    neither works: user, environment, limits and process-tree kill only; the network is open.
 
-``auto`` (the default) picks the first that works; :attr:`LocalSandboxProvider.enforced` says
-what is in force. When the host runs as root, commands run as ``run_as_user`` (default
-``nobody``) so the process limit applies per sandbox user and the directory is theirs.
+Anything weaker than ``bwrap`` with a per-sandbox user is named in a warning when the provider is
+built and in :attr:`LocalSandboxProvider.enforced` (the host records it in each trajectory's
+metadata). A black-box agent reaches the router through :meth:`LocalSandbox.bridge`: inside the
+network namespace, its endpoint's port on ``127.0.0.1`` leads to the router and nowhere else.
+
+A provider sweeps the sandboxes that dead runs left under its root when it is built
+(:mod:`.sandbox_registry`), and ``max_concurrent_sandboxes`` bounds how many of its own exist at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import pwd
-import resource
 import shutil
-import signal
+import socket
 import subprocess
+import sys
 import tempfile
+import threading
+import time
 from functools import cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Mapping
+from urllib.parse import urlsplit, urlunsplit
 
-from loongsage_hookspecs import ExecResult
+from loongsage_hookspecs import ExecResult, sandbox_request
+
+from .sandbox_launch import pump
+from .sandbox_prepare import SnapshotError, chown_tree, materialize
+from .sandbox_procs import Completed, Launch, kill_tree, kill_uid
+from .sandbox_registry import Registry, UidPool, force_rmtree
+
+log = logging.getLogger(__name__)
 
 ISOLATIONS = ("auto", "bwrap", "netns", "none")
 _SHELL = shutil.which("bash") or "/bin/sh"
+LAUNCHER = str(Path(__file__).with_name("sandbox_launch.py"))
+DEFAULT_ROOT = os.path.join(tempfile.gettempdir(), "loongsage-sandboxes")
 
 
 @cache
@@ -61,26 +95,62 @@ def detect_isolation(uid: int | None = None, gid: int | None = None) -> str:
     if bwrap and _works((bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-net", "--cap-drop", "ALL",
                          "--die-with-parent", "true"), uid, gid):
         return "bwrap"
-    unshare = shutil.which("unshare")
-    if unshare and (_works((unshare, "-n", "true"), uid, gid) or _works((unshare, "-n", "-r", "true"), uid, gid)):
+    if _unshare_flags(uid, gid) is not None:
         return "netns"
     return "none"
 
 
+def _unshare_flags(uid: int | None, gid: int | None) -> list[str] | None:
+    """How ``unshare`` gives ``uid`` a network namespace here (``-n``, or ``-n -r`` through a user
+    namespace), or ``None`` if it cannot."""
+    unshare = shutil.which("unshare")
+    if not unshare:
+        return None
+    for flags in (["-n"], ["-n", "-r"]):
+        if _works((unshare, *flags, "true"), uid, gid):
+            return flags
+    return None
+
+
+def launcher_python(uid: int | None, gid: int | None) -> str:
+    """A Python interpreter the sandbox's user can run (the host's may live under a private home)."""
+    candidates = [sys.executable, os.path.realpath(sys.executable), shutil.which("python3"), "/usr/bin/python3",
+                  "/usr/local/bin/python3"]
+    for candidate in dict.fromkeys(c for c in candidates if c):
+        if _works((candidate, "-I", "-S", "-c", "import json, resource, socket, subprocess"), uid, gid):
+            return candidate
+    raise SandboxError(f"local sandbox: no Python interpreter that the sandbox user (uid {uid}) may run; tried "
+                       f"{', '.join(c for c in candidates if c)}")
+
+
 class SandboxError(RuntimeError):
-    """A sandbox operation was refused (a path outside the sandbox, a destroyed sandbox, ...)."""
+    """A sandbox operation was refused or failed (a path outside the sandbox, a destroyed
+    sandbox, a snapshot or setup command that failed, ...)."""
 
 
 class LocalSandbox:
-    """One trajectory's sandbox: a directory plus :meth:`exec` to run shell commands in it."""
+    """One trajectory's sandbox (see the module docstring)."""
 
-    def __init__(self, provider: "LocalSandboxProvider", trajectory_id: str, workdir: str) -> None:
+    def __init__(self, provider: "LocalSandboxProvider", trajectory_id: str, path: str, uid: int | None,
+                 gid: int | None, marker: str, env: Mapping[str, str]) -> None:
         self.provider = provider
         self.trajectory_id = trajectory_id
-        self.workdir = workdir
+        self.path = path
+        self.workdir = os.path.join(path, "work")
+        self.home = os.path.join(path, "home")
+        self.uid, self.gid = uid, gid
+        self.marker = marker
+        self.env = dict(env)
+        self.deadline: float | None = None
+        self.pooled_uid: int | None = None
+        """The uid this sandbox holds from the provider's pool (given back at teardown)."""
         self.destroyed = False
-        self._procs: set[asyncio.subprocess.Process] = set()
+        self._lock = threading.Lock()
+        self._launches: set[Launch] = set()
+        self._count = 0
+        self._bridges: dict[tuple[str, int], socket.socket] = {}
 
+    # ------------------------------------------------------------------ host-side file access
     def _path(self, relative: str) -> Path:
         """``relative`` inside the workdir; escaping paths (``..``, absolute, symlinks) are refused."""
         root = Path(self.workdir).resolve()
@@ -95,7 +165,11 @@ class LocalSandbox:
         path = self._path(relative)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(content.encode() if isinstance(content, str) else content)
-        self.provider._own(path)
+        if self.uid is not None:
+            for p in [path, *path.parents]:
+                if p == Path(self.workdir).resolve().parent:
+                    break
+                os.lchown(p, self.uid, self.gid if self.gid is not None else -1)
         return str(path)
 
     def read_file(self, relative: str) -> str:
@@ -107,100 +181,249 @@ class LocalSandbox:
         if self.destroyed:
             raise SandboxError(f"sandbox of trajectory {self.trajectory_id!r} was destroyed")
 
-    async def exec(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
-        """Run ``command`` with the shell in the sandbox; a timeout kills its process group."""
+    # ------------------------------------------------------------------ programs
+    def remaining_s(self) -> float | None:
+        """Seconds left of the trajectory's wall-clock budget (``None``: unbounded)."""
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def _launch(self, argv: list[str], *, env: Mapping[str, str] | None, stdin: bytes | None,
+                bridge: dict[str, Any] | None, network: bool | None, max_output_bytes: int | None) -> Launch:
         self._check_alive()
         p = self.provider
-        timeout = p.default_timeout_s if timeout_s is None else timeout_s
-        proc = await asyncio.create_subprocess_exec(
-            *p.argv(self.workdir, command), cwd=self.workdir, env=p.env(self.workdir),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            start_new_session=True, preexec_fn=p.preexec(), **p.user_kwargs())
-        self._procs.add(proc)
-        limit = p.max_output_bytes
-        out, err = bytearray(), bytearray()
-        readers = [asyncio.ensure_future(_drain(proc.stdout, out, limit)),
-                   asyncio.ensure_future(_drain(proc.stderr, err, limit))]
-        timed_out = False
+        with self._lock:
+            self._count += 1
+            marker = f"{self.marker}:{self._count}"
+        full_env = {**p.base_env(self), **self.env, **(env or {})}
+        launch = Launch(p.argv(self, argv, bridge=bridge, network=network), env=full_env, cwd=self.workdir,
+                        marker=marker, stdin=stdin,
+                        max_output_bytes=p.max_output_bytes if max_output_bytes is None else int(max_output_bytes),
+                        user_kwargs=p.user_kwargs(self))
+        with self._lock:
+            self._launches.add(launch)
+        return launch
+
+    def _finish(self, launch: Launch, timeout: float | None) -> Completed:
         try:
-            await asyncio.wait_for(proc.wait(), timeout)
-        except asyncio.TimeoutError:
-            timed_out = True
-            _kill_group(proc)
-            await proc.wait()
-        except BaseException:
-            _kill_group(proc)
-            try:
-                await asyncio.wait_for(asyncio.shield(proc.wait()), 5)
-            except (asyncio.CancelledError, asyncio.TimeoutError):
-                pass
-            raise
+            return launch.wait(timeout)
         finally:
-            self._procs.discard(proc)
-            # output pipes close when the last process holding them exits; don't wait forever
-            done, pending = await asyncio.wait(readers, timeout=2)
-            for task in pending:
-                task.cancel()
-        code = proc.returncode if proc.returncode is not None else -1
-        return ExecResult(exit_code=124 if timed_out else code, stdout=out.decode(errors="replace"),
-                          stderr=err.decode(errors="replace"), timed_out=timed_out)
+            with self._lock:
+                self._launches.discard(launch)
 
+    def _timeout(self, timeout_s: float | None, budgeted: bool) -> float | Completed:
+        """The wall-clock limit of one program, or the refusal once the trajectory's budget is spent."""
+        timeout = self.provider.default_timeout_s if timeout_s is None else float(timeout_s)
+        if budgeted and self.deadline is not None:
+            left = self.deadline - time.monotonic()
+            if left <= 0:
+                return Completed(exit_code=124, stdout=b"", timed_out=True,
+                                 stderr=b"sandbox: the trajectory's time budget (trajectory_timeout_s) is spent\n")
+            timeout = min(timeout, left)
+        return timeout
+
+    def run_program(self, argv: list[str], *, env: Mapping[str, str] | None = None, stdin: bytes | None = None,
+                    timeout_s: float | None = None, bridge: dict[str, Any] | None = None,
+                    network: bool | None = None, max_output_bytes: int | None = None,
+                    budgeted: bool = False) -> Completed:
+        """Run ``argv`` in the sandbox (synchronously) with everything the module docstring lists.
+
+        ``budgeted``: the call also counts against the trajectory's wall-clock budget.
+        ``bridge``: what :meth:`bridge` returned, for a program that must reach the router.
+        """
+        timeout = self._timeout(timeout_s, budgeted)
+        if isinstance(timeout, Completed):
+            return timeout
+        launch = self._launch(argv, env=env, stdin=stdin, bridge=bridge, network=network,
+                              max_output_bytes=max_output_bytes)
+        return self._finish(launch, timeout)
+
+    async def arun_program(self, argv: list[str], **kwargs: Any) -> Completed:
+        """:meth:`run_program` from the event loop: it waits in a thread, and cancelling the
+        awaiting task kills the program's whole tree."""
+        holder: dict[str, Launch] = {}
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Completed] = loop.create_future()
+        timeout_s = kwargs.pop("timeout_s", None)
+        budgeted = kwargs.pop("budgeted", False)
+
+        def settle(result: Completed | None, error: BaseException | None) -> None:
+            if not future.done():
+                if error is not None:
+                    future.set_exception(error)
+                else:
+                    future.set_result(result)  # type: ignore[arg-type]
+
+        def work() -> None:
+            result: Completed | None = None
+            error: BaseException | None = None
+            try:
+                timeout = self._timeout(timeout_s, budgeted)
+                if isinstance(timeout, Completed):
+                    result = timeout
+                    return
+                holder["launch"] = launch = self._launch(argv, **kwargs)
+                if future.done():  # cancelled while starting
+                    launch.kill()
+                result = self._finish(launch, timeout)
+            except BaseException as exc:  # handed to the awaiting task
+                error = exc
+            finally:
+                try:
+                    loop.call_soon_threadsafe(settle, result, error)
+                except RuntimeError:  # the loop is closed: nobody waits any more
+                    pass
+
+        kwargs.setdefault("env", None)
+        kwargs.setdefault("stdin", None)
+        kwargs.setdefault("bridge", None)
+        kwargs.setdefault("network", None)
+        kwargs.setdefault("max_output_bytes", None)
+        threading.Thread(target=work, name=f"sandbox-{self.trajectory_id}", daemon=True).start()
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.cancel()
+            launch = holder.get("launch")
+            if launch is not None:
+                launch.kill()
+            raise
+
+    def run(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
+        """Run a shell command in the sandbox, synchronously (for rewards, in a worker thread)."""
+        return _exec_result(self.run_program([_SHELL, "-c", command], timeout_s=timeout_s))
+
+    async def exec(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
+        """Run a shell command in the sandbox for an agent; it counts against the trajectory's budget."""
+        return _exec_result(await self.arun_program([_SHELL, "-c", command], timeout_s=timeout_s, budgeted=True))
+
+    # ------------------------------------------------------------------ reaching the router
+    def bridge(self, url: str) -> tuple[str, dict[str, Any] | None]:
+        """``(url as the sandboxed program must use it, bridge settings for run_program)``.
+
+        When the sandbox has its own network namespace, ``url``'s host and port become
+        ``127.0.0.1:<port>`` inside it, relayed through a Unix socket to ``url``'s host and port
+        (the router) and nowhere else. Without a namespace the URL is returned as it is.
+        """
+        if not self.provider.netns_for_programs:
+            return url, None
+        parts = urlsplit(url)
+        host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
+        path = os.path.join(self.path, f"bridge-{port}.sock")
+        with self._lock:
+            if (host, port) not in self._bridges:
+                self._bridges[(host, port)] = _serve_bridge(path, host, port, self.uid, self.gid)
+        inner = urlunsplit((parts.scheme, f"127.0.0.1:{port}", parts.path, parts.query, parts.fragment))
+        return inner, {"port": port, "socket": path}
+
+    # ------------------------------------------------------------------ teardown
     def kill_all(self) -> None:
-        for proc in list(self._procs):
-            _kill_group(proc)
+        """Kill every process of this sandbox (all commands, and whatever they left running)."""
+        with self._lock:
+            launches = list(self._launches)
+        for launch in launches:
+            launch.killed = True
+        kill_tree(None, f"{self.marker}:")
+        for launch in launches:
+            kill_tree(launch.proc.pid, launch.marker)
+        if self.pooled_uid is not None:
+            kill_uid(self.pooled_uid)
+
+    def close_bridges(self) -> None:
+        with self._lock:
+            bridges, self._bridges = list(self._bridges.values()), {}
+        for listener in bridges:
+            try:
+                listener.close()
+            except OSError:
+                pass
 
 
-async def _drain(stream: asyncio.StreamReader | None, buf: bytearray, limit: int) -> None:
-    """Read ``stream`` to its end, keeping the first ``limit`` bytes (so a timeout keeps partial output)."""
-    if stream is None:
-        return
-    while True:
-        chunk = await stream.read(65536)
-        if not chunk:
-            return
-        if len(buf) < limit:
-            buf.extend(chunk[: limit - len(buf)])
+def _exec_result(done: Completed) -> ExecResult:
+    return ExecResult(exit_code=done.exit_code, stdout=done.stdout.decode(errors="replace"),
+                      stderr=done.stderr.decode(errors="replace"), timed_out=done.timed_out, truncated=done.truncated)
 
 
-def _kill_group(proc: asyncio.subprocess.Process) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _serve_bridge(path: str, host: str, port: int, uid: int | None, gid: int | None) -> socket.socket:
+    """A Unix socket at ``path`` whose every connection is relayed to ``host:port`` (the router)."""
+    if os.path.lexists(path):
+        os.unlink(path)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    if uid is not None:
+        os.chown(path, uid, gid if gid is not None else -1)
+    os.chmod(path, 0o600)
+    listener.listen(64)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection((host, port), timeout=10)
+                upstream.settimeout(None)
+            except OSError:
+                conn.close()
+                continue
+            threading.Thread(target=pump, args=(conn, upstream), daemon=True).start()
+            threading.Thread(target=pump, args=(upstream, conn), daemon=True).start()
+
+    threading.Thread(target=accept, name=f"sandbox-bridge-{port}", daemon=True).start()
+    return listener
 
 
 class LocalSandboxProvider:
-    """Creates :class:`LocalSandbox` directories under ``root`` (a temp dir by default).
+    """Creates :class:`LocalSandbox` directories under ``root`` (see the module docstring).
 
     Args:
-        root: parent directory of the sandbox directories.
-        isolation: ``auto``, ``bwrap``, ``netns`` or ``none`` (see the module docstring); asking
-            for one that does not work here is an error.
-        network: allow network access (disables the network namespace).
-        cpu_time_s, memory_mb, file_size_mb, max_open_files, max_processes: resource limits
-            per command (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``,
-            ``RLIMIT_NPROC``; the last only when commands run as a dedicated user, since it counts
-            all processes of the user).
+        root: parent directory of the sandbox directories (default ``<tmp>/loongsage-sandboxes``).
+        isolation: ``auto``, ``bwrap``, ``netns`` or ``none``; asking for one that does not work
+            here is an error.
+        network: allow network access (no network namespace).
+        cpu_time_s, memory_mb, file_size_mb, max_open_files, max_processes: resource limits per
+            program (``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``,
+            ``RLIMIT_NPROC`` counted on top of what the program's user already runs); 0 = unlimited.
         default_timeout_s: wall-clock limit of a command without its own timeout.
-        max_output_bytes: stdout/stderr kept per command.
-        run_as_user: user commands run as when the host is root (``None`` keeps root).
-        env: extra environment variables for commands.
+        trajectory_timeout_s: wall-clock budget of all the agent's commands and programs in one
+            sandbox (0: none).
+        max_output_bytes: stdout and stderr kept per command (each).
+        run_as_user: ``"auto"``: when the host is root, a uid of its own per sandbox from
+            ``uid_base``; a user name: that user for every sandbox; ``None``: the host's user.
+        uid_base, uid_count: the pool of sandbox uids.
+        env: environment variables of every command.
+        base_dir: what relative ``sandbox.snapshot`` paths of rows are resolved against
+            (default: the working directory).
+        setup_timeout_s: wall-clock limit of each of a row's ``sandbox.setup`` commands (the row's
+            ``setup_timeout_s`` wins).
+        setup_network: let setup commands use the network (e.g. ``pip install``).
+        max_concurrent_sandboxes: how many sandboxes of this provider exist at once (0: no bound);
+            ``create`` waits for a free slot.
     """
 
     def __init__(self, root: str | None = None, isolation: str = "auto", network: bool = False,
                  cpu_time_s: int = 60, memory_mb: int = 2048, file_size_mb: int = 256, max_open_files: int = 1024,
-                 max_processes: int = 512, default_timeout_s: float = 60.0, max_output_bytes: int = 1_000_000,
-                 run_as_user: str | None = "nobody", env: dict[str, str] | None = None) -> None:
+                 max_processes: int = 256, default_timeout_s: float = 60.0, trajectory_timeout_s: float = 0,
+                 max_output_bytes: int = 1_000_000, run_as_user: str | None = "auto", uid_base: int = 1_700_000,
+                 uid_count: int = 4096, env: dict[str, str] | None = None, base_dir: str | None = None,
+                 setup_timeout_s: float = 600.0, setup_network: bool = False,
+                 max_concurrent_sandboxes: int = 0) -> None:
         if isolation not in ISOLATIONS:
             raise ValueError(f"local sandbox: isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+        root_host = os.geteuid() == 0
         self.user: pwd.struct_passwd | None = None
-        if os.geteuid() == 0 and run_as_user:
+        self.pool: UidPool | None = None
+        probe_uid: int | None = None
+        if root_host and run_as_user == "auto":
+            self.pool = UidPool(uid_base, uid_count)
+            probe_uid = int(uid_base) + int(uid_count) - 1  # detection runs as an unprivileged uid too
+        elif root_host and run_as_user:
             try:
                 self.user = pwd.getpwnam(run_as_user)
             except KeyError:
                 raise SandboxError(f"local sandbox: run_as_user {run_as_user!r} does not exist") from None
-        uid, gid = (self.user.pw_uid, self.user.pw_gid) if self.user else (None, None)
-        found = detect_isolation(uid, gid)
+            probe_uid = self.user.pw_uid
+        probe_gid = self.user.pw_gid if self.user else probe_uid
+        found = detect_isolation(probe_uid, probe_gid)
         if isolation == "auto":
             isolation = found
         elif isolation == "bwrap" and found != "bwrap":
@@ -209,134 +432,229 @@ class LocalSandboxProvider:
         elif isolation == "netns" and found == "none":
             raise SandboxError("local sandbox: isolation='netns' but 'unshare -n' is not permitted here")
         self.isolation = isolation
-        self.network = network
-        self.root = os.path.abspath(root) if root else None
-        self.limits = {
-            resource.RLIMIT_CPU: int(cpu_time_s),
-            resource.RLIMIT_AS: int(memory_mb) * 1024 * 1024,
-            resource.RLIMIT_FSIZE: int(file_size_mb) * 1024 * 1024,
-            resource.RLIMIT_NOFILE: int(max_open_files),
-        }
-        self.default_timeout_s = default_timeout_s
-        self.max_output_bytes = max_output_bytes
-        self.extra_env = dict(env or {})
-        if self.user is not None:
-            self.limits[resource.RLIMIT_NPROC] = int(max_processes)
+        self.python = launcher_python(probe_uid, probe_gid)
+        self.network = bool(network)
+        self._unshare = _unshare_flags(probe_uid, probe_gid) if isolation == "netns" else None
+        self.root = os.path.abspath(root) if root else DEFAULT_ROOT
+        self.rlimits = {name: value for name, value in (
+            ("RLIMIT_CPU", int(cpu_time_s)), ("RLIMIT_AS", int(memory_mb) * 1024 * 1024),
+            ("RLIMIT_FSIZE", int(file_size_mb) * 1024 * 1024), ("RLIMIT_NOFILE", int(max_open_files))) if value > 0}
+        self.max_processes = int(max_processes)
+        self.default_timeout_s = float(default_timeout_s)
+        self.trajectory_timeout_s = float(trajectory_timeout_s or 0)
+        self.max_output_bytes = int(max_output_bytes)
+        self.extra_env = {str(k): str(v) for k, v in (env or {}).items()}
+        self.base_dir = os.path.abspath(base_dir) if base_dir else None
+        self.setup_timeout_s = float(setup_timeout_s)
+        self.setup_network = bool(setup_network)
+        self.max_concurrent = int(max_concurrent_sandboxes)
+        self._slots: asyncio.Semaphore | None = None
         self._sandboxes: dict[str, LocalSandbox] = {}
+        self.live = 0
+        self.peak_live = 0
+        self.registry: Registry | None = None
+        self.launcher = LAUNCHER
+        self.warnings = self._weaknesses()
+        for line in self.warnings:
+            log.warning("local sandbox: %s", line)
+
+    # ------------------------------------------------------------------ what is in force
+    @property
+    def netns_for_programs(self) -> bool:
+        return not self.network and self.isolation in ("bwrap", "netns")
+
+    def _weaknesses(self) -> list[str]:
+        out = []
+        if self.isolation != "bwrap":
+            out.append(f"bubblewrap is not available, running with the weaker isolation '{self.isolation}': the file "
+                       "system outside the sandbox is protected by user permissions only"
+                       + ("" if self.isolation == "netns" else ", and the network is open")
+                       + " (apt-get install -y bubblewrap)")
+        if os.geteuid() != 0:
+            out.append("the host is not root, so programs run as the host's own user (no per-sandbox user; "
+                       "the host's files are as exposed as the user's permissions allow)")
+        elif self.pool is None and self.user is None:
+            out.append("run_as_user = none on a root host: programs run as root")
+        return out
 
     @property
     def enforced(self) -> dict[str, Any]:
-        """What this provider actually enforces on this machine."""
+        """What this provider actually enforces on this machine (recorded in the run's trajectories)."""
+        if self.pool is not None:
+            user = f"own uid per sandbox (from {self.pool.base})"
+        else:
+            user = self.user.pw_name if self.user else pwd.getpwuid(os.geteuid()).pw_name
         return {
             "isolation": self.isolation,
             "filesystem": "read-only outside the sandbox directory" if self.isolation == "bwrap"
-            else "normal file permissions only",
+            else "user permissions only",
             "network": "allowed" if self.network or self.isolation == "none" else "blocked",
-            "user": self.user.pw_name if self.user else pwd.getpwuid(os.geteuid()).pw_name,
-            "limits": {resource_name(k): v for k, v in self.limits.items()},
+            "router_bridge": self.netns_for_programs,
+            "user": user,
+            "limits": {**self.rlimits, "RLIMIT_NPROC": self.max_processes,
+                       "command_timeout_s": self.default_timeout_s,
+                       "trajectory_timeout_s": self.trajectory_timeout_s or None,
+                       "max_output_bytes": self.max_output_bytes},
+            "max_concurrent_sandboxes": self.max_concurrent or None,
+            "warnings": list(self.warnings),
         }
 
-    # ------------------------------------------------------------------ pieces used by exec
-    def argv(self, workdir: str, command: str) -> list[str]:
-        shell = [_SHELL, "-c", command]
+    # ------------------------------------------------------------------ pieces used by programs
+    def argv(self, box: LocalSandbox, argv: list[str], *, bridge: dict[str, Any] | None = None,
+             network: bool | None = None) -> list[str]:
+        """The full command line of ``argv`` in ``box``: isolation, then the launcher, then ``argv``."""
+        net = self.network if network is None else network
+        config: dict[str, Any] = {"rlimits": self.rlimits, "nproc": self.max_processes or None}
+        prefix: list[str] = []
         if self.isolation == "bwrap":
-            argv = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp",
-                    "--bind", workdir, workdir, "--dev", "/dev", "--proc", "/proc",
-                    "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
-                    "--cap-drop", "ALL", "--chdir", workdir]
-            if not self.network:
-                argv.append("--unshare-net")
-            return argv + ["--"] + shell
-        if self.isolation == "netns" and not self.network:
-            unshare = shutil.which("unshare") or "unshare"
-            uid, gid = (self.user.pw_uid, self.user.pw_gid) if self.user else (None, None)
-            flags = ["-n"] if _works((unshare, "-n", "true"), uid, gid) else ["-n", "-r"]
-            return [unshare, *flags, "--"] + shell
-        return shell
+            prefix = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp",
+                      "--ro-bind", self.launcher, self.launcher, "--ro-bind", box.path, box.path,
+                      "--bind", box.workdir, box.workdir,
+                      "--bind", box.home, box.home, "--dev", "/dev", "--proc", "/proc",
+                      "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
+                      "--cap-drop", "ALL", "--chdir", box.workdir]
+            if not net:
+                prefix.append("--unshare-net")
+            prefix.append("--")
+        elif self.isolation == "netns" and not net and self._unshare is not None:
+            prefix = [shutil.which("unshare") or "unshare", *self._unshare, "--"]
+            config["loopback_up"] = True
+        if bridge and not net:
+            config["bridge"] = bridge
+        return [*prefix, self.python, "-I", "-S", self.launcher, json.dumps(config), *argv]
 
-    def env(self, workdir: str) -> dict[str, str]:
-        return {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": workdir,
-                "TMPDIR": "/tmp" if self.isolation == "bwrap" else workdir, "LANG": "C.UTF-8",
-                "PYTHONDONTWRITEBYTECODE": "1", **self.extra_env}
+    def base_env(self, box: LocalSandbox) -> dict[str, str]:
+        tmp = "/tmp" if self.isolation == "bwrap" else os.path.join(box.home, "tmp")
+        return {"PATH": os.environ.get("PATH", "/usr/local/bin:/usr/bin:/bin"), "HOME": box.home, "TMPDIR": tmp,
+                "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", **self.extra_env}
 
-    def preexec(self) -> Callable[[], None]:
-        limits = dict(self.limits)
-
-        def apply() -> None:  # runs in the child between fork and exec
-            for which, value in limits.items():
-                resource.setrlimit(which, (value, value))
-
-        return apply
-
-    def user_kwargs(self) -> dict[str, Any]:
-        if self.user is None:
+    def user_kwargs(self, box: LocalSandbox) -> dict[str, Any]:
+        if box.uid is None:
             return {}
-        return {"user": self.user.pw_uid, "group": self.user.pw_gid, "extra_groups": []}
+        return {"user": box.uid, "group": box.gid, "extra_groups": []}
 
-    def _check_reachable(self, root: str) -> None:
+    def _check_reachable(self, root: str, uid: int | None, gid: int | None) -> None:
         """Commands run as the sandbox user must be able to enter ``root``: check every parent."""
-        if self.user is None:
+        if uid is None:
             return
-        uid, gid = self.user.pw_uid, self.user.pw_gid
         path = Path(root).resolve()
         for part in [path, *path.parents]:
             st = part.stat()
             bit = 0o100 if st.st_uid == uid else 0o010 if st.st_gid == gid else 0o001
             if not st.st_mode & bit:
-                raise SandboxError(f"local sandbox: user {self.user.pw_name!r} cannot enter {part} (mode "
+                raise SandboxError(f"local sandbox: the sandbox user (uid {uid}) cannot enter {part} (mode "
                                    f"{oct(st.st_mode & 0o777)}), so sandboxes under {root} would not work; pick a "
                                    f"'root' it can reach or set run_as_user = none")
 
-    def _own(self, path: Path) -> None:
-        if self.user is not None:
-            os.chown(path, self.user.pw_uid, self.user.pw_gid)
+    def _ensure_registry(self) -> Registry:
+        if self.registry is None:
+            os.makedirs(self.root, exist_ok=True)
+            self.registry = Registry(self.root)
+            # the launcher where every sandbox user can read it (the package may sit under a private home)
+            self.launcher = os.path.join(self.root, f".launch-{self.registry.owner}.py")
+            shutil.copyfile(LAUNCHER, self.launcher)
+            os.chmod(self.launcher, 0o644)
+            self.registry.sweep(self.pool.sweep_free if self.pool is not None else None)
+        return self.registry
+
+    def sweep(self) -> list[str]:
+        """Remove what dead runs left under ``root`` now (also done when the provider first creates)."""
+        registry = self._ensure_registry()
+        return registry.sweep(self.pool.sweep_free if self.pool is not None else None)
 
     # ------------------------------------------------------------------ provider API
-    async def create(self, trajectory_id: str) -> LocalSandbox:
-        """A fresh, empty directory for ``trajectory_id`` (owned by the sandbox user)."""
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in trajectory_id)[:64]
-        if self.root:
-            os.makedirs(self.root, exist_ok=True)
-        self._check_reachable(self.root or tempfile.gettempdir())
-        workdir = tempfile.mkdtemp(prefix=f"sandbox-{safe}-", dir=self.root)
-        os.chmod(workdir, 0o700)
-        self._own(Path(workdir))
-        sandbox = LocalSandbox(self, trajectory_id, os.path.realpath(workdir))
-        self._sandboxes[sandbox.workdir] = sandbox
-        return sandbox
+    async def create(self, trajectory_id: str, row: Mapping[str, Any] | None = None) -> LocalSandbox:
+        """A sandbox for ``trajectory_id`` prepared from ``row`` (its snapshot, setup and env)."""
+        try:
+            request = sandbox_request(row, where=f"trajectory {trajectory_id}")
+        except ValueError as exc:
+            raise SandboxError(str(exc)) from None
+        if self.max_concurrent > 0:
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self.max_concurrent)
+            await self._slots.acquire()
+        self.live += 1
+        self.peak_live = max(self.peak_live, self.live)
+        box: LocalSandbox | None = None
+        uid: int | None = None
+        try:
+            registry = self._ensure_registry()
+            if self.pool is not None:
+                uid = self.pool.acquire()
+            elif self.user is not None:
+                uid = self.user.pw_uid
+            gid = uid if self.pool is not None else (self.user.pw_gid if self.user else None)
+            self._check_reachable(self.root, uid, gid)
+            safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in trajectory_id)[:48]
+            path = tempfile.mkdtemp(prefix=f"{registry.prefix()}{safe}-", dir=self.root)
+            os.chmod(path, 0o711 if uid is not None else 0o700)
+            marker = f"{registry.owner}/{os.path.basename(path)}"
+            box = LocalSandbox(self, trajectory_id, os.path.realpath(path), uid, gid, marker, request.env)
+            box.pooled_uid = uid if self.pool is not None else None
+            uid = None  # the box owns it now
+            self._sandboxes[box.path] = box
+            for sub in (box.workdir, box.home):
+                os.mkdir(sub, 0o700)
+            os.mkdir(os.path.join(box.home, "tmp"), 0o700)
+            try:
+                await asyncio.to_thread(materialize, request, box.workdir, self.base_dir)
+            except SnapshotError as exc:
+                raise SandboxError(f"trajectory {trajectory_id}: {exc}") from None
+            if box.uid is not None:
+                for sub in (box.workdir, box.home):
+                    await asyncio.to_thread(chown_tree, sub, box.uid, box.gid if box.gid is not None else -1)
+            for command in request.setup:
+                timeout = request.setup_timeout_s or self.setup_timeout_s
+                done = await box.arun_program([_SHELL, "-c", command], timeout_s=timeout,
+                                              network=self.network or self.setup_network)
+                if done.exit_code != 0:
+                    why = f"timed out after {timeout:g}s" if done.timed_out else f"exited with status {done.exit_code}"
+                    tail = (done.stderr or done.stdout).decode(errors="replace").strip()[-1000:]
+                    raise SandboxError(f"trajectory {trajectory_id}: sandbox setup command {command!r} {why}: {tail}")
+            if self.trajectory_timeout_s > 0:
+                box.deadline = time.monotonic() + self.trajectory_timeout_s
+            return box
+        except BaseException:
+            if box is not None:
+                await asyncio.shield(self.destroy(box))
+            else:
+                if uid is not None and self.pool is not None:
+                    self.pool.release(uid)
+                self._release_slot()
+            raise
+
+    def _release_slot(self) -> None:
+        self.live -= 1
+        if self._slots is not None:
+            self._slots.release()
 
     async def destroy(self, sandbox: LocalSandbox) -> None:
-        """Kill the sandbox's running commands and delete its directory (idempotent)."""
-        sandbox.kill_all()
+        """Kill everything the sandbox runs and delete its directory (idempotent)."""
+        if sandbox.destroyed:
+            return
         sandbox.destroyed = True
-        self._sandboxes.pop(sandbox.workdir, None)
-        _force_rmtree(sandbox.workdir)
+        try:
+            await asyncio.to_thread(self._teardown, sandbox)
+        finally:
+            self._sandboxes.pop(sandbox.path, None)
+            self._release_slot()
+
+    def _teardown(self, sandbox: LocalSandbox) -> None:
+        sandbox.kill_all()
+        sandbox.close_bridges()
+        force_rmtree(sandbox.path)
+        if sandbox.pooled_uid is not None and self.pool is not None:
+            self.pool.release(sandbox.pooled_uid)
 
     async def close(self) -> None:
-        """Destroy every sandbox this provider still holds."""
+        """Destroy every sandbox this provider still holds and give up its claim on ``root``."""
         for sandbox in list(self._sandboxes.values()):
             await self.destroy(sandbox)
+        if self.registry is not None:
+            self.registry.close()
+            self.registry = None
+            try:
+                os.unlink(self.launcher)
+            except OSError:
+                pass
 
-
-def resource_name(which: int) -> str:
-    for name in ("RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_FSIZE", "RLIMIT_NOFILE", "RLIMIT_NPROC"):
-        if getattr(resource, name) == which:
-            return name
-    return str(which)
-
-
-def _force_rmtree(path: str) -> None:
-    """Remove ``path`` even if the sandboxed program made parts of it read-only."""
-    def retry(func: Callable[..., Any], p: str, _: Any) -> None:
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            os.chmod(p, 0o700)
-        except OSError:
-            pass
-        try:
-            func(p)
-        except FileNotFoundError:
-            pass
-
-    if os.path.lexists(path):
-        shutil.rmtree(path, onerror=retry)

@@ -50,7 +50,7 @@ def test_commands_run_in_the_workdir_and_cleanup_is_idempotent(provider):
         box = await provider.create("traj:1")
         res = await box.exec('pwd; echo "$HOME"; echo data > out.txt; cat out.txt')
         assert res.exit_code == 0 and not res.timed_out
-        assert res.stdout.splitlines() == [box.workdir, box.workdir, "data"]
+        assert res.stdout.splitlines() == [box.workdir, box.home, "data"]
         assert Path(box.workdir, "out.txt").read_text() == "data\n"
         assert box.read_file("out.txt") == "data\n"
         box.write_file("sub/in.txt", "hello")
