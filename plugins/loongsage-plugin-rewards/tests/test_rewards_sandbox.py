@@ -180,7 +180,7 @@ def test_code_tests_assert_lists(sandbox_for):
     traj = make_traj(_answer("def add(a, b):\n    return a + b"), metadata=dict(ADD_ROW))
     r = code_tests(traj, sandbox=box)
     assert r.score == 1.0 and traj.metadata["code_tests"]["passed"] == 3 and r.reason == "all 3 tests pass"
-    traj = make_traj(_answer("def add(a, b):\n    return a * b if a == b else a + b"), metadata=dict(ADD_ROW))
+    traj = make_traj(_answer("def add(a, b):\n    return a - b if a == b else a + b"), metadata=dict(ADD_ROW))
     r = code_tests(traj, sandbox=box)
     assert r.score == 0.0 and r.details["passed"] == pytest.approx(2 / 3)
     assert "test 2: assert add(2, 2) == 4" in r.reason and "AssertionError" in r.reason
