@@ -317,6 +317,7 @@ class DataConfig:
     sandbox_args: Args = attrs.field(factory=dict)
     reward: list[str] = attrs.field(factory=lambda: ["exact_match"])
     reward_args: dict[str, Args] = attrs.field(factory=dict)
+    reward_timeout_s: float = attrs.field(default=300.0, validator=_positive)
     teacher: str | None = None
     sampling: Args = attrs.field(factory=dict)
     shuffle: bool = True

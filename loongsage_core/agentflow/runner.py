@@ -1,8 +1,9 @@
 """Running one agent trajectory end to end, for the host's controller.
 
-:func:`run_agent_trajectory` registers the trajectory with the router, creates a sandbox when
-the agent needs one, runs the agent against the trajectory's OpenAI endpoint under a time limit,
-always destroys the sandbox and collects the router's record, and returns the
+:func:`run_agent_trajectory` registers the trajectory with the router, creates a sandbox from the
+data row when the source has one (or the agent needs one), runs the agent against the
+trajectory's OpenAI endpoint under a time limit, collects the router's record, scores the
+trajectory while the sandbox still exists, always destroys the sandbox, and returns the
 :class:`~loongsage_hookspecs.Trajectory` with its segments, messages, response text and status:
 ``completed`` when the agent returned, ``failed`` when it raised or timed out (the error is
 recorded) or when its last request was refused as over-context, ``aborted`` when the host aborted
@@ -13,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Mapping
+import time
+from typing import Any, Awaitable, Callable, Mapping
 
 from loongsage_hookspecs import AgentContext, AgentResult, Trajectory, TrajectoryStatus
 
@@ -33,17 +35,28 @@ def build_agent(agent: Any, agent_args: Mapping[str, Any] | None) -> tuple[Any, 
     return obj, needs
 
 
+ScoreFn = Callable[[Trajectory, Any], Awaitable[None]]
+"""``await score(trajectory, sandbox)``: sets the trajectory's reward; called before teardown."""
+
+
 async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str, Any] | None = None,
                                sandbox_provider: Any = None, *, trajectory: Trajectory, attempt: int = 0,
                                sampling: Mapping[str, Any] | None = None, max_response_tokens: int | None = None,
                                max_context_length: int | None = None, timeout_s: float | None = None,
-                               api_key: str | None = None, needs_sandbox: bool | None = None) -> Trajectory:
+                               api_key: str | None = None, needs_sandbox: bool | None = None,
+                               row: Mapping[str, Any] | None = None, score: ScoreFn | None = None) -> Trajectory:
     """Run ``agent`` for ``trajectory`` through ``router`` and fill in what happened.
+
+    This is the one place of a trajectory's life: register with the router -> create the sandbox
+    (from the data row) -> run the agent -> collect the router's record -> ``score`` (the rewards,
+    with the sandbox still there) -> destroy the sandbox. The sandbox is destroyed however the
+    steps before end: the agent raising or timing out, scoring raising, or the task being cancelled.
 
     Args:
         router: an :class:`~.router.AgentFlowRouter` (started) or a :class:`~.client.RouterClient`.
         agent: an ``AgentSpec`` (built with ``agent_args``) or an agent object with ``async run(ctx)``.
-        sandbox_provider: a ``SandboxProvider``; required when the agent needs a sandbox.
+        sandbox_provider: a ``SandboxProvider``; when given, every trajectory gets a sandbox (the
+            agent works in it, and rewards may run in it); required when the agent needs one.
         trajectory: the record to fill (``id``, ``prompt``, ``label``, ``metadata`` are read).
         attempt: retry number, part of the trajectory's URL (stale attempts get 404).
         sampling, max_response_tokens, max_context_length: registered with the router.
@@ -51,9 +64,12 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
         needs_sandbox: override the spec's ``needs_sandbox``.
         api_key: what the agent sends as its API key; default: the router's key for this trajectory
             attempt (:meth:`~.router.AgentFlowRouter.trajectory_key`), which opens its endpoint only.
+        row: the data row the sandbox is prepared from (default: the trajectory's prompt, label
+            and metadata).
+        score: called for a completed trajectory, before the sandbox is destroyed.
     """
     obj, spec_needs = build_agent(agent, agent_args)
-    wants_sandbox = spec_needs if needs_sandbox is None else needs_sandbox
+    wants_sandbox = (spec_needs if needs_sandbox is None else needs_sandbox) or sandbox_provider is not None
     tid = trajectory.id
     base_url = await router.aregister(tid, attempt=attempt, sampling=sampling, max_response_tokens=max_response_tokens,
                                       max_context_length=max_context_length, metadata={"source": trajectory.source})
@@ -62,28 +78,50 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
         api_key = key_for(tid, attempt) if callable(key_for) else "loongsage"
     trajectory.status = TrajectoryStatus.GENERATING
     sandbox = None
-    result: AgentResult | None = None
-    error: str | None = None
+    timing: dict[str, float] = {}
     try:
-        if wants_sandbox:
-            if sandbox_provider is None:
-                raise ValueError(f"agent {getattr(agent, 'name', type(obj).__name__)!r} needs a sandbox but no "
-                                 "sandbox provider is configured")
-            sandbox = await sandbox_provider.create(tid)
-        ctx = AgentContext(trajectory_id=tid, base_url=base_url, api_key=api_key, prompt=trajectory.prompt,
-                           label=trajectory.label, metadata=dict(trajectory.metadata), sampling=dict(sampling or {}),
-                           sandbox=sandbox, timeout_s=timeout_s)
-        result = await _run_with_timeout(obj.run(ctx), timeout_s)
-        if result is None:
-            error = f"agent timed out after {timeout_s:g}s"
-        elif not isinstance(result, AgentResult):
-            raise TypeError(f"agent returned {type(result).__name__}, expected AgentResult")
-    except asyncio.CancelledError:
-        await asyncio.shield(_cleanup(router, tid, sandbox_provider, sandbox))
-        raise
-    except Exception as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    record = await asyncio.shield(_cleanup(router, tid, sandbox_provider, sandbox))
+        result: AgentResult | None = None
+        error: str | None = None
+        try:
+            if wants_sandbox:
+                if sandbox_provider is None:
+                    raise ValueError(f"agent {getattr(agent, 'name', type(obj).__name__)!r} needs a sandbox but no "
+                                     "sandbox provider is configured")
+                t0 = time.perf_counter()
+                sandbox = await sandbox_provider.create(tid, dict(row) if row is not None else {
+                    "prompt": trajectory.prompt, "label": trajectory.label, "metadata": dict(trajectory.metadata)})
+                timing["sandbox_create_s"] = time.perf_counter() - t0
+            ctx = AgentContext(trajectory_id=tid, base_url=base_url, api_key=api_key, prompt=trajectory.prompt,
+                               label=trajectory.label, metadata=dict(trajectory.metadata),
+                               sampling=dict(sampling or {}), sandbox=sandbox, timeout_s=timeout_s)
+            result = await _run_with_timeout(obj.run(ctx), timeout_s)
+            if result is None:
+                error = f"agent timed out after {timeout_s:g}s"
+            elif not isinstance(result, AgentResult):
+                raise TypeError(f"agent returned {type(result).__name__}, expected AgentResult")
+        except asyncio.CancelledError:
+            await asyncio.shield(_collect(router, tid))
+            raise
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        record = await asyncio.shield(_collect(router, tid))
+        _fill(trajectory, record, result, error, attempt)
+        if sandbox is not None:
+            trajectory.metadata["sandbox"] = _sandbox_report(sandbox_provider, timing)
+        if score is not None and trajectory.status == TrajectoryStatus.COMPLETED:
+            await score(trajectory, sandbox)
+    finally:
+        if sandbox is not None:
+            t0 = time.perf_counter()
+            await asyncio.shield(_destroy(sandbox_provider, sandbox, tid))
+            timing["sandbox_teardown_s"] = time.perf_counter() - t0
+            if isinstance(trajectory.metadata.get("sandbox"), dict):
+                trajectory.metadata["sandbox"].update(timing)
+    return trajectory
+
+
+def _fill(trajectory: Trajectory, record: Any, result: AgentResult | None, error: str | None, attempt: int) -> None:
+    """Copy the router's record and the agent's result into ``trajectory`` and set its status."""
     trajectory.segments = record.segments if record is not None else []
     trajectory.finish_reason = record.finish_reason if record is not None else None
     trajectory.messages = (result.messages if result is not None and result.messages
@@ -93,20 +131,31 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
     trajectory.metadata = {**trajectory.metadata, "prefix_cache": {
         "prompt_tokens": sum(t.prompt_tokens for t in turns), "cached_tokens": sum(t.cached_tokens for t in turns)},
         "agentflow": {
-        "attempt": attempt, "turns": len(record.turns) if record is not None else 0,
-        "segments": len(trajectory.segments), "agent": dict(result.metadata) if result is not None else {}}}
+        "attempt": attempt, "turns": len(turns), "segments": len(trajectory.segments),
+        "agent": dict(result.metadata) if result is not None else {}}}
     if record is not None and record.status == TrajectoryStatus.ABORTED:
         trajectory.status = TrajectoryStatus.ABORTED
         trajectory.error = error or "aborted by the host"
     elif error is not None:
         trajectory.status = TrajectoryStatus.FAILED
         trajectory.error = error
+        trajectory.metadata["failed_in"] = "agent"
     elif record is not None and record.status == TrajectoryStatus.FAILED:  # e.g. its prompt outgrew the context
         trajectory.status = TrajectoryStatus.FAILED
         trajectory.error = record.error or "the router marked the trajectory failed"
     else:
         trajectory.status = TrajectoryStatus.COMPLETED
-    return trajectory
+
+
+def _sandbox_report(provider: Any, timing: Mapping[str, float]) -> dict[str, Any]:
+    """What the trajectory's metadata says of its sandbox: isolation in force, weaknesses, timings."""
+    enforced = getattr(provider, "enforced", None)
+    report: dict[str, Any] = dict(timing)
+    if isinstance(enforced, Mapping):
+        report["isolation"] = enforced.get("isolation")
+        if enforced.get("warnings"):
+            report["warnings"] = list(enforced["warnings"])
+    return report
 
 
 async def _run_with_timeout(coro: Any, timeout_s: float | None) -> Any:
@@ -129,16 +178,17 @@ async def _run_with_timeout(coro: Any, timeout_s: float | None) -> Any:
     return task.result()
 
 
-async def _cleanup(router: Any, tid: str, provider: Any, sandbox: Any) -> Any:
-    """Destroy the sandbox and collect the record (aborting any generation still in flight).
+async def _destroy(provider: Any, sandbox: Any, tid: str) -> None:
+    """Destroy the sandbox; never raises (a failure is logged)."""
+    try:
+        await provider.destroy(sandbox)
+    except Exception:
+        log.exception("destroying the sandbox of trajectory %s failed", tid)
 
-    Never raises: failures are logged and ``None`` stands for a record that could not be read.
-    """
-    if sandbox is not None:
-        try:
-            await provider.destroy(sandbox)
-        except Exception:
-            log.exception("destroying the sandbox of trajectory %s failed", tid)
+
+async def _collect(router: Any, tid: str) -> Any:
+    """Collect the router's record (aborting any generation still in flight); ``None`` if it
+    cannot be read (logged)."""
     try:
         return await router.apop(tid)
     except Exception:

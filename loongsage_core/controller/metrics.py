@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from loongsage_hookspecs import TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import Trajectory, TrajectoryGroup, TrajectoryStatus
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float = 1.0) -> dict[str, float]:
@@ -32,6 +32,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float 
     prompt_tokens = sum(int(c.get("prompt_tokens", 0)) for c in cache)
     if prompt_tokens:  # share of prompt tokens the engines' prefix caches served (SGLang's cached_tokens)
         out["rollout/prefix_cache_hit_ratio"] = sum(int(c.get("cached_tokens", 0)) for c in cache) / prompt_tokens
+    out.update(agent_metrics(trajs))
     groups_scores = [g.scores for g in groups if g.trajectories]
     out["rollout/all_correct_ratio"] = sum(all(s >= correct_threshold for s in gs) for gs in groups_scores) / max(
         1, len(groups_scores))
@@ -52,4 +53,29 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float 
         out[f"rollout_per_source/{name}/response_length_mean"] = sum(per_source_len[name]) / len(per_source_len[name])
         for k, vs in details[name].items():
             out[f"rollout_per_source/{name}/reward/{k}"] = sum(vs) / len(vs)
+    return out
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Metrics of the trajectories that ran through the router (agents), none when there are none:
+    sandbox create/teardown seconds, tool calls and model turns per trajectory, the share that
+    failed in the agent (crash, timeout, setup) rather than in a reward."""
+    agentic = [t for t in trajs if isinstance(t.metadata.get("agentflow"), dict)]
+    if not agentic:
+        return {}
+    out = {
+        "rollout/turns_mean": _mean([float(t.metadata["agentflow"].get("turns", 0)) for t in agentic]),
+        "rollout/tool_calls_mean": _mean([float((t.metadata["agentflow"].get("agent") or {}).get("tool_calls", 0))
+                                          for t in agentic]),
+        "rollout/agent_failed_ratio": sum(t.metadata.get("failed_in") == "agent" for t in agentic) / len(agentic),
+    }
+    boxes = [t.metadata["sandbox"] for t in agentic if isinstance(t.metadata.get("sandbox"), dict)]
+    for key in ("sandbox_create_s", "sandbox_teardown_s"):
+        values = [float(b[key]) for b in boxes if key in b]
+        if values:
+            out[f"rollout/{key}"] = _mean(values)
     return out

@@ -1,13 +1,18 @@
 """Scoring finished trajectories with the rewards their data source lists.
 
 A source may list several rewards; the trajectory's score is their sum and each one's details
-are kept under ``<reward>/<key>``. A reward function that raises does not stop the run: the
-trajectory is marked failed with the error recorded (and is not trained on).
+are kept under ``<reward>/<key>``. Rewards run off the event loop, in a worker thread of their
+own, under the source's ``reward_timeout_s``: a reward that raises or does not return in time
+does not stop the run, the trajectory is marked failed with the error recorded (and is not trained
+on). A reward whose spec has ``needs_sandbox`` gets ``sandbox=`` (the trajectory's sandbox, still
+alive: the caller destroys it after scoring).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 from typing import Any
 
 from loongsage_hookspecs import Reward, Trajectory, TrajectoryStatus
@@ -17,28 +22,78 @@ from ..config import DataConfig
 log = logging.getLogger(__name__)
 
 
-def score_trajectory(traj: Trajectory, source: DataConfig, components: Any) -> None:
-    """Set ``traj.reward`` (and mark it failed if a reward function raises)."""
+def compute_reward(traj: Trajectory, source: DataConfig, components: Any,
+                   sandbox: Any = None) -> tuple[Reward, str | None]:
+    """``(reward, error)`` of ``traj`` (``error``: the first reward that raised); touches nothing."""
     total = 0.0
     details: dict[str, float] = {}
     parts: dict[str, Reward] = {}
     for name in source.reward:
         spec = components.get("reward", name)
-        args = source.reward_args.get(name, {})
+        args = dict(source.reward_args.get(name, {}))
+        if getattr(spec, "needs_sandbox", False):
+            args["sandbox"] = sandbox
         try:
             out = spec.fn(traj, **args)
         except Exception as exc:  # user reward code may raise anything; record it, keep running
             message = f"reward '{name}' raised {type(exc).__name__}: {exc}"
-            log.warning("trajectory %s: %s", traj.id, message)
             parts[name] = Reward(score=0.0, error=message, reason=message)
-            traj.reward = Reward(score=0.0, details=details, error=message, reason=message, components=parts)
-            traj.status = TrajectoryStatus.FAILED
-            traj.error = message
-            return
+            return Reward(score=0.0, details=details, error=message, reason=message, components=parts), message
         reward = out if isinstance(out, Reward) else Reward(score=float(out))
         parts[name] = reward
         total += float(reward.score)
         details[f"{name}/score"] = float(reward.score)
         details.update({f"{name}/{k}": float(v) for k, v in reward.details.items()})
     reason = "; ".join(f"{n}: {r.reason}" for n, r in parts.items() if r.reason)
-    traj.reward = Reward(score=total, details=details, reason=reason, components=parts)
+    return Reward(score=total, details=details, reason=reason, components=parts), None
+
+
+def _apply(traj: Trajectory, reward: Reward, error: str | None) -> None:
+    traj.reward = reward
+    if error is not None:
+        log.warning("trajectory %s: %s", traj.id, error)
+        traj.status = TrajectoryStatus.FAILED
+        traj.error = error
+        traj.metadata["failed_in"] = "reward"
+
+
+def score_trajectory(traj: Trajectory, source: DataConfig, components: Any, sandbox: Any = None) -> None:
+    """Set ``traj.reward`` here and now (and mark it failed if a reward function raises)."""
+    _apply(traj, *compute_reward(traj, source, components, sandbox))
+
+
+async def score_trajectory_async(traj: Trajectory, source: DataConfig, components: Any, sandbox: Any = None,
+                                 timeout_s: float | None = None) -> None:
+    """:func:`score_trajectory` in a worker thread, waiting at most ``timeout_s`` (default: the
+    source's ``reward_timeout_s``). Past it the trajectory is failed; the thread is left to finish
+    on its own and what it computes is dropped (a reward stuck in a sandbox command ends when the
+    caller destroys the sandbox)."""
+    timeout = source.reward_timeout_s if timeout_s is None else timeout_s
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[tuple[Reward, str | None]] = loop.create_future()
+
+    def settle(value: Any, error: BaseException | None) -> None:
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(value)
+
+    def work() -> None:
+        value, error = None, None
+        try:
+            value = compute_reward(traj, source, components, sandbox)
+        except BaseException as exc:  # handed to the waiting task
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, value, error)
+        except RuntimeError:  # the loop is gone: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name=f"reward-{traj.id}", daemon=True).start()
+    try:
+        reward, error = await asyncio.wait_for(asyncio.shield(future), timeout)
+    except asyncio.TimeoutError:
+        message = f"rewards {', '.join(source.reward)} did not finish within {timeout:g}s (reward_timeout_s)"
+        reward, error = Reward(score=0.0, error=message, reason=message), message
+    _apply(traj, reward, error)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from typing import Any, Awaitable, Sequence
 
@@ -29,9 +30,11 @@ from ..agentflow.tito import ChatRenderer
 from ..config import ConfigError, DataConfig, JobConfig
 from ..engine_client import EngineClient
 from .data import Prompt
-from .rewards import score_trajectory
+from .rewards import score_trajectory_async
 
 FAST_PATH_AGENT = "single_turn"
+
+log = logging.getLogger(__name__)
 
 
 def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
@@ -150,17 +153,26 @@ class RolloutManager:
             params["seed"] = sample_seed(self.job.run.seed, step, index, j)
             # the policy is sampled with the job's settings, whatever the agent asks for
             params["locked"] = True
+            timing: dict[str, float] = {}
+
+            async def score(t: Trajectory, sandbox: Any) -> None:
+                t1 = time.perf_counter()
+                timing["agent_s"] = t1 - t0
+                await score_trajectory_async(t, source, self.components, sandbox)
+                timing["reward_s"] = time.perf_counter() - t1
+
             assert self._agent_slots is not None
             async with self._agent_slots:
                 t0 = time.perf_counter()
+                # create sandbox -> agent -> rewards (in the sandbox) -> destroy: all in run_agent_trajectory
                 traj = await run_agent_trajectory(
                     self.router, spec, source.agent_args, self._sandbox_provider(source), trajectory=traj,
                     sampling=params, max_response_tokens=af.max_response_tokens or None,
-                    max_context_length=self.job.rollout.max_context_length, timeout_s=af.agent_timeout_s)
-            t1 = time.perf_counter()
-            if traj.status == TrajectoryStatus.COMPLETED:
-                score_trajectory(traj, source, self.components)
-            traj.metadata["timing"] = {"agent_s": t1 - t0, "reward_s": time.perf_counter() - t1}
+                    max_context_length=self.job.rollout.max_context_length, timeout_s=af.agent_timeout_s,
+                    row={"prompt": prompt.prompt, "label": prompt.label, "metadata": dict(prompt.metadata)},
+                    score=score)
+            timing.setdefault("agent_s", time.perf_counter() - t0)
+            traj.metadata["timing"] = {"reward_s": 0.0, **timing}
             return traj
 
         group.trajectories = list(await asyncio.gather(*(one(j) for j in range(self.job.rollout.samples_per_prompt))))
@@ -222,7 +234,7 @@ class RolloutManager:
             traj.status = TrajectoryStatus.ABORTED if res.finish_reason == "abort" else TrajectoryStatus.COMPLETED
             t1 = time.perf_counter()
             if traj.status == TrajectoryStatus.COMPLETED:
-                score_trajectory(traj, source, self.components)
+                await score_trajectory_async(traj, source, self.components)
             # the group is generated in one batched call: each sample reports the group's time
             traj.metadata["timing"] = {"generate_s": generate_s, "reward_s": time.perf_counter() - t1}
             group.trajectories.append(traj)
@@ -247,8 +259,20 @@ class RolloutManager:
         return list(await asyncio.gather(*(self.group(p, offset + i, step) for i, p in enumerate(prompts))))
 
     async def aclose(self) -> None:
+        """Close the engine clients, the sandbox providers (destroying what they still hold) and the router."""
         for c in {id(c): c for c in (*self.clients, *self.generate_clients)}.values():
             await c.aclose()
+        providers, self._sandboxes = list(self._sandboxes.values()), {}
+        for provider in providers:
+            closer = getattr(provider, "close", None)
+            if closer is None:
+                continue
+            try:
+                out = closer()
+                if asyncio.iscoroutine(out):
+                    await out
+            except Exception:
+                log.exception("closing a sandbox provider failed")
         if self.router is not None:
             self.router.shutdown()
             self.router = None
