@@ -82,6 +82,15 @@ def sampling_params(job: JobConfig, source: DataConfig) -> dict[str, Any]:
     return params
 
 
+def sandbox_args(job: JobConfig, source: DataConfig) -> dict[str, Any]:
+    """The source's ``sandbox_args`` with a relative ``base_dir`` (what the rows' relative snapshot
+    paths are resolved against) taken from the job file's directory, like every path of a job file."""
+    args = dict(source.sandbox_args)
+    if isinstance(args.get("base_dir"), str):
+        args["base_dir"] = job.resolve_path(args["base_dir"])
+    return args
+
+
 class RolloutManager:
     """Generates and scores the groups of one step across the available engines."""
 
@@ -130,7 +139,7 @@ class RolloutManager:
             return None
         if source.name not in self._sandboxes:
             spec = self.components.get("sandbox", source.sandbox)
-            self._sandboxes[source.name] = spec.factory(**source.sandbox_args)
+            self._sandboxes[source.name] = spec.factory(**sandbox_args(self.job, source))
         return self._sandboxes[source.name]
 
     async def _agent_group(self, prompt: Prompt, index: int, step: int) -> TrajectoryGroup:
