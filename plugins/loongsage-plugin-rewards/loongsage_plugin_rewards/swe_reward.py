@@ -44,26 +44,27 @@ def _test_list(meta: dict[str, Any], key: str) -> list[str]:
     return value
 
 
-def write_file_command(path: str, content: str) -> str:
-    """A shell command that writes ``content`` to ``path`` (relative to the sandbox directory)."""
-    data = base64.b64encode(content.encode()).decode()
+def write_commands(path: str, content: str, chunk: int = 64 * 1024) -> list[str]:
+    """Shell commands that write ``content`` to ``path`` (relative to the sandbox directory): the
+    first truncates, the rest append base64 chunks (each far below the 128 KiB argument limit)."""
+    data = content.encode()
     quoted = shlex.quote(path)
-    return f"mkdir -p \"$(dirname {quoted})\" && printf %s {data} | base64 -d > {quoted}"
+    out = [f"mkdir -p \"$(dirname {quoted})\" && rm -f {quoted} && : > {quoted}"]
+    for i in range(0, len(data), chunk):
+        out.append(f"printf %s {base64.b64encode(data[i:i + chunk]).decode()} | base64 -d >> {quoted}")
+    return out
 
 
 def write_in_sandbox(sandbox: Any, path: str, content: str, timeout_s: float) -> str | None:
-    """Write a file in the sandbox: with its ``write_file`` when it has one (no size limit on the
-    command line), else with a shell command. Returns why it failed, or None."""
+    """Write a file by commands run in the sandbox (as its user, inside its isolation: never from the
+    host side, where a symlink the agent left could point anywhere). Returns why it failed, or None."""
     if path.startswith("/") or ".." in path.split("/"):
         raise ValueError(f"path {path!r} must be relative and inside the sandbox directory")
-    if callable(getattr(sandbox, "write_file", None)):
-        try:
-            sandbox.write_file(path, content)
-        except Exception as exc:  # a path the agent turned into a symlink out of the sandbox, ...
-            return f"could not write {path}: {exc}"
-        return None
-    res = sandbox.run(write_file_command(path, content), timeout_s=timeout_s)
-    return None if res.exit_code == 0 else f"could not write {path}: {(res.stderr or res.stdout)[-300:]}"
+    for command in write_commands(path, content):
+        res = sandbox.run(command, timeout_s=timeout_s)
+        if res.exit_code != 0:
+            return f"could not write {path}: {(res.stderr or res.stdout)[-300:]}"
+    return None
 
 
 def put_tests_in_place(sandbox: Any, meta: dict[str, Any], timeout_s: float) -> str | None:
