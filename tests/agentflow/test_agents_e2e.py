@@ -113,7 +113,8 @@ def test_command_agent_runs_the_blackbox_example(engine_url, router_factory, age
 
 def test_crashing_command_agent_marks_the_trajectory_failed(engine_url, router_factory, agents, local_sandbox):
     router = router_factory([engine_url])
-    crash = [sys.executable, "-c", "import sys; print('oops', file=sys.stderr); sys.exit(3)"]
+    # in the sandbox: an interpreter its unprivileged user may run
+    crash = [local_sandbox.python, "-c", "import sys; print('oops', file=sys.stderr); sys.exit(3)"]
     traj = run(run_agent_trajectory(router, agents["command"], {"command": crash}, local_sandbox,
                                     trajectory=trajectory("crash-1", "x"), needs_sandbox=True, timeout_s=30))
     assert traj.status == TrajectoryStatus.FAILED

@@ -35,6 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, ClassVar
 
+import attrs
+
 from loongsage_hookspecs import AgentContext, AgentResult
 
 INSTALL_SCRIPT = "scripts/install_agent_clis.sh"
@@ -223,6 +225,8 @@ class CliAgent:
         return env
 
     async def run(self, ctx: AgentContext) -> AgentResult:
+        if ctx.sandbox is not None and callable(getattr(ctx.sandbox, "arun_program", None)):
+            return await self._run_in_sandbox(ctx, ctx.sandbox)
         home = tempfile.mkdtemp(prefix=f"loongsage-{self.binary_name}-home-")
         scratch = None
         try:
@@ -254,6 +258,38 @@ class CliAgent:
                 shutil.rmtree(home, ignore_errors=True)
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
+
+    async def _run_in_sandbox(self, ctx: AgentContext, box: Any) -> AgentResult:
+        """The CLI inside the trajectory's sandbox: its home under the sandbox's, its process as the
+        sandbox's user under its isolation and limits, the router reached through the sandbox's
+        loopback bridge, nothing of the host's environment but ``PATH`` and the locale."""
+        base_url, bridge = box.bridge(ctx.base_url)
+        home = tempfile.mkdtemp(prefix=f"{self.binary_name}-", dir=box.home)
+        workdir = box.workdir
+        inner = attrs.evolve(ctx, base_url=base_url)
+        env = {k: v for k, v in self.base_env(home).items() if k != "USER"}
+        env["TMPDIR"] = os.path.join(home, "tmp")
+        env.update(self.configure(home, inner, workdir))
+        env.update(self.env)
+        box.own(home)
+        argv = [self.executable, *self.command(prompt_text(ctx.prompt), home, workdir), *self.args]
+        before = snapshot(workdir)
+        timeout = self.timeout_s or ctx.timeout_s or 600.0
+        done = await box.arun_program(argv, env=env, timeout_s=timeout, bridge=bridge,
+                                      max_output_bytes=self.max_output_bytes, budgeted=True)
+        if done.timed_out:
+            raise TimeoutError(f"{self.name} agent: {self.binary_name} did not finish within {timeout:g}s "
+                               "(its process tree was killed)")
+        stdout, stderr = done.stdout.decode(errors="replace"), done.stderr.decode(errors="replace")
+        if done.exit_code != 0:
+            raise CliAgentError(f"{self.name} agent: {self.binary_name} exited with status {done.exit_code} in the "
+                                f"sandbox: {(stderr or stdout)[-2000:]}")
+        response = self.answer(stdout, stderr, home)
+        meta: dict[str, Any] = {"cli": self.binary_name, "exit_code": done.exit_code, "sandboxed": True,
+                                "changed_files": changed_files(workdir, before)}
+        if self.keep_home:
+            meta["home"] = home  # inside the sandbox: gone with it
+        return AgentResult(response_text=response, metadata=meta)
 
     async def _run(self, argv: list[str], env: dict[str, str], cwd: str, timeout: float) -> tuple[bytes, bytes, int]:
         try:

@@ -67,7 +67,7 @@ from loongsage_hookspecs import ExecResult, sandbox_request
 
 from .sandbox_launch import pump
 from .sandbox_prepare import SnapshotError, chown_tree, materialize
-from .sandbox_procs import Completed, Launch, kill_tree, kill_uid
+from .sandbox_procs import Completed, Launch, await_launch, kill_tree, kill_uid
 from .sandbox_registry import Registry, UidPool, force_rmtree
 
 log = logging.getLogger(__name__)
@@ -172,6 +172,24 @@ class LocalSandbox:
                 os.lchown(p, self.uid, self.gid if self.gid is not None else -1)
         return str(path)
 
+    def write_home_file(self, relative: str, content: str | bytes) -> str:
+        """Write a file under the sandbox's ``home`` (an agent's config, prompt...), owned by its user."""
+        self._check_alive()
+        home = Path(self.home).resolve()
+        path = (home / relative).resolve()
+        if home not in path.parents:
+            raise SandboxError(f"path {relative!r} is outside the sandbox's home")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(content.encode() if isinstance(content, str) else content)
+        if self.uid is not None:
+            chown_tree(str(home), self.uid, self.gid if self.gid is not None else -1)
+        return str(path)
+
+    def own(self, path: str) -> None:
+        """Give ``path`` (a tree under the sandbox's directory, written by the host) to the sandbox's user."""
+        if self.uid is not None:
+            chown_tree(path, self.uid, self.gid if self.gid is not None else -1)
+
     def read_file(self, relative: str) -> str:
         """Read a text file inside the sandbox (from the host side)."""
         self._check_alive()
@@ -236,56 +254,25 @@ class LocalSandbox:
                               max_output_bytes=max_output_bytes)
         return self._finish(launch, timeout)
 
-    async def arun_program(self, argv: list[str], **kwargs: Any) -> Completed:
+    async def arun_program(self, argv: list[str], *, env: Mapping[str, str] | None = None,
+                           stdin: bytes | None = None, timeout_s: float | None = None,
+                           bridge: dict[str, Any] | None = None, network: bool | None = None,
+                           max_output_bytes: int | None = None, budgeted: bool = False) -> Completed:
         """:meth:`run_program` from the event loop: it waits in a thread, and cancelling the
         awaiting task kills the program's whole tree."""
-        holder: dict[str, Launch] = {}
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Completed] = loop.create_future()
-        timeout_s = kwargs.pop("timeout_s", None)
-        budgeted = kwargs.pop("budgeted", False)
+        timeout = self._timeout(timeout_s, budgeted)
+        if isinstance(timeout, Completed):
+            return timeout
 
-        def settle(result: Completed | None, error: BaseException | None) -> None:
-            if not future.done():
-                if error is not None:
-                    future.set_exception(error)
-                else:
-                    future.set_result(result)  # type: ignore[arg-type]
+        def start() -> Launch:
+            return self._launch(argv, env=env, stdin=stdin, bridge=bridge, network=network,
+                                max_output_bytes=max_output_bytes)
 
-        def work() -> None:
-            result: Completed | None = None
-            error: BaseException | None = None
-            try:
-                timeout = self._timeout(timeout_s, budgeted)
-                if isinstance(timeout, Completed):
-                    result = timeout
-                    return
-                holder["launch"] = launch = self._launch(argv, **kwargs)
-                if future.done():  # cancelled while starting
-                    launch.kill()
-                result = self._finish(launch, timeout)
-            except BaseException as exc:  # handed to the awaiting task
-                error = exc
-            finally:
-                try:
-                    loop.call_soon_threadsafe(settle, result, error)
-                except RuntimeError:  # the loop is closed: nobody waits any more
-                    pass
+        def finish(launch: Launch) -> None:
+            with self._lock:
+                self._launches.discard(launch)
 
-        kwargs.setdefault("env", None)
-        kwargs.setdefault("stdin", None)
-        kwargs.setdefault("bridge", None)
-        kwargs.setdefault("network", None)
-        kwargs.setdefault("max_output_bytes", None)
-        threading.Thread(target=work, name=f"sandbox-{self.trajectory_id}", daemon=True).start()
-        try:
-            return await asyncio.shield(future)
-        except asyncio.CancelledError:
-            future.cancel()
-            launch = holder.get("launch")
-            if launch is not None:
-                launch.kill()
-            raise
+        return await await_launch(start, timeout, finish, name=f"sandbox-{self.trajectory_id}")
 
     def run(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
         """Run a shell command in the sandbox, synchronously (for rewards, in a worker thread)."""

@@ -97,9 +97,14 @@ def main() -> int:
     if config.get("nproc") is not None:
         limit = own_processes() + int(config["nproc"])
         resource.setrlimit(resource.RLIMIT_NPROC, (limit, limit))
-    if not bridge:
-        os.execvp(argv[0], argv)
-    code = subprocess.call(argv)
+    try:
+        if not bridge:
+            os.execvp(argv[0], argv)
+        code = subprocess.call(argv)
+    except OSError as exc:
+        print(f"sandbox: cannot run {argv[0]}: {exc.strerror} (the sandbox's user, uid {os.getuid()}, must be able "
+              "to execute it and reach its directory)", file=sys.stderr)
+        return 126 if isinstance(exc, PermissionError) else 127
     return 128 - code if code < 0 else code
 
 

@@ -16,13 +16,14 @@ host never buffers more than the cap).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import attrs
 
@@ -99,18 +100,19 @@ def _kill(pids: Iterable[int]) -> None:
 def kill_tree(pid: int | None, marker: str | None, *, rounds: int = 50) -> None:
     """SIGKILL the process group of ``pid``, its descendants and every process carrying ``marker``,
     repeating until none is left (a process may fork while it is being killed)."""
+    seen: set[int] = {pid} if pid else set()  # once found, followed even after it is reparented
     for _ in range(rounds):
         procs = list(processes())
-        victims = set(descendants([pid], procs)) if pid else set()
+        live = {p.pid for p in procs}
+        victims = (seen & live) | set(descendants(seen, procs))
         if pid:
             victims |= {p.pid for p in procs if p.pgid == pid}
-            if any(p.pid == pid for p in procs):
-                victims.add(pid)
         if marker:
             victims |= set(marked(marker, procs))
         victims.discard(os.getpid())
         if not victims:
             return
+        seen |= victims
         _kill(victims)
         time.sleep(0.01)
 
@@ -234,3 +236,53 @@ class Launch:
         out, err = (bytes(r.buf) for r in self.readers)
         return Completed(exit_code=124 if timed_out else (code if code is not None else -1), stdout=out,
                          stderr=err, timed_out=timed_out, truncated=any(r.truncated for r in self.readers))
+
+
+async def await_launch(start: Callable[[], "Launch | Completed"], timeout: float | None,
+                       finish: Callable[[Launch], None] | None = None, name: str = "sandbox") -> Completed:
+    """Start a program with ``start`` and wait for it (``Launch.wait(timeout)``) in a thread of its
+    own, so the event loop never blocks on it; cancelling the awaiting task kills its whole tree.
+    ``start`` may return a :class:`Completed` right away (a refusal); ``finish`` runs after the wait."""
+    holder: dict[str, Launch] = {}
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[Completed] = loop.create_future()
+
+    def settle(result: Completed | None, error: BaseException | None) -> None:
+        if not future.done():
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
+    def work() -> None:
+        result: Completed | None = None
+        error: BaseException | None = None
+        try:
+            started = start()
+            if isinstance(started, Completed):
+                result = started
+            else:
+                holder["launch"] = started
+                if future.done():  # cancelled while starting
+                    started.kill()
+                try:
+                    result = started.wait(timeout)
+                finally:
+                    if finish is not None:
+                        finish(started)
+        except BaseException as exc:  # handed to the awaiting task
+            error = exc
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    threading.Thread(target=work, name=name, daemon=True).start()
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        future.cancel()
+        launch = holder.get("launch")
+        if launch is not None:
+            await asyncio.to_thread(launch.kill)
+        raise
