@@ -1,8 +1,8 @@
 """Code repair end to end with a scripted agent: the reward grades exactly what the agent did.
 
 A real program (tests/data/scripted_repair_agent.py, the OpenAI SDK against the real router in
-front of a real embedded engine) is run by the ``command`` agent in the trajectory's ``local``
-sandbox, prepared from a shipped task's row (its repository tarball). It issues ``bash`` and
+front of a real embedded engine) is run by the ``command`` agent inside the trajectory's ``local``
+sandbox (as the sandbox's user, reaching only its endpoint), prepared from a shipped task's row (its repository tarball). It issues ``bash`` and
 ``edit`` tool calls by script. Then the host's reward path (``score_trajectory_async`` with
 ``swe_tests``) runs the task's tests in that same sandbox before it is destroyed.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -50,7 +50,9 @@ def repair(host, router, provider, mode: str, extra: list[str] = (), tid: str = 
 
     meta = {k: v for k, v in PAGER.items() if k != "problem_statement"}
     traj = Trajectory(id=tid, prompt_id="p0", group_id="g0", prompt=PAGER["problem_statement"], metadata=meta)
-    args = {"command": [sys.executable, str(AGENT), "--mode", mode, *extra], "timeout_s": 120}
+    # the program runs in the sandbox as its user: an interpreter and packages (openai) it can read
+    args = {"command": [provider.python, str(AGENT), "--mode", mode, *extra], "timeout_s": 120,
+            "env": {"PYTHONPATH": sysconfig.get_paths()["purelib"]}}
     traj = asyncio.run(run_agent_trajectory(router, host.get("agent", "command"), args, provider, trajectory=traj,
                                             sampling={"max_new_tokens": 4, "seed": 1}, timeout_s=180, score=score,
                                             max_context_length=1024))
