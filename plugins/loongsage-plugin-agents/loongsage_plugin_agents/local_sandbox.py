@@ -440,6 +440,8 @@ class LocalSandboxProvider:
         self.live = 0
         self.peak_live = 0
         self.registry: Registry | None = None
+        self.swept: list[str] = []
+        """The directories dead runs had left, removed before this provider's first sandbox."""
         self.launcher = LAUNCHER
         self.warnings = self._weaknesses()
         for line in self.warnings:
@@ -541,13 +543,16 @@ class LocalSandboxProvider:
             self.launcher = os.path.join(self.root, f".launch-{self.registry.owner}.py")
             shutil.copyfile(LAUNCHER, self.launcher)
             os.chmod(self.launcher, 0o644)
-            self.registry.sweep(self.pool.sweep_free if self.pool is not None else None)
+            self.swept = self.registry.sweep(self.pool.sweep_free if self.pool is not None else None)
         return self.registry
 
     def sweep(self) -> list[str]:
-        """Remove what dead runs left under ``root`` now (also done when the provider first creates)."""
-        registry = self._ensure_registry()
-        return registry.sweep(self.pool.sweep_free if self.pool is not None else None)
+        """Remove what dead runs left under ``root`` now (done anyway before the provider's first
+        sandbox); returns the directories removed."""
+        if self.registry is None:
+            self._ensure_registry()
+            return list(self.swept)
+        return self.registry.sweep(self.pool.sweep_free if self.pool is not None else None)
 
     # ------------------------------------------------------------------ provider API
     async def create(self, trajectory_id: str, row: Mapping[str, Any] | None = None) -> LocalSandbox:

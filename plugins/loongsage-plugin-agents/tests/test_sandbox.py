@@ -104,7 +104,13 @@ def test_no_network(provider):
     server.listen(1)
     port = server.getsockname()[1]
     accepted = []
-    threading.Thread(target=lambda: accepted.append(server.accept()), daemon=True).start()
+    def accept():
+        try:
+            accepted.append(server.accept())
+        except OSError:  # closed at the end of the test, nobody having connected
+            pass
+
+    threading.Thread(target=accept, daemon=True).start()
 
     async def scenario():
         box = await provider.create("net")
@@ -204,3 +210,93 @@ def test_unreachable_root_is_reported(tmp_path):
         run(scenario())
         assert provider.enforced["user"] == host_user
     assert LocalSandboxProvider(root=str(private / "boxes"), run_as_user=None).enforced["user"] == host_user
+
+
+def _marked_sleeps(marker: str) -> list[int]:
+    """Live ``sleep <marker>`` processes (argv exactly that)."""
+    found = []
+    for pid in _processes_with(marker):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:2] == [b"sleep", marker.encode()]:
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("run_as_user", ["auto", None])
+def test_a_killed_owner_is_swept_by_the_next_provider(tmp_path, run_as_user):
+    """``kill -9`` of the process holding sandboxes: the next provider on the same root removes the
+    directories and kills what they ran, with a per-sandbox uid and, without one (a host that is not
+    root), by the marker in the processes' environment."""
+    import subprocess
+    import sys
+
+    root = Path(tempfile.mkdtemp(prefix="loongsage-sweep-test-"))
+    os.chmod(root, 0o755)
+    boxes = root / "boxes"
+    marker = f"45.{os.getpid():07d}{time.monotonic_ns() % 1000:03d}"
+    script = f"""
+import asyncio, sys, time
+from loongsage_plugin_agents.local_sandbox import LocalSandboxProvider
+async def main():
+    p = LocalSandboxProvider(root={str(boxes)!r}, isolation="none", run_as_user={run_as_user!r})
+    for i in range(2):
+        box = await p.create(f"t{{i}}")
+        await box.exec("setsid nohup sleep {marker} >/dev/null 2>&1 &")
+    print("ready", flush=True)
+    time.sleep(600)
+asyncio.run(main())
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        deadline = time.time() + 5  # the detached children exec their sleep shortly after the command returns
+        while len(_marked_sleeps(marker)) < 2 and time.time() < deadline:
+            time.sleep(0.05)
+        assert len(_marked_sleeps(marker)) == 2
+        proc.kill()
+        proc.wait()
+        left = [e for e in os.listdir(boxes) if "--" in e]
+        assert len(left) == 2 and len(_marked_sleeps(marker)) == 2  # the kill left both behind
+        fresh = LocalSandboxProvider(root=str(boxes), isolation="none", run_as_user=run_as_user)
+        removed = fresh.sweep()
+        assert sorted(os.path.basename(r) for r in removed) == sorted(left)
+        deadline = time.time() + 5
+        while _marked_sleeps(marker) and time.time() < deadline:
+            time.sleep(0.05)
+        assert _marked_sleeps(marker) == [] and [e for e in os.listdir(boxes) if "--" in e] == []
+        run(fresh.close())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in _marked_sleeps(marker):
+            os.kill(pid, 9)
+        subprocess.run(["rm", "-rf", str(root)], check=False)
+
+
+def test_without_a_sandbox_user_the_marker_takes_the_tree_down():
+    marker = f"46.{os.getpid():07d}{time.monotonic_ns() % 1000:03d}"
+    provider = LocalSandboxProvider(isolation="none", run_as_user=None)
+
+    async def scenario():
+        box = await provider.create("marker")
+        timed = await box.exec(f"setsid sleep {marker} & nohup sleep {marker} >/dev/null 2>&1 & sleep 30",
+                               timeout_s=1)
+        after_timeout = _marked_sleeps(marker)
+        await box.exec(f"setsid nohup sleep {marker} >/dev/null 2>&1 &")
+        deadline = time.time() + 5
+        while not _marked_sleeps(marker) and time.time() < deadline:
+            await asyncio.sleep(0.05)
+        running = _marked_sleeps(marker)
+        await provider.destroy(box)
+        return timed, after_timeout, running
+
+    timed, after_timeout, running = run(scenario())
+    assert timed.timed_out and after_timeout == []
+    assert len(running) == 1
+    deadline = time.time() + 5
+    while _marked_sleeps(marker) and time.time() < deadline:
+        time.sleep(0.05)
+    assert _marked_sleeps(marker) == []
+    run(provider.close())

@@ -230,3 +230,58 @@ def test_trajectory_time_budget():
     first, second, reward_side = run(scenario())
     assert first.timed_out and second.timed_out and "time budget" in second.stderr
     assert reward_side.stdout == "scored\n"
+
+
+def test_a_cli_agent_runs_inside_the_sandbox_and_reaches_only_its_endpoint(tmp_path, monkeypatch):
+    import http.server
+    import tempfile as _tempfile
+
+    from loongsage_plugin_agents.cli_agents import ClaudeCodeAgent
+
+    from loongsage_hookspecs import AgentContext
+
+    monkeypatch.setenv("LOONGSAGE_TEST_SECRET", "hunter2")
+
+    class Endpoint(http.server.BaseHTTPRequestHandler):  # stands in for the router
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b"router says hi")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Endpoint)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    # the CLI where the sandbox's user can read it (pytest's temp directory is private to root)
+    where = Path(_tempfile.mkdtemp(dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    os.chmod(where, 0o755)
+    cli = where / "claude"
+    cli.write_text("#!/bin/sh\n"
+                   'id -u > uid.txt; echo "$HOME" > home.txt; env > env.txt\n'
+                   "python3 -c \"import os, urllib.request; print(urllib.request.urlopen("
+                   "os.environ['ANTHROPIC_BASE_URL'] + '/x', timeout=5).read().decode())\" > reached.txt 2>&1\n"
+                   "printf '{\"type\":\"result\",\"is_error\":false,\"result\":\"ok\"}'\n")
+    os.chmod(cli, 0o755)
+    provider = LocalSandboxProvider(isolation="bwrap", default_timeout_s=30)
+
+    async def scenario():
+        box = await provider.create("cli")
+        ctx = AgentContext(trajectory_id="cli", base_url=f"http://127.0.0.1:{port}/cli/0/v1", api_key="k",
+                           prompt="hi", sandbox=box)
+        result = await ClaudeCodeAgent(binary=str(cli), timeout_s=30).run(ctx)
+        await provider.destroy(box)
+        return result, box
+
+    try:
+        result, box = run(scenario())
+    finally:
+        server.shutdown()
+        shutil.rmtree(where)
+    changed = result.metadata["changed_files"]
+    assert result.response_text == "ok" and result.metadata["sandboxed"] is True
+    assert int(changed["uid.txt"]) >= 1_700_000
+    assert changed["home.txt"].startswith(box.home)
+    assert "hunter2" not in changed["env.txt"]
+    assert changed["reached.txt"].strip() == "router says hi"  # through the sandbox's bridge, in a netns
