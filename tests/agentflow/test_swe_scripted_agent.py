@@ -2,9 +2,10 @@
 
 A real program (tests/data/scripted_repair_agent.py, the OpenAI SDK against the real router in
 front of a real embedded engine) is run by the ``command`` agent inside the trajectory's ``local``
-sandbox (as the sandbox's user, reaching only its endpoint), prepared from a shipped task's row (its repository tarball). It issues ``bash`` and
-``edit`` tool calls by script. Then the host's reward path (``score_trajectory_async`` with
-``swe_tests``) runs the task's tests in that same sandbox before it is destroyed.
+sandbox (as the sandbox's user, reaching only its endpoint), prepared from a shipped task's row
+(its repository tarball). It issues ``bash`` and ``edit`` tool calls by script. Then the host's
+reward path (``score_trajectory_async`` with ``swe_tests``) runs the task's tests in that same
+sandbox before it is destroyed.
 """
 
 from __future__ import annotations
