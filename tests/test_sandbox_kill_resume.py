@@ -50,7 +50,7 @@ def _boxes(root: Path) -> list[str]:
 
 @pytest.mark.parametrize("isolation", ["netns"])  # bubblewrap dies with its parent: netns is the harder case
 def test_kill_9_mid_rollout_then_resume_leaves_no_sandbox_behind(tmp_path, isolation):
-    from loongsage_plugin_agents.local_sandbox import launcher_python
+    from loongsage_plugin_agents.local_sandbox import LocalSandboxProvider
 
     # a place the sandbox users can reach (pytest's temp directory is private to root) and see
     # (bubblewrap gives them a /tmp of their own)
@@ -63,7 +63,7 @@ def test_kill_9_mid_rollout_then_resume_leaves_no_sandbox_behind(tmp_path, isola
     flag.write_text("")
     os.chmod(flag, 0o644)
     marker = f"44.{os.getpid():07d}{time.monotonic_ns() % 1000:03d}"
-    python = launcher_python(1_700_000, 1_700_000)
+    python = LocalSandboxProvider(isolation=isolation).python  # an interpreter the sandbox users may run
     env_vars = {"PYTHONPATH": sysconfig.get_paths()["purelib"], "MARKER": marker, "FLAG": str(flag)}
     env_table = "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env_vars.items()) + " }"
     job = tmp_path / "job.toml"

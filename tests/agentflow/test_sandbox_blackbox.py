@@ -54,6 +54,8 @@ PROGRAM = textwrap.dedent('''
 ''')
 
 MODES = ["bwrap", "netns", "none"]
+# a uid pool of this test process's own: another run's sandboxes never show up in the uid checks
+POOL = {"uid_base": 2_000_000 + (os.getpid() % 5000) * 128, "uid_count": 128}
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +82,7 @@ def test_blackbox_program_reaches_the_router_only_and_leaves_nothing(isolation, 
                                                                     tmp_path):
     from loongsage_plugin_agents.local_sandbox import LocalSandboxProvider
 
-    provider = LocalSandboxProvider(isolation=isolation, default_timeout_s=60)
+    provider = LocalSandboxProvider(isolation=isolation, default_timeout_s=60, **POOL)
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "agent.py").write_text(PROGRAM)
@@ -142,7 +144,7 @@ def test_sixteen_trajectories_never_hold_more_than_four_sandboxes(engine_url, ro
     from loongsage_plugin_agents.local_sandbox import LocalSandboxProvider
     from loongsage_plugin_agents.sandbox_procs import processes
 
-    provider = LocalSandboxProvider(max_concurrent_sandboxes=4, default_timeout_s=60)
+    provider = LocalSandboxProvider(max_concurrent_sandboxes=4, default_timeout_s=60, **POOL)
     router = router_factory([engine_url])
     counts: list[int] = []
     stop = threading.Event()

@@ -402,7 +402,9 @@ class LocalSandboxProvider:
         probe_uid: int | None = None
         if root_host and run_as_user == "auto":
             self.pool = UidPool(uid_base, uid_count)
-            probe_uid = int(uid_base) + int(uid_count) - 1  # detection runs as an unprivileged uid too
+            # detection runs as an unprivileged uid too, one outside the pool (whose uids' processes
+            # are killed whenever a sandbox takes or gives one back)
+            probe_uid = int(uid_base) - 1
         elif root_host and run_as_user:
             try:
                 self.user = pwd.getpwnam(run_as_user)

@@ -24,8 +24,12 @@ from loongsage_plugin_agents.sandbox_procs import processes
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox user needs a root host")
 
 STRENGTH = {"bwrap": 2, "netns": 1, "none": 0}
-AVAILABLE = [m for m in ("bwrap", "netns", "none") if STRENGTH[m] <= STRENGTH[detect_isolation(1_700_000 - 1,
-                                                                                                1_700_000 - 1)]]
+# a uid pool of this test process's own, so that another run on the machine (whose sandboxes take
+# uids from the default pool) never shows up in, or is touched by, the checks of sandbox uids below
+UID_BASE = 2_000_000 + (os.getpid() % 5000) * 128
+POOL = {"uid_base": UID_BASE, "uid_count": 128}
+AVAILABLE = [m for m in ("bwrap", "netns", "none") if STRENGTH[m] <= STRENGTH[detect_isolation(UID_BASE - 1,
+                                                                                                UID_BASE - 1)]]
 
 
 def run(coro):
@@ -64,7 +68,7 @@ def _unique(prefix: str) -> str:
 @pytest.fixture(params=AVAILABLE)
 def provider(request):
     # the default root (under the system temp directory, which the sandbox users can enter)
-    p = LocalSandboxProvider(isolation=request.param, default_timeout_s=30, max_processes=64,
+    p = LocalSandboxProvider(isolation=request.param, **POOL, default_timeout_s=30, max_processes=64,
                              memory_mb=512, cpu_time_s=20)
     yield p
     run(p.close())
@@ -113,7 +117,7 @@ def test_file_system_home_and_environment(provider, monkeypatch):
     assert not (Path(provider.root) / "sibling").exists()
     assert out["inside"].stdout == "ok\n"
     if provider.isolation != "netns":  # (under `unshare -r` the sandbox's uid shows as 0 of its own namespace)
-        assert int(out["id"].stdout) >= 1_700_000
+        assert int(out["id"].stdout) >= UID_BASE
     env = dict(line.split("=", 1) for line in out["env"].stdout.splitlines() if "=" in line)
     assert "LOONGSAGE_TEST_SECRET" not in env and "hunter2" not in out["env"].stdout
     assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "PYTHONDONTWRITEBYTECODE", "LOONGSAGE_SANDBOX", "PWD",
@@ -217,7 +221,7 @@ def test_output_is_capped_while_read(provider):
 
 
 def test_trajectory_time_budget():
-    provider = LocalSandboxProvider(trajectory_timeout_s=2, default_timeout_s=30)
+    provider = LocalSandboxProvider(trajectory_timeout_s=2, default_timeout_s=30, **POOL)
 
     async def scenario():
         box = await provider.create("budget")
@@ -264,7 +268,7 @@ def test_a_cli_agent_runs_inside_the_sandbox_and_reaches_only_its_endpoint(tmp_p
                    "os.environ['ANTHROPIC_BASE_URL'] + '/x', timeout=5).read().decode())\" > reached.txt 2>&1\n"
                    "printf '{\"type\":\"result\",\"is_error\":false,\"result\":\"ok\"}'\n")
     os.chmod(cli, 0o755)
-    provider = LocalSandboxProvider(isolation="bwrap", default_timeout_s=30)
+    provider = LocalSandboxProvider(isolation="bwrap", default_timeout_s=30, **POOL)
 
     async def scenario():
         box = await provider.create("cli")
@@ -281,7 +285,7 @@ def test_a_cli_agent_runs_inside_the_sandbox_and_reaches_only_its_endpoint(tmp_p
         shutil.rmtree(where)
     changed = result.metadata["changed_files"]
     assert result.response_text == "ok" and result.metadata["sandboxed"] is True
-    assert int(changed["uid.txt"]) >= 1_700_000
+    assert int(changed["uid.txt"]) >= UID_BASE
     assert changed["home.txt"].startswith(box.home)
     assert "hunter2" not in changed["env.txt"]
     assert changed["reached.txt"].strip() == "router says hi"  # through the sandbox's bridge, in a netns
