@@ -19,6 +19,7 @@ from .hookspecs import KINDS, Kind
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .protocols import (
     Agent,
+    CheckpointableScheduler,
     EngineContext,
     EngineRouter,
     MetricsLogger,
