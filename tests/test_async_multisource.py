@@ -1,10 +1,11 @@
 """Asynchronous training with three sources, three agents and uneven lengths, killed and resumed.
 
-Sources weighted 0.5 / 0.3 / 0.2, five groups per step (exact shares 2.5 / 1.5 / 1): a
-single-turn source whose samples run long (``ignore_eos``, 160 tokens), the ``tool_agent`` with a
-Python tool in the ``local`` sandbox, and a black-box program through the ``command`` agent (two model calls of 8 tokens),
-all generating at once through the real router and engine on a local Ray cluster. The run is
-killed with SIGKILL once three checkpoints exist and resumed with ``run.resume=true``; over the
+Sources weighted 0.5 / 0.3 / 0.2, five groups per step (exact shares 2.5 / 1.5 / 1): a single-turn
+source sampled at temperature 30 (near-uniform over the vocabulary, so it seldom hits an end-of-turn
+token: samples of up to 200 tokens, about half as long on average), the ``tool_agent`` with a Python tool in
+the ``local`` sandbox, and a black-box program through the ``command`` agent (two model calls of 8
+tokens), all generating at once through the real router and engine on a local Ray cluster. The run
+is killed with SIGKILL once three checkpoints exist and resumed with ``run.resume=true``; over the
 whole epoch (6 steps, 30 prompts) every step trains each source's quota (floor or ceil of its
 share, the very schedule of :class:`StepQuotas`, across the kill too), no trained group is staler
 than ``stale_steps``, every prompt is trained exactly once, and with partial rollout some
@@ -78,7 +79,7 @@ weight = 0.5
 generator = "arithmetic"
 generator_args = {{ num_samples = {long}, digits = 1, num_operands = 2, ops = "+-" }}
 agent = "single_turn"
-sampling = {{ max_new_tokens = 160, ignore_eos = true, temperature = 1.0 }}
+sampling = {{ max_new_tokens = 200, temperature = 30.0 }}   # near-uniform: long, uneven samples
 
 [[data]]
 name = "tools"
