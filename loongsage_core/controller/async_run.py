@@ -46,16 +46,11 @@ log = logging.getLogger("loongsage")
 def partial_ratio(groups: list[TrajectoryGroup]) -> float:
     """Fraction of trajectories whose generated tokens come from more than one weight version."""
     trajs = [t for g in groups for t in g.trajectories]
-    if not trajs:
-        return 0.0
-    mixed = 0
-    for t in trajs:
-        versions = {v for s in t.segments for v in s.weight_versions if v >= 0}
-        mixed += len(versions) > 1
-    return mixed / len(trajs)
+    return sum(map(_mixed_versions, trajs)) / len(trajs) if trajs else 0.0
 
 
 def _mixed_versions(traj: Any) -> bool:
+    """Whether the generated tokens of ``traj`` come from more than one weight version."""
     return len({v for s in traj.segments for v in s.weight_versions if v >= 0}) > 1
 
 
@@ -106,6 +101,7 @@ class AsyncRLController(RLController):
                               f"'quota', so it cannot keep the shares of the job's {len(job.data)} data sources")
         self.scheduler = spec.factory(batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
                                       **job.async_.scheduler_args, **extra)
+        self.quota_mode = "quota" in extra  # the scheduler names the source of every dispatch
         self.requeue: collections.deque[Prompt] = collections.deque()
         self.inflight: dict[str, tuple[asyncio.Task[TrajectoryGroup], Prompt]] = {}
         self.buffer: list[TrajectoryGroup] = []
@@ -160,7 +156,7 @@ class AsyncRLController(RLController):
         next_source = getattr(self.scheduler, "next_source", None)
         while self.scheduler.can_dispatch(len(self.inflight), len(self.buffer), self.version):
             source = next_source(self.version) if next_source is not None else None
-            if source is None and getattr(self.scheduler, "has_quota", False):
+            if source is None and self.quota_mode:
                 break  # pragma: no cover - can_dispatch and next_source agree for the shipped schedulers
             prompt = self._next_prompt(source)
             index = self.dispatched
