@@ -6,6 +6,8 @@ across steps, and per-mini-batch / per-rank source shares inside a step.
 * :func:`interleave_by_source`: the step's rows ordered so that every mini-batch, and every
   data-parallel shard of a mini-batch, holds each source's share of its parent rounded down or up,
   the counts of every source adding up exactly to what the parent holds (:func:`round_shares`).
+* :class:`StepQuotas`: the groups of each source in every step of an asynchronous run (floor or
+  ceil of each share per step), which the scheduler fills.
 """
 
 from __future__ import annotations
@@ -200,8 +202,8 @@ class StepQuotas:
       so after ``k`` steps each source's total is the ``floor`` or ``ceil`` of ``k * batch_size *
       w_s / sum(w)``, as the synchronous :class:`.data.DataMixer` keeps it per prompt
       (``tests/test_step_quotas.py`` checks this for up to four sources over many weights and
-      sizes; with five or more sources this greedy rule is not a proof of it, and a running total
-      is seldom one further off, never two).
+      sizes; with five or more sources this greedy rule does not guarantee it: a running total
+      can, seldom, be one further off; the test checks it stays less than two from the share).
 
     Deterministic: ``quotas(k)`` depends only on the weights, ``batch_size`` and ``k``, so a resumed
     run continues the same schedule. Weights are read exactly (:func:`integer_weights`).
