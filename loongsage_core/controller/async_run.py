@@ -91,6 +91,9 @@ class AsyncRLController(RLController):
             raise ConfigError(f"{where}: async.enable = true needs placement.colocate = false (the trainer and "
                               "the engines must run at the same time on separate actors)")
         spec = self.host.get("scheduler", job.async_.scheduler, where=f"{where}: async.scheduler")
+        if "quota" in job.async_.scheduler_args:
+            raise ConfigError(f"{where}: async.scheduler_args.quota: the quotas come from the [[data]] weights; "
+                              "remove it")
         extra: dict[str, Any] = {}
         if takes_quota(spec.factory):
             names = [src.name for src in job.data]
