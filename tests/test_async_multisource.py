@@ -204,3 +204,33 @@ def test_three_sources_keep_their_shares_and_the_bound_through_kill_and_resume(t
     assert max(m["rollout/staleness_max"] for m in metrics) == 1.0  # it did run ahead of the trainer
     # trajectories outlive weight updates: with partial rollout they continue under the new weights
     assert max(m["rollout/partial_ratio"] for m in metrics) > 0
+
+
+USER_SCHEDULER = '''
+from loongsage_hookspecs import SchedulerSpec, hookimpl
+
+
+class Oldest:
+    def __init__(self, batch_size, stale_steps=1):
+        self.batch_size = batch_size
+
+
+@hookimpl
+def loongsage_schedulers():
+    yield SchedulerSpec(name="oldest_first", factory=Oldest, description="no per-source quota")
+'''
+
+
+def test_several_sources_need_a_scheduler_that_takes_a_quota(tmp_path):
+    from loongsage_core.config import ConfigError, load_job
+    from loongsage_core.controller.async_run import AsyncRLController
+    from loongsage_core.resolve import resolve_job
+
+    (tmp_path / "my_sched.py").write_text(USER_SCHEDULER)
+    job = write_job(tmp_path, tmp_path / "run")
+    text = job.read_text().replace('enable = ["torch"', 'modules = ["my_sched.py"]\nenable = ["torch"')
+    job.write_text(text)
+    with pytest.raises(ConfigError, match="'oldest_first' does not take a per-source 'quota'.* 3 data sources"):
+        AsyncRLController(resolve_job(load_job(job, ["async.scheduler=oldest_first"])), tmp_path / "o")
+    with pytest.raises(ConfigError, match="async.scheduler_args.quota: the quotas come from the"):
+        AsyncRLController(resolve_job(load_job(job, ["async.scheduler_args={quota=1}"])), tmp_path / "o")
