@@ -1,4 +1,4 @@
-"""The ``loongsage`` command line: ``run``, ``validate``, ``plugins``, ``recipes``, ``serve``, ``view``.
+"""The ``loongsage`` command line: ``run``, ``sft``, ``validate``, ``plugins``, ``recipes``, ``serve``, ``view``.
 
 Imports stay lazy so ``loongsage --help`` answers instantly; bad input is reported as one line
 naming the file and key at fault, with exit code 2 and no traceback.
@@ -32,6 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="start fresh in a directory that holds a run: the old run is moved to <dir>.old-<time>")
 
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat data: a job file with an [sft] table")
+    _add_job_args(p)
+    p.add_argument("--output-dir", help="where metrics.jsonl, checkpoints/ and final_hf/ go "
+                                        "(default: the job's run.output_dir)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start fresh in a directory that holds a run: the old run is moved to <dir>.old-<time>")
+
     p = sub.add_parser("validate", help="load a job file and its plugins, resolve every component, print the result")
     _add_job_args(p)
     p.add_argument("--json", action="store_true", help="print the resolved job as JSON")
@@ -56,11 +63,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args: argparse.Namespace) -> Any:
-    from .config import load_job
+    """The job file resolved: as a supervised job when it has an ``[sft]`` table (or for ``sft``)."""
+    from .config import SftConfig, load_job
     from .recipes import find_job
-    from .resolve import resolve_job
+    from .resolve import resolve_job, resolve_sft_job
 
     job = load_job(find_job(args.job), args.overrides)
+    if args.command == "sft" and job.sft is None:
+        job.sft = SftConfig()
+    if job.sft is not None:
+        if args.command in ("run", "serve"):
+            from .config import ConfigError
+
+            raise ConfigError(f"{job.source_path}: this job has an [sft] table: train it with "
+                              f"`loongsage sft {args.job}` (or remove [sft] for an RL run)")
+        return resolve_sft_job(job)
     return resolve_job(job)
 
 
@@ -117,6 +134,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    from .sft.run import run_sft
+
+    resolved = _load(args)
+    run_sft(resolved.job, resolved.host, output_dir=args.output_dir, overwrite=args.overwrite)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from .controller.serve import serve_job
 
@@ -137,7 +162,7 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "validate": cmd_validate, "plugins": cmd_plugins, "recipes": cmd_recipes,
+COMMANDS = {"run": cmd_run, "sft": cmd_sft, "validate": cmd_validate, "plugins": cmd_plugins, "recipes": cmd_recipes,
             "serve": cmd_serve, "view": cmd_view}
 
 

@@ -133,6 +133,40 @@ class ModelConfig:
     seed: int = attrs.field(default=0, validator=_seed)
 
 
+LORA_ALL_LINEAR = "all-linear"
+"""``[train] lora.target_modules`` value that targets every linear layer except the output layer."""
+
+
+def _target_modules(_: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not value or not all(isinstance(v, str) and v for v in value):
+        raise RangeError(f"must be \"{LORA_ALL_LINEAR}\" or a non-empty list of module names, got {value!r}",
+                         attribute.name)
+    if LORA_ALL_LINEAR in value and len(value) > 1:
+        raise RangeError(f"\"{LORA_ALL_LINEAR}\" stands alone (it already names every linear layer), got {value!r}",
+                         attribute.name)
+
+
+@attrs.define
+class LoraConfig:
+    """``[train] lora``: train a low-rank adapter instead of the whole model (LoRA).
+
+    ``rank`` is the adapter's rank r, ``alpha`` its scale (the update is ``alpha / rank * B @ A``),
+    ``dropout`` the dropout on the adapter's input while training, ``target_modules`` the linear
+    layers that get an adapter: module names (``["q_proj", "v_proj"]``) or ``"all-linear"`` (every
+    linear layer but the output layer). Only the adapter's weights train, are checkpointed and are
+    sent to the engines; the KL reference is the base model with the adapter disabled."""
+
+    rank: int = attrs.field(default=8, validator=_count)
+    alpha: float = attrs.field(default=16.0, validator=_positive)
+    dropout: float = attrs.field(default=0.0, validator=_range(ge=0, lt=1))
+    target_modules: list[str] = attrs.field(factory=lambda: [LORA_ALL_LINEAR], validator=_target_modules)
+
+    @property
+    def all_linear(self) -> bool:
+        """Whether ``target_modules`` is ``"all-linear"``."""
+        return self.target_modules == [LORA_ALL_LINEAR]
+
+
 @attrs.define
 class TrainConfig:
     """Trainer settings. ``mini_batch_size`` rows per optimizer step, split into micro-batches of
@@ -140,7 +174,10 @@ class TrainConfig:
 
     ``max_bad_steps``: a step whose loss, gradient norm or weights are not finite is skipped, and so
     is one that trains no row; this many such steps in a row end the run with an error naming
-    the cause."""
+    the cause.
+
+    ``lora`` (a :class:`LoraConfig` table, unset by default): train a LoRA adapter instead of
+    every weight."""
 
     backend: str = "torch"
     num_workers: int = attrs.field(default=1, validator=_count)
@@ -159,6 +196,7 @@ class TrainConfig:
     max_bad_steps: int = attrs.field(default=3, validator=_count)
     gradient_checkpointing: bool = False
     backend_args: Args = attrs.field(factory=dict)
+    lora: LoraConfig | None = None
 
 
 @attrs.define
@@ -393,6 +431,35 @@ class RunConfig:
 
 
 @attrs.define
+class SftConfig:
+    """Supervised fine-tuning (``loongsage sft``): how the ``[[data]]`` conversations become steps.
+
+    Each row's ``messages_key`` column holds a chat (a list of ``{"role", "content"}`` messages,
+    optionally with ``tool_calls``; ``tools_key`` may name a column of tool schemas). It is rendered
+    with the model's chat template by the AgentFlow router's own code, and the loss is on the
+    assistant turns only (``loss_on = "assistant"``) or on every token after the first (``"all"``).
+    A step trains ``[train] mini_batch_size`` conversations; ``packing`` lays a step's
+    conversations into rows of at most ``max_seq_len`` tokens, each attending only to itself with
+    restarting position ids, which gives the same loss as one row per conversation. Conversations
+    longer than ``max_seq_len`` are cut to it. ``eval_rows`` (a count) or ``eval_fraction`` of the
+    rows are held back and their loss is reported as ``sft/eval_loss`` every ``eval_every`` steps
+    (0: at the end only). The run trains ``epochs`` passes over the rest (``max_steps`` > 0 stops
+    earlier); ``[train] total_steps`` is not used."""
+
+    epochs: int = attrs.field(default=1, validator=_count)
+    max_steps: int = attrs.field(default=0, validator=_range(ge=0))
+    packing: bool = True
+    max_seq_len: int = attrs.field(default=2048, validator=_range(ge=2))
+    loss_on: str = attrs.field(default="assistant", validator=attrs.validators.in_(("assistant", "all")))
+    messages_key: str = "messages"
+    tools_key: str | None = None
+    eval_rows: int = attrs.field(default=0, validator=_range(ge=0))
+    eval_fraction: float = attrs.field(default=0.0, validator=_range(ge=0, lt=1))
+    eval_every: int = attrs.field(default=0, validator=_range(ge=0))
+    shuffle: bool = True
+
+
+@attrs.define
 class JobConfig:
     """A whole job file. TOML table ``[async]`` maps to :attr:`async_`."""
 
@@ -409,6 +476,7 @@ class JobConfig:
     teachers: list[TeacherConfig] = attrs.field(factory=list)
     critic: CriticConfig = attrs.field(factory=CriticConfig)
     run: RunConfig = attrs.field(factory=RunConfig)
+    sft: SftConfig | None = None  # set by an [sft] table: a supervised job for ``loongsage sft``
     source_path: str | None = attrs.field(default=None, metadata={"internal": True})
 
     @property

@@ -214,8 +214,11 @@ class EngineClient:
     """Talks to one engine at ``base_url`` (``http://host:port``)."""
 
     def __init__(self, base_url: str, *, timeout: float | None = 600.0, api_key: str | None = None,
-                 max_connections: int | None = 100) -> None:
+                 max_connections: int | None = 100, lora_path: str | None = None) -> None:
+        """``lora_path``: the LoRA adapter every ``/generate`` names (SGLang's per-request adapter;
+        a LoRA run's :data:`~loongsage_hookspecs.LORA_ADAPTER_NAME`), ``None`` for the base model."""
         self.base_url = base_url.rstrip("/")
+        self.lora_path = lora_path
         self.timeout = timeout
         self.headers = engine_headers(api_key)
         # without a connection limit every connection is kept alive for reuse (the router's case)
@@ -293,6 +296,12 @@ class EngineClient:
         return {"input_ids": batch, "sampling_params": params, "return_logprob": return_logprob,
                 "rid": list(rids), **extra}
 
+    def _with_adapter(self, payload: dict[str, Any]) -> dict[str, Any]:
+        """``payload`` naming this client's LoRA adapter (``lora_path``), when it has one."""
+        if self.lora_path is not None:
+            payload["lora_path"] = self.lora_path
+        return payload
+
     @staticmethod
     def _rid_list(payload: Mapping[str, Any]) -> list[str]:
         rid = payload["rid"]
@@ -311,8 +320,8 @@ class EngineClient:
                        *, return_logprob: bool = True, rids: Sequence[str] | None = None,
                        top_logprobs_num: int = 0) -> list[GenerationResult]:
         """Generate for every prompt of ``input_ids``; results in prompt order."""
-        payload = self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=rids,
-                                        top_logprobs_num=top_logprobs_num)
+        payload = self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
+                                                           rids=rids, top_logprobs_num=top_logprobs_num))
         body = await self._request("POST", "/generate", payload)
         return self._results(body, self._rid_list(payload))
 
@@ -325,8 +334,9 @@ class EngineClient:
         Leaving the iteration early closes the connection, which aborts the request at the engine.
         A stream that breaks off or carries an error is an :class:`EngineProtocolError`.
         """
-        payload = {**self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=[rid],
-                                           top_logprobs_num=top_logprobs_num), "stream": True}
+        payload = {**self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
+                                                              rids=[rid], top_logprobs_num=top_logprobs_num)),
+                   "stream": True}
         out: GenerationResult | None = None
         async with self._aclient().stream("POST", "/generate", json=payload) as resp:
             if resp.status_code >= 400:
@@ -415,7 +425,8 @@ class EngineClient:
     def generate_sync(self, input_ids: Sequence[Sequence[int]] | Sequence[int],
                       sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                       *, return_logprob: bool = True, rids: Sequence[str] | None = None) -> list[GenerationResult]:
-        payload = self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob, rids=rids)
+        payload = self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
+                                                           rids=rids))
         return self._results(self._request_sync("POST", "/generate", payload), self._rid_list(payload))
 
     def abort_sync(self, rid: str | None = None, *, abort_all: bool = False) -> None:

@@ -1,6 +1,7 @@
 """Resolving a job: every component the job file names, looked up in the plugin host.
 
-``resolve_job`` is what ``loongsage validate`` runs and what ``loongsage run`` runs first: it
+``resolve_job`` is what ``loongsage validate`` runs and what ``loongsage run`` runs first (for a job
+with an ``[sft]`` table, ``resolve_sft_job``, which ``loongsage sft`` runs first): it
 fails on the first unknown name with the job-file key at fault and the list of choices, on
 settings that would do nothing, and on component arguments the component does not take
 (:mod:`loongsage_core.component_args`).
@@ -97,6 +98,19 @@ def check_references(job: JobConfig) -> None:
                 raise ConfigError(f"{where}: data[{i}].reward_args.{name}: '{name}' is not listed in data[{i}].reward")
 
 
+def check_lora_support(job: JobConfig, host: PluginHost) -> None:
+    """``[train] lora`` needs a train backend and a rollout engine that declare ``supports_lora``."""
+    if job.train.lora is None:
+        return
+    where = job.source_path or "<job>"
+    for key, kind, name in (("train.backend", "train_backend", job.train.backend),
+                            ("rollout.engine", "rollout_engine", job.rollout.engine)):
+        if not getattr(host.get(kind, name), "supports_lora", False):
+            raise ConfigError(f"{where}: train.lora: {key} = '{name}' does not support LoRA adapters "
+                              f"(its {kind} spec does not declare supports_lora); drop [train] lora or pick "
+                              "one that does (torch)")
+
+
 def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     """Load the job's plugins (unless given) and resolve every named component."""
     check_references(job)
@@ -116,6 +130,50 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     from .controller.teachers import distill_setup  # light: torch is imported only when teachers run
 
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
+    check_lora_support(job, host)
     check_effective_settings(job)
     check_component_args(job, host)  # a misspelt *_args key is a config error, not a run of failures
+    return resolved
+
+
+def sft_components(job: JobConfig) -> list[tuple[str, str, str]]:
+    """``(job-file key, kind, name)`` of every component a supervised job uses."""
+    return ([("train.backend", "train_backend", job.train.backend)]
+            + [(f"loggers[{i}].name", "logger", lg.name) for i, lg in enumerate(job.loggers)]
+            + [(f"data[{i}].generator", "data_source", src.generator)
+               for i, src in enumerate(job.data) if src.generator])
+
+
+def resolve_sft_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
+    """Check a supervised job (``[sft]`` table): its data sources, sizes and model, and resolve the
+    components it uses (train backend, loggers, data source plugins). RL-only tables are ignored."""
+    from .validation import check_data_files, check_models
+
+    where = job.source_path or "<job>"
+    if not job.data:
+        raise ConfigError(f"{where}: no [[data]] source: add at least one with a 'path' to chat data")
+    names: set[str] = set()
+    for i, src in enumerate(job.data):
+        if bool(src.path) == bool(src.generator):
+            raise ConfigError(f"{where}: data[{i}] ('{src.name}'): set exactly one of 'path' or 'generator'")
+        if src.name in names:
+            raise ConfigError(f"{where}: data[{i}].name: duplicate data source name '{src.name}'")
+        names.add(src.name)
+    if job.train.num_workers != 1:
+        raise ConfigError(f"{where}: train.num_workers = {job.train.num_workers}: loongsage sft trains in one "
+                          "process; set it to 1")
+    if job.train.micro_batch_size > job.train.mini_batch_size:
+        raise ConfigError(f"{where}: train.micro_batch_size ({job.train.micro_batch_size}) is larger than "
+                          f"train.mini_batch_size ({job.train.mini_batch_size})")
+    check_models(job)
+    check_data_files(job)
+    host = host or PluginHost.from_job(job)
+    resolved = ResolvedJob(job=job, host=host)
+    for key, kind, name in sft_components(job):
+        host.get(kind, name, where=f"{where}: {key}")
+        resolved.components[key] = (kind, name, host.provider(kind, name))
+    if job.train.lora is not None and not getattr(host.get("train_backend", job.train.backend), "supports_lora", False):
+        raise ConfigError(f"{where}: train.lora: train.backend = '{job.train.backend}' does not support LoRA "
+                          "adapters (its train_backend spec does not declare supports_lora); drop [train] lora "
+                          "or pick one that does (torch)")
     return resolved

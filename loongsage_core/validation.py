@@ -142,9 +142,21 @@ def check_data_files(job: JobConfig) -> None:
                 pass
 
 
+def check_lora(job: JobConfig) -> None:
+    """``[train] lora`` settings that cannot work with the rest of the job."""
+    where, lora = _where(job), job.train.lora
+    if lora is None:
+        return
+    if job.algorithm.ref_update_every:
+        raise ConfigError(f"{where}: algorithm.ref_update_every = {job.algorithm.ref_update_every} with "
+                          "train.lora: the KL reference of a LoRA run is its base model (the adapter disabled), "
+                          "which never changes; drop ref_update_every")
+
+
 def check_job(job: JobConfig) -> None:
     """Every check of this module, in the order a user would fix them."""
     check_sizes(job)
+    check_lora(job)
     check_sampling(job)
     check_models(job)
     check_data_files(job)

@@ -10,16 +10,20 @@ single-digit addition and subtraction, e.g. the user turn ``What is 7 - 9?`` and
 answer ``-2``. Prompts are rendered with the chat template of tests/data/tokenizer without a
 system prompt; the model answers with the bare number and ``<|im_end|>``.
 
-The warm start is supervised training on every question of the task in which only a fraction
-(``--p-correct``) of the target answers are right and the rest are drawn uniformly from the
-task's answer range (fresh draws each epoch). The model learns the arithmetic table and the answer
-format, but samples at temperature 1 reproduce the noisy mixture: about a quarter of the answers
-are correct (and only about half of the greedy ones). GRPO raises the reward by moving probability
+The warm start is supervised fine-tuning with ``loongsage sft`` (its Python entry,
+:func:`loongsage_core.sft.run.run_sft`, on the torch backend): first on every question of the task
+with its correct answer, then on the questions again with targets of which only a fraction
+(``--p-correct``) are right and the rest are drawn uniformly from the task's answer range (fresh
+draws for each pass). Each phase is an SFT job on a chat JSONL file written by this script.
+The model learns the arithmetic table and the answer format, but samples at temperature 1
+reproduce the noisy mixture: well under half of the answers are correct (and only about half of
+the greedy ones). GRPO raises the reward by moving probability
 onto the right answers, which the model ranks high but not reliably first.
 
-Measured with the defaults (one CPU thread): warm start 1-1.5 minutes; sampled accuracy 0.23
-(greedy 0.49); the plain GRPO check of ``--verify-rl`` (8 prompts x 8 samples per step, lr 2e-4,
-temperature 1, max 8 new tokens, 40 steps, ~13 s) ends at sampled accuracy 0.78 (greedy 0.96).
+Measured with the defaults (one CPU thread of a loaded 2-core machine): warm start about 4
+minutes (560 + 125 SFT steps); sampled accuracy 0.38 (greedy 0.58); the plain GRPO check of
+``--verify-rl`` (8 prompts x 8 samples per step, lr 2e-4, temperature 1, max 8 new tokens, 40
+steps, ~40 s) ends at sampled accuracy 0.76 (greedy 0.92).
 
 Usage::
 
@@ -29,15 +33,17 @@ Usage::
     python scripts/make_quickstart_model.py --out /tmp/m --verify-rl --rl-steps 40
 
 Everything is seeded and runs on one CPU thread, so the same arguments rewrite the same weights.
+The SFT runs (metrics.jsonl, final_hf/ of each phase) go to a temporary directory, or to
+``--work-dir`` to keep them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,6 +53,9 @@ from loongsage_plugin_rewards.rewards import exact_match
 from loongsage_plugin_rewards.sources.arithmetic import arithmetic_rows
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from loongsage_core.config import structure_job
+from loongsage_core.resolve import resolve_sft_job
+from loongsage_core.sft.run import run_sft
 from loongsage_hookspecs import Trajectory
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -95,11 +104,9 @@ def prompt_ids(tok: PreTrainedTokenizerBase, question: str) -> list[int]:
     return tok(text, add_special_tokens=False)["input_ids"]
 
 
-def sft_example(tok: PreTrainedTokenizerBase, question: str, answer: str) -> tuple[list[int], list[int]]:
-    """(input ids, labels) with the loss on the answer and its ``<|im_end|>`` only."""
-    p = prompt_ids(tok, question)
-    a = tok(answer, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-    return p + a, [-100] * len(p) + a
+def chat_row(question: str, answer: str) -> dict[str, Any]:
+    """One SFT row: the question as the user turn (no system prompt), the bare answer as the reply."""
+    return {"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]}
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,38 +171,84 @@ def evaluate(model: PreTrainedModel, tok: PreTrainedTokenizerBase, questions: li
 # --------------------------------------------------------------------------------------------
 
 
-def warm_start(model: PreTrainedModel, tok: PreTrainedTokenizerBase, questions: list[dict[str, Any]], *,
-               p_correct: float, epochs: int, lr: float, batch_size: int, seed: int) -> None:
-    """Supervised training on the task with a ``1 - p_correct`` share of random target answers."""
-    rng = random.Random(seed)
-    wrong_pool = answer_range(questions)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    steps = epochs * math.ceil(len(questions) / batch_size)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
-    model.train()
-    for epoch in range(epochs):
-        order = questions[:]
-        rng.shuffle(order)
-        total = 0.0
-        for start in range(0, len(order), batch_size):
-            batch = []
-            for q in order[start:start + batch_size]:
-                answer = q["label"] if rng.random() < p_correct else str(rng.choice(wrong_pool))
-                batch.append(sft_example(tok, q["prompt"], answer))
-            width = max(len(x) for x, _ in batch)
-            ids = torch.tensor([x + [tok.pad_token_id] * (width - len(x)) for x, _ in batch])
-            labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
-            attention = (torch.arange(width)[None, :] < torch.tensor([len(x) for x, _ in batch])[:, None]).long()
-            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            total += loss.item()
-        if (epoch + 1) % max(1, epochs // 10) == 0:
-            print(f"  sft epoch {epoch + 1}/{epochs} loss {total / math.ceil(len(order) / batch_size):.3f}",
-                  flush=True)
+def sft_job(rows: list[dict[str, Any]], work: Path, *, model: dict[str, Any], epochs: int, lr: float,
+            batch_size: int, seed: int) -> dict[str, Any]:
+    """The ``loongsage sft`` job of one warm-start phase (its rows written to ``work/data.jsonl``).
+
+    AdamW without weight decay, gradient clipping at 1, 20 warmup steps then a linear decay to a
+    tenth of ``lr``; one micro-batch per step; conversations packed into rows of 256 tokens.
+    """
+    work.mkdir(parents=True, exist_ok=True)
+    data = work / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {
+        "plugins": {"enable": ["torch", "loggers"]},
+        "model": model,
+        "train": {"lr": lr, "lr_schedule": "linear", "lr_warmup_steps": 20, "min_lr_ratio": 0.1,
+                  "weight_decay": 0.0, "grad_clip": 1.0, "mini_batch_size": batch_size,
+                  "micro_batch_size": batch_size},
+        "sft": {"epochs": epochs, "packing": True, "max_seq_len": 256},
+        "data": [{"name": "arithmetic", "path": str(data)}],
+        "loggers": [{"name": "jsonl"}],
+        "run": {"seed": seed, "output_dir": str(work / "run")},
+    }
+
+
+def run_phase(name: str, job: dict[str, Any]) -> Path:
+    """Run one SFT phase; prints its loss every tenth of the run; returns its ``final_hf`` directory."""
+    resolved = resolve_sft_job(structure_job(job, f"<quickstart {name}>"))
+    out = Path(job["run"]["output_dir"])
+    history = run_sft(resolved.job, resolved.host, str(out))
+    every = max(1, len(history) // 10)
+    for i in range(every - 1, len(history), every):
+        window = history[i + 1 - every:i + 1]
+        print(f"  {name} step {i + 1}/{len(history)} loss {sum(m['sft/loss'] for m in window) / len(window):.3f}",
+              flush=True)
+    return out / "final_hf"
+
+
+def finetune(name: str, questions: list[dict[str, Any]], work: Path, *, model: dict[str, Any], p_correct: float,
+             epochs: int, lr: float, batch_size: int, seed: int) -> Path:
+    """One SFT phase on ``questions``; returns its ``final_hf`` directory.
+
+    ``model`` is the job's ``[model]`` table (an inline config or a ``path``). With ``p_correct``
+    below 1, each of the ``epochs`` passes draws fresh targets of which a ``1 - p_correct`` share are
+    random answers of the task's range (written out as ``epochs`` copies of the questions, trained
+    once); otherwise the right answers are trained ``epochs`` times.
+    """
+    if p_correct >= 1.0:
+        rows = [chat_row(q["prompt"], q["label"]) for q in questions]
+        passes = epochs
+    else:
+        rng = random.Random(seed)
+        wrong_pool = answer_range(questions)
+        rows = [chat_row(q["prompt"], q["label"] if rng.random() < p_correct else str(rng.choice(wrong_pool)))
+                for _ in range(epochs) for q in questions]
+        passes = 1
+    return run_phase(name, sft_job(rows, work / name, model=model, epochs=passes, lr=lr, batch_size=batch_size,
+                                   seed=seed))
+
+
+def warm_start(tok: PreTrainedTokenizerBase, questions: list[dict[str, Any]], work: Path, *,
+               model_config: dict[str, Any], seed: int, clean_epochs: int, noisy_epochs: int, p_correct: float,
+               lr: float, noisy_lr: float, batch_size: int) -> tuple[Path, Path]:
+    """The two SFT phases; returns the ``final_hf`` directories of the clean and the noisy phase.
+
+    Clean: every question with its correct answer, ``clean_epochs`` passes, from a random
+    initialisation drawn from ``seed``. Noisy: ``noisy_epochs`` fresh draws of every question in
+    which a ``1 - p_correct`` share of targets are random answers, from the clean phase's model.
+    """
+    conf = dict(MODEL_CONFIG, **model_config)
+    conf.update(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    clean = finetune("clean", questions, work, model={"config": conf, "tokenizer": str(TOKENIZER), "seed": seed},
+                     p_correct=1.0, epochs=clean_epochs, lr=lr, batch_size=batch_size, seed=seed)
+    noisy = finetune("noisy", questions, work, model={"path": str(clean), "tokenizer": str(TOKENIZER)},
+                     p_correct=p_correct, epochs=noisy_epochs, lr=noisy_lr, batch_size=batch_size, seed=seed + 3)
+    return clean, noisy
+
+
+def load_trained(path: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
 
 
 # --------------------------------------------------------------------------------------------
@@ -262,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--noisy-lr", type=float, default=3e-4, help="peak learning rate of the noisy phase")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--model-config", type=json.loads, default={}, help="JSON overrides of the model config")
+    parser.add_argument("--work-dir", type=Path, default=None,
+                        help="keep the SFT runs of the warm start here (default: a temporary directory)")
     parser.add_argument("--verify-rl", action="store_true", help="run the plain GRPO check after saving")
     parser.add_argument("--rl-steps", type=int, default=40)
     parser.add_argument("--rl-lr", type=float, default=2e-4)
@@ -277,16 +332,19 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     tok = AutoTokenizer.from_pretrained(str(TOKENIZER))
     questions = task_questions()
-    model = build_model(tok, args.seed, args.model_config)
-    n_params = sum(p.numel() for p in model.parameters())
+    n_params = sum(p.numel() for p in build_model(tok, args.seed, args.model_config).parameters())
     print(f"task: {len(questions)} questions, answers in [{answer_range(questions)[0]}, "
           f"{answer_range(questions)[-1]}]; model: {n_params} parameters", flush=True)
-    warm_start(model, tok, questions, p_correct=1.0, epochs=args.clean_epochs, lr=args.lr,
-               batch_size=args.batch_size, seed=args.seed)
-    print("clean phase:", json.dumps(evaluate(model, tok, questions, samples=1, max_new_tokens=args.max_new_tokens,
-                                              seed=args.seed + 1)), flush=True)
-    warm_start(model, tok, questions, p_correct=args.p_correct, epochs=args.noisy_epochs, lr=args.noisy_lr,
-               batch_size=args.batch_size, seed=args.seed + 3)
+    with tempfile.TemporaryDirectory(prefix="quickstart-sft-") as tmp:
+        work = args.work_dir or Path(tmp)
+        clean, noisy = warm_start(tok, questions, work, model_config=args.model_config, seed=args.seed,
+                                  clean_epochs=args.clean_epochs, noisy_epochs=args.noisy_epochs,
+                                  p_correct=args.p_correct, lr=args.lr, noisy_lr=args.noisy_lr,
+                                  batch_size=args.batch_size)
+        print("clean phase:", json.dumps(evaluate(load_trained(clean), tok, questions, samples=1,
+                                                  max_new_tokens=args.max_new_tokens, seed=args.seed + 1)),
+              flush=True)
+        model = load_trained(noisy)
     print(f"warm start done in {time.perf_counter() - t0:.0f}s", flush=True)
     before = evaluate(model, tok, questions, samples=4, max_new_tokens=args.max_new_tokens, seed=args.seed + 1)
     print("after warm start:", json.dumps(before), flush=True)

@@ -2,7 +2,8 @@
 
 Both start from the warm-started quickstart model (configs/quickstart/model, built by
 ``scripts/make_quickstart_model.py``), which knows single-digit addition and subtraction in the
-form ``What is 7 - 2?``. Fine-tuning it for a few epochs is enough to give each recipe a model
+form ``What is 7 - 2?``. Fine-tuning it (with ``loongsage sft``, through
+``make_quickstart_model.finetune``) for a few epochs is enough to give each recipe a model
 that samples some right answers (so the reward is not stuck at 0) and leaves room to learn.
 
 ``math_dapo`` (``--only math_dapo``):
@@ -20,12 +21,18 @@ that samples some right answers (so the reward is not stuck at 0) and leaves roo
       much better than the student (the quickstart model) on its own task; the recipe routes each
       data source to its teacher.
 
+``sft`` (``--only sft``):
+    * ``configs/recipes/sft_data/word_problems_chat.jsonl``: the data of the SFT recipe
+      (``configs/recipes/sft.toml``): chats of one or two word problems (``{"messages": [...]}``
+      rows, user question then the bare answer), drawn from the same problem generator.
+
 Everything is seeded and runs on one CPU thread: the same arguments rewrite the same files.
 
 Usage::
 
     python scripts/make_recipe_models.py                  # both recipes
     python scripts/make_recipe_models.py --only mopd
+    python scripts/make_recipe_models.py --only sft       # the SFT recipe's chat data only
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ import argparse
 import json
 import random
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -82,6 +90,22 @@ def _save(model: Any, tok: Any, out: Path) -> None:
     print(f"wrote {out}", flush=True)
 
 
+def build_sft_data(args: argparse.Namespace) -> None:
+    """Write the chat data of the SFT recipe: ``--sft-chats`` conversations of one or two problems."""
+    rng = random.Random(args.seed + 7)
+    problems = word_problems(args.num_problems, args.seed + 7)
+    out = RECIPES / "sft_data" / "word_problems_chat.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out, "w") as f:
+        for _ in range(args.sft_chats):
+            messages = []
+            for row in rng.sample(problems, rng.choice((1, 2))):
+                messages += [{"role": "user", "content": row["prompt"]},
+                             {"role": "assistant", "content": row["label"]}]
+            f.write(json.dumps({"messages": messages}) + "\n")
+    print(f"wrote {args.sft_chats} chats to {out}", flush=True)
+
+
 def build_math_dapo(mq: Any, args: argparse.Namespace) -> None:
     """Write the word-problem set and the warm-started model of the ``math_dapo`` recipe."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -95,12 +119,13 @@ def build_math_dapo(mq: Any, args: argparse.Namespace) -> None:
     print(f"wrote {len(rows)} problems to {out / 'word_problems.jsonl'}", flush=True)
 
     tok = AutoTokenizer.from_pretrained(str(QUICKSTART))
-    model = AutoModelForCausalLM.from_pretrained(str(QUICKSTART))
     train = _sft_rows(rows[:args.sft_problems])
-    mq.warm_start(model, tok, train, p_correct=1.0, epochs=args.clean_epochs, lr=args.lr,
-                  batch_size=32, seed=args.seed)
-    mq.warm_start(model, tok, train, p_correct=args.p_correct, epochs=args.noisy_epochs, lr=args.noisy_lr,
-                  batch_size=32, seed=args.seed + 3)
+    with tempfile.TemporaryDirectory(prefix="math-dapo-sft-") as tmp:
+        clean = mq.finetune("clean", train, Path(tmp), model={"path": str(QUICKSTART)}, p_correct=1.0,
+                            epochs=args.clean_epochs, lr=args.lr, batch_size=32, seed=args.seed)
+        noisy = mq.finetune("noisy", train, Path(tmp), model={"path": str(clean)}, p_correct=args.p_correct,
+                            epochs=args.noisy_epochs, lr=args.noisy_lr, batch_size=32, seed=args.seed + 3)
+        model = AutoModelForCausalLM.from_pretrained(str(noisy))
     held_out = _sft_rows(rows[-64:])
     print("math_dapo student:", json.dumps(mq.evaluate(model, tok, held_out, samples=4, max_new_tokens=8,
                                                       seed=args.seed + 1)), flush=True)
@@ -118,8 +143,10 @@ def build_mopd(mq: Any, args: argparse.Namespace) -> None:
         questions = list({r["prompt"]: r for r in rows}.values())
         model = AutoModelForCausalLM.from_pretrained(str(QUICKSTART))
         before = mq.evaluate(model, tok, questions, samples=2, max_new_tokens=8, seed=args.seed + 1)
-        mq.warm_start(model, tok, questions, p_correct=1.0, epochs=args.teacher_epochs, lr=args.teacher_lr,
-                      batch_size=32, seed=args.seed)
+        with tempfile.TemporaryDirectory(prefix=f"{name}-sft-") as tmp:
+            trained = mq.finetune(name, questions, Path(tmp), model={"path": str(QUICKSTART)}, p_correct=1.0,
+                                  epochs=args.teacher_epochs, lr=args.teacher_lr, batch_size=32, seed=args.seed)
+            model = AutoModelForCausalLM.from_pretrained(str(trained))
         after = mq.evaluate(model, tok, questions, samples=2, max_new_tokens=8, seed=args.seed + 1)
         print(f"{name} ({op}): student {json.dumps(before)} -> teacher {json.dumps(after)}", flush=True)
         _save(model, tok, RECIPES / "mopd" / name)
@@ -127,7 +154,7 @@ def build_mopd(mq: Any, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("math_dapo", "mopd"), help="build one recipe's files only")
+    parser.add_argument("--only", choices=("math_dapo", "mopd", "sft"), help="build one recipe's files only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-problems", type=int, default=2000, help="word problems in the shipped set")
     parser.add_argument("--sft-problems", type=int, default=1200, help="problems the student is fine-tuned on")
@@ -136,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--p-correct", type=float, default=0.3, help="share of right targets when noisy")
     parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate of the clean phase")
     parser.add_argument("--noisy-lr", type=float, default=3e-4, help="peak learning rate of the noisy phase")
+    parser.add_argument("--sft-chats", type=int, default=400, help="conversations of the SFT recipe's data")
     parser.add_argument("--teacher-epochs", type=int, default=20)
     parser.add_argument("--teacher-lr", type=float, default=1e-3)
     args = parser.parse_args(argv)
@@ -152,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         build_math_dapo(mq, args)
     if args.only in (None, "mopd"):
         build_mopd(mq, args)
+    if args.only in (None, "sft"):
+        build_sft_data(args)
     print(f"done in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0
 

@@ -110,3 +110,32 @@ def test_apply_override_creates_list_entries():
     apply_override(raw, "data.0.name=x")
     apply_override(raw, "loggers.0.name=jsonl")
     assert raw == {"data": [{"name": "x"}], "loggers": [{"name": "jsonl"}]}
+
+
+LORA = GOOD.replace("[async]", "[train.lora]\nrank = 4\nalpha = 8\ntarget_modules = \"all-linear\"\n[async]", 1)
+
+
+def test_lora_table_structures_and_round_trips(tmp_path):
+    job = load_job(write(tmp_path, LORA))
+    lora = job.train.lora
+    assert (lora.rank, lora.alpha, lora.dropout, lora.target_modules, lora.all_linear) == (4, 8.0, 0.0,
+                                                                                          ["all-linear"], True)
+    assert load_job(write(tmp_path, GOOD)).train.lora is None
+    again = structure_job(tomllib.loads(dump_job_toml(job)))
+    assert again.train.lora == lora
+    named = load_job(write(tmp_path, LORA), ['train.lora.target_modules=["q_proj", "v_proj"]'])
+    assert named.train.lora.target_modules == ["q_proj", "v_proj"] and not named.train.lora.all_linear
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.lora.rank=0", "must be an integer >= 1, got 0 at key 'train.lora.rank'"),
+    ("train.lora.dropout=1.0", "< 1, got 1.0 at key 'train.lora.dropout'"),
+    ("train.lora.alpha=0", "> 0, got 0.0 at key 'train.lora.alpha'"),
+    ("train.lora.target_modules=[]", "non-empty list of module names, got [] at key 'train.lora.target_modules'"),
+    ('train.lora.target_modules=["all-linear", "q_proj"]', "\"all-linear\" stands alone"),
+    ("train.lora.rnk=3", "did you mean 'train.lora.rank'"),
+])
+def test_bad_lora_settings_name_the_key(tmp_path, override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_job(write(tmp_path, LORA), [override])
+    assert expected in str(err.value) and "job.toml" in str(err.value)

@@ -1,5 +1,5 @@
 """The recipes in configs/recipes/: each validates with the CLI, and the critic recipe (PPO with
-GAE and a value model), DAPO and the folder recipes (math_dapo, mopd: their own data and tiny
+GAE and a value model), DAPO, GRPO with LoRA and the folder recipes (math_dapo, mopd: their own data and tiny
 models, built by scripts/make_recipe_models.py) run end to end on a real local Ray cluster."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from loongsage_core.resolve import resolve_job
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = REPO / "configs" / "recipes"
-EXPECTED = {"grpo", "dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "ppo_critic"}
+EXPECTED = {"grpo", "grpo_lora", "dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "ppo_critic"}
 SMALL = ("train.total_steps=2", "rollout.prompts_per_step=4", "rollout.samples_per_prompt=4",
          "train.mini_batch_size=16", "train.micro_batch_size=8", "run.checkpoint_every=1", "run.keep_checkpoints=3")
 
@@ -39,6 +39,10 @@ def test_every_recipe_validates_with_the_cli():
 
 def test_recipes_pick_their_algorithms():
     jobs = {p.stem: load_job(p) for p in RECIPES.glob("*.toml")}
+    sft = jobs.pop("sft")  # the supervised recipe (loongsage sft): chat data, no algorithm
+    assert sft.sft is not None and sft.sft.loss_on == "assistant" and sft.sft.packing
+    assert Path(sft.resolve_path(sft.model.path)) == REPO / "configs" / "quickstart" / "model"
+    assert all(job.sft is None for job in jobs.values())
     for name, job in jobs.items():
         assert Path(job.resolve_path(job.model.path)) == REPO / "configs" / "quickstart" / "model", name
         assert [d.generator for d in job.data] == ["arithmetic"], name
@@ -92,6 +96,29 @@ def test_dapo_recipe_runs_end_to_end(ray_cluster, tmp_path):
         assert "rollout_per_source/arithmetic/reward/overlong_penalty/score" in m
         assert m["rollout_per_source/arithmetic/reward/overlong_penalty/score"] <= 0.0
         assert m["train/clip_ratio"] >= 0.0
+
+
+def test_grpo_lora_recipe_trains_the_adapter_alone(ray_cluster, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path / "grpo_lora"
+    job = load_job(RECIPES / "grpo_lora.toml", SMALL)
+    assert job.train.lora is not None and job.algorithm.kl
+    history = run_job(resolve_job(job), output_dir=str(out))
+    assert [m["step"] for m in history] == [0, 1]
+    # the reference is the base model: at step 0 the adapter is a no-op (B = 0), so the KL is 0
+    assert history[0]["train/kl"] == 0.0 and history[1]["train/kl"] > 0.0
+    adapter = load_file(str(out / "final_adapter" / "adapter_model.safetensors"))
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapter.values())
+    merged = load_file(str(out / "final_hf" / "model.safetensors"))
+    assert adapter_bytes < sum(t.numel() * t.element_size() for t in merged.values()) / 4
+    for m in history:  # only the adapter goes to the engine
+        assert m["perf/weight_sync_perf/weight_update_bytes"] == adapter_bytes
+    assert not any(".lora_" in name for name in merged)
+    state = torch.load(out / "checkpoints" / "step_000002" / "trainer" / "trainer_state.pt", weights_only=True)
+    assert state["weights"] == "adapter" and set(state["model"]) and all(".lora_" in n for n in state["model"])
+    assert any(not torch.all(t == 0) for n, t in adapter.items() if "lora_B" in n)  # the adapter trained
 
 
 def test_critic_resources_are_checked_before_starting(tmp_path):

@@ -101,6 +101,13 @@ CASES = {
     "module exiting on import": (lambda t: [f'plugins.modules=["{_module(t, "import sys; sys.exit(3)")}"]'],
                                  "user_module.py' failed: the module called sys.exit(3)"),
     "colocated engines above trainers": (lambda t: ["rollout.num_engines=2"], "needs rollout.num_engines (2) <="),
+    "lora rank 0": (lambda t: ["train.lora={rank=0}"], "must be an integer >= 1, got 0 at key 'train.lora.rank'"),
+    "lora with a reference refresh": (lambda t: ["train.lora={rank=4}", "algorithm.kl=k3", "algorithm.kl_coef=0.1",
+                                                 "algorithm.ref_update_every=5"],
+                                      "algorithm.ref_update_every = 5 with train.lora"),
+    "lora on a backend without it": (lambda t: ["train.lora={rank=4}", 'plugins.enable=["torch", "rl", "rewards", '
+                                                '"loggers", "agents", "megatron"]', "train.backend=megatron"],
+                                     "train.lora: train.backend = 'megatron' does not support LoRA adapters"),
 }
 
 

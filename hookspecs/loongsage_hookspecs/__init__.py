@@ -16,6 +16,7 @@ from __future__ import annotations
 from . import hookspecs
 from .chat import prompt_messages
 from .hookspecs import KINDS, Kind
+from .lora import LORA_ADAPTER_NAME, LORA_TENSOR_SUFFIXES, is_lora_tensor
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .protocols import (
     Agent,
@@ -64,6 +65,7 @@ from .registry import ComponentRegistry
 from .settings import (
     CriticSettings,
     JobSettings,
+    LoraSettings,
     ModelSettings,
     RolloutSettings,
     RunSettings,

@@ -226,7 +226,14 @@ class EngineRouter(Protocol):
 
 @runtime_checkable
 class WeightSender(Protocol):
-    """Trainer side of a weight transport: pushes named tensors into every target engine."""
+    """Trainer side of a weight transport: pushes named tensors into every target engine.
+
+    In a ``[train] lora`` run the tensors are the adapter alone (:mod:`loongsage_hookspecs.lora`);
+    a transport that moves named tensors carries it unchanged. A sender that must know the
+    adapter's settings (to write an adapter directory for its engines) may also have
+    ``configure_lora(settings: LoraSettings) -> None``, which the host calls once, before the
+    first ``send`` of a LoRA run.
+    """
 
     def send(self, weights: Iterable[tuple[str, "torch.Tensor"]], version: int,
              targets: list[Any]) -> dict[str, float]: ...
@@ -270,6 +277,11 @@ class TrainWorker(Protocol):
     ``data_parallel_rank`` and ``data_parallel_size``: the controller then splits rows over
     replicas and gives every rank of one replica the same rows. Without them each rank is its
     own replica (rank ``ctx.rank`` of ``ctx.world_size``).
+
+    A backend whose spec declares ``supports_lora`` trains a ``[train] lora`` adapter; its workers
+    then also have ``serves_reference`` (true: no reference worker is built), ``reference_forward``
+    (:meth:`forward` with the adapter disabled: the KL reference) and ``save_adapter(path)`` (a
+    PEFT adapter directory, written at the end of the run beside ``final_hf/``).
     """
 
     def forward(self, batch: "Batch") -> dict[str, "torch.Tensor"]:

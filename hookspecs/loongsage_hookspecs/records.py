@@ -192,6 +192,8 @@ class SamplingParams:
 BATCH_FIELDS: Mapping[str, str] = {
     "input_ids": "[B, T] long token ids, right-padded",
     "attention_mask": "[B, T] 1 on real tokens, 0 on padding",
+    "position_ids": "[B, T] long, optional: packed rows, positions restart at 0 for each sequence in a row "
+                    "(attention stays within each sequence)",
     "loss_mask": "[B, T] 1 on trained (policy-generated) tokens",
     "rollout_logprobs": "[B, T] engine log-probs of the sampled tokens",
     "old_logprobs": "[B, T] trainer log-probs before the update (recomputed or = rollout)",

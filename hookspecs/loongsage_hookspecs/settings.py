@@ -29,6 +29,22 @@ class ModelSettings(Protocol):
     def seed(self) -> int: ...
 
 
+class LoraSettings(Protocol):
+    """``[train] lora``: the LoRA adapter trained instead of every weight.
+
+    ``target_modules`` is a list of module names, or ``["all-linear"]`` for every linear layer
+    except the output layer; the adapter's update is ``alpha / rank * B @ A``."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def alpha(self) -> float: ...
+    @property
+    def dropout(self) -> float: ...
+    @property
+    def target_modules(self) -> list[str]: ...
+
+
 class TrainSettings(Protocol):
     """``[train]``: optimizer, schedule, batch sizes and the backend's own ``backend_args``."""
 
@@ -58,6 +74,8 @@ class TrainSettings(Protocol):
     def gradient_checkpointing(self) -> bool: ...
     @property
     def backend_args(self) -> dict[str, Any]: ...
+    @property
+    def lora(self) -> LoraSettings | None: ...
 
 
 class CriticSettings(Protocol):

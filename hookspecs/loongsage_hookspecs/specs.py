@@ -213,16 +213,24 @@ class LoggerSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class TrainBackendSpec(ComponentSpec):
-    """``factory(ctx: TrainWorkerContext) -> TrainWorker``, called inside each trainer actor."""
+    """``factory(ctx: TrainWorkerContext) -> TrainWorker``, called inside each trainer actor.
+
+    ``supports_lora``: the backend trains ``[train] lora`` adapters (its workers then yield the
+    adapter alone from ``named_weights`` and score the KL reference with it disabled); a job with
+    ``[train] lora`` on a backend without it is refused at validation.
+    """
 
     factory: "Callable[..., Any]"
+    supports_lora: bool = False
 
 
 @attrs.define(frozen=True, kw_only=True)
 class RolloutEngineSpec(ComponentSpec):
     """``factory(ctx: EngineContext) -> RolloutEngine``, called inside each engine actor.
 
-    The engine serves SGLang's native HTTP API.
+    The engine serves SGLang's native HTTP API. ``supports_lora``: the engine applies LoRA adapter
+    updates (:mod:`loongsage_hookspecs.lora`) and serves ``lora_path`` = ``LORA_ADAPTER_NAME``.
     """
 
     factory: "Callable[..., Any]"
+    supports_lora: bool = False

@@ -124,16 +124,19 @@ class EnginePool:
     Args:
         secret: the run secret every request carries.
         timeout_s: the limit of one ``/generate`` call.
+        lora_path: the LoRA adapter every generation names (a LoRA run's), or ``None``.
     """
 
-    def __init__(self, secret: str | None, timeout_s: float | None) -> None:
+    def __init__(self, secret: str | None, timeout_s: float | None, lora_path: str | None = None) -> None:
         self.secret = secret
         self.timeout_s = timeout_s
+        self.lora_path = lora_path
         self._clients: dict[str, EngineClient] = {}
 
     def client(self, url: str) -> EngineClient:
         if url not in self._clients:  # no connection limit: the balancer spreads the load
-            self._clients[url] = EngineClient(url, timeout=self.timeout_s, api_key=self.secret, max_connections=None)
+            self._clients[url] = EngineClient(url, timeout=self.timeout_s, api_key=self.secret, max_connections=None,
+                                              lora_path=self.lora_path)
         return self._clients[url]
 
     async def generate(self, url: str, input_ids: list[int], sampling_params: dict[str, Any], rid: str,

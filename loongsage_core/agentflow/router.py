@@ -96,7 +96,8 @@ class AgentFlowRouter:
                  render_threads: int = 4,
                  default_sampling: Mapping[str, Any] | None = None, max_context_length: int | None = None,
                  engine_timeout_s: float = 600.0, max_continuations: int = 8, chat_template: str | None = None,
-                 turn_end_ids: Sequence[int] | None = None, access_log_path: str | None = None) -> None:
+                 turn_end_ids: Sequence[int] | None = None, access_log_path: str | None = None,
+                 lora_path: str | None = None) -> None:
         self.tokenizer = _load_tokenizer(tokenizer)
         self.renderer = ChatRenderer(self.tokenizer, chat_template=chat_template, turn_end_ids=turn_end_ids)
         self.balancer = EngineBalancer(engine_urls)
@@ -116,7 +117,7 @@ class AgentFlowRouter:
                                                                   thread_name_prefix="agentflow-render")
         self.registry = TrajectoryRegistry(self.renderer, self._abort_at_engine, self.balancer.forget, secret=secret,
                                            default_sampling=default_sampling, max_context_length=max_context_length)
-        self.engines = EnginePool(secret, engine_timeout_s)
+        self.engines = EnginePool(secret, engine_timeout_s, lora_path)
         limits = TurnLimits(max_prompt_chars=max_prompt_chars, max_continuations=max_continuations)
         self.turns = TurnRunner(self.registry, self.renderer, self.balancer, self.engines, middlewares, model_name,
                                 limits, self._render_pool)

@@ -2,7 +2,8 @@
 
 Each actor rebuilds the plugin host from the job (so user hookimpl modules load there too) and
 builds its components through their factories: the train backend's worker, a frozen reference
-worker when a KL term needs one, and the rollout engine, whose HTTP server runs in a background
+worker when a KL term needs one (unless the policy worker scores the reference itself: a LoRA
+policy with its adapter disabled, ``serves_reference``), and the rollout engine, whose HTTP server runs in a background
 thread of the actor and is reached by URL like any SGLang server. The engine listens on its node's
 address (Ray's node IP: loopback on a local cluster, the machine's address on a multi-node one)
 and its URL carries that address.
@@ -70,7 +71,7 @@ class ModelActor:
             ctx = TrainWorkerContext(job=job, components=self.host, rank=self.rank, world_size=self.world_size,
                                      master_addr=master_addr, master_port=master_port, role="actor")
             self.worker = spec.factory(ctx)
-            if self.needs_reference:
+            if self.needs_reference and not getattr(self.worker, "serves_reference", False):
                 ref_ctx = TrainWorkerContext(job=job, components=self.host, rank=0, world_size=1, role="reference")
                 self.reference = spec.factory(ref_ctx)
         if self.engine_index is not None:
@@ -94,6 +95,8 @@ class ModelActor:
         return self.worker.forward(batch)
 
     def reference_forward(self, batch: Batch) -> dict[str, Any]:
+        if self.reference is None:  # the policy scores its own reference (LoRA: the adapter disabled)
+            return self.worker.reference_forward(batch)
         return self.reference.forward(batch)
 
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
@@ -139,6 +142,9 @@ class ModelActor:
         spec = self.host.get("weight_transport", self.job.rollout.weight_transport)
         if not hasattr(self, "_sender"):
             self._sender = spec.sender(**self.job.rollout.weight_transport_args)
+            configure_lora = getattr(self._sender, "configure_lora", None)
+            if self.job.train.lora is not None and callable(configure_lora):
+                configure_lora(self.job.train.lora)  # a sender that writes adapter files needs rank/alpha
         start = time.perf_counter()
         out = self._sender.send(self.worker.named_weights(), version, [self.engine] if targets is None else targets)
         stats = dict(out or {})
@@ -153,6 +159,9 @@ class ModelActor:
 
     def save_hf(self, path: str) -> None:
         self.worker.save_hf(path)
+
+    def save_adapter(self, path: str) -> None:
+        self.worker.save_adapter(path)
 
     def shutdown(self) -> None:
         if self.engine is not None:

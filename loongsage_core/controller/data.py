@@ -35,7 +35,7 @@ from ..config import ConfigError, DataConfig, JobConfig
 from .mixing import integer_weights, interleave_by_source, quota_sequence, round_shares
 
 __all__ = ["DataMixer", "Prompt", "integer_weights", "interleave_by_source", "load_rows", "quota_sequence",
-           "read_jsonl_file", "round_shares"]
+           "read_jsonl_file", "read_source", "round_shares"]
 
 
 @attrs.define
@@ -127,6 +127,17 @@ def load_rows(job: JobConfig, index: int, components: Any) -> list[dict[str, Any
     """
     src = job.data[index]
     where = f"{job.source_path or '<job>'}: data[{index}] ('{src.name}')"
+    rows = [map_fields(r, src, f"{where}: {loc}") for loc, r in read_source(job, index, components)]
+    if not rows:
+        raise ConfigError(f"{where}: the data source is empty")
+    return rows
+
+
+def read_source(job: JobConfig, index: int, components: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(location, raw row)`` of every row of data source ``index``, as stored (no field mapping):
+    a file's rows (JSONL, parquet, a saved ``datasets`` directory) or a data source plugin's."""
+    src = job.data[index]
+    where = f"{job.source_path or '<job>'}: data[{index}] ('{src.name}')"
     raw: Iterator[tuple[str, dict[str, Any]]]
     if src.generator:
         spec = components.get("data_source", src.generator, where=f"{where}.generator")
@@ -151,10 +162,7 @@ def load_rows(job: JobConfig, index: int, components: Any) -> list[dict[str, Any
                 raise ConfigError(f"{where}.split: only a saved DatasetDict directory has splits; "
                                   f"'{path}' is a file")
             raw = _read_parquet(path, where) if path.suffix in (".parquet", ".pq") else read_jsonl_file(path, where)
-    rows = [map_fields(r, src, f"{where}: {loc}") for loc, r in raw]
-    if not rows:
-        raise ConfigError(f"{where}: the data source is empty")
-    return rows
+    return raw
 
 
 def _check_prompt(value: Any, src: DataConfig, where: str) -> None:

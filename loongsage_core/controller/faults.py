@@ -186,7 +186,7 @@ class FaultSupervisor:
         rollout = ctrl.rollout
         old = {id(c): c for c in (rollout.clients[index], rollout.generate_clients[index])}
         # the same list the phase switch and generation use; the engine wants the run secret
-        rollout.clients[index] = EngineClient(url, api_key=ctrl.secret)
+        rollout.clients[index] = EngineClient(url, api_key=ctrl.secret, lora_path=rollout.lora_path)
         rollout.generate_clients[index] = rollout.clients[index]
         rollout.generate_urls[index] = url
         if rollout.router is not None:

@@ -76,7 +76,10 @@ class RunLifecycle(RunState):
         self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls,
                                       secret=self.secret)
         self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
-        self._maybe_resume()
+        if not self._maybe_resume() and self.job.train.lora is not None:
+            # the engines load the (still no-op) adapter before the first generation names it:
+            # SGLang serves a request's lora_path only once that adapter is loaded
+            self._push_weights()
         self.phases.to_generation()  # a colocated trainer gives the devices to the engines first
         # per-step files keep only the steps before this run's first one (all of them for a fresh
         # run into an old directory; the redone ones after a resume)
@@ -140,6 +143,8 @@ class RunLifecycle(RunState):
         if self.job.run.save_hf_at_end and self.actors is not None:
             # every rank takes part (rank 0 writes, the others meet it at a barrier)
             gather([a.save_hf.remote(str(self.output_dir / "final_hf")) for a in self.actors.trainers])
+            if self.job.train.lora is not None:  # the adapter alone too, as a PEFT directory
+                gather([a.save_adapter.remote(str(self.output_dir / "final_adapter")) for a in self.actors.trainers])
 
     def close(self) -> None:
         set_process_secret(None)  # the run's secret ends with the run (a later run in this process makes its own)

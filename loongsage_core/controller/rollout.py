@@ -23,7 +23,14 @@ import hashlib
 import time
 from typing import Any, Awaitable, Sequence
 
-from loongsage_hookspecs import Segment, Trajectory, TrajectoryGroup, TrajectoryStatus, prompt_messages
+from loongsage_hookspecs import (
+    LORA_ADAPTER_NAME,
+    Segment,
+    Trajectory,
+    TrajectoryGroup,
+    TrajectoryStatus,
+    prompt_messages,
+)
 
 from ..agentflow.tito import ChatRenderer
 from ..config import ConfigError, DataConfig, JobConfig
@@ -91,10 +98,12 @@ class RolloutManager:
         self.components = components
         self.tokenizer = tokenizer
         self.secret = secret
-        self.clients = [EngineClient(url, api_key=secret) for url in engine_urls]
+        # a LoRA run's generations name its adapter (SGLang serves the base model without it)
+        self.lora_path = LORA_ADAPTER_NAME if job.train.lora is not None else None
+        self.clients = [EngineClient(url, api_key=secret, lora_path=self.lora_path) for url in engine_urls]
         self.generate_urls = list(generate_urls) if generate_urls else list(engine_urls)
-        self.generate_clients = self.clients if not generate_urls else [EngineClient(u, api_key=secret)
-                                                                        for u in self.generate_urls]
+        self.generate_clients = self.clients if not generate_urls else [
+            EngineClient(u, api_key=secret, lora_path=self.lora_path) for u in self.generate_urls]
         # a load balancer takes one sampling_params per request (and routes each sample itself)
         self.one_request_per_sample = bool(generate_urls)
         self.sources = {src.name: src for src in job.data}
@@ -118,7 +127,7 @@ class RolloutManager:
                                           port=af.port, max_context_length=self.job.rollout.max_context_length,
                                           secret=self.secret, max_request_bytes=af.max_request_bytes,
                                           max_prompt_chars=af.max_prompt_chars,
-                                          access_log_path=af.access_log or None)
+                                          access_log_path=af.access_log or None, lora_path=self.lora_path)
             self.router.start()
         return str(self.router.base_url)
 

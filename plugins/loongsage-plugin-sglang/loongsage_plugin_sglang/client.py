@@ -64,6 +64,11 @@ def update_weights_from_disk_body(model_path: str, *, load_format: str | None = 
                  flush_cache=flush_cache, abort_all_requests=abort_all_requests)
 
 
+def load_lora_adapter_body(lora_name: str, lora_path: str, *, pinned: bool | None = None) -> dict[str, Any]:
+    """``LoadLoRAAdapterReqInput`` as JSON: load the PEFT adapter directory ``lora_path`` as ``lora_name``."""
+    return _body(lora_name=lora_name, lora_path=str(lora_path), pinned=pinned)
+
+
 def init_weights_update_group_body(master_address: str, master_port: int, rank_offset: int, world_size: int, *,
                                    group_name: str = DEFAULT_GROUP, backend: str = "nccl") -> dict[str, Any]:
     """``InitWeightsUpdateGroupReqInput`` as JSON."""
@@ -133,6 +138,19 @@ class SGLangClient:
         return self.request("POST", "/update_weights_from_disk", update_weights_from_disk_body(
             model_path, load_format=load_format, weight_version=weight_version, flush_cache=flush_cache,
             abort_all_requests=abort_all_requests), timeout=None)
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load the PEFT adapter directory ``lora_path`` (readable by the server) as ``lora_name``."""
+        return self.request("POST", "/load_lora_adapter", load_lora_adapter_body(lora_name, lora_path), timeout=None)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload the adapter ``lora_name`` (requests naming it are refused until it is loaded again)."""
+        return self.request("POST", "/unload_lora_adapter", {"lora_name": lora_name}, timeout=None)
+
+    def update_weight_version(self, version: int | str, *, abort_all_requests: bool = False) -> dict[str, Any]:
+        """Set the version the server reports and tags its tokens with (``UpdateWeightVersionReqInput``)."""
+        return self.request("POST", "/update_weight_version",
+                            {"new_version": str(version), "abort_all_requests": abort_all_requests})
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int, *,
                                   group_name: str = DEFAULT_GROUP, backend: str = "nccl",

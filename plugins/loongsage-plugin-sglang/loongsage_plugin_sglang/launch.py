@@ -10,7 +10,12 @@ Flags that come from the job (SGLang's own argument names):
 * ``--random-seed``: ``[run] seed`` plus the engine index (engines sample differently);
 * ``--tp-size``: 1 unless ``engine_args`` says otherwise; ``--weight-version``: ``0``;
 * ``--enable-memory-saver`` in colocated runs with ``[placement] offload`` (the engine releases
-  its memory while the trainer trains, which SGLang only allows with the memory saver).
+  its memory while the trainer trains, which SGLang only allows with the memory saver);
+* with ``[train] lora``: ``--enable-lora``, ``--max-lora-rank`` (the rank) and
+  ``--lora-target-modules`` (the module names; ``all`` for ``"all-linear"``), so the trained
+  adapter can be loaded by name (``/load_lora_adapter``); in a colocated run with offload also
+  ``--enable-weights-cpu-backup``: only the adapter is sent after training, so the base weights
+  must come back from host memory when the engine takes its memory back.
 
 Every key of ``[rollout] engine_args`` becomes ``--kebab-case`` (``mem_fraction_static = 0.7`` ->
 ``--mem-fraction-static 0.7``): ``true`` is a bare flag, ``false`` leaves it out, a list repeats
@@ -137,6 +142,14 @@ def build_launch_command(job: JobSettings, *, host: str = "127.0.0.1", port: int
                                     "run with [placement] offload = true releases the engine's memory while "
                                     "training, which needs it; remove the key or set placement.offload = false")
         args["enable_memory_saver"] = True
+    lora = getattr(getattr(job, "train", None), "lora", None)
+    if lora is not None:
+        targets = list(lora.target_modules)
+        args.setdefault("enable_lora", True)
+        args.setdefault("max_lora_rank", int(lora.rank))
+        args.setdefault("lora_target_modules", ["all"] if targets == ["all-linear"] else targets)
+        if "enable_memory_saver" in args:
+            args.setdefault("enable_weights_cpu_backup", True)
     argv = [python or sys.executable, "-m", "sglang.launch_server",
             "--model-path", job.resolve_path(job.model.path)]
     tok = tokenizer_dir(job)

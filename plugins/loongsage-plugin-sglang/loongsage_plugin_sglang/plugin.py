@@ -19,7 +19,8 @@ from . import create_server, disk_sender, nccl_sender, sglang_router, tensor_sen
 def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
     yield RolloutEngineSpec(name="sglang", factory=create_server,
                             description="SGLang server subprocess per engine (python -m sglang.launch_server; "
-                                        "[rollout] engine_args pass through as flags); needs a GPU")
+                                        "[rollout] engine_args pass through as flags); needs a GPU",
+                            supports_lora=True)
 
 
 @hookimpl

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from .client import SGLangClient
 from .targets import target_url
+from .transport_lora import LoraSwitch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -87,7 +88,7 @@ def copy_model_files(src: str | Path, dst: str | Path) -> list[str]:
     return copied
 
 
-class DiskSender:
+class DiskSender(LoraSwitch):
     """Trainer side of ``sglang_disk`` (a ``WeightSender``).
 
     ``directory``: where version directories are written (default: a fresh temporary directory);
@@ -123,6 +124,8 @@ class DiskSender:
 
     def send(self, weights: Iterable[tuple[str, "torch.Tensor"]], version: int, targets: list[Any]) -> dict[str, float]:
         """Write version ``version`` and have every target reload it; returns timing metrics."""
+        if self._lora is not None:  # a LoRA run: the adapter goes through SGLang's adapter endpoints
+            return self._send_adapter(weights, version, targets, "sglang_disk")
         urls = [target_url(t, "sglang_disk") for t in targets]
         start = time.perf_counter()
         path = self.version_dir(version)
@@ -156,6 +159,7 @@ class DiskSender:
 
     def close(self) -> None:
         """Delete the version directories this sender wrote (and its own temporary directory)."""
+        self._close_adapter()
         for path in self._written:
             shutil.rmtree(path, ignore_errors=True)
         self._written = []

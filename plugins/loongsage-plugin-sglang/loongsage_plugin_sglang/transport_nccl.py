@@ -35,6 +35,7 @@ from loongsage_core.backend_api import (
 
 from .client import SGLangClient, update_weights_from_distributed_body
 from .targets import target_url
+from .transport_lora import LoraSwitch
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -72,7 +73,7 @@ def bucket_metadata(bucket: list[tuple[str, "torch.Tensor"]]) -> tuple[list[str]
     return ([n for n, _ in bucket], [dtype_name(t.dtype) for _, t in bucket], [list(t.shape) for _, t in bucket])
 
 
-class NcclSender:
+class NcclSender(LoraSwitch):
     """Trainer side of ``sglang_nccl`` (a ``WeightSender``).
 
     ``bucket_bytes``: bucket size (default 512 MiB); ``tp_size``: ranks of each SGLang server (its
@@ -145,6 +146,8 @@ class NcclSender:
     # -- sending -------------------------------------------------------------------------------
     def send(self, weights: Iterable[tuple[str, "torch.Tensor"]], version: int, targets: list[Any]) -> dict[str, float]:
         """Broadcast ``weights`` to every target as weight version ``version``; returns timing metrics."""
+        if self._lora is not None:  # a LoRA run: the adapter goes through SGLang's adapter endpoints
+            return self._send_adapter(weights, version, targets, "sglang_nccl")
         import torch.distributed as dist
 
         urls = [target_url(t, "sglang_nccl") for t in targets]
@@ -187,6 +190,7 @@ class NcclSender:
 
     def close(self) -> None:
         """Ask the engines to leave the group, then destroy the trainer's side (idempotent)."""
+        self._close_adapter()
         if self.group is not None:
             for url in self.urls or []:
                 try:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from .client import SGLangClient
 from .targets import target_url
+from .transport_lora import LoraSwitch
 from .transport_nccl import iter_buckets
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -59,7 +60,7 @@ def serialize_named_tensors(named: list[tuple[str, "torch.Tensor"]]) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-class TensorHandleSender:
+class TensorHandleSender(LoraSwitch):
     """Trainer side of ``sglang_tensor`` (a ``WeightSender``).
 
     ``bucket_bytes``: staging bucket size (default 512 MiB); ``num_buffers``: staging buffers in
@@ -115,6 +116,8 @@ class TensorHandleSender:
 
     def send(self, weights: Iterable[tuple[str, "torch.Tensor"]], version: int, targets: list[Any]) -> dict[str, float]:
         """Hand ``weights`` to every target as weight version ``version``; returns timing metrics."""
+        if self._lora is not None:  # a LoRA run: the adapter goes through SGLang's adapter endpoints
+            return self._send_adapter(weights, version, targets, "sglang_tensor")
         urls = [target_url(t, "sglang_tensor") for t in targets]
         if not urls:
             return {}
@@ -156,6 +159,7 @@ class TensorHandleSender:
 
     def close(self) -> None:
         """Drop the staging buffers (their shared memory goes once no engine maps it) and clients."""
+        self._close_adapter()
         self._buffers = [None] * self.num_buffers
         for client in self._clients.values():
             client.close()

@@ -9,6 +9,11 @@ and answers like SGLang does (``{"success": true, "message": ...}``). Behaviour 
   ``/init_weights_update_group`` joins the trainer's process group (gloo, CPU) at ``rank_offset``
   and ``/update_weights_from_distributed`` receives the announced tensors by broadcast from rank 0
   and records them the same way;
+* ``/load_lora_adapter`` reads the PEFT adapter directory ``lora_path`` (``adapter_config.json``,
+  ``adapter_model.safetensors``) and records its tensors and config under ``lora_name``; like
+  SGLang it refuses a name that is already loaded; ``/unload_lora_adapter`` forgets one (an
+  unknown name is refused); ``/update_weight_version`` sets the version (``new_version``);
+  ``/generate`` answers 400 when its ``lora_path`` names no loaded adapter;
 * ``GET /_recorded`` returns the log; ``GET /get_weight_version`` answers 404 (as newer SGLang
   releases do) and ``GET /model_info`` carries the weight version.
 """
@@ -33,6 +38,7 @@ class StandIn:
         self.requests: list[dict[str, Any]] = []
         self.loaded: list[dict[str, Any]] = []
         self.weight_version = "0"
+        self.adapters: dict[str, dict[str, Any]] = {}
         self.join_groups = join_groups
         self.groups: dict[str, Any] = {}
         self.lock = threading.Lock()
@@ -73,7 +79,7 @@ class StandIn:
     def handle(self, h: Any, method: str, body: Any) -> None:
         path = h.path.split("?")[0]
         if path == "/_recorded":
-            return h._reply(200, {"requests": self.requests, "loaded": self.loaded})
+            return h._reply(200, {"requests": self.requests, "loaded": self.loaded, "adapters": self.adapters})
         with self.lock:
             self.requests.append({"method": method, "path": path, "body": body})
         if path in ("/get_weight_version", "/weight_version"):
@@ -88,6 +94,21 @@ class StandIn:
             return self.join(h, body)
         if path == "/update_weights_from_distributed" and self.join_groups:
             return self.receive(h, body)
+        if path == "/load_lora_adapter":
+            return self.load_adapter(h, body)
+        if path == "/unload_lora_adapter":
+            if body["lora_name"] not in self.adapters:
+                return h._reply(400, {"success": False, "error_message": f"LoRA adapter {body['lora_name']} not found"})
+            del self.adapters[body["lora_name"]]
+            return h._reply(200, {"success": True, "loaded_adapters": sorted(self.adapters)})
+        if path == "/update_weight_version":
+            self.weight_version = body["new_version"]
+            return h._reply(200, {"success": True, "message": "ok"})
+        if path == "/generate":
+            name = (body or {}).get("lora_path")
+            if name is not None and name not in self.adapters:
+                return h._reply(400, {"error": {"message": f"LoRA adapter {name!r} is not loaded"}})
+            return h._reply(200, {"text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "length"}}})
         if path == "/fail":
             return h._reply(400, {"success": False, "message": "bad things"})
         if body and body.get("weight_version") is not None:
@@ -105,6 +126,21 @@ class StandIn:
                 self.loaded.append({**tensor_record(name, t), "file": f.name, "version": body.get("weight_version")})
         self.weight_version = body.get("weight_version", self.weight_version)
         return h._reply(200, {"success": True, "message": "loaded", "num_paused_requests": 0})
+
+    def load_adapter(self, h: Any, body: dict[str, Any]) -> None:
+        from safetensors.torch import load_file
+
+        name, where = body["lora_name"], Path(body["lora_path"])
+        if name in self.adapters:
+            return h._reply(400, {"success": False, "error_message": f"LoRA adapter {name} is already loaded"})
+        try:
+            config = json.loads((where / "adapter_config.json").read_text())
+            tensors = load_file(str(where / "adapter_model.safetensors"))
+        except (OSError, ValueError) as exc:
+            return h._reply(400, {"success": False, "error_message": f"cannot load {where}: {exc}"})
+        self.adapters[name] = {"path": str(where), "config": config,
+                               "tensors": [tensor_record(n, t) for n, t in sorted(tensors.items())]}
+        return h._reply(200, {"success": True, "loaded_adapters": sorted(self.adapters)})
 
     def join(self, h: Any, body: dict[str, Any]) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

@@ -239,3 +239,19 @@ def test_engine_args_cannot_set_the_api_keys(tmp_path, key):
     job = load_job(write_job(tmp_path, engine_args=f'engine_args = {{ "{key}" = "mine" }}'))
     with pytest.raises(LaunchConfigError, match="run secret"):
         build_launch_command(job, port=30000)
+
+
+def test_lora_runs_launch_with_lora_enabled_and_a_weights_backup(tmp_path):
+    plain = sglang_command(load_job(write_job(tmp_path)), port=30000)
+    assert "--enable-lora" not in plain and "--enable-weights-cpu-backup" not in plain
+    job = load_job(write_job(tmp_path), ["train.lora={rank=16, target_modules=[\"q_proj\", \"v_proj\"]}"])
+    argv = sglang_command(job, port=30000)
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "16"
+    assert argv[argv.index("--lora-target-modules") + 1: argv.index("--lora-target-modules") + 3] == ["q_proj",
+                                                                                                     "v_proj"]
+    # colocated with offload: only the adapter comes back after training, so the base weights are kept
+    assert "--enable-weights-cpu-backup" in argv
+    apart = sglang_command(load_job(write_job(tmp_path), ["train.lora={rank=4}", "placement.colocate=false"]),
+                           port=30000)
+    assert "--enable-weights-cpu-backup" not in apart
+    assert apart[apart.index("--lora-target-modules") + 1] == "all"  # "all-linear" is SGLang's "all"

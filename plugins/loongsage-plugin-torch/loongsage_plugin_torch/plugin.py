@@ -28,13 +28,14 @@ from .transport import (
 def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="torch", factory=create_train_worker,
                            description="embedded PyTorch trainer (transformers models, AdamW, DP over "
-                                       "torch.distributed)")
+                                       "torch.distributed; LoRA through PEFT)", supports_lora=True)
 
 
 @hookimpl
 def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
     yield RolloutEngineSpec(name="torch", factory=create_engine,
-                            description="embedded engine: continuous batching, KV cache, SGLang-native HTTP API")
+                            description="embedded engine: continuous batching, KV cache, SGLang-native HTTP API",
+                            supports_lora=True)
 
 
 @hookimpl

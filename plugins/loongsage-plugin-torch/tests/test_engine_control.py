@@ -327,7 +327,8 @@ BAD_REQUESTS = [
     ({"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob", "boolean"),
     ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid", "duplicate"),
     ({"input_ids": [1, 2], "rid": 5}, "rid", "string"),
-    ({"input_ids": [1, 2], "lora_path": "x"}, "lora_path", "not supported"),
+    ({"input_ids": [1, 2], "lora_path": "x"}, "lora_path", "no [train] lora"),
+    ({"input_ids": [[1], [2]], "lora_path": ["policy"]}, "lora_path", "batch of 2"),
     ({"text": "hello"}, "text", "tokenizer"),
 ]
 

@@ -7,6 +7,9 @@ beyond loopback needs the run secret, ``ctx.api_key``);
 :meth:`EmbeddedEngine.shutdown` stops both. :meth:`EmbeddedEngine.load_weights` is the in-process
 weight-update entry (used by the in-process transport); HTTP updates go through
 ``/update_weights_from_tensor``, whose ``load_format`` names a weight transport component.
+With ``[train] lora`` an update may carry a LoRA adapter instead of full weights, over any
+transport; the engine merges it into its weights (:mod:`.adapter`), and requests may name it
+(``lora_path = "policy"``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 from loongsage_core.backend_api import check_listen_address
 from loongsage_hookspecs import EngineContext
 
+from ..lora import lora_scaling
 from ..modeling import ModelLoadError, load_model, load_tokenizer
+from .adapter import ADAPTER_NAME, AdapterMerger
 from .protocol import InvalidRequest
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -67,6 +72,9 @@ class EmbeddedEngine:
         self.scheduler = Scheduler(self.runner, self.settings, _eos_ids(self.model, self.tokenizer, self.vocab_size))
         if self.tokenizer is not None:  # stop strings are matched on decoded text
             self.scheduler.decode = lambda ids: self.decode(ids, skip_special_tokens=False)
+        lora = getattr(getattr(job, "train", None), "lora", None)
+        self.lora_scaling = lora_scaling(lora) if lora is not None else None
+        self.scheduler.adapter = AdapterMerger(self.lora_scaling)
         self._receivers: dict[str, Any] = {}
         self._weight_groups: Any = None
         self._http: Any = None  # the ThreadedServer serving the HTTP API
@@ -125,6 +133,12 @@ class EmbeddedEngine:
 
             self._weight_groups = BroadcastReceiver()
         return self._weight_groups
+
+    @property
+    def adapter_names(self) -> tuple[str, ...]:
+        """The LoRA adapters requests may name in ``lora_path``: the trained one (merged into the
+        weights, so naming it or not serves the same model), or none without ``[train] lora``."""
+        return (ADAPTER_NAME,) if self.lora_scaling is not None else ()
 
     @property
     def weight_version(self) -> int:

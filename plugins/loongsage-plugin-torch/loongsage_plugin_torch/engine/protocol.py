@@ -108,7 +108,7 @@ def _empty(v: Any) -> bool:
 # --------------------------------------------------------------------------------------------
 
 GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
-                   "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num"}
+                   "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "lora_path"}
 GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "log_metrics": lambda v: isinstance(v, bool) or v is None,
     # fields sglang-router adds to every request it forwards
@@ -123,7 +123,7 @@ GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "no_logs": lambda v: isinstance(v, bool) or v is None,
     "input_embeds": _none, "image_data": _none, "video_data": _none, "audio_data": _none,
     "token_ids_logprob": _none, "return_hidden_states": _false, "return_routed_experts": _false,
-    "return_entropy": _false, "lora_path": _none, "lora_id": _none, "session_params": _none,
+    "return_entropy": _false, "lora_id": _none, "session_params": _none,
     "custom_logit_processor": _none, "modalities": _none, "bootstrap_host": _none,
     "bootstrap_port": _none, "bootstrap_room": _none, "data_parallel_rank": _none,
     "routed_dp_rank": _none, "extra_key": _none, "return_prompt_token_ids": _false,
@@ -242,9 +242,26 @@ def _per_item(value: Any, count: int, key: str) -> list[Any]:
     return [value] * count
 
 
+def _check_lora_path(value: Any, count: int, adapters: Sequence[str]) -> None:
+    """``lora_path`` (SGLang: an adapter name per request, or one for all) must be unset or name an
+    adapter the engine serves (the embedded engine: the trained one, merged into its weights)."""
+    for i, name in enumerate(_per_item(value, count, "lora_path")):
+        if name is None:
+            continue
+        key = "lora_path" if not isinstance(value, list) else f"lora_path[{i}]"
+        if not isinstance(name, str):
+            raise InvalidRequest(f"'{key}' must be an adapter name (a string), got {name!r}", key)
+        if name not in adapters:
+            served = (f"it serves {', '.join(repr(a) for a in adapters)}" if adapters
+                      else "it serves none: the job sets no [train] lora")
+            raise InvalidRequest(f"'{key}' = {name!r} names no LoRA adapter of this engine ({served})", key)
+
+
 def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Callable[[str], list[int]] | None,
-                   can_decode: bool = True) -> tuple[list[GenerateItem], bool]:
-    """Validate a ``/generate`` body; returns the items and whether the input was a single prompt."""
+                   can_decode: bool = True, adapters: Sequence[str] = ()) -> tuple[list[GenerateItem], bool]:
+    """Validate a ``/generate`` body; returns the items and whether the input was a single prompt.
+
+    ``adapters``: the LoRA adapter names a request's ``lora_path`` may give."""
     body = _require_object(body, "/generate")
     _check_unknown(body, GENERATE_FIELDS, GENERATE_NEUTRAL)
     stream = _bool(body, "stream", False, "")
@@ -307,6 +324,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
     if len(sps) != count:
         raise InvalidRequest(f"'sampling_params' has {len(sps)} entries for a batch of {count}", "sampling_params")
     rl = _per_item(body.get("return_logprob"), count, "return_logprob")
+    _check_lora_path(body.get("lora_path"), count, adapters)
     items = []
     for i, prompt in enumerate(prompts):
         where_ids = "input_ids" if single else f"input_ids[{i}]"

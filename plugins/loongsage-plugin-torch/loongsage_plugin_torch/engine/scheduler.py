@@ -140,6 +140,7 @@ class Scheduler:
         self.paused = False
         self.released: set[str] = set()
         self.version = 0
+        self.adapter: Any = None  # an engine.adapter.AdapterMerger when the job trains a LoRA adapter
         self.stats = EngineStats()
         self._generator = torch.Generator().manual_seed(settings.seed)
         self._cond = threading.Condition()
@@ -290,7 +291,10 @@ class Scheduler:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, "torch.Tensor"]], version: int | None) -> int:
         """Copy tensors into the model in place and set the weight version (``None``: current + 1)."""
-        count = copy_named_tensors(self.runner.named_tensors(), named_tensors)
+        if self.adapter is not None:  # LoRA: adapter tensors are merged, full ones copied
+            count = self.adapter.load(self.runner.named_tensors(), named_tensors)
+        else:
+            count = copy_named_tensors(self.runner.named_tensors(), named_tensors)
         self.prefix_cache.clear()
         self.version = self.version + 1 if version is None else version
         return count

@@ -207,7 +207,7 @@ class EngineServer:
         body = await _body(request)
         items, single = parse_generate(body, vocab_size=engine.vocab_size,
                                        max_context=engine.settings.max_context_length, encode=engine.encode,
-                                       can_decode=engine.tokenizer is not None)
+                                       can_decode=engine.tokenizer is not None, adapters=engine.adapter_names)
         if items[0].stream:
             return await self._generate_stream(request, items[0])
         futures = engine.scheduler.submit(items)

@@ -25,8 +25,13 @@ def decoder_of(model: Any) -> Any:
 
 
 def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "torch.Tensor", *,
-                      compute_dtype: "torch.dtype", fp32_lm_head: bool) -> "torch.Tensor":
+                      compute_dtype: "torch.dtype", fp32_lm_head: bool,
+                      position_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Float32 logits ``[B, T-1, V]``: position ``t`` scores token ``t + 1``.
+
+    ``position_ids`` marks packed rows (several sequences per row, positions restarting at 0 for
+    each): the decoder then gets no padding mask and transformers derives a block-diagonal causal
+    mask from the restarts, so every sequence attends only to itself.
 
     When the parameters are stored in a wider dtype than ``compute_dtype`` (float32 master weights
     with bfloat16 compute), the decoder runs under autocast. The output projection runs in
@@ -41,8 +46,11 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "to
     autocast = (torch.autocast(device_type=device_type, dtype=compute_dtype)
                 if compute_dtype != param_dtype else contextlib.nullcontext())
     with autocast:
-        hidden = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask,
-                                   use_cache=False).last_hidden_state[:, :-1]
+        if position_ids is None:
+            out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        else:
+            out = decoder_of(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        hidden = out.last_hidden_state[:, :-1]
     bias = getattr(head, "bias", None)
     with torch.autocast(device_type=device_type, enabled=False):
         if fp32_lm_head:

@@ -15,6 +15,13 @@ AdamW step follows.
 * ``forward_micro_batch_size``: rows per chunk of :meth:`forward` (default ``micro_batch_size``);
 * ``dist_backend``: ``"auto"`` (NCCL on CUDA, Gloo on CPU), ``"gloo"`` or ``"nccl"``;
 * ``grad_sync_bucket_mb``: size of the flat gradient buckets all-reduced across ranks (64).
+
+With ``[train] lora`` the policy is wrapped in a PEFT LoRA adapter (:mod:`..lora`): only the
+adapter trains; checkpoints hold the adapter and its optimizer state (the base weights are
+reloaded from ``[model]``); :meth:`TorchTrainWorker.named_weights` yields the adapter alone (what
+the weight transports send); :meth:`TorchTrainWorker.reference_forward` scores with the adapter
+disabled, so a KL reference needs no second copy of the weights; :meth:`TorchTrainWorker.save_hf`
+writes the merged model and :meth:`TorchTrainWorker.save_adapter` the PEFT adapter directory.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import torch
 from loongsage_core.backend_api import LossPipeline, MetricAccumulator, make_scheduler, structure_args
 from loongsage_hookspecs import AggregationNorm, Batch, TrainWorkerContext
 
+from .. import lora as lora_lib
 from ..modeling import load_model, load_tokenizer, torch_dtype
 from . import distributed
 from .checkpoint import capture_rng, restore_rng, seed_everything
@@ -37,6 +45,8 @@ from .logits import logprobs_and_entropy, next_token_logits
 STATE_FILE = "trainer_state.pt"
 RNG_FILE = "rng_rank{rank}.pt"
 CHECKPOINT_FORMAT = 1
+ADAPTER_ONLY = "adapter"
+"""``trainer_state.pt`` ``"weights"`` value of a LoRA run's checkpoint (its model entry is the adapter)."""
 
 
 @attrs.define(frozen=True)
@@ -92,7 +102,14 @@ class TorchTrainWorker:
 
         model: Any = load_model(job)
         param_dtype = torch.float32 if trainable and self.options.master_weights == "float32" else self.compute_dtype
-        self.model: Any = model.to(device=self.device, dtype=param_dtype)
+        model = model.to(device=self.device, dtype=param_dtype)
+        self.lora = job.train.lora if trainable else None
+        self.peft_model: Any = None
+        if self.lora is not None:
+            # the base model keeps its class and names, with LoRA layers injected into it
+            self.peft_model = lora_lib.apply_lora(model, self.lora)
+            model = self.peft_model.get_base_model()
+        self.model: Any = model
         self.global_step = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
@@ -172,8 +189,10 @@ class TorchTrainWorker:
         width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
         full_width = ids.shape[1]
         width = max(width, 1)
+        positions = micro.get("position_ids")  # packed rows (SFT): attention stays within each sequence
         logits = next_token_logits(self.model, ids[:, :width], attention[:, :width],
-                                   compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head)
+                                   compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
+                                   position_ids=None if positions is None else positions[:, :width])
         logprobs, entropy = logprobs_and_entropy(logits, ids[:, :width], entropy_grad=entropy_grad)
         assert entropy is not None
         real = attention[:, :width] > 0
@@ -195,6 +214,22 @@ class TorchTrainWorker:
             return {"logprobs": lp, "entropy": ent}
 
         return self._forward_chunks(batch, ("logprobs", "entropy"), outputs)
+
+    @property
+    def serves_reference(self) -> bool:
+        """Whether this worker scores the KL reference itself (:meth:`reference_forward`): a LoRA
+        policy's reference is its base model, the adapter disabled, so no reference worker is built."""
+        return self.peft_model is not None
+
+    @torch.no_grad()
+    def reference_forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """:meth:`forward` of the base model, the LoRA adapter disabled (the KL reference of a
+        LoRA run; the same weights, no second copy)."""
+        if self.peft_model is None:
+            raise RuntimeError("TorchTrainWorker.reference_forward: the policy has no LoRA adapter to disable; "
+                               "the reference is a worker of its own (role 'reference')")
+        with self.peft_model.disable_adapter():
+            return self.forward(batch)
 
     def _forward_chunks(self, batch: Batch, keys: tuple[str, ...],
                         outputs: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -288,11 +323,16 @@ class TorchTrainWorker:
     # ------------------------------------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under Hugging Face names, floating ones in ``[model] dtype``.
+        """Full tensors under Hugging Face names, floating ones in ``[model] dtype``; with
+        ``[train] lora`` the adapter's tensors alone, under PEFT's names (what engines receive).
 
         Tied tensors are yielded once (under their first name); tensors already in the model
         dtype are the live parameters (detached, no copy), others are cast on the fly.
         """
+        if self.peft_model is not None:
+            for name, tensor in lora_lib.adapter_weights(self.peft_model):
+                yield name, tensor.to(self.compute_dtype) if tensor.dtype != self.compute_dtype else tensor
+            return
         seen: set[int] = set()
         for name, tensor in self.model.state_dict(keep_vars=True).items():
             if id(tensor) in seen:
@@ -332,7 +372,8 @@ class TorchTrainWorker:
         out.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             state = {"format": CHECKPOINT_FORMAT, "role": self.role, "step": self.global_step,
-                     "model": self.model.state_dict(),
+                     "model": self._checkpoint_weights(),
+                     "weights": ADAPTER_ONLY if self.peft_model is not None else "full",
                      "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
                      "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None}
             _atomic_save(state, out / STATE_FILE)
@@ -354,11 +395,7 @@ class TorchTrainWorker:
         if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
             raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' has format {state.get('format')!r}, "
                              f"expected {CHECKPOINT_FORMAT}")
-        try:
-            self.model.load_state_dict(state["model"])
-        except (KeyError, RuntimeError) as exc:
-            raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' does not fit the model: "
-                             f"{str(exc).strip().splitlines()[0]}") from None
+        self._load_checkpoint_weights(state, state_file)
         if self.optimizer is not None:
             if state["optimizer"] is None:
                 raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' holds no optimizer state "
@@ -373,17 +410,57 @@ class TorchTrainWorker:
             seed_everything(int(self.job.run.seed) + self.rank + 1_000_003 * self.global_step)
         distributed.barrier()
 
+    def _checkpoint_weights(self) -> dict[str, torch.Tensor]:
+        """The model entry of a checkpoint: every tensor, or with LoRA the trainable adapter alone."""
+        if self.peft_model is None:
+            return self.model.state_dict()
+        return {name: p.detach() for name, p in self.model.named_parameters() if p.requires_grad}
+
+    def _load_checkpoint_weights(self, state: dict[str, Any], state_file: Path) -> None:
+        """Load a checkpoint's model entry; a LoRA checkpoint fits only a LoRA policy and back."""
+        kind = state.get("weights", "full")
+        mine = ADAPTER_ONLY if self.peft_model is not None else "full"
+        if kind != mine:
+            raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' holds {kind} weights but this "
+                             f"policy {'trains a LoRA adapter' if mine == ADAPTER_ONLY else 'has no LoRA adapter'} "
+                             "([train] lora differs from the run that saved it)")
+        try:
+            if self.peft_model is None:
+                self.model.load_state_dict(state["model"])
+                return
+            expected = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            if set(state["model"]) != expected:
+                missing, extra = sorted(expected - set(state["model"])), sorted(set(state["model"]) - expected)
+                raise RuntimeError(f"adapter tensors missing: {missing[:3]}, unexpected: {extra[:3]}")
+            self.model.load_state_dict(state["model"], strict=False)
+        except (KeyError, RuntimeError) as exc:
+            raise ValueError(f"TorchTrainWorker.load_checkpoint: '{state_file}' does not fit the model: "
+                             f"{str(exc).strip().splitlines()[0]}") from None
+
+    def save_adapter(self, path: str) -> None:
+        """Write the PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
+        on rank 0; ``peft.PeftModel.from_pretrained(base_model, path)`` loads it."""
+        if self.peft_model is None:
+            raise RuntimeError("TorchTrainWorker.save_adapter: the policy has no LoRA adapter ([train] lora)")
+        if self.rank == 0:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            lora_lib.save_adapter(self.peft_model, path)
+        distributed.barrier()
+
     def save_hf(self, path: str) -> None:
         """Write a Hugging Face directory (config.json, model.safetensors, tokenizer files) on rank 0.
 
-        Weights are saved in ``[model] dtype``; the tokenizer is copied when the job names one.
+        Weights are saved in ``[model] dtype`` (with LoRA: the base weights with the adapter merged
+        in); the tokenizer is copied when the job names one.
         ``transformers.AutoModelForCausalLM.from_pretrained(path)`` (and ``[model] path``) load it.
         """
         if self.rank == 0:
             out = Path(path)
             out.mkdir(parents=True, exist_ok=True)
+            weights = (self.model.state_dict() if self.peft_model is None
+                       else lora_lib.merged_state_dict(self.peft_model, lora_lib.lora_scaling(self.lora)))
             state = {name: t.to(self.compute_dtype) if t.is_floating_point() else t
-                     for name, t in self.model.state_dict().items()}
+                     for name, t in weights.items()}
             saved_dtype = getattr(self.model.config, "dtype", None)
             self.model.config.dtype = self.compute_dtype
             try:
