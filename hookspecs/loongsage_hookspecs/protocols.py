@@ -237,6 +237,9 @@ class EngineRouter(Protocol):
 
     def shutdown(self) -> None: ...
 
+    # optional: ``add_engine(url)`` and ``remove_engine(url)``, blocking until the router routes
+    # accordingly; the controller calls them when it replaces an engine that died behind the router
+
 
 @runtime_checkable
 class WeightSender(Protocol):

@@ -232,7 +232,7 @@ class AsyncRLController(RLController):
         await asyncio.gather(*(c.pause(mode) for c in self.rollout.clients))
         loop = asyncio.get_running_loop()
         try:
-            stats = await loop.run_in_executor(None, self._push_weights, version)
+            stats = await loop.run_in_executor(None, self.faults.locked, self._push_weights, version)
         finally:
             await asyncio.gather(*(c.resume() for c in self.rollout.clients))
             self.updating = False
@@ -288,6 +288,7 @@ class AsyncRLController(RLController):
         t0 = time.perf_counter()
         waited = 0.0
         while self.step < self.job.train.total_steps:
+            self.faults.check()  # a replacement the router asked for failed: the run cannot go on
             if self.faults.suspect:
                 await self.faults.recover_async()  # replace dead engines, then dispatch again
             await self._abort_unusable()

@@ -22,7 +22,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from typing import Any, Awaitable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from loongsage_hookspecs import (
     LORA_ADAPTER_NAME,
@@ -123,6 +123,11 @@ class RolloutManager:
         # the router's renderer and stop rule, for the fast path too
         self.renderer = ChatRenderer(tokenizer)
         self.router: Any = None
+        # the fault supervisor's hooks (faults.FaultSupervisor.attach): who hears of an engine the
+        # router could not reach, and how often / how long the router retries a turn elsewhere
+        self.on_engine_lost: Callable[[str], None] | None = None
+        self.engine_retries = 0
+        self.engine_wait_s = 0.0
         self._sandboxes: dict[str, Any] = {}
         self._agent_slots: asyncio.Semaphore | None = None
 
@@ -140,7 +145,9 @@ class RolloutManager:
                                           port=af.port, max_context_length=self.job.rollout.max_context_length,
                                           secret=self.secret, max_request_bytes=af.max_request_bytes,
                                           max_prompt_chars=af.max_prompt_chars,
-                                          access_log_path=af.access_log or None, lora_path=self.lora_path)
+                                          access_log_path=af.access_log or None, lora_path=self.lora_path,
+                                          on_engine_lost=self.on_engine_lost, engine_retries=self.engine_retries,
+                                          engine_wait_s=self.engine_wait_s)
             self.router.start()
         return str(self.router.base_url)
 

@@ -14,7 +14,10 @@ AdamW step follows.
   under autocast in ``[model] dtype``) or ``"model"`` (parameters stored in ``[model] dtype``);
 * ``forward_micro_batch_size``: rows per chunk of :meth:`forward` (default ``micro_batch_size``);
 * ``dist_backend``: ``"auto"`` (NCCL on CUDA, Gloo on CPU), ``"gloo"`` or ``"nccl"``;
-* ``grad_sync_bucket_mb``: size of the flat gradient buckets all-reduced across ranks (64).
+* ``grad_sync_bucket_mb``: size of the flat gradient buckets all-reduced across ranks (64);
+* ``rollback_overflow``: take back an optimizer step whose update made a weight non-finite
+  (default ``true``: the parameters and optimizer state are copied before each step, see
+  :mod:`.rollback`); ``false`` saves that copy, and such a step ends the run.
 
 With ``[train] lora`` the policy is wrapped in a PEFT LoRA adapter (:mod:`..lora`): only the
 adapter trains; checkpoints hold the adapter and its optimizer state (the base weights are
@@ -48,6 +51,7 @@ from . import distributed
 from .checkpoint import capture_rng, restore_rng, seed_everything
 from .logits import logprobs_and_entropy, next_token_logits
 from .packing import packed_token_outputs, plan_micro_batches
+from .rollback import StepSnapshot, is_overflow_error, nonfinite_count
 
 STATE_FILE = "trainer_state.pt"
 RNG_FILE = "rng_rank{rank}.pt"
@@ -65,6 +69,7 @@ class BackendOptions:
     forward_micro_batch_size: int | None = None
     dist_backend: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl")))
     grad_sync_bucket_mb: float = 64.0
+    rollback_overflow: bool = True
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "BackendOptions":
@@ -328,7 +333,10 @@ class TorchTrainWorker:
         """Clip the accumulated gradients, take one AdamW step, advance the LR schedule.
 
         A step whose gradient norm is not finite is skipped (``train/skipped_step`` = 1); the
-        schedule still advances so resumed and uninterrupted runs stay aligned.
+        schedule still advances so resumed and uninterrupted runs stay aligned. A step whose
+        update made a weight non-finite (``train/nonfinite_weights`` tensors) is taken back: the
+        parameters and optimizer state are restored bit for bit (``train/rolled_back_step`` = 1,
+        ``train/skipped_step`` = 1), unless ``backend_args.rollback_overflow = false``.
         """
         optimizer, _ = self._require_trainable("optimizer_step")
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -340,15 +348,29 @@ class TorchTrainWorker:
         lr = float(optimizer.param_groups[0]["lr"])
         finite = bool(torch.isfinite(grad_norm))
         nonfinite_weights = 0
+        rolled_back = False
         if finite:
-            optimizer.step()
-            # an update can overflow even from finite gradients (a huge lr): report it, the host stops
-            nonfinite_weights = sum(not bool(torch.isfinite(p).all()) for p in params)
+            snapshot = StepSnapshot(params, optimizer) if self.options.rollback_overflow else None
+            try:
+                optimizer.step()
+            except RuntimeError as exc:  # a step size beyond float range: torch stops half-way through
+                if snapshot is None or not is_overflow_error(exc):
+                    raise
+                nonfinite_weights = max(1, nonfinite_count(params))
+            else:
+                # an update can overflow even from finite gradients (a huge lr): take it back, or report it
+                nonfinite_weights = nonfinite_count(params)
+            if nonfinite_weights and snapshot is not None:
+                snapshot.restore()
+                rolled_back = True
+            del snapshot
         optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.global_step += 1
-        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if finite else 1.0,
-                "train/nonfinite_weights": float(nonfinite_weights)}
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr,
+                "train/skipped_step": 0.0 if finite and not rolled_back else 1.0,
+                "train/nonfinite_weights": float(nonfinite_weights),
+                "train/rolled_back_step": 1.0 if rolled_back else 0.0}
 
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
         """One optimizer step on ``batch``: this rank's rows of a mini-batch whose global
