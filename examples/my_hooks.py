@@ -1,7 +1,8 @@
 """An example user hookimpl module: a custom reward and a custom advantage estimator.
 
-A job file loads it by path (``[plugins] modules = ["../../examples/my_hooks.py"]``) and selects
-its components by name, exactly like components from installed plugins::
+A job file loads it by path (``configs/examples/custom_components.toml``: ``[plugins] modules =
+["my_hooks.py"]``, a symlink there to this file) and selects its components by name, exactly like
+components from installed plugins::
 
     [algorithm]
     advantage = "centered_clipped"

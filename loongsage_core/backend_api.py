@@ -8,7 +8,8 @@ imported on first use, PEP 562); tensor work happens inside the functions.
 What it offers:
 
 * **loss pipeline** (:class:`LossPipeline`, :class:`LossPipelineError`) and exact mini-batch metric
-  means (:class:`MetricAccumulator`), the aggregation denominators (:func:`compute_norm`);
+  means (:class:`MetricAccumulator`), the aggregation denominators (:func:`compute_norm`), whether
+  a batch's old log-probs are the training forward's own (:func:`old_from_training_forward`);
 * **job schema** a backend reads (:class:`JobConfig` and its tables) and :func:`structure_args`,
   which turns a component's ``*_args`` table into its attrs class with one-line errors;
 * **Hugging Face model loading** (:func:`load_causal_lm`, :class:`ModelLoadError`): a causal LM
@@ -33,6 +34,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from .algorithms import LossPipeline, LossPipelineError, MetricAccumulator, compute_norm
+from .algorithms.old_logprobs import old_from_training_forward
 from .config import JobConfig, ModelConfig, RunConfig, TrainConfig, structure_args
 from .controller.run_dir import truncate_jsonl
 from .hf_models import ModelLoadError, load_causal_lm
@@ -99,6 +101,7 @@ __all__ = [
     "lr_factor",
     "make_scheduler",
     "node_id",
+    "old_from_training_forward",
     "presented_token",
     "process_secret",
     "reachable_address",

@@ -176,6 +176,13 @@ class TrainConfig:
     is one that trains no row; this many such steps in a row end the run with an error naming
     the cause.
 
+    ``max_tokens_per_micro_batch``: padding-free micro-batches packed up to this many tokens
+    (instead of ``micro_batch_size`` rows), for training and the scoring passes; data-parallel
+    ranks then get near-equal token counts (backends without packing ignore it).
+
+    ``peak_tflops``: one trainer device's peak the ``perf/mfu_*`` metrics divide by (default: a
+    table of accelerators, or a matmul probe on a CPU; :mod:`loongsage_core.flops`).
+
     ``lora`` (a :class:`LoraConfig` table, unset by default): train a LoRA adapter instead of
     every weight."""
 
@@ -192,9 +199,11 @@ class TrainConfig:
     total_steps: int = attrs.field(default=50, validator=_range(ge=0))
     mini_batch_size: int = attrs.field(default=16, validator=_count)
     micro_batch_size: int = attrs.field(default=4, validator=_count)
+    max_tokens_per_micro_batch: int | None = attrs.field(default=None, validator=attrs.validators.optional(_count))
     ppo_epochs: int = attrs.field(default=1, validator=_count)
     max_bad_steps: int = attrs.field(default=3, validator=_count)
     gradient_checkpointing: bool = False
+    peak_tflops: float | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     backend_args: Args = attrs.field(factory=dict)
     lora: LoraConfig | None = None
 
@@ -291,6 +300,7 @@ class AlgorithmConfig:
     ref_update_every: int = attrs.field(default=0, validator=_range(ge=0))
     entropy_coef: float = attrs.field(default=0.0, validator=_range())
     recompute_old_logprobs: bool = True
+    force_old_logprob_pass: bool = False
     corrections: list[str] = attrs.field(factory=list)
     correction_args: dict[str, Args] = attrs.field(factory=dict)
     filters: list[str] = attrs.field(factory=list)

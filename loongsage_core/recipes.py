@@ -7,7 +7,8 @@ be left out (``grpo`` is ``recipes/grpo``). Config directories, searched in this
 
 1. every directory in ``LOONGSAGE_CONFIG_PATH`` (``os.pathsep``-separated),
 2. ``./configs`` of the working directory,
-3. the ``configs/`` directory shipped with this checkout of LoongSage.
+3. the configs shipped with LoongSage: ``loongsage_core/configs`` (package data of an installed
+   ``loongsage``; in a checkout a symlink to the repository's ``configs/``).
 
 A recipe's description is the first sentence of the comment block at the top of its file.
 """
@@ -25,7 +26,8 @@ from .config import ConfigError
 
 CONFIG_PATH_ENV = "LOONGSAGE_CONFIG_PATH"
 DEFAULT_PREFIX = "recipes/"
-SHIPPED_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+SHIPPED_CONFIGS = Path(__file__).resolve().parent / "configs"
+"""The configs shipped with the package (a symlink to the repository's ``configs/`` in a checkout)."""
 
 
 @attrs.frozen

@@ -77,3 +77,40 @@ def test_generation_goes_through_the_sglang_router(ray_cluster, tmp_path):
     finally:
         controller.close()
     assert controller.engine_router is None
+
+
+def test_an_engine_that_died_behind_the_sglang_router_is_replaced_there(ray_cluster, tmp_path):
+    import ray
+
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.replace("total_steps = 2", "total_steps = 3"))
+    controller = RLController(resolve_job(load_job(path)), tmp_path / "run")
+    try:
+        controller.start()
+        router = controller.engine_router
+        assert sorted(router.worker_urls_now()) == sorted(controller.actors.engine_urls)
+        history = [controller.run_step(0)]
+        controller.step = 1
+        dead_url = controller.actors.engine_urls[1]
+        victim = controller.actors.engine_actors[1]
+        ray.kill(victim)
+        while True:  # the kill takes effect asynchronously
+            try:
+                ray.get(victim.ready.remote(), timeout=30)
+            except ray.exceptions.RayActorError:
+                break
+        for step in (1, 2):
+            history.append(controller.run_step(step))
+            controller.step = step + 1
+        engines = list(controller.actors.engine_urls)
+        routed = router.worker_urls_now()
+        auth = {"Authorization": f"Bearer {read_secret_file(tmp_path / 'run')}"}
+        finished_on_new = generated_tokens(engines[1], auth)
+    finally:
+        controller.close()
+    # the sglang-router was told: it routes to the new engine, not to the dead one
+    assert engines[1] != dead_url and sorted(routed) == sorted(engines) and dead_url not in routed
+    assert [m["fault/engine_restarts"] for m in history] == [0.0, 1.0, 1.0]
+    assert [m["rollout/num_rows"] for m in history] == [16.0, 16.0, 16.0]  # every prompt of every step
+    assert finished_on_new > 0  # round robin: the new engine generated
+    assert all(m["train/is_approx_k3_kl"] < 1e-6 for m in history)  # it serves the current weights

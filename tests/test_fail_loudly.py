@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from loongsage_core.controller.health import StepHealth, TrainingFailedError, diagnose
 from loongsage_hookspecs import Trajectory, TrajectoryGroup, TrajectoryStatus
@@ -106,3 +107,80 @@ def test_nan_loss_is_skipped_then_ends_the_run(ray_cluster, tiny_job, tmp_path):
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["fault/bad_steps"] for m in metrics] == [1.0, 2.0]
     assert all(m["perf/weight_version"] == 0.0 for m in metrics)  # skipped: nothing reached the engines
+
+
+def test_a_step_whose_update_overflows_is_rolled_back_and_later_steps_train(ray_cluster, tiny_job, tmp_path):
+    import ray
+
+    from loongsage_core.config import load_job
+    from loongsage_core.controller.run import RLController
+    from loongsage_core.resolve import resolve_job
+
+    def trainer_state(actor):  # runs in the trainer actor: its parameters and AdamW state
+        worker = actor.worker
+        params = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+        state = [{k: v.clone() for k, v in worker.optimizer.state[p].items()}
+                 for p in worker.model.parameters() if p in worker.optimizer.state]
+        return params, state
+
+    def spike_lr(actor):  # a finite lr whose AdamW update overflows float32, for the next step only
+        actor.worker.optimizer.param_groups[0]["lr"] = 1e39
+
+    out = tmp_path / "run"
+    job = load_job(tiny_job.write(tmp_path), ["train.total_steps=4", "run.checkpoint_every=0"])
+    controller = RLController(resolve_job(job), out)
+    seen = {}
+    original = controller.train
+
+    def train(batch, step):
+        trainer = controller.actors.trainers[0]
+        if step == 1:
+            seen["before"] = ray.get(trainer.__ray_call__.remote(trainer_state))
+            ray.get(trainer.__ray_call__.remote(spike_lr))
+        metrics = original(batch, step)
+        if step == 1:
+            seen["after"] = ray.get(trainer.__ray_call__.remote(trainer_state))
+        return metrics
+
+    controller.train = train
+    try:
+        controller.start()
+        history = controller.fit()
+    finally:
+        controller.close()
+    assert [m["step"] for m in history] == [0, 1, 2, 3]
+    assert [m["fault/bad_step"] for m in history] == [0.0, 1.0, 0.0, 0.0]
+    assert [m["train/rolled_back_step"] for m in history] == [0.0, 1.0, 0.0, 0.0]
+    assert history[1]["train/lr"] == 1e39 and history[1]["train/nonfinite_weights"] > 0
+    # the step was taken back: parameters and optimizer state bit for bit as after step 0
+    (params_before, state_before), (params_after, state_after) = seen["before"], seen["after"]
+    assert params_before.keys() == params_after.keys() and len(state_before) == len(state_after) > 0
+    for name, value in params_before.items():
+        assert torch.equal(value.view(torch.int32), params_after[name].view(torch.int32)), name
+    for before, after in zip(state_before, state_after):
+        assert before.keys() == after.keys()
+        assert all(torch.equal(before[k], after[k]) for k in before)
+    # nothing was pushed for it; later steps trained and the engine serves finite weights equal to
+    # the trainer's (the rollout log-probs match the trainer's at every later step)
+    assert [m["perf/weight_version"] for m in history] == [1.0, 1.0, 2.0, 3.0]
+    assert all(m["train/is_approx_k3_kl"] < 1e-6 for m in history)
+    entries = [json.loads(line) for line in (out / "trained_prompts.jsonl").read_text().splitlines()]
+    assert ["skipped" in e for e in entries] == [False, True, False, False]
+    assert entries[1]["skipped"].startswith("train/rolled_back_step: the optimizer step overflowed the weights")
+
+
+def test_an_lr_that_always_overflows_exits_non_zero_naming_the_metric(tiny_job, tmp_path):
+    job = tiny_job.write(tmp_path)
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "loongsage_core", "run", str(job), "--output-dir", str(out),
+                           "train.lr=1e39", "train.max_bad_steps=2", "train.total_steps=5"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("loongsage: error: 2 bad steps in a row (train.max_bad_steps = 2); step 1: "
+                           "train/rolled_back_step: the optimizer step overflowed the weights "
+                           "(train/nonfinite_weights = "), last
+    assert "train/lr = 1e+39) and was rolled back" in last and "Traceback" not in proc.stderr
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["fault/bad_step"] for m in metrics] == [1.0]
+    assert all(m["perf/weight_version"] == 0.0 for m in metrics)  # no overflowed weights reached the engines

@@ -20,6 +20,7 @@ from .lora import LORA_ADAPTER_NAME, LORA_TENSOR_SUFFIXES, is_lora_tensor
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .protocols import (
     Agent,
+    CheckpointableScheduler,
     EngineContext,
     EngineRouter,
     MetricsLogger,

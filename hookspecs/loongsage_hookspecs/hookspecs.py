@@ -244,7 +244,11 @@ def loongsage_schedulers() -> Iterable[SchedulerSpec]:
     """Provide asynchronous-training schedulers (bounded staleness strategies).
 
     ``factory(**args)`` returns a ``Scheduler``; the host asks it what to dispatch and what the
-    next step may train on.
+    next step may train on. With several ``[[data]]`` sources the host also passes ``quota``
+    (``quota(version) -> {source: groups}``, the step's share of each source, floor or ceil of its
+    weight) and asks ``next_source(version)`` which source to draw the next prompt from. Optional
+    ``state_dict()`` / ``load_state_dict(state)`` (``CheckpointableScheduler``) are saved with
+    every checkpoint and loaded on resume, so a resumed run continues the same schedule.
 
     Example::
 

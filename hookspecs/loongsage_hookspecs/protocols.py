@@ -104,6 +104,20 @@ class Scheduler(Protocol):
             scheduler.on_dispatch(group_id, version); start generating group_id
         # when a group finishes: kept by the filters -> scheduler.on_complete(group), buffer.append(group)
         #                        filtered, failed or aborted -> scheduler.on_discard(group.group_id)
+
+    Optional, for several data sources (the host uses them when the factory takes ``quota``;
+    a job with more than one ``[[data]]`` source needs a scheduler that does):
+
+    * factory argument ``quota``: ``quota(version) -> {source name: groups}``, adding up to the
+      batch size: the host's per-step rounding of the source weights (``floor`` or ``ceil`` of each
+      share). The step at ``version`` must train exactly that many groups of each source.
+    * ``next_source(trainer_version) -> str | None``: the source the next dispatched group should
+      come from; the host draws that source's next prompt and calls
+      ``on_dispatch(group_id, version, source=...)``.
+
+    Optional, for checkpoints (see :class:`CheckpointableScheduler`): ``state_dict()`` and
+    ``load_state_dict(state)``; the host saves the state with every checkpoint and loads it on
+    resume, so a resumed run continues the same schedule.
     """
 
     def can_dispatch(self, in_flight: int, buffered: int, trainer_version: int) -> bool:
@@ -153,6 +167,22 @@ class Scheduler(Protocol):
         ``rollout/staleness_max`` of the last selected batch, ``rollout/pipeline_buf_size`` and the
         dropped-group counts."""
         ...
+
+
+@runtime_checkable
+class CheckpointableScheduler(Protocol):
+    """A :class:`Scheduler` whose state survives a checkpoint (optional methods of a scheduler).
+
+    ``state_dict()`` returns a JSON-serialisable mapping (the host writes it into the checkpoint's
+    ``controller.json``); ``load_state_dict(state)`` continues from it in a fresh scheduler before
+    anything is dispatched. A resumed run generates the prompts of every group that was generating
+    or buffered again, so the state need not (and should not) hold live groups: it holds what
+    outlives them (the version, counters, any position in a schedule).
+    """
+
+    def state_dict(self) -> Mapping[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 @runtime_checkable
@@ -206,6 +236,9 @@ class EngineRouter(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+    # optional: ``add_engine(url)`` and ``remove_engine(url)``, blocking until the router routes
+    # accordingly; the controller calls them when it replaces an engine that died behind the router
 
 
 @runtime_checkable

@@ -205,7 +205,9 @@ class WeightTransportSpec(ComponentSpec):
 @attrs.define(frozen=True, kw_only=True)
 class EngineRouterSpec(ComponentSpec):
     """``factory(engine_urls: list[str], **args) -> EngineRouter``: a load balancer the controller
-    starts in front of the engines; generation requests go through it, control calls do not."""
+    starts in front of the engines; generation requests go through it, control calls do not.
+    Optional ``add_engine(url)`` / ``remove_engine(url)`` let the controller replace an engine
+    that died behind it."""
 
     factory: "Callable[..., Any]"
 

@@ -11,6 +11,7 @@ rejected the request, 502 for a bad answer, 503 when it cannot be reached).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any, AsyncIterator, Sequence
 
 import attrs
@@ -67,10 +68,12 @@ def as_router_error(exc: Exception, url: str) -> RouterError:
         if 400 <= exc.status_code < 500 and exc.status_code not in (404, 408, 429):
             return RouterError(400, f"the rollout engine rejected the request: {exc.message}",
                                code="engine_rejected", retry=False)
+        # a 5xx may be a load balancer whose engine died: the engine may be gone (engine_url set)
         return RouterError(502, f"engine {url} answered HTTP {exc.status_code}: {exc.message[:500]}",
-                           type="api_error", code="engine_error")
+                           type="api_error", code="engine_error",
+                           engine_url=url if exc.status_code >= 500 else None)
     return RouterError(503, f"engine {url} unreachable: {type(exc).__name__}: {exc}", type="api_error",
-                       code="engine_unavailable")
+                       code="engine_unavailable", engine_url=url)
 
 
 class EngineBalancer:
@@ -78,31 +81,67 @@ class EngineBalancer:
 
     A trajectory keeps its engine across turns so the engine's prefix cache holds its history;
     a new trajectory goes to the engine with the fewest requests in flight (ties: the fewest
-    trajectories assigned, then list order).
+    trajectories assigned, then list order). An engine that could not be reached is marked
+    *down* (:meth:`mark_down`): no request goes there while another engine is up, until the
+    engine list is set again (:meth:`set_engines`, e.g. after the host replaced a dead engine).
     """
 
     def __init__(self, urls: Sequence[str]) -> None:
         self.urls: list[str] = []
         self.in_flight: dict[str, int] = {}
         self.sticky: dict[str, str] = {}
+        self.down: set[str] = set()
+        self._changed: asyncio.Event | None = None  # made on the router's loop, set when the list changes
         self.set_engines(urls)
 
     def set_engines(self, urls: Sequence[str]) -> None:
-        """Replace the engine list; trajectories on a removed engine move on their next request."""
+        """Replace the engine list; trajectories on a removed engine move on their next request.
+        Every engine of the new list counts as up."""
         urls = [u.rstrip("/") for u in urls]
         if not urls:
             raise ValueError("AgentFlow router needs at least one engine URL")
         self.urls = list(dict.fromkeys(urls))
         self.in_flight = {u: self.in_flight.get(u, 0) for u in self.urls}
         self.sticky = {t: u for t, u in self.sticky.items() if u in self.in_flight}
+        self.down.clear()
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def mark_down(self, url: str) -> None:
+        """``url`` could not be reached: send nothing there while another engine is up."""
+        if url in self.in_flight:
+            self.down.add(url)
+            self.sticky = {t: u for t, u in self.sticky.items() if u != url}
+
+    def usable(self) -> list[str]:
+        """The engines requests may go to: those up, or every engine when all are down."""
+        return [u for u in self.urls if u not in self.down] or list(self.urls)
+
+    async def wait_until_up(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until some engine is up; ``False`` when none came up."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while all(u in self.down for u in self.urls):
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     def pick(self, trajectory_id: str) -> str:
         url = self.sticky.get(trajectory_id)
         if url is None:
+            urls = self.usable()
             assigned: dict[str, int] = {u: 0 for u in self.urls}
             for u in self.sticky.values():
                 assigned[u] += 1
-            url = min(self.urls, key=lambda u: (self.in_flight[u], assigned[u], self.urls.index(u)))
+            url = min(urls, key=lambda u: (self.in_flight[u], assigned[u], self.urls.index(u)))
             self.sticky[trajectory_id] = url
         return url
 

@@ -15,12 +15,15 @@ class RouterError(Exception):
     """A request the router refuses or cannot serve; rendered as an OpenAI error body.
 
     ``retry`` tells OpenAI SDKs whether retrying may help (sent as the ``x-should-retry``
-    header, which the official SDKs honour before their own status-code rules).
+    header, which the official SDKs honour before their own status-code rules). ``engine_url``
+    names the engine when an engine call failed.
     """
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, retry: bool | None = None) -> None:
+                 param: str | None = None, code: str | None = None, retry: bool | None = None,
+                 engine_url: str | None = None) -> None:
         super().__init__(message)
+        self.engine_url = engine_url  # the engine a failed engine call went to
         self.status = status
         self.message = message
         self.type = type

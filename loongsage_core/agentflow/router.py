@@ -34,7 +34,7 @@ without noise in the logs.
 from __future__ import annotations
 
 import concurrent.futures
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from loongsage_hookspecs import SamplingParams
 
@@ -84,6 +84,15 @@ class AgentFlowRouter:
             updates with partial rollouts); the tokens generated so far are kept.
         chat_template, turn_end_ids: override the tokenizer's template / turn-end tokens.
         access_log_path: also append every request's access-log line (JSON) to this file.
+        on_engine_lost: called (on the router's event loop, must not block) with an engine's URL
+            when a request could not reach it; the host may replace the engine and then tell the
+            router with :meth:`aset_engines`.
+        engine_retries: how often one turn is sent again after its engine could not be reached
+            (default 0: the agent gets a 503). The engine is marked down until the engine list is
+            set again; the turn goes to another engine that is up, or waits up to
+            ``engine_wait_s`` for one. Nothing of the failed call is recorded (a streamed turn
+            keeps the tokens the agent was already shown, as after an abort), so the turn's
+            record stays token-exact.
 
     Stop strings go to the engine (``sampling_params.stop``, which SGLang and the embedded engine
     honour): the turn ends at the token that completes one, and the content ends before it.
@@ -97,7 +106,9 @@ class AgentFlowRouter:
                  default_sampling: Mapping[str, Any] | None = None, max_context_length: int | None = None,
                  engine_timeout_s: float = 600.0, max_continuations: int = 8, chat_template: str | None = None,
                  turn_end_ids: Sequence[int] | None = None, access_log_path: str | None = None,
-                 lora_path: str | None = None) -> None:
+                 lora_path: str | None = None,
+                 on_engine_lost: Callable[[str], None] | None = None, engine_retries: int = 0,
+                 engine_wait_s: float = 300.0) -> None:
         self.tokenizer = _load_tokenizer(tokenizer)
         self.renderer = ChatRenderer(self.tokenizer, chat_template=chat_template, turn_end_ids=turn_end_ids)
         self.balancer = EngineBalancer(engine_urls)
@@ -118,9 +129,10 @@ class AgentFlowRouter:
         self.registry = TrajectoryRegistry(self.renderer, self._abort_at_engine, self.balancer.forget, secret=secret,
                                            default_sampling=default_sampling, max_context_length=max_context_length)
         self.engines = EnginePool(secret, engine_timeout_s, lora_path)
-        limits = TurnLimits(max_prompt_chars=max_prompt_chars, max_continuations=max_continuations)
+        limits = TurnLimits(max_prompt_chars=max_prompt_chars, max_continuations=max_continuations,
+                            engine_retries=engine_retries, engine_wait_s=engine_wait_s)
         self.turns = TurnRunner(self.registry, self.renderer, self.balancer, self.engines, middlewares, model_name,
-                                limits, self._render_pool)
+                                limits, self._render_pool, on_engine_lost)
         self.server = ThreadedServer(self._build_app(), host=host, port=port, name="agentflow-router",
                                      handler_cancellation=True)  # a client that goes away cancels its turn
         self.blocking = BlockingView(self, self.server.call)

@@ -55,6 +55,10 @@ class TurnLimits:
 
     max_prompt_chars: int
     max_continuations: int
+    engine_retries: int = 0
+    """How often one turn is sent again after its engine could not be reached (0: never)."""
+    engine_wait_s: float = 0.0
+    """How long a turn waits for an engine to come up again when every engine is down."""
 
 
 class TurnRunner:
@@ -62,7 +66,8 @@ class TurnRunner:
 
     def __init__(self, registry: TrajectoryRegistry, renderer: ChatRenderer, balancer: EngineBalancer,
                  engines: EnginePool, middlewares: Sequence[Any], model_name: str, limits: TurnLimits,
-                 render_pool: concurrent.futures.Executor) -> None:
+                 render_pool: concurrent.futures.Executor,
+                 on_engine_lost: Callable[[str], None] | None = None) -> None:
         self.registry = registry
         self.renderer = renderer
         self.balancer = balancer
@@ -71,7 +76,8 @@ class TurnRunner:
         self.model_name = model_name
         self.limits = limits
         self.render_pool = render_pool
-        self.stats = {"requests": 0, "errors": 0, "engine_calls": 0, "completion_tokens": 0}
+        self.on_engine_lost = on_engine_lost
+        self.stats = {"requests": 0, "errors": 0, "engine_calls": 0, "completion_tokens": 0, "engine_retries": 0}
         self._engine_ctx: dict[str, int | None] = {}
         self._background: set[asyncio.Task[Any]] = set()
 
@@ -217,6 +223,7 @@ class TurnRunner:
         url = self.balancer.pick(tid)
         gen = Generation([], [], [], "length", engine=url, top_logprobs=[] if req.top_logprobs else None)
         turn = len(entry.record.turns)
+        retries = 0
         while True:
             remaining = max_new - len(gen.ids)
             rid = f"{tid}-{entry.record.attempt}-{turn}-{gen.continuations}-{uuid.uuid4().hex[:8]}"
@@ -226,23 +233,34 @@ class TurnRunner:
             entry.in_flight[rid] = url
             self.balancer.acquire(url)
             self.stats["engine_calls"] += 1
+            streamed: list[EngineOutput] = []  # a stream's last update, kept when the engine goes away
             try:
                 if on_tokens is None:
                     out: EngineOutput = await self.engines.generate(*call)
                 else:
-                    out = await self._generate_streaming(call, gen.ids, on_tokens)
+                    out = await self._generate_streaming(call, gen.ids, on_tokens, streamed)
+            except RouterError as exc:
+                await asyncio.shield(self.engines.abort(url, rid))
+                if not self._retry_elsewhere(exc, retries) or entry.aborted:
+                    raise
+                retries += 1
+                # nothing of the failed call is recorded, except what a stream already showed the agent
+                partial = streamed[-1] if streamed else None
+                if partial is not None and partial.output_ids:
+                    self._extend(gen, partial)
+                    gen.continuations += 1
+                if not await self.balancer.wait_until_up(self.limits.engine_wait_s):
+                    raise
+                url = self.balancer.pick(tid)
+                gen.engine = url
+                continue
             except BaseException:  # the client went away or the stream broke: free the engine
                 await asyncio.shield(self.engines.abort(url, rid))
                 raise
             finally:
                 entry.in_flight.pop(rid, None)
                 self.balancer.release(url)
-            gen.ids += out.output_ids
-            gen.logprobs += out.logprobs
-            gen.versions += out.weight_versions
-            gen.cached_tokens += out.cached_tokens
-            if gen.top_logprobs is not None:
-                gen.top_logprobs += out.top_logprobs or [[] for _ in out.output_ids]
+            self._extend(gen, out)
             if entry.aborted:
                 raise RouterError(409, f"trajectory '{tid}' was aborted", code="trajectory_aborted", retry=False)
             if out.finish_reason != "abort":
@@ -258,13 +276,40 @@ class TurnRunner:
             await asyncio.sleep(min(0.05 * gen.continuations, 1.0))
             url = self.balancer.pick(tid)
 
+    def _retry_elsewhere(self, exc: RouterError, retries: int) -> bool:
+        """Whether a turn whose engine call failed with ``exc`` is sent again: only when the
+        engine may be gone (it could not be reached, or a load balancer in front of engines
+        answered 5xx: ``exc.engine_url`` is set), within ``engine_retries``. The engine is marked
+        down and the host told (``on_engine_lost``), which may replace it."""
+        url = exc.engine_url
+        if url is None or retries >= self.limits.engine_retries:
+            return False
+        self.balancer.mark_down(url)
+        if self.on_engine_lost is not None:
+            self.on_engine_lost(url)
+        self.stats["engine_retries"] += 1
+        return True
+
+    @staticmethod
+    def _extend(gen: Generation, out: EngineOutput) -> None:
+        """Append one engine call's tokens, log-probs and versions to the turn."""
+        gen.ids += out.output_ids
+        gen.logprobs += out.logprobs
+        gen.versions += out.weight_versions
+        gen.cached_tokens += out.cached_tokens
+        if gen.top_logprobs is not None:
+            gen.top_logprobs += out.top_logprobs or [[] for _ in out.output_ids]
+
     async def _generate_streaming(self, call: tuple[Any, ...], before: list[int],
-                                  on_tokens: Callable[[list[int]], Awaitable[None]]) -> EngineOutput:
-        """One streamed engine call; ``before`` are the turn's tokens from earlier (aborted) calls."""
+                                  on_tokens: Callable[[list[int]], Awaitable[None]],
+                                  streamed: list[EngineOutput]) -> EngineOutput:
+        """One streamed engine call; ``before`` are the turn's tokens from earlier (aborted) calls.
+        ``streamed`` holds the last update the agent was shown (kept when the stream breaks)."""
         out: EngineOutput | None = None
         seen = 0
         async for out in self.engines.generate_stream(*call):
             if len(out.output_ids) > seen:
+                streamed[:] = [out]
                 seen = len(out.output_ids)
                 await on_tokens(before + out.output_ids)
         assert out is not None  # generate_stream raises when nothing finished

@@ -5,7 +5,8 @@ A loss pipeline reports two kinds of metric values per micro-batch:
 * per-token tensors ``[B, T]`` (clip indicators, entropy, KL, ...): their mini-batch value is the
   masked token mean, so the accumulator keeps the masked sum and the mask count;
 * 0-dim tensors or numbers (loss terms already divided by the global norm): each is a share of a
-  mini-batch total, so the accumulator sums them.
+  mini-batch total, so the accumulator sums them;
+* :class:`Maximum` values (``train/logprob_abs_diff_max``): the largest over micro-batches and ranks.
 
 Across data-parallel ranks the sums and counts are all-reduced before dividing, so ``train/*``
 values are the exact means of the whole mini-batch however it was split.
@@ -19,6 +20,15 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
+class Maximum:
+    """A metric value whose mini-batch value is the maximum over micro-batches and ranks."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 class MetricAccumulator:
     """Accumulates masked sums/counts (means) and plain sums (totals) by metric name.
 
@@ -30,6 +40,7 @@ class MetricAccumulator:
         self._sums: dict[str, Any] = {}
         self._counts: dict[str, Any] = {}
         self._totals: dict[str, Any] = {}
+        self._maxima: dict[str, float] = {}
 
     # -- adding -----------------------------------------------------------------------------
 
@@ -37,7 +48,9 @@ class MetricAccumulator:
         """Add one micro-batch's metrics: tensors with a shape are masked means over ``mask``
         (all ones when ``mask`` is None), 0-dim tensors and numbers are summed totals."""
         for name, value in metrics.items():
-            if _is_per_token(value):
+            if isinstance(value, Maximum):
+                self.add_max(name, value.value)
+            elif _is_per_token(value):
                 self.add_mean(name, value, mask)
             else:
                 self.add_total(name, value)
@@ -67,6 +80,11 @@ class MetricAccumulator:
             value = value.detach().double()
         self._totals[name] = self._totals.get(name, 0.0) + value
 
+    def add_max(self, name: str, value: Any) -> None:
+        """Keep the largest ``value`` seen under ``name``."""
+        value = float(value.detach().max()) if hasattr(value, "detach") else float(value)
+        self._maxima[name] = max(self._maxima.get(name, value), value)
+
     def add_scalar_mean(self, name: str, value: Any, weight: float) -> None:
         """Add a scalar that is already a mean over ``weight`` tokens (weighted across calls)."""
         if name in self._totals:
@@ -89,7 +107,7 @@ class MetricAccumulator:
 
         if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
             return
-        local = {"mean": sorted(self._sums), "total": sorted(self._totals)}
+        local = {"mean": sorted(self._sums), "total": sorted(self._totals), "max": sorted(self._maxima)}
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, local)
         means = sorted({n for g in gathered for n in g["mean"]})
@@ -108,6 +126,12 @@ class MetricAccumulator:
         self._sums = dict(zip(means, flat[:k]))
         self._counts = dict(zip(means, flat[k:2 * k]))
         self._totals = dict(zip(totals, flat[2 * k:]))
+        maxima = sorted({n for g in gathered for n in g["max"]})
+        if maxima:
+            peak = torch.tensor([self._maxima.get(n, float("-inf")) for n in maxima], dtype=torch.float64,
+                                device=_collective_device())
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            self._maxima = dict(zip(maxima, peak.cpu().tolist()))
 
     def result(self) -> dict[str, float]:
         """``prefix + name -> value``: masked means (NaN-free: 0 when nothing was masked in) and totals."""
@@ -117,6 +141,8 @@ class MetricAccumulator:
             out[self.prefix + name] = float(total) / count if count > 0 else 0.0
         for name, total in self._totals.items():
             out[self.prefix + name] = float(total)
+        for name, peak in self._maxima.items():
+            out[self.prefix + name] = float(peak)
         return out
 
 

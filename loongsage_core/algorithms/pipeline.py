@@ -30,6 +30,9 @@ from loongsage_hookspecs import (
     PolicyLossOutput,
 )
 
+from .metrics import Maximum
+from .old_logprobs import old_from_training_forward
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -118,7 +121,13 @@ class LossPipeline:
         rollout = micro.get("rollout_logprobs")
         rollout = _on(rollout, logprobs) if rollout is not None else None
         old = micro.get("old_logprobs")
-        if old is None:
+        gap_metrics: dict[str, Any] = {}
+        if old is None and old_from_training_forward(micro):
+            # one optimizer pass over samples of these weights: this forward's log-probs are the old ones
+            old = logprobs.detach()
+            if rollout is not None:
+                gap_metrics = train_inference_gap_per_token(old, rollout, mask)
+        elif old is None:
             if rollout is None:
                 raise LossPipelineError("the batch has neither 'old_logprobs' nor 'rollout_logprobs'; the policy "
                                         "loss needs the log-probs the samples were drawn with")
@@ -136,7 +145,7 @@ class LossPipeline:
             weights = _on(micro[CORRECTION_WEIGHTS_KEY], logprobs)
             keep = _on(micro[CORRECTION_MASK_KEY], logprobs)
 
-        metrics: dict[str, torch.Tensor] = {}
+        metrics: dict[str, Any] = dict(gap_metrics)
         if self.post_corrections:
             if rollout is None:
                 raise LossPipelineError("post-forward corrections need 'rollout_logprobs' in the batch")
@@ -245,6 +254,22 @@ class LossPipeline:
             raise LossPipelineError(f"KL {spec.name!r} returned shape {tuple(kl_tok.shape)}, expected per-token "
                                     f"{tuple(mask.shape)}")
         return kl_tok
+
+
+def train_inference_gap_per_token(old: "torch.Tensor", rollout: "torch.Tensor", mask: "torch.Tensor",
+                                  ) -> dict[str, Any]:
+    """The train-inference gap of :func:`loongsage_core.algorithms.step.train_inference_gap` as
+    micro-batch metrics (per-token ``[B, T]`` values averaged over the loss mask, and a
+    :class:`~.metrics.Maximum`), for steps whose old log-probs come from the training forward."""
+    import torch
+
+    r = (old.detach().double() - rollout.detach().double())
+    on = mask > 0
+    r = torch.where(on, r, torch.zeros_like(r))
+    out: dict[str, Any] = {"is_approx_k3_kl": torch.expm1(r) - r, "logprob_abs_diff_mean": r.abs()}
+    if bool(on.any()):
+        out["logprob_abs_diff_max"] = Maximum(r.abs()[on].max())
+    return out
 
 
 def require(batch: Batch, key: str, why: str = "") -> "torch.Tensor":

@@ -78,6 +78,12 @@ class StepAlgorithm:
         self.distill = distill if distill is not None and distill.in_reward else None
         self.distill_spec = components.get("kl", distill.kl_name) if self.distill is not None else None
 
+    @property
+    def needs_old_logprobs_before_training(self) -> bool:
+        """Whether :meth:`prepare` reads the old log-probs (pre-advantage corrections, KL or
+        distillation in the reward): then the separate old-log-prob pass cannot be skipped."""
+        return bool(self.pre_corrections) or self.kl is not None or self.distill is not None
+
     # -- once per step ---------------------------------------------------------------------------
 
     def prepare(self, batch: Batch) -> dict[str, float]:

@@ -112,6 +112,20 @@ class ModelActor:
         """:meth:`train_mini_batch` on rows ``rows`` of the step's shared batch."""
         return self.train_mini_batch(batch.select(rows), norm)
 
+    def peak_flops(self) -> dict[str, Any]:
+        """The peak FLOP/s of this trainer rank's device (``[train] peak_tflops``, the accelerator
+        table, or a matmul probe here) and the device type, for the ``perf/mfu_*`` metrics."""
+        from ..flops import device_peak_flops
+
+        device = getattr(self.worker, "device", "cpu")
+        peak = device_peak_flops(device, self.job.model.dtype, self.job.train.peak_tflops)
+        return {"peak": peak, "device": str(getattr(device, "type", device))}
+
+    def training_forward_logprobs(self) -> Any:
+        """This rank's detached log-probs ``[b, T]`` of its rows of the last mini-batch when they
+        were the step's old log-probs (the separate pass was skipped), else ``None``."""
+        return getattr(self.worker, "training_forward_logprobs", None)
+
     def offload(self) -> None:
         """Move the trainer's (and the reference model's) state off the accelerator, when the
         backend can (colocated runs, while the engine generates)."""

@@ -11,8 +11,13 @@ Two coroutines share one event loop (and one scheduler, the job's ``[async] sche
   dispatched again), receive the weights, and continue.
 
 Every token carries the weight version that produced it; the scheduler bounds staleness by
-``[async] stale_steps``. Checkpoints hold the data cursor and every prompt that was drawn but not
-yet trained on, so a run killed at any moment and resumed trains each prompt exactly once.
+``[async] stale_steps``. With several ``[[data]]`` sources the scheduler also keeps each step's
+mix: the host gives it every step's quota per source (:class:`.mixing.StepQuotas`: floor or ceil
+of each weight's share) and dispatches the source it names next, so sources with different
+agents and sampling settings generate side by side and every step trains its quota of each.
+Checkpoints hold the data cursor, the scheduler's state and every prompt that was drawn but not
+yet trained on, so a run killed at any moment and resumed trains each prompt exactly once and
+continues the same schedule.
 """
 
 from __future__ import annotations
@@ -20,17 +25,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import inspect
 import logging
 import time
 from typing import Any
 
 import attrs
 
-from loongsage_hookspecs import TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import CheckpointableScheduler, TrajectoryGroup, TrajectoryStatus
 
 from ..config import ConfigError
 from .data import Prompt
 from .metrics import rollout_metrics
+from .mixing import StepQuotas
 from .run import RLController
 
 log = logging.getLogger("loongsage")
@@ -39,13 +46,38 @@ log = logging.getLogger("loongsage")
 def partial_ratio(groups: list[TrajectoryGroup]) -> float:
     """Fraction of trajectories whose generated tokens come from more than one weight version."""
     trajs = [t for g in groups for t in g.trajectories]
-    if not trajs:
-        return 0.0
-    mixed = 0
-    for t in trajs:
-        versions = {v for s in t.segments for v in s.weight_versions if v >= 0}
-        mixed += len(versions) > 1
-    return mixed / len(trajs)
+    return sum(map(_mixed_versions, trajs)) / len(trajs) if trajs else 0.0
+
+
+def _mixed_versions(traj: Any) -> bool:
+    """Whether the generated tokens of ``traj`` come from more than one weight version."""
+    return len({v for s in traj.segments for v in s.weight_versions if v >= 0}) > 1
+
+
+def per_source_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str, float]:
+    """``rollout_per_source/<name>/{groups,staleness_max,partial_ratio}`` of a step's trained groups
+    (staleness: ``version`` minus the oldest weight version of the group's generated tokens)."""
+    by_source: dict[str, list[TrajectoryGroup]] = collections.defaultdict(list)
+    for g in groups:
+        by_source[g.source].append(g)
+    out: dict[str, float] = {}
+    for name, gs in by_source.items():
+        oldest = [min(vs) for g in gs
+                  if (vs := [v for t in g.trajectories for s in t.segments for v in s.weight_versions if v >= 0])]
+        trajs = [t for g in gs for t in g.trajectories]
+        out[f"rollout_per_source/{name}/groups"] = float(len(gs))
+        out[f"rollout_per_source/{name}/staleness_max"] = float(max((version - v for v in oldest), default=0))
+        out[f"rollout_per_source/{name}/partial_ratio"] = sum(map(_mixed_versions, trajs)) / max(len(trajs), 1)
+    return out
+
+
+def takes_quota(factory: Any) -> bool:
+    """Whether a scheduler factory accepts the ``quota`` argument (by name or ``**kwargs``)."""
+    try:
+        params = inspect.signature(factory).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "quota" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 class AsyncRLController(RLController):
@@ -59,8 +91,20 @@ class AsyncRLController(RLController):
             raise ConfigError(f"{where}: async.enable = true needs placement.colocate = false (the trainer and "
                               "the engines must run at the same time on separate actors)")
         spec = self.host.get("scheduler", job.async_.scheduler, where=f"{where}: async.scheduler")
+        if "quota" in job.async_.scheduler_args:
+            raise ConfigError(f"{where}: async.scheduler_args.quota: the quotas come from the [[data]] weights; "
+                              "remove it")
+        extra: dict[str, Any] = {}
+        if takes_quota(spec.factory):
+            names = [src.name for src in job.data]
+            quotas = StepQuotas([src.weight for src in job.data], job.rollout.prompts_per_step)
+            extra["quota"] = lambda version: dict(zip(names, quotas(version)))
+        elif len(job.data) > 1:
+            raise ConfigError(f"{where}: async.scheduler: '{job.async_.scheduler}' does not take a per-source "
+                              f"'quota', so it cannot keep the shares of the job's {len(job.data)} data sources")
         self.scheduler = spec.factory(batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
-                                      **job.async_.scheduler_args)
+                                      **job.async_.scheduler_args, **extra)
+        self.quota_mode = "quota" in extra  # the scheduler names the source of every dispatch
         self.requeue: collections.deque[Prompt] = collections.deque()
         self.inflight: dict[str, tuple[asyncio.Task[TrajectoryGroup], Prompt]] = {}
         self.buffer: list[TrajectoryGroup] = []
@@ -79,6 +123,9 @@ class AsyncRLController(RLController):
             assert self.resumed_state is not None
             for p in self.resumed_state.get("pending_prompts", []):
                 self.requeue.append(Prompt(**p))
+            saved = self.resumed_state.get("scheduler")
+            if saved is not None and isinstance(self.scheduler, CheckpointableScheduler):
+                self.scheduler.load_state_dict(saved)
         return resumed
 
     def pending_prompts(self) -> list[Prompt]:
@@ -91,21 +138,37 @@ class AsyncRLController(RLController):
     def controller_state(self, step: int) -> dict[str, Any]:
         state = super().controller_state(step)
         state["pending_prompts"] = [attrs.asdict(p) for p in self.pending_prompts()]
+        if isinstance(self.scheduler, CheckpointableScheduler):
+            state["scheduler"] = dict(self.scheduler.state_dict())
         return state
 
     # ------------------------------------------------------------------ producer
 
-    def _next_prompt(self) -> Prompt:
-        return self.requeue.popleft() if self.requeue else self.mixer.next_prompts(1)[0]
+    def _next_prompt(self, source: str | None = None) -> Prompt:
+        """A re-queued prompt first (of ``source``, when the scheduler names one), else a new one."""
+        if source is None:
+            return self.requeue.popleft() if self.requeue else self.mixer.next_prompts(1)[0]
+        for i, p in enumerate(self.requeue):
+            if p.source == source:
+                del self.requeue[i]
+                return p
+        return self.mixer.next_from(source)
 
     def _dispatch(self) -> None:
         assert self.rollout is not None
+        next_source = getattr(self.scheduler, "next_source", None)
         while self.scheduler.can_dispatch(len(self.inflight), len(self.buffer), self.version):
-            prompt = self._next_prompt()
+            source = next_source(self.version) if next_source is not None else None
+            if source is None and self.quota_mode:
+                break  # pragma: no cover - can_dispatch and next_source agree for the shipped schedulers
+            prompt = self._next_prompt(source)
             index = self.dispatched
             self.dispatched += 1
             group_id = f"{self.version}:{index}"
-            self.scheduler.on_dispatch(group_id, self.version)
+            if source is None:
+                self.scheduler.on_dispatch(group_id, self.version)
+            else:
+                self.scheduler.on_dispatch(group_id, self.version, source=source)
             task = asyncio.ensure_future(self.rollout.group(prompt, index, self.version))
             self.inflight[group_id] = (task, prompt)
             task.add_done_callback(functools.partial(self._on_done, group_id))
@@ -169,7 +232,7 @@ class AsyncRLController(RLController):
         await asyncio.gather(*(c.pause(mode) for c in self.rollout.clients))
         loop = asyncio.get_running_loop()
         try:
-            stats = await loop.run_in_executor(None, self._push_weights, version)
+            stats = await loop.run_in_executor(None, self.faults.locked, self._push_weights, version)
         finally:
             await asyncio.gather(*(c.resume() for c in self.rollout.clients))
             self.updating = False
@@ -181,6 +244,7 @@ class AsyncRLController(RLController):
         step = self.step
         metrics = rollout_metrics(groups)
         metrics["rollout/partial_ratio"] = partial_ratio(groups)
+        metrics.update(per_source_metrics(groups, self.version))
         t_train = time.perf_counter()
         train_metrics, tokens = await loop.run_in_executor(None, self.learn, groups, step)
         self.record_rollouts(step, groups)
@@ -224,6 +288,7 @@ class AsyncRLController(RLController):
         t0 = time.perf_counter()
         waited = 0.0
         while self.step < self.job.train.total_steps:
+            self.faults.check()  # a replacement the router asked for failed: the run cannot go on
             if self.faults.suspect:
                 await self.faults.recover_async()  # replace dead engines, then dispatch again
             await self._abort_unusable()

@@ -69,6 +69,20 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
     )
 
 
+def balanced_shards(lengths: Sequence[int], parts: int) -> list[list[int]]:
+    """Row indices split into ``parts`` shards with the row counts of :func:`shard_rows` and
+    near-equal token counts (``lengths``): longest rows first, each to the shard with the fewest
+    tokens that still has room. Rows keep ascending order inside a shard."""
+    sizes = [len(s) for s in shard_rows(len(lengths), parts)]
+    shards: list[list[int]] = [[] for _ in range(parts)]
+    tokens = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r)):
+        best = min((r for r in range(parts) if len(shards[r]) < sizes[r]), key=lambda r: (tokens[r], r))
+        shards[best].append(i)
+        tokens[best] += int(lengths[i])
+    return [sorted(s) for s in shards]
+
+
 def shard_rows(n: int, world_size: int) -> list[list[int]]:
     """Contiguous, near-equal row ranges for each data-parallel rank."""
     base, extra = divmod(n, world_size)

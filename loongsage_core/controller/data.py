@@ -288,6 +288,14 @@ class DataMixer:
             prompts.extend(stream.take(count))
         return prompts
 
+    def next_from(self, source: str) -> Prompt:
+        """The next prompt of one source (the asynchronous loop draws by the scheduler's quotas)."""
+        for i, stream in enumerate(self.streams):
+            if stream.name == source:
+                self.drawn[i] += 1
+                return stream.take(1)[0]
+        raise KeyError(f"no data source named {source!r}; sources: {', '.join(s.name for s in self.streams)}")
+
     @property
     def epoch_size(self) -> int:
         return sum(len(s.rows) for s in self.streams)

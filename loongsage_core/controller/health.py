@@ -4,8 +4,11 @@ After each step's training the controller asks :class:`StepHealth` whether the s
 
 * a non-finite ``train/loss``, ``train/pg_loss`` or ``train/grad_norm``, or an optimizer step the
   backend skipped (``train/skipped_step``) — the backend leaves its weights as they were;
-* weights that became non-finite (``train/nonfinite_weights``): they cannot be taken back, so
-  the run ends at once, before they reach the engines;
+* an optimizer step whose update made weights non-finite (``train/nonfinite_weights``) and that
+  the backend took back (``train/rolled_back_step``: the torch backend restores the parameters
+  and optimizer state of before the step);
+* weights that became non-finite and were *not* taken back (a backend that cannot, or
+  ``rollback_overflow = false``): the run ends at once, before they reach the engines;
 * zero rows or zero tokens trained although groups were collected (every trajectory failed, every
   generation was empty), with the cause — e.g. the reward's exception text — in the message.
 
@@ -60,6 +63,10 @@ def diagnose(metrics: Mapping[str, float], groups: Sequence[TrajectoryGroup]) ->
         value = metrics.get(key)
         if value is not None and not math.isfinite(value):
             return f"{key} is {value}"
+    if metrics.get("train/rolled_back_step", 0.0) > 0:
+        return (f"train/rolled_back_step: the optimizer step overflowed the weights "
+                f"(train/nonfinite_weights = {metrics.get('train/nonfinite_weights')}, train/lr = "
+                f"{metrics.get('train/lr')}) and was rolled back")
     if metrics.get("train/skipped_step", 0.0) > 0:
         return "the optimizer step was skipped: train/grad_norm was not finite"
     rows = metrics.get("rollout/num_rows", 0.0)
@@ -89,12 +96,13 @@ class StepHealth:
         After this call :attr:`last_problem` says whether the step must be skipped (no weight
         update).
         """
-        if metrics.get("train/nonfinite_weights", 0.0) > 0:
+        if metrics.get("train/nonfinite_weights", 0.0) > 0 and not metrics.get("train/rolled_back_step", 0.0) > 0:
             raise TrainingFailedError(
                 f"step {step}: the weights became non-finite after the optimizer step "
                 f"({int(metrics['train/nonfinite_weights'])} tensors; train/grad_norm = "
-                f"{metrics.get('train/grad_norm')}, train/lr = {metrics.get('train/lr')}); the run stops before "
-                "they reach the engines: lower train.lr or set train.grad_clip, and resume from the last checkpoint")
+                f"{metrics.get('train/grad_norm')}, train/lr = {metrics.get('train/lr')}) and the train backend did "
+                "not roll the step back; the run stops before they reach the engines: lower train.lr or set "
+                "train.grad_clip, and resume from the last checkpoint")
         problem = diagnose(metrics, groups)
         self.last_problem = problem
         if problem is None:

@@ -75,6 +75,7 @@ class RunLifecycle(RunState):
         self.engine_router, generate_urls = start_engine_router(self.job, self.host, self.actors.engine_urls)
         self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls,
                                       secret=self.secret)
+        self.faults.attach(self.rollout)  # router turns whose engine died go to its replacement
         self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
         if not self._maybe_resume() and self.job.train.lora is not None:
             # the engines load the (still no-op) adapter before the first generation names it:

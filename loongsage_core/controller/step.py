@@ -4,7 +4,8 @@
 
     prompts -> engines generate (tokens, log-probs, weight version) -> rewards -> filters
             -> rows, shipped to the actors once (WorkerGroup.share)
-            -> old log-probs (recomputed) [-> reference log-probs] [-> teachers] [-> values]
+            -> old log-probs (recomputed, unless the training forward's own serve:
+               algorithms/old_logprobs.py) [-> reference log-probs] [-> teachers] [-> values]
             -> StepAlgorithm.prepare (corrections, token rewards, advantages, the k3 gap)
             -> the prepared rows, shipped once -> policy epochs [-> critic epochs]
             -> weights to engines (version += 1)
@@ -23,6 +24,8 @@ from typing import Any, Sequence
 
 from loongsage_hookspecs import Batch, TrajectoryGroup
 
+from ..algorithms.old_logprobs import mark_old_from_training_forward, old_from_training_forward, old_logprob_pass
+from ..flops import ModelShape, generation_flops, mfu, scoring_flops
 from .batching import build_batch
 from .metrics import rollout_metrics
 from .mixing import interleave_by_source
@@ -42,7 +45,8 @@ class StepRunner(RunState):
     def policy(self) -> WorkerGroup:
         """The trainer ranks (each holding the policy and, when needed, the reference model)."""
         assert self.actors is not None
-        return WorkerGroup(self.actors.trainers, self.actors.dp_ranks, self.actors.dp_size)
+        return WorkerGroup(self.actors.trainers, self.actors.dp_ranks, self.actors.dp_size,
+                           balance_tokens=bool(self.job.train.max_tokens_per_micro_batch))
 
     def collect(self, step: int) -> tuple[list[TrajectoryGroup], dict[str, float]]:
         """Generate, score and filter this step's groups (refilling dropped ones when allowed)."""
@@ -87,9 +91,16 @@ class StepRunner(RunState):
         shared = policy.share(batch)
         order = self.mini_batch_order(batch, step)
         size = self.job.train.mini_batch_size
-        out, count = policy.train(shared, (mb for _ in range(self.job.train.ppo_epochs)
-                                           for mb in self.algorithm.mini_batch_rows(batch, order, size)))
+        mini_batches = [mb for _ in range(self.job.train.ppo_epochs)
+                        for mb in self.algorithm.mini_batch_rows(batch, order, size)]
+        t0 = time.perf_counter()
+        out, count = policy.train(shared, mini_batches, batch)
+        out["timing/policy_train"] = time.perf_counter() - t0
         out["train/num_mini_batches"] = float(count)
+        if old_from_training_forward(batch) and count == 1:  # keep them for the records
+            old = policy.training_forward_logprobs(batch, mini_batches[0][0])
+            if old is not None:
+                batch.tensors["old_logprobs"] = old * batch["loss_mask"]
         if self.critic is not None:
             out.update(self.critic.train(batch, step, self.algorithm, order, shared))
         return out
@@ -110,26 +121,71 @@ class StepRunner(RunState):
             return metrics, 0.0
         alg = self.job.algorithm
         policy = self.policy
-        needs_forward = alg.recompute_old_logprobs or self.needs_reference or self.critic is not None
+        run_pass, _ = old_logprob_pass(self.job, batch, version=self.version, needed_before_training=(
+            self.algorithm.needs_old_logprobs_before_training or self.teachers is not None))
+        metrics["perf/old_logprob_pass_skipped"] = float(alg.recompute_old_logprobs and not run_pass)
+        needs_forward = run_pass or self.needs_reference or self.critic is not None
         rows = policy.share(batch) if needs_forward else None  # the rollout rows, shipped once
-        if alg.recompute_old_logprobs:
+        if run_pass:
             batch.tensors["old_logprobs"] = policy.forward(rows, batch, "logprobs") * batch["loss_mask"]
+        elif alg.recompute_old_logprobs:
+            mark_old_from_training_forward(batch)  # the training forward's own log-probs stand in
         else:
             batch.tensors["old_logprobs"] = batch["rollout_logprobs"].clone()
         if self.needs_reference:
             batch.tensors["ref_logprobs"] = (policy.forward(rows, batch, "logprobs", reference=True)
                                              * batch["loss_mask"])
         metrics["timing/old_logprobs"] = time.perf_counter() - t0
+        passes = int(run_pass) + int(self.needs_reference)
         if self.critic is not None:
             batch.tensors["values"] = self.critic.values(batch, rows)
         metrics.update(apply_teachers(batch, self.job, self.host, self.teachers))
         # corrections, token rewards, advantages and returns, the train-inference gap: once, here
         metrics.update(self.algorithm.prepare(batch))
         metrics.update(self.train(batch, step))
+        metrics.update(self.phase_mfu(batch, metrics, scoring_passes=passes))
         every = alg.ref_update_every
         if self.needs_reference and every > 0 and (step + 1) % every == 0:
             policy.call("refresh_reference")
         return metrics, float(batch["loss_mask"].sum())
+
+    def flops_setup(self) -> tuple[ModelShape | None, float, int, int]:
+        """The model's shape, one device's peak FLOP/s, the trainer's and the engines' device counts
+        (1 each on a CPU: the ranks share the machine); asked of trainer rank 0 once per run."""
+        cached = getattr(self, "_flops_setup", None)
+        if cached is None:
+            assert self.actors is not None
+            shape = ModelShape.from_job(self.job)
+            peak, trainers, engines = 0.0, 1, 1
+            if shape is not None:
+                info = gather([self.actors.trainers[0].peak_flops.remote()])[0]
+                peak = float(info["peak"])
+                if info["device"] != "cpu":
+                    trainers, engines = len(self.actors.trainers), max(1, len(self.actors.engine_urls))
+            cached = self._flops_setup = (shape, peak, trainers, engines)
+        return cached
+
+    def phase_mfu(self, batch: Batch, metrics: dict[str, float], *, scoring_passes: int) -> dict[str, float]:
+        """``perf/mfu_train`` and ``perf/mfu_logprob`` of the step's policy training and scoring
+        passes (old log-probs, reference) from their model FLOPs (:mod:`loongsage_core.flops`)."""
+        shape, peak, trainers, _ = self.flops_setup()
+        if shape is None or peak <= 0:
+            return {}
+        scored = scoring_flops(shape, batch)
+        out = {"perf/peak_tflops": peak / 1e12,
+               "perf/mfu_train": mfu(3.0 * scored * self.job.train.ppo_epochs, metrics.get("timing/policy_train", 0.0),
+                                     peak, trainers)}
+        if scoring_passes:
+            out["perf/mfu_logprob"] = mfu(scored * scoring_passes, metrics.get("timing/old_logprobs", 0.0), peak,
+                                          trainers)
+        return out
+
+    def rollout_mfu(self, seconds: float) -> dict[str, float]:
+        """``perf/mfu_rollout``: the generation FLOPs of the step's trained rows over ``seconds``."""
+        shape, peak, _, engines = self.flops_setup()
+        if shape is None or peak <= 0 or self.last_batch is None or not len(self.last_batch):
+            return {}
+        return {"perf/mfu_rollout": mfu(generation_flops(shape, self.last_batch), seconds, peak, engines)}
 
     def _push_weights(self, version: int | None = None) -> dict[str, float]:
         """Move the trainer's weights into every engine, tagged ``version`` (default: current)."""
@@ -173,6 +229,7 @@ class StepRunner(RunState):
             "perf/generated_tokens": tokens,
             "perf/weight_version": float(self.version),
             "perf/tokens_per_s": tokens / max(t_rollout - t0, 1e-9),
+            **self.rollout_mfu(t_rollout - t0),
             "fault/engine_restarts": float(self.faults.engine_restarts),
         })
         return metrics

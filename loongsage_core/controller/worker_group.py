@@ -30,7 +30,7 @@ import torch
 
 from loongsage_hookspecs import AggregationNorm, Batch
 
-from .batching import shard_rows
+from .batching import balanced_shards, shard_rows
 from .remote import LocalActor, gather
 
 
@@ -53,16 +53,23 @@ class WorkerGroup:
     """
 
     def __init__(self, actors: Sequence[Any], dp_ranks: Sequence[int] | None = None,
-                 dp_size: int | None = None) -> None:
+                 dp_size: int | None = None, *, balance_tokens: bool = False) -> None:
         self.actors = list(actors)
+        self.balance_tokens = balance_tokens
         self.dp_ranks = list(range(len(self.actors))) if dp_ranks is None else list(dp_ranks)
         self.dp_size = len(self.actors) if dp_size is None else int(dp_size)
         if len(self.dp_ranks) != len(self.actors):
             raise ValueError(f"WorkerGroup: {len(self.actors)} actors but {len(self.dp_ranks)} data-parallel ranks")
 
-    def rows_per_actor(self, rows: Sequence[int]) -> list[list[int]]:
-        """Which of ``rows`` each actor gets: its replica's contiguous share."""
-        shards = shard_rows(len(rows), self.dp_size)
+    def rows_per_actor(self, rows: Sequence[int], batch: Batch | None = None) -> list[list[int]]:
+        """Which of ``rows`` each actor gets: its replica's contiguous share, or, with
+        ``balance_tokens`` (packed micro-batches) and ``batch`` given, a share with as many rows
+        and near-equal tokens (:func:`.batching.balanced_shards`)."""
+        if self.balance_tokens and batch is not None and self.dp_size > 1 and "attention_mask" in batch:
+            lengths = batch["attention_mask"].sum(dim=1).tolist()
+            shards = balanced_shards([lengths[i] for i in rows], self.dp_size)
+        else:
+            shards = shard_rows(len(rows), self.dp_size)
         return [[rows[i] for i in shards[r]] for r in self.dp_ranks]
 
     def share(self, batch: Batch) -> Any:
@@ -83,7 +90,7 @@ class WorkerGroup:
         ``[B, T]`` float32, right-padded to the batch's width."""
         n = len(batch)
         calls, replica_of = [], []
-        for actor, rows, replica in zip(self.actors, self.rows_per_actor(range(n)), self.dp_ranks):
+        for actor, rows, replica in zip(self.actors, self.rows_per_actor(range(n), batch), self.dp_ranks):
             calls.append(actor.forward_rows.remote(shared, rows, reference))
             replica_of.append(replica)
         # every rank of a model replica returns the same rows: keep one answer per replica, in order
@@ -94,14 +101,30 @@ class WorkerGroup:
         parts = [first[r][key] for r in sorted(first)]
         return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], 0).float()
 
-    def train(self, shared: Any,
-              mini_batches: Iterable[tuple[list[int], AggregationNorm]]) -> tuple[dict[str, float], int]:
+    def training_forward_logprobs(self, batch: Batch, rows: Sequence[int]) -> torch.Tensor | None:
+        """The log-probs ``[B, T]`` the last mini-batch (``rows`` of ``batch``) was trained with,
+        placed at their rows (0 elsewhere), when every replica kept them (the step's old log-probs
+        came from the training forward), else ``None``."""
+        answers = self.call("training_forward_logprobs")
+        out = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+        done: set[int] = set()
+        for replica, share, got in zip(self.dp_ranks, self.rows_per_actor(rows, batch), answers):
+            if replica in done or not share:
+                continue
+            if got is None or got.shape[0] != len(share):
+                return None
+            out[torch.as_tensor(share, dtype=torch.long), :got.shape[1]] = got.float()
+            done.add(replica)
+        return out
+
+    def train(self, shared: Any, mini_batches: Iterable[tuple[list[int], AggregationNorm]],
+              batch: Batch | None = None) -> tuple[dict[str, float], int]:
         """One optimiser step per mini-batch (its rows of the shared batch and its global norm),
         split over the ranks; the metrics averaged over ranks, then over mini-batches, and the
         number of mini-batches."""
         results: list[dict[str, float]] = []
         for rows, norm in mini_batches:
             calls = [a.train_rows.remote(shared, share, norm)
-                     for a, share in zip(self.actors, self.rows_per_actor(rows))]
+                     for a, share in zip(self.actors, self.rows_per_actor(rows, batch))]
             results.append(mean_metrics(gather(calls)))
         return mean_metrics(results), len(results)

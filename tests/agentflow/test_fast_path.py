@@ -130,3 +130,6 @@ def test_fast_path_only_where_it_is_equivalent(engine_url, tokenizer):
     assert not takes_fast_path(with_args.job, with_args.job.data[0])
     tool = manager(engine_url, tokenizer, source={"agent": "tool_agent"})
     assert not takes_fast_path(tool.job, tool.job.data[0])
+    # a sandbox is created by the trajectory's lifecycle (rewards such as code_tests run in it)
+    boxed = manager(engine_url, tokenizer, source={"sandbox": "local"})
+    assert not takes_fast_path(boxed.job, boxed.job.data[0])

@@ -61,6 +61,12 @@ def arithmetic_responder(prompt_text: str, sample: int) -> tuple[str, str]:
     return (f"The answer is {value if sample % 2 == 0 else value + 1 + sample}", "stop")
 
 
+def sample_of(rid: str) -> int:
+    """The sample index in a request id: the fast path's ``step:index:j``, or the router's
+    ``{trajectory id step-index-j}-{attempt}-{turn}-...``."""
+    return int(rid.rsplit(":", 1)[-1]) if ":" in rid else int(rid.split("-")[2])
+
+
 class FakeEngine:
     """An engine client answering from ``responder``; control calls go to ``events``."""
 
@@ -75,13 +81,14 @@ class FakeEngine:
 
     async def generate(self, input_ids: Any, sampling_params: Any, *, return_logprob: bool = True,
                        rids: Any = None, **_: Any) -> list[GenerationResult]:
-        prompts = [list(p) for p in input_ids]
+        # the rollout's fast path sends a batch of prompts, the router one prompt (a list of ids)
+        prompts = [list(input_ids)] if input_ids and isinstance(input_ids[0], int) else [list(p) for p in input_ids]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
         out = []
         for i, (tokens, p) in enumerate(zip(prompts, params)):
             self.requests += 1
             seed = int(p.get("sampling_seed", p.get("seed", 0)))
-            sample = int(str(rids[i]).rsplit(":", 1)[-1]) if rids else i
+            sample = sample_of(str(rids[i])) if rids else i
             text, finish = self.responder(self.tokenizer.decode(tokens), sample)
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
             rng = random.Random(seed)
@@ -93,6 +100,14 @@ class FakeEngine:
                                         cached_tokens=0, text=text, meta_info={}))
         await asyncio.sleep(0)
         return out
+
+    async def model_info(self, timeout: Any = None) -> dict[str, Any]:
+        return {"max_context_length": 1 << 20}  # the router asks; the fake has no limit of its own
+
+    server_info = model_info
+
+    async def abort(self, rid: str, timeout: Any = None) -> None:
+        self.events.append(f"{self.name}.abort:{rid}")
 
     async def pause(self, mode: str = "abort") -> None:
         self.events.append(f"{self.name}.pause:{mode}")
@@ -170,6 +185,14 @@ def build_controller(tmp_path: Path, overrides: dict[str, Any] | None = None, *,
     engine = FakeEngine(controller.tokenizer, events, responder)
     controller.rollout.clients = [engine]
     controller.rollout.generate_clients = [engine]
+    start_router = controller.rollout.start_router
+
+    def start_router_on_the_fake() -> str:  # agents other than the fast path's talk to the router
+        url = start_router()
+        controller.rollout.router.engines._clients["http://fake-engine"] = engine
+        return url
+
+    controller.rollout.start_router = start_router_on_the_fake
     controller.phases = PhaseSwitch(job, controller.actors.trainers, controller.rollout.clients, controller.loop)
     if controller.advantage.needs_critic:
         from loongsage_core.controller.critic import Critic, CriticActor

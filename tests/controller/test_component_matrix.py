@@ -13,7 +13,9 @@ A component added to a plugin later without an entry in :data:`MATRIX` fails
 
 from __future__ import annotations
 
+import json
 from functools import cache
+from pathlib import Path
 from typing import Any, Callable
 
 import attrs
@@ -140,6 +142,41 @@ def token_mean_check(ms: list[dict[str, float]], base: list[dict[str, float]], c
 
 ABORT_LAST = responder_for(finish=lambda s: "abort" if s == 3 else "stop")
 
+REPO = Path(__file__).resolve().parents[2]
+SWE = REPO / "configs" / "recipes" / "swe"
+CODE_TASKS = REPO / "tests" / "data" / "code_tasks.jsonl"
+
+
+@cache
+def jsonl_rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def swe_responder(prompt_text: str, sample: int) -> tuple[str, str]:
+    """The tool agent's model: even samples apply the task's reference patch with one ``bash`` tool
+    call (then say they are done), odd samples change nothing."""
+    if "<tool_response>" in prompt_text or sample % 2 == 1:
+        return "Done.", "stop"
+    row = next(r for r in jsonl_rows(SWE / "tasks.jsonl") if r["problem_statement"] in prompt_text)
+    call = {"name": "bash", "arguments": {"command": f"git apply <<'EOF'\n{row['patch']}EOF"}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>", "stop"
+
+
+def code_responder(prompt_text: str, sample: int) -> tuple[str, str]:
+    """Even samples answer with the row's solution in a code block, odd ones with a wrong function."""
+    row = next(r for r in jsonl_rows(CODE_TASKS) if r["prompt"] in prompt_text)
+    code = row["solution"] if sample % 2 == 0 else f"def {row['entry_point']}(*args):\n    return None\n"
+    return f"```python\n{code}```", "stop"
+
+
+SANDBOXED = {"rollout": {"max_context_length": 8192, "max_new_tokens": 512}}
+SWE_SOURCE = {**SANDBOXED, "agentflow": {"middleware": ["tool_call_parser"]},
+              "data": [{"name": "src", "path": str(SWE / "tasks.jsonl"), "prompt_key": "problem_statement",
+                        "agent": "tool_agent", "agent_args": {"max_turns": 2}, "sandbox": "local",
+                        "sandbox_args": {"base_dir": str(SWE)}, "reward": ["swe_tests"]}]}
+CODE_SOURCE = {**SANDBOXED, "data": [{"name": "src", "path": str(CODE_TASKS), "sandbox": "local",
+                                      "reward": ["code_tests"]}]}
+
 MATRIX: dict[tuple[str, str], Entry] = {
     # advantage estimators: the exact group-relative values, or a difference from grpo's
     ("advantage", "grpo"): Entry(alg(advantage="grpo"), grouped_abs(0.5 / (1 / 3) ** 0.5)),
@@ -215,6 +252,11 @@ MATRIX: dict[tuple[str, str], Entry] = {
                                        both(metric("rollout/reward_mean", lambda v: 0.5 <= v < 1.0),
                                             metric("rollout/reward_max", lambda v: v == 1.0)),
                                        responder_for("reasoning_gym")),
+    # rewards that run tests in the trajectory's sandbox, before it is destroyed
+    ("reward", "swe_tests"): Entry(SWE_SOURCE, both(
+        metric("rollout/reward_mean", lambda v: v == 0.5), metric("rollout/tool_calls_mean", lambda v: v == 0.5),
+        metric("rollout_per_source/src/reward/swe_tests/p2p_passed", lambda v: v == 1.0)), swe_responder),
+    ("reward", "code_tests"): Entry(CODE_SOURCE, metric("rollout/reward_mean", lambda v: v == 0.5), code_responder),
     ("reward", "overlong_penalty"): Entry(
         source(reward=["exact_match", "overlong_penalty"],
                reward_args={"overlong_penalty": {"max_len": 8, "cache_len": 4}}),

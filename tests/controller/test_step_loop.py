@@ -28,7 +28,7 @@ def test_two_steps_train_and_report_the_step_metrics(controller_factory):
 def test_pre_advantage_corrections_run_in_a_real_step_and_change_the_loss(controller_factory, correction):
     # regression: `algorithm.corrections = ["tis"]` crashed at the first train step
     args = {"tis": {"upper": 1.5}, "m2po": {"tau": 0.002}}[correction]
-    plain = controller_factory()
+    plain = controller_factory({"algorithm": {"force_old_logprob_pass": True}})  # the gap from the same pass
     corrected = controller_factory({"algorithm": {"corrections": [correction], "correction_args": {correction: args}}})
     groups, _ = plain.collect(0)
     base, _ = plain.learn(groups, 0)

@@ -11,6 +11,12 @@ pipeline-parallel shards and clips to ``[train] grad_clip`` inside its ``step()`
 rate follows the ``[train]`` schedule of the torch backend (:mod:`.schedule`: a ``LambdaLR`` on
 the torch optimizer inside the Megatron one). A step whose gradients are not finite is skipped
 (``train/skipped_step`` = 1), as in the torch backend (:func:`optimizer_step`).
+
+An update that overflows the weights (finite gradients, a learning rate far too large) is
+detected and reported (``train/nonfinite_weights``) but not rolled back: unlike the torch
+backend this backend keeps no copy of the parameters and the (possibly sharded) optimizer state
+before each step, so the host ends the run at once, before the weights reach the engines, and
+the run resumes from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -78,14 +84,37 @@ def optimizer_step(optimizer: Any, scheduler: Any, chunks: list[Any], device: to
 
     Not-finite gradients skip the update (the fp32 Megatron optimizer would apply it); the
     schedule advances either way so resumed and uninterrupted runs stay aligned. Returns
-    ``train/grad_norm``, ``train/lr`` (the rate this step used) and ``train/skipped_step``.
+    ``train/grad_norm``, ``train/lr`` (the rate this step used), ``train/skipped_step`` and
+    ``train/nonfinite_weights`` (tensors the update made non-finite: the host then ends the run).
     """
     lr = float(optimizer.param_groups[0]["lr"])
+    overflowed = False
     if grads_finite(chunks, device):
-        updated, grad_norm, _ = optimizer.step()
+        try:
+            updated, grad_norm, _ = optimizer.step()
+        except RuntimeError as exc:  # a step size beyond float range: torch stops part-way through
+            if "without overflow" not in str(exc):
+                raise
+            updated, grad_norm, overflowed = True, optimizer.get_grad_norm(), True
     else:
         optimizer.prepare_grads()
         updated, grad_norm = False, optimizer.get_grad_norm()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if updated else 1.0}
+    nonfinite = nonfinite_weights(chunks, device) if updated else 0
+    if overflowed:
+        nonfinite = max(1, nonfinite)
+    return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if updated else 1.0,
+            "train/nonfinite_weights": float(nonfinite)}
+
+
+def nonfinite_weights(chunks: list[Any], device: torch.device) -> int:
+    """How many parameter tensors hold a non-finite value after the step (the most over all ranks,
+    so every rank reports the same)."""
+    import torch.distributed as dist
+
+    count = sum(not bool(torch.isfinite(p).all()) for chunk in chunks for p in chunk.parameters())
+    flag = torch.tensor([float(count)], device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())

@@ -646,3 +646,20 @@ def test_bad_backend_args_raise_clear_errors(hf_dir, moe_model, host):
                                                       components=host))
     # a worker that failed after joining the process group left it (it would break the next worker)
     assert dist.is_initialized() == had_group
+
+
+def test_an_update_that_overflows_the_weights_is_reported_for_the_host_to_stop(workers):
+    """The megatron backend does not roll such a step back (documented): it reports it, and the
+    host's bad-step check ends the run before the weights reach the engines."""
+    from loongsage_core.controller.health import StepHealth, TrainingFailedError
+
+    meg, ref = workers
+    batch = make_train_batch(ref, seed=4)
+    assert meg.train_mini_batch(batch, compute_norm(batch))["train/nonfinite_weights"] == 0.0
+    for group in meg.optimizer.param_groups:
+        group["lr"] = 1e39  # finite, but the Adam update overflows float32
+    batch = make_train_batch(ref, seed=5)
+    metrics = meg.train_mini_batch(batch, compute_norm(batch))
+    assert metrics["train/nonfinite_weights"] >= 1.0 and metrics.get("train/rolled_back_step", 0.0) == 0.0
+    with pytest.raises(TrainingFailedError, match="weights became non-finite .* did not roll the step back"):
+        StepHealth(3).observe(1, metrics, [])

@@ -10,12 +10,14 @@ from typing import Iterator
 
 from loongsage_hookspecs import DataSourceSpec, RewardSpec, hookimpl
 
+from .code_reward import code_tests
 from .countdown_reward import countdown_reward
 from .math_reward import math_verify_reward
 from .rewards import exact_match, format_reward, numeric_match
 from .rgym import reasoning_gym_reward, reasoning_gym_rows
 from .sources.arithmetic import arithmetic_rows
 from .sources.countdown import countdown_rows
+from .swe_reward import swe_tests
 
 
 @hookimpl
@@ -31,6 +33,12 @@ def loongsage_rewards() -> Iterator[RewardSpec]:
                      description="1 when the answer is an expression over the given numbers equal to the target")
     yield RewardSpec(name="reasoning_gym", fn=reasoning_gym_reward,
                      description="the reasoning-gym dataset's own score_answer for the response")
+    yield RewardSpec(name="swe_tests", fn=swe_tests, needs_sandbox=True,
+                     description="1 when the task's FAIL_TO_PASS and PASS_TO_PASS tests pass in the sandbox "
+                                 "(SWE-bench rows; runs test_cmd on the agent's edits)")
+    yield RewardSpec(name="code_tests", fn=code_tests, needs_sandbox=True,
+                     description="1 when the response's code passes the row's tests (assert list or test "
+                                 "program) run in the sandbox")
 
 
 @hookimpl

@@ -17,14 +17,25 @@ Deadlines. Strategies that bound staleness by construction (``sync``, ``window_g
 that may train it. A group that has not been trained when the step at its deadline has taken its
 batch can never be trained (it is the unused surplus of oversampling): :meth:`to_abort` lists it
 while it is in flight and :meth:`evict` returns it once it is in the buffer.
+
+Source quotas. Built with ``quota`` (a function from a trainer version to the groups each data
+source contributes to the step at that version, adding up to ``batch_size``), a scheduler keeps
+every step's mix: places (slots, capacity, rounds) are counted per source, :meth:`next_source`
+tells the producer which source to draw the next prompt from, and a step takes exactly each
+source's quota. A source's places per step are ``ceil(quota * (1 + oversample))``. Without
+``quota`` every group counts as one anonymous source with ``per_step`` places.
+
+State. :meth:`BaseScheduler.state_dict` holds what outlives the groups of one process (the
+version and the run's counters); live groups are not in it: a resumed run generates the prompts
+of every group that was generating or buffered again, so it starts with an empty pipeline.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
@@ -52,7 +63,8 @@ class GroupRecord:
     ``order`` is its dispatch index (FIFO order), ``version`` the trainer version it was dispatched
     at, ``deadline`` the last trainer version allowed to train it (``None`` when the strategy judges
     staleness from the tokens alone), ``completed`` its completion index once finished, and
-    ``oldest`` / ``newest`` the lowest / highest weight version among its generated tokens.
+    ``oldest`` / ``newest`` the lowest / highest weight version among its generated tokens;
+    ``source`` its data source (``None`` when the scheduler has no quota).
     """
 
     group_id: str
@@ -63,6 +75,7 @@ class GroupRecord:
     completed: int = -1
     oldest: int | None = None
     newest: int | None = None
+    source: str | None = None
 
 
 def _int_arg(name: str, value: object, minimum: int) -> int:
@@ -85,14 +98,19 @@ class BaseScheduler:
       generated for each step so that filter drops still leave ``batch_size`` groups.
     * ``staleness``: ``"oldest"`` (default) or ``"newest"``: which token's version defines a group's
       staleness (see :mod:`loongsage_plugin_schedulers.staleness`).
+    * ``quota``: optional, ``quota(version) -> {source: groups}`` (non-negative integers adding up to
+      ``batch_size``): the step at that version trains exactly that many groups of each source;
+      the host passes its per-step rounding of the ``[[data]]`` weights.
 
-    ``capacity = per_step * (1 + bound)`` groups may be in flight and buffered together.
+    ``capacity = per_step * (1 + bound)`` groups may be in flight and buffered together (with a
+    quota: the places of every source over the versions ``[t, t + bound]``).
     """
 
     name: ClassVar[str] = "base"
 
     def __init__(self, *, batch_size: int, stale_steps: int = 1, oversample: float = 0.0,
-                 staleness: str = "oldest") -> None:
+                 staleness: str = "oldest",
+                 quota: Callable[[int], Mapping[str, int]] | None = None) -> None:
         self.batch_size = _int_arg("batch_size", batch_size, 1)
         self.stale_steps = _int_arg("stale_steps", stale_steps, 0)
         if isinstance(oversample, bool) or not isinstance(oversample, (int, float)):
@@ -103,12 +121,15 @@ class BaseScheduler:
         self.staleness = check_mode(staleness)
         # round() first so that e.g. 8 * 1.1 = 8.800000000000001 does not become 9 by float noise.
         self.per_step = math.ceil(round(self.batch_size * (1.0 + self.oversample), 9))
-        self.capacity = self.per_step * (1 + self.bound)
+        if quota is not None and not callable(quota):
+            raise TypeError(f"quota must be a function of the trainer version, got {type(quota).__name__}")
+        self._quota_fn = quota
+        self._quotas: dict[int, dict[str | None, int]] = {}
 
         self._version: int | None = None
         self._records: dict[str, GroupRecord] = {}  # live groups, in dispatch order
         self._buffered: dict[str, GroupRecord] = {}  # the buffered ones among them, in completion order
-        self._slot_live: dict[int, int] = {}  # deadline -> live groups holding it (discards free a place)
+        self._slot_live: dict[tuple[int, str | None], int] = {}  # (deadline, source) -> live groups holding it
         self._selected_at: int | None = None  # version whose batch was taken, until on_train_step
         self._next_order = 0
         self._next_completion = 0
@@ -127,6 +148,47 @@ class BaseScheduler:
     def bound(self) -> int:
         """The staleness bound this strategy guarantees (``stale_steps``; 0 for ``sync``)."""
         return self.stale_steps
+
+    @property
+    def capacity(self) -> int:
+        """Groups that may be in flight and buffered together now: ``per_step * (1 + bound)``, or
+        with a quota, every source's places over the versions ``[t, t + bound]``."""
+        if self._quota_fn is None:
+            return self.per_step * (1 + self.bound)
+        t = self._version or 0
+        return sum(self.seats(v, s) for v in range(t, t + self.bound + 1) for s in self.quota(v))
+
+    @property
+    def has_quota(self) -> bool:
+        """Whether the scheduler keeps per-source quotas (built with ``quota``)."""
+        return self._quota_fn is not None
+
+    def quota(self, version: int) -> dict[str | None, int]:
+        """Groups of each source the step at ``version`` trains (``{None: batch_size}`` without a quota)."""
+        if self._quota_fn is None:
+            return {None: self.batch_size}
+        got = self._quotas.get(version)
+        if got is None:
+            raw = self._quota_fn(version)
+            if not isinstance(raw, Mapping) or not raw or any(
+                    not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0
+                    for k, v in raw.items()) or sum(raw.values()) != self.batch_size:
+                raise ValueError(f"quota({version}) must map source names to counts >= 0 adding up to batch_size "
+                                 f"{self.batch_size}, got {raw!r}")
+            got = dict(raw)
+            self._quotas[version] = got
+        return got
+
+    def seats(self, version: int, source: str | None) -> int:
+        """Places of ``source`` in the step at ``version``: its quota, oversampled (``per_step``
+        without a quota)."""
+        if self._quota_fn is None:
+            return self.per_step
+        return math.ceil(round(self.quota(version).get(source, 0) * (1.0 + self.oversample), 9))
+
+    def live_count(self, source: str | None) -> int:
+        """Live groups (in flight or buffered) of ``source``."""
+        return sum(1 for r in self._records.values() if r.source == source)
 
     @property
     def version(self) -> int | None:
@@ -163,7 +225,22 @@ class BaseScheduler:
         occupied = max(in_flight + buffered, self._n_in_flight + len(self._buffered))
         if occupied >= self.capacity:
             return False
-        return self._may_dispatch(t, in_flight, buffered)
+        return any(self._may_dispatch(t, in_flight, buffered, s) for s in self.quota(t))
+
+    def next_source(self, trainer_version: int) -> str | None:
+        """The data source the next dispatched group should come from (a read), or ``None``: any
+        source (no quota), or nothing may be dispatched now. Among the sources with a free place,
+        the one whose place is due first, then the least filled, then the quota's order."""
+        if self._quota_fn is None:
+            return None
+        t = self._peek_version(trainer_version, "next_source")
+        if self._n_in_flight + len(self._buffered) >= self.capacity:
+            return None
+        open_ = [s for s in self.quota(t) if self._may_dispatch(t, self._n_in_flight, len(self._buffered), s)]
+        if not open_:
+            return None
+        order = {s: i for i, s in enumerate(self.quota(t))}
+        return min(open_, key=lambda s: (*self._dispatch_rank(t, s), order[s]))
 
     def to_abort(self, trainer_version: int) -> list[str]:
         """Ids of in-flight groups that can no longer be trained (missed their deadline), in dispatch
@@ -205,11 +282,13 @@ class BaseScheduler:
 
     # ------------------------------------------------------------------ protocol: events
 
-    def on_dispatch(self, group_id: str, version: int) -> None:
+    def on_dispatch(self, group_id: str, version: int, source: str | None = None) -> None:
         """Record that ``group_id`` was dispatched while the engines serve ``version``.
 
-        Raises ``RuntimeError`` if :meth:`can_dispatch` would have said no (by the scheduler's own
-        counts), and ``ValueError`` if ``group_id`` is already live. An id may be dispatched again
+        With a quota, ``source`` (the group's data source) is required and must have a free place
+        (:meth:`next_source` names one); without, it is ignored. Raises ``RuntimeError`` if
+        :meth:`can_dispatch` would have said no (by the scheduler's own counts), and ``ValueError``
+        if ``group_id`` is already live or ``source`` is unknown. An id may be dispatched again
         after its previous group was trained, discarded or evicted (a re-queued prompt).
         """
         if not isinstance(group_id, str) or not group_id:
@@ -217,18 +296,25 @@ class BaseScheduler:
         if group_id in self._records:
             raise ValueError(f"on_dispatch: group {group_id!r} is already live ({self._records[group_id].state.value})")
         t = self._adopt_version(version, "on_dispatch")
+        if self._quota_fn is None:
+            source = None
+        elif source not in self.quota(t):
+            raise ValueError(f"on_dispatch: group {group_id!r} has source {source!r}, not one of the quota's "
+                             f"{sorted(k for k in self.quota(t) if k is not None)}")
         if self._n_in_flight + len(self._buffered) >= self.capacity or not self._may_dispatch(
-                t, self._n_in_flight, len(self._buffered)):
+                t, self._n_in_flight, len(self._buffered), source):
             raise RuntimeError(
-                f"on_dispatch: {self.name} does not allow dispatching group {group_id!r} at version {t} "
+                f"on_dispatch: {self.name} does not allow dispatching group {group_id!r} "
+                f"{'' if source is None else f'of source {source!r} '}at version {t} "
                 f"(in flight {self._n_in_flight}, buffered {len(self._buffered)}, capacity {self.capacity}); "
-                "dispatch only while can_dispatch() is true")
-        deadline = self._deadline_for(t)
+                "dispatch only while can_dispatch() is true (and from next_source())")
+        deadline = self._deadline_for(t, source)
         self._records[group_id] = GroupRecord(group_id=group_id, order=self._next_order, version=t,
-                                              deadline=deadline)
+                                              deadline=deadline, source=source)
         self._next_order += 1
         if deadline is not None:
-            self._slot_live[deadline] = self._slot_live.get(deadline, 0) + 1
+            key = (deadline, source)
+            self._slot_live[key] = self._slot_live.get(key, 0) + 1
         self._n_in_flight += 1
         self._dispatched_total += 1
 
@@ -244,6 +330,9 @@ class BaseScheduler:
             state = "unknown" if rec is None else rec.state.value
             raise ValueError(f"on_complete: group {gid!r} is not in flight ({state}); call on_dispatch first, "
                              "and on_complete once")
+        if rec.source is not None and getattr(group, "source", rec.source) != rec.source:
+            raise ValueError(f"on_complete: group {gid!r} has source {group.source!r} but was dispatched for "
+                             f"{rec.source!r}")
         versions = list(generated_versions(group))
         if versions and self._version is not None and max(versions) > self._version:
             raise ValueError(f"on_complete: group {gid!r} has a token of weight version {max(versions)}, newer than "
@@ -302,9 +391,12 @@ class BaseScheduler:
         chosen = self._choose(t)
         if chosen is None:
             return None
+        counts: dict[str | None, int] = {}
+        for r in chosen:
+            counts[r.source] = counts.get(r.source, 0) + 1
         if len(chosen) != self.batch_size or any(
                 r.state is not GroupState.BUFFERED or self._too_stale(r, t) or self._missed_deadline(r, t)
-                for r in chosen):
+                for r in chosen) or any(counts.get(s, 0) != q for s, q in self.quota(t).items()):
             raise RuntimeError(f"{self.name}: internal error, chose an invalid batch at version {t}")
         groups = [by_id[r.group_id] for r in chosen]
         for r in chosen:
@@ -330,18 +422,57 @@ class BaseScheduler:
         for reason in DROP_REASONS:
             self._dropped_last_step[reason] = self._dropped_total[reason] - self._dropped_at_last_step[reason]
             self._dropped_at_last_step[reason] = self._dropped_total[reason]
-        for slot in [s for s in self._slot_live if s < new_version]:
+        for slot in [k for k in self._slot_live if k[0] < new_version]:
             del self._slot_live[slot]
+        for v in [v for v in self._quotas if v < new_version]:
+            del self._quotas[v]
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (JSON-able): the version and the run's counters. Live groups are
+        not kept: a resumed run dispatches their prompts again into an empty pipeline."""
+        return {"name": self.name, "version": self._version, "next_order": self._next_order,
+                "dispatched_total": self._dispatched_total, "discarded_total": self._discarded_total,
+                "trained_total": self._trained_total, "dropped_total": dict(self._dropped_total),
+                "dropped_last_step": dict(self._dropped_last_step), "last_batch": dict(self._last_batch)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from :meth:`state_dict` of an earlier run (into a scheduler with no live group)."""
+        if self._records or self._selected_at is not None:
+            raise RuntimeError("load_state_dict: the scheduler already has live groups or a selected batch")
+        if state.get("name") not in (None, self.name):
+            raise ValueError(f"load_state_dict: the state is of scheduler {state.get('name')!r}, not {self.name!r}")
+        version = state.get("version")
+        self._version = None if version is None else _int_arg("version", version, 0)
+        self._next_order = _int_arg("next_order", state.get("next_order", 0), 0)
+        self._dispatched_total = _int_arg("dispatched_total", state.get("dispatched_total", 0), 0)
+        self._discarded_total = _int_arg("discarded_total", state.get("discarded_total", 0), 0)
+        self._trained_total = _int_arg("trained_total", state.get("trained_total", 0), 0)
+        for reason in DROP_REASONS:
+            self._dropped_total[reason] = int(state.get("dropped_total", {}).get(reason, 0))
+            self._dropped_at_last_step[reason] = self._dropped_total[reason]
+            self._dropped_last_step[reason] = int(state.get("dropped_last_step", {}).get(reason, 0))
+        self._last_batch = {k: float(state.get("last_batch", {}).get(k, 0.0))
+                            for k in ("mean", "max", "min", "token_mean")}
 
     # ------------------------------------------------------------------ strategy rules
 
-    def _may_dispatch(self, t: int, in_flight: int, buffered: int) -> bool:
-        """Strategy rule: may one more group be dispatched at version ``t`` (capacity already checked)?"""
+    def _may_dispatch(self, t: int, in_flight: int, buffered: int, source: str | None) -> bool:
+        """Strategy rule: may one more group of ``source`` be dispatched at version ``t`` (capacity
+        already checked)?"""
         raise NotImplementedError
 
-    def _deadline_for(self, t: int) -> int | None:
-        """Strategy rule: the deadline of a group dispatched now (``_may_dispatch`` said yes)."""
+    def _deadline_for(self, t: int, source: str | None) -> int | None:
+        """Strategy rule: the deadline of a group of ``source`` dispatched now (``_may_dispatch`` said yes)."""
         raise NotImplementedError
+
+    def _dispatch_rank(self, t: int, source: str | None) -> tuple[float, float]:
+        """Strategy rule for :meth:`next_source` (smaller first): when the source's free place is
+        due, and how full its places are. Default: by fill of the source's live groups against its
+        places over the window."""
+        cap = sum(self.seats(v, source) for v in range(t, t + self.bound + 1))
+        return (float(t), self.live_count(source) / max(cap, 1))
 
     def _choose(self, t: int) -> list[GroupRecord] | None:
         """Strategy rule: the records of the batch at version ``t`` (exactly ``batch_size`` buffered,
@@ -350,14 +481,23 @@ class BaseScheduler:
 
     # ------------------------------------------------------------------ helpers for strategies
 
-    def _open_slot(self, t: int) -> int | None:
-        """Lowest deadline in the window ``[t, t + bound]`` with fewer than ``per_step`` live groups;
-        ``t`` itself is closed once its batch was taken. ``None`` when the window is full."""
+    def _open_slot(self, t: int, source: str | None) -> int | None:
+        """Lowest deadline in the window ``[t, t + bound]`` with a free place of ``source`` (fewer live
+        groups than :meth:`seats`); ``t`` itself is closed once its batch was taken. ``None`` when
+        the window is full."""
         start = t + 1 if self._selected_at == t else t
         for slot in range(start, t + self.bound + 1):
-            if self._slot_live.get(slot, 0) < self.per_step:
+            if self._slot_live.get((slot, source), 0) < self.seats(slot, source):
                 return slot
         return None
+
+    def _per_source(self, records: Sequence[GroupRecord], t: int) -> dict[str | None, list[GroupRecord]]:
+        """``records`` split by source (each list in the given order), for every source of ``quota(t)``."""
+        out: dict[str | None, list[GroupRecord]] = {s: [] for s in self.quota(t)}
+        for r in records:
+            if r.source in out:
+                out[r.source].append(r)
+        return out
 
     def _live(self) -> list[GroupRecord]:
         """Live records in dispatch order."""
@@ -391,8 +531,9 @@ class BaseScheduler:
 
     def _release_slot(self, rec: GroupRecord) -> None:
         """A group that will never be trained gives its place under its deadline back."""
-        if rec.deadline is not None and rec.deadline in self._slot_live:
-            self._slot_live[rec.deadline] -= 1
+        key = (rec.deadline, rec.source)
+        if rec.deadline is not None and key in self._slot_live:
+            self._slot_live[key] -= 1
 
     def _forget(self, rec: GroupRecord) -> None:
         del self._records[rec.group_id]

@@ -27,6 +27,11 @@ The two strategies differ only in which groups a step takes:
   fills up with other finished groups in completion order.
 * ``windowed_fifo``: strictly the oldest live groups, ordered by deadline then dispatch order;
   the step waits until all of them have finished. The trained sequence follows dispatch order.
+
+With a quota, slots have places per source (``ceil(quota * (1 + oversample))`` each), a group
+takes the lowest slot with a free place of its own source, and both rules above apply to each
+source with its quota in place of ``batch_size``: every step trains each source's quota and the
+bound holds as before.
 """
 
 from __future__ import annotations
@@ -37,14 +42,20 @@ from .base import BaseScheduler, GroupRecord, GroupState
 class _WindowedScheduler(BaseScheduler):
     """Slot-gated dispatch shared by ``window_gated`` and ``windowed_fifo``."""
 
-    def _may_dispatch(self, t: int, in_flight: int, buffered: int) -> bool:
-        return self._open_slot(t) is not None
+    def _may_dispatch(self, t: int, in_flight: int, buffered: int, source: str | None) -> bool:
+        return self._open_slot(t, source) is not None
 
-    def _deadline_for(self, t: int) -> int:
-        slot = self._open_slot(t)
+    def _deadline_for(self, t: int, source: str | None) -> int:
+        slot = self._open_slot(t, source)
         if slot is None:  # pragma: no cover - on_dispatch checked _may_dispatch first
             raise RuntimeError(f"{self.name}: no open slot at version {t}")
         return slot
+
+    def _dispatch_rank(self, t: int, source: str | None) -> tuple[float, float]:
+        slot = self._open_slot(t, source)
+        if slot is None:  # pragma: no cover - only asked for sources that may dispatch
+            return (float("inf"), 1.0)
+        return (float(slot), self._slot_live.get((slot, source), 0) / max(self.seats(slot, source), 1))
 
 
 class WindowGatedScheduler(_WindowedScheduler):
@@ -53,15 +64,26 @@ class WindowGatedScheduler(_WindowedScheduler):
     name = "window_gated"
 
     def _choose(self, t: int) -> list[GroupRecord] | None:
-        ready = self._trainable_buffered(t)  # completion order
-        done = [r for r in ready if r.deadline == t]
-        if len(done) >= self.batch_size:
-            return done[:self.batch_size]
-        if any(r.deadline == t and r.state is GroupState.IN_FLIGHT for r in self._records.values()):
-            return None  # a group whose last chance is this step is still generating
-        need = self.batch_size - len(done)
-        later = [r for r in ready if r.deadline is not None and r.deadline > t]
-        return done + later[:need] if len(later) >= need else None
+        ready = self._per_source(self._trainable_buffered(t), t)  # completion order
+        due_in_flight = {r.source for r in self._records.values()
+                         if r.deadline == t and r.state is GroupState.IN_FLIGHT}
+        due: list[GroupRecord] = []
+        fill: list[GroupRecord] = []
+        for source, rows in ready.items():
+            need = self.quota(t)[source]
+            done = [r for r in rows if r.deadline == t]
+            if len(done) >= need:
+                due += done[:need]
+                continue
+            if source in due_in_flight:
+                return None  # a group whose last chance is this step is still generating
+            later = [r for r in rows if r.deadline is not None and r.deadline > t]
+            if len(later) < need - len(done):
+                return None
+            due += done
+            fill += later[:need - len(done)]
+        # the groups due now, then the others, each part in completion order
+        return sorted(due, key=lambda r: r.completed) + sorted(fill, key=lambda r: r.completed)
 
 
 class WindowedFifoScheduler(_WindowedScheduler):
@@ -73,7 +95,10 @@ class WindowedFifoScheduler(_WindowedScheduler):
         queue = [r for r in self._records.values()
                  if r.deadline is not None and r.deadline >= t and not self._too_stale(r, t)]
         queue.sort(key=lambda r: (r.deadline, r.order))
-        head = queue[:self.batch_size]
-        if len(head) < self.batch_size or any(r.state is GroupState.IN_FLIGHT for r in head):
-            return None
-        return head
+        chosen: list[GroupRecord] = []
+        for source, rows in self._per_source(queue, t).items():
+            head = rows[:self.quota(t)[source]]
+            if len(head) < self.quota(t)[source] or any(r.state is GroupState.IN_FLIGHT for r in head):
+                return None
+            chosen += head
+        return sorted(chosen, key=lambda r: (r.deadline, r.order))

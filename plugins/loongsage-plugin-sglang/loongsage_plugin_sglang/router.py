@@ -3,7 +3,10 @@
 :class:`SGLangRouterProcess` runs ``python -m sglang_router.launch_router --worker-urls URL...
 --host 127.0.0.1 --port PORT --policy POLICY`` (flag names of sglang-router's launcher) as a
 subprocess in its own process group, waits until the router answers ``/health`` and returns its
-URL; :meth:`SGLangRouterProcess.shutdown` terminates it. The workers may be SGLang servers or
+URL; :meth:`SGLangRouterProcess.shutdown` terminates it. While it runs,
+:meth:`~SGLangRouterProcess.add_engine` and :meth:`~SGLangRouterProcess.remove_engine` change its
+workers through sglang-router's worker API (``POST /workers``, ``DELETE /workers/{id}``, listed
+by ``GET /workers``), e.g. when the run replaced an engine that died. The workers may be SGLang servers or
 LoongSage's embedded engines (both serve SGLang's native API). Install the router with
 ``pip install 'loongsage-plugin-sglang[router]'``; it runs on CPU.
 """
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -24,6 +28,9 @@ POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 """Routing policies of sglang-router usable with plain worker URLs."""
 
 ROUTER_INSTALL_HINT = "pip install 'loongsage-plugin-sglang[router]'"
+
+WORKER_API_TIMEOUT_S = 30.0
+WORKER_POLL_S = 0.2
 
 
 def router_command(worker_urls: Sequence[str], *, host: str, port: int, policy: str = "cache_aware",
@@ -93,8 +100,14 @@ class SGLangRouterProcess:
 
     def _command(self, port: int) -> list[str]:
         """The launch command line for ``port`` (with the run secret as ``--api-key`` when there is one)."""
+        extra = dict(self.extra_args)
+        # its metrics exporter listens on 0.0.0.0:29000 by default: loopback (the router's host) and
+        # a free port instead, so it is not open to the network and two runs on one machine can start
+        extra.setdefault("prometheus_host", self.host)
+        if "prometheus_port" not in extra:
+            extra["prometheus_port"] = free_port()  # retried on a collision, as the main port
         command = router_command(self.worker_urls, host=self.host, port=port, policy=self.policy,
-                                 extra_args=self.extra_args, python=self.python)
+                                 extra_args=extra, python=self.python)
         return command + (["--api-key", self.secret] if self.secret else [])
 
     def _launch(self, port: int) -> str:
@@ -104,6 +117,56 @@ class SGLangRouterProcess:
             self.command = self._command(port)
         self.process = ManagedProcess(self.command, name="sglang router", log_path=self.log_path)
         return self.process.launch(f"http://{self.host}:{port}", ("/health",), timeout_s=self.startup_timeout_s)
+
+    # -- workers (sglang-router's worker API: GET/POST /workers, DELETE /workers/{id}) -----------
+    def _api(self, method: str, path: str, **kwargs: Any) -> Any:
+        import httpx
+
+        if self.base_url is None:
+            raise RuntimeError("sglang router: not started")
+        headers = {"Authorization": f"Bearer {self.secret}"} if self.secret else {}
+        resp = httpx.request(method, self.base_url + path, headers=headers, timeout=WORKER_API_TIMEOUT_S,
+                             trust_env=False, **kwargs)
+        if resp.status_code >= 400:
+            raise RuntimeError(f"sglang router: {method} {path} answered HTTP {resp.status_code}: {resp.text[:300]}")
+        return resp.json()
+
+    def workers(self) -> list[dict[str, Any]]:
+        """The router's workers as it lists them (``url``, ``id``, ``is_healthy``, ...)."""
+        return list(self._api("GET", "/workers").get("workers", []))
+
+    def worker_urls_now(self) -> list[str]:
+        """The URLs the router routes to now."""
+        return [str(w["url"]).rstrip("/") for w in self.workers()]
+
+    def _wait_until(self, done: Any, what: str, timeout_s: float) -> None:
+        """Poll the worker list until ``done(urls)``: the router applies changes in the background."""
+        deadline = time.monotonic() + timeout_s
+        while not done(self.worker_urls_now()):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"sglang router: {what} did not happen within {timeout_s:g}s "
+                                   f"(workers now: {self.worker_urls_now()}; log: {self.log_path})")
+            time.sleep(WORKER_POLL_S)
+
+    def add_engine(self, url: str, timeout_s: float = 120.0) -> None:
+        """Route to one more engine (``POST /workers``); returns once the router lists it (it
+        lists only a worker that passed its health check)."""
+        url = url.rstrip("/")
+        if url not in self.worker_urls_now():
+            self._api("POST", "/workers", json={"url": url})
+            self._wait_until(lambda urls: url in urls, f"adding worker {url}", timeout_s)
+        if url not in self.worker_urls:
+            self.worker_urls.append(url)
+
+    def remove_engine(self, url: str, timeout_s: float = 60.0) -> None:
+        """Stop routing to an engine (``DELETE /workers/{id}``; nothing when it is not listed)."""
+        url = url.rstrip("/")
+        for worker in self.workers():
+            if str(worker["url"]).rstrip("/") == url:
+                self._api("DELETE", f"/workers/{worker['id']}")
+        self._wait_until(lambda urls: url not in urls, f"removing worker {url}", timeout_s)
+        if url in self.worker_urls:
+            self.worker_urls.remove(url)
 
     def shutdown(self) -> None:
         """Terminate the router (idempotent)."""

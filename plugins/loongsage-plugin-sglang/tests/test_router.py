@@ -92,3 +92,29 @@ def test_router_command_and_errors(tmp_path):
     with pytest.raises(ServerStartError, match="no-such-router-flag"):
         bad.start()
     assert not bad.process.running()
+
+
+def test_engines_are_added_and_removed_while_the_router_runs(routed):
+    _, workers, _ = routed
+    router = SGLangRouterProcess(workers[:1], policy="round_robin", extra_args={"log_level": "warn"})
+    try:
+        url = router.start()
+        assert router.worker_urls_now() == workers[:1]
+        # an engine replaced: the new one added, the old one removed
+        router.add_engine(workers[1])
+        router.remove_engine(workers[0])
+        assert router.worker_urls_now() == [workers[1]] == router.worker_urls
+        before = [finished(w) for w in workers]
+        for i in range(3):
+            resp = httpx.post(url + "/generate", json={"input_ids": [5, 6, 7, i], "sampling_params": {
+                "max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True}}, timeout=60)
+            assert resp.status_code == 200, resp.text
+        after = [finished(w) for w in workers]
+        assert after[0] == before[0] and after[1] - before[1] == 3  # only the engine still routed to
+        router.remove_engine(workers[0])  # not routed to: nothing to do
+        # an engine that does not answer is never routed to: a clear error naming it
+        with pytest.raises(RuntimeError, match=r"adding worker http://127\.0\.0\.1:1 did not happen within 2s"):
+            router.add_engine("http://127.0.0.1:1", timeout_s=2)
+        assert router.worker_urls_now() == [workers[1]]
+    finally:
+        router.shutdown()

@@ -354,11 +354,75 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
         worker.train_mini_batch(batch, compute_norm(batch))
 
 
-def test_optimizer_step_reports_weights_that_became_non_finite():
-    """The host stops a run whose weights overflowed (they cannot be taken back by skipping)."""
-    worker = make_worker(make_job())
+def test_optimizer_step_reports_weights_that_became_non_finite_without_rollback():
+    """With ``rollback_overflow = false`` the step stays and is reported: the host stops the run."""
+    worker = make_worker(make_job(train={"backend_args": {"rollback_overflow": False}}))
     assert worker.optimizer_step()["train/nonfinite_weights"] == 0.0  # zero gradients: a finite step
     with torch.no_grad():
         next(worker.model.parameters()).fill_(float("inf"))
     metrics = worker.optimizer_step()
     assert metrics["train/skipped_step"] == 0.0 and metrics["train/nonfinite_weights"] == 1.0
+    assert metrics["train/rolled_back_step"] == 0.0
+
+
+def optimizer_state(worker: TorchTrainWorker) -> list[dict[str, torch.Tensor]]:
+    return [{k: v.clone() for k, v in worker.optimizer.state[p].items()} for p in worker.model.parameters()
+            if p in worker.optimizer.state]
+
+
+def assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name].view(torch.int32) if a[name].dtype == torch.float32 else a[name],
+                           b[name].view(torch.int32) if b[name].dtype == torch.float32 else b[name]), name
+
+
+def test_an_optimizer_step_that_overflows_the_weights_is_rolled_back_bit_for_bit():
+    worker = make_worker(make_job(train={"lr": 1e-3}))
+    batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=1))
+    assert worker.train_mini_batch(batch, compute_norm(batch))["train/rolled_back_step"] == 0.0
+    params = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    state = optimizer_state(worker)
+    # a finite learning rate whose AdamW update overflows float32 (|update| ~ lr), for this step only
+    worker.optimizer.param_groups[0]["lr"] = 1e39
+    batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=2))
+    metrics = worker.train_mini_batch(batch, compute_norm(batch))
+    assert metrics["train/rolled_back_step"] == 1.0 and metrics["train/skipped_step"] == 1.0
+    assert metrics["train/nonfinite_weights"] > 0 and metrics["train/lr"] == 1e39
+    assert_same_bits({n: p.detach() for n, p in worker.model.named_parameters()}, params)
+    for before, after in zip(state, optimizer_state(worker)):
+        assert_same_bits(after, before)  # Adam's step count and moments as before the step
+    assert all(torch.isfinite(t).all() for _, t in worker.named_weights())
+    # the schedule moved on (lr back to the schedule's), and the next step trains
+    batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=3))
+    metrics = worker.train_mini_batch(batch, compute_norm(batch))
+    assert metrics["train/rolled_back_step"] == 0.0 and metrics["train/lr"] == pytest.approx(1e-3)
+    assert any(not torch.equal(p.detach(), params[n]) for n, p in worker.model.named_parameters())
+    assert worker.global_step == 3
+
+
+def test_an_update_that_makes_weights_infinite_is_rolled_back():
+    """Here the step completes (no error from torch) and leaves ``inf`` in the weights."""
+    worker = make_worker(make_job(train={"lr": 1e-3}))
+    batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=1))
+    worker.train_mini_batch(batch, compute_norm(batch))
+    with torch.no_grad():
+        next(worker.model.parameters())[0, 0] = 1000.0  # decoupled decay of 1e37 overflows this entry
+    params = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    state = optimizer_state(worker)
+    worker.optimizer.param_groups[0]["weight_decay"] = 1e40  # with lr = 1e-3: p *= 1 - 1e37
+    batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=2))
+    metrics = worker.train_mini_batch(batch, compute_norm(batch))
+    assert metrics["train/rolled_back_step"] == 1.0 and metrics["train/nonfinite_weights"] >= 1.0
+    assert_same_bits({n: p.detach() for n, p in worker.model.named_parameters()}, params)
+    for before, after in zip(state, optimizer_state(worker)):
+        assert_same_bits(after, before)
+
+
+def test_a_first_step_that_overflows_leaves_no_optimizer_state():
+    worker = make_worker(make_job(train={"lr": 1e39}))
+    params = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=1))
+    assert worker.train_mini_batch(batch, compute_norm(batch))["train/rolled_back_step"] == 1.0
+    assert len(worker.optimizer.state) == 0  # as before the first step: no Adam moments yet
+    assert_same_bits({n: p.detach() for n, p in worker.model.named_parameters()}, params)

@@ -35,6 +35,7 @@ from ..modeling import load_model
 from . import distributed
 from .checkpoint import capture_rng
 from .logits import decoder_of
+from .packing import PackedRows
 from .value_loss import clipped_value_loss
 from .worker import (
     CHECKPOINT_FORMAT,
@@ -76,8 +77,8 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                compute_dtype: torch.dtype) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                compute_dtype: torch.dtype, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 values ``[B, T]``: ``values[:, t] = head(hidden[:, t - 1])``, ``values[:, 0] = 0``.
 
         The backbone runs under autocast when its parameters are wider than ``compute_dtype``;
@@ -88,8 +89,9 @@ class ValueModel(torch.nn.Module):
         autocast = (torch.autocast(device_type=device_type, dtype=compute_dtype)
                     if compute_dtype != param_dtype else contextlib.nullcontext())
         with autocast:
+            extra = {} if position_ids is None else {"position_ids": position_ids}  # packed rows
             hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                                   use_cache=False).last_hidden_state[:, :-1]
+                                   use_cache=False, **extra).last_hidden_state[:, :-1]
         with torch.autocast(device_type=device_type, enabled=False):
             head = self.value_head
             v = torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias.float()).squeeze(-1)
@@ -147,6 +149,11 @@ class TorchCriticWorker(TorchTrainWorker):
         attention = micro.get("attention_mask")
         if attention is None:
             attention = torch.ones_like(ids)
+        if self.max_tokens_per_micro_batch and bool(attention.any()):  # padding-free (.packing)
+            packed = PackedRows(ids, attention)
+            impl = getattr(getattr(self.model.backbone, "config", None), "_attn_implementation", None)
+            return packed.unpack(self.model(packed.input_ids, packed.attention_mask(impl),
+                                            compute_dtype=self.compute_dtype, position_ids=packed.position_ids))
         full_width = ids.shape[1]
         width = max(int(attention.sum(dim=1).max()) if ids.shape[0] else 0, 1)
         values = self.model(ids[:, :width], attention[:, :width], compute_dtype=self.compute_dtype)
@@ -189,8 +196,8 @@ class TorchCriticWorker(TorchTrainWorker):
                                f"it has: {have}")
         self.model.train()
         acc = MetricAccumulator()
-        for micro in batch.chunks(self.micro_batch_size):
-            micro = self._to_device(micro)
+        for rows in self._micro_batch_rows(batch, self.micro_batch_size):
+            micro = self._to_device(batch.select(rows))
             values = self._values(micro)
             loss, metrics = clipped_value_loss(values, micro["values"], micro["returns"], micro["loss_mask"], norm,
                                                clip=self.value_clip, aggregate=self._aggregate)

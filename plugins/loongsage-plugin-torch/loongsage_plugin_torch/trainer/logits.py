@@ -24,14 +24,15 @@ def decoder_of(model: Any) -> Any:
     return base
 
 
-def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "torch.Tensor", *,
+def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "torch.Tensor | None", *,
                       compute_dtype: "torch.dtype", fp32_lm_head: bool,
                       position_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Float32 logits ``[B, T-1, V]``: position ``t`` scores token ``t + 1``.
 
     ``position_ids`` marks packed rows (several sequences per row, positions restarting at 0 for
     each): the decoder then gets no padding mask and transformers derives a block-diagonal causal
-    mask from the restarts, so every sequence attends only to itself.
+    mask from the restarts, so every sequence attends only to itself. With a 4-D
+    ``attention_mask`` (the block-diagonal mask of :mod:`.packing`) both are passed as given.
 
     When the parameters are stored in a wider dtype than ``compute_dtype`` (float32 master weights
     with bfloat16 compute), the decoder runs under autocast. The output projection runs in
@@ -48,6 +49,9 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "to
     with autocast:
         if position_ids is None:
             out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        elif attention_mask is not None and attention_mask.dim() == 4:  # an explicit block-diagonal mask
+            out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False)
         else:
             out = decoder_of(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state[:, :-1]

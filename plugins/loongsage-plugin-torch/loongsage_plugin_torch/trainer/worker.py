@@ -14,7 +14,10 @@ AdamW step follows.
   under autocast in ``[model] dtype``) or ``"model"`` (parameters stored in ``[model] dtype``);
 * ``forward_micro_batch_size``: rows per chunk of :meth:`forward` (default ``micro_batch_size``);
 * ``dist_backend``: ``"auto"`` (NCCL on CUDA, Gloo on CPU), ``"gloo"`` or ``"nccl"``;
-* ``grad_sync_bucket_mb``: size of the flat gradient buckets all-reduced across ranks (64).
+* ``grad_sync_bucket_mb``: size of the flat gradient buckets all-reduced across ranks (64);
+* ``rollback_overflow``: take back an optimizer step whose update made a weight non-finite
+  (default ``true``: the parameters and optimizer state are copied before each step, see
+  :mod:`.rollback`); ``false`` saves that copy, and such a step ends the run.
 
 With ``[train] lora`` the policy is wrapped in a PEFT LoRA adapter (:mod:`..lora`): only the
 adapter trains; checkpoints hold the adapter and its optimizer state (the base weights are
@@ -33,7 +36,13 @@ from typing import Any, Callable, Iterable, Iterator
 import attrs
 import torch
 
-from loongsage_core.backend_api import LossPipeline, MetricAccumulator, make_scheduler, structure_args
+from loongsage_core.backend_api import (
+    LossPipeline,
+    MetricAccumulator,
+    make_scheduler,
+    old_from_training_forward,
+    structure_args,
+)
 from loongsage_hookspecs import AggregationNorm, Batch, TrainWorkerContext
 
 from .. import lora as lora_lib
@@ -41,6 +50,8 @@ from ..modeling import load_model, load_tokenizer, torch_dtype
 from . import distributed
 from .checkpoint import capture_rng, restore_rng, seed_everything
 from .logits import logprobs_and_entropy, next_token_logits
+from .packing import packed_token_outputs, plan_micro_batches
+from .rollback import StepSnapshot, is_overflow_error, nonfinite_count
 
 STATE_FILE = "trainer_state.pt"
 RNG_FILE = "rng_rank{rank}.pt"
@@ -58,6 +69,7 @@ class BackendOptions:
     forward_micro_batch_size: int | None = None
     dist_backend: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl")))
     grad_sync_bucket_mb: float = 64.0
+    rollback_overflow: bool = True
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "BackendOptions":
@@ -111,6 +123,7 @@ class TorchTrainWorker:
             model = self.peft_model.get_base_model()
         self.model: Any = model
         self.global_step = 0
+        self.training_forward_logprobs: torch.Tensor | None = None  # of the last mini-batch, when they are old ones
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: Any = None
         self.pipeline: LossPipeline | None = None
@@ -142,6 +155,7 @@ class TorchTrainWorker:
         if micro_batch_size < 1:
             raise ValueError(f"[{section}] micro_batch_size must be >= 1, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = job.train.max_tokens_per_micro_batch
         self.forward_micro_batch_size = self.options.forward_micro_batch_size or self.micro_batch_size
         if self.forward_micro_batch_size < 1:
             raise ValueError("[train] backend_args.forward_micro_batch_size must be >= 1")
@@ -186,6 +200,12 @@ class TorchTrainWorker:
         attention = micro.get("attention_mask")
         if attention is None:
             attention = torch.ones_like(ids)
+        # padding-free micro-batches (.packing); rows that are already packed (SFT) keep their own positions
+        if (self.max_tokens_per_micro_batch and not keep_logits and "position_ids" not in micro
+                and bool(attention.any())):
+            logprobs, entropy = packed_token_outputs(self.model, ids, attention, compute_dtype=self.compute_dtype,
+                                                     fp32_lm_head=self.fp32_lm_head, entropy_grad=entropy_grad)
+            return logprobs, entropy, None
         width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
         full_width = ids.shape[1]
         width = max(width, 1)
@@ -242,13 +262,28 @@ class TorchTrainWorker:
             raise RuntimeError(f"{name}.forward: the worker is offloaded; call onload() first")
         was_training = self.model.training
         self.model.eval()
+        plan = self._micro_batch_rows(batch, self.forward_micro_batch_size)
         try:
-            parts = [outputs(self._to_device(m)) for m in batch.chunks(self.forward_micro_batch_size)]
+            parts = [outputs(self._to_device(batch.select(rows))) for rows in plan]
         finally:
             self.model.train(was_training)
         if not parts:
             return {k: torch.zeros(0, batch["input_ids"].shape[1]) for k in keys}
-        return {k: torch.cat([p[k].cpu() for p in parts]) for k in keys}
+        out = {k: torch.cat([p[k].cpu() for p in parts]) for k in keys}
+        order = [r for rows in plan for r in rows]
+        if order != list(range(len(order))):  # packed micro-batches: back to the batch's row order
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[torch.as_tensor(order)] = torch.arange(len(order))
+            out = {k: v.index_select(0, inverse) for k, v in out.items()}
+        return out
+
+    def _micro_batch_rows(self, batch: Batch, rows_per_micro: int) -> list[list[int]]:
+        """Row indices of each micro-batch: packed by ``[train] max_tokens_per_micro_batch`` when
+        it is set (:mod:`.packing`), else consecutive chunks of ``rows_per_micro`` rows."""
+        n = len(batch)
+        if self.max_tokens_per_micro_batch and "attention_mask" in batch:
+            return plan_micro_batches(batch["attention_mask"].sum(dim=1).tolist(), self.max_tokens_per_micro_batch)
+        return [list(range(s, min(s + rows_per_micro, n))) for s in range(0, n, rows_per_micro)]
 
     # ------------------------------------------------------------------------------------------
     # Training
@@ -271,13 +306,23 @@ class TorchTrainWorker:
         self.model.train()
         entropy_grad = pipeline.entropy_coef != 0.0
         acc = MetricAccumulator()
-        for micro in batch.chunks(self.micro_batch_size):
-            micro = self._to_device(micro)
+        keep_old = old_from_training_forward(batch)  # they are the step's old log-probs: keep them
+        kept: list[torch.Tensor] = []
+        plan = self._micro_batch_rows(batch, self.micro_batch_size)
+        for rows in plan:
+            micro = self._to_device(batch.select(rows))
             logprobs, entropy, logits = self._token_outputs(micro, entropy_grad=entropy_grad,
                                                             keep_logits=pipeline.needs_logits)
             loss, metrics = pipeline.loss(micro, logprobs, entropy, norm, logits=logits)
             loss.backward()
             acc.add(metrics, micro["loss_mask"])
+            if keep_old:
+                kept.append(logprobs.detach().float().cpu())
+        self.training_forward_logprobs = None
+        if kept:
+            old = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
+            old[torch.as_tensor([r for rows in plan for r in rows], dtype=torch.long)] = torch.cat(kept)
+            self.training_forward_logprobs = old
         if distributed.is_distributed():
             distributed.sum_gradients(self.model.parameters(),
                                       bucket_bytes=int(self.options.grad_sync_bucket_mb * (1 << 20)))
@@ -288,7 +333,10 @@ class TorchTrainWorker:
         """Clip the accumulated gradients, take one AdamW step, advance the LR schedule.
 
         A step whose gradient norm is not finite is skipped (``train/skipped_step`` = 1); the
-        schedule still advances so resumed and uninterrupted runs stay aligned.
+        schedule still advances so resumed and uninterrupted runs stay aligned. A step whose
+        update made a weight non-finite (``train/nonfinite_weights`` tensors) is taken back: the
+        parameters and optimizer state are restored bit for bit (``train/rolled_back_step`` = 1,
+        ``train/skipped_step`` = 1), unless ``backend_args.rollback_overflow = false``.
         """
         optimizer, _ = self._require_trainable("optimizer_step")
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -300,15 +348,29 @@ class TorchTrainWorker:
         lr = float(optimizer.param_groups[0]["lr"])
         finite = bool(torch.isfinite(grad_norm))
         nonfinite_weights = 0
+        rolled_back = False
         if finite:
-            optimizer.step()
-            # an update can overflow even from finite gradients (a huge lr): report it, the host stops
-            nonfinite_weights = sum(not bool(torch.isfinite(p).all()) for p in params)
+            snapshot = StepSnapshot(params, optimizer) if self.options.rollback_overflow else None
+            try:
+                optimizer.step()
+            except RuntimeError as exc:  # a step size beyond float range: torch stops half-way through
+                if snapshot is None or not is_overflow_error(exc):
+                    raise
+                nonfinite_weights = max(1, nonfinite_count(params))
+            else:
+                # an update can overflow even from finite gradients (a huge lr): take it back, or report it
+                nonfinite_weights = nonfinite_count(params)
+            if nonfinite_weights and snapshot is not None:
+                snapshot.restore()
+                rolled_back = True
+            del snapshot
         optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         self.global_step += 1
-        return {"train/grad_norm": float(grad_norm), "train/lr": lr, "train/skipped_step": 0.0 if finite else 1.0,
-                "train/nonfinite_weights": float(nonfinite_weights)}
+        return {"train/grad_norm": float(grad_norm), "train/lr": lr,
+                "train/skipped_step": 0.0 if finite and not rolled_back else 1.0,
+                "train/nonfinite_weights": float(nonfinite_weights),
+                "train/rolled_back_step": 1.0 if rolled_back else 0.0}
 
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
         """One optimizer step on ``batch``: this rank's rows of a mini-batch whose global

@@ -1,0 +1,175 @@
+"""Padding-free micro-batches (loongsage_plugin_torch.trainer.packing): the plan, and the packed
+path's log-probs, loss and gradients against the padded path on a tiny Qwen3."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from loongsage_plugin_torch.modeling import TINY_QWEN3
+from loongsage_plugin_torch.trainer import create_train_worker
+from loongsage_plugin_torch.trainer.packing import PackedRows, plan_micro_batches
+
+from loongsage_core.algorithms import compute_norm
+from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
+from loongsage_core.controller.batching import balanced_shards, shard_rows
+from loongsage_hookspecs import AggregationSpec, Batch, PolicyLossOutput, PolicyLossSpec, TrainWorkerContext
+
+TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
+
+
+def ratio_pg(x, eps=0.2):
+    ratio = torch.exp(x.logprobs - x.old_logprobs)
+    clipped = torch.clamp(ratio, 1 - eps, 1 + eps)
+    return PolicyLossOutput(loss=torch.maximum(-x.advantages * ratio, -x.advantages * clipped), metrics={})
+
+
+def token_mean(loss, mask, norm):
+    return (loss * mask).sum() / norm.num_tokens
+
+
+class Components:
+    specs = {("policy_loss", "ratio_pg"): PolicyLossSpec(name="ratio_pg", fn=ratio_pg),
+             ("loss_aggregation", "token_mean"): AggregationSpec(name="token_mean", fn=token_mean)}
+
+    def get(self, kind, name):
+        return self.specs[(kind, name)]
+
+
+def make_worker(max_tokens: int | None, **train):
+    job = JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=TOKENIZER),
+                    train=TrainConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.0,
+                                      max_tokens_per_micro_batch=max_tokens, **train),
+                    algorithm=AlgorithmConfig(policy_loss="ratio_pg", loss_agg="token_mean", entropy_coef=0.01))
+    return create_train_worker(TrainWorkerContext(job=job, components=Components()))
+
+
+def make_batch(rows: int = 7, width: int = 30, seed: int = 0) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(4, width + 1, (rows,), generator=g)
+    lengths[1] = width
+    t = torch.arange(width)
+    attention = (t[None, :] < lengths[:, None]).long()
+    prompt = torch.randint(2, 4, (rows,), generator=g)
+    loss_mask = ((t[None, :] >= prompt[:, None]) & (t[None, :] < lengths[:, None])).long()
+    ids = torch.randint(1, 512, (rows, width), generator=g) * attention
+    adv = torch.randn(rows, 1, generator=g) * loss_mask
+    return Batch(tensors={"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask,
+                          "advantages": adv.float()}, meta={"sample_id": [f"s{i}" for i in range(rows)]})
+
+
+def test_the_plan_respects_the_budget_and_takes_every_row_once():
+    lengths = [30, 5, 12, 40, 7, 7, 18, 1]
+    plan = plan_micro_batches(lengths, 32)
+    assert sorted(r for rows in plan for r in rows) == list(range(len(lengths)))
+    for rows in plan:
+        assert sum(lengths[r] for r in rows) <= 32 or len(rows) == 1  # a row over the budget goes alone
+        assert rows == sorted(rows)
+    assert [3] in plan and len(plan) == 4  # 120 tokens in 4 bins of <= 32 (the 40 alone)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        plan_micro_batches(lengths, 0)
+
+
+def test_ranks_get_equal_rows_and_near_equal_tokens():
+    lengths = [100, 90, 80, 10, 10, 10, 5, 5]
+    shards = balanced_shards(lengths, 2)
+    assert [len(s) for s in shards] == [len(s) for s in shard_rows(8, 2)]
+    assert sorted(r for s in shards for r in s) == list(range(8))
+    tokens = [sum(lengths[r] for r in s) for s in shards]
+    contiguous = [sum(lengths[r] for r in s) for s in shard_rows(8, 2)]
+    assert max(tokens) - min(tokens) < max(contiguous) - min(contiguous)
+    # the best split into two halves of 4 rows (brute force): one half must hold two of the three long rows
+    from itertools import combinations
+
+    best = min(abs(2 * sum(lengths[r] for r in half) - sum(lengths)) for half in combinations(range(8), 4))
+    assert max(tokens) - min(tokens) == best == 50
+
+
+def test_packed_rows_restart_positions_and_attend_within_a_row():
+    ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+    packed = PackedRows(ids, (ids > 0).long())
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1]]
+    assert packed.cu_seqlens.tolist() == [0, 3, 5]
+    mask = packed.attention_mask("sdpa")[0, 0]
+    assert mask[4].tolist() == [False, False, False, True, True]
+    assert mask[2].tolist() == [True, True, True, False, False]
+    assert packed.attention_mask("flash_attention_2") is None
+    assert packed.unpack(torch.arange(1.0, 6.0)[None]).tolist() == [[0, 2, 3, 0], [0, 5, 0, 0]]
+
+
+def test_packed_forward_equals_the_padded_forward():
+    batch = make_batch()
+    padded, packed = make_worker(None), make_worker(48)
+    assert packed._micro_batch_rows(batch, 3) != [[0, 1, 2], [3, 4, 5], [6]]  # packed by tokens, reordered
+    a, b = padded.forward(batch), packed.forward(batch)
+    assert float(a["logprobs"].abs().sum()) > 0
+    torch.testing.assert_close(b["logprobs"], a["logprobs"], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(b["entropy"], a["entropy"], rtol=1e-5, atol=2e-5)
+
+
+def test_packed_training_gives_the_padded_loss_and_gradients():
+    batch = make_batch(seed=1)
+    padded, packed = make_worker(None), make_worker(40)
+    old = padded.forward(batch)["logprobs"]
+    batch.tensors["old_logprobs"] = (old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
+                                     ) * batch["loss_mask"]
+    batch.tensors["rollout_logprobs"] = batch["old_logprobs"].clone()
+    norm = compute_norm(batch)
+    ma = padded.accumulate_gradients(batch, norm)
+    mb = packed.accumulate_gradients(batch, norm)
+    assert ma["train/loss"] != 0.0
+    for key in ("train/loss", "train/pg_loss", "train/entropy"):
+        assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+    ga = {n: p.grad for n, p in padded.model.named_parameters()}
+    for n, p in packed.model.named_parameters():
+        torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6, msg=n)
+    sa, sb = padded.optimizer_step(), packed.optimizer_step()
+    assert sb["train/grad_norm"] == pytest.approx(sa["train/grad_norm"], rel=1e-5)
+
+
+def test_packed_critic_values_and_gradients_equal_the_padded_ones():
+    from loongsage_plugin_rl import plugin as rl_plugin
+    from loongsage_plugin_rl.advantages import gae
+
+    from loongsage_core.config import CriticConfig, RunConfig
+    from loongsage_hookspecs import AdvantageInputs
+
+    class Aggregations:
+        specs = {s.name: s for s in rl_plugin.loongsage_loss_aggregations()}
+
+        def get(self, kind, name):
+            return self.specs[name]
+
+    def critic(max_tokens):
+        job = JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=TOKENIZER),
+                        train=TrainConfig(lr=1e-3, micro_batch_size=3, max_tokens_per_micro_batch=max_tokens),
+                        algorithm=AlgorithmConfig(loss_agg="token_mean"), critic=CriticConfig(micro_batch_size=3),
+                        run=RunConfig(seed=3))
+        worker = create_train_worker(TrainWorkerContext(job=job, components=Aggregations(), role="critic"))
+        with torch.no_grad():  # a fresh head is all zeros: give it weights
+            head = worker.model.value_head
+            head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(1)))
+        return worker
+
+    batch = make_batch(seed=2)
+    batch.tensors["loss_mask"] = batch["loss_mask"].float()
+    batch.tensors["rewards"] = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
+    batch.tensors["group_index"] = torch.arange(7) // 4
+    padded, packed = critic(None), critic(40)
+    va, vb = padded.forward(batch)["values"], packed.forward(batch)["values"]
+    assert float(va.abs().sum()) > 0
+    torch.testing.assert_close(vb, va, rtol=1e-5, atol=2e-5)
+    batch.tensors["values"] = va * batch["loss_mask"]
+    batch.tensors["returns"] = gae(AdvantageInputs(rewards=batch["rewards"], response_mask=batch["loss_mask"],
+                                                   group_index=batch["group_index"], values=batch["values"]),
+                                   lam=0.9).returns
+    norm = compute_norm(batch)
+    ma, mb = padded.accumulate_gradients(batch, norm), packed.accumulate_gradients(batch, norm)
+    assert mb["train/critic_loss"] == pytest.approx(ma["train/critic_loss"], rel=1e-5)
+    ga = {n: p.grad for n, p in padded.model.named_parameters()}
+    for n, p in packed.model.named_parameters():
+        # float32 noise scales with the gradient (the random value head makes it large here)
+        scale = max(float(ga[n].abs().max()), 1.0)
+        torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6 * scale)

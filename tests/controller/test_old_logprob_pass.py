@@ -1,0 +1,99 @@
+"""The separate old-log-prob pass is skipped when one optimizer pass follows generation by the
+current weights (loongsage_core/algorithms/old_logprobs.py), with the same update and the same
+train-inference gap as when it runs; the rule's cases that keep it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongsage_core.algorithms.old_logprobs import old_logprob_pass
+from loongsage_core.controller.batching import build_batch
+
+from .conftest import make_job
+
+
+def _weights(controller) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in controller.trainer.worker.model.state_dict().items()}
+
+
+def test_skipping_the_pass_gives_the_same_update_and_gap(controller_factory):
+    skipped = controller_factory()
+    forced = controller_factory({"algorithm": {"force_old_logprob_pass": True}})
+    before = _weights(skipped)
+    assert all(torch.equal(before[k], v) for k, v in _weights(forced).items())  # the same start
+    groups, _ = skipped.collect(0)
+    a, _ = skipped.learn(groups, 0)
+    b, _ = forced.learn(groups, 0)
+    assert a["perf/old_logprob_pass_skipped"] == 1.0 and b["perf/old_logprob_pass_skipped"] == 0.0
+    # the training forward's log-probs are kept as the step's old log-probs (the records carry them)
+    torch.testing.assert_close(skipped.last_batch["old_logprobs"], forced.last_batch["old_logprobs"],
+                               rtol=1e-5, atol=1e-6)
+    assert float(skipped.last_batch["old_logprobs"].abs().sum()) > 0
+    assert torch.equal(skipped.last_batch["old_logprobs"] != 0, skipped.last_batch["loss_mask"] > 0)
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/is_approx_k3_kl",
+                "train/logprob_abs_diff_mean", "train/logprob_abs_diff_max", "train/adv_abs_mean"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    assert a["train/is_approx_k3_kl"] > 1e-4  # the fake engine's log-probs are not the trainer's
+    after_a, after_b = _weights(skipped), _weights(forced)
+    moved = max(float((after_a[k] - before[k]).abs().max()) for k in before)
+    assert moved > 1e-4  # the step did change the weights
+    for k in before:
+        torch.testing.assert_close(after_a[k], after_b[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [
+    {"train": {"ppo_epochs": 2}},                       # a second pass sees updated weights
+    {"train": {"mini_batch_size": 4}},                  # two mini-batches: two optimizer steps
+    {"algorithm": {"force_old_logprob_pass": True}},    # the switch
+    {"algorithm": {"corrections": ["tis"]}},            # IS weights need old log-probs before training
+])
+def test_the_pass_runs_when_the_rule_says_so(controller_factory, overrides):
+    c = controller_factory(overrides)
+    metrics = c.run_step(0)
+    assert metrics["perf/old_logprob_pass_skipped"] == 0.0
+    assert "old_logprobs" in c.last_batch
+
+
+def test_recompute_off_uses_rollout_logprobs_and_no_pass(controller_factory):
+    c = controller_factory({"algorithm": {"recompute_old_logprobs": False}})
+    metrics = c.run_step(0)
+    assert metrics["perf/old_logprob_pass_skipped"] == 0.0
+    assert torch.equal(c.last_batch["old_logprobs"], c.last_batch["rollout_logprobs"])
+
+
+def test_stale_samples_need_the_pass(controller_factory):
+    # the async loop trains on samples of older weights: their log-probs are not this forward's
+    c = controller_factory()
+    groups, _ = c.collect(0)
+    batch = build_batch(groups)
+    job = make_job()
+    assert old_logprob_pass(job, batch, version=0, needed_before_training=False)[0] is False
+    run, why = old_logprob_pass(job, batch, version=1, needed_before_training=False)
+    assert run and "stale" in why
+    # one stale token is enough (a partial rollout's older prefix)
+    mixed = build_batch(groups)
+    row, col = (mixed["loss_mask"] > 0).nonzero()[0].tolist()
+    mixed.tensors["weight_versions"][row, col] = 5
+    assert old_logprob_pass(job, mixed, version=0, needed_before_training=False)[0] is True
+    c.version = 1  # the controller's own check: the samples above came from version 0
+    metrics, _ = c.learn(groups, 0)
+    assert metrics["perf/old_logprob_pass_skipped"] == 0.0
+
+
+def test_needed_before_training_keeps_the_pass(controller_factory):
+    c = controller_factory()
+    groups, _ = c.collect(0)
+    batch = build_batch(groups)
+    run, why = old_logprob_pass(make_job(), batch, version=0, needed_before_training=True)
+    assert run and "before training" in why
+
+
+def test_maximum_metrics_take_the_largest_micro_batch_value():
+    from loongsage_core.algorithms.metrics import Maximum, MetricAccumulator
+
+    acc = MetricAccumulator()
+    mask = torch.ones(1, 2)
+    acc.add({"gap_max": Maximum(torch.tensor([0.5, 2.0])), "gap": torch.tensor([[1.0, 3.0]])}, mask)
+    acc.add({"gap_max": Maximum(1.5), "gap": torch.tensor([[5.0, 7.0]])}, mask)
+    assert acc.result() == {"train/gap_max": 2.0, "train/gap": 4.0}
