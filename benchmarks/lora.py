@@ -11,12 +11,14 @@ variant in a fresh subprocess so that one does not inherit the other's memory:
 * ``trainer``: the torch backend's worker for the job's model alone (and for a larger random
   Qwen3, ``--hidden`` / ``--layers``, where the weights dominate memory): the peak resident set
   size it added (``ru_maxrss`` after building it and training ``--train-steps`` mini-batches,
-  minus before) and the median seconds of one mini-batch step.
+  minus before), the median seconds of one mini-batch step, and the median seconds of a weight
+  sync into an embedded engine in the same process (``inprocess``: a copy of every weight, or the
+  adapter merged into the engine's weights).
 
 Prints one JSON object with both variants and the LoRA / full ratios (absolute times on a shared
 machine are noise; the ratios are the result). Run::
 
-    python benchmarks/lora.py [--steps 4] [--rank 8] [--hidden 512] [--layers 4]
+    python benchmarks/lora.py [--steps 3] [--rank 8] [--hidden 384] [--layers 4]
 """
 
 from __future__ import annotations
@@ -100,7 +102,18 @@ def trainer_child(variant: str, model: str, rank: int, lora_lr: float, train_ste
         times.append(time.perf_counter() - start)
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     weights = list(worker.named_weights())
+    from loongsage_plugin_torch.engine import create_engine
+    from loongsage_plugin_torch.transport import inprocess_sender
+
+    from loongsage_hookspecs import EngineContext
+
+    engine, sender, syncs = create_engine(EngineContext(job=job, components=None)), inprocess_sender(), []
+    for version in range(1, 5):
+        start = time.perf_counter()
+        sender.send(worker.named_weights(), version, [engine])
+        syncs.append(time.perf_counter() - start)
     return {"peak_rss_added_mb": peak_kib / 1024, "train_step_s": statistics.median(times[1:] or times),
+            "sync_s": statistics.median(syncs[1:]),
             "trainable_params": float(sum(p.numel() for p in worker.model.parameters() if p.requires_grad)),
             "sync_bytes": float(sum(t.numel() * t.element_size() for _, t in weights))}
 
@@ -121,11 +134,11 @@ def ratios(full: dict[str, float], lora: dict[str, float]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4, help="steps of each loongsage run")
+    parser.add_argument("--steps", type=int, default=3, help="steps of each loongsage run")
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--lora-lr", type=float, default=2e-3)
-    parser.add_argument("--train-steps", type=int, default=4, help="mini-batches per trainer measurement")
-    parser.add_argument("--hidden", type=int, default=512, help="hidden size of the larger random model")
+    parser.add_argument("--train-steps", type=int, default=3, help="mini-batches per trainer measurement")
+    parser.add_argument("--hidden", type=int, default=384, help="hidden size of the larger random model")
     parser.add_argument("--layers", type=int, default=4, help="layers of the larger random model")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()

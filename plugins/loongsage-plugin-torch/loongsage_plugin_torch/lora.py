@@ -96,11 +96,12 @@ def adapter_weights(model: Any) -> Iterator[tuple[str, "torch.Tensor"]]:
 
 def merge_weight(base: "torch.Tensor", lora_a: "torch.Tensor", lora_b: "torch.Tensor",
                  scaling: float) -> "torch.Tensor":
-    """``base + scaling * B @ A`` computed in float32, returned in ``base``'s dtype."""
+    """``base + scaling * B @ A`` computed in float32 (one fused ``addmm``), returned in ``base``'s dtype."""
     import torch
 
-    delta = torch.mm(lora_b.float(), lora_a.float()) * scaling
-    return (base.float() + delta).to(base.dtype)
+    if base.dtype == torch.float32 and lora_a.dtype == lora_b.dtype == torch.float32:
+        return torch.addmm(base, lora_b, lora_a, alpha=scaling)
+    return torch.addmm(base.float(), lora_b.float(), lora_a.float(), alpha=scaling).to(base.dtype)
 
 
 def merged_state_dict(model: Any, scaling: float) -> dict[str, "torch.Tensor"]:

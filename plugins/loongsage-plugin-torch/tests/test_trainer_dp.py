@@ -1,6 +1,7 @@
 """Data parallelism of the torch train backend: 2 real processes over Gloo equal 1 process.
 
-The test launches this file as a script once per rank (``python test_trainer_dp.py RANK WORLD OUT``);
+The test launches this file as a script once per rank (``python test_trainer_dp.py RANK WORLD OUT
+full|lora``; ``lora`` trains a LoRA adapter, whose random initialisation rank 0 broadcasts);
 rank 0 listens for the rendezvous on a port the OS assigns and writes it to ``OUT/port`` for the
 other rank (no port is picked in one process and bound in another); each rank trains on its
 half of the rows with the mini-batch's global norm and writes its gradients, metrics and updated
@@ -15,12 +16,13 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from loongsage_plugin_torch.modeling import TINY_QWEN3
 from loongsage_plugin_torch.trainer import create_train_worker
 
 from loongsage_core.algorithms import compute_norm
-from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
+from loongsage_core.config import AlgorithmConfig, JobConfig, LoraConfig, ModelConfig, TrainConfig
 from loongsage_core.rendezvous import host_rendezvous
 from loongsage_hookspecs import (
     AggregationSpec,
@@ -53,9 +55,10 @@ class Components:
         return self.specs[(kind, normalize_name(name))]
 
 
-def make_job() -> JobConfig:
+def make_job(variant: str = "full") -> JobConfig:
+    lora = LoraConfig(rank=4, alpha=8.0) if variant == "lora" else None
     return JobConfig(model=ModelConfig(config=dict(TINY_QWEN3)),
-                     train=TrainConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.5),
+                     train=TrainConfig(lr=1e-3, micro_batch_size=2, grad_clip=0.1 if lora else 0.5, lora=lora),
                      algorithm=AlgorithmConfig(policy_loss="clipped_pg", loss_agg="seq_mean_token_mean",
                                                entropy_coef=0.01))
 
@@ -73,9 +76,9 @@ def make_batch() -> Batch:
                           "advantages": (torch.randn(ROWS, 1, generator=g) * loss_mask).contiguous()})
 
 
-def train_once(rank: int, world: int, port: int) -> dict:
+def train_once(rank: int, world: int, port: int, variant: str = "full") -> dict:
     """One optimizer step on this rank's rows; returns what the comparison needs."""
-    job = make_job()
+    job = make_job(variant)
     worker = create_train_worker(TrainWorkerContext(job=job, components=Components(), rank=rank, world_size=world,
                                                     master_port=port))
     batch = make_batch()
@@ -83,18 +86,20 @@ def train_once(rank: int, world: int, port: int) -> dict:
     shard = batch.select(range(rank * ROWS // world, (rank + 1) * ROWS // world))
     shard_norm = compute_norm(shard, world=True)
     metrics = worker.accumulate_gradients(shard, global_norm)
-    grads = {n: p.grad.clone() for n, p in worker.model.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in worker.model.named_parameters() if p.requires_grad}
     metrics.update(worker.optimizer_step())
     weights = {n: t.clone() for n, t in worker.named_weights()}
     worker.close()
     return {"grads": grads, "metrics": metrics, "weights": weights, "norm_ok": shard_norm == global_norm}
 
 
-def test_two_ranks_with_half_the_rows_equal_one_rank_with_all(tmp_path):
+@pytest.mark.parametrize("variant", ["full", "lora"])
+def test_two_ranks_with_half_the_rows_equal_one_rank_with_all(tmp_path, variant):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(tmp_path)], env=env,
+    procs = [subprocess.Popen([sys.executable, __file__, str(r), "2", str(tmp_path), variant], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for r in range(2)]
-    single = train_once(0, 1, 0)
+    single = train_once(0, 1, 0, variant)
+    assert single["grads"] and all((".lora_" in n) == (variant == "lora") for n in single["grads"])
     for p in procs:
         out, _ = p.communicate(timeout=180)
         assert p.returncode == 0, out.decode()[-3000:]
@@ -111,12 +116,12 @@ def test_two_ranks_with_half_the_rows_equal_one_rank_with_all(tmp_path):
     for key, value in single["metrics"].items():
         assert abs(ranks[0]["metrics"][key] - value) <= 1e-5 * max(1.0, abs(value)), key
         assert ranks[0]["metrics"][key] == ranks[1]["metrics"][key], key
-    assert single["metrics"]["train/grad_norm"] > 0.5  # clipping was active and identical
+    assert single["metrics"]["train/grad_norm"] > make_job(variant).train.grad_clip  # clipping was active
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    rank_, world_, out_ = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+    rank_, world_, out_, variant_ = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     port_file = out_ / "port"
     if rank_ == 0:
         rendezvous = host_rendezvous()  # listening before the other rank learns the port
@@ -130,4 +135,4 @@ if __name__ == "__main__":
                 raise SystemExit(f"rank {rank_}: rank 0 published no rendezvous port in {port_file}")
             time.sleep(0.05)
         port_ = int(port_file.read_text())
-    torch.save(train_once(rank_, world_, port_), out_ / f"rank{rank_}.pt")
+    torch.save(train_once(rank_, world_, port_, variant_), out_ / f"rank{rank_}.pt")
