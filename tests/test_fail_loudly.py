@@ -109,6 +109,20 @@ def test_nan_loss_is_skipped_then_ends_the_run(ray_cluster, tiny_job, tmp_path):
     assert all(m["perf/weight_version"] == 0.0 for m in metrics)  # skipped: nothing reached the engines
 
 
+def test_bad_steps_in_async_mode_are_skipped_then_end_the_run(ray_cluster, tiny_job, tmp_path):
+    """The asynchronous loop counts a skipped step like the synchronous one (its scheduler accepts
+    the step's end although no weights were pushed) and ends the run after max_bad_steps."""
+    write_job(tiny_job, tmp_path)
+    out = tmp_path / "run"
+    with pytest.raises(TrainingFailedError, match=r"3 bad steps in a row .*step 2: train/loss is nan"):
+        tiny_job.run(tmp_path, out, "algorithm.advantage=nan_advantage", 'plugins.modules=["faulty.py"]',
+                     "async.enable=true", "placement.colocate=false", "rollout.weight_transport=shm",
+                     'plugins.enable=["torch", "rl", "rewards", "loggers", "agents", "schedulers"]')
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["fault/bad_steps"] for m in metrics] == [1.0, 2.0]
+    assert all(m["fault/bad_step"] == 1.0 for m in metrics)
+
+
 def test_a_step_whose_update_overflows_is_rolled_back_and_later_steps_train(ray_cluster, tiny_job, tmp_path):
     import ray
 

@@ -262,7 +262,13 @@ class AsyncRLController(RLController):
                     raise
                 update = await self._update_weights(self.version + 1)
             metrics.update(update)
-            self.version += 1
+        else:
+            # A skipped (bad) step still ends with a new version, the only way the scheduler closes
+            # the step's batch. No weights move (the trainer's equal the engines': rolled back or
+            # never changed); the engines only tag what they generate from now on with it.
+            assert self.rollout is not None
+            await asyncio.gather(*(c.update_weight_version(self.version + 1) for c in self.rollout.clients))
+        self.version += 1
         self.scheduler.on_train_step(self.version)
         for g in groups:
             self.group_prompts.pop(g.group_id, None)
