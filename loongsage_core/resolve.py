@@ -67,12 +67,11 @@ def named_components(job: JobConfig) -> list[tuple[str, str, str]]:
     return items
 
 
-def check_references(job: JobConfig) -> None:
-    """Cross-field checks that the schema alone cannot express."""
-    where = job.source_path or "<job>"
+def check_sources(job: JobConfig, where: str, hint: str) -> None:
+    """At least one ``[[data]]`` source; each with exactly one of path / generator and its own name.
+    ``hint`` says in the error what a source needs (RL and SFT jobs differ)."""
     if not job.data:
-        raise ConfigError(f"{where}: no [[data]] source: add at least one with a 'path' or a 'generator'")
-    teachers = {t.name for t in job.teachers}
+        raise ConfigError(f"{where}: no [[data]] source: add at least one {hint}")
     names: set[str] = set()
     for i, src in enumerate(job.data):
         if bool(src.path) == bool(src.generator):
@@ -80,6 +79,14 @@ def check_references(job: JobConfig) -> None:
         if src.name in names:
             raise ConfigError(f"{where}: data[{i}].name: duplicate data source name '{src.name}'")
         names.add(src.name)
+
+
+def check_references(job: JobConfig) -> None:
+    """Cross-field checks that the schema alone cannot express."""
+    where = job.source_path or "<job>"
+    check_sources(job, where, "with a 'path' or a 'generator'")
+    teachers = {t.name for t in job.teachers}
+    for i, src in enumerate(job.data):
         if src.teacher and src.teacher not in teachers:
             listing = ", ".join(sorted(teachers)) or "none defined in [[teachers]]"
             raise ConfigError(f"{where}: data[{i}].teacher: unknown teacher '{src.teacher}'; choose one of: {listing}")
@@ -150,15 +157,7 @@ def resolve_sft_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJ
     from .validation import check_data_files, check_models
 
     where = job.source_path or "<job>"
-    if not job.data:
-        raise ConfigError(f"{where}: no [[data]] source: add at least one with a 'path' to chat data")
-    names: set[str] = set()
-    for i, src in enumerate(job.data):
-        if bool(src.path) == bool(src.generator):
-            raise ConfigError(f"{where}: data[{i}] ('{src.name}'): set exactly one of 'path' or 'generator'")
-        if src.name in names:
-            raise ConfigError(f"{where}: data[{i}].name: duplicate data source name '{src.name}'")
-        names.add(src.name)
+    check_sources(job, where, "with a 'path' to chat data")
     if job.train.num_workers != 1:
         raise ConfigError(f"{where}: train.num_workers = {job.train.num_workers}: loongsage sft trains in one "
                           "process; set it to 1")

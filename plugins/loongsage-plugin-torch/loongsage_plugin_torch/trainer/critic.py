@@ -123,6 +123,8 @@ class TorchCriticWorker(TorchTrainWorker):
         model.backbone.to(device=self.device, dtype=param_dtype)
         model.value_head.to(device=self.device, dtype=torch.float32)
         self.model: Any = model
+        self.lora = None  # the critic trains all of its weights: no adapter, full checkpoints
+        self.peft_model: Any = None
         del lm
         if distributed.is_distributed():
             distributed.broadcast_parameters(self.model.state_dict().values())
