@@ -169,9 +169,11 @@ def test_loongsage_serve_prints_the_agent_url_its_key_and_where_the_secret_is(tm
     (tmp_path / "job.toml").write_text(JOB)
     run_dir = tmp_path / "served"
     log = (tmp_path / "serve.log").open("w")
+    # started with SIGINT ignored, as a background job of a script is: serve still stops on it
     proc = subprocess.Popen([sys.executable, "-m", "loongsage_core", "serve", str(tmp_path / "job.toml"),
                              "run.ray_num_cpus=2", "run.ray_object_store_mb=80", "--output-dir", str(run_dir)],
-                            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: list[str] = []
     try:
         deadline = time.monotonic() + 300
@@ -193,6 +195,8 @@ def test_loongsage_serve_prints_the_agent_url_its_key_and_where_the_secret_is(tm
         assert httpx.get(url + "/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
         assert httpx.get(url + "/models").status_code == 401
         assert read_secret_file(secret_file) not in "\n".join(lines)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0  # a clean stop: engines and router shut down, no kill needed
     finally:
         proc.send_signal(signal.SIGINT)
         try:

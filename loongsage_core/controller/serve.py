@@ -8,6 +8,7 @@ user can point any OpenAI-compatible agent at the live policy and inspect what w
 
 from __future__ import annotations
 
+import signal
 import tempfile
 import time
 import uuid
@@ -82,6 +83,7 @@ def serve_job(resolved: ResolvedJob, port: int = 0, output_dir: str | Path | Non
           flush=True)
     print(f"what it recorded: curl -H \"Authorization: Bearer $(cat {serving.secret_path})\" "
           f"{base}/admin/trajectories/{serving.trajectory_id}", flush=True)
+    stop_on_signals()
     try:
         while True:
             time.sleep(3600)
@@ -89,3 +91,15 @@ def serve_job(resolved: ResolvedJob, port: int = 0, output_dir: str | Path | Non
         pass
     finally:
         serving.close()
+
+
+def stop_on_signals() -> None:
+    """Ctrl-C (SIGINT) and SIGTERM, what process managers send, both end serving cleanly (engines
+    and router shut down). SIGINT is set explicitly: a background job of a non-interactive shell
+    starts with it ignored, and then Ctrl-C or ``kill -INT`` would leave the server running."""
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
