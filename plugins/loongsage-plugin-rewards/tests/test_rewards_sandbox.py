@@ -156,9 +156,12 @@ def test_swe_tests_refuses_rows_it_cannot_grade(sandbox_for):
         swe_tests(make_traj("", metadata={**PAGER, "FAIL_TO_PASS": "tests.a"}), sandbox=box)
 
 
-def test_every_shipped_task_scores_0_as_given_and_1_with_its_reference_patch(sandbox_for):
-    """The tasks through the real sandbox and the reward (the data test checks them without either)."""
-    for row in ROWS.values():
+def test_a_task_of_each_bug_kind_scores_0_as_given_and_1_with_its_reference_patch(sandbox_for):
+    """Tasks through the real sandbox and the reward, one of each kind of bug (tests/test_swe_tasks.py
+    checks every task without either; all of them here would add a minute to the suite)."""
+    one_per_kind = {row["bug"]: row for row in reversed(list(ROWS.values()))}
+    assert len(one_per_kind) >= 8
+    for row in one_per_kind.values():
         box = sandbox_for(row)
         assert swe_tests(make_traj("", metadata=dict(row)), sandbox=box).score == 0.0, row["instance_id"]
         _apply(box, row["patch"])
