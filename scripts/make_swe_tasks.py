@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(ROOT / "plugins" / "loongsage-plugin-rewards"))
 
-from loongsage_plugin_rewards.test_logs import PASSING, parse_unittest  # noqa: E402
+from loongsage_plugin_rewards.log_parsers import PASSING, parse_unittest  # noqa: E402
 from swe_task_specs import SPECS, Spec  # noqa: E402
 
 TEST_CMD = "python3 -m unittest -v"

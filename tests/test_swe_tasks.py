@@ -16,7 +16,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
-from loongsage_plugin_rewards.test_logs import PASSING, parse_test_log
+from loongsage_plugin_rewards.log_parsers import PASSING, parse_test_log
 
 REPO = Path(__file__).resolve().parents[1]
 SWE = REPO / "configs" / "recipes" / "swe"

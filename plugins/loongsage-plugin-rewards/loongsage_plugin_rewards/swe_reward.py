@@ -10,7 +10,7 @@ may have edited or deleted them, and the regression tests may be hidden from it)
 * ``test_patch`` (a unified diff, SWE-bench's field): applied with ``git apply`` (``patch -p1``
   where git is missing); a patch that does not apply scores 0 with that reason.
 
-Then ``test_cmd`` runs once; its output is read per test (:mod:`.test_logs`). Score: 1.0 when
+Then ``test_cmd`` runs once; its output is read per test (:mod:`.log_parsers`). Score: 1.0 when
 every FAIL_TO_PASS and every PASS_TO_PASS test passed ("resolved" in SWE-bench's terms), else 0;
 with ``partial_credit`` the share of the listed tests that passed. A listed test missing from the
 output (not collected, its module failed to import) counts as failed.
@@ -25,7 +25,7 @@ from typing import Any
 
 from loongsage_hookspecs import Reward, Trajectory
 
-from .test_logs import PASSING, parse_test_log
+from .log_parsers import PASSING, parse_test_log
 
 OUTPUT_TAIL = 2000
 PATCH_FILE = ".loongsage_test.patch"

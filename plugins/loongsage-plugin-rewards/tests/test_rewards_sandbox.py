@@ -16,8 +16,8 @@ from typing import Any, Iterator
 
 import pytest
 from loongsage_plugin_rewards.code_reward import code_tests, extract_code
+from loongsage_plugin_rewards.log_parsers import parse_pytest, parse_test_log, parse_unittest
 from loongsage_plugin_rewards.swe_reward import swe_tests
-from loongsage_plugin_rewards.test_logs import parse_pytest, parse_test_log, parse_unittest
 
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Trajectory
