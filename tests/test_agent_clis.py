@@ -181,7 +181,9 @@ reward = ["exact_match"]
 
 
 def test_two_training_steps_with_each_cli_as_the_agent(ray_cluster, tmp_path):
-    """A 2-step GRPO run over three sources, one per CLI, plus a source whose CLI hangs."""
+    """A 2-step GRPO run with Codex and Claude Code as agents, each step beside a source whose CLI
+    hangs (OpenCode trains in the ``swe_cli`` recipe's 2-step run, tests/test_swe_recipe.py:
+    its 20K-token prompt makes each of its trajectories cost seconds of training on 2 cores)."""
     from loongsage_core.config import load_job
     from loongsage_core.controller.entry import run_job
     from loongsage_core.resolve import resolve_job
@@ -190,16 +192,18 @@ def test_two_training_steps_with_each_cli_as_the_agent(ray_cluster, tmp_path):
     data = tmp_path / "tasks.jsonl"
     data.write_text("".join(json.dumps({"prompt": PROMPT, "label": "Done."}) + "\n" for _ in range(4)))
     access = tmp_path / "access.jsonl"
-    sources = [(name, {**CLI_ARGS[name], "timeout_s": 600}) for name in CLI_ARGS]
-    sources.append(("codex", {"binary": str(script), "timeout_s": 3}))
+    # step quotas of 2 prompts: the hanging CLI one in each step, Codex and Claude Code one step each
+    sources = [(name, 0.25, {**CLI_ARGS[name], "timeout_s": 600}) for name in ("codex", "claude_code")]
+    sources.append(("codex", 0.5, {"binary": str(script), "timeout_s": 3}))
     tables = "".join(f"""
 [[data]]
 name = "src{i}_{name}"
+weight = {weight}
 path = "{data}"
 agent = "{name}"
 agent_args = {toml_inline(args)}
 reward = ["exact_match"]
-""" for i, (name, args) in enumerate(sources))
+""" for i, (name, weight, args) in enumerate(sources))
     job = tmp_path / "job.toml"
     job.write_text(f"""
 [plugins]
@@ -236,9 +240,9 @@ name = "jsonl"
         for key, value in m.items():
             if key.startswith("rollout_per_source/") and key.endswith("/count"):
                 per_source[key.split("/")[1]] = per_source.get(key.split("/")[1], 0.0) + value
-    # every source ran in the two steps (quota mixing); only the hanging CLI's trajectories failed
-    assert sorted(per_source) == [f"src{i}_{n}" for i, (n, _) in enumerate(sources)][:3]
-    assert sum(m["rollout/failed_ratio"] for m in history) == pytest.approx(0.5)
+    # both real CLIs ran in the two steps (quota mixing); only the hanging CLI's trajectories failed
+    assert sorted(per_source) == ["src0_codex", "src1_claude_code"]
+    assert [m["rollout/failed_ratio"] for m in history] == [pytest.approx(0.5)] * 2
     assert all(m["rollout/prefix_cache_hit_ratio"] > 0.0 for m in history)  # the group's samples share a prefix
     entries = [json.loads(line) for line in access.read_text().splitlines()]
     assert entries and all(e["status"] < 400 for e in entries), [e for e in entries if e["status"] >= 400]
