@@ -127,25 +127,25 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    resolved = _load(args)  # a broken job file fails before torch and Ray are imported
     from .controller.entry import run_job
 
-    resolved = _load(args)
     run_job(resolved, output_dir=args.output_dir, overwrite=args.overwrite)
     return 0
 
 
 def cmd_sft(args: argparse.Namespace) -> int:
+    resolved = _load(args)  # a broken job file fails before torch and Ray are imported
     from .sft.run import run_sft
 
-    resolved = _load(args)
     run_sft(resolved.job, resolved.host, output_dir=args.output_dir, overwrite=args.overwrite)
     return 0
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    resolved = _load(args)  # a broken job file fails before torch and Ray are imported
     from .controller.serve import serve_job
 
-    resolved = _load(args)
     serve_job(resolved, port=args.port, output_dir=args.output_dir)
     return 0
 

@@ -42,3 +42,16 @@ def test_cli_help_is_fast():
     assert "run" in out.stdout and "validate" in out.stdout and "plugins" in out.stdout
     # generous bound: the interpreter start dominates; importing torch alone would take several seconds
     assert elapsed < 3.0, elapsed
+
+
+def test_a_broken_job_file_fails_before_torch_or_ray_is_imported(tmp_path):
+    """``run``, ``sft`` and ``serve`` check the job first: a typo costs a fraction of a second."""
+    from loongsage_core.cli import main
+
+    job = tmp_path / "bad.toml"
+    job.write_text("[train]\nlearning_rate = 1.0\n")
+    for command in ("run", "sft", "serve"):
+        probe = (f"import sys\nfrom loongsage_core.cli import main\n"
+                 f"assert main([{command!r}, {str(job)!r}]) == 2\n")
+        assert heavy(imported_after(probe)) == [], command
+    assert main(["run", str(job)]) == 2
