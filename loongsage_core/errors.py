@@ -22,6 +22,12 @@ class RunError(RuntimeError):
     actor that died); the CLI prints the message as one line and exits 1."""
 
 
+class ComponentBuildError(RunError):
+    """A component's factory raised while building what the job names (not a bad argument: those
+    are :class:`~loongsage_core.config.ConfigError`); the message names the job-file key, the
+    component and its plugin, and the original exception is chained."""
+
+
 class NotARunError(ValueError):
     """A directory given to ``loongsage view`` that is not a LoongSage run directory."""
 

@@ -25,6 +25,7 @@ import difflib
 import importlib
 import importlib.metadata as importlib_metadata
 import importlib.util
+import inspect
 import os
 import sys
 import warnings
@@ -36,7 +37,8 @@ import pluggy
 
 from loongsage_hookspecs import KINDS, PROJECT_NAME, ComponentSpec, hookspecs, normalize_name
 
-from .errors import ConflictError, PluginError, UnknownComponentError
+from .config import ConfigError
+from .errors import ComponentBuildError, ConflictError, PluginError, UnknownComponentError
 
 DISABLE_ENV = "LOONGSAGE_DISABLE_PLUGINS"
 DIST_PREFIX = "loongsage-plugin-"
@@ -280,6 +282,51 @@ class PluginHost:
             listing = ", ".join(choices) if choices else "none (enable a plugin that provides one)"
             raise UnknownComponentError(f"{prefix}unknown {kind} '{name}'{hint}; choose one of: {listing}")
         return provided.spec
+
+    def build(self, kind: str, name: str, *args: Any, where: str, args_key: str | None = None,
+              using: str = "factory", **kwargs: Any) -> Any:
+        """Build the component ``kind`` ``name``: ``spec.<using>(*args, **kwargs)`` (``using`` names
+        the spec's factory: ``factory``, or a weight transport's ``sender`` / ``receiver``).
+
+        The one place the host builds what a job names, so every kind fails the same way:
+
+        * an unknown name: :class:`UnknownComponentError` listing the choices (``where``: the
+          job-file key that names it);
+        * arguments the factory does not take (checked against its signature before the call, and,
+          for a factory that passes ``**kwargs`` on, a ``TypeError`` naming one of them as an
+          unexpected keyword; any other ``TypeError`` raised inside the factory is its own bug): a
+          :class:`~loongsage_core.config.ConfigError` naming ``args_key`` (the ``*_args`` table;
+          ``where`` by default);
+        * a factory that rejects a value with ``ValueError``: a ``ConfigError`` naming ``args_key``
+          (``where`` by default);
+        * anything else the factory raises: :class:`ComponentBuildError` (a run error) naming the
+          key, the component and its plugin, chained to the original exception.
+        """
+        spec = self.get(kind, name, where=where)
+        factory = getattr(spec, using)
+        try:
+            inspect.signature(factory).bind(*args, **kwargs)
+        except TypeError as exc:
+            raise ConfigError(f"{args_key or where}: {kind} '{name}' does not take these arguments: {exc}") from None
+        except ValueError:  # a callable without a signature (a builtin): let the call decide
+            pass
+        try:
+            return factory(*args, **kwargs)
+        except (ConfigError, PluginError):
+            raise
+        except TypeError as exc:
+            # a factory that passes ``**kwargs`` on (to a class, say) meets the argument it does not
+            # take one call deeper: still the job's argument, when the error names one it passed
+            if any(f"unexpected keyword argument '{key}'" in str(exc) for key in kwargs):
+                raise ConfigError(f"{args_key or where}: {kind} '{name}' does not take these arguments: "
+                                  f"{exc}") from None
+            raise ComponentBuildError(f"{where}: building {kind} '{name}' (plugin "
+                                      f"{self.provider(kind, name)}) failed: TypeError: {exc}") from exc
+        except ValueError as exc:  # a value the factory refuses: the arguments' table is at fault
+            raise ConfigError(f"{args_key or where}: {exc}") from exc
+        except Exception as exc:
+            raise ComponentBuildError(f"{where}: building {kind} '{name}' (plugin "
+                                      f"{self.provider(kind, name)}) failed: {type(exc).__name__}: {exc}") from exc
 
     def provider(self, kind: str, name: str) -> str:
         """Name of the plugin providing ``kind`` ``name``."""

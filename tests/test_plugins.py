@@ -172,3 +172,73 @@ def test_the_plugin_host_is_the_registry_the_contract_hands_to_backends():
     host = PluginHost.create(enable=["rl"])
     assert isinstance(host, ComponentRegistry)
     assert host.get("advantage", "grpo") is host.components("advantage")["grpo"]
+
+
+BUILDERS = '''
+from loongsage_hookspecs import hookimpl, LoggerSpec
+
+
+class Fine:
+    def __init__(self, output_dir, every=1):
+        self.output_dir, self.every = output_dir, every
+
+
+def refuses(output_dir, every=1):
+    raise ValueError(f"every = {every} must be positive")
+
+
+def buggy(output_dir):
+    return len(output_dir, 2)  # a TypeError inside the factory: its bug, not the job's
+
+
+def broken(output_dir):
+    raise OSError("disk full")
+
+
+@hookimpl
+def loongsage_loggers():
+    return [LoggerSpec(name=n, factory=f) for n, f in
+            (("fine", Fine), ("refuses", refuses), ("buggy", buggy), ("broken", broken))]
+'''
+
+
+def test_build_is_the_one_way_components_are_made_and_fail(tmp_path):
+    """``PluginHost.build``: arguments the factory does not take and refused values are job errors
+    naming the arguments' key; a factory's own failure (even a ``TypeError`` inside it) is a run
+    error naming the key, the component and its plugin, chained to the cause."""
+    from loongsage_core.config import ConfigError
+    from loongsage_core.errors import ComponentBuildError, RunError
+
+    (tmp_path / "builders.py").write_text(BUILDERS)
+    host = PluginHost.create(enable=[], modules=["builders.py"], base_dir=tmp_path)
+    where, args_key = "job.toml: loggers[0].name", "job.toml: loggers[0].args"
+    made = host.build("logger", "fine", "out", where=where, args_key=args_key, every=3)
+    assert (made.output_dir, made.every) == ("out", 3)
+    with pytest.raises(UnknownComponentError, match=r"job.toml: loggers\[0\].name: unknown logger 'fin' "
+                                                    r"\(did you mean 'fine'\?\)"):
+        host.build("logger", "fin", "out", where=where)
+    with pytest.raises(ConfigError, match=r"^job.toml: loggers\[0\].args: logger 'fine' does not take these "
+                                          r"arguments: .*'evry'"):
+        host.build("logger", "fine", "out", where=where, args_key=args_key, evry=3)
+    with pytest.raises(ConfigError, match=r"^job.toml: loggers\[0\].args: every = 0 must be positive$"):
+        host.build("logger", "refuses", "out", where=where, args_key=args_key, every=0)
+    with pytest.raises(ComponentBuildError, match=r"^job.toml: loggers\[0\].name: building logger 'buggy' \(plugin "
+                                                  r"module:builders\) failed: TypeError: ") as bug:
+        host.build("logger", "buggy", "out", where=where)
+    assert isinstance(bug.value, RunError) and isinstance(bug.value.__cause__, TypeError)
+    with pytest.raises(ComponentBuildError, match="building logger 'broken' .* failed: OSError: disk full"):
+        host.build("logger", "broken", "out", where=where)
+
+
+def test_build_names_an_argument_a_factory_passed_on_as_the_jobs(tmp_path):
+    """A factory taking ``**args`` and passing them on meets an unknown one a call deeper: that
+    ``TypeError`` is still the job's argument (an unexpected keyword it passed)."""
+    from loongsage_core.config import ConfigError
+
+    passes_on = '(("passes_on", lambda output_dir, **args: Fine(output_dir, **args)),'
+    passing = BUILDERS.replace('(("fine", Fine),', passes_on)
+    (tmp_path / "passing.py").write_text(passing)
+    host = PluginHost.create(enable=[], modules=["passing.py"], base_dir=tmp_path)
+    assert host.build("logger", "passes_on", "o", where="w", every=2).every == 2
+    with pytest.raises(ConfigError, match=r"^a: logger 'passes_on' does not take these arguments: .*'evry'"):
+        host.build("logger", "passes_on", "o", where="w", args_key="a", evry=2)

@@ -1,5 +1,6 @@
 """What a component may ask of the host's plugin registry (``TrainWorkerContext.components``,
-``EngineContext.components``): look a spec up by kind and name, list the specs of a kind."""
+``EngineContext.components``): look a spec up by kind and name, build a component from it, list
+the specs of a kind."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ class ComponentRegistry(Protocol):
     def get(self, kind: str, name: str, where: str | None = None) -> Any:
         """The spec of ``kind`` called ``name``; an unknown name raises an error listing the choices
         (prefixed with ``where``, the job-file key at fault, when given)."""
+        ...
+
+    def build(self, kind: str, name: str, *args: Any, where: str, args_key: str | None = None,
+              using: str = "factory", **kwargs: Any) -> Any:
+        """Build ``kind`` ``name`` with its spec's factory (``using``: the factory attribute);
+        arguments it does not take and ``ValueError`` become job errors naming ``args_key`` /
+        ``where``, anything else it raises a run error naming the component and its plugin."""
         ...
 
     def components(self, kind: str) -> dict[str, Any]:

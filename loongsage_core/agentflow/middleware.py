@@ -9,11 +9,13 @@ from __future__ import annotations
 from typing import Any, Mapping, Sequence
 
 
-def build_middlewares(components: Any, entries: Sequence[str | Mapping[str, Any]]) -> list[Any]:
+def build_middlewares(components: Any, entries: Sequence[str | Mapping[str, Any]],
+                      where: str = "agentflow") -> list[Any]:
     """Instantiate middleware by name, in order.
 
-    ``components`` resolves names (an object with ``get(kind, name) -> RouterMiddlewareSpec``,
-    such as the host's plugin registry); each entry is a name or ``{"name": ..., "args": {...}}``.
+    ``components`` builds them (a ``ComponentRegistry``, such as the host's plugin registry); each
+    entry is a name or ``{"name": ..., "args": {...}}``; ``where`` prefixes the job-file keys that
+    errors name (``<job>: agentflow``).
     """
     chain = []
     for i, entry in enumerate(entries):
@@ -26,8 +28,8 @@ def build_middlewares(components: Any, entries: Sequence[str | Mapping[str, Any]
             name, args = entry["name"], dict(entry.get("args") or {})
         else:
             raise ValueError(f"router middleware #{i}: expected a name or {{name, args}}, got {entry!r}")
-        spec = components.get("router_middleware", name)
-        mw = spec.factory(**args)
+        mw = components.build("router_middleware", name, where=f"{where}.middleware[{i}]",
+                              args_key=f"{where}.middleware_args.{name}", **args)
         if not (callable(getattr(mw, "on_request", None)) and callable(getattr(mw, "on_response", None))):
             raise TypeError(f"router middleware {name!r} built an object without on_request/on_response")
         chain.append(mw)

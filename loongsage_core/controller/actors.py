@@ -66,20 +66,22 @@ class ModelActor:
         """Build the trainer worker (joining the group at ``master_addr:master_port``), the
         reference worker and the engine this actor holds."""
         job = self.job
+        where = job.source_path or "<job>"
         if self.rank is not None:
-            spec = self.host.get("train_backend", job.train.backend)
             ctx = TrainWorkerContext(job=job, components=self.host, rank=self.rank, world_size=self.world_size,
                                      master_addr=master_addr, master_port=master_port, role="actor")
-            self.worker = spec.factory(ctx)
+            self.worker = self.host.build("train_backend", job.train.backend, ctx, where=f"{where}: train.backend")
             if self.needs_reference and not getattr(self.worker, "serves_reference", False):
                 ref_ctx = TrainWorkerContext(job=job, components=self.host, rank=0, world_size=1, role="reference")
-                self.reference = spec.factory(ref_ctx)
+                self.reference = self.host.build("train_backend", job.train.backend, ref_ctx,
+                                                 where=f"{where}: train.backend (reference)")
         if self.engine_index is not None:
-            spec = self.host.get("rollout_engine", job.rollout.engine)
             # listen on this node's address (loopback on a local cluster) and advertise it: the
             # driver, the router and trainers on other nodes reach the engine there
-            self.engine = spec.factory(EngineContext(job=job, components=self.host, engine_index=self.engine_index,
-                                                     api_key=self.secret, host=reachable_address()))
+            engine_ctx = EngineContext(job=job, components=self.host, engine_index=self.engine_index,
+                                       api_key=self.secret, host=reachable_address())
+            self.engine = self.host.build("rollout_engine", job.rollout.engine, engine_ctx,
+                                          where=f"{where}: rollout.engine")
             self.engine_url = self.engine.start()
 
     def ready(self) -> dict[str, Any]:
@@ -153,9 +155,11 @@ class ModelActor:
             for _ in self.worker.named_weights():
                 pass
             return {}
-        spec = self.host.get("weight_transport", self.job.rollout.weight_transport)
         if not hasattr(self, "_sender"):
-            self._sender = spec.sender(**self.job.rollout.weight_transport_args)
+            where = f"{self.job.source_path or '<job>'}: rollout"
+            self._sender = self.host.build("weight_transport", self.job.rollout.weight_transport, using="sender",
+                                           where=f"{where}.weight_transport", args_key=f"{where}.weight_transport_args",
+                                           **self.job.rollout.weight_transport_args)
             configure_lora = getattr(self._sender, "configure_lora", None)
             if self.job.train.lora is not None and callable(configure_lora):
                 configure_lora(self.job.train.lora)  # a sender that writes adapter files needs rank/alpha

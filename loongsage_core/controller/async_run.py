@@ -102,8 +102,10 @@ class AsyncRLController(RLController):
         elif len(job.data) > 1:
             raise ConfigError(f"{where}: async.scheduler: '{job.async_.scheduler}' does not take a per-source "
                               f"'quota', so it cannot keep the shares of the job's {len(job.data)} data sources")
-        self.scheduler = spec.factory(batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
-                                      **job.async_.scheduler_args, **extra)
+        self.scheduler = self.host.build("scheduler", job.async_.scheduler, where=f"{where}: async.scheduler",
+                                         args_key=f"{where}: async.scheduler_args",
+                                         batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
+                                         **job.async_.scheduler_args, **extra)
         self.quota_mode = "quota" in extra  # the scheduler names the source of every dispatch
         self.requeue: collections.deque[Prompt] = collections.deque()
         self.inflight: dict[str, tuple[asyncio.Task[TrajectoryGroup], Prompt]] = {}

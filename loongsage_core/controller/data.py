@@ -140,12 +140,9 @@ def read_source(job: JobConfig, index: int, components: Any) -> Iterator[tuple[s
     where = f"{job.source_path or '<job>'}: data[{index}] ('{src.name}')"
     raw: Iterator[tuple[str, dict[str, Any]]]
     if src.generator:
-        spec = components.get("data_source", src.generator, where=f"{where}.generator")
         args = {"seed": job.run.seed, **src.generator_args}
-        try:
-            produced = list(spec.factory(**args))
-        except TypeError as exc:
-            raise ConfigError(f"{where}.generator_args: {exc}") from None
+        produced = list(components.build("data_source", src.generator, where=f"{where}.generator",
+                                         args_key=f"{where}.generator_args", **args))
         raw = ((f"generator '{src.generator}' row {i}", r) for i, r in enumerate(produced))
     else:
         assert src.path is not None

@@ -90,10 +90,11 @@ class RunLifecycle(RunState):
 
     def _start_loggers(self) -> None:
         """The job's ``[[loggers]]``, each told to forget the steps a resumed run redoes."""
-        for lg in self.job.loggers:
-            spec = self.host.get("logger", lg.name)
+        for i, lg in enumerate(self.job.loggers):
             args = {"total_steps": self.job.train.total_steps, **lg.args} if lg.name == "console" else dict(lg.args)
-            logger = spec.factory(str(self.output_dir), **args)
+            where = f"{self.job.source_path or '<job>'}: loggers[{i}]"
+            logger = self.host.build("logger", lg.name, str(self.output_dir), where=f"{where}.name",
+                                     args_key=f"{where}.args", **args)
             if hasattr(logger, "truncate_after"):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)

@@ -244,9 +244,9 @@ def start_engine_router(job: JobConfig, host: Any, engine_urls: list[str]) -> tu
     the URLs generation requests go to: the router's one URL, or the engines themselves."""
     if not job.rollout.engine_router:
         return None, list(engine_urls)
-    spec = host.get("engine_router", job.rollout.engine_router,
-                    where=f"{job.source_path or '<job>'}: rollout.engine_router")
-    router = spec.factory(list(engine_urls), **dict(job.rollout.engine_router_args))
+    where = f"{job.source_path or '<job>'}: rollout"
+    router = host.build("engine_router", job.rollout.engine_router, list(engine_urls), where=f"{where}.engine_router",
+                        args_key=f"{where}.engine_router_args", **dict(job.rollout.engine_router_args))
     try:
         url = router.start()
     except BaseException:

@@ -141,7 +141,8 @@ class RolloutManager:
             af = self.job.agentflow
             entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
             self.router = AgentFlowRouter(self.tokenizer, self.generate_urls,
-                                          build_middlewares(self.components, entries),
+                                          build_middlewares(self.components, entries,
+                                                            f"{self.job.source_path or '<job>'}: agentflow"),
                                           port=af.port, max_context_length=self.job.rollout.max_context_length,
                                           secret=self.secret, max_request_bytes=af.max_request_bytes,
                                           max_prompt_chars=af.max_prompt_chars,
@@ -155,8 +156,11 @@ class RolloutManager:
         if not source.sandbox:
             return None
         if source.name not in self._sandboxes:
-            spec = self.components.get("sandbox", source.sandbox)
-            self._sandboxes[source.name] = spec.factory(**sandbox_args(self.job, source))
+            index = self.job.data.index(source)
+            where = f"{self.job.source_path or '<job>'}: data[{index}] ('{source.name}')"
+            self._sandboxes[source.name] = self.components.build(
+                "sandbox", source.sandbox, where=f"{where}.sandbox", args_key=f"{where}.sandbox_args",
+                **sandbox_args(self.job, source))
         return self._sandboxes[source.name]
 
     async def _agent_group(self, prompt: Prompt, index: int, step: int) -> TrajectoryGroup:

@@ -60,7 +60,8 @@ def start_serving(resolved: ResolvedJob, port: int = 0, output_dir: str | Path |
     engine_router, generate_urls = start_engine_router(job, resolved.host, actors.engine_urls)
     af = job.agentflow
     entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
-    router = AgentFlowRouter(tokenizer, generate_urls, build_middlewares(resolved.host, entries),
+    middlewares = build_middlewares(resolved.host, entries, f"{job.source_path or '<job>'}: agentflow")
+    router = AgentFlowRouter(tokenizer, generate_urls, middlewares,
                              port=port or af.port, max_context_length=job.rollout.max_context_length,
                              secret=secret, max_request_bytes=af.max_request_bytes,
                              max_prompt_chars=af.max_prompt_chars)

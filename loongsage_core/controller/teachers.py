@@ -174,17 +174,12 @@ class LazyTeacher:
 def _teacher_builder(job: JobConfig, host: Any, index: int) -> Callable[[], Any]:
     t = job.teachers[index]
     where = f"{job.source_path or '<job>'}: teachers[{index}] ('{t.name}')"
-    spec = host.get("teacher", t.backend, where=f"{where}.backend")
+    host.get("teacher", t.backend, where=f"{where}.backend")  # an unknown backend fails now, not on first use
     path = job.resolve_path(t.path) if t.path else None
     args = dict(t.args)
 
     def build() -> Any:
-        try:
-            return spec.factory(path=path, **args)
-        except TypeError as exc:
-            raise ConfigError(f"{where}.args: {exc}") from None
-        except ValueError as exc:
-            raise ConfigError(f"{where}: {exc}") from None
+        return host.build("teacher", t.backend, where=f"{where}.backend", args_key=f"{where}.args", path=path, **args)
 
     return build
 

@@ -92,10 +92,9 @@ class SftRun:
         """Build the worker, restore a checkpoint when resuming, start the loggers."""
         from loongsage_hookspecs import TrainWorkerContext
 
-        spec = self.host.get("train_backend", self.job.train.backend,
-                             where=f"{self.job.source_path or '<job>'}: train.backend")
+        where = self.job.source_path or "<job>"
         ctx = TrainWorkerContext(job=trainer_job(self.job, self.total_steps), components=SftComponents(self.host))
-        self.worker = spec.factory(ctx)
+        self.worker = self.host.build("train_backend", self.job.train.backend, ctx, where=f"{where}: train.backend")
         if self.job.run.resume:
             point, skipped = ckpt.find_resumable(self.output_dir)
             ckpt.warn_skipped(skipped, point.directory if point else None)
@@ -105,11 +104,11 @@ class SftRun:
                 log.info("resumed SFT from %s (step %d)", point.directory, point.step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
-        for lg in self.job.loggers:
-            factory = self.host.get("logger", lg.name).factory
+        for i, lg in enumerate(self.job.loggers):
             args = ({"total_steps": self.total_steps, "keys": list(CONSOLE_KEYS), **lg.args} if lg.name == "console"
                     else dict(lg.args))
-            logger = factory(str(self.output_dir), **args)
+            logger = self.host.build("logger", lg.name, str(self.output_dir), where=f"{where}: loggers[{i}].name",
+                                     args_key=f"{where}: loggers[{i}].args", **args)
             if hasattr(logger, "truncate_after"):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)
