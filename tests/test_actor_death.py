@@ -83,8 +83,11 @@ def test_killed_engine_is_replaced_and_the_run_trains_every_step(ray_cluster, ti
                             "train.total_steps=4", kill_while_training=(2, 0))
     assert [m["step"] for m in history] == [0, 1, 2, 3]
     # engine 1 killed between steps 1 and 2 (its groups fail and are dispatched again), engine 0 while
-    # step 2 trained (the weight push to it fails, it is replaced and the push repeated)
-    assert [m["fault/engine_restarts"] for m in history] == [0.0, 0.0, 2.0, 2.0]
+    # step 2 trained (the weight push to it fails, it is replaced and the push repeated): one is
+    # replaced within step 2 and both by step 3 (on a busy machine the second replacement can land
+    # in step 3's count: the failed push is retried there once Ray reports the actor dead)
+    restarts = [m["fault/engine_restarts"] for m in history]
+    assert restarts[:2] == [0.0, 0.0] and restarts[2] in (1.0, 2.0) and restarts[3] == 2.0, restarts
     # the same number of trained prompts as an undisturbed run: every step trained all of its groups
     per_step = trained(out)
     assert [len(e["prompt_ids"]) for e in per_step] == [2, 2, 2, 2] and not any("skipped" in e for e in per_step)

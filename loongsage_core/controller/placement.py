@@ -7,6 +7,7 @@ actors with their own CPU/GPU reservations, and weights move between processes.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -14,6 +15,8 @@ import attrs
 
 from ..config import ConfigError, JobConfig
 from .actors import ModelActor
+
+log = logging.getLogger("loongsage")
 
 
 def required_resources(job: JobConfig) -> dict[str, float]:
@@ -98,10 +101,26 @@ def init_ray(job: JobConfig) -> None:
     cpus = job.run.ray_num_cpus or max(os.cpu_count() or 1, int(required_resources(job)["CPU"] + 0.999))
     bind_ray_to_loopback()
     keep_workers_at_driver_priority()
-    ray.init(num_cpus=cpus, include_dashboard=bool(job.run.ray_dashboard), dashboard_host="127.0.0.1",
-             object_store_memory=job.run.ray_object_store_mb * 2**20, ignore_reinit_error=True,
-             _node_ip_address="127.0.0.1", log_to_driver=True,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+        try:
+            ray.init(num_cpus=cpus, include_dashboard=bool(job.run.ray_dashboard), dashboard_host="127.0.0.1",
+                     object_store_memory=job.run.ray_object_store_mb * 2**20, ignore_reinit_error=True,
+                     _node_ip_address="127.0.0.1", log_to_driver=True,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+            return
+        except Exception as exc:
+            # Ray gives its raylet a fixed 30 s to register with the GCS; on a machine whose cores
+            # are all busy that can run out ("The current node timed out during startup"). Stop
+            # what it started and start again, a few times, before giving up.
+            if "timed out during startup" not in str(exc) or attempt == LOCAL_START_ATTEMPTS:
+                raise
+            log.warning("the local Ray cluster did not start in time (attempt %d of %d, the machine is busy); "
+                        "starting it again", attempt, LOCAL_START_ATTEMPTS)
+            ray.shutdown()
+
+
+LOCAL_START_ATTEMPTS = 3
+"""How many times :func:`init_ray` starts a local cluster whose node timed out during start-up."""
 
 
 @attrs.define
