@@ -39,6 +39,8 @@ import attrs
 
 from loongsage_hookspecs import AgentContext, AgentResult
 
+from .sandbox_procs import kill_tree
+
 INSTALL_SCRIPT = "scripts/install_agent_clis.sh"
 TOOLS_BIN = Path(".tools") / "npm" / "node_modules" / ".bin"
 SKIPPED_DIRS = frozenset({".git", "node_modules", "__pycache__", ".venv"})
@@ -118,45 +120,6 @@ def changed_files(root: str, before: dict[str, str], max_chars: int = 65536) -> 
     for rel in sorted(set(before) - set(after)):
         out[rel] = None
     return out
-
-
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (from ``/proc``), including ones that left its process group."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", encoding="ascii", errors="replace") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL the process group of ``pid`` and every descendant, wherever its group is."""
-    victims = _descendants(pid)
-    for sig_target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-        try:
-            sig_target()
-        except (ProcessLookupError, PermissionError):
-            pass
-    for child in victims:
-        try:
-            os.kill(child, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 class CliAgent:
@@ -301,12 +264,12 @@ class CliAgent:
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout)
         except asyncio.TimeoutError:
-            kill_tree(proc.pid)
+            kill_tree(proc.pid, None)
             await _reap(proc)
             raise TimeoutError(f"{self.name} agent: {self.binary_name} did not finish within {timeout:g}s "
                                "(its process tree was killed)") from None
         except BaseException:  # cancelled by the host (trajectory timeout, shutdown)
-            kill_tree(proc.pid)
+            kill_tree(proc.pid, None)
             await _reap(proc)
             raise
         try:  # daemons the CLI left behind in its process group (shells, servers) go with it
