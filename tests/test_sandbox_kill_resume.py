@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from loongsage_plugin_agents.sandbox_procs import with_argument
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,18 +31,6 @@ while not os.environ["LOONGSAGE_TRAJECTORY_ID"].startswith("0-") and os.path.exi
     time.sleep(0.2)
 print(3)
 """
-
-
-def _marked(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 def _boxes(root: Path) -> list[str]:
@@ -109,7 +98,7 @@ name = "jsonl"
         try:  # kill hard once both trajectories of the second step sit in their sandboxes
             while time.monotonic() < deadline:
                 if (out / "checkpoints" / "latest").exists() and len(_boxes(root)) == 2 \
-                        and len(_marked(marker)) == 2:
+                        and len(with_argument(marker)) == 2:
                     break
                 assert proc.poll() is None, f"the run ended before it could be killed: {log.read_text()[-3000:]}"
                 time.sleep(0.2)
@@ -123,12 +112,12 @@ name = "jsonl"
         left = _boxes(root)
         assert len(left) == 2  # the kill left the directories behind...
         if isolation == "netns":  # ...and, outside bubblewrap (which dies with its parent), the processes
-            assert len(_marked(marker)) == 2
+            assert len(with_argument(marker)) == 2
         flag.unlink()
         done = subprocess.run(cmd + ["run.resume=true"], env=env, capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "removed 2 sandbox(es)" in done.stderr
-        assert _boxes(root) == [] and _marked(marker) == []
+        assert _boxes(root) == [] and with_argument(marker) == []
         metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == [0, 1]
         m = metrics[1]
@@ -136,6 +125,6 @@ name = "jsonl"
         assert m["rollout/sandbox_create_s"] > 0 and m["rollout/sandbox_teardown_s"] > 0
         assert m["rollout/turns_mean"] == 1.0
     finally:
-        for pid in _marked(marker):
+        for pid in with_argument(marker):
             os.kill(pid, signal.SIGKILL)
         subprocess.run(["rm", "-rf", str(shared)], check=False)

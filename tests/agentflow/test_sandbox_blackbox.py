@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from loongsage_plugin_agents.sandbox_procs import with_argument
 
 from loongsage_core.agentflow import run_agent_trajectory
 from loongsage_hookspecs import Trajectory, TrajectoryStatus
@@ -63,18 +64,6 @@ def agents():
     from loongsage_plugin_agents import plugin
 
     return {s.name: s for s in plugin.loongsage_agents()}
-
-
-def _marked(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
 
 
 @pytest.mark.parametrize("isolation", MODES)
@@ -133,9 +122,9 @@ def test_blackbox_program_reaches_the_router_only_and_leaves_nothing(isolation, 
     assert traj.metadata["sandbox"]["isolation"] == isolation
     assert traj.metadata["agentflow"]["agent"]["sandboxed"] is True
     deadline = time.monotonic() + 5
-    while _marked(marker) and time.monotonic() < deadline:
+    while with_argument(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _marked(marker) == []  # the program's detached child did not outlive the trajectory
+    assert with_argument(marker) == []  # the program's detached child did not outlive the trajectory
     assert not [e for e in os.listdir(provider.root) if e.startswith(f"{os.getpid()}-")
                 and "bb-" in e]
 

@@ -76,6 +76,20 @@ def marked(prefix: str, procs: Iterable[ProcInfo] | None = None) -> list[int]:
     return [p.pid for p in (procs if procs is not None else processes()) if p.pid != me and _environ_has(p.pid, needle)]
 
 
+def with_argument(text: str) -> list[int]:
+    """Pids of live processes whose command line contains ``text`` (a marker a test or an operator
+    put in a command's arguments, e.g. ``sleep 31.0042``), zombies left out."""
+    found = []
+    for p in processes():
+        try:
+            with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    found.append(p.pid)
+        except OSError:
+            continue
+    return found
+
+
 def descendants(root_pids: Iterable[int], procs: list[ProcInfo]) -> list[int]:
     """Every process below ``root_pids`` (by parent links), wherever its process group is."""
     children: dict[int, list[int]] = {}

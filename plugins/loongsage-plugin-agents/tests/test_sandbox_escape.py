@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from loongsage_plugin_agents.local_sandbox import LocalSandboxProvider, detect_isolation
-from loongsage_plugin_agents.sandbox_procs import processes
+from loongsage_plugin_agents.sandbox_procs import processes, with_argument
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox user needs a root host")
 
@@ -41,23 +41,11 @@ def test_every_mode_is_exercised_on_this_machine():
     assert AVAILABLE == ["bwrap", "netns", "none"]
 
 
-def _marked(marker: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                if (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
 def _wait_gone(marker: str, seconds: float = 5.0) -> list[int]:
     deadline = time.monotonic() + seconds
-    while _marked(marker) and time.monotonic() < deadline:
+    while with_argument(marker) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return _marked(marker)
+    return with_argument(marker)
 
 
 def _unique(prefix: str) -> str:
@@ -195,7 +183,7 @@ def test_nothing_outlives_destroy(provider):
     async def scenario():
         box = await provider.create("daemon")
         res = await box.exec(f"setsid nohup sleep {marker} >/dev/null 2>&1 & echo $!")
-        running = _marked(marker) if provider.isolation != "bwrap" else []
+        running = with_argument(marker) if provider.isolation != "bwrap" else []
         await provider.destroy(box)
         return res, running, box
 
