@@ -182,7 +182,7 @@ reward = ["exact_match"]
 
 def test_two_training_steps_with_each_cli_as_the_agent(ray_cluster, tmp_path):
     """A 2-step GRPO run with Codex and Claude Code as agents, each step beside a source whose CLI
-    hangs (OpenCode trains in the ``swe_cli`` recipe's 2-step run, tests/test_swe_recipe.py:
+    hangs (OpenCode trains in the ``opencode`` recipe's 2-step run, tests/test_swe_recipe.py:
     its 20K-token prompt makes each of its trajectories cost seconds of training on 2 cores)."""
     from loongsage_core.config import load_job
     from loongsage_core.controller.entry import run_job

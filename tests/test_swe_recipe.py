@@ -1,6 +1,7 @@
-"""The ``swe`` recipe (configs/recipes/swe): it validates by name, and two GRPO steps of the
-tool_agent variant run end to end on the tiny agent model (real Ray, router, engine, sandboxes,
-swe_tests in each sandbox), with the per-step sandbox and agent metrics the recipe documents."""
+"""The ``swe`` and ``opencode`` recipes (configs/recipes/swe, configs/recipes/opencode): they
+validate by name, and two GRPO steps of each run end to end on the tiny agent model (real Ray,
+router, engine, sandboxes, swe_tests in each sandbox; the real OpenCode CLI in the second), with the
+per-step sandbox and agent metrics the recipes document."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from loongsage_core.resolve import resolve_job
 
 REPO = Path(__file__).resolve().parent.parent
 SWE = REPO / "configs" / "recipes" / "swe"
+OPENCODE = REPO / "configs" / "recipes" / "opencode"
 SMALL = ("train.total_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
          "train.mini_batch_size=4", "train.micro_batch_size=2", "run.checkpoint_every=0", "run.save_hf_at_end=false")
 METRICS = ("rollout/sandbox_create_s", "rollout/sandbox_teardown_s", "rollout/tool_calls_mean", "rollout/turns_mean",
@@ -24,13 +26,13 @@ METRICS = ("rollout/sandbox_create_s", "rollout/sandbox_teardown_s", "rollout/to
 
 
 def test_swe_recipes_validate_by_name_and_ship_their_files():
-    for name in ("recipes/swe", "recipes/swe/swe_cli"):
+    for name in ("recipes/swe", "recipes/opencode"):
         out = subprocess.run([sys.executable, "-m", "loongsage_core", "validate", name], capture_output=True,
                              text=True, cwd=REPO)
         assert out.returncode == 0, f"{name}: {out.stderr or out.stdout}"
         assert f"{name}: OK" in out.stdout, out.stdout
-    assert (SWE / "README.md").is_file()
-    tool, cli = load_job(SWE / "swe.toml"), load_job(SWE / "swe_cli.toml")
+    assert (SWE / "README.md").is_file() and (OPENCODE / "README.md").is_file()
+    tool, cli = load_job(SWE / "swe.toml"), load_job(OPENCODE / "opencode.toml")
     assert tool.data[0].agent == "tool_agent" and cli.data[0].agent == "opencode"
     for job in (tool, cli):
         src = job.data[0]
@@ -59,12 +61,12 @@ def test_swe_recipe_runs_two_steps(ray_cluster, tmp_path):
         assert r["metadata"]["sandbox"]["isolation"] in ("bwrap", "netns", "none")
 
 
-def test_swe_cli_recipe_runs_two_steps(ray_cluster, tmp_path):
-    """The CLI variant: OpenCode (installed by scripts/install_agent_clis.sh) inside each sandbox,
+def test_opencode_recipe_runs_two_steps(ray_cluster, tmp_path):
+    """The ``opencode`` recipe: OpenCode (installed by scripts/install_agent_clis.sh) inside each sandbox,
     its ~20K-token prompt on the 32K-context tiny model; one prompt x two samples per step."""
-    out = tmp_path / "swe_cli"
+    out = tmp_path / "opencode"
     small = (*SMALL, "rollout.prompts_per_step=1", "train.mini_batch_size=2", "train.micro_batch_size=1")
-    history = run_job(resolve_job(load_job(SWE / "swe_cli.toml", small)), output_dir=str(out))
+    history = run_job(resolve_job(load_job(OPENCODE / "opencode.toml", small)), output_dir=str(out))
     assert len(history) == 2
     for m in history:
         for key in METRICS:
