@@ -39,11 +39,22 @@ SECRET_FLAGS = ("--api-key", "--admin-api-key")
 """Flags whose value is the run secret: masked wherever a command line is shown."""
 
 
+def secret_args(*flags: str, secret: str) -> list[str]:
+    """``--flag=SECRET`` for each flag: one argument each, so a secret that starts with ``-`` (a
+    URL-safe token does, one time in 64) is never read as an option by the server's parser."""
+    return [f"{flag}={secret}" for flag in flags]
+
+
 def redact_command(command: Sequence[str]) -> list[str]:
-    """``command`` with the values of :data:`SECRET_FLAGS` replaced by ``***``."""
+    """``command`` with the values of :data:`SECRET_FLAGS` replaced by ``***`` (``--flag VALUE``
+    and ``--flag=VALUE``)."""
     out = []
     for i, arg in enumerate(command):
-        out.append("***" if i > 0 and command[i - 1] in SECRET_FLAGS else arg)
+        flag = arg.split("=", 1)[0]
+        if flag in SECRET_FLAGS and "=" in arg:
+            out.append(f"{flag}=***")
+        else:
+            out.append("***" if i > 0 and command[i - 1] in SECRET_FLAGS else arg)
     return out
 
 

@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 
 from loongsage_core.backend_api import free_port, retry_on_port_collision
 
-from .process import ManagedProcess, ServerStartError
+from .process import ManagedProcess, ServerStartError, secret_args
 
 POLICIES = ("cache_aware", "round_robin", "random", "power_of_two")
 """Routing policies of sglang-router usable with plain worker URLs."""
@@ -108,7 +108,7 @@ class SGLangRouterProcess:
             extra["prometheus_port"] = free_port()  # retried on a collision, as the main port
         command = router_command(self.worker_urls, host=self.host, port=port, policy=self.policy,
                                  extra_args=extra, python=self.python)
-        return command + (["--api-key", self.secret] if self.secret else [])
+        return command + (secret_args("--api-key", secret=self.secret) if self.secret else [])
 
     def _launch(self, port: int) -> str:
         """Run the router on ``port`` and wait for ``/health`` (stopped again if it never answers)."""

@@ -30,7 +30,7 @@ from loongsage_core.backend_api import check_listen_address, free_port, retry_on
 from loongsage_hookspecs import EngineContext, JobSettings
 
 from .launch import LaunchConfigError, build_launch_command
-from .process import ManagedProcess, ServerStartError
+from .process import ManagedProcess, ServerStartError, secret_args
 
 INSTALL_HINT = "pip install 'loongsage-plugin-sglang[sglang]'"
 """How to install SGLang next to this plugin."""
@@ -128,7 +128,7 @@ class SGLangServer:
         """The launch command line for ``port`` (with the run secret as the server's API keys when set)."""
         command = sglang_command(self.ctx.job, host=self.host, port=port, engine_index=self.engine_index,
                                  python=self.python)
-        return command + (["--api-key", self.secret, "--admin-api-key", self.secret] if self.secret else [])
+        return command + (secret_args("--api-key", "--admin-api-key", secret=self.secret) if self.secret else [])
 
     def _launch(self, port: int) -> str:
         """Run the server on ``port`` and wait until it serves (stopped again if it never does)."""
