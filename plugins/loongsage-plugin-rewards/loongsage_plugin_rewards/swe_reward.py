@@ -63,7 +63,8 @@ def write_in_sandbox(sandbox: Any, path: str, content: str, timeout_s: float) ->
     for command in write_commands(path, content):
         res = sandbox.run(command, timeout_s=timeout_s)
         if res.exit_code != 0:
-            return f"could not write {path}: {(res.stderr or res.stdout)[-300:]}"
+            why = f"timed out after {timeout_s:g}s" if res.timed_out else (res.stderr or res.stdout)[-300:]
+            return f"could not write {path}: {why}"
     return None
 
 
