@@ -500,6 +500,10 @@ class JobConfig:
         p = Path(value).expanduser()
         return str(p if p.is_absolute() else (self.base_dir / p).resolve())
 
+    def data_where(self, index: int) -> str:
+        """How errors name data source ``index``: ``<job file>: data[i] ('name')``."""
+        return f"{self.source_path or '<job>'}: data[{index}] ('{self.data[index].name}')"
+
 
 TOML_RENAMES = {"async": "async_"}
 """TOML keys that are Python keywords, and the attribute they fill."""

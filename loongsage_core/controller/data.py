@@ -126,7 +126,7 @@ def load_rows(job: JobConfig, index: int, components: Any) -> list[dict[str, Any
     Field errors name the file and the row (the line for JSONL, the 0-based row otherwise).
     """
     src = job.data[index]
-    where = f"{job.source_path or '<job>'}: data[{index}] ('{src.name}')"
+    where = job.data_where(index)
     rows = [map_fields(r, src, f"{where}: {loc}") for loc, r in read_source(job, index, components)]
     if not rows:
         raise ConfigError(f"{where}: the data source is empty")
@@ -137,7 +137,7 @@ def read_source(job: JobConfig, index: int, components: Any) -> Iterator[tuple[s
     """``(location, raw row)`` of every row of data source ``index``, as stored (no field mapping):
     a file's rows (JSONL, parquet, a saved ``datasets`` directory) or a data source plugin's."""
     src = job.data[index]
-    where = f"{job.source_path or '<job>'}: data[{index}] ('{src.name}')"
+    where = job.data_where(index)
     raw: Iterator[tuple[str, dict[str, Any]]]
     if src.generator:
         args = {"seed": job.run.seed, **src.generator_args}

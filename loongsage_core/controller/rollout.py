@@ -156,8 +156,7 @@ class RolloutManager:
         if not source.sandbox:
             return None
         if source.name not in self._sandboxes:
-            index = self.job.data.index(source)
-            where = f"{self.job.source_path or '<job>'}: data[{index}] ('{source.name}')"
+            where = self.job.data_where(self.job.data.index(source))
             self._sandboxes[source.name] = self.components.build(
                 "sandbox", source.sandbox, where=f"{where}.sandbox", args_key=f"{where}.sandbox_args",
                 **sandbox_args(self.job, source))

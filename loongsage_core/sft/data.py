@@ -44,8 +44,8 @@ def load_examples(job: JobConfig, renderer: "ChatRenderer", components: Any) -> 
     """
     cfg = job.sft or SftConfig()
     examples: list[Example] = []
-    for index, src in enumerate(job.data):
-        where = f"{job.source_path or '<job>'}: data[{index}] ('{src.name}')"
+    for index in range(len(job.data)):
+        where = job.data_where(index)
         count = 0
         for loc, row in read_source(job, index, components):
             count += 1
