@@ -314,17 +314,14 @@ class PluginHost:
             return factory(*args, **kwargs)
         except (ConfigError, PluginError):
             raise
-        except TypeError as exc:
-            # a factory that passes ``**kwargs`` on (to a class, say) meets the argument it does not
-            # take one call deeper: still the job's argument, when the error names one it passed
-            if any(f"unexpected keyword argument '{key}'" in str(exc) for key in kwargs):
-                raise ConfigError(f"{args_key or where}: {kind} '{name}' does not take these arguments: "
-                                  f"{exc}") from None
-            raise ComponentBuildError(f"{where}: building {kind} '{name}' (plugin "
-                                      f"{self.provider(kind, name)}) failed: TypeError: {exc}") from exc
         except ValueError as exc:  # a value the factory refuses: the arguments' table is at fault
             raise ConfigError(f"{args_key or where}: {exc}") from exc
         except Exception as exc:
+            # a factory that passes ``**kwargs`` on (to a class, say) meets the argument it does not
+            # take one call deeper: still the job's argument, when the error names one it passed
+            if isinstance(exc, TypeError) and any(f"unexpected keyword argument '{key}'" in str(exc) for key in kwargs):
+                raise ConfigError(f"{args_key or where}: {kind} '{name}' does not take these arguments: "
+                                  f"{exc}") from None
             raise ComponentBuildError(f"{where}: building {kind} '{name}' (plugin "
                                       f"{self.provider(kind, name)}) failed: {type(exc).__name__}: {exc}") from exc
 
