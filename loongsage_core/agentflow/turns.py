@@ -34,6 +34,13 @@ from .streaming import TextStreamer, cut_at_stop
 from .tito import ChatRenderer, TemplateError
 
 
+def refuse_if_aborted(entry: LiveTrajectory) -> None:
+    """A trajectory the host aborted takes no more turns: 409 ``trajectory_aborted``."""
+    if entry.aborted:
+        raise RouterError(409, f"trajectory '{entry.record.trajectory_id}' was aborted",
+                          code="trajectory_aborted", retry=False)
+
+
 @attrs.define
 class Generation:
     """What the engine generated for one turn (over every resumed call)."""
@@ -135,8 +142,7 @@ class TurnRunner:
                                        f"{type(body).__name__}, expected a dict", type="server_error")
         req = parse_chat_request(body)
         async with entry.lock:
-            if entry.aborted:
-                raise RouterError(409, f"trajectory '{tid}' was aborted", code="trajectory_aborted", retry=False)
+            refuse_if_aborted(entry)
             if not self.registry.is_live(entry):
                 raise not_found(f"unknown trajectory '{tid}'", code="trajectory_not_found")
             response = await self._complete(entry, req, body, stream)
@@ -160,6 +166,8 @@ class TurnRunner:
         started = time.perf_counter()
         plan = await self._plan(entry, req.messages, req.tools, req.chat_template_kwargs)
         engine_ctx = await self._engine_context(self.balancer.pick(rec.trajectory_id))
+        # planning awaited: an abort that landed meanwhile must not be overwritten by GENERATING below
+        refuse_if_aborted(entry)
         check_context_room(rec, len(plan.context), engine_ctx)
         max_new = max_new_tokens(entry.sampling, rec, req, len(plan.context), engine_ctx)
         streamer = None
@@ -261,8 +269,7 @@ class TurnRunner:
                 entry.in_flight.pop(rid, None)
                 self.balancer.release(url)
             self._extend(gen, out)
-            if entry.aborted:
-                raise RouterError(409, f"trajectory '{tid}' was aborted", code="trajectory_aborted", retry=False)
+            refuse_if_aborted(entry)
             if out.finish_reason != "abort":
                 gen.finish_reason = "length" if out.finish_reason == "length" else "stop"
                 return gen

@@ -225,6 +225,27 @@ def test_admin_api_over_http(engine_url, router_factory):
     assert httpx.delete(router.base_url + "/admin/trajectories/adm-1").status_code == 404
 
 
+def test_an_abort_while_a_turn_is_planned_is_kept(engine_url, router_factory):
+    """The host aborts while the router renders a turn (the window between the request's first
+    check and generation): the request gets 409 and the record stays ``aborted``, not
+    ``generating`` (the runner reports such a trajectory aborted, not failed)."""
+    router = router_factory([engine_url])
+    url = router.blocking.register("plan-abort", sampling={"max_new_tokens": 4})
+    planned = router.turns._plan
+
+    async def plan_then_abort(entry, *args, **kwargs):
+        plan = await planned(entry, *args, **kwargs)
+        router.registry.abort(entry.record.trajectory_id)  # on the router's loop, as admin calls run
+        return plan
+
+    router.turns._plan = plan_then_abort
+    with pytest.raises(openai.ConflictError, match="was aborted"):
+        openai.OpenAI(base_url=url, api_key="k", max_retries=0).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}])
+    record = router.blocking.pop("plan-abort")
+    assert record.status.value == "aborted" and not record.turns
+
+
 def test_sticky_and_least_loaded_engines(engine_url, tool_engine_url, router_factory):
     router = router_factory([engine_url, tool_engine_url])
     for i in range(4):
