@@ -34,18 +34,11 @@ from loongsage_hookspecs import AggregationNorm, Batch, TrainWorkerContext
 from ..modeling import load_model
 from . import distributed
 from .checkpoint import capture_rng
+from .checkpoint_io import CHECKPOINT_FORMAT, RNG_FILE, STATE_FILE, atomic_save, load_checkpoint_file
 from .logits import decoder_of
 from .packing import PackedRows
 from .value_loss import clipped_value_loss
-from .worker import (
-    CHECKPOINT_FORMAT,
-    RNG_FILE,
-    STATE_FILE,
-    TorchTrainWorker,
-    _atomic_save,
-    _load_file,
-    enable_gradient_checkpointing,
-)
+from .worker import TorchTrainWorker, enable_gradient_checkpointing
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 
@@ -137,6 +130,7 @@ class TorchCriticWorker(TorchTrainWorker):
         self.aggregation_args = dict(alg.loss_agg_args)
         self._init_optimizer(self.model.parameters(), lr=crit.lr or train.lr)
         self.pipeline = None
+        self.training_forward_logprobs = None  # a critic computes no log-probs to reuse
         self.global_step = 0
         self._offloaded = False
         self.model.train()
@@ -233,15 +227,15 @@ class TorchCriticWorker(TorchTrainWorker):
         state = {"format": CHECKPOINT_FORMAT, "role": self.role, "step": self.global_step,
                  "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "scheduler": self.scheduler.state_dict()}
-        _atomic_save(state, out / STATE_FILE)
-        _atomic_save(capture_rng(), out / RNG_FILE.format(rank=self.rank))
+        atomic_save(state, out / STATE_FILE)
+        atomic_save(capture_rng(), out / RNG_FILE.format(rank=self.rank))
         distributed.barrier()
 
     def load_checkpoint(self, path: str) -> None:
         """Restore a critic checkpoint (refusing one written by a policy or reference worker)."""
         state_file = Path(path) / STATE_FILE
         if state_file.is_file():
-            state = _load_file(state_file)
+            state = load_checkpoint_file(state_file)
             role = state.get("role") if isinstance(state, dict) else None
             if role != "critic":
                 raise ValueError(f"TorchCriticWorker.load_checkpoint: '{state_file}' was saved by a {role!r} "

@@ -1,0 +1,132 @@
+"""The forward passes of a torch train worker: per-token log-probs and entropies of a batch.
+
+:class:`ForwardPassMixin` holds what :class:`~.worker.TorchTrainWorker` computes without
+training: moving micro-batches to the device, the padded or packed (:mod:`.packing`) token
+outputs, :meth:`~ForwardPassMixin.forward` in forward micro-batches, and the LoRA run's KL
+reference (the base model, the adapter disabled). It is a mixin rather than a helper object so
+that the critic (:class:`~.critic.TorchCriticWorker`) reuses the chunking and overrides the rest
+exactly as it did when everything lived in one class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from loongsage_hookspecs import Batch
+
+from .logits import logprobs_and_entropy, next_token_logits
+from .packing import packed_token_outputs, plan_micro_batches
+
+
+class ForwardPassMixin:
+    """Forward passes of a worker; the attributes below are set by the worker's ``__init__``."""
+
+    model: Any
+    peft_model: Any
+    device: torch.device
+    compute_dtype: torch.dtype
+    fp32_lm_head: bool
+    forward_micro_batch_size: int
+    max_tokens_per_micro_batch: int | None
+    _offloaded: bool
+
+    def _to_device(self, micro: Batch) -> Batch:
+        return Batch(tensors={k: v.to(self.device, non_blocking=True) for k, v in micro.tensors.items()},
+                     meta=micro.meta)
+
+    def _token_outputs(self, micro: Batch, *, entropy_grad: bool, keep_logits: bool = False,
+                       ) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]":
+        """Log-probs, entropies ``[b, T]`` and (optionally) next-token logits of one micro-batch.
+
+        Padding positions hold 0; columns past the micro-batch's longest row are not computed.
+        """
+        ids = micro["input_ids"]
+        attention = micro.get("attention_mask")
+        if attention is None:
+            attention = torch.ones_like(ids)
+        # padding-free micro-batches (.packing); rows that are already packed (SFT) keep their own positions
+        if (self.max_tokens_per_micro_batch and not keep_logits and "position_ids" not in micro
+                and bool(attention.any())):
+            logprobs, entropy = packed_token_outputs(self.model, ids, attention, compute_dtype=self.compute_dtype,
+                                                     fp32_lm_head=self.fp32_lm_head, entropy_grad=entropy_grad)
+            return logprobs, entropy, None
+        width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
+        full_width = ids.shape[1]
+        width = max(width, 1)
+        positions = micro.get("position_ids")  # packed rows (SFT): attention stays within each sequence
+        logits = next_token_logits(self.model, ids[:, :width], attention[:, :width],
+                                   compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
+                                   position_ids=None if positions is None else positions[:, :width])
+        logprobs, entropy = logprobs_and_entropy(logits, ids[:, :width], entropy_grad=entropy_grad)
+        assert entropy is not None
+        real = attention[:, :width] > 0
+        logprobs = torch.where(real, logprobs, torch.zeros_like(logprobs))
+        entropy = torch.where(real, entropy, torch.zeros_like(entropy))
+        if width < full_width:
+            pad = (0, full_width - width)
+            logprobs = torch.nn.functional.pad(logprobs, pad)
+            entropy = torch.nn.functional.pad(entropy, pad)
+            if keep_logits:
+                logits = torch.nn.functional.pad(logits, (0, 0, 0, full_width - width))
+        return logprobs, entropy, logits if keep_logits else None
+
+    @torch.no_grad()
+    def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, on the CPU, no gradient)."""
+        def outputs(micro: Batch) -> dict[str, torch.Tensor]:
+            lp, ent, _ = self._token_outputs(micro, entropy_grad=False)
+            return {"logprobs": lp, "entropy": ent}
+
+        return self._forward_chunks(batch, ("logprobs", "entropy"), outputs)
+
+    @property
+    def serves_reference(self) -> bool:
+        """Whether this worker scores the KL reference itself (:meth:`reference_forward`): a LoRA
+        policy's reference is its base model, the adapter disabled, so no reference worker is built."""
+        return self.peft_model is not None
+
+    @torch.no_grad()
+    def reference_forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """:meth:`forward` of the base model, the LoRA adapter disabled (the KL reference of a
+        LoRA run; the same weights, no second copy)."""
+        if self.peft_model is None:
+            raise RuntimeError("TorchTrainWorker.reference_forward: the policy has no LoRA adapter to disable; "
+                               "the reference is a worker of its own (role 'reference')")
+        with self.peft_model.disable_adapter():
+            return self.forward(batch)
+
+    def _forward_chunks(self, batch: Batch, keys: tuple[str, ...],
+                        outputs: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Run ``outputs`` over ``batch`` in forward micro-batches, in eval mode, and concatenate
+        its ``[b, T]`` tensors on the CPU (``[0, T]`` zeros for an empty batch)."""
+        name = type(self).__name__
+        if "input_ids" not in batch:
+            raise KeyError(f"{name}.forward: the batch has no 'input_ids' tensor")
+        if self._offloaded:
+            raise RuntimeError(f"{name}.forward: the worker is offloaded; call onload() first")
+        was_training = self.model.training
+        self.model.eval()
+        plan = self._micro_batch_rows(batch, self.forward_micro_batch_size)
+        try:
+            parts = [outputs(self._to_device(batch.select(rows))) for rows in plan]
+        finally:
+            self.model.train(was_training)
+        if not parts:
+            return {k: torch.zeros(0, batch["input_ids"].shape[1]) for k in keys}
+        out = {k: torch.cat([p[k].cpu() for p in parts]) for k in keys}
+        order = [r for rows in plan for r in rows]
+        if order != list(range(len(order))):  # packed micro-batches: back to the batch's row order
+            inverse = torch.empty(len(order), dtype=torch.long)
+            inverse[torch.as_tensor(order)] = torch.arange(len(order))
+            out = {k: v.index_select(0, inverse) for k, v in out.items()}
+        return out
+
+    def _micro_batch_rows(self, batch: Batch, rows_per_micro: int) -> list[list[int]]:
+        """Row indices of each micro-batch: packed by ``[train] max_tokens_per_micro_batch`` when
+        it is set (:mod:`.packing`), else consecutive chunks of ``rows_per_micro`` rows."""
+        n = len(batch)
+        if self.max_tokens_per_micro_batch and "attention_mask" in batch:
+            return plan_micro_batches(batch["attention_mask"].sum(dim=1).tolist(), self.max_tokens_per_micro_batch)
+        return [list(range(s, min(s + rows_per_micro, n))) for s in range(0, n, rows_per_micro)]
