@@ -6,9 +6,13 @@ HTTP API the framework uses (``/generate`` with ``input_ids`` and ``return_logpr
 ``/update_weights_from_tensor``, ``/update_weights_from_distributed``, ``/get_weight_version``,
 ...), with continuous batching, a slot KV cache, prefix sharing across a group's samples and per-token weight versions.
 
-Modules: :mod:`.engine` (the engine object and factory), :mod:`.server` (HTTP),
-:mod:`.scheduler` (the batching loop), :mod:`.runner` (forward passes), :mod:`.kv_cache`,
-:mod:`.sampling`, :mod:`.protocol` (request validation), :mod:`.weights`, :mod:`.settings`.
+Modules: :mod:`.engine` (the engine object and factory); HTTP: :mod:`.server` (routes,
+generation, control), :mod:`.weight_endpoints` (weight updates), :mod:`.response_json`
+(``/generate`` answers), :mod:`.http_common`; the batching loop: :mod:`.scheduler` (thread,
+commands), :mod:`.batch_step` (prefill, decode, retire), :mod:`.request_state`; request
+validation: :mod:`.protocol` (``/generate``), :mod:`.control_protocol` (control endpoints),
+:mod:`.request_checks`; :mod:`.runner` (forward passes), :mod:`.kv_cache`, :mod:`.sampling`,
+:mod:`.adapter`, :mod:`.weights`, :mod:`.settings`.
 Importing this package does not import torch; the modules that need it import it when used.
 """
 

@@ -1,11 +1,13 @@
-"""Validation of the SGLang-native request bodies the embedded engine accepts.
+"""Validation of the SGLang-native ``/generate`` body the embedded engine accepts.
 
-The field names are SGLang's (``GenerateReqInput``, its ``sampling_params``, ``AbortReq``,
-``PauseGenerationReqInput``, ``UpdateWeightsFromTensorReqInput``, ``UpdateWeightVersionReqInput``).
-Fields the engine implements are checked for type and range; SGLang fields it does not implement
-are accepted only at their neutral default; anything else is rejected. Every problem raises
-:class:`InvalidRequest` naming the field, which the server turns into HTTP 400 with
-``{"error": {"message", "type": "invalid_request_error", "param"}}``.
+The field names are SGLang's (``GenerateReqInput`` and its ``sampling_params``). Fields the
+engine implements are checked for type and range; SGLang fields it does not implement are
+accepted only at their neutral default; anything else is rejected. Every problem raises
+:class:`~.request_checks.InvalidRequest` naming the field, which the server turns into HTTP 400
+with ``{"error": {"message", "type": "invalid_request_error", "param"}}``.
+
+The control endpoints' bodies (abort, pause, weight updates, memory) are validated in
+:mod:`.control_protocol`; the shared error and readers live in :mod:`.request_checks`.
 """
 
 from __future__ import annotations
@@ -15,24 +17,21 @@ from typing import Any, Callable, Mapping, Sequence
 
 import attrs
 
-from loongsage_hookspecs import parse_weight_version
-
+from .request_checks import (
+    InvalidRequest,
+    check_unknown,
+    is_empty,
+    is_int,
+    is_none,
+    is_none_or_false,
+    is_number,
+    read_bool,
+    require_object,
+)
 from .sampling import SamplingParams
 
 DEFAULT_MAX_NEW_TOKENS = 128
 """SGLang's default ``max_new_tokens`` (clipped to the room left in the context when defaulted)."""
-
-
-class InvalidRequest(ValueError):
-    """A request body is malformed; ``param`` names the offending field."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-    def to_json(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.param}}
 
 
 @attrs.define
@@ -50,60 +49,6 @@ class GenerateItem:
 
 
 # --------------------------------------------------------------------------------------------
-# small typed readers
-# --------------------------------------------------------------------------------------------
-
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
-def _bool(body: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
-    v = body.get(key, default)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise InvalidRequest(f"'{where}{key}' must be a boolean, got {v!r}", where + key)
-    return v
-
-
-def _require_object(body: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise InvalidRequest(f"the request body of {what} must be a JSON object, got {type(body).__name__}")
-    return body
-
-
-def _check_unknown(body: Mapping[str, Any], allowed: set[str], neutral: Mapping[str, Callable[[Any], bool]],
-                   where: str = "") -> None:
-    """Reject fields outside ``allowed``; SGLang fields in ``neutral`` pass only at a neutral value."""
-    for key, value in body.items():
-        if key in allowed:
-            continue
-        if key in neutral:
-            if not neutral[key](value):
-                raise InvalidRequest(
-                    f"'{where}{key}' = {value!r} is not supported by the embedded engine "
-                    f"(only its default is accepted)", where + key)
-            continue
-        raise InvalidRequest(f"unknown field '{where}{key}'", where + key)
-
-
-def _none(v: Any) -> bool:
-    return v is None
-
-
-def _false(v: Any) -> bool:
-    return v is None or v is False
-
-
-def _empty(v: Any) -> bool:
-    return v is None or v == [] or v == "" or v == {}
-
-
-# --------------------------------------------------------------------------------------------
 # /generate
 # --------------------------------------------------------------------------------------------
 
@@ -115,31 +60,31 @@ GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "model": lambda v: v is None or isinstance(v, str),
     "background": lambda v: v is None or v is False,
     "return_bytes": lambda v: v is None or v is False,
-    "priority": lambda v: v is None or _is_int(v),
+    "priority": lambda v: v is None or is_int(v),
     "custom_labels": lambda v: v is None or isinstance(v, dict),
     "routing_key": lambda v: v is None or isinstance(v, str),
     "conversation_id": lambda v: v is None or isinstance(v, str),
     "session_id": lambda v: v is None or isinstance(v, str),
     "no_logs": lambda v: isinstance(v, bool) or v is None,
-    "input_embeds": _none, "image_data": _none, "video_data": _none, "audio_data": _none,
-    "token_ids_logprob": _none, "return_hidden_states": _false, "return_routed_experts": _false,
-    "return_entropy": _false, "lora_id": _none, "session_params": _none,
-    "custom_logit_processor": _none, "modalities": _none, "bootstrap_host": _none,
-    "bootstrap_port": _none, "bootstrap_room": _none, "data_parallel_rank": _none,
-    "routed_dp_rank": _none, "extra_key": _none, "return_prompt_token_ids": _false,
+    "input_embeds": is_none, "image_data": is_none, "video_data": is_none, "audio_data": is_none,
+    "token_ids_logprob": is_none, "return_hidden_states": is_none_or_false, "return_routed_experts": is_none_or_false,
+    "return_entropy": is_none_or_false, "lora_id": is_none, "session_params": is_none,
+    "custom_logit_processor": is_none, "modalities": is_none, "bootstrap_host": is_none,
+    "bootstrap_port": is_none, "bootstrap_room": is_none, "data_parallel_rank": is_none,
+    "routed_dp_rank": is_none, "extra_key": is_none, "return_prompt_token_ids": is_none_or_false,
 }
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids",
                    "ignore_eos", "sampling_seed", "seed", "skip_special_tokens", "n", "stop", "no_stop_trim"}
 SAMPLING_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "spaces_between_special_tokens": lambda v: isinstance(v, bool) or v is None,
-    "stream_interval": lambda v: v is None or _is_int(v),
+    "stream_interval": lambda v: v is None or is_int(v),
     "frequency_penalty": lambda v: v in (None, 0, 0.0),
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "repetition_penalty": lambda v: v in (None, 1, 1.0),
     "min_new_tokens": lambda v: v in (None, 0),
-    "stop_regex": _empty, "regex": _none, "json_schema": _none, "ebnf": _none,
-    "structural_tag": _none, "custom_params": _none, "logit_bias": _empty,
+    "stop_regex": is_empty, "regex": is_none, "json_schema": is_none, "ebnf": is_none,
+    "structural_tag": is_none, "custom_params": is_none, "logit_bias": is_empty,
 }
 
 
@@ -151,13 +96,13 @@ def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: 
     if not isinstance(raw, Mapping):
         raise InvalidRequest(f"'{where}' must be an object, got {type(raw).__name__}", where)
     w = where + "."
-    _check_unknown(raw, SAMPLING_FIELDS, SAMPLING_NEUTRAL, w)
+    check_unknown(raw, SAMPLING_FIELDS, SAMPLING_NEUTRAL, w)
 
     def number(key: str, default: float, lo: float, hi: float, lo_open: bool = False) -> float:
         v = raw.get(key)
         if v is None:
             return default
-        if not _is_number(v) or v != v:
+        if not is_number(v) or v != v:
             raise InvalidRequest(f"'{w}{key}' must be a number, got {v!r}", w + key)
         if v < lo or v > hi or (lo_open and v == lo):
             bound = f"({lo}, {hi}]" if lo_open else f"[{lo}, {hi}]"
@@ -170,7 +115,7 @@ def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: 
     top_k = raw.get("top_k")
     if top_k is None:
         top_k = -1
-    if not _is_int(top_k) or (top_k != -1 and top_k < 1):
+    if not is_int(top_k) or (top_k != -1 and top_k < 1):
         raise InvalidRequest(f"'{w}top_k' must be -1 (disabled) or an integer >= 1, got {top_k!r}", w + "top_k")
     n = raw.get("n")
     if n not in (None, 1):
@@ -192,12 +137,12 @@ def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: 
     stop_ids = raw.get("stop_token_ids")
     if stop_ids is None:
         stop_ids = []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and 0 <= t < vocab_size for t in stop_ids):
+    if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t < vocab_size for t in stop_ids):
         raise InvalidRequest(f"'{w}stop_token_ids' must be a list of token ids in [0, {vocab_size}), "
                              f"got {stop_ids!r}", w + "stop_token_ids")
     seed = raw.get("sampling_seed", raw.get("seed"))
     seed_key = "sampling_seed" if "sampling_seed" in raw else "seed"
-    if seed is not None and not _is_int(seed):
+    if seed is not None and not is_int(seed):
         raise InvalidRequest(f"'{w}{seed_key}' must be an integer, got {seed!r}", w + seed_key)
     if seed is not None and not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
         raise InvalidRequest(f"'{w}{seed_key}' must be in [-2**63, 2**64), got {seed}", w + seed_key)
@@ -205,7 +150,7 @@ def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: 
     max_new = raw.get("max_new_tokens")
     if max_new is None:
         max_new = max(0, min(DEFAULT_MAX_NEW_TOKENS, room))
-    elif not _is_int(max_new) or max_new < 0:
+    elif not is_int(max_new) or max_new < 0:
         raise InvalidRequest(f"'{w}max_new_tokens' must be a non-negative integer, got {max_new!r}",
                              w + "max_new_tokens")
     elif max_new > room:
@@ -215,9 +160,9 @@ def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: 
             w + "max_new_tokens")
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=max_new,
-        stop_token_ids=tuple(stop_ids), ignore_eos=_bool(raw, "ignore_eos", False, w), seed=seed,
-        skip_special_tokens=_bool(raw, "skip_special_tokens", True, w), stop=tuple(stops),
-        no_stop_trim=_bool(raw, "no_stop_trim", False, w))
+        stop_token_ids=tuple(stop_ids), ignore_eos=read_bool(raw, "ignore_eos", False, w), seed=seed,
+        skip_special_tokens=read_bool(raw, "skip_special_tokens", True, w), stop=tuple(stops),
+        no_stop_trim=read_bool(raw, "no_stop_trim", False, w))
 
 
 def _token_list(value: Any, where: str, vocab_size: int) -> list[int]:
@@ -226,7 +171,7 @@ def _token_list(value: Any, where: str, vocab_size: int) -> list[int]:
     if not value:
         raise InvalidRequest(f"'{where}' is empty: a prompt needs at least one token", where)
     for t in value:
-        if not _is_int(t):
+        if not is_int(t):
             raise InvalidRequest(f"'{where}' must contain integers, got {t!r}", where)
         if not 0 <= t < vocab_size:
             raise InvalidRequest(f"'{where}' has token id {t} outside the vocabulary [0, {vocab_size})", where)
@@ -262,9 +207,9 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
     """Validate a ``/generate`` body; returns the items and whether the input was a single prompt.
 
     ``adapters``: the LoRA adapter names a request's ``lora_path`` may give."""
-    body = _require_object(body, "/generate")
-    _check_unknown(body, GENERATE_FIELDS, GENERATE_NEUTRAL)
-    stream = _bool(body, "stream", False, "")
+    body = require_object(body, "/generate")
+    check_unknown(body, GENERATE_FIELDS, GENERATE_NEUTRAL)
+    stream = read_bool(body, "stream", False, "")
     start = body.get("logprob_start_len")
     if start not in (None, -1):
         raise InvalidRequest("'logprob_start_len' is not supported (only output-token log-probs are returned); "
@@ -272,7 +217,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
     top_n = body.get("top_logprobs_num")
     if top_n is None:
         top_n = 0
-    if not _is_int(top_n) or not 0 <= top_n <= min(vocab_size, 1000):
+    if not is_int(top_n) or not 0 <= top_n <= min(vocab_size, 1000):
         raise InvalidRequest(f"'top_logprobs_num' must be an integer in [0, {min(vocab_size, 1000)}], got {top_n!r}",
                              "top_logprobs_num")
     ids, text = body.get("input_ids"), body.get("text")
@@ -340,198 +285,6 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
         if not isinstance(ret_lp, bool):
             raise InvalidRequest(f"'return_logprob' must be a boolean, got {ret_lp!r}", "return_logprob")
         items.append(GenerateItem(rid=rids[i], input_ids=list(prompt), params=params, return_logprob=ret_lp,
-                                  return_text_in_logprobs=_bool(body, "return_text_in_logprobs", False, ""),
+                                  return_text_in_logprobs=read_bool(body, "return_text_in_logprobs", False, ""),
                                   parent_rid=parent, top_logprobs_num=top_n, stream=stream))
     return items, single
-
-
-# --------------------------------------------------------------------------------------------
-# control endpoints
-# --------------------------------------------------------------------------------------------
-
-def parse_abort(body: Any) -> tuple[str | None, bool]:
-    """``/abort_request``: ``(rid or None, abort_all)``."""
-    body = _require_object(body if body is not None else {}, "/abort_request")
-    _check_unknown(body, {"rid", "abort_all", "finished_reason", "abort_message"}, {})
-    rid = body.get("rid")
-    if rid is not None and not isinstance(rid, str):
-        raise InvalidRequest(f"'rid' must be a string, got {rid!r}", "rid")
-    abort_all = _bool(body, "abort_all", False, "")
-    if not abort_all and not rid:
-        raise InvalidRequest("give a 'rid' to abort or set 'abort_all' to true", "rid")
-    return rid or None, abort_all
-
-
-PAUSE_MODES = ("abort", "retract", "in_place")
-
-
-def parse_pause(body: Any) -> str:
-    """``/pause_generation``: the mode (SGLang's default is ``"abort"``)."""
-    body = _require_object(body if body is not None else {}, "/pause_generation")
-    _check_unknown(body, {"mode", "rid"}, {})
-    mode = body.get("mode", "abort")
-    if mode not in PAUSE_MODES:
-        raise InvalidRequest(f"'mode' must be one of {', '.join(PAUSE_MODES)}, got {mode!r}", "mode")
-    return mode
-
-
-def parse_version(value: Any, field: str) -> int:
-    """A weight version: LoongSage versions are integers (SGLang sends them as strings)."""
-    version = parse_weight_version(value)
-    if version is not None:
-        return version
-    raise InvalidRequest(f"'{field}' must be an integer weight version (or its decimal string), got {value!r}", field)
-
-
-@attrs.define
-class WeightUpdate:
-    """A validated ``/update_weights_from_tensor`` body."""
-
-    load_format: str
-    payload: Mapping[str, Any]
-    flush_cache: bool
-    abort_all_requests: bool
-    weight_version: int | None
-
-
-def parse_update_weights(body: Any) -> WeightUpdate:
-    body = _require_object(body, "/update_weights_from_tensor")
-    _check_unknown(body, {"serialized_named_tensors", "load_format", "flush_cache", "abort_all_requests",
-                          "weight_version", "rid"},
-                   {"disable_draft_model": lambda v: v in (None, True, False),
-                    "torch_empty_cache": lambda v: v in (None, True, False)})
-    if "serialized_named_tensors" not in body:
-        raise InvalidRequest("'serialized_named_tensors' is required", "serialized_named_tensors")
-    fmt = body.get("load_format") or "direct"
-    if not isinstance(fmt, str):
-        raise InvalidRequest(f"'load_format' must be a string, got {fmt!r}", "load_format")
-    version = body.get("weight_version")
-    return WeightUpdate(load_format=fmt, payload=body, flush_cache=_bool(body, "flush_cache", True, ""),
-                        abort_all_requests=_bool(body, "abort_all_requests", False, ""),
-                        weight_version=None if version is None else parse_version(version, "weight_version"))
-
-
-@attrs.define
-class GroupJoin:
-    """A validated ``/init_weights_update_group`` body (SGLang's ``InitWeightsUpdateGroupReqInput``)."""
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str
-    backend: str
-
-
-def parse_init_weights_group(body: Any) -> GroupJoin:
-    body = _require_object(body, "/init_weights_update_group")
-    _check_unknown(body, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend",
-                          "rid"}, {})
-    for key in ("master_address", "master_port", "rank_offset", "world_size"):
-        if key not in body:
-            raise InvalidRequest(f"'{key}' is required", key)
-    if not isinstance(body["master_address"], str) or not body["master_address"]:
-        raise InvalidRequest(f"'master_address' must be a host name, got {body['master_address']!r}",
-                             "master_address")
-    for key, lo in (("master_port", 1), ("rank_offset", 1), ("world_size", 2)):
-        if not _is_int(body[key]) or body[key] < lo:
-            raise InvalidRequest(f"'{key}' must be an integer >= {lo}, got {body[key]!r}", key)
-    if body["rank_offset"] >= body["world_size"]:
-        raise InvalidRequest(f"'rank_offset' {body['rank_offset']} must be below 'world_size' {body['world_size']} "
-                             "(this engine is one rank of the group)", "rank_offset")
-    backend = body.get("backend") or "nccl"
-    if backend not in ("nccl", "gloo", "auto"):
-        raise InvalidRequest(f"'backend' must be 'nccl', 'gloo' or 'auto', got {backend!r}", "backend")
-    return GroupJoin(master_address=body["master_address"], master_port=body["master_port"],
-                     rank_offset=body["rank_offset"], world_size=body["world_size"],
-                     group_name=_group_name(body), backend=backend)
-
-
-def _group_name(body: Mapping[str, Any]) -> str:
-    name = body.get("group_name", "weight_update_group")
-    if not isinstance(name, str) or not name:
-        raise InvalidRequest(f"'group_name' must be a non-empty string, got {name!r}", "group_name")
-    return name
-
-
-def parse_destroy_weights_group(body: Any) -> str:
-    """``/destroy_weights_update_group``: the group name."""
-    body = _require_object(body, "/destroy_weights_update_group")
-    _check_unknown(body, {"group_name", "rid"}, {})
-    return _group_name(body)
-
-
-def parse_update_distributed(body: Any) -> WeightUpdate:
-    """``/update_weights_from_distributed``: SGLang's per-tensor lists, or a ``broadcast`` bucket."""
-    body = _require_object(body, "/update_weights_from_distributed")
-    _check_unknown(body, {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-                          "weight_version", "load_format", "bucket", "rid"},
-                   {"target_modules": _empty, "free_kv_cache_before_recv": _false})
-    fmt = body.get("load_format")
-    if fmt == "broadcast":
-        if "bucket" not in body:
-            raise InvalidRequest("'bucket' is required with load_format 'broadcast'", "bucket")
-    elif fmt is None:
-        lists = {}
-        for key in ("names", "dtypes", "shapes"):
-            value = body.get(key)
-            if not isinstance(value, list):
-                raise InvalidRequest(f"'{key}' must be a list (one entry per broadcast tensor), got {value!r}", key)
-            lists[key] = value
-        if not len(lists["names"]) == len(lists["dtypes"]) == len(lists["shapes"]):
-            raise InvalidRequest(f"'names', 'dtypes' and 'shapes' must have equal lengths, got "
-                                 f"{len(lists['names'])}, {len(lists['dtypes'])}, {len(lists['shapes'])}", "names")
-        for i, shape in enumerate(lists["shapes"]):
-            if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-                raise InvalidRequest(f"'shapes'[{i}] must be a list of non-negative integers, got {shape!r}", "shapes")
-    else:
-        raise InvalidRequest(f"'load_format' {fmt!r} is not supported here (omit it for per-tensor lists, or "
-                             "'broadcast' for a flat bucket)", "load_format")
-    version = body.get("weight_version")
-    # the group named once, with SGLang's default, for the lock and the receiver alike
-    return WeightUpdate(load_format=fmt or "per_tensor", payload={**body, "group_name": _group_name(body)},
-                        flush_cache=_bool(body, "flush_cache", True, ""),
-                        abort_all_requests=_bool(body, "abort_all_requests", False, ""),
-                        weight_version=None if version is None else parse_version(version, "weight_version"))
-
-
-def parse_memory_tags(body: Any, path: str, known: Sequence[str]) -> list[str]:
-    """``/release_memory_occupation`` / ``/resume_memory_occupation``: the tags (all when omitted)."""
-    body = _require_object(body if body is not None else {}, path)
-    _check_unknown(body, {"tags", "rid"}, {})
-    tags = body.get("tags")
-    if tags is None:
-        return list(known)
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise InvalidRequest(f"'tags' must be a list of strings, got {tags!r}", "tags")
-    unknown = sorted(set(tags) - set(known))
-    if unknown:
-        raise InvalidRequest(f"'tags' {unknown} are unknown; known tags: {', '.join(known)}", "tags")
-    return tags
-
-
-def parse_update_version(body: Any) -> tuple[int, bool]:
-    """``/update_weight_version``: ``(new_version, abort_all_requests)``."""
-    body = _require_object(body, "/update_weight_version")
-    _check_unknown(body, {"new_version", "abort_all_requests", "rid"}, {})
-    if "new_version" not in body:
-        raise InvalidRequest("'new_version' is required", "new_version")
-    return parse_version(body["new_version"], "new_version"), _bool(body, "abort_all_requests", True, "")
-
-
-def finish_json(kind: str, **extra: Any) -> dict[str, Any]:
-    """SGLang's ``finish_reason`` object: ``{"type": "stop"|"length"|"abort", ...}``."""
-    return {"type": kind, **extra}
-
-
-def top_logprob_rows(rows: Sequence[Sequence[tuple[float, int]]]) -> list[list[list[Any]]]:
-    """SGLang's ``output_top_logprobs``: per output token ``[[logprob, token_id, null], ...]``."""
-    return [[[lp, t, None] for lp, t in row] for row in rows]
-
-
-def token_logprob_triples(logprobs: Sequence[float], tokens: Sequence[int],
-                          texts: Sequence[str | None] | None = None) -> list[list[Any]]:
-    """SGLang's ``output_token_logprobs``: ``[[logprob, token_id, text_or_null], ...]``."""
-    if texts is None:
-        return [[lp, t, None] for lp, t in zip(logprobs, tokens)]
-    return [[lp, t, s] for lp, t, s in zip(logprobs, tokens, texts)]

@@ -43,6 +43,10 @@ with ``--api-key`` and ``--admin-api-key`` does, and gets a 401 otherwise.
 ``output_token_weight_versions``, the integer weight version of every output token.
 Weight versions are integers inside LoongSage; ``weight_version`` is sent as a string, the type
 SGLang uses.
+
+The code behind the table: this module routes every path and answers generation, pausing,
+memory and status; :mod:`.weight_endpoints` answers the weight paths; :mod:`.response_json`
+builds ``/generate``'s answer; :mod:`.http_common` holds the engine's shape and JSON I/O.
 """
 
 from __future__ import annotations
@@ -51,95 +55,25 @@ import asyncio
 import json
 import logging
 import os
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Protocol
+from typing import Any
 
 from aiohttp import web
 
 from loongsage_core.backend_api import node_id, secret_middleware
 
-from .protocol import (
-    InvalidRequest,
-    parse_abort,
-    parse_destroy_weights_group,
-    parse_generate,
-    parse_init_weights_group,
-    parse_memory_tags,
-    parse_pause,
-    parse_update_distributed,
-    parse_update_version,
-    parse_update_weights,
-    token_logprob_triples,
-    top_logprob_rows,
-)
-from .scheduler import MEMORY_TAGS, EngineStopped, MemoryBusy, MemoryReleased, RidInUse, Scheduler
-from .settings import EngineSettings
+from .control_protocol import MEMORY_TAGS, parse_abort, parse_memory_tags, parse_pause
+from .http_common import ServedEngine, error_response, read_json_body
+from .protocol import parse_generate
+from .request_checks import InvalidRequest
+from .request_state import EngineStopped, MemoryBusy, MemoryReleased, RidInUse
+from .response_json import response_body
+from .weight_endpoints import WeightEndpointsMixin
 from .weights import WeightUpdateError
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
-    from .runner import ModelRunner
-    from .scheduler import GenerationResult
 
 log = logging.getLogger(__name__)
 
 
-def _error(status: int, message: str, kind: str, param: str | None = None) -> web.Response:
-    return web.json_response({"error": {"message": message, "type": kind, "param": param}}, status=status)
-
-
-async def _body(request: web.Request) -> Any:
-    if not request.can_read_body:
-        return None
-    raw = await request.read()
-    if not raw.strip():
-        return None
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InvalidRequest(f"the request body is not valid JSON: {exc}") from None
-
-
-def weight_version_spans(versions: list[int]) -> list[dict[str, Any]]:
-    """SGLang's ``meta_info.weight_versions``: runs of equal versions over the output tokens."""
-    spans: list[dict[str, Any]] = []
-    for i, v in enumerate(versions):
-        if spans and spans[-1]["version"] == str(v):
-            spans[-1]["end"] = i + 1
-        else:
-            spans.append({"version": str(v), "start": i, "end": i + 1})
-    return spans
-
-
-class ServedEngine(Protocol):
-    """What the HTTP server needs of the engine it serves (:class:`~.engine.EmbeddedEngine` is one).
-
-    Declared here so that the server depends on this shape only, and the engine on the server.
-    """
-
-    settings: EngineSettings
-    scheduler: Scheduler
-    runner: ModelRunner
-    model: Any
-    tokenizer: Any
-    vocab_size: int
-    model_path: str | None
-    tokenizer_path: str | None
-
-    @property
-    def weight_groups(self) -> Any: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, ids: list[int], *, skip_special_tokens: bool = True) -> str: ...
-
-    def load_formats(self) -> list[str]: ...
-
-    def named_tensors_from(self, load_format: str,
-                           payload: Mapping[str, Any]) -> Iterator[tuple[str, "torch.Tensor"]]: ...
-
-
-class EngineServer:
+class EngineServer(WeightEndpointsMixin):
     """aiohttp application over a :class:`ServedEngine` (the :class:`~.engine.EmbeddedEngine`)."""
 
     def __init__(self, engine: ServedEngine, api_key: str | None = None) -> None:
@@ -172,7 +106,7 @@ class EngineServer:
 
     @staticmethod
     def _refuse(request: web.Request, token: str | None) -> web.Response:
-        return _error(401, f"{request.method} {request.path} needs the run secret "
+        return error_response(401, f"{request.method} {request.path} needs the run secret "
                            "('Authorization: Bearer <secret>')", "authentication_error")
 
     @web.middleware
@@ -182,29 +116,25 @@ class EngineServer:
         except InvalidRequest as exc:
             return web.json_response(exc.to_json(), status=400)
         except WeightUpdateError as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc), "invalid_request_error")
         except (EngineStopped, MemoryReleased) as exc:
-            return _error(503, str(exc), "server_error")
+            return error_response(503, str(exc), "server_error")
         except MemoryBusy as exc:
-            return _error(400, str(exc), "invalid_request_error")
+            return error_response(400, str(exc), "invalid_request_error")
         except web.HTTPRequestEntityTooLarge as exc:
-            return _error(413, f"request body too large: {exc.text}", "invalid_request_error")
+            return error_response(413, f"request body too large: {exc.text}", "invalid_request_error")
         except web.HTTPException:
             raise
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the client gets the message instead of a bare 500
             log.exception("embedded engine: %s failed", request.path)
-            return _error(500, f"{type(exc).__name__}: {exc}", "server_error")
-
-    async def _run(self, fn: Any) -> Any:
-        """Run ``fn`` between two engine steps and await its result."""
-        return await asyncio.wrap_future(self.engine.scheduler.call(fn))
+            return error_response(500, f"{type(exc).__name__}: {exc}", "server_error")
 
     # ------------------------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.Response:
         engine = self.engine
-        body = await _body(request)
+        body = await read_json_body(request)
         items, single = parse_generate(body, vocab_size=engine.vocab_size,
                                        max_context=engine.settings.max_context_length, encode=engine.encode,
                                        can_decode=engine.tokenizer is not None, adapters=engine.adapter_names)
@@ -219,7 +149,7 @@ class EngineServer:
         except RidInUse as exc:  # the rest of the batch is not wanted either
             self._abort_items(items, "batch rejected")
             raise InvalidRequest(str(exc), "rid") from None
-        outs = [self._response(item, res) for item, res in zip(items, results)]
+        outs = [response_body(self.engine, item, res) for item, res in zip(items, results)]
         return web.json_response(outs[0] if single else outs)
 
     async def _generate_stream(self, request: web.Request, item: Any) -> web.StreamResponse:
@@ -241,8 +171,9 @@ class EngineServer:
                 response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                        "Cache-Control": "no-cache"})
                 await response.prepare(request)
-            await response.write(b"".join(b"data: " + json.dumps(self._response(item, state)).encode() + b"\n\n"
-                                          for state in states) + end)
+            events = (b"data: " + json.dumps(response_body(self.engine, item, state)).encode() + b"\n\n"
+                      for state in states)
+            await response.write(b"".join(events) + end)
 
         try:
             while not done.done():
@@ -284,47 +215,20 @@ class EngineServer:
 
         sched.call(abort)
 
-    def _response(self, item: Any, res: "GenerationResult") -> dict[str, Any]:
-        params = item.params
-        meta: dict[str, Any] = {
-            "id": res.rid,
-            "finish_reason": res.finish_reason or None,
-            "prompt_tokens": res.prompt_tokens,
-            "completion_tokens": len(res.output_ids),
-            "cached_tokens": res.cached_tokens,
-            "e2e_latency": res.latency_s,
-            "weight_version": str(res.weight_version),
-            "weight_versions": weight_version_spans(res.weight_versions),
-            "output_token_weight_versions": res.weight_versions,
-        }
-        if item.return_logprob:
-            texts = None
-            if item.return_text_in_logprobs and self.engine.tokenizer is not None:
-                texts = [self.engine.decode([t], skip_special_tokens=False) for t in res.output_ids]
-            meta["output_token_logprobs"] = token_logprob_triples(res.logprobs, res.output_ids, texts)
-            if res.top_logprobs is not None:
-                meta["output_top_logprobs"] = top_logprob_rows(res.top_logprobs)
-        text = self.engine.decode(res.output_ids, skip_special_tokens=params.skip_special_tokens)
-        matched = res.finish_reason.get("matched") if res.finish_reason else None
-        if isinstance(matched, str) and not params.no_stop_trim:  # SGLang trims the stop string
-            at = text.rfind(matched)
-            text = text[:at] if at >= 0 else text
-        return {"text": text, "output_ids": res.output_ids, "meta_info": meta}
-
     async def abort_request(self, request: web.Request) -> web.Response:
-        rid, abort_all = parse_abort(await _body(request))
+        rid, abort_all = parse_abort(await read_json_body(request))
         sched = self.engine.scheduler
         count = await self._run(lambda: sched.abort(rid, abort_all, "aborted by abort_request"))
         return web.json_response({"success": True, "num_aborted": count})
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        mode = parse_pause(await _body(request))
+        mode = parse_pause(await read_json_body(request))
         sched = self.engine.scheduler
         await self._run(lambda: sched.pause(mode))
         return web.json_response({"message": "Generation paused successfully.", "status": "ok", "mode": mode})
 
     async def continue_generation(self, request: web.Request) -> web.Response:
-        await _body(request)
+        await read_json_body(request)
         await self._run(self.engine.scheduler.resume)
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -332,100 +236,15 @@ class EngineServer:
         await self._run(self.engine.scheduler.flush_cache)
         return web.Response(text="Cache flushed.\n")
 
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": str(self.engine.scheduler.version)})
-
-    async def update_weight_version(self, request: web.Request) -> web.Response:
-        version, abort_all = parse_update_version(await _body(request))
-        sched = self.engine.scheduler
-
-        def apply() -> None:
-            if abort_all:
-                sched.abort(None, True, "aborted by update_weight_version")
-            sched.set_version(version)
-
-        await self._run(apply)
-        return web.json_response({"success": True, "message": f"Weight version updated to {version}",
-                                  "new_version": str(version)})
-
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        update = parse_update_weights(await _body(request))
-        engine = self.engine
-        named = engine.named_tensors_from(update.load_format, update.payload)
-        sched = engine.scheduler
-
-        def apply() -> int:
-            if update.abort_all_requests:
-                sched.abort(None, True, "aborted by update_weights_from_tensor")
-            count = sched.load_weights(named, update.weight_version)
-            if update.flush_cache:
-                sched.flush_cache()
-            return count
-
-        count = await self._run(apply)
-        version = sched.version
-        return web.json_response({"success": True, "message": f"Updated {count} tensors. "
-                                  f"Weight version updated to {version}.", "weight_version": str(version)})
-
-    # -- broadcast groups (the trainer is rank 0; see transport.broadcast) ----------------------
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        join = parse_init_weights_group(await _body(request))
-        groups = self.engine.weight_groups
-        try:  # the rendezvous blocks until every member joined: off the event loop
-            await asyncio.get_running_loop().run_in_executor(None, lambda: groups.join(
-                join.master_address, join.master_port, join.rank_offset, join.world_size,
-                group_name=join.group_name, backend=join.backend))
-        except ValueError as exc:
-            raise InvalidRequest(str(exc), "group_name") from None
-        return web.json_response({"success": True, "message": f"Joined weight update group {join.group_name!r} "
-                                  f"as rank {join.rank_offset} of {join.world_size}."})
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        update = parse_update_distributed(await _body(request))
-        groups = self.engine.weight_groups
-        sched = self.engine.scheduler
-        name = update.payload["group_name"]
-
-        def apply(named: list[Any]) -> int:
-            if update.abort_all_requests:
-                sched.abort(None, True, "aborted by update_weights_from_distributed")
-            # without a weight_version the version stays (SGLang's rule); buckets before the last carry none
-            count = sched.load_weights(named, sched.version if update.weight_version is None
-                                       else update.weight_version)
-            if update.flush_cache:
-                sched.flush_cache()
-            return count
-
-        def receive_and_load() -> int:
-            try:
-                lock = groups.lock(name)
-            except KeyError as exc:
-                raise InvalidRequest(str(exc.args[0]), "group_name") from None
-            with lock:  # the received views stay valid until the engine has copied them
-                named = list(groups.receive(update.payload))
-                return sched.call(lambda: apply(named)).result()
-
-        count = await asyncio.get_running_loop().run_in_executor(None, receive_and_load)
-        version = sched.version
-        return web.json_response({"success": True, "message": f"Updated {count} tensors. "
-                                  f"Weight version is {version}.", "weight_version": str(version)})
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        name = parse_destroy_weights_group(await _body(request))
-        left = await asyncio.get_running_loop().run_in_executor(None, self.engine.weight_groups.leave, name)
-        if not left:
-            raise InvalidRequest(f"no weight update group {name!r} on this engine", "group_name")
-        return web.json_response({"success": True, "message": f"Left weight update group {name!r}."})
-
     # -- colocated runs: memory given to the trainer while it trains ----------------------------
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = parse_memory_tags(await _body(request), "/release_memory_occupation", MEMORY_TAGS)
+        tags = parse_memory_tags(await read_json_body(request), "/release_memory_occupation", MEMORY_TAGS)
         released = await self._run(lambda: self.engine.scheduler.release_memory(tags))
         return web.json_response({"success": True, "message": f"Released {', '.join(tags)}.",
                                   "memory_released": released})
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        tags = parse_memory_tags(await _body(request), "/resume_memory_occupation", MEMORY_TAGS)
+        tags = parse_memory_tags(await read_json_body(request), "/resume_memory_occupation", MEMORY_TAGS)
         released = await self._run(lambda: self.engine.scheduler.resume_memory(tags))
         return web.json_response({"success": True, "message": f"Resumed {', '.join(tags)}.",
                                   "memory_released": released})

@@ -1,0 +1,243 @@
+"""The steps of the embedded engine's batching loop: admit (prefill), decode, sample, retire.
+
+:class:`BatchStepMixin` holds what one iteration of :class:`~.scheduler.Scheduler`'s loop does to
+the batch, apart from the loop's threading and commands, so each reads on its own. Everything
+here runs in the loop thread.
+
+Admission shares work across requests: requests with identical token sequences in the same
+admission round (the samples of one group) are prefilled once and the others copy the KV row;
+a request whose tokens start with a sequence in the :class:`~.kv_cache.PrefixCache` (the prompt
+of an earlier sample, the previous turn of the same conversation) copies that KV and prefills only
+the rest. Prompts are prefilled packed together (no padding in the matrix products), and a prompt longer
+than ``max_prefill_tokens`` in chunks.
+
+Every generated token records the weight version of the model that produced it; a request that
+stays across an in-place weight update therefore reports a list of versions.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from .kv_cache import PrefixCache
+from .request_state import EngineStats, GenerationResult, RequestState, finish_json
+from .sampling import sample
+from .settings import EngineSettings
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .runner import ModelRunner
+
+
+class BatchStepMixin:
+    """Admission, prefill, decode and retirement of the scheduler's requests; the attributes below
+    are set by :class:`~.scheduler.Scheduler`'s ``__init__``."""
+
+    _torch: Any
+    runner: "ModelRunner"
+    settings: EngineSettings
+    prefix_cache: PrefixCache
+    waiting: collections.deque[RequestState]
+    running: list[RequestState]
+    version: int
+    stats: EngineStats
+    decode: Callable[[list[int]], str] | None
+
+    def _admit(self) -> None:
+        """Move waiting requests into free slots (one batched prefill that shares work, see the
+        module docstring) and sample their first token."""
+        torch = self._torch
+        t0 = time.perf_counter()
+        budget = self.settings.max_prefill_tokens
+        free = self.settings.max_batch_size - len(self.running)
+        reps: list[tuple[RequestState, Any, int]] = []  # (request, prefix entry, cached length)
+        dups: list[tuple[RequestState, RequestState]] = []  # (request, the identical request prefilled for it)
+        by_tokens: dict[tuple[int, ...], RequestState] = {}
+        new_tokens = 0
+        while self.waiting and free > 0:
+            req = self.waiting[0]
+            if req.num_output >= req.item.params.max_new_tokens:  # max_new_tokens == 0
+                self.waiting.popleft()
+                req.finish = finish_json("length", length=req.item.params.max_new_tokens)
+                self._deliver(req)
+                continue
+            key = tuple(req.tokens)
+            twin = by_tokens.get(key)
+            if twin is not None:
+                dups.append((req, twin))
+            else:
+                entry, cached = self.prefix_cache.lookup(req.tokens, self.version, len(req.tokens) - 1)
+                n = len(req.tokens) - cached
+                if reps and new_tokens + n > budget:
+                    break
+                reps.append((req, entry, cached))
+                by_tokens[key] = req
+                new_tokens += n
+            self.waiting.popleft()
+            free -= 1
+        if not reps:
+            return
+        reps.sort(key=lambda r: len(r[0].tokens) - r[2], reverse=True)
+        base = len(self.running)
+        joined = [r for r, _, _ in reps] + [r for r, _ in dups]
+        for i, req in enumerate(joined):
+            req.slot = base + i
+        self.running.extend(joined)  # from here on a failure reaches these requests too
+        for req, entry, cached in reps:
+            if entry is not None:
+                self.runner.cache.write(req.slot, entry.keys, entry.values, cached)
+            req.kv_len = req.cached_tokens = cached
+        logits = self._prefill([r for r, _, _ in reps])
+        for req, _, _ in reps:
+            req.kv_len = len(req.tokens)
+            self.stats.prefill_tokens += len(req.tokens) - req.cached_tokens
+            self.stats.cached_tokens += req.cached_tokens
+            if self.prefix_cache.capacity_tokens:
+                keys, values = self.runner.cache.read(req.slot, req.kv_len)
+                self.prefix_cache.insert(req.tokens, keys, values, self.version)
+        row_of = {id(r): i for i, (r, _, _) in enumerate(reps)}
+        for req, twin in dups:
+            self.runner.cache.move(twin.slot, req.slot, twin.kv_len)
+            req.kv_len = req.cached_tokens = twin.kv_len
+            self.stats.cached_tokens += twin.kv_len
+        rows = torch.tensor([row_of[id(r)] for r, _, _ in reps] + [row_of[id(t)] for _, t in dups])
+        self._sample_and_append(joined, logits[rows])
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self._retire()
+
+    def _prefill(self, reqs: list[RequestState]) -> "torch.Tensor":
+        """Run the new tokens of ``reqs`` (slots assigned, contiguous); logits ``[len(reqs), V]``.
+
+        Rows are packed up to ``max_prefill_tokens`` new tokens per forward; a row longer than
+        that is prefilled alone, in chunks.
+        """
+        torch = self._torch
+        budget = self.settings.max_prefill_tokens
+        out: list[Any] = []
+        i = 0
+        while i < len(reqs):
+            req = reqs[i]
+            if len(req.tokens) - req.kv_len > budget:  # one long prompt: prefill it in chunks
+                start = req.kv_len
+                while start < len(req.tokens):
+                    end = min(len(req.tokens), start + budget)
+                    logits = self.runner.forward(torch.tensor(req.tokens[start:end]), req.slot,
+                                                 torch.tensor([start]), torch.tensor([end - start]))
+                    start = end
+                out.append(logits)
+                i += 1
+                continue
+            group, total = [], 0
+            while i < len(reqs) and total + len(reqs[i].tokens) - reqs[i].kv_len <= budget:
+                group.append(reqs[i])
+                total += len(reqs[i].tokens) - reqs[i].kv_len
+                i += 1
+            flat = [t for r in group for t in r.tokens[r.kv_len:]]
+            starts = torch.tensor([r.kv_len for r in group])
+            counts = torch.tensor([len(r.tokens) - r.kv_len for r in group])
+            out.append(self.runner.forward(torch.tensor(flat), group[0].slot, starts, counts))
+        return torch.cat(out, 0)
+
+    def _decode(self) -> None:
+        """One decode step: the next token of every running request."""
+        torch = self._torch
+        t0 = time.perf_counter()
+        reqs = self.running
+        ids = torch.tensor([r.tokens[-1] for r in reqs])
+        starts = torch.tensor([r.kv_len for r in reqs])
+        logits = self.runner.forward(ids, 0, starts, torch.ones(len(reqs), dtype=torch.long))
+        for req in reqs:
+            req.kv_len += 1
+        self._sample_and_append(reqs, logits)
+        self.stats.decode_steps += 1
+        self.stats.decode_seconds += time.perf_counter() - t0
+        self._retire()
+
+    def _sample_and_append(self, reqs: Sequence[RequestState], logits: "torch.Tensor") -> None:
+        """Sample one token per request from ``logits``, append it with its log-prob and weight
+        version, and set the finish reason of requests that stop (stop token or string, length)."""
+        tokens, logprobs = sample(logits, [r.item.params for r in reqs], [r.generator for r in reqs])
+        max_context = self.settings.max_context_length
+        top_k = max(r.item.top_logprobs_num for r in reqs)
+        top_vals = top_ids = None
+        if top_k:  # SGLang's top_logprobs_num: the most likely tokens under the raw logits
+            top_vals, top_ids = self._torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        for i, (req, tok, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist())):
+            req.tokens.append(tok)
+            req.logprobs.append(lp)
+            req.versions.append(self.version)
+            n = req.item.top_logprobs_num
+            if n and top_vals is not None and top_ids is not None:
+                req.top_logprobs.append(list(zip(top_vals[i][:n], top_ids[i][:n])))
+            params = req.item.params
+            matched = self._stop_string(req) if params.stop else None
+            if tok in req.stop_ids:
+                req.finish = finish_json("stop", matched=tok)
+            elif matched is not None:
+                req.finish = finish_json("stop", matched=matched)
+            elif req.num_output >= params.max_new_tokens or len(req.tokens) >= max_context:
+                req.finish = finish_json("length", length=req.num_output)
+            if req.progress is not None and req.finish is None:
+                req.progress(self._result(req, {}))
+        self.stats.generated_tokens += len(reqs)
+
+    def _stop_string(self, req: RequestState) -> str | None:
+        """The stop string the newest token completed, if any (the tail of the output is decoded)."""
+        if self.decode is None:
+            return None
+        stops = req.item.params.stop
+        window = max(len(s) for s in stops) + 8  # tokens: enough to hold any stop string and its neighbours
+        out = req.tokens[req.prompt_len:]
+        text = self.decode(out[-window:])
+        before = self.decode(out[-window:-1]) if len(out) > 1 else ""
+        for stop in stops:
+            if stop in text and stop not in before:
+                return stop
+        return None
+
+    def _retire(self) -> None:
+        """Hand back finished requests and keep the running ones in slots ``0..B-1``."""
+        done = [r for r in self.running if r.finish is not None]
+        if not done:
+            return
+        alive = [r for r in self.running if r.finish is None]
+        for req in done:
+            if self.prefix_cache.capacity_tokens and req.kv_len >= self.prefix_cache.block:
+                keys, values = self.runner.cache.read(req.slot, req.kv_len)
+                self.prefix_cache.insert(req.tokens[: req.kv_len], keys, values, self.version)
+        n = len(alive)
+        holes = sorted(r.slot for r in done if r.slot < n)
+        movers = [r for r in alive if r.slot >= n]
+        for hole, req in zip(holes, movers):
+            self.runner.cache.move(req.slot, hole, req.kv_len)
+            req.slot = hole
+        alive.sort(key=lambda r: r.slot)
+        self.running = alive
+        if not alive and not self.waiting:
+            self.runner.cache.reset()  # idle: give the KV memory back
+        for req in done:
+            req.slot = -1
+            self._deliver(req)
+
+    def _deliver(self, req: RequestState) -> None:
+        """Resolve a finished request's future with its result (once) and count it."""
+        if req.future.done():
+            return
+        self.stats.finished_requests += 1
+        if req.finish and req.finish.get("type") == "abort":
+            self.stats.aborted_requests += 1
+        req.future.set_result(self._result(req, req.finish or finish_json("abort", message="no finish reason")))
+
+    def _result(self, req: RequestState, finish: dict[str, Any]) -> GenerationResult:
+        """The :class:`~.request_state.GenerationResult` of ``req`` so far, finished by ``finish``."""
+        return GenerationResult(
+            rid=req.item.rid, prompt_tokens=req.prompt_len, output_ids=req.tokens[req.prompt_len:],
+            logprobs=list(req.logprobs), weight_versions=list(req.versions),
+            weight_version=req.versions[-1] if req.versions else self.version,
+            finish_reason=dict(finish),
+            cached_tokens=req.cached_tokens, latency_s=time.monotonic() - req.created,
+            top_logprobs=[list(row) for row in req.top_logprobs] if req.item.top_logprobs_num else None)

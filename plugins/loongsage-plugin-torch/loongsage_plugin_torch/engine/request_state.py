@@ -1,0 +1,99 @@
+"""What the engine's batching loop keeps per request, what it hands back, and the errors it raises.
+
+Plain data, apart from the loop (:mod:`.scheduler`) and its steps (:mod:`.batch_step`) so that
+the HTTP server can name the results and errors without importing the loop's machinery.
+:func:`finish_json` writes SGLang's ``finish_reason`` object, the one field of a result the loop
+shapes for the wire.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any, Callable
+
+import attrs
+
+from .protocol import GenerateItem
+
+
+def finish_json(kind: str, **extra: Any) -> dict[str, Any]:
+    """SGLang's ``finish_reason`` object: ``{"type": "stop"|"length"|"abort", ...}``."""
+    return {"type": kind, **extra}
+
+
+class EngineStopped(RuntimeError):
+    """The engine shut down before the request finished."""
+
+
+class MemoryReleased(RuntimeError):
+    """A request arrived while the engine's memory is released (colocated training phase)."""
+
+
+class MemoryBusy(ValueError):
+    """Memory release was asked while requests are still running or waiting."""
+
+
+class RidInUse(ValueError):
+    """A new request reuses the ``rid`` of a request that is still queued or running."""
+
+
+@attrs.define(frozen=True)
+class GenerationResult:
+    """What the scheduler hands back for one finished request."""
+
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    logprobs: list[float]
+    weight_versions: list[int]
+    weight_version: int
+    finish_reason: dict[str, Any]
+    cached_tokens: int
+    latency_s: float
+    top_logprobs: list[list[tuple[float, int]]] | None = None
+
+
+@attrs.define(eq=False)
+class RequestState:
+    """One request inside the loop: its tokens so far, sampling generator, KV slot and length,
+    per-token log-probs and weight versions, and the future its :class:`GenerationResult` goes to."""
+
+    item: GenerateItem
+    tokens: list[int]
+    stop_ids: frozenset[int]
+    generator: Any
+    future: concurrent.futures.Future
+    created: float
+    logprobs: list[float] = attrs.field(factory=list)
+    versions: list[int] = attrs.field(factory=list)
+    top_logprobs: list[list[tuple[float, int]]] = attrs.field(factory=list)
+    progress: Callable[["GenerationResult"], None] | None = None
+    slot: int = -1
+    kv_len: int = 0
+    cached_tokens: int = 0
+    finish: dict[str, Any] | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.item.input_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.tokens) - len(self.item.input_ids)
+
+    def matches(self, rid: str) -> bool:
+        return self.item.rid == rid or self.item.parent_rid == rid
+
+
+@attrs.define
+class EngineStats:
+    """Counters of the loop (shown by ``/get_server_info``)."""
+
+    prefill_tokens: int = 0
+    cached_tokens: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    finished_requests: int = 0
+    aborted_requests: int = 0
+    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0
