@@ -190,4 +190,3 @@ def parse_update_version(body: Any) -> tuple[int, bool]:
     if "new_version" not in body:
         raise InvalidRequest("'new_version' is required", "new_version")
     return parse_version(body["new_version"], "new_version"), read_bool(body, "abort_all_requests", True, "")
-
