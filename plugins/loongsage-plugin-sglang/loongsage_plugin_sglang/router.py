@@ -84,7 +84,8 @@ class SGLangRouterProcess:
         self.base_url: str | None = None
 
     def start(self) -> str:
-        """Launch the router and wait for ``/health``; returns ``http://HOST:PORT``."""
+        """Launch the router, wait for ``/health`` and until it lists every engine; returns
+        ``http://HOST:PORT``."""
         if self.base_url is not None:
             return self.base_url
         if Path(self.python).resolve() == Path(sys.executable).resolve() \
@@ -96,6 +97,14 @@ class SGLangRouterProcess:
         else:  # the router binds its port itself, later: start it again on another port if that one was taken
             self.base_url = retry_on_port_collision(self._launch, host=self.host, first_port=self.port,
                                                     where="sglang router")
+        # /health answers before the router has health-checked and listed every worker: wait for
+        # them, so the run's first requests spread over all engines and the worker list is whole
+        wanted = set(self.worker_urls)
+        try:
+            self._wait_until(lambda urls: wanted <= set(urls), "listing every engine", self.startup_timeout_s)
+        except RuntimeError as exc:
+            self.shutdown()
+            raise ServerStartError(str(exc)) from None
         return self.base_url
 
     def _command(self, port: int) -> list[str]:
