@@ -27,9 +27,6 @@ from loongsage_hookspecs import Reward, Trajectory
 
 from .swe_reward import write_in_sandbox
 
-WRITE_TIMEOUT_S = 30.0
-"""The least time writing the solution and the runner into the sandbox gets, whatever the tests' budget."""
-
 SOLUTION_FILE = "solution.py"
 RUNNER_FILE = "run_code_tests.py"
 _FENCE = re.compile(r"```[ \t]*([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -121,9 +118,8 @@ def code_tests(trajectory: Trajectory, *, sandbox: Any = None, tests_key: str = 
     mark = f"@@code_tests:{secrets.token_hex(8)}@@"
     runner = RUNNER.format(mark=mark, tests=tests, script=script, entry=entry, setup=setup, solution=SOLUTION_FILE)
     for path, content in ((SOLUTION_FILE, code), (RUNNER_FILE, runner)):
-        # ``timeout_s`` bounds the tests; writing the two files gets at least WRITE_TIMEOUT_S (a
-        # short test budget must not fail the write on a busy machine)
-        problem = write_in_sandbox(sandbox, path, content, max(timeout_s, WRITE_TIMEOUT_S))
+        # ``timeout_s`` bounds the tests; the writes get at least swe_reward.WRITE_TIMEOUT_S
+        problem = write_in_sandbox(sandbox, path, content, timeout_s)
         if problem:
             raise RuntimeError(f"code_tests: {problem}")
     res = sandbox.run(f"{python} {RUNNER_FILE}", timeout_s=timeout_s)

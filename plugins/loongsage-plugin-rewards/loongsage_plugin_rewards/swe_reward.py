@@ -44,6 +44,11 @@ def _test_list(meta: dict[str, Any], key: str) -> list[str]:
     return value
 
 
+WRITE_TIMEOUT_S = 30.0
+"""The least time each setup command (writing a file, applying the test patch) gets, whatever the
+tests' own ``timeout_s``: a short test budget must not fail the setup on a busy machine."""
+
+
 def write_commands(path: str, content: str, chunk: int = 64 * 1024) -> list[str]:
     """Shell commands that write ``content`` to ``path`` (relative to the sandbox directory): the
     first truncates, the rest append base64 chunks (each far below the 128 KiB argument limit)."""
@@ -57,9 +62,11 @@ def write_commands(path: str, content: str, chunk: int = 64 * 1024) -> list[str]
 
 def write_in_sandbox(sandbox: Any, path: str, content: str, timeout_s: float) -> str | None:
     """Write a file by commands run in the sandbox (as its user, inside its isolation: never from the
-    host side, where a symlink the agent left could point anywhere). Returns why it failed, or None."""
+    host side, where a symlink the agent left could point anywhere). Returns why it failed, or None.
+    Each command gets ``timeout_s``, at least :data:`WRITE_TIMEOUT_S`."""
     if path.startswith("/") or ".." in path.split("/"):
         raise ValueError(f"path {path!r} must be relative and inside the sandbox directory")
+    timeout_s = max(timeout_s, WRITE_TIMEOUT_S)
     for command in write_commands(path, content):
         res = sandbox.run(command, timeout_s=timeout_s)
         if res.exit_code != 0:
@@ -84,7 +91,7 @@ def put_tests_in_place(sandbox: Any, meta: dict[str, Any], timeout_s: float) -> 
             return problem
         res = sandbox.run(f"if command -v git >/dev/null; then git apply -v {PATCH_FILE}; "
                           f"else patch -p1 --forward < {PATCH_FILE}; fi; s=$?; rm -f {PATCH_FILE}; exit $s",
-                          timeout_s=timeout_s)
+                          timeout_s=max(timeout_s, WRITE_TIMEOUT_S))
         if res.exit_code != 0:
             return f"test_patch does not apply: {(res.stderr or res.stdout)[-300:]}"
     return None
