@@ -35,7 +35,15 @@ from typing import Any, Sequence
 import attrs
 import pluggy
 
-from loongsage_hookspecs import KINDS, PROJECT_NAME, ComponentSpec, hookspecs, normalize_name
+from loongsage_hookspecs import (
+    BUILT_PROTOCOLS,
+    KINDS,
+    PROJECT_NAME,
+    ComponentSpec,
+    hookspecs,
+    missing_members,
+    normalize_name,
+)
 
 from .config import ConfigError
 from .errors import ComponentBuildError, ConflictError, PluginError, UnknownComponentError
@@ -272,13 +280,17 @@ class PluginHost:
     def get(self, kind: str, name: str, where: str | None = None) -> Any:
         """The spec of ``kind`` called ``name``; an unknown name lists the choices."""
         self._check_kind(kind)
-        key = normalize_name(name)
+        prefix = f"{where}: " if where else ""
+        try:
+            key = normalize_name(name)
+        except ValueError as exc:  # an empty name in a job file: the same error as an unknown one
+            listing = ", ".join(sorted(self.index[kind])) or "none (enable a plugin that provides one)"
+            raise UnknownComponentError(f"{prefix}{kind} {exc}; choose one of: {listing}") from None
         provided = self.index[kind].get(key)
         if provided is None:
             choices = sorted(self.index[kind])
             close = difflib.get_close_matches(key, choices, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
-            prefix = f"{where}: " if where else ""
             listing = ", ".join(choices) if choices else "none (enable a plugin that provides one)"
             raise UnknownComponentError(f"{prefix}unknown {kind} '{name}'{hint}; choose one of: {listing}")
         return provided.spec
@@ -304,14 +316,15 @@ class PluginHost:
         """
         spec = self.get(kind, name, where=where)
         factory = getattr(spec, using)
+        refused = f"{args_key or where}: {kind} '{name}' does not take these arguments"
         try:
             inspect.signature(factory).bind(*args, **kwargs)
         except TypeError as exc:
-            raise ConfigError(f"{args_key or where}: {kind} '{name}' does not take these arguments: {exc}") from None
+            raise ConfigError(f"{refused}: {exc}") from None
         except ValueError:  # a callable without a signature (a builtin): let the call decide
             pass
         try:
-            return factory(*args, **kwargs)
+            built = factory(*args, **kwargs)
         except (ConfigError, PluginError):
             raise
         except ValueError as exc:  # a value the factory refuses: the arguments' table is at fault
@@ -320,10 +333,29 @@ class PluginHost:
             # a factory that passes ``**kwargs`` on (to a class, say) meets the argument it does not
             # take one call deeper: still the job's argument, when the error names one it passed
             if isinstance(exc, TypeError) and any(f"unexpected keyword argument '{key}'" in str(exc) for key in kwargs):
-                raise ConfigError(f"{args_key or where}: {kind} '{name}' does not take these arguments: "
-                                  f"{exc}") from None
+                raise ConfigError(f"{refused}: {exc}") from None
             raise ComponentBuildError(f"{where}: building {kind} '{name}' (plugin "
                                       f"{self.provider(kind, name)}) failed: {type(exc).__name__}: {exc}") from exc
+        self._check_built(kind, name, spec, using, built, where)
+        return built
+
+    def _check_built(self, kind: str, name: str, spec: Any, using: str, built: Any, where: str) -> None:
+        """The built object implements its kind's protocol and every capability its spec declares
+        (:mod:`loongsage_hookspecs.capabilities`), else a :class:`ComponentBuildError` naming
+        what it lacks: a plugin's mistake shows when the component is built, not mid-run."""
+        wanted: list[tuple[type, str]] = []
+        protocol = BUILT_PROTOCOLS.get((kind, using))
+        if protocol is not None:
+            wanted.append((protocol, f"the {kind} protocol {protocol.__name__}"))
+        if using != "receiver":  # a weight transport's capabilities are its sender's
+            wanted += [(cap, f"the capability {cap.__name__} its spec declares")
+                       for cap in spec.declared_capabilities()]
+        for proto, what in wanted:
+            missing = missing_members(built, proto)
+            if missing:
+                raise ComponentBuildError(
+                    f"{where}: {kind} '{name}' (plugin {self.provider(kind, name)}) built a "
+                    f"{type(built).__name__} that lacks {', '.join(missing)} of {what}")
 
     def provider(self, kind: str, name: str) -> str:
         """Name of the plugin providing ``kind`` ``name``."""

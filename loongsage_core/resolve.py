@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 
+from loongsage_hookspecs import LoadsWeights, SchedulerSpec, SourcePicker
+
 from .component_args import check_component_args, check_effective_settings
 from .config import ConfigError, JobConfig
 from .plugins import PluginHost
@@ -112,10 +114,35 @@ def check_lora_support(job: JobConfig, host: PluginHost) -> None:
     where = job.source_path or "<job>"
     for key, kind, name in (("train.backend", "train_backend", job.train.backend),
                             ("rollout.engine", "rollout_engine", job.rollout.engine)):
-        if not getattr(host.get(kind, name), "supports_lora", False):
+        if not host.get(kind, name).supports_lora:
             raise ConfigError(f"{where}: train.lora: {key} = '{name}' does not support LoRA adapters "
                               f"(its {kind} spec does not declare supports_lora); drop [train] lora or pick "
                               "one that does (torch)")
+
+
+def check_reference_updates(job: JobConfig, host: PluginHost) -> None:
+    """``[algorithm] ref_update_every`` copies the policy into the reference model, which needs a
+    train backend that declares the :class:`~loongsage_hookspecs.LoadsWeights` capability."""
+    if job.algorithm.ref_update_every and not host.get("train_backend", job.train.backend).declares(LoadsWeights):
+        raise ConfigError(f"{job.source_path or '<job>'}: algorithm.ref_update_every: train.backend = "
+                          f"'{job.train.backend}' does not declare the LoadsWeights capability, so its reference "
+                          "model cannot take the policy's weights; set ref_update_every = 0")
+
+
+def check_async_scheduler(job: JobConfig, host: PluginHost) -> SchedulerSpec:
+    """The ``[async]`` scheduler's spec, if it can run the job: the per-source quotas come from the
+    ``[[data]]`` weights (never from ``scheduler_args``), and more than one data source needs a
+    scheduler that declares the :class:`~loongsage_hookspecs.SourcePicker` capability."""
+    where = job.source_path or "<job>"
+    spec: SchedulerSpec = host.get("scheduler", job.async_.scheduler, where=f"{where}: async.scheduler")
+    if "quota" in job.async_.scheduler_args:
+        raise ConfigError(f"{where}: async.scheduler_args.quota: the quotas come from the [[data]] weights; "
+                          "remove it")
+    if len(job.data) > 1 and not spec.declares(SourcePicker):
+        raise ConfigError(f"{where}: async.scheduler: '{job.async_.scheduler}' does not declare the SourcePicker "
+                          f"capability (a per-source 'quota'), so it cannot keep the shares of the job's "
+                          f"{len(job.data)} data sources")
+    return spec
 
 
 def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
@@ -128,7 +155,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
         host.get(kind, name, where=f"{where}: {key}")
         resolved.components[key] = (kind, name, host.provider(kind, name))
     for i, src in enumerate(job.data):
-        check = getattr(host.get("agent", src.agent, where=f"{where}: data[{i}].agent"), "check_args", None)
+        check = host.get("agent", src.agent, where=f"{where}: data[{i}].agent").check_args
         if check is not None:
             try:
                 check(**dict(src.agent_args))
@@ -138,6 +165,9 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
 
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
     check_lora_support(job, host)
+    check_reference_updates(job, host)
+    if job.async_.enable:
+        check_async_scheduler(job, host)
     check_effective_settings(job)
     check_component_args(job, host)  # a misspelt *_args key is a config error, not a run of failures
     return resolved
@@ -171,7 +201,7 @@ def resolve_sft_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJ
     for key, kind, name in sft_components(job):
         host.get(kind, name, where=f"{where}: {key}")
         resolved.components[key] = (kind, name, host.provider(kind, name))
-    if job.train.lora is not None and not getattr(host.get("train_backend", job.train.backend), "supports_lora", False):
+    if job.train.lora is not None and not host.get("train_backend", job.train.backend).supports_lora:
         raise ConfigError(f"{where}: train.lora: train.backend = '{job.train.backend}' does not support LoRA "
                           "adapters (its train_backend spec does not declare supports_lora); drop [train] lora "
                           "or pick one that does (torch)")

@@ -101,3 +101,19 @@ def test_plugin_for_every_hook_is_discovered_listed_and_selected(kind, install_p
     assert (resolved_kind, name) == (kind, f"contract-{kind}")
     assert plugin == f"contract_{kind}"
     assert host.get(kind, name).description == "contract probe"
+
+
+def test_every_capability_is_documented_and_declared_by_a_shipped_component():
+    """Each protocol of ``loongsage_hookspecs.capabilities`` has a row in docs/hooks.md's table and
+    is declared by at least one shipped spec (a capability nobody has is dead contract)."""
+    from loongsage_core.plugins import PluginHost
+    from loongsage_hookspecs import CheckpointableScheduler, capabilities, is_capability
+
+    caps = [c for c in vars(capabilities).values() if is_capability(c) and c.__module__ == capabilities.__name__]
+    caps.append(CheckpointableScheduler)
+    assert len(caps) >= 14
+    host = PluginHost.create()
+    declared = {c for kind in KINDS for spec in host.components(kind).values() for c in spec.declared_capabilities()}
+    for cap in caps:
+        assert f"| `{cap.__name__}` |" in DOCS, f"docs/hooks.md has no row for the capability {cap.__name__}"
+        assert cap in declared, f"no shipped component declares {cap.__name__}"

@@ -182,6 +182,12 @@ class Fine:
     def __init__(self, output_dir, every=1):
         self.output_dir, self.every = output_dir, every
 
+    def log(self, step, metrics):
+        pass
+
+    def close(self):
+        pass
+
 
 def refuses(output_dir, every=1):
     raise ValueError(f"every = {every} must be positive")
@@ -228,6 +234,77 @@ def test_build_is_the_one_way_components_are_made_and_fail(tmp_path):
     assert isinstance(bug.value, RunError) and isinstance(bug.value.__cause__, TypeError)
     with pytest.raises(ComponentBuildError, match="building logger 'broken' .* failed: OSError: disk full"):
         host.build("logger", "broken", "out", where=where)
+
+
+CAPABLE = BUILDERS + '''
+
+class Silent:  # no close(): not a MetricsLogger
+    def __init__(self, output_dir):
+        pass
+
+    def log(self, step, metrics):
+        pass
+
+
+class Truncating(Fine):
+    def truncate_after(self, step):
+        self.truncated = step
+
+
+@hookimpl
+def loongsage_loggers():  # replaces the BUILDERS hook above: only these three are provided
+    from loongsage_hookspecs import StepTruncation
+    return [LoggerSpec(name="silent", factory=Silent),
+            LoggerSpec(name="claims", factory=Fine, capabilities=(StepTruncation,)),
+            LoggerSpec(name="truncating", factory=Truncating, capabilities=[StepTruncation])]
+'''
+
+
+def test_build_checks_the_kinds_protocol_and_the_declared_capabilities(tmp_path):
+    """What a factory builds implements its kind's protocol and every capability its spec
+    declares, or the build fails naming the missing members (not an AttributeError mid-run)."""
+    from loongsage_core.errors import ComponentBuildError
+    from loongsage_hookspecs import LoggerSpec, Offloadable, StepTruncation
+
+    (tmp_path / "capable.py").write_text(CAPABLE)
+    host = PluginHost.create(enable=[], modules=["capable.py"], base_dir=tmp_path)
+    with pytest.raises(ComponentBuildError, match=r"^w: logger 'silent' \(plugin module:capable\) built a Silent "
+                                                  r"that lacks close of the logger protocol MetricsLogger$"):
+        host.build("logger", "silent", "out", where="w")
+    with pytest.raises(ComponentBuildError, match=r"built a Fine that lacks truncate_after of the capability "
+                                                  r"StepTruncation its spec declares$"):
+        host.build("logger", "claims", "out", where="w")
+    made = host.build("logger", "truncating", "out", where="w")
+    spec = host.get("logger", "truncating")
+    assert spec.capabilities == (StepTruncation,) and spec.declares(StepTruncation) and not spec.declares(Offloadable)
+    assert isinstance(made, StepTruncation)
+    with pytest.raises(TypeError, match="capabilities: .*are not capability protocols"):
+        LoggerSpec(name="bad", factory=dict, capabilities=(dict,))
+
+
+def test_shipped_components_declare_what_their_objects_do():
+    """Each shipped spec's declared capabilities, where its objects are cheap to build here."""
+    from loongsage_hookspecs import (
+        Closeable,
+        LoraTrainer,
+        ReplaceableEngines,
+        ResidentTeacher,
+        SourcePicker,
+        StepTruncation,
+        StreamingMiddleware,
+        TrajectoryLogger,
+    )
+
+    host = PluginHost.create()
+    expected = {("logger", "console"): TrajectoryLogger, ("logger", "wandb"): TrajectoryLogger,
+                ("logger", "jsonl"): StepTruncation, ("logger", "tensorboard"): StepTruncation,
+                ("scheduler", "window_gated"): SourcePicker, ("engine_router", "sglang_router"): ReplaceableEngines,
+                ("teacher", "torch"): ResidentTeacher, ("sandbox", "local"): Closeable,
+                ("router_middleware", "tool_call_parser"): StreamingMiddleware,
+                ("train_backend", "torch"): LoraTrainer}
+    for (kind, name), capability in expected.items():
+        assert host.get(kind, name).declares(capability), (kind, name, capability)
+    assert not host.get("train_backend", "megatron").declares(LoraTrainer)
 
 
 def test_build_names_an_argument_a_factory_passed_on_as_the_jobs(tmp_path):

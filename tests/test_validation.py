@@ -184,7 +184,7 @@ def test_unwritable_output_dir_is_one_line(tmp_path, job):
 # Fuzzing: generated job files and overrides give exit 0 or 2, never a traceback
 # --------------------------------------------------------------------------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 KEYS = ["train.lr", "train.total_steps", "train.betas", "train.mini_batch_size", "train.micro_batch_size",
@@ -222,6 +222,7 @@ toml_values = st.one_of(
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(overrides=st.lists(st.tuples(st.sampled_from(KEYS), toml_values), max_size=4))
+@example(overrides=[("data.0.reward", '""')])  # an empty component name (found by a hunt)
 def test_fuzzed_overrides_exit_0_or_2(capsys, job, overrides):
     items = [f"{k}={v}" for k, v in overrides]
     rc, err = validate(capsys, job, *items)

@@ -14,11 +14,30 @@ and register the module under the ``loongsage`` entry-point group.
 from __future__ import annotations
 
 from . import hookspecs
+from .capabilities import (
+    Closeable,
+    LoadsWeights,
+    LoraAwareSender,
+    LoraTrainer,
+    ModelParallel,
+    Offloadable,
+    OnDevice,
+    ReplaceableEngines,
+    ResidentTeacher,
+    ReusesTrainingLogprobs,
+    SourcePicker,
+    StepTruncation,
+    StreamingMiddleware,
+    TrajectoryLogger,
+    is_capability,
+    missing_members,
+)
 from .chat import prompt_messages
 from .hookspecs import KINDS, Kind
 from .lora import LORA_ADAPTER_NAME, LORA_TENSOR_SUFFIXES, is_lora_tensor
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .protocols import (
+    BUILT_PROTOCOLS,
     Agent,
     CheckpointableScheduler,
     EngineContext,

@@ -351,3 +351,20 @@ class RolloutEngine(Protocol):
         ...
 
     def shutdown(self) -> None: ...
+
+
+BUILT_PROTOCOLS: dict[tuple[str, str], type] = {
+    ("train_backend", "factory"): TrainWorker,
+    ("rollout_engine", "factory"): RolloutEngine,
+    ("logger", "factory"): MetricsLogger,
+    ("sandbox", "factory"): SandboxProvider,
+    ("router_middleware", "factory"): RouterMiddleware,
+    ("scheduler", "factory"): Scheduler,
+    ("teacher", "factory"): Teacher,
+    ("teacher_manager", "factory"): TeacherRouter,
+    ("engine_router", "factory"): EngineRouter,
+    ("weight_transport", "sender"): WeightSender,
+    ("weight_transport", "receiver"): WeightReceiver,
+}
+"""The protocol the object a spec's factory builds must implement, by ``(kind, factory field)``;
+the host checks it when it builds the component (kinds not listed build functions or data)."""

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 
+from .capabilities import LoraTrainer, is_capability
+
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
@@ -35,12 +37,30 @@ def normalize_name(name: str) -> str:
     return name.strip().lower().replace("-", "_")
 
 
+def _capability_list(_spec: Any, attribute: Any, value: tuple[type, ...]) -> None:
+    bad = [c for c in value if not is_capability(c)]
+    if bad:
+        raise TypeError(f"{attribute.name}: {bad!r} are not capability protocols "
+                        "(see loongsage_hookspecs.capabilities)")
+
+
 @attrs.define(frozen=True, kw_only=True)
 class ComponentSpec:
-    """Fields every spec has: the selectable ``name`` and a one-line ``description``."""
+    """Fields every spec has: the selectable ``name``, a one-line ``description`` and the optional
+    ``capabilities`` its objects implement (protocols of :mod:`loongsage_hookspecs.capabilities`,
+    checked when an object is built; only object-style kinds have any)."""
 
     name: str = attrs.field(converter=normalize_name)
     description: str = ""
+    capabilities: tuple[type, ...] = attrs.field(default=(), converter=tuple, validator=_capability_list)
+
+    def declared_capabilities(self) -> tuple[type, ...]:
+        """Every capability the built object must implement (a kind may add implied ones)."""
+        return self.capabilities
+
+    def declares(self, capability: type) -> bool:
+        """Whether objects of this spec implement ``capability``."""
+        return capability in self.declared_capabilities()
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -134,6 +154,11 @@ class AgentSpec(ComponentSpec):
     """``factory(**args) -> Agent`` (see :class:`~loongsage_hookspecs.protocols.Agent`).
 
     ``needs_sandbox`` asks the host to create a sandbox for every trajectory of this agent.
+    ``fast_path`` declares a single-turn agent: it makes exactly one chat completion of the row's
+    messages with the source's sampling and returns the reply, nothing else. The host may then
+    generate its rows in batches straight at the engines instead of through the AgentFlow
+    router, with the same tokens, log-probs and messages (only without router middleware,
+    ``request_args`` or a sandbox, which need the router's path).
     ``check_args(**args)``, when given, is what ``loongsage validate`` runs on the data source's
     ``agent_args`` before anything starts (unknown arguments, a program that is not installed):
     it raises ``ValueError`` with a one-line reason, which the host reports with the job-file key.
@@ -142,6 +167,7 @@ class AgentSpec(ComponentSpec):
     factory: "Callable[..., Any]"
     needs_sandbox: bool = False
     check_args: "Callable[..., None] | None" = None
+    fast_path: bool = False
 
 
 @attrs.define(frozen=True, kw_only=True)
@@ -225,11 +251,16 @@ class TrainBackendSpec(ComponentSpec):
 
     ``supports_lora``: the backend trains ``[train] lora`` adapters (its workers then yield the
     adapter alone from ``named_weights`` and score the KL reference with it disabled); a job with
-    ``[train] lora`` on a backend without it is refused at validation.
+    ``[train] lora`` on a backend without it is refused at validation. It implies the
+    :class:`~loongsage_hookspecs.capabilities.LoraTrainer` capability.
     """
 
     factory: "Callable[..., Any]"
     supports_lora: bool = False
+
+    def declared_capabilities(self) -> tuple[type, ...]:
+        extra = (LoraTrainer,) if self.supports_lora and LoraTrainer not in self.capabilities else ()
+        return self.capabilities + extra
 
 
 @attrs.define(frozen=True, kw_only=True)

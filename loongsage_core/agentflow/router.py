@@ -36,7 +36,7 @@ from __future__ import annotations
 import concurrent.futures
 from typing import Any, Callable, Mapping, Sequence
 
-from loongsage_hookspecs import SamplingParams
+from loongsage_hookspecs import RouterMiddleware, SamplingParams
 
 from ..http_server import BlockingView, ThreadedServer
 from .access_log import AccessLog
@@ -114,7 +114,7 @@ class AgentFlowRouter:
         self.balancer = EngineBalancer(engine_urls)
         self.known_engines: set[str] = set(self.balancer.urls)  # what /admin/engines may switch to
         for i, mw in enumerate(middlewares):
-            if not (callable(getattr(mw, "on_request", None)) and callable(getattr(mw, "on_response", None))):
+            if not isinstance(mw, RouterMiddleware):
                 raise TypeError(f"middleware #{i} ({type(mw).__name__}) lacks on_request/on_response")
         self.model_name = model_name
         self.secret = secret

@@ -27,6 +27,8 @@ import json
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
+from loongsage_hookspecs import StreamingMiddleware
+
 log = logging.getLogger(__name__)
 
 
@@ -64,7 +66,7 @@ class TextStreamer:
         self.trajectory_id = trajectory_id
         self.request = request
         self.stops = list(stops)
-        self.live = all(callable(getattr(mw, "stream_holdback", None)) for mw in self.middlewares)
+        self.live = all(isinstance(mw, StreamingMiddleware) for mw in self.middlewares)
         self.sent = {"content": "", "reasoning_content": ""}
         self.broken: set[str] = set()
 

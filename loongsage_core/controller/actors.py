@@ -19,7 +19,18 @@ import os
 import time
 from typing import Any
 
-from loongsage_hookspecs import AggregationNorm, Batch, EngineContext, TrainWorkerContext
+from loongsage_hookspecs import (
+    AggregationNorm,
+    Batch,
+    EngineContext,
+    LoraAwareSender,
+    LoraTrainer,
+    ModelParallel,
+    Offloadable,
+    OnDevice,
+    ReusesTrainingLogprobs,
+    TrainWorkerContext,
+)
 
 from ..config import JobConfig
 from ..plugins import PluginHost
@@ -54,6 +65,7 @@ class ModelActor:
         self.engine_index = engine_index
         self.needs_reference = needs_reference
         self.rendezvous: Rendezvous | None = None
+        self._sender: Any = None  # the weight transport's sender, built on the first push
 
     def host_rendezvous(self) -> tuple[str, int]:
         """Trainer rank 0: listen for the trainer group's rendezvous; returns ``(address, port)``."""
@@ -71,7 +83,8 @@ class ModelActor:
             ctx = TrainWorkerContext(job=job, components=self.host, rank=self.rank, world_size=self.world_size,
                                      master_addr=master_addr, master_port=master_port, role="actor")
             self.worker = self.host.build("train_backend", job.train.backend, ctx, where=f"{where}: train.backend")
-            if self.needs_reference and not getattr(self.worker, "serves_reference", False):
+            serves_reference = isinstance(self.worker, LoraTrainer) and self.worker.serves_reference
+            if self.needs_reference and not serves_reference:
                 ref_ctx = TrainWorkerContext(job=job, components=self.host, rank=0, world_size=1, role="reference")
                 self.reference = self.host.build("train_backend", job.train.backend, ref_ctx,
                                                  where=f"{where}: train.backend (reference)")
@@ -89,8 +102,9 @@ class ModelActor:
         and size (a backend with model parallelism has several ranks per data-parallel rank)."""
         info: dict[str, Any] = {"pid": os.getpid(), "engine_url": self.engine_url, "rank": self.rank}
         if self.worker is not None and self.rank is not None:  # a trainer rank
-            info["dp_rank"] = int(getattr(self.worker, "data_parallel_rank", self.rank))
-            info["dp_size"] = int(getattr(self.worker, "data_parallel_size", self.world_size))
+            parallel = isinstance(self.worker, ModelParallel)
+            info["dp_rank"] = int(self.worker.data_parallel_rank if parallel else self.rank)
+            info["dp_size"] = int(self.worker.data_parallel_size if parallel else self.world_size)
         return info
 
     def forward(self, batch: Batch) -> dict[str, Any]:
@@ -119,26 +133,26 @@ class ModelActor:
         table, or a matmul probe here) and the device type, for the ``perf/mfu_*`` metrics."""
         from ..flops import device_peak_flops
 
-        device = getattr(self.worker, "device", "cpu")
+        device = self.worker.device if isinstance(self.worker, OnDevice) else "cpu"
         peak = device_peak_flops(device, self.job.model.dtype, self.job.train.peak_tflops)
         return {"peak": peak, "device": str(getattr(device, "type", device))}
 
     def training_forward_logprobs(self) -> Any:
         """This rank's detached log-probs ``[b, T]`` of its rows of the last mini-batch when they
         were the step's old log-probs (the separate pass was skipped), else ``None``."""
-        return getattr(self.worker, "training_forward_logprobs", None)
+        return self.worker.training_forward_logprobs if isinstance(self.worker, ReusesTrainingLogprobs) else None
 
     def offload(self) -> None:
         """Move the trainer's (and the reference model's) state off the accelerator, when the
         backend can (colocated runs, while the engine generates)."""
         for worker in (self.worker, self.reference):
-            if worker is not None and callable(getattr(worker, "offload", None)):
+            if isinstance(worker, Offloadable):
                 worker.offload()
 
     def onload(self) -> None:
         """Bring back what :meth:`offload` moved (before training)."""
         for worker in (self.worker, self.reference):
-            if worker is not None and callable(getattr(worker, "onload", None)):
+            if isinstance(worker, Offloadable):
                 worker.onload()
 
     def refresh_reference(self) -> None:
@@ -155,14 +169,14 @@ class ModelActor:
             for _ in self.worker.named_weights():
                 pass
             return {}
-        if not hasattr(self, "_sender"):
+        if self._sender is None:
             where = f"{self.job.source_path or '<job>'}: rollout"
-            self._sender = self.host.build("weight_transport", self.job.rollout.weight_transport, using="sender",
-                                           where=f"{where}.weight_transport", args_key=f"{where}.weight_transport_args",
-                                           **self.job.rollout.weight_transport_args)
-            configure_lora = getattr(self._sender, "configure_lora", None)
-            if self.job.train.lora is not None and callable(configure_lora):
-                configure_lora(self.job.train.lora)  # a sender that writes adapter files needs rank/alpha
+            sender = self.host.build("weight_transport", self.job.rollout.weight_transport, using="sender",
+                                     where=f"{where}.weight_transport", args_key=f"{where}.weight_transport_args",
+                                     **self.job.rollout.weight_transport_args)
+            if self.job.train.lora is not None and isinstance(sender, LoraAwareSender):
+                sender.configure_lora(self.job.train.lora)  # a sender writing adapter files needs rank/alpha
+            self._sender = sender
         start = time.perf_counter()
         out = self._sender.send(self.worker.named_weights(), version, [self.engine] if targets is None else targets)
         stats = dict(out or {})
@@ -184,6 +198,5 @@ class ModelActor:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()
-        sender = getattr(self, "_sender", None)
-        if sender is not None:
-            sender.close()
+        if self._sender is not None:
+            self._sender.close()

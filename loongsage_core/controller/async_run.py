@@ -25,16 +25,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import inspect
 import logging
 import time
 from typing import Any
 
 import attrs
 
-from loongsage_hookspecs import CheckpointableScheduler, TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import CheckpointableScheduler, SourcePicker, TrajectoryGroup, TrajectoryStatus
 
 from ..config import ConfigError
+from ..resolve import check_async_scheduler
 from .data import Prompt
 from .metrics import rollout_metrics
 from .mixing import StepQuotas
@@ -71,15 +71,6 @@ def per_source_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str,
     return out
 
 
-def takes_quota(factory: Any) -> bool:
-    """Whether a scheduler factory accepts the ``quota`` argument (by name or ``**kwargs``)."""
-    try:
-        params = inspect.signature(factory).parameters.values()
-    except (TypeError, ValueError):
-        return False
-    return any(p.name == "quota" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-
-
 class AsyncRLController(RLController):
     """The RL loop with rollout and training overlapped (``[async] enable = true``)."""
 
@@ -90,18 +81,12 @@ class AsyncRLController(RLController):
         if job.placement.colocate:
             raise ConfigError(f"{where}: async.enable = true needs placement.colocate = false (the trainer and "
                               "the engines must run at the same time on separate actors)")
-        spec = self.host.get("scheduler", job.async_.scheduler, where=f"{where}: async.scheduler")
-        if "quota" in job.async_.scheduler_args:
-            raise ConfigError(f"{where}: async.scheduler_args.quota: the quotas come from the [[data]] weights; "
-                              "remove it")
+        spec = check_async_scheduler(job, self.host)
         extra: dict[str, Any] = {}
-        if takes_quota(spec.factory):
+        if spec.declares(SourcePicker):
             names = [src.name for src in job.data]
             quotas = StepQuotas([src.weight for src in job.data], job.rollout.prompts_per_step)
             extra["quota"] = lambda version: dict(zip(names, quotas(version)))
-        elif len(job.data) > 1:
-            raise ConfigError(f"{where}: async.scheduler: '{job.async_.scheduler}' does not take a per-source "
-                              f"'quota', so it cannot keep the shares of the job's {len(job.data)} data sources")
         self.scheduler = self.host.build("scheduler", job.async_.scheduler, where=f"{where}: async.scheduler",
                                          args_key=f"{where}: async.scheduler_args",
                                          batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
@@ -158,9 +143,9 @@ class AsyncRLController(RLController):
 
     def _dispatch(self) -> None:
         assert self.rollout is not None
-        next_source = getattr(self.scheduler, "next_source", None)
+        picker = self.scheduler if self.quota_mode and isinstance(self.scheduler, SourcePicker) else None
         while self.scheduler.can_dispatch(len(self.inflight), len(self.buffer), self.version):
-            source = next_source(self.version) if next_source is not None else None
+            source = picker.next_source(self.version) if picker is not None else None
             if source is None and self.quota_mode:
                 break  # pragma: no cover - can_dispatch and next_source agree for the shipped schedulers
             prompt = self._next_prompt(source)

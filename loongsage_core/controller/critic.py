@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 import torch
 
-from loongsage_hookspecs import Batch, TrainWorkerContext
+from loongsage_hookspecs import Batch, Closeable, TrainWorkerContext
 
 from ..config import ConfigError, JobConfig
 from ..plugins import PluginHost
@@ -115,9 +115,8 @@ class CriticActor:
         self.worker.load_checkpoint(path)
 
     def shutdown(self) -> None:
-        close = getattr(self.worker, "close", None)
-        if close is not None:
-            close()
+        if isinstance(self.worker, Closeable):
+            self.worker.close()
 
 
 def check_critic_resources(job: JobConfig, cluster: dict[str, float]) -> None:

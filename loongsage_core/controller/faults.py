@@ -33,7 +33,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
-from loongsage_hookspecs import TrajectoryGroup
+from loongsage_hookspecs import ReplaceableEngines, TrajectoryGroup
 
 from ..engine_client import EngineClient
 from ..errors import RunError
@@ -246,11 +246,10 @@ class FaultSupervisor:
         ctrl, actors, job = self.ctrl, self.ctrl.actors, self.ctrl.job
         assert actors is not None and ctrl.rollout is not None
         balancer = ctrl.engine_router
-        if balancer is not None and not (callable(getattr(balancer, "add_engine", None))
-                                         and callable(getattr(balancer, "remove_engine", None))):
+        if balancer is not None and not isinstance(balancer, ReplaceableEngines):
             raise RunError(f"engine {index} died and cannot be replaced behind rollout.engine_router "
-                           f"'{job.rollout.engine_router}': it has no add_engine/remove_engine to be told "
-                           "the new address")
+                           f"'{job.rollout.engine_router}': it does not declare the ReplaceableEngines "
+                           "capability (add_engine/remove_engine) to be told the new address")
         old_url = actors.engine_urls[index]
         try:
             ray.kill(actors.engine_actors[index], no_restart=True)

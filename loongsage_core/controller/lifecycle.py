@@ -14,6 +14,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from loongsage_hookspecs import StepTruncation
+
 from ..config import ConfigError, JobConfig, dump_job_toml
 from ..records.writer import recorder_for_run
 from ..security import set_process_secret, write_secret_file
@@ -95,7 +97,7 @@ class RunLifecycle(RunState):
             where = f"{self.job.source_path or '<job>'}: loggers[{i}]"
             logger = self.host.build("logger", lg.name, str(self.output_dir), where=f"{where}.name",
                                      args_key=f"{where}.args", **args)
-            if hasattr(logger, "truncate_after"):
+            if isinstance(logger, StepTruncation):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)
 

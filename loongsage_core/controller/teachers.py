@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
-from loongsage_hookspecs import Batch, KLInputs, TeacherManagerSpec, TeacherRouter
+from loongsage_hookspecs import Batch, KLInputs, ResidentTeacher, TeacherManagerSpec, TeacherRouter
 
 from ..algorithms.pipeline import TEACHER_MASK_KEY
 from ..config import ConfigError, JobConfig
@@ -97,7 +97,7 @@ def distill_setup(job: JobConfig, host: Any) -> DistillSetup | None:
                           "set [algorithm] distill_kl (a term of its own, e.g. 'opd_k3') or [algorithm] kl")
     assert name is not None
     spec = host.get("kl", name, where=f"{where}: {key}")
-    requires = getattr(spec, "requires", "logprobs")
+    requires = spec.requires
     if in_reward and requires != "logprobs":
         flag = "distill_in_reward" if separate else "kl_in_reward"
         raise ConfigError(f"{where}: {key} = '{name}' requires '{requires}' (the student's logits), so it "
@@ -152,13 +152,13 @@ class LazyTeacher:
         if self.teacher is None:
             self.teacher = self._build()
             self.builds += 1
-        if callable(getattr(self.teacher, "load", None)):
+        if isinstance(self.teacher, ResidentTeacher):
             self.teacher.load()
 
     def offload(self) -> None:
         if self.teacher is None:
             return
-        if callable(getattr(self.teacher, "offload", None)):
+        if isinstance(self.teacher, ResidentTeacher):
             self.teacher.offload()
         if self.release:
             self.teacher = None
@@ -167,8 +167,7 @@ class LazyTeacher:
     def forward(self, batch: Batch, **kwargs: Any) -> Any:
         if self.teacher is None:
             raise RuntimeError(f"teacher '{self.name}': forward before load()")
-        fn = self.teacher.forward if callable(getattr(self.teacher, "forward", None)) else self.teacher
-        return fn(batch, **kwargs)
+        return self.teacher.forward(batch, **kwargs)  # the build checked the Teacher protocol
 
 
 def _teacher_builder(job: JobConfig, host: Any, index: int) -> Callable[[], Any]:
@@ -191,13 +190,12 @@ class TeacherGroup:
     first use, so a teacher no source routes to is never built.
     """
 
-    def __init__(self, teachers: dict[str, Any], routes: dict[str, str | None], setup: DistillSetup,
-                 manager: TeacherManagerSpec, *, max_resident: int = 1) -> None:
+    def __init__(self, teachers: dict[str, "LazyTeacher"], setup: DistillSetup, manager: TeacherRouter,
+                 metrics_fn: Callable[..., dict[str, float]] | None) -> None:
         self.setup = setup
         self.teachers = teachers
-        self.manager: TeacherRouter = manager.factory(teachers, routes, max_resident=max_resident,
-                                                      source_key="source")
-        self.metrics_fn = manager.metrics
+        self.manager = manager
+        self.metrics_fn = metrics_fn
 
     @classmethod
     def from_job(cls, job: JobConfig, host: Any) -> "TeacherGroup | None":
@@ -205,13 +203,15 @@ class TeacherGroup:
         setup = distill_setup(job, host)
         if setup is None:
             return None
-        manager = host.get("teacher_manager", job.placement.teacher_manager,
-                           where=f"{job.source_path or '<job>'}: placement.teacher_manager")
+        where = f"{job.source_path or '<job>'}: placement.teacher_manager"
+        spec: TeacherManagerSpec = host.get("teacher_manager", job.placement.teacher_manager, where=where)
         release = job.placement.teacher_offload == "release"
         teachers = {t.name: LazyTeacher(t.name, _teacher_builder(job, host, i), release=release)
                     for i, t in enumerate(job.teachers)}
         routes = {src.name: src.teacher for src in job.data}
-        return cls(teachers, routes, setup, manager, max_resident=job.placement.max_resident_teachers)
+        manager = host.build("teacher_manager", job.placement.teacher_manager, teachers, routes, where=where,
+                             max_resident=job.placement.max_resident_teachers, source_key="source")
+        return cls(teachers, setup, manager, spec.metrics)
 
     # -- routing -----------------------------------------------------------------------------
 
@@ -317,14 +317,14 @@ def apply_teachers(batch: Batch, job: JobConfig, host: Any, group: TeacherGroup 
         return {}
     start = time.perf_counter()
     loads_before = group.loads
-    builds_before = sum(getattr(t, "builds", 0) for t in group.teachers.values())
+    builds_before = sum(t.builds for t in group.teachers.values())
     plan = group.plan(batch)
     tensors = group.forward(batch)
     batch.tensors.update(tensors)
     metrics: dict[str, float] = {
         "timing/teacher": time.perf_counter() - start,
         "perf/teacher_loads": float(group.loads - loads_before),
-        "perf/teacher_builds": float(sum(getattr(t, "builds", 0) for t in group.teachers.values()) - builds_before),
+        "perf/teacher_builds": float(sum(t.builds for t in group.teachers.values()) - builds_before),
         "perf/teachers_resident": float(len(group.resident)),
         "train/teacher_row_ratio": float(tensors[TEACHER_MASK_KEY][:, 0].mean()) if len(batch) else 0.0,
     }

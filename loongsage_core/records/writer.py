@@ -19,6 +19,8 @@ import threading
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from loongsage_hookspecs import TrajectoryLogger
+
 from .format import ROLLOUTS_DIR, build_records, dumps, records_path, step_of
 
 log = logging.getLogger("loongsage")
@@ -156,12 +158,11 @@ class RolloutRecorder:
 
 def recorder_for_run(job: Any, output_dir: str | Path, tokenizer: Any, loggers: Sequence[Any],
                      first_step: int) -> RolloutRecorder:
-    """The recorder of a run: ``run.rollout_records`` per step; as listeners, the loggers that have
-    ``log_trajectories(step, records)`` (and no false ``wants_trajectories``); the records of steps
-    ``>= first_step`` (those the run is about to redo after a resume, or left by an earlier run)
-    deleted."""
-    listeners = [lg.log_trajectories for lg in loggers
-                 if callable(getattr(lg, "log_trajectories", None)) and getattr(lg, "wants_trajectories", True)]
+    """The recorder of a run: ``run.rollout_records`` per step; as listeners, the loggers with the
+    :class:`~loongsage_hookspecs.capabilities.TrajectoryLogger` capability whose
+    ``wants_trajectories`` is true; the records of steps ``>= first_step`` (those the run is about
+    to redo after a resume, or left by an earlier run) deleted."""
+    listeners = [lg.log_trajectories for lg in loggers if isinstance(lg, TrajectoryLogger) and lg.wants_trajectories]
     recorder = RolloutRecorder(output_dir, tokenizer, keep=job.run.rollout_records,
                                agents={d.name: d.agent for d in job.data}, seed=job.run.seed, listeners=listeners)
     recorder.truncate_after(first_step)

@@ -29,6 +29,8 @@ from typing import Any
 
 import attrs
 
+from loongsage_hookspecs import Closeable, StepTruncation
+
 from ..config import AlgorithmConfig, JobConfig, SftConfig, dump_job_toml
 from ..controller import checkpoint as ckpt
 from ..controller.run_dir import prepare_run_dir
@@ -109,7 +111,7 @@ class SftRun:
                     else dict(lg.args))
             logger = self.host.build("logger", lg.name, str(self.output_dir), where=f"{where}: loggers[{i}].name",
                                      args_key=f"{where}: loggers[{i}].args", **args)
-            if hasattr(logger, "truncate_after"):
+            if isinstance(logger, StepTruncation):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)
 
@@ -117,7 +119,7 @@ class SftRun:
         for lg in self.loggers:
             lg.close()
         self.loggers = []
-        if self.worker is not None and hasattr(self.worker, "close"):
+        if isinstance(self.worker, Closeable):
             self.worker.close()
         self.worker = None
 

@@ -76,7 +76,7 @@ def assert_same_trajectories(fast: Any, routed: Any) -> None:
 
 def test_fast_path_and_router_record_the_same_segments(engine_url, tokenizer, renderer):
     rollout = manager(engine_url, tokenizer, source={"system_prompt": "Answer with a number."})
-    assert takes_fast_path(rollout.job, rollout.job.data[0])
+    assert takes_fast_path(rollout.job, rollout.job.data[0], rollout.components)
     prompt = Prompt(prompt_id="p7", source="math", prompt="What is 3 + 4?", label="7", metadata={})
     fast, routed = both_paths(rollout, prompt)
     assert_same_trajectories(fast, routed)
@@ -123,13 +123,13 @@ def test_agent_system_prompt_and_source_system_prompt(engine_url, tokenizer):
 
 def test_fast_path_only_where_it_is_equivalent(engine_url, tokenizer):
     plain = manager(engine_url, tokenizer)
-    assert takes_fast_path(plain.job, plain.job.data[0])
+    assert takes_fast_path(plain.job, plain.job.data[0], plain.components)
     with_mw = manager(engine_url, tokenizer, agentflow={"middleware": ["reasoning_parser"]})
-    assert not takes_fast_path(with_mw.job, with_mw.job.data[0])
+    assert not takes_fast_path(with_mw.job, with_mw.job.data[0], with_mw.components)
     with_args = manager(engine_url, tokenizer, source={"agent_args": {"request_args": {"stop": ["\n"]}}})
-    assert not takes_fast_path(with_args.job, with_args.job.data[0])
+    assert not takes_fast_path(with_args.job, with_args.job.data[0], with_args.components)
     tool = manager(engine_url, tokenizer, source={"agent": "tool_agent"})
-    assert not takes_fast_path(tool.job, tool.job.data[0])
+    assert not takes_fast_path(tool.job, tool.job.data[0], tool.components)
     # a sandbox is created by the trajectory's lifecycle (rewards such as code_tests run in it)
     boxed = manager(engine_url, tokenizer, source={"sandbox": "local"})
-    assert not takes_fast_path(boxed.job, boxed.job.data[0])
+    assert not takes_fast_path(boxed.job, boxed.job.data[0], boxed.components)

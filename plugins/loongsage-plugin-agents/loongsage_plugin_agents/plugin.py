@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from loongsage_hookspecs import AgentSpec, RouterMiddlewareSpec, SandboxSpec, hookimpl
+from loongsage_hookspecs import AgentSpec, Closeable, RouterMiddlewareSpec, SandboxSpec, StreamingMiddleware, hookimpl
 
 
 def _single_turn(**args: Any) -> Any:
@@ -82,7 +82,7 @@ def _request_logger(**args: Any) -> Any:
 
 @hookimpl
 def loongsage_agents() -> Iterator[AgentSpec]:
-    yield AgentSpec(name="single_turn", factory=_single_turn,
+    yield AgentSpec(name="single_turn", factory=_single_turn, fast_path=True,
                     description="one chat completion for the prompt; the answer is the response")
     yield AgentSpec(name="tool_agent", factory=_tool_agent, needs_sandbox=True,
                     description="multi-turn tool calling: Python tools by import path plus a bash tool in the sandbox")
@@ -101,15 +101,16 @@ def loongsage_agents() -> Iterator[AgentSpec]:
 def loongsage_sandboxes() -> Iterator[SandboxSpec]:
     yield SandboxSpec(name="local", factory=_local_sandbox,
                       description="per-trajectory directory; bubblewrap read-only root and no network "
-                                  "where available; rlimits")
+                                  "where available; rlimits", capabilities=(Closeable,))
 
 
 @hookimpl
 def loongsage_router_middlewares() -> Iterator[RouterMiddlewareSpec]:
     yield RouterMiddlewareSpec(name="tool_call_parser", factory=_tool_call_parser,
                                description="model-written tool calls (hermes, llama3_json, mistral) -> "
-                                           "OpenAI tool_calls")
+                                           "OpenAI tool_calls", capabilities=(StreamingMiddleware,))
     yield RouterMiddlewareSpec(name="reasoning_parser", factory=_reasoning_parser,
-                               description="<think>...</think> -> reasoning_content")
+                               description="<think>...</think> -> reasoning_content",
+                               capabilities=(StreamingMiddleware,))
     yield RouterMiddlewareSpec(name="request_logger", factory=_request_logger,
                                description="append every request and response to a JSONL file")

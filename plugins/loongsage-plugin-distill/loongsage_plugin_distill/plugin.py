@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from loongsage_hookspecs import KLSpec, TeacherManagerSpec, TeacherSpec, hookimpl
+from loongsage_hookspecs import KLSpec, ResidentTeacher, TeacherManagerSpec, TeacherSpec, hookimpl
 
 from . import terms, torch_teacher
 from .metrics import distill_metrics
@@ -44,7 +44,8 @@ def loongsage_kls() -> Iterator[KLSpec]:
 def loongsage_teachers() -> Iterator[TeacherSpec]:
     yield TeacherSpec(name="torch", factory=torch_teacher.make_torch_teacher,
                       description="frozen transformers causal LM (local directory or inline config) with CPU "
-                                  "offload; args dtype, device, micro_batch_size, output_device, logits_dtype")
+                                  "offload; args dtype, device, micro_batch_size, output_device, logits_dtype",
+                      capabilities=(ResidentTeacher,))
 
 
 @hookimpl

@@ -8,7 +8,16 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from loongsage_hookspecs import TeacherSpec, TrainBackendSpec, hookimpl
+from loongsage_hookspecs import (
+    Closeable,
+    ModelParallel,
+    Offloadable,
+    OnDevice,
+    ResidentTeacher,
+    TeacherSpec,
+    TrainBackendSpec,
+    hookimpl,
+)
 
 
 def create_train_worker(ctx: Any) -> Any:
@@ -30,7 +39,8 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="megatron", factory=create_train_worker,
                            description="Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
                                        "directory; tensor, pipeline (1F1B), data (Megatron DDP) and, for "
-                                       "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer")
+                                       "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer",
+                           capabilities=(ModelParallel, Offloadable, OnDevice, Closeable))
 
 
 @hookimpl
@@ -38,4 +48,5 @@ def loongsage_teachers() -> Iterator[TeacherSpec]:
     yield TeacherSpec(name="megatron", factory=create_teacher,
                       description="frozen Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
                                   "directory, run in the controller process (tp = pp = ep = 1, float32) with "
-                                  "CPU offload; args device, micro_batch_size, output_device, logits_dtype, seed")
+                                  "CPU offload; args device, micro_batch_size, output_device, logits_dtype, seed",
+                      capabilities=(ResidentTeacher,))

@@ -8,30 +8,32 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from loongsage_hookspecs import SchedulerSpec, hookimpl
+from loongsage_hookspecs import CheckpointableScheduler, SchedulerSpec, SourcePicker, hookimpl
 
 from .no_window import NoWindowScheduler
 from .sync import SyncScheduler
 from .windowed import WindowedFifoScheduler, WindowGatedScheduler
 
 _COMMON = "args batch_size, stale_steps, oversample, staleness"
+# every shipped scheduler keeps per-source quotas and survives a checkpoint (the shared base)
+_CAPABILITIES = (SourcePicker, CheckpointableScheduler)
 
 
 @hookimpl
 def loongsage_schedulers() -> Iterator[SchedulerSpec]:
     yield SchedulerSpec(
-        name="sync", factory=SyncScheduler,
+        name="sync", factory=SyncScheduler, capabilities=_CAPABILITIES,
         description=f"on-policy rounds: dispatch one step's groups into an empty pipeline, train on them "
                     f"(staleness 0); {_COMMON}")
     yield SchedulerSpec(
-        name="no_window", factory=NoWindowScheduler,
+        name="no_window", factory=NoWindowScheduler, capabilities=_CAPABILITIES,
         description=f"dispatch up to capacity, train in completion order, drop groups staler than "
                     f"stale_steps; {_COMMON}")
     yield SchedulerSpec(
-        name="window_gated", factory=WindowGatedScheduler,
+        name="window_gated", factory=WindowGatedScheduler, capabilities=_CAPABILITIES,
         description=f"dispatch at most stale_steps versions ahead, train groups due now first in completion "
                     f"order; staleness <= stale_steps, never drops; {_COMMON}")
     yield SchedulerSpec(
-        name="windowed_fifo", factory=WindowedFifoScheduler,
+        name="windowed_fifo", factory=WindowedFifoScheduler, capabilities=_CAPABILITIES,
         description=f"window-gated dispatch, train strictly oldest first (dispatch order); staleness <= "
                     f"stale_steps, never drops; {_COMMON}")

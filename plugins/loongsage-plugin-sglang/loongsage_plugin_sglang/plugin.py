@@ -10,9 +10,19 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from loongsage_hookspecs import EngineRouterSpec, RolloutEngineSpec, WeightTransportSpec, hookimpl
+from loongsage_hookspecs import (
+    Closeable,
+    EngineRouterSpec,
+    LoraAwareSender,
+    ReplaceableEngines,
+    RolloutEngineSpec,
+    WeightTransportSpec,
+    hookimpl,
+)
 
 from . import create_server, disk_sender, nccl_sender, sglang_router, tensor_sender
+
+_SENDER = (LoraAwareSender, Closeable)  # what every SGLang sender also does
 
 
 @hookimpl
@@ -26,12 +36,12 @@ def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
 @hookimpl
 def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
     # received by the engine's own endpoints (SGLang's, or the embedded engine's copies of them)
-    yield WeightTransportSpec(name="sglang_disk", sender=disk_sender, receiver=None,
+    yield WeightTransportSpec(name="sglang_disk", sender=disk_sender, receiver=None, capabilities=_SENDER,
                               description="safetensors to a shared directory, then SGLang /update_weights_from_disk")
-    yield WeightTransportSpec(name="sglang_nccl", sender=nccl_sender, receiver=None,
+    yield WeightTransportSpec(name="sglang_nccl", sender=nccl_sender, receiver=None, capabilities=_SENDER,
                               description="NCCL broadcast in buckets announced by SGLang "
                                           "/update_weights_from_distributed")
-    yield WeightTransportSpec(name="sglang_tensor", sender=tensor_sender, receiver=None,
+    yield WeightTransportSpec(name="sglang_tensor", sender=tensor_sender, receiver=None, capabilities=_SENDER,
                               description="tensor handles (CUDA IPC on GPU, shared memory on CPU) to "
                                           "/update_weights_from_tensor; for engines on the trainer's device")
 
@@ -40,4 +50,4 @@ def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
 def loongsage_engine_routers() -> Iterator[EngineRouterSpec]:
     yield EngineRouterSpec(name="sglang_router", factory=sglang_router,
                            description="sglang-router (cache-aware load balancing) in front of the engines; "
-                                       "runs on CPU")
+                                       "runs on CPU", capabilities=(ReplaceableEngines,))

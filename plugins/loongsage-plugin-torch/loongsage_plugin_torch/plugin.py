@@ -9,7 +9,17 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from loongsage_hookspecs import RolloutEngineSpec, TrainBackendSpec, WeightTransportSpec, hookimpl
+from loongsage_hookspecs import (
+    Closeable,
+    LoadsWeights,
+    Offloadable,
+    OnDevice,
+    ReusesTrainingLogprobs,
+    RolloutEngineSpec,
+    TrainBackendSpec,
+    WeightTransportSpec,
+    hookimpl,
+)
 
 from .engine import create_engine
 from .trainer import create_train_worker
@@ -28,7 +38,8 @@ from .transport import (
 def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="torch", factory=create_train_worker,
                            description="embedded PyTorch trainer (transformers models, AdamW, DP over "
-                                       "torch.distributed; LoRA through PEFT)", supports_lora=True)
+                                       "torch.distributed; LoRA through PEFT)", supports_lora=True,
+                           capabilities=(Offloadable, OnDevice, ReusesTrainingLogprobs, LoadsWeights, Closeable))
 
 
 @hookimpl

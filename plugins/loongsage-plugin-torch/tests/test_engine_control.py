@@ -8,7 +8,6 @@ import concurrent.futures
 import io
 import time
 
-import attrs
 import httpx
 import pytest
 import torch  # noqa: E402  (a hard dependency of this plugin)
@@ -18,7 +17,8 @@ from loongsage_plugin_torch.modeling import TINY_QWEN3, load_model  # noqa: E402
 
 from loongsage_core.config import structure_job  # noqa: E402
 from loongsage_core.engine_client import EngineClient, EngineError, encode_direct_tensors  # noqa: E402
-from loongsage_hookspecs import EngineContext, WeightTransportSpec  # noqa: E402
+from loongsage_core.plugins import PluginHost  # noqa: E402
+from loongsage_hookspecs import EngineContext, WeightTransportSpec, hookimpl  # noqa: E402
 
 CONTEXT = 4096
 UNTIL_ABORTED = CONTEXT - 16
@@ -34,16 +34,20 @@ class DictReceiver:
         yield from torch.load(io.BytesIO(data), weights_only=True).items()
 
 
-@attrs.define
-class Registry:
-    """The two-argument lookup an engine context's ``components`` offers (kind, name) -> spec."""
+class DictTransportPlugin:
+    """A hookimpl object providing the ``dict_b64`` weight transport (receiver only matters here)."""
 
-    specs: dict
+    @hookimpl
+    def loongsage_weight_transports(self):
+        return [WeightTransportSpec(name="dict_b64", sender=lambda **_: None, receiver=DictReceiver)]
 
-    def get(self, kind, name):
-        if (kind, name) not in self.specs:
-            raise KeyError(f"no {kind} named {name!r}; installed: {sorted(n for _, n in self.specs)}")
-        return self.specs[(kind, name)]
+
+def registry() -> PluginHost:
+    """The real component registry an engine receives, with the test's transport registered."""
+    host = PluginHost.create(enable=["torch"])
+    host.register_module(DictTransportPlugin(), name="module:dict_b64", source="this test")
+    host.activate(["torch"])  # the torch plugin and the registered module
+    return host
 
 
 def make_job(seed=0):
@@ -55,8 +59,7 @@ def make_job(seed=0):
 @pytest.fixture(scope="module")
 def served():
     job = make_job()
-    spec = WeightTransportSpec(name="dict_b64", sender=lambda **_: None, receiver=DictReceiver)
-    engine = create_engine(EngineContext(job=job, components=Registry({("weight_transport", "dict_b64"): spec})))
+    engine = create_engine(EngineContext(job=job, components=registry()))
     url = engine.start()
     client = EngineClient(url)
     pool = concurrent.futures.ThreadPoolExecutor(4)

@@ -17,37 +17,23 @@ from loongsage_plugin_torch.engine.weights import WeightUpdateError
 from loongsage_plugin_torch.lora import is_adapter_tensor
 from loongsage_plugin_torch.modeling import TINY_QWEN3
 from loongsage_plugin_torch.trainer import create_train_worker
-from loongsage_plugin_torch.transport import inprocess_receiver, inprocess_sender, shm_receiver, shm_sender
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, JobConfig, LoraConfig, ModelConfig, TrainConfig
+from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import (
-    AggregationSpec,
     Batch,
     EngineContext,
-    PolicyLossOutput,
-    PolicyLossSpec,
     TrainWorkerContext,
-    WeightTransportSpec,
-    normalize_name,
 )
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
 
 
-class Components:
-    specs = {
-        ("policy_loss", "reinforce"): PolicyLossSpec(
-            name="reinforce", fn=lambda x: PolicyLossOutput(loss=-x.advantages * x.logprobs)),
-        ("loss_aggregation", "token_mean"): AggregationSpec(
-            name="token_mean", fn=lambda loss, mask, norm: (loss * mask).sum() / norm.num_tokens),
-        ("weight_transport", "shm"): WeightTransportSpec(name="shm", sender=shm_sender, receiver=shm_receiver),
-        ("weight_transport", "inprocess"): WeightTransportSpec(name="inprocess", sender=inprocess_sender,
-                                                               receiver=inprocess_receiver),
-    }
-
-    def get(self, kind, name):
-        return self.specs[(kind, normalize_name(name))]
+def Components() -> PluginHost:  # noqa: N802 - reads like the registry a backend receives
+    """The real component registry of a run with the rl and torch plugins (``reinforce``,
+    ``token_mean``, the ``shm`` / ``inprocess`` transports)."""
+    return PluginHost.create(enable=["rl", "torch"])
 
 
 def make_job(lora: LoraConfig | None = LoraConfig(rank=4, alpha=8.0), **train) -> JobConfig:

@@ -89,9 +89,7 @@ class EmbeddedEngine:
 
         from .server import EngineServer
 
-        api_key = getattr(self.ctx, "api_key", None)
-        host = getattr(self.ctx, "host", "127.0.0.1") or "127.0.0.1"
-        port = int(getattr(self.ctx, "port", 0) or 0)
+        api_key, host, port = self.ctx.api_key, self.ctx.host or "127.0.0.1", int(self.ctx.port or 0)
         check_listen_address(host, api_key, "embedded engine")
         self.scheduler.start()
         server = EngineServer(self, api_key=api_key)
@@ -149,8 +147,8 @@ class EmbeddedEngine:
         with a receiver (``/update_weights_from_tensor``) and ``broadcast``
         (``/update_weights_from_distributed``)."""
         formats = [DIRECT_FORMAT]
-        components = getattr(self.ctx, "components", None)
-        if components is not None and hasattr(components, "components"):
+        components = self.ctx.components
+        if components is not None:
             formats += sorted(name for name, spec in components.components("weight_transport").items()
                               if spec.receiver is not None and name != "broadcast")
         return formats + ["broadcast"]
@@ -161,7 +159,7 @@ class EmbeddedEngine:
             return decode_direct(payload)
         receiver = self._receivers.get(load_format)
         if receiver is None:
-            components = getattr(self.ctx, "components", None)
+            components = self.ctx.components
             if components is None:
                 raise InvalidRequest(f"'load_format' {load_format!r} is unknown: this engine has no weight "
                                      f"transports, only '{DIRECT_FORMAT}'", "load_format")
@@ -173,7 +171,9 @@ class EmbeddedEngine:
             if spec.receiver is None:
                 raise InvalidRequest(f"'load_format' {load_format!r} names a weight transport without a receiver "
                                      "of its own (its sender uses other transports' formats)", "load_format")
-            receiver = self._receivers[load_format] = spec.receiver()
+            receiver = self._receivers[load_format] = components.build(
+                "weight_transport", load_format, using="receiver",
+                where=f"weight update with load_format {load_format!r}")
         return iter(receiver.receive(payload))
 
     # ------------------------------------------------------------------------------------------
