@@ -120,6 +120,15 @@ def check_lora_support(job: JobConfig, host: PluginHost) -> None:
                               "one that does (torch)")
 
 
+def check_weight_transport(job: JobConfig, host: PluginHost) -> None:
+    """A transport that declares ``colocated_only`` needs ``[placement] colocate = true``."""
+    name = job.rollout.weight_transport
+    if not job.placement.colocate and host.get("weight_transport", name).colocated_only:
+        raise ConfigError(f"{job.source_path or '<job>'}: rollout.weight_transport = '{name}' hands weights over "
+                          "inside one process (its spec declares colocated_only), so it needs placement.colocate "
+                          "= true; pick a transport between processes (shm, broadcast, auto)")
+
+
 def check_reference_updates(job: JobConfig, host: PluginHost) -> None:
     """``[algorithm] ref_update_every`` copies the policy into the reference model, which needs a
     train backend that declares the :class:`~loongsage_hookspecs.LoadsWeights` capability."""
@@ -166,6 +175,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
     check_lora_support(job, host)
     check_reference_updates(job, host)
+    check_weight_transport(job, host)
     if job.async_.enable:
         check_async_scheduler(job, host)
     check_effective_settings(job)

@@ -38,9 +38,6 @@ def check_sizes(job: JobConfig) -> None:
     if job.placement.colocate and rollout.num_engines > train.num_workers:
         raise ConfigError(f"{where}: placement.colocate = true needs rollout.num_engines "
                           f"({rollout.num_engines}) <= train.num_workers ({train.num_workers})")
-    if not job.placement.colocate and rollout.weight_transport == "inprocess":
-        raise ConfigError(f"{where}: rollout.weight_transport = 'inprocess' needs placement.colocate = true "
-                          "(trainer and engine in one process); use 'shm' for separate actors")
 
 
 def _number(lo: float, hi: float, *, lo_open: bool = False, integer: bool = False,

@@ -101,6 +101,12 @@ CASES = {
     "module exiting on import": (lambda t: [f'plugins.modules=["{_module(t, "import sys; sys.exit(3)")}"]'],
                                  "user_module.py' failed: the module called sys.exit(3)"),
     "colocated engines above trainers": (lambda t: ["rollout.num_engines=2"], "needs rollout.num_engines (2) <="),
+    "inprocess between actors": (lambda t: ["placement.colocate=false", "rollout.weight_transport=inprocess"],
+                                 "rollout.weight_transport = 'inprocess' hands weights over inside one process"),
+    "megatron with a reference refresh": (lambda t: ['plugins.enable=["torch", "rl", "rewards", "loggers", "agents", '
+                                                     '"megatron"]', "train.backend=megatron", "algorithm.kl=k3",
+                                                     "algorithm.kl_coef=0.1", "algorithm.ref_update_every=5"],
+                                          "'megatron' does not declare the LoadsWeights capability"),
     "lora rank 0": (lambda t: ["train.lora={rank=0}"], "must be an integer >= 1, got 0 at key 'train.lora.rank'"),
     "lora with a reference refresh": (lambda t: ["train.lora={rank=4}", "algorithm.kl=k3", "algorithm.kl_coef=0.1",
                                                  "algorithm.ref_update_every=5"],

@@ -222,10 +222,14 @@ class WeightTransportSpec(ComponentSpec):
     WeightReceiver`` inside the engine process, looked up by this spec's name (sent as the
     ``load_format`` of the engine's weight-update request). ``receiver = None`` marks a transport
     whose sender only speaks other transports' formats (one that picks a transport per engine).
+    ``colocated_only``: the transport hands tensors over inside one process, so it needs
+    ``[placement] colocate = true`` (``loongsage validate`` refuses it otherwise). A spec's
+    ``capabilities`` are its sender's.
     """
 
     sender: "Callable[..., Any]"
     receiver: "Callable[..., Any] | None" = None
+    colocated_only: bool = False
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -162,16 +162,6 @@ class Actors:
             self.placement_group = None
 
 
-def check_placement(job: JobConfig) -> None:
-    where = job.source_path or "<job>"
-    if job.placement.colocate and job.rollout.num_engines > job.train.num_workers:
-        raise ConfigError(f"{where}: placement.colocate = true needs rollout.num_engines "
-                          f"({job.rollout.num_engines}) <= train.num_workers ({job.train.num_workers})")
-    if not job.placement.colocate and job.rollout.weight_transport == "inprocess":
-        raise ConfigError(f"{where}: rollout.weight_transport = 'inprocess' needs placement.colocate = true "
-                          "(trainer and engine in one process); use 'shm' for separate actors")
-
-
 def _bundle(cpus: float, gpus: float, custom: dict[str, float] | None = None) -> dict[str, float]:
     bundle = {k: float(v) for k, v in (("CPU", cpus), ("GPU", gpus), *(custom or {}).items()) if v > 0}
     return bundle or {"CPU": 0.001}
@@ -210,8 +200,7 @@ def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = No
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    check_placement(job)
-    check_resources(job)
+    check_resources(job)  # the placement itself was checked when the job was resolved
     pg = create_placement_group(job, with_critic)
     ray.get(pg.ready())
     world = job.train.num_workers

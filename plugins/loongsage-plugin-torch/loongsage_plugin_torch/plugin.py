@@ -52,6 +52,7 @@ def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
 @hookimpl
 def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
     yield WeightTransportSpec(name="inprocess", sender=inprocess_sender, receiver=inprocess_receiver,
+                              colocated_only=True,
                               description="trainer and engine in one process: tensors handed over directly")
     yield WeightTransportSpec(name="shm", sender=shm_sender, receiver=shm_receiver,
                               description="bucketed shared memory between processes on one node")
