@@ -28,6 +28,7 @@ import importlib.util
 import inspect
 import os
 import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Any, Sequence
@@ -40,6 +41,7 @@ from loongsage_hookspecs import (
     KINDS,
     PROJECT_NAME,
     ComponentSpec,
+    hookimpl,
     hookspecs,
     missing_members,
     normalize_name,
@@ -119,6 +121,13 @@ def load_module_from_path(path: Path, key: str) -> Any:
         sys.modules.pop(name, None)
         raise PluginError(f"{key}: importing '{path}' failed: {type(exc).__name__}: {exc}") from exc
     return module
+
+
+def _returning(specs: list[ComponentSpec]) -> Any:
+    """A provider hook implementation (no arguments) that returns ``specs``."""
+    def hook() -> list[ComponentSpec]:
+        return list(specs)
+    return hook
 
 
 class PluginHost:
@@ -205,6 +214,23 @@ class PluginHost:
         self.plugins[name] = PluginInfo(name=name, dist=dist, version=str(version), source=source,
                                         aliases=_aliases(name, dist))
         self._index = None
+
+    def register_specs(self, *specs: ComponentSpec, name: str = "module:inline") -> None:
+        """Provide ``specs`` as one more plugin, as a hookimpl module would, and make them selectable.
+
+        For code that builds components without a job file, a plugin's own tests above all: the
+        real host with the real plugins, plus the few specs a test defines itself.
+        """
+        by_hook: dict[str, list[ComponentSpec]] = {}
+        for spec in specs:
+            kind = next((k for k in KINDS.values() if type(spec) is k.spec), None)
+            if kind is None:
+                raise TypeError(f"register_specs: {spec!r} is not a spec of any component kind")
+            by_hook.setdefault(kind.hook, []).append(spec)
+        plugin = types.SimpleNamespace(**{hook: hookimpl(_returning(listed)) for hook, listed in by_hook.items()})
+        self.register_module(plugin, name=name, source="register_specs")
+        if self._active is not None:
+            self._active.add(name)
 
     def activate(self, enable: Sequence[str], where: str = "[plugins]") -> None:
         """Make only the named plugins' components selectable (all when ``enable`` is empty)."""

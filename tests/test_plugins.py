@@ -319,3 +319,21 @@ def test_build_names_an_argument_a_factory_passed_on_as_the_jobs(tmp_path):
     assert host.build("logger", "passes_on", "o", where="w", every=2).every == 2
     with pytest.raises(ConfigError, match=r"^a: logger 'passes_on' does not take these arguments: .*'evry'"):
         host.build("logger", "passes_on", "o", where="w", args_key="a", evry=2)
+
+
+def test_register_specs_adds_selectable_components_to_a_real_host():
+    """``register_specs``: a test's own specs beside the real plugins, selectable and built the same
+    way; a name an enabled plugin already provides is a conflict, a non-spec a TypeError."""
+    from loongsage_core.errors import ConflictError
+    from loongsage_hookspecs import AggregationSpec, PolicyLossSpec
+
+    host = PluginHost.create(enable=["rl"])
+    host.register_specs(PolicyLossSpec(name="My-Loss", fn=lambda inputs: None), name="module:mine")
+    assert host.get("policy_loss", "my_loss").name == "my_loss"
+    assert host.provider("policy_loss", "my_loss") == "module:mine"
+    assert "ppo_clip" in host.components("policy_loss")
+    host.register_specs(AggregationSpec(name="token_mean", fn=lambda loss, mask, norm: loss), name="module:dup")
+    with pytest.raises(ConflictError, match="loss_aggregation 'token_mean' provided by"):
+        host.components("loss_aggregation")
+    with pytest.raises(TypeError, match="is not a spec of any component kind"):
+        host.register_specs(object())

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from loongsage_plugin_rl import plugin as rl_plugin
 from loongsage_plugin_rl.advantages import gae
 from loongsage_plugin_torch.modeling import TINY_QWEN3, load_model
 from loongsage_plugin_torch.trainer import TorchCriticWorker, create_train_worker
@@ -18,19 +17,15 @@ from loongsage_plugin_torch.trainer.value_loss import clipped_value_loss
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, CriticConfig, JobConfig, ModelConfig, RunConfig, TrainConfig
 from loongsage_core.controller.critic import explained_variance
-from loongsage_hookspecs import AdvantageInputs, Batch, TrainWorker, TrainWorkerContext, normalize_name
+from loongsage_core.plugins import PluginHost
+from loongsage_hookspecs import AdvantageInputs, Batch, TrainWorker, TrainWorkerContext
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
 
 
-class Aggregations:
-    """The host's registry reduced to the real loss aggregations of loongsage-plugin-rl."""
-
-    specs = {s.name: s for s in rl_plugin.loongsage_loss_aggregations()}
-
-    def get(self, kind, name):
-        assert kind == "loss_aggregation", kind
-        return self.specs[normalize_name(name)]
+def Aggregations() -> PluginHost:  # noqa: N802 - reads like the registry a backend receives
+    """The real registry with the rl and torch plugins (loss aggregations, policy losses)."""
+    return PluginHost.create(enable=["rl", "torch"])
 
 
 def make_job(*, critic=None, model=None, train=None, loss_agg="token_mean") -> JobConfig:
@@ -279,13 +274,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path):
 def test_policy_checkpoint_is_refused(tmp_path):
     from loongsage_plugin_torch.trainer import TorchTrainWorker
 
-    class Components(Aggregations):
-        specs = {**Aggregations.specs, **{s.name: s for s in rl_plugin.loongsage_policy_losses()}}
-
-        def get(self, kind, name):
-            return self.specs[normalize_name(name)]
-
-    policy = TorchTrainWorker(TrainWorkerContext(job=make_job(), components=Components(), role="actor"))
+    policy = TorchTrainWorker(TrainWorkerContext(job=make_job(), components=Aggregations(), role="actor"))
     policy.save_checkpoint(str(tmp_path / "rank_0"))
     with pytest.raises(ValueError, match="saved by a 'actor' worker, not a critic"):
         make_critic(make_job()).load_checkpoint(str(tmp_path / "rank_0"))

@@ -18,7 +18,7 @@ from loongsage_plugin_torch.modeling import TINY_QWEN3, load_model  # noqa: E402
 from loongsage_core.config import structure_job  # noqa: E402
 from loongsage_core.engine_client import EngineClient, EngineError, encode_direct_tensors  # noqa: E402
 from loongsage_core.plugins import PluginHost  # noqa: E402
-from loongsage_hookspecs import EngineContext, WeightTransportSpec, hookimpl  # noqa: E402
+from loongsage_hookspecs import EngineContext, WeightTransportSpec  # noqa: E402
 
 CONTEXT = 4096
 UNTIL_ABORTED = CONTEXT - 16
@@ -34,19 +34,10 @@ class DictReceiver:
         yield from torch.load(io.BytesIO(data), weights_only=True).items()
 
 
-class DictTransportPlugin:
-    """A hookimpl object providing the ``dict_b64`` weight transport (receiver only matters here)."""
-
-    @hookimpl
-    def loongsage_weight_transports(self):
-        return [WeightTransportSpec(name="dict_b64", sender=lambda **_: None, receiver=DictReceiver)]
-
-
 def registry() -> PluginHost:
-    """The real component registry an engine receives, with the test's transport registered."""
+    """The real component registry an engine receives, with the test's ``dict_b64`` transport."""
     host = PluginHost.create(enable=["torch"])
-    host.register_module(DictTransportPlugin(), name="module:dict_b64", source="this test")
-    host.activate(["torch"])  # the torch plugin and the registered module
+    host.register_specs(WeightTransportSpec(name="dict_b64", sender=lambda **_: None, receiver=DictReceiver))
     return host
 
 

@@ -14,6 +14,7 @@ from loongsage_plugin_torch.trainer.packing import PackedRows, plan_micro_batche
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
 from loongsage_core.controller.batching import balanced_shards, shard_rows
+from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import AggregationSpec, Batch, PolicyLossOutput, PolicyLossSpec, TrainWorkerContext
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
@@ -29,12 +30,11 @@ def token_mean(loss, mask, norm):
     return (loss * mask).sum() / norm.num_tokens
 
 
-class Components:
-    specs = {("policy_loss", "ratio_pg"): PolicyLossSpec(name="ratio_pg", fn=ratio_pg),
-             ("loss_aggregation", "token_mean"): AggregationSpec(name="token_mean", fn=token_mean)}
-
-    def get(self, kind, name):
-        return self.specs[(kind, name)]
+def Components() -> PluginHost:  # noqa: N802 - reads like the registry a backend receives
+    """The real registry with this file's reference loss and aggregation."""
+    host = PluginHost.create(enable=["torch"])
+    host.register_specs(PolicyLossSpec(name="ratio_pg", fn=ratio_pg), AggregationSpec(name="token_mean", fn=token_mean))
+    return host
 
 
 def make_worker(max_tokens: int | None, **train):

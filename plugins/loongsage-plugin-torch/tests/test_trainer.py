@@ -15,6 +15,7 @@ from loongsage_plugin_torch.trainer.logits import decoder_of
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.backend_api import lr_factor
 from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
+from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import (
     AggregationSpec,
     Batch,
@@ -22,7 +23,6 @@ from loongsage_hookspecs import (
     PolicyLossSpec,
     TrainWorker,
     TrainWorkerContext,
-    normalize_name,
 )
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
@@ -44,16 +44,13 @@ def seq_mean_token_mean(loss, mask, norm):
     return ((loss * mask).sum(1) / mask.sum(1).clamp_min(1)).sum() / norm.num_sequences
 
 
-class Components:
-    """A dict-backed stand-in for the host's plugin registry."""
-
-    specs = {("policy_loss", "ratio_pg"): PolicyLossSpec(name="ratio_pg", fn=ratio_pg),
-             ("loss_aggregation", "token_mean"): AggregationSpec(name="token_mean", fn=token_mean),
-             ("loss_aggregation", "seq_mean_token_mean"): AggregationSpec(name="seq_mean_token_mean",
-                                                                          fn=seq_mean_token_mean)}
-
-    def get(self, kind, name):
-        return self.specs[(kind, normalize_name(name))]
+def Components() -> PluginHost:  # noqa: N802 - reads like the registry a backend receives
+    """The real registry (the torch plugin) with this file's reference loss and aggregations."""
+    host = PluginHost.create(enable=["torch"])
+    host.register_specs(PolicyLossSpec(name="ratio_pg", fn=ratio_pg),
+                        AggregationSpec(name="token_mean", fn=token_mean),
+                        AggregationSpec(name="seq_mean_token_mean", fn=seq_mean_token_mean))
+    return host
 
 
 def make_job(*, model=None, train=None, **algorithm) -> JobConfig:

@@ -23,6 +23,7 @@ from loongsage_plugin_torch.trainer import create_train_worker
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, JobConfig, LoraConfig, ModelConfig, TrainConfig
+from loongsage_core.plugins import PluginHost
 from loongsage_core.rendezvous import host_rendezvous
 from loongsage_hookspecs import (
     AggregationSpec,
@@ -30,7 +31,6 @@ from loongsage_hookspecs import (
     PolicyLossOutput,
     PolicyLossSpec,
     TrainWorkerContext,
-    normalize_name,
 )
 
 ROWS = 8
@@ -46,13 +46,12 @@ def seq_mean_token_mean(loss, mask, norm):
     return ((loss * mask).sum(1) / mask.sum(1).clamp_min(1)).sum() / norm.num_sequences
 
 
-class Components:
-    specs = {("policy_loss", "clipped_pg"): PolicyLossSpec(name="clipped_pg", fn=clipped_pg),
-             ("loss_aggregation", "seq_mean_token_mean"): AggregationSpec(name="seq_mean_token_mean",
-                                                                          fn=seq_mean_token_mean)}
-
-    def get(self, kind, name):
-        return self.specs[(kind, normalize_name(name))]
+def Components() -> PluginHost:  # noqa: N802 - reads like the registry a backend receives
+    """The real registry with this file's reference loss and aggregation."""
+    host = PluginHost.create(enable=["torch"])
+    host.register_specs(PolicyLossSpec(name="clipped_pg", fn=clipped_pg),
+                        AggregationSpec(name="seq_mean_token_mean", fn=seq_mean_token_mean))
+    return host
 
 
 def make_job(variant: str = "full") -> JobConfig:
