@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 import attrs
 
-from .config import ConfigError, JobConfig
+from .config import ConfigError, JobConfig, structure_args
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
@@ -111,8 +111,8 @@ def check_component_args(job: JobConfig, host: Any) -> None:
     where = job.source_path or "<job>"
     for table in args_tables(job):
         spec = host.get(table.kind, table.name, where=f"{where}: {table.key}")
-        schema = getattr(spec, "args_schema", None)
-        if schema is not None and attrs.has(schema):
+        schema = spec.args_schema
+        if schema is not None:
             fields = attrs.fields(schema)
             found: tuple[list[str], list[str]] | None = (
                 [f.name for f in fields], [f.name for f in fields if f.default is attrs.NOTHING])
@@ -130,6 +130,11 @@ def check_component_args(job: JobConfig, host: Any) -> None:
         missing = [r for r in required if r not in table.args]
         if missing:
             raise ConfigError(f"{where}: {table.key}: {what} needs the argument(s) {', '.join(missing)}")
+        if schema is not None:  # the values too: the schema's field validators
+            try:
+                structure_args(schema, table.args, f"{where}: {table.key}", what)
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
 
 
 def check_effective_settings(job: JobConfig) -> None:

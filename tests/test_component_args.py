@@ -76,25 +76,31 @@ def test_good_component_args_pass(host):
                                     "reward": ["format"], "reward_args": {"format": {"pattern": "x"}}}]), host)
 
 
-def test_a_declared_args_schema_wins_over_the_signature(host):
+def test_a_declared_args_schema_wins_over_the_signature():
+    """A spec's ``args_schema`` decides the accepted and required keys (the callable's signature
+    would refuse ``strength``) and, through its validators, the values."""
+    from loongsage_hookspecs import AdvantageSpec
+
     @attrs.define
     class Schema:
-        strength: float
+        strength: float = attrs.field(validator=attrs.validators.gt(0))
         bias: float = 0.0
 
-    @attrs.define
-    class SchemaSpec:  # a spec that declares its arguments (grpo's signature would refuse `strength`)
-        fn: object
-        args_schema: type = Schema
-
-    class Host:
-        def get(self, kind, name, where=None):
-            spec = host.get(kind, name, where=where)
-            return SchemaSpec(spec.fn) if kind == "advantage" else spec
-
-    with pytest.raises(ConfigError, match="needs the argument\\(s\\) strength"):
-        check_component_args(job(algorithm={"advantage_args": {}}), Host())
-    check_component_args(job(algorithm={"advantage_args": {"strength": 1.0}}), Host())
+    base = job(algorithm={"advantage": "scaled"})
+    host = PluginHost.from_job(base)
+    grpo = host.get("advantage", "grpo")
+    host.register_specs(AdvantageSpec(name="scaled", fn=grpo.fn, args_schema=Schema))
+    with pytest.raises(ConfigError, match=r"advantage_args: advantage 'scaled' needs the argument\(s\) strength"):
+        check_component_args(job(algorithm={"advantage": "scaled", "advantage_args": {}}), host)
+    with pytest.raises(ConfigError, match="algorithm.advantage_args.norm_std: unknown argument of advantage 'scaled'; "
+                                          "it takes: strength, bias"):
+        check_component_args(job(algorithm={"advantage": "scaled", "advantage_args": {"strength": 1.0,
+                                                                                     "norm_std": False}}), host)
+    with pytest.raises(ConfigError, match="algorithm.advantage_args: 'strength' must be > 0: -1"):
+        check_component_args(job(algorithm={"advantage": "scaled", "advantage_args": {"strength": -1.0}}), host)
+    check_component_args(job(algorithm={"advantage": "scaled", "advantage_args": {"strength": 1.0}}), host)
+    with pytest.raises(TypeError, match="args_schema: expected an attrs class"):
+        AdvantageSpec(name="bad", fn=grpo.fn, args_schema=dict)
 
 
 @pytest.mark.parametrize("algorithm, message", [

@@ -19,6 +19,7 @@ from loongsage_core.algorithms import (
     train_inference_gap,
 )
 from loongsage_core.config import AlgorithmConfig, JobConfig
+from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import (
     AdvantageOutput,
     AdvantageSpec,
@@ -30,7 +31,6 @@ from loongsage_hookspecs import (
     KLSpec,
     PolicyLossOutput,
     PolicyLossSpec,
-    normalize_name,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -90,18 +90,11 @@ def halve_first_row(x):
     return CorrectionOutput(mask=m)
 
 
-class Registry:
-    """A dict-backed stand-in for the host's plugin registry."""
-
-    def __init__(self, *specs):
-        self.specs = {}
-        for spec in specs:
-            kind = {PolicyLossSpec: "policy_loss", AggregationSpec: "loss_aggregation", KLSpec: "kl",
-                    CorrectionSpec: "correction", AdvantageSpec: "advantage"}[type(spec)]
-            self.specs[(kind, spec.name)] = spec
-
-    def get(self, kind, name):
-        return self.specs[(kind, normalize_name(name))]
+def Registry(*specs) -> PluginHost:  # noqa: N802 - reads like the registry the pipeline receives
+    """The real host, no plugin enabled, with this file's reference components registered."""
+    host = PluginHost.create(enable=[], entry_points=False)
+    host.register_specs(*specs)
+    return host
 
 
 REGISTRY = Registry(

@@ -44,15 +44,24 @@ def _capability_list(_spec: Any, attribute: Any, value: tuple[type, ...]) -> Non
                         "(see loongsage_hookspecs.capabilities)")
 
 
+def _attrs_class(_spec: Any, attribute: Any, value: type | None) -> None:
+    if value is not None and not (isinstance(value, type) and attrs.has(value)):
+        raise TypeError(f"{attribute.name}: expected an attrs class, got {value!r}")
+
+
 @attrs.define(frozen=True, kw_only=True)
 class ComponentSpec:
-    """Fields every spec has: the selectable ``name``, a one-line ``description`` and the optional
+    """Fields every spec has: the selectable ``name``, a one-line ``description``, the optional
     ``capabilities`` its objects implement (protocols of :mod:`loongsage_hookspecs.capabilities`,
-    checked when an object is built; only object-style kinds have any)."""
+    checked when an object is built; only object-style kinds have any) and an optional
+    ``args_schema``: an attrs class whose fields are the ``*_args`` the component takes (those
+    without a default required); ``loongsage validate`` checks the job's table against it, keys
+    and values (the fields' validators), instead of reading the callable's signature."""
 
     name: str = attrs.field(converter=normalize_name)
     description: str = ""
     capabilities: tuple[type, ...] = attrs.field(default=(), converter=tuple, validator=_capability_list)
+    args_schema: type | None = attrs.field(default=None, validator=_attrs_class)
 
     def declared_capabilities(self) -> tuple[type, ...]:
         """Every capability the built object must implement (a kind may add implied ones)."""

@@ -130,24 +130,18 @@ def test_packed_training_gives_the_padded_loss_and_gradients():
 
 
 def test_packed_critic_values_and_gradients_equal_the_padded_ones():
-    from loongsage_plugin_rl import plugin as rl_plugin
     from loongsage_plugin_rl.advantages import gae
 
     from loongsage_core.config import CriticConfig, RunConfig
     from loongsage_hookspecs import AdvantageInputs
-
-    class Aggregations:
-        specs = {s.name: s for s in rl_plugin.loongsage_loss_aggregations()}
-
-        def get(self, kind, name):
-            return self.specs[name]
 
     def critic(max_tokens):
         job = JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=TOKENIZER),
                         train=TrainConfig(lr=1e-3, micro_batch_size=3, max_tokens_per_micro_batch=max_tokens),
                         algorithm=AlgorithmConfig(loss_agg="token_mean"), critic=CriticConfig(micro_batch_size=3),
                         run=RunConfig(seed=3))
-        worker = create_train_worker(TrainWorkerContext(job=job, components=Aggregations(), role="critic"))
+        host = PluginHost.create(enable=["rl", "torch"])
+        worker = create_train_worker(TrainWorkerContext(job=job, components=host, role="critic"))
         with torch.no_grad():  # a fresh head is all zeros: give it weights
             head = worker.model.value_head
             head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(1)))
