@@ -23,6 +23,7 @@ from .capabilities import (
     Offloadable,
     OnDevice,
     ReplaceableEngines,
+    ReportsIsolation,
     ResidentTeacher,
     ReusesTrainingLogprobs,
     SourcePicker,

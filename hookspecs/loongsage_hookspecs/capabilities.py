@@ -115,6 +115,16 @@ class Closeable(Protocol):
 
 
 @runtime_checkable
+class ReportsIsolation(Protocol):
+    """A sandbox provider that says what it enforces on this machine: ``enforced["isolation"]``
+    (e.g. ``bwrap``, ``netns``, ``none``) and ``enforced["warnings"]`` (each weaker-than-asked
+    setting in words). The host copies both into each trajectory's ``metadata["sandbox"]``."""
+
+    @property
+    def enforced(self) -> Mapping[str, Any]: ...
+
+
+@runtime_checkable
 class ResidentTeacher(Protocol):
     """A teacher that is loaded onto its device when it is about to score and offloaded after,
     so several teachers can take turns within ``placement.max_resident_teachers``."""

@@ -17,21 +17,27 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Mapping
 
-from loongsage_hookspecs import AgentContext, AgentResult, Trajectory, TrajectoryStatus
+from loongsage_hookspecs import (
+    Agent,
+    AgentContext,
+    AgentResult,
+    AgentSpec,
+    ReportsIsolation,
+    Trajectory,
+    TrajectoryStatus,
+)
 
 log = logging.getLogger(__name__)
 
 
 def build_agent(agent: Any, agent_args: Mapping[str, Any] | None) -> tuple[Any, bool]:
     """``(agent object, needs_sandbox)`` from an :class:`AgentSpec` (+ args) or a built agent."""
-    factory = getattr(agent, "factory", None)
-    if factory is not None:
-        obj = factory(**dict(agent_args or {}))
-        needs = bool(getattr(agent, "needs_sandbox", False))
+    if isinstance(agent, AgentSpec):
+        obj, needs, name = agent.factory(**dict(agent_args or {})), agent.needs_sandbox, agent.name
     else:
-        obj, needs = agent, False
-    if not callable(getattr(obj, "run", None)):
-        raise TypeError(f"agent {getattr(agent, 'name', type(obj).__name__)!r} has no async run(ctx) method")
+        obj, needs, name = agent, False, type(agent).__name__
+    if not isinstance(obj, Agent):
+        raise TypeError(f"agent {name!r} has no async run(ctx) method")
     return obj, needs
 
 
@@ -74,8 +80,7 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
     base_url = await router.aregister(tid, attempt=attempt, sampling=sampling, max_response_tokens=max_response_tokens,
                                       max_context_length=max_context_length, metadata={"source": trajectory.source})
     if api_key is None:
-        key_for = getattr(router, "trajectory_key", None)
-        api_key = key_for(tid, attempt) if callable(key_for) else "loongsage"
+        api_key = router.trajectory_key(tid, attempt)
     trajectory.status = TrajectoryStatus.GENERATING
     sandbox = None
     timing: dict[str, float] = {}
@@ -149,9 +154,9 @@ def _fill(trajectory: Trajectory, record: Any, result: AgentResult | None, error
 
 def _sandbox_report(provider: Any, timing: Mapping[str, float]) -> dict[str, Any]:
     """What the trajectory's metadata says of its sandbox: isolation in force, weaknesses, timings."""
-    enforced = getattr(provider, "enforced", None)
     report: dict[str, Any] = dict(timing)
-    if isinstance(enforced, Mapping):
+    if isinstance(provider, ReportsIsolation):
+        enforced = provider.enforced
         report["isolation"] = enforced.get("isolation")
         if enforced.get("warnings"):
             report["warnings"] = list(enforced["warnings"])

@@ -31,7 +31,7 @@ def compute_reward(traj: Trajectory, source: DataConfig, components: Any,
     for name in source.reward:
         spec = components.get("reward", name)
         args = dict(source.reward_args.get(name, {}))
-        if getattr(spec, "needs_sandbox", False):
+        if spec.needs_sandbox:
             args["sandbox"] = sandbox
         try:
             out = spec.fn(traj, **args)

@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from loongsage_hookspecs import AgentSpec, Closeable, RouterMiddlewareSpec, SandboxSpec, StreamingMiddleware, hookimpl
+from loongsage_hookspecs import (
+    AgentSpec,
+    Closeable,
+    ReportsIsolation,
+    RouterMiddlewareSpec,
+    SandboxSpec,
+    StreamingMiddleware,
+    hookimpl,
+)
 
 
 def _single_turn(**args: Any) -> Any:
@@ -101,7 +109,7 @@ def loongsage_agents() -> Iterator[AgentSpec]:
 def loongsage_sandboxes() -> Iterator[SandboxSpec]:
     yield SandboxSpec(name="local", factory=_local_sandbox,
                       description="per-trajectory directory; bubblewrap read-only root and no network "
-                                  "where available; rlimits", capabilities=(Closeable,))
+                                  "where available; rlimits", capabilities=(Closeable, ReportsIsolation))
 
 
 @hookimpl
