@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shlex
 import sys
 import textwrap
 import time
@@ -143,9 +144,9 @@ def test_agent_that_outgrows_the_context_is_marked_failed(engine_url, router_fac
 def test_hanging_command_agent_times_out_and_is_killed(engine_url, router_factory, agents, tmp_path):
     router = router_factory([engine_url])
     pid_file = tmp_path / "pid"
-    hang = [sys.executable, "-c", f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); "
-                                  "time.sleep(60)"]
-    # 3 s: time for the interpreter to start and write its pid on a busy machine
+    # a shell writes its pid at once and becomes the sleep (exec: the same pid); a Python program
+    # could still be starting after the 3 s on a busy machine, leaving no pid to check
+    hang = ["/bin/sh", "-c", f"echo $$ > {shlex.quote(str(pid_file))}; exec sleep 60"]
     for label, agent_args, runner_timeout in (("agent", {"command": hang, "timeout_s": 3.0}, 30),
                                               ("runner", {"command": hang}, 3.0)):
         started = time.monotonic()
