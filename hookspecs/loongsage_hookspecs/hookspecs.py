@@ -209,10 +209,11 @@ def loongsage_router_middlewares() -> Iterable[RouterMiddlewareSpec]:
     ``factory(**args)`` returns an object with ``on_request`` and ``on_response``; the router
     chains them in job-file order. Both see chat-completions bodies whatever protocol the agent
     speaks (the router translates Responses and Anthropic Messages requests). Optional, for
-    streaming: ``stream_holdback(request, text) -> int`` declares ``on_response`` safe to run on
-    partial responses and says how many trailing characters of the partial text it cannot judge
-    yet (a tool call being written); ``changes_response = False`` marks one that never changes
-    responses (a logger). While a middleware has neither, a turn's text is streamed only at its end.
+    streaming (the ``StreamingMiddleware`` capability): ``stream_holdback(request, text) -> int``
+    declares ``on_response`` safe to run on partial responses and says how many trailing
+    characters of the partial text it cannot judge yet (a tool call being written);
+    ``changes_response = False`` marks one that never changes responses (a logger). While a
+    middleware has neither, a turn's text is streamed only at its end.
 
     Example::
 
@@ -246,7 +247,8 @@ def loongsage_schedulers() -> Iterable[SchedulerSpec]:
     ``factory(**args)`` returns a ``Scheduler``; the host asks it what to dispatch and what the
     next step may train on. With several ``[[data]]`` sources the host also passes ``quota``
     (``quota(version) -> {source: groups}``, the step's share of each source, floor or ceil of its
-    weight) and asks ``next_source(version)`` which source to draw the next prompt from. Optional
+    weight) and asks ``next_source(version)`` which source to draw the next prompt from (the
+    ``SourcePicker`` capability, declared in the spec; a job with several sources needs it). Optional
     ``state_dict()`` / ``load_state_dict(state)`` (``CheckpointableScheduler``) are saved with
     every checkpoint and loaded on resume, so a resumed run continues the same schedule.
 
@@ -318,7 +320,9 @@ def loongsage_engine_routers() -> Iterable[EngineRouterSpec]:
     ``factory(engine_urls, **args)`` runs in the controller and returns an object whose
     ``start()`` returns one URL serving ``/generate`` for all engines and whose ``shutdown()``
     stops it. Generation (the fast path and the AgentFlow router's calls) goes through it; weight
-    updates, pause/continue and memory release still go to each engine.
+    updates, pause/continue and memory release still go to each engine. A router that declares the
+    ``ReplaceableEngines`` capability (``add_engine`` / ``remove_engine``) is told when an engine
+    that died is replaced; behind one without it, an engine death ends the run.
 
     Example::
 
@@ -334,11 +338,11 @@ def loongsage_loggers() -> Iterable[LoggerSpec]:
     """Provide metrics loggers.
 
     ``factory(output_dir, **args)`` returns an object with ``log(step, metrics)`` and ``close()``;
-    every logger in the job file's ``[[loggers]]`` list receives every step. Optional methods:
-    ``truncate_after(step)`` (called when a run resumes at ``step``) and
-    ``log_trajectories(step, records)``, which receives each step's rollout records (dicts of the
-    format in docs/records.md) from the records writer's thread unless the logger has a false
-    ``wants_trajectories`` attribute.
+    every logger in the job file's ``[[loggers]]`` list receives every step. Optional
+    capabilities, declared in the spec: ``StepTruncation`` (``truncate_after(step)``, called when
+    a run resumes at ``step``) and ``TrajectoryLogger`` (``log_trajectories(step, records)`` with
+    ``wants_trajectories``: while it is true, each step's rollout records, dicts of the format in
+    docs/records.md, arrive from the records writer's thread).
 
     Example::
 
