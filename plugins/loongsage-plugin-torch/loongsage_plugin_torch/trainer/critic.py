@@ -199,11 +199,7 @@ class TorchCriticWorker(TorchTrainWorker):
                                                clip=self.value_clip, aggregate=self._aggregate)
             (self.loss_coef * loss).backward()
             acc.add(metrics, micro["loss_mask"])
-        if distributed.is_distributed():
-            distributed.sum_gradients(self.model.parameters(),
-                                      bucket_bytes=int(self.options.grad_sync_bucket_mb * (1 << 20)))
-        acc.reduce()
-        return acc.result()
+        return self._finish_accumulation(acc)
 
     def optimizer_step(self) -> dict[str, float]:
         """The policy's optimizer step (clip, AdamW, schedule); metrics named ``train/critic_*``."""

@@ -85,6 +85,11 @@ class TrainingStepMixin(ForwardPassMixin):
             old = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
             old[torch.as_tensor([r for rows in plan for r in rows], dtype=torch.long)] = torch.cat(kept)
             self.training_forward_logprobs = old
+        return self._finish_accumulation(acc)
+
+    def _finish_accumulation(self, acc: Any) -> dict[str, float]:
+        """The end of a mini-batch's backward passes: gradients summed over data-parallel ranks
+        (in ``grad_sync_bucket_mb`` buckets), metrics reduced over them."""
         if distributed.is_distributed():
             distributed.sum_gradients(self.model.parameters(),
                                       bucket_bytes=int(self.options.grad_sync_bucket_mb * (1 << 20)))
