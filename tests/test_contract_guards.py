@@ -114,6 +114,8 @@ def test_every_capability_is_documented_and_declared_by_a_shipped_component():
     assert len(caps) >= 14
     host = PluginHost.create()
     declared = {c for kind in KINDS for spec in host.components(kind).values() for c in spec.declared_capabilities()}
+    # a sandbox's, checked where agents use it: providers create sandboxes per trajectory, no spec builds one
+    per_trajectory = {capabilities.RunsPrograms}
     for cap in caps:
         assert f"| `{cap.__name__}` |" in DOCS, f"docs/hooks.md has no row for the capability {cap.__name__}"
-        assert cap in declared, f"no shipped component declares {cap.__name__}"
+        assert cap in declared or cap in per_trajectory, f"no shipped component declares {cap.__name__}"

@@ -26,6 +26,7 @@ from .capabilities import (
     ReportsIsolation,
     ResidentTeacher,
     ReusesTrainingLogprobs,
+    RunsPrograms,
     SourcePicker,
     StepTruncation,
     StreamingMiddleware,

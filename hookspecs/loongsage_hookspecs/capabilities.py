@@ -125,6 +125,18 @@ class ReportsIsolation(Protocol):
 
 
 @runtime_checkable
+class RunsPrograms(Protocol):
+    """A sandbox (what a provider's ``create`` returns) that runs an agent's program inside itself:
+    its isolation, limits and user, with the router reachable through ``bridge`` where the sandbox
+    has no network. ``arun_program(argv, *, env, stdin, timeout_s, bridge, max_output_bytes,
+    budgeted)`` returns the finished program's exit code, output and ``timed_out``. Agents that
+    run programs (``command``, the CLI agents) use it; without it they run the program on the host
+    in a scratch directory."""
+
+    async def arun_program(self, argv: list[str], **options: Any) -> Any: ...
+
+
+@runtime_checkable
 class ResidentTeacher(Protocol):
     """A teacher that is loaded onto its device when it is about to score and offloaded after,
     so several teachers can take turns within ``placement.max_resident_teachers``."""

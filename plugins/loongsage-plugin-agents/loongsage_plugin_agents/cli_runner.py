@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import attrs
 
-from loongsage_hookspecs import AgentContext, AgentResult
+from loongsage_hookspecs import AgentContext, AgentResult, RunsPrograms
 
 from .sandbox_procs import kill_tree
 
@@ -188,7 +188,7 @@ class CliAgent:
         return env
 
     async def run(self, ctx: AgentContext) -> AgentResult:
-        if ctx.sandbox is not None and callable(getattr(ctx.sandbox, "arun_program", None)):
+        if isinstance(ctx.sandbox, RunsPrograms):
             return await self._run_in_sandbox(ctx, ctx.sandbox)
         home = tempfile.mkdtemp(prefix=f"loongsage-{self.binary_name}-home-")
         scratch = None

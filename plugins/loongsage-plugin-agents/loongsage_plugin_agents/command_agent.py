@@ -34,7 +34,7 @@ import tempfile
 import uuid
 from typing import Any
 
-from loongsage_hookspecs import AgentContext, AgentResult
+from loongsage_hookspecs import AgentContext, AgentResult, RunsPrograms
 
 from .sandbox_procs import Launch, await_launch
 
@@ -83,7 +83,7 @@ class CommandAgent:
 
     async def run(self, ctx: AgentContext) -> AgentResult:
         prompt_text = ctx.prompt if isinstance(ctx.prompt, str) else json.dumps(ctx.prompt, ensure_ascii=False)
-        if ctx.sandbox is not None and callable(getattr(ctx.sandbox, "arun_program", None)):
+        if isinstance(ctx.sandbox, RunsPrograms):
             return await self._run_in_sandbox(ctx, ctx.sandbox, prompt_text)
         scratch = tempfile.mkdtemp(prefix="loongsage-command-")
         try:

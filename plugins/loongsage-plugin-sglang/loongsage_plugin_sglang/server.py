@@ -97,7 +97,7 @@ class SGLangServer:
         self.options, _ = _launcher_options(job)
         self.host = ctx.host or "127.0.0.1"
         self.engine_index = int(ctx.engine_index)
-        self.secret = getattr(ctx, "api_key", None)
+        self.secret = ctx.api_key
         check_listen_address(self.host, self.secret, f"sglang server (engine {self.engine_index})")
         self.fixed_port = bool(ctx.port)
         """A port given in the context is used as is; otherwise a free one, another if it is taken first."""

@@ -19,7 +19,7 @@ def create_train_worker(ctx: TrainWorkerContext) -> "TorchTrainWorker":
     """Build one data-parallel rank (``ctx`` is a ``TrainWorkerContext``) of the torch backend:
     a :class:`TorchTrainWorker` for roles ``actor`` / ``reference``, a value model
     (:class:`~.critic.TorchCriticWorker`) for role ``critic``."""
-    if getattr(ctx, "role", None) == "critic":
+    if ctx.role == "critic":
         from .critic import TorchCriticWorker
 
         return TorchCriticWorker(ctx)
