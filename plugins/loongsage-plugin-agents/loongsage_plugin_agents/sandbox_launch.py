@@ -102,8 +102,9 @@ def main() -> int:
             os.execvp(argv[0], argv)
         code = subprocess.call(argv)
     except OSError as exc:
+        hidden = " and it must not be under /tmp, which is the sandbox's own" if argv[0].startswith("/tmp/") else ""
         print(f"sandbox: cannot run {argv[0]}: {exc.strerror} (the sandbox's user, uid {os.getuid()}, must be able "
-              "to execute it and reach its directory)", file=sys.stderr)
+              f"to execute it and reach its directory{hidden})", file=sys.stderr)
         return 126 if isinstance(exc, PermissionError) else 127
     return 128 - code if code < 0 else code
 
