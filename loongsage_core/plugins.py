@@ -22,12 +22,7 @@ Selection rules (``[plugins] enable``):
 from __future__ import annotations
 
 import difflib
-import importlib
-import importlib.metadata as importlib_metadata
-import importlib.util
 import inspect
-import os
-import sys
 import types
 import warnings
 from pathlib import Path
@@ -49,9 +44,13 @@ from loongsage_hookspecs import (
 
 from .config import ConfigError
 from .errors import ComponentBuildError, ConflictError, PluginError, UnknownComponentError
-
-DISABLE_ENV = "LOONGSAGE_DISABLE_PLUGINS"
-DIST_PREFIX = "loongsage-plugin-"
+from .plugin_sources import (
+    DISABLE_ENV,
+    aliases_of,
+    blocked_names,
+    installed_entry_points,
+    load_module_from_path,
+)
 
 
 class PluginWarning(UserWarning):
@@ -75,52 +74,6 @@ class Provided:
 
     spec: ComponentSpec
     plugin: str
-
-
-def _aliases(entry_name: str, dist: str | None) -> frozenset[str]:
-    names = {normalize_name(entry_name)}
-    if dist:
-        names.add(normalize_name(dist))
-        if normalize_name(dist).startswith(normalize_name(DIST_PREFIX)):
-            names.add(normalize_name(dist)[len(DIST_PREFIX):])
-    return frozenset(names)
-
-
-def blocked_names(environ: dict[str, str] | None = None) -> set[str]:
-    """Plugin names blocked by ``LOONGSAGE_DISABLE_PLUGINS``."""
-    raw = (environ if environ is not None else os.environ).get(DISABLE_ENV, "")
-    return {normalize_name(n) for n in raw.split(",") if n.strip()}
-
-
-def installed_entry_points() -> list[importlib_metadata.EntryPoint]:
-    """Entry points of the ``loongsage`` group, de-duplicated by (distribution, name)."""
-    seen: set[tuple[str | None, str]] = set()
-    result = []
-    for ep in importlib_metadata.entry_points(group=PROJECT_NAME):
-        key = (ep.dist.name if ep.dist else None, ep.name)
-        if key not in seen:
-            seen.add(key)
-            result.append(ep)
-    return sorted(result, key=lambda e: e.name)
-
-
-def load_module_from_path(path: Path, key: str) -> Any:
-    """Import a user hookimpl module from a file path under a unique module name."""
-    name = f"loongsage_user_{abs(hash(str(path)))}_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise PluginError(f"{key}: cannot import '{path}' (not a Python file?)")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except SystemExit as exc:  # sys.exit() at import would end the CLI with no word of why
-        sys.modules.pop(name, None)
-        raise PluginError(f"{key}: importing '{path}' failed: the module called sys.exit({exc.code!r})") from None
-    except Exception as exc:  # a user module may raise anything while importing
-        sys.modules.pop(name, None)
-        raise PluginError(f"{key}: importing '{path}' failed: {type(exc).__name__}: {exc}") from exc
-    return module
 
 
 def _returning(specs: list[ComponentSpec]) -> Any:
@@ -177,7 +130,7 @@ class PluginHost:
         blocked = blocked_names()
         for ep in installed_entry_points():
             dist = ep.dist.name if ep.dist else None
-            aliases = _aliases(ep.name, dist)
+            aliases = aliases_of(ep.name, dist)
             label = dist or ep.name
             self.available[ep.name] = aliases
             if only is not None and not aliases & set(only):
@@ -212,7 +165,7 @@ class PluginHost:
             raise PluginError(f"plugin '{dist or name}' ({source}): {exc}") from exc
         version = getattr(module, "__version__", None) or version
         self.plugins[name] = PluginInfo(name=name, dist=dist, version=str(version), source=source,
-                                        aliases=_aliases(name, dist))
+                                        aliases=aliases_of(name, dist))
         self._index = None
 
     def register_specs(self, *specs: ComponentSpec, name: str = "module:inline") -> None:
