@@ -1,0 +1,133 @@
+"""The whole job file (:class:`JobConfig`) and its run-level tables.
+
+``[plugins]`` (which plugins are active), ``[placement]`` (where actors live), ``[[loggers]]``
+(metrics loggers) and ``[run]`` (seed, checkpoints, the Ray cluster) are declared here;
+:class:`JobConfig` gathers them with the training tables (:mod:`.training`) and the rollout
+tables (:mod:`.rollout`). The section classes are imported at module level, not for typing only:
+the structuring step resolves these annotations with ``typing.get_type_hints``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+
+from .fields import Args, at_least_one, custom_resources, in_range, non_negative, valid_seed
+from .rollout import AgentFlowConfig, AsyncConfig, DataConfig, RolloutConfig
+from .training import AlgorithmConfig, CriticConfig, ModelConfig, SftConfig, TeacherConfig, TrainConfig
+
+
+@attrs.define
+class PluginsConfig:
+    """Which plugins are active: ``enable`` names distributions or entry points; ``modules``
+    lists user hookimpl modules by file path (relative to the job file)."""
+
+    enable: list[str] = attrs.field(factory=list)
+    modules: list[str] = attrs.field(factory=list)
+
+
+@attrs.define
+class PlacementConfig:
+    """Where actors live. ``colocate = true`` shares devices between trainer and engines;
+    ``false`` gives each role its own pool (``*_cpus`` / ``*_gpus`` per actor).
+
+    ``offload`` (colocated runs): the phases take turns on the shared devices. While the trainer
+    trains, the engines release their memory (``kv_cache`` and ``weights``); before generation the
+    trainer moves its weights, gradients and optimizer state to host memory and the engines take
+    their memory back. ``false`` keeps both resident (enough memory for both, or CPU-only runs
+    that want to skip the bookkeeping).
+
+    ``trainer_resources`` / ``engine_resources``: custom Ray resources each trainer rank / engine
+    actor reserves besides its CPUs and GPUs (e.g. ``{ train_node = 1 }``, a resource that
+    ``ray start --resources`` gives one node only), which pins the role to the nodes that have them
+    on a multi-node cluster. A colocated actor reserves the trainer's.
+
+    Distillation teachers: at most ``max_resident_teachers`` are loaded at once (least recently
+    used offloaded first; 0 offloads each right after its forward pass). ``teacher_offload``
+    says what offloading does: ``"cpu"`` moves the weights off the accelerator (host memory
+    keeps them, reloading is a copy), ``"release"`` frees the teacher entirely and rebuilds it
+    from its ``path`` on next use (bounds host memory too, reloading reads the files).
+    ``teacher_manager`` names the component (kind ``teacher_manager``) that routes rows to the
+    teachers and applies that residency bound (``per_source``: the distill plugin's)."""
+
+    colocate: bool = True
+    offload: bool = True
+    trainer_cpus: float = attrs.field(default=1.0, validator=non_negative)
+    engine_cpus: float = attrs.field(default=1.0, validator=non_negative)
+    trainer_gpus: float = attrs.field(default=0.0, validator=non_negative)
+    engine_gpus: float = attrs.field(default=0.0, validator=non_negative)
+    trainer_resources: dict[str, float] = attrs.field(factory=dict, validator=custom_resources)
+    engine_resources: dict[str, float] = attrs.field(factory=dict, validator=custom_resources)
+    max_resident_teachers: int = attrs.field(default=1, validator=attrs.validators.ge(0))
+    teacher_offload: str = attrs.field(default="cpu", validator=attrs.validators.in_(("cpu", "release")))
+    teacher_manager: str = "per_source"
+
+
+@attrs.define
+class LoggerConfig:
+    """One metrics logger, by component name, with its arguments."""
+
+    name: str
+    args: Args = attrs.field(factory=dict)
+
+
+@attrs.define
+class RunConfig:
+    """Run-level settings: seed, checkpoints, resume and the local Ray cluster.
+
+    ``seed`` is in ``[0, 2**31 - 1]``. A run directory that already holds a run is continued with
+    ``resume = true`` (from the newest intact checkpoint) and otherwise refused, unless the CLI's
+    ``--overwrite`` moves the old run aside. ``keep_checkpoints = 0`` keeps every checkpoint."""
+
+    seed: int = attrs.field(default=0, validator=valid_seed)
+    output_dir: str = "runs/default"
+    resume: bool = False
+    checkpoint_every: int = attrs.field(default=0, validator=in_range(ge=0))
+    keep_checkpoints: int = attrs.field(default=2, validator=in_range(ge=0))
+    save_hf_at_end: bool = True
+    ray_address: str | None = None
+    ray_num_cpus: int | None = attrs.field(default=None, validator=in_range(ge=1, optional=True))
+    ray_object_store_mb: int = attrs.field(default=256, validator=at_least_one)
+    ray_dashboard: bool = False  # the Ray dashboard (loopback only) of a local cluster
+    # rollout records (docs/records.md): -1 every trajectory of each step, 0 none, N a sample of N
+    rollout_records: int = attrs.field(default=-1, validator=in_range(ge=-1))
+
+
+@attrs.define
+class JobConfig:
+    """A whole job file. TOML table ``[async]`` maps to :attr:`async_`."""
+
+    plugins: PluginsConfig = attrs.field(factory=PluginsConfig)
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    train: TrainConfig = attrs.field(factory=TrainConfig)
+    rollout: RolloutConfig = attrs.field(factory=RolloutConfig)
+    placement: PlacementConfig = attrs.field(factory=PlacementConfig)
+    algorithm: AlgorithmConfig = attrs.field(factory=AlgorithmConfig)
+    data: list[DataConfig] = attrs.field(factory=list)
+    agentflow: AgentFlowConfig = attrs.field(factory=AgentFlowConfig)
+    async_: AsyncConfig = attrs.field(factory=AsyncConfig, alias="async_")
+    loggers: list[LoggerConfig] = attrs.field(factory=lambda: [LoggerConfig(name="console")])
+    teachers: list[TeacherConfig] = attrs.field(factory=list)
+    critic: CriticConfig = attrs.field(factory=CriticConfig)
+    run: RunConfig = attrs.field(factory=RunConfig)
+    sft: SftConfig | None = None  # set by an [sft] table: a supervised job for ``loongsage sft``
+    source_path: str | None = attrs.field(default=None, metadata={"internal": True})
+
+    @property
+    def base_dir(self) -> Path:
+        """Directory relative paths in the job file are resolved against."""
+        return Path(self.source_path).resolve().parent if self.source_path else Path.cwd()
+
+    def resolve_path(self, value: str) -> str:
+        """``value`` as an absolute path, relative ones taken from the job file's directory."""
+        p = Path(value).expanduser()
+        return str(p if p.is_absolute() else (self.base_dir / p).resolve())
+
+    def data_where(self, index: int) -> str:
+        """How errors name data source ``index``: ``<job file>: data[i] ('name')``."""
+        return f"{self.source_path or '<job>'}: data[{index}] ('{self.data[index].name}')"
+
+
+TOML_RENAMES = {"async": "async_"}
+"""TOML keys that are Python keywords, and the attribute they fill."""
