@@ -1,0 +1,175 @@
+"""Records of a rollout: trajectories, their token segments and rewards, and sampling settings.
+
+A :class:`Trajectory` is everything recorded for one sample (prompt, agent conversation, reward);
+its :class:`Segment` lists hold the token-exact record that training rows are built from, and the
+trajectories sampled for one prompt form a :class:`TrajectoryGroup`. :class:`SamplingParams`
+are the sampling settings every rollout engine takes.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Sequence
+
+import attrs
+
+
+class TrajectoryStatus(str, enum.Enum):
+    """Life cycle of a trajectory; only ``completed`` ones are trained on by default."""
+
+    PENDING = "pending"
+    GENERATING = "generating"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+@attrs.define
+class Reward:
+    """The outcome a reward function assigns to one trajectory.
+
+    ``score`` is what the advantage estimator sees; ``details`` are extra named numbers that are
+    logged per data source (``rollout_per_source/<name>/reward/<key>``); ``error`` is set when the
+    reward function raised, in which case ``score`` is 0 and the trajectory is marked failed.
+    ``reason`` says in words why the score is what it is (shown in rollout records and the run
+    viewer). When a data source lists several rewards, the host sums them and keeps each one's
+    own outcome in ``components`` (reward name -> :class:`Reward`).
+    """
+
+    score: float
+    details: dict[str, float] = attrs.field(factory=dict)
+    error: str | None = None
+    reason: str = ""
+    components: dict[str, "Reward"] = attrs.field(factory=dict)
+
+
+@attrs.define
+class Segment:
+    """One contiguous token sequence of a trajectory; each trainable segment is one training row.
+
+    A single-turn trajectory has one segment (prompt tokens then response tokens). A multi-turn
+    trajectory grows one segment turn by turn; when an agent edits or compacts its history, so that
+    a request no longer extends the recorded tokens, a new segment starts.
+
+    All lists have the same length. ``logprobs`` holds the rollout engine's log-probability of each
+    generated token (0.0 elsewhere); ``weight_versions`` the policy version that produced it (-1 on
+    tokens the policy did not generate); ``turns`` holds ``(start, end)`` token spans of each model
+    turn.
+    """
+
+    tokens: list[int] = attrs.field(factory=list)
+    loss_mask: list[int] = attrs.field(factory=list)
+    logprobs: list[float] = attrs.field(factory=list)
+    weight_versions: list[int] = attrs.field(factory=list)
+    turns: list[tuple[int, int]] = attrs.field(factory=list)
+
+    def __attrs_post_init__(self) -> None:
+        lengths = {len(self.tokens), len(self.loss_mask), len(self.logprobs), len(self.weight_versions)}
+        if len(lengths) != 1:
+            raise ValueError(
+                "Segment fields must have equal lengths, got "
+                f"tokens={len(self.tokens)} loss_mask={len(self.loss_mask)} "
+                f"logprobs={len(self.logprobs)} weight_versions={len(self.weight_versions)}"
+            )
+
+    def append(self, tokens: Sequence[int], *, generated: bool, logprobs: Sequence[float] | None = None,
+               weight_version: int | Sequence[int] = -1) -> None:
+        """Append tokens: generated ones get mask 1 and their logprobs, the others mask 0."""
+        n = len(tokens)
+        if generated:
+            if logprobs is None or len(logprobs) != n:
+                raise ValueError("generated tokens need one logprob each")
+            start = len(self.tokens)
+            self.turns.append((start, start + n))
+        self.tokens.extend(int(t) for t in tokens)
+        self.loss_mask.extend([1 if generated else 0] * n)
+        if generated and logprobs is not None:
+            self.logprobs.extend(float(x) for x in logprobs)
+        else:
+            self.logprobs.extend([0.0] * n)
+        if isinstance(weight_version, int):
+            self.weight_versions.extend([weight_version if generated else -1] * n)
+        else:
+            if len(weight_version) != n:
+                raise ValueError("weight_version sequence must match tokens")
+            self.weight_versions.extend(int(v) for v in weight_version)
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def trainable(self) -> bool:
+        return self.num_generated > 0
+
+
+@attrs.define
+class Trajectory:
+    """Everything recorded for one sample: one prompt, one agent run, one reward.
+
+    ``prompt`` is what the data source gave (a string or a list of chat messages), ``label`` the
+    reference answer (any JSON value), ``metadata`` the rest of the data row. ``response_text`` is
+    the final model answer as text (for rewards), ``messages`` the full conversation as the agent
+    saw it. ``segments`` hold the token-exact record used for training.
+    """
+
+    id: str
+    prompt_id: str
+    group_id: str
+    source: str = "default"
+    prompt: Any = None
+    label: Any = None
+    metadata: dict[str, Any] = attrs.field(factory=dict)
+    segments: list[Segment] = attrs.field(factory=list)
+    response_text: str = ""
+    messages: list[dict[str, Any]] = attrs.field(factory=list)
+    status: TrajectoryStatus = TrajectoryStatus.PENDING
+    finish_reason: str | None = None
+    reward: Reward | None = None
+    error: str | None = None
+
+    @property
+    def response_length(self) -> int:
+        """Number of policy-generated tokens across all segments."""
+        return sum(s.num_generated for s in self.segments)
+
+    @property
+    def score(self) -> float:
+        return self.reward.score if self.reward is not None else 0.0
+
+
+@attrs.define
+class TrajectoryGroup:
+    """The N trajectories sampled for one prompt; group-relative estimators work per group."""
+
+    group_id: str
+    prompt_id: str
+    source: str = "default"
+    trajectories: list[Trajectory] = attrs.field(factory=list)
+
+    @property
+    def scores(self) -> list[float]:
+        return [t.score for t in self.trajectories]
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+
+@attrs.define
+class SamplingParams:
+    """Sampling settings, named as SGLang's ``sampling_params`` (so one client drives every engine)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 128
+    stop_token_ids: list[int] = attrs.field(factory=list)
+    seed: int | None = None
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The dict sent as ``sampling_params`` in a ``/generate`` request."""
+        out = attrs.asdict(self)
+        if out["seed"] is None:
+            del out["seed"]
+        out["sampling_seed"] = self.seed
+        return {k: v for k, v in out.items() if v is not None}
