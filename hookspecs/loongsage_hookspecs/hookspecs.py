@@ -9,22 +9,22 @@ the order of the job file, never in plugin registration order.
 A hookspec's body is never called (pluggy calls the plugins' implementations); each returns an
 empty tuple, what a plugin that provides nothing of that kind would return.
 
-The :data:`KINDS` table maps each component kind (the word a job file and ``loongsage plugins``
-use) to its hook and spec class.
+The :data:`~.kinds.KINDS` table (module :mod:`.kinds`) maps each component kind (the word a job
+file and ``loongsage plugins`` use) to its hook and spec class; it stays importable from here too,
+for code written before it had a module of its own.
 """
 
 from __future__ import annotations
 
 from typing import Iterable
 
-import attrs
-
+from .kinds import KINDS as KINDS
+from .kinds import Kind as Kind
 from .markers import hookspec
 from .specs import (
     AdvantageSpec,
     AgentSpec,
     AggregationSpec,
-    ComponentSpec,
     CorrectionSpec,
     DataSourceSpec,
     EngineRouterSpec,
@@ -386,39 +386,3 @@ def loongsage_rollout_engines() -> Iterable[RolloutEngineSpec]:
             yield RolloutEngineSpec(name="torch", factory=EmbeddedEngine)
     """
     return ()
-
-
-@attrs.define(frozen=True)
-class Kind:
-    """One component kind: the job-file word, its hook's name and its spec class."""
-
-    name: str
-    hook: str
-    spec: type[ComponentSpec]
-
-
-KINDS: dict[str, Kind] = {
-    k.name: k
-    for k in (
-        Kind("agent", "loongsage_agents", AgentSpec),
-        Kind("reward", "loongsage_rewards", RewardSpec),
-        Kind("data_source", "loongsage_data_sources", DataSourceSpec),
-        Kind("sandbox", "loongsage_sandboxes", SandboxSpec),
-        Kind("advantage", "loongsage_advantages", AdvantageSpec),
-        Kind("policy_loss", "loongsage_policy_losses", PolicyLossSpec),
-        Kind("kl", "loongsage_kls", KLSpec),
-        Kind("loss_aggregation", "loongsage_loss_aggregations", AggregationSpec),
-        Kind("correction", "loongsage_corrections", CorrectionSpec),
-        Kind("router_middleware", "loongsage_router_middlewares", RouterMiddlewareSpec),
-        Kind("filter", "loongsage_filters", FilterSpec),
-        Kind("scheduler", "loongsage_schedulers", SchedulerSpec),
-        Kind("teacher", "loongsage_teachers", TeacherSpec),
-        Kind("teacher_manager", "loongsage_teacher_managers", TeacherManagerSpec),
-        Kind("weight_transport", "loongsage_weight_transports", WeightTransportSpec),
-        Kind("logger", "loongsage_loggers", LoggerSpec),
-        Kind("train_backend", "loongsage_train_backends", TrainBackendSpec),
-        Kind("rollout_engine", "loongsage_rollout_engines", RolloutEngineSpec),
-        Kind("engine_router", "loongsage_engine_routers", EngineRouterSpec),
-    )
-}
-"""Every component kind, in the order ``loongsage plugins`` lists them."""
