@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
 from loongsage_core.algorithms import LossPipeline, LossPipelineError, StepAlgorithm
 from loongsage_core.algorithms.pipeline import TEACHER_MASK_KEY
 from loongsage_core.config import AlgorithmConfig, ConfigError, DataConfig, JobConfig, PlacementConfig, TeacherConfig
+from loongsage_core.controller.teacher_actor import Teachers
 from loongsage_core.controller.teachers import (
     TeacherGroup,
-    apply_teachers,
     distill_setup,
     uses_reference_model,
 )
@@ -176,9 +177,10 @@ def test_a_teacher_no_source_uses_is_never_built(teacher_dirs, host, batch):
 
 def test_apply_teachers_stores_tensors_and_reports_metrics(teacher_dirs, host, batch):
     job = make_job(teacher_dirs)
-    group = TeacherGroup.from_job(job, host)
+    teachers = Teachers.local(job, host)  # the teacher actor's code, in this process
+    assert teachers is not None
     work = Batch(tensors=dict(batch.tensors), meta=dict(batch.meta))
-    metrics = apply_teachers(work, job, host, group)
+    metrics = teachers.apply(work)
     assert "ref_logprobs" in work and TEACHER_MASK_KEY in work
     mask = (work["loss_mask"] * work[TEACHER_MASK_KEY]) > 0
     expected = float((work["old_logprobs"] - work["ref_logprobs"])[mask].mean())
@@ -189,16 +191,21 @@ def test_apply_teachers_stores_tensors_and_reports_metrics(teacher_dirs, host, b
         m = work["loss_mask"][rows] > 0
         want = float((work["old_logprobs"][rows] - work["ref_logprobs"][rows])[m].mean())
         assert metrics[f"train_per_teacher/{name}/opd_kl"] == pytest.approx(want, rel=1e-5)
-    assert apply_teachers(work, job, host, None) == {}
+    assert teachers.apply(Batch(tensors={k: v[:0] for k, v in batch.tensors.items()}, meta={"source": []})) == {}
+    teachers.close()
+    assert all(t.teacher is None for t in teachers.actor.obj.group.teachers.values())
+    no_source_distils = attrs.evolve(job, data=[DataConfig(name="chat", path="h.jsonl")])
+    assert Teachers.local(no_source_distils, host) is None
 
 
 def test_reward_penalty_is_masked_to_distilled_tokens(teacher_dirs, host, batch):
     job = make_job(teacher_dirs, kl="opd_pg", kl_in_reward=True)
     job.algorithm.kl_coef = 0.5
-    group = TeacherGroup.from_job(job, host)
+    teachers = Teachers.local(job, host)
+    assert teachers is not None
     work = Batch(tensors=dict(batch.tensors), meta=dict(batch.meta))
-    apply_teachers(work, job, host, group)
-    penalty, metrics = StepAlgorithm(job, host, distill=group.setup).token_penalties(work)
+    teachers.apply(work)
+    penalty, metrics = StepAlgorithm(job, host, distill=teachers.setup).token_penalties(work)
     mask = work["loss_mask"] * work[TEACHER_MASK_KEY]
     torch.testing.assert_close(penalty, -0.5 * (work["old_logprobs"] - work["ref_logprobs"]) * mask)
     assert not bool(penalty[[2, 5]].any())
@@ -315,3 +322,28 @@ def test_distill_kl_without_teacher_mask_is_an_error(host):
     job = JobConfig(algorithm=AlgorithmConfig(distill_kl="opd_k3"))
     with pytest.raises(LossPipelineError, match="teacher_mask"):
         LossPipeline(job, host).loss(b, logp, None, norm_of(b["loss_mask"]), logits=student)
+
+
+def test_teachers_run_in_an_actor_of_their_own(teacher_dirs, host, batch, ray_cluster):
+    """On a Ray cluster the teachers live in the teacher actor, not in the controller's process,
+    and score exactly as in-process teachers do."""
+    import os
+
+    job = make_job(teacher_dirs)
+    remote = Teachers.create(job, host)
+    assert remote is not None
+    try:
+        assert ray_cluster.get(remote.actor.ready.remote())["pid"] != os.getpid()
+        work = Batch(tensors=dict(batch.tensors), meta=dict(batch.meta))
+        metrics = remote.apply(work, ray_cluster.put(batch))  # the rows as the policy group shipped them
+    finally:
+        remote.close()
+    here = Batch(tensors=dict(batch.tensors), meta=dict(batch.meta))
+    local = Teachers.local(job, host)
+    assert local is not None
+    expected = local.apply(here)
+    local.close()
+    for key in ("ref_logprobs", TEACHER_MASK_KEY):
+        torch.testing.assert_close(work[key], here[key])
+    assert metrics["train/opd_kl"] == pytest.approx(expected["train/opd_kl"], rel=1e-6)
+    assert metrics["perf/teacher_builds"] == 2.0 and metrics["perf/teachers_resident"] == 1.0

@@ -265,14 +265,15 @@ def loongsage_schedulers() -> Iterable[SchedulerSpec]:
 def loongsage_teachers() -> Iterable[TeacherSpec]:
     """Provide teacher backends for on-policy distillation.
 
-    ``factory(**args)`` returns a ``Teacher`` whose ``forward(batch)`` gives teacher log-probs over
-    the student's samples.
+    ``factory(ctx: TeacherContext, **args)`` (``ctx.path``: the ``[[teachers]]`` entry's model
+    directory; ``args``: its ``args`` table) returns a ``Teacher`` whose ``forward(batch)`` gives
+    teacher log-probs over the student's samples. It runs in the run's teacher actor.
 
     Example::
 
         @hookimpl
         def loongsage_teachers():
-            yield TeacherSpec(name="torch", factory=TorchTeacher)
+            yield TeacherSpec(name="torch", factory=make_torch_teacher)
     """
     return ()
 
@@ -281,8 +282,9 @@ def loongsage_teachers() -> Iterable[TeacherSpec]:
 def loongsage_teacher_managers() -> Iterable[TeacherManagerSpec]:
     """Provide teacher managers: how a step's rows reach the run's teachers.
 
-    The host builds the one ``[placement] teacher_manager`` names (when the job has ``[[teachers]]``)
-    with the run's teachers and the data sources' routes, and calls its ``forward`` once per step;
+    The host builds the one ``[placement] teacher_manager`` names (when the job has ``[[teachers]]``),
+    in the run's teacher actor, with ``factory(ctx: TeacherManagerContext)``: the run's teachers,
+    the data sources' routes and the residency bound; it calls its ``forward`` once per step;
     the manager decides which teacher scores which rows and which teachers stay loaded. It returns
     a ``TeacherRouter``; ``metrics(inputs: KLInputs, *, input_ids)``, when the spec gives one, is
     logged every step over the distilled tokens.
@@ -291,7 +293,7 @@ def loongsage_teacher_managers() -> Iterable[TeacherManagerSpec]:
 
         @hookimpl
         def loongsage_teacher_managers():
-            yield TeacherManagerSpec(name="per_source", factory=TeacherManager, metrics=distill_metrics)
+            yield TeacherManagerSpec(name="per_source", factory=make_teacher_manager, metrics=distill_metrics)
     """
     return ()
 

@@ -202,7 +202,8 @@ class SchedulerSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class TeacherSpec(ComponentSpec):
-    """``factory(**args) -> Teacher`` computing teacher log-probs over student samples."""
+    """``factory(ctx: TeacherContext, **args) -> Teacher`` computing teacher log-probs over student
+    samples (``ctx.path``: the ``[[teachers]]`` entry's model directory)."""
 
     factory: "Callable[..., Any]"
 
@@ -211,10 +212,10 @@ class TeacherSpec(ComponentSpec):
 class TeacherManagerSpec(ComponentSpec):
     """The policy that runs a step's rows through the run's teachers.
 
-    ``factory(teachers, routes, *, max_resident, source_key) -> TeacherRouter`` (see
-    :class:`~loongsage_hookspecs.protocols.TeacherRouter`): ``teachers`` maps a teacher name to a
-    ``Teacher``, ``routes`` a data source to a teacher name (``None``: not distilled),
-    ``max_resident`` bounds the teachers loaded at once, ``source_key`` names the per-row
+    ``factory(ctx: TeacherManagerContext, **args) -> TeacherRouter`` (see
+    :class:`~loongsage_hookspecs.protocols.TeacherRouter`): ``ctx.teachers`` maps a teacher name to
+    a ``Teacher``, ``ctx.routes`` a data source to a teacher name (``None``: not distilled),
+    ``ctx.max_resident`` bounds the teachers loaded at once, ``ctx.source_key`` names the per-row
     ``batch.meta`` list of sources. ``metrics(inputs: KLInputs, *, input_ids) -> dict[str, float]``,
     when given, is logged each step over the distilled tokens (``inputs.ref_*`` hold the teacher's).
     """

@@ -49,7 +49,9 @@ class PlacementConfig:
     keeps them, reloading is a copy), ``"release"`` frees the teacher entirely and rebuilds it
     from its ``path`` on next use (bounds host memory too, reloading reads the files).
     ``teacher_manager`` names the component (kind ``teacher_manager``) that routes rows to the
-    teachers and applies that residency bound (``per_source``: the distill plugin's)."""
+    teachers and applies that residency bound (``per_source``: the distill plugin's). The teachers
+    live in one actor of their own in the run's placement group, which reserves ``teacher_cpus``
+    / ``teacher_gpus`` (and the custom ``teacher_resources``) for it."""
 
     colocate: bool = True
     offload: bool = True
@@ -62,6 +64,9 @@ class PlacementConfig:
     max_resident_teachers: int = attrs.field(default=1, validator=attrs.validators.ge(0))
     teacher_offload: str = attrs.field(default="cpu", validator=attrs.validators.in_(("cpu", "release")))
     teacher_manager: str = "per_source"
+    teacher_cpus: float = attrs.field(default=1.0, validator=non_negative)
+    teacher_gpus: float = attrs.field(default=0.0, validator=non_negative)
+    teacher_resources: dict[str, float] = attrs.field(factory=dict, validator=custom_resources)
 
 
 @attrs.define

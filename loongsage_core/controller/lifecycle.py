@@ -1,8 +1,8 @@
 """Start, resume, checkpoint and close a run: everything of :class:`.run.RLController` around the
 steps.
 
-* :meth:`RunLifecycle.start`: the run directory's files, the Ray cluster, the model actors and the
-  critic in one placement group, the engine router, the rollout manager, resume, the loggers.
+* :meth:`RunLifecycle.start`: the run directory's files, the Ray cluster, the model actors, the
+  critic and the teachers in one placement group, the engine router, the rollout manager, resume, the loggers.
 * :meth:`RunLifecycle.save`: a checkpoint (trainer ranks, critic ranks, then ``controller.json``,
   which completes it); resume reads it back (:meth:`RunLifecycle._maybe_resume`).
 * :meth:`RunLifecycle.close`: everything :meth:`start` started, in reverse.
@@ -28,6 +28,7 @@ from .rollout import RolloutManager
 from .run_dir import truncate_jsonl
 from .state import RunState
 from .step import TRAINED_PROMPTS
+from .teacher_actor import Teachers
 
 log = logging.getLogger("loongsage")
 
@@ -74,6 +75,9 @@ class RunLifecycle(RunState):
         self.actors = create_actors(self.job, self.needs_reference, self.secret, with_critic=with_critic)
         if with_critic:  # in the bundles the run's placement group reserved for it
             self.critic = Critic.create(self.job, self.actors.placement_group, self.actors.critic_bundle or 0)
+        if self.actors.teacher_bundle is not None:  # the teachers' actor, in its bundle likewise
+            self.teachers = Teachers.create(self.job, self.host, self.actors.placement_group,
+                                            self.actors.teacher_bundle)
         self.engine_router, generate_urls = start_engine_router(self.job, self.host, self.actors.engine_urls)
         self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls,
                                       secret=self.secret)
@@ -157,8 +161,9 @@ class RunLifecycle(RunState):
             self.records = None
         for lg in self.loggers:
             lg.close()
-        if self.teachers is not None:
+        if self.teachers is not None:  # before the actors: their shutdown removes the placement group
             self.teachers.close()
+            self.teachers = None
         if self.rollout is not None:
             self.loop.run_until_complete(self.rollout.aclose())
         self.loop.close()

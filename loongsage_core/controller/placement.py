@@ -15,18 +15,22 @@ import attrs
 
 from ..config import ConfigError, JobConfig
 from .actors import ModelActor
+from .teachers import runs_teachers
 
 log = logging.getLogger("loongsage")
 
 
 def required_resources(job: JobConfig) -> dict[str, float]:
-    """CPUs, GPUs and custom resources (``placement.*_resources``) the job's actors reserve."""
+    """CPUs, GPUs and custom resources (``placement.*_resources``) the job's actors reserve (the
+    trainer ranks, the separate engines and, when the job distils, the teacher actor)."""
     pl = job.placement
     trainers = job.train.num_workers
     engines = 0 if pl.colocate else job.rollout.num_engines
-    need = {"CPU": trainers * pl.trainer_cpus + engines * pl.engine_cpus,
-            "GPU": trainers * pl.trainer_gpus + engines * pl.engine_gpus}
-    for count, custom in ((trainers, pl.trainer_resources), (engines, pl.engine_resources)):
+    teachers = int(runs_teachers(job))
+    need = {"CPU": trainers * pl.trainer_cpus + engines * pl.engine_cpus + teachers * pl.teacher_cpus,
+            "GPU": trainers * pl.trainer_gpus + engines * pl.engine_gpus + teachers * pl.teacher_gpus}
+    for count, custom in ((trainers, pl.trainer_resources), (engines, pl.engine_resources),
+                          (teachers, pl.teacher_resources)):
         for name, amount in custom.items() if count else ():
             need[name] = need.get(name, 0.0) + count * float(amount)
     return need
@@ -44,8 +48,8 @@ def check_resources(job: JobConfig) -> None:
                 hint = (f"lower train.num_workers / rollout.num_engines or placement.*_{res.lower()}s "
                         "(or start a bigger cluster: run.ray_num_cpus)")
             else:
-                hint = (f"placement.trainer_resources / placement.engine_resources ask for it; give nodes that "
-                        f"resource (ray start --resources '{{\"{res}\": N}}') or change those keys")
+                hint = (f"placement.trainer_resources / engine_resources / teacher_resources ask for it; give "
+                        f"nodes that resource (ray start --resources '{{\"{res}\": N}}') or change those keys")
             raise ConfigError(f"{job.source_path or '<job>'}: the actors need {amount:g} {res} but the Ray cluster "
                               f"has {have.get(res, 0.0):g}; {hint}")
 
@@ -138,6 +142,8 @@ class Actors:
     dp_size: int = attrs.field(kw_only=True)
     critic_bundle: int | None = attrs.field(default=None, kw_only=True)
     """Index of the first critic bundle in ``placement_group`` (``None``: the job has no critic)."""
+    teacher_bundle: int | None = attrs.field(default=None, kw_only=True)
+    """Index of the teacher actor's bundle in ``placement_group`` (``None``: the job distils nothing)."""
 
     def all(self) -> list[Any]:
         """Every distinct actor (a colocated actor is both a trainer and an engine)."""
@@ -169,7 +175,7 @@ def _bundle(cpus: float, gpus: float, custom: dict[str, float] | None = None) ->
 
 def create_placement_group(job: JobConfig, with_critic: bool = False) -> Any:
     """One placement-group bundle per actor (trainer ranks first, then separate engines, then the
-    critic ranks when ``with_critic``).
+    critic ranks when ``with_critic``, then the teacher actor when the job distils).
 
     ``PACK`` keeps the bundles of one job together (one node when it fits); every bundle is a
     per-role resource request, so the same code places actors on CPU-only and GPU clusters. A
@@ -185,6 +191,8 @@ def create_placement_group(job: JobConfig, with_critic: bool = False) -> Any:
                     for _ in range(job.rollout.num_engines)]
     if with_critic:
         bundles += [_bundle(job.critic.cpus, job.critic.gpus) for _ in range(job.critic.num_workers)]
+    if runs_teachers(job):
+        bundles.append(_bundle(pl.teacher_cpus, pl.teacher_gpus, pl.teacher_resources))
     return placement_group(bundles, strategy="PACK")
 
 
@@ -195,7 +203,8 @@ def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = No
     ``secret``: the run secret, required by the engines and sent by the actors' weight transports.
     ``with_critic``: the group also reserves the critic ranks' bundles (``Actors.critic_bundle``
     on), where :meth:`.critic.Critic.create` starts them (check first that the cluster holds them:
-    :meth:`.critic.Critic.check_resources`).
+    :meth:`.critic.Critic.check_resources`). A job that distils gets the teacher actor's bundle
+    last (``Actors.teacher_bundle``), where :meth:`.teacher_actor.Teachers.create` starts it.
     """
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -237,6 +246,7 @@ def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = No
         Actors(trainers=trainers, engine_actors=engines, engine_urls=[], colocated=pl.colocate,
                placement_group=pg, dp_ranks=[], dp_size=1).shutdown()
         raise
+    first_critic = world + (0 if pl.colocate else job.rollout.num_engines)
     dp_sizes = {r["dp_size"] for r in ranks}
     if len(dp_sizes) != 1 or sorted({r["dp_rank"] for r in ranks}) != list(range(dp_sizes.pop() if dp_sizes else 1)):
         raise RuntimeError(f"trainer ranks report inconsistent data-parallel layouts: "
@@ -244,7 +254,9 @@ def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = No
     return Actors(trainers=trainers, engine_actors=engines, engine_urls=[i["engine_url"] for i in infos],
                   colocated=pl.colocate, placement_group=pg, dp_ranks=[r["dp_rank"] for r in ranks],
                   dp_size=ranks[0]["dp_size"],
-                  critic_bundle=world + (0 if pl.colocate else job.rollout.num_engines) if with_critic else None)
+                  critic_bundle=first_critic if with_critic else None,
+                  teacher_bundle=first_critic + (job.critic.num_workers if with_critic else 0)
+                  if runs_teachers(job) else None)
 
 
 def start_engine_router(job: JobConfig, host: Any, engine_urls: list[str]) -> tuple[Any, list[str]]:

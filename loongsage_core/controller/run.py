@@ -40,7 +40,8 @@ from .placement import Actors
 from .rollout import RolloutManager
 from .run_dir import truncate_jsonl
 from .step import TRAINED_PROMPTS, StepRunner
-from .teachers import TeacherGroup, distill_setup, uses_reference_model
+from .teacher_actor import Teachers
+from .teachers import distill_setup, uses_reference_model
 from .worker_group import mean_metrics
 
 __all__ = ["RLController", "TRAINED_PROMPTS", "load_tokenizer", "mean_metrics", "remote_cause", "truncate_jsonl"]
@@ -57,7 +58,7 @@ class RLController(RunLifecycle, StepRunner):
         self.mixer = DataMixer(self.job, self.host)
         alg = self.job.algorithm
         self.needs_reference = uses_reference_model(self.job, self.host)
-        self.teachers = TeacherGroup.from_job(self.job, self.host)
+        self.teachers: Teachers | None = None  # the teacher actor, started with the other actors
         # the step's algorithm, in one place (DESIGN.md section 6)
         self.algorithm = StepAlgorithm(self.job, self.host, distill=distill_setup(self.job, self.host))
         self.advantage = self.algorithm.advantage

@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from .health import StepHealth
     from .placement import Actors
     from .rollout import RolloutManager
-    from .teachers import TeacherGroup
+    from .teacher_actor import Teachers
 
 
 class RunState:
@@ -38,7 +38,7 @@ class RunState:
     tokenizer: Any
     mixer: DataMixer
     needs_reference: bool
-    teachers: TeacherGroup | None
+    teachers: Teachers | None
     algorithm: StepAlgorithm
     advantage: Any
     filters: list[Any]

@@ -31,7 +31,6 @@ from .metrics import rollout_metrics
 from .mixing import interleave_by_source
 from .remote import gather
 from .state import RunState
-from .teachers import apply_teachers
 from .worker_group import WorkerGroup, mean_metrics
 
 TRAINED_PROMPTS = "trained_prompts.jsonl"
@@ -139,7 +138,8 @@ class StepRunner(RunState):
         passes = int(run_pass) + int(self.needs_reference)
         if self.critic is not None:
             batch.tensors["values"] = self.critic.values(batch, rows)
-        metrics.update(apply_teachers(batch, self.job, self.host, self.teachers))
+        if self.teachers is not None:  # the teacher actor scores the rows the policy group shipped
+            metrics.update(self.teachers.apply(batch, rows))
         # corrections, token rewards, advantages and returns, the train-inference gap: once, here
         metrics.update(self.algorithm.prepare(batch))
         metrics.update(self.train(batch, step))

@@ -32,7 +32,15 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 
-from loongsage_hookspecs import Batch, KLInputs, ResidentTeacher, TeacherManagerSpec, TeacherRouter
+from loongsage_hookspecs import (
+    Batch,
+    KLInputs,
+    ResidentTeacher,
+    TeacherContext,
+    TeacherManagerContext,
+    TeacherManagerSpec,
+    TeacherRouter,
+)
 
 from ..algorithms.pipeline import TEACHER_MASK_KEY
 from ..config import ConfigError, JobConfig
@@ -74,6 +82,11 @@ class DistillSetup:
         return self.prefix + field
 
 
+def runs_teachers(job: JobConfig) -> bool:
+    """Whether the job distils: it lists ``[[teachers]]`` and a ``[[data]]`` source names one."""
+    return bool(job.teachers) and any(src.teacher for src in job.data)
+
+
 def distill_setup(job: JobConfig, host: Any) -> DistillSetup | None:
     """The job's distillation term, or ``None`` when no source names a teacher.
 
@@ -82,7 +95,7 @@ def distill_setup(job: JobConfig, host: Any) -> DistillSetup | None:
     log-probs), or when the term asks for more top-k entries than ``distill_topk`` provides.
     """
     where = job.source_path or "<job>"
-    if not job.teachers or not any(src.teacher for src in job.data):
+    if not runs_teachers(job):
         return None
     alg = job.algorithm
     separate = bool(alg.distill_kl)
@@ -174,11 +187,12 @@ def _teacher_builder(job: JobConfig, host: Any, index: int) -> Callable[[], Any]
     t = job.teachers[index]
     where = f"{job.source_path or '<job>'}: teachers[{index}] ('{t.name}')"
     host.get("teacher", t.backend, where=f"{where}.backend")  # an unknown backend fails now, not on first use
-    path = job.resolve_path(t.path) if t.path else None
+    ctx = TeacherContext(where=f"{where}.backend", job=job, components=host, name=t.name,
+                         path=job.resolve_path(t.path) if t.path else None)
     args = dict(t.args)
 
     def build() -> Any:
-        return host.build("teacher", t.backend, where=f"{where}.backend", args_key=f"{where}.args", path=path, **args)
+        return host.build("teacher", t.backend, ctx, where=ctx.where, args_key=f"{where}.args", **args)
 
     return build
 
@@ -209,8 +223,9 @@ class TeacherGroup:
         teachers = {t.name: LazyTeacher(t.name, _teacher_builder(job, host, i), release=release)
                     for i, t in enumerate(job.teachers)}
         routes = {src.name: src.teacher for src in job.data}
-        manager = host.build("teacher_manager", job.placement.teacher_manager, teachers, routes, where=where,
-                             max_resident=job.placement.max_resident_teachers, source_key="source")
+        ctx = TeacherManagerContext(where=where, job=job, components=host, teachers=teachers, routes=routes,
+                                    max_resident=job.placement.max_resident_teachers, source_key="source")
+        manager = host.build("teacher_manager", job.placement.teacher_manager, ctx, where=where)
         return cls(teachers, setup, manager, spec.metrics)
 
     # -- routing -----------------------------------------------------------------------------
@@ -299,36 +314,57 @@ def _returned(value: "torch.Tensor | None", field: str) -> "torch.Tensor":
     return value
 
 
-# --------------------------------------------------------------------------------------------
-# What the controller calls
-# --------------------------------------------------------------------------------------------
+@attrs.define
+class TeacherScores:
+    """One scoring of a step's rows (:meth:`TeacherGroup.score`), as the teacher actor returns it
+    to the controller: the batch ``tensors`` (see the module doc), the ``plan`` (teacher name ->
+    its rows), the teacher ``loads`` and ``builds`` this scoring took, the number of teachers
+    ``resident`` after it and the ``seconds`` it took where the teachers run."""
+
+    tensors: dict[str, "torch.Tensor"]
+    plan: dict[str, list[int]]
+    loads: int
+    builds: int
+    resident: int
+    seconds: float
 
 
-def apply_teachers(batch: Batch, job: JobConfig, host: Any, group: TeacherGroup | None) -> dict[str, float]:
-    """Score ``batch`` with the teachers, store their tensors in it, return step metrics.
-
-    Call after ``old_logprobs`` are in the batch. Returns ``timing/teacher``, ``perf/teacher_*``
-    (builds and loads this step, resident count), ``train/teacher_row_ratio`` and the teacher
-    manager's metrics (the distill plugin's ``train/opd_*``) over the distilled tokens (those its
-    inputs allow: the controller has the student's sampled log-probs, not its logits), plus
-    ``train_per_teacher/<name>/opd_kl``. A ``None`` group (no distillation) returns ``{}``.
-    """
-    if group is None or len(batch) == 0:
-        return {}
+def score_rows(group: TeacherGroup, batch: Batch) -> TeacherScores:
+    """Score ``batch`` with ``group`` (:meth:`TeacherGroup.forward`) and count what it took."""
     start = time.perf_counter()
     loads_before = group.loads
     builds_before = sum(t.builds for t in group.teachers.values())
     plan = group.plan(batch)
     tensors = group.forward(batch)
-    batch.tensors.update(tensors)
+    return TeacherScores(tensors=tensors, plan=plan, loads=group.loads - loads_before,
+                         builds=sum(t.builds for t in group.teachers.values()) - builds_before,
+                         resident=len(group.resident), seconds=time.perf_counter() - start)
+
+
+# --------------------------------------------------------------------------------------------
+# What the controller computes from a scoring
+# --------------------------------------------------------------------------------------------
+
+
+def teacher_metrics(batch: Batch, setup: DistillSetup, scores: TeacherScores,
+                    manager_metrics: Callable[..., dict[str, float]] | None) -> dict[str, float]:
+    """The step metrics of a scoring whose tensors are in ``batch`` (after ``old_logprobs``).
+
+    ``perf/teacher_*`` (builds and loads this step, resident count, ``perf/teacher_seconds``
+    where the teachers ran), ``train/teacher_row_ratio``, the teacher manager's
+    ``manager_metrics`` (the distill plugin's ``train/opd_*``) over the distilled tokens (those
+    its inputs allow: the controller has the student's sampled log-probs, not its logits), plus
+    ``train_per_teacher/<name>/opd_kl`` and ``.../rows``.
+    """
+    mask = batch[TEACHER_MASK_KEY]
     metrics: dict[str, float] = {
-        "timing/teacher": time.perf_counter() - start,
-        "perf/teacher_loads": float(group.loads - loads_before),
-        "perf/teacher_builds": float(sum(t.builds for t in group.teachers.values()) - builds_before),
-        "perf/teachers_resident": float(len(group.resident)),
-        "train/teacher_row_ratio": float(tensors[TEACHER_MASK_KEY][:, 0].mean()) if len(batch) else 0.0,
+        "perf/teacher_loads": float(scores.loads),
+        "perf/teacher_builds": float(scores.builds),
+        "perf/teachers_resident": float(scores.resident),
+        "perf/teacher_seconds": scores.seconds,
+        "train/teacher_row_ratio": float(mask[:, 0].mean()) if len(batch) else 0.0,
     }
-    metrics.update(_distill_metrics(batch, group.setup, plan, group.metrics_fn))
+    metrics.update(_distill_metrics(batch, setup, scores.plan, manager_metrics))
     return metrics
 
 

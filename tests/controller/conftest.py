@@ -7,7 +7,8 @@ filters and torch trainer on a tiny model; only the engines and the actor transp
   real tokenizer, with log-probs of its own (so the engine and the trainer disagree, as a
   different inference stack would), and records every control call in a shared event list.
 * Trainer ranks are real :class:`loongsage_core.controller.actors.ModelActor` objects behind
-  :class:`loongsage_core.controller.remote.LocalActor` (in-process calls with Ray's face).
+  :class:`loongsage_core.controller.remote.LocalActor` (in-process calls with Ray's face); so are
+  the critic rank and the teacher actor when the job has them.
 """
 
 from __future__ import annotations
@@ -194,6 +195,9 @@ def build_controller(tmp_path: Path, overrides: dict[str, Any] | None = None, *,
 
     controller.rollout.start_router = start_router_on_the_fake
     controller.phases = PhaseSwitch(job, controller.actors.trainers, controller.rollout.clients, controller.loop)
+    from loongsage_core.controller.teacher_actor import Teachers
+
+    controller.teachers = Teachers.local(job, controller.host)  # the teacher actor's code, in this process
     if controller.advantage.needs_critic:
         from loongsage_core.controller.critic import Critic, CriticActor
 

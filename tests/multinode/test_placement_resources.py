@@ -1,5 +1,6 @@
-"""Per-role custom Ray resources (``placement.trainer_resources`` / ``engine_resources``): how a job
-pins trainers and engines to nodes of a multi-node cluster. Schema, reservation arithmetic, and the
+"""Per-role custom Ray resources (``placement.trainer_resources`` / ``engine_resources`` /
+``teacher_resources``): how a job pins trainers, engines and its teachers to nodes of a multi-node
+cluster. Schema, reservation arithmetic, and the
 placement-group bundles that carry them; the two-node run is ``test_two_nodes.py``."""
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def test_a_missing_custom_resource_fails_fast_naming_the_keys(tmp_path, ray_clus
         check_resources(job(tmp_path))
     message = str(err.value)
     assert "need 2 train_node but the Ray cluster has 0" in message
-    assert "placement.trainer_resources / placement.engine_resources" in message
+    assert "placement.trainer_resources / engine_resources / teacher_resources" in message
 
 
 def test_bundles_carry_each_roles_resources(tmp_path, ray_cluster):
@@ -94,5 +95,36 @@ def test_critic_ranks_get_bundles_after_the_other_actors(tmp_path, ray_cluster):
     try:
         assert pg.bundle_specs[5:] == [{"CPU": 0.25}] * 2
         assert len(pg.bundle_specs) == 7
+    finally:
+        remove_placement_group(pg)
+
+
+DISTILLING = JOB + """teacher_cpus = 0.75
+teacher_resources = { big_memory = 1 }
+[[teachers]]
+name = "big"
+path = "teacher"
+[[data]]
+name = "math"
+path = "math.jsonl"
+teacher = "big"
+"""
+
+
+def test_a_distilling_job_reserves_the_teacher_actor(tmp_path):
+    need = required_resources(job(tmp_path, DISTILLING))
+    assert need["CPU"] == 2 * 1 + 3 * 0.5 + 0.75 and need["big_memory"] == 1.0
+    # teachers listed but no source distils: no teacher actor, nothing reserved for it
+    idle = job(tmp_path, DISTILLING.replace('teacher = "big"', ""))
+    assert required_resources(idle)["CPU"] == 2 * 1 + 3 * 0.5 and "big_memory" not in required_resources(idle)
+
+
+def test_the_teacher_actor_gets_the_last_bundle(tmp_path, ray_cluster):
+    from ray.util.placement_group import remove_placement_group
+
+    distilling = job(tmp_path, DISTILLING, overrides=["critic.num_workers=2", "critic.cpus=0.25"])
+    pg = create_placement_group(distilling, with_critic=True)
+    try:
+        assert pg.bundle_specs[5:] == [{"CPU": 0.25}] * 2 + [{"CPU": 0.75, "big_memory": 1.0}]
     finally:
         remove_placement_group(pg)

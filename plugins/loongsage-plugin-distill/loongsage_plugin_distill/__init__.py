@@ -6,12 +6,13 @@ Public API (no torch import at package import; torch loads on first use):
   :func:`k3`, :func:`topk_kl`, :func:`full_kl`, :func:`jsd`, :class:`MixTerm` (registered as
   ``opd_*`` KL components), plus :func:`penalize_advantages` and :func:`pg_surrogate`;
 * :func:`distill_metrics` (``train/opd_*`` masked means);
-* :class:`TeacherManager` (per-source routing to several teachers, bounded residency);
+* :class:`TeacherManager` / :func:`make_teacher_manager` (per-source routing to several teachers, bounded
+  residency; the ``per_source`` teacher manager);
 * :class:`TorchTeacher` / :func:`make_torch_teacher` (the ``torch`` teacher backend).
 """
 
 from .metrics import distill_metrics
-from .teacher_manager import TeacherManager, TeacherRoutingError
+from .teacher_manager import TeacherManager, TeacherRoutingError, make_teacher_manager
 from .terms import (
     GKD_TERMS,
     MixTerm,

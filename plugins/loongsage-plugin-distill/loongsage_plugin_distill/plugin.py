@@ -12,7 +12,7 @@ from loongsage_hookspecs import KLSpec, ResidentTeacher, TeacherManagerSpec, Tea
 
 from . import terms, torch_teacher
 from .metrics import distill_metrics
-from .teacher_manager import TeacherManager
+from .teacher_manager import make_teacher_manager
 
 
 @hookimpl
@@ -50,6 +50,6 @@ def loongsage_teachers() -> Iterator[TeacherSpec]:
 
 @hookimpl
 def loongsage_teacher_managers() -> Iterator[TeacherManagerSpec]:
-    yield TeacherManagerSpec(name="per_source", factory=TeacherManager, metrics=distill_metrics,
+    yield TeacherManagerSpec(name="per_source", factory=make_teacher_manager, metrics=distill_metrics,
                              description="each data source's rows to its teacher, at most max_resident teachers "
                                          "loaded (least recently used offloaded first); train/opd_* metrics")

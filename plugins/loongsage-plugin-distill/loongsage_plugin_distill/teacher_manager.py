@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from loongsage_hookspecs import Batch, TeacherOutputs
+from loongsage_hookspecs import Batch, TeacherManagerContext, TeacherOutputs
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -244,3 +244,11 @@ def _scatter_outputs(results: list[tuple[str, list[int], TeacherOutputs]], rows_
         logits = place("logits", (vocab.pop() if vocab else 0,),
                        results[0][2].logits.dtype if results else torch.float32)
     return TeacherOutputs(logprobs=logprobs, topk_ids=topk_ids, topk_logprobs=topk_logprobs, logits=logits)
+
+
+def make_teacher_manager(ctx: TeacherManagerContext, **args: Any) -> TeacherManager:
+    """Factory of the ``per_source`` teacher manager spec: the run's teachers, routes and
+    residency bound come from the context; ``args`` are :class:`TeacherManager`'s other keyword
+    arguments (``default``)."""
+    return TeacherManager(ctx.teachers, ctx.routes, max_resident=ctx.max_resident, source_key=ctx.source_key,
+                          **args)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from loongsage_core.backend_api import ModelLoadError, load_causal_lm
-from loongsage_hookspecs import Batch, TeacherOutputs, teacher_inputs
+from loongsage_hookspecs import Batch, TeacherContext, TeacherOutputs, teacher_inputs
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -151,6 +151,7 @@ class TorchTeacher:
     __call__ = forward
 
 
-def make_torch_teacher(path: str | None = None, **args: Any) -> TorchTeacher:
-    """Factory of the ``torch`` teacher spec: ``torch_teacher(path=..., **[[teachers]].args)``."""
-    return TorchTeacher(path, **args)
+def make_torch_teacher(ctx: TeacherContext, **args: Any) -> TorchTeacher:
+    """Factory of the ``torch`` teacher spec: the ``[[teachers]]`` entry's ``path`` (from the
+    context) and its ``args``."""
+    return TorchTeacher(ctx.path, **args)

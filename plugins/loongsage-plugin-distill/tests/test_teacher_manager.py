@@ -11,7 +11,7 @@ import torch
 from loongsage_plugin_distill import TeacherManager
 from loongsage_plugin_distill.teacher_manager import TeacherRoutingError
 
-from loongsage_hookspecs import Batch, TeacherOutputs
+from loongsage_hookspecs import Batch, TeacherManagerContext, TeacherOutputs, TeacherRouter
 
 VOCAB = 13
 
@@ -185,3 +185,16 @@ def test_unmanaged_callable_teacher_and_output_checks():
         TeacherManager({"wrong": wrong}, {"a": "wrong"}).forward(make_batch(["a"]))
     with pytest.raises(ValueError, match="topk_ids"):
         TeacherManager({"const": constant}, {"a": "const"}).forward(make_batch(["a"]), topk=2)
+
+
+def test_the_spec_factory_takes_the_teachers_routes_and_bound_from_its_context():
+    from loongsage_plugin_distill import plugin
+
+    spec = {s.name: s for s in plugin.loongsage_teacher_managers()}["per_source"]
+    res = Residency()
+    teachers = make_teachers(res)
+    ctx = TeacherManagerContext(teachers=teachers, routes={"a": "t1", "b": "t2"}, max_resident=1)
+    manager = spec.factory(ctx, default="t2")
+    assert isinstance(manager, TeacherRouter) and manager.max_resident == 1
+    manager.forward(make_batch(["a", "b", "zzz"]))
+    assert res.peak == 1 and teachers["t2"].calls[-1] == ["s1", "s2"]

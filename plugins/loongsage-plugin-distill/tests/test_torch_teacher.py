@@ -7,7 +7,7 @@ import torch
 from loongsage_plugin_distill import TeacherManager, TorchTeacher, plugin, terms
 from loongsage_plugin_distill.torch_teacher import TeacherLoadError
 
-from loongsage_hookspecs import Batch, KLInputs
+from loongsage_hookspecs import Batch, KLInputs, TeacherContext
 
 TINY = {"model_type": "qwen3", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
@@ -50,7 +50,7 @@ def reference_rows(model, batch: Batch) -> list[torch.Tensor]:
 
 def test_spec_factory_loads_a_local_directory_and_scores_tokens(teacher_dir):
     spec = {s.name: s for s in plugin.loongsage_teachers()}["torch"]
-    teacher = spec.factory(path=str(teacher_dir), micro_batch_size=2)
+    teacher = spec.factory(TeacherContext(name="big", path=str(teacher_dir)), micro_batch_size=2)
     assert isinstance(teacher, TorchTeacher) and not teacher.loaded
     batch = make_batch()
     out = teacher.forward(batch, topk=4, return_logits=True)

@@ -14,6 +14,7 @@ from loongsage_hookspecs import (
     Offloadable,
     OnDevice,
     ResidentTeacher,
+    TeacherContext,
     TeacherSpec,
     TrainBackendSpec,
     hookimpl,
@@ -27,11 +28,11 @@ def create_train_worker(ctx: Any) -> Any:
     return MegatronTrainWorker(ctx)
 
 
-def create_teacher(path: str | None = None, **args: Any) -> Any:
-    """Build a ``megatron`` teacher from a ``[[teachers]]`` table's ``path`` and ``args``."""
+def create_teacher(ctx: TeacherContext, **args: Any) -> Any:
+    """Build a ``megatron`` teacher from a ``[[teachers]]`` table's ``path`` (the context's) and ``args``."""
     from .teacher import MegatronTeacher
 
-    return MegatronTeacher(path, **args)
+    return MegatronTeacher(ctx.path, **args)
 
 
 @hookimpl
@@ -47,6 +48,6 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
 def loongsage_teachers() -> Iterator[TeacherSpec]:
     yield TeacherSpec(name="megatron", factory=create_teacher,
                       description="frozen Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
-                                  "directory, run in the controller process (tp = pp = ep = 1, float32) with "
+                                  "directory, run in the run's teacher actor (tp = pp = ep = 1, float32) with "
                                   "CPU offload; args device, micro_batch_size, output_device, logits_dtype, seed",
                       capabilities=(ResidentTeacher,))

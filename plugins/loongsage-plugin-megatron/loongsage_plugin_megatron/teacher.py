@@ -15,12 +15,12 @@ plugin's ``torch`` teacher, so the run's teacher manager (``[placement] teacher_
   train worker's ``onload`` / ``offload`` do (parameter storage emptied and refilled in place).
   On a machine without CUDA the model lives in host memory all along and both change nothing.
 
-Teachers run in the controller process, on one device: tensor, pipeline and expert parallel
-sizes are 1 (other values are rejected). Megatron-Core needs ``torch.distributed`` and its own
-parallel state; :func:`ensure_parallel_state` creates a world of one (Gloo, file rendezvous)
-only where none exists and otherwise uses the process's as it is, so several teachers, or a
-teacher beside a one-rank megatron worker, share one process. Building a teacher leaves the
-process's random number generators as they were.
+Teachers run in the run's teacher actor (one process beside the trainers), on one device:
+tensor, pipeline and expert parallel sizes are 1 (other values are rejected). Megatron-Core
+needs ``torch.distributed`` and its own parallel state; :func:`ensure_parallel_state` creates a
+world of one (Gloo, file rendezvous) only where none exists and otherwise uses the process's as
+it is, so several teachers, or a teacher beside a one-rank megatron worker, share one process.
+Building a teacher leaves the process's random number generators as they were.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def ensure_parallel_state() -> None:
 def _check_parallel_sizes(sizes: dict[str, Any]) -> None:
     for key, value in sizes.items():
         if isinstance(value, bool) or value != 1:
-            raise ValueError(f"megatron teacher: {key} = {value!r}: a teacher runs in the controller process on one "
+            raise ValueError(f"megatron teacher: {key} = {value!r}: a teacher runs in the teacher actor on one "
                              f"device, so its {PARALLEL_KEYS[key]}-parallel size must be 1")
 
 

@@ -19,7 +19,7 @@ from loongsage_plugin_megatron.teacher import MegatronTeacher
 from loongsage_core.config import ConfigError, JobConfig, TeacherConfig
 from loongsage_core.controller.teachers import _teacher_builder
 from loongsage_core.plugins import PluginHost
-from loongsage_hookspecs import Batch, Teacher, TeacherOutputs
+from loongsage_hookspecs import Batch, Teacher, TeacherContext, TeacherOutputs
 
 LENGTHS = [11, 3, 7, 10, 1]  # a full row, short rows and one with nothing but position 0
 
@@ -75,7 +75,7 @@ def teacher(hf_dir, host) -> MegatronTeacher:
     entry with ``backend = "megatron"``."""
     spec = host.get("teacher", "megatron")
     assert spec.factory is {s.name: s for s in plugin.loongsage_teachers()}["megatron"].factory
-    return spec.factory(path=hf_dir, micro_batch_size=2)
+    return spec.factory(TeacherContext(name="big", path=str(hf_dir)), micro_batch_size=2)
 
 
 @pytest.fixture(scope="module")
