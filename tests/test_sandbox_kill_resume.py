@@ -52,6 +52,9 @@ def test_kill_9_mid_rollout_then_resume_leaves_no_sandbox_behind(tmp_path, isola
     flag.write_text("")
     os.chmod(flag, 0o644)
     marker = f"44.{os.getpid():07d}{time.monotonic_ns() % 1000:03d}"
+    # sandbox uids of this test's own: a sandbox another test creates meanwhile takes the first free
+    # uid of its pool and kills what a dead run left running as it, which would be this run's leftovers
+    uid_base = 3_000_000 + (os.getpid() % 5000) * 16
     python = LocalSandboxProvider(isolation=isolation).python  # an interpreter the sandbox users may run
     env_vars = {"PYTHONPATH": sysconfig.get_paths()["purelib"], "MARKER": marker, "FLAG": str(flag)}
     env_table = "{ " + ", ".join(f"{k} = {json.dumps(v)}" for k, v in env_vars.items()) + " }"
@@ -82,7 +85,7 @@ generator_args = {{ num_samples = 4, digits = 1, num_operands = 2, ops = "+" }}
 agent = "command"
 agent_args = {{ command = ["{python}", "{agent}"], stdin = false, env = {env_table} }}
 sandbox = "local"
-sandbox_args = {{ root = "{root}", isolation = "{isolation}" }}
+sandbox_args = {{ root = "{root}", isolation = "{isolation}", uid_base = {uid_base}, uid_count = 16 }}
 reward = ["numeric_match"]
 [[loggers]]
 name = "jsonl"

@@ -52,7 +52,7 @@ def console_errors(driver) -> list[str]:
 
 
 @pytest.fixture
-def served(recorded_run):
+def served(recorded_run, browser):
     servers: list[ViewerServer] = []
 
     def serve(*dirs: Path) -> str:
@@ -61,6 +61,10 @@ def served(recorded_run):
         return server.start()
 
     yield serve
+    # leave the page before its server stops: a page still open would poll the stopped server, and
+    # the browser (shared by the module's tests) would log that as an error of the next test
+    browser.get("about:blank")
+    browser.get_log("browser")
     for s in servers:
         s.stop()
 
