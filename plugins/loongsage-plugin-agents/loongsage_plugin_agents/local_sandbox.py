@@ -42,321 +42,37 @@ network namespace, its endpoint's port on ``127.0.0.1`` leads to the router and 
 
 A provider sweeps the sandboxes that dead runs left under its root when it is built
 (:mod:`.sandbox_registry`), and ``max_concurrent_sandboxes`` bounds how many of its own exist at once.
+
+This module holds the provider (:class:`LocalSandboxProvider`); the per-trajectory object is in
+:mod:`.sandbox_box` and the isolation probing and command line in :mod:`.sandbox_isolation`. Their
+public names stay importable from here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import pwd
 import shutil
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-from functools import cache
 from pathlib import Path
 from typing import Any, Mapping
-from urllib.parse import urlsplit, urlunsplit
 
-from loongsage_hookspecs import ExecResult, sandbox_request
+from loongsage_hookspecs import sandbox_request
 
-from .sandbox_launch import pump
+from .sandbox_box import SHELL, LocalSandbox, SandboxError
+from .sandbox_isolation import ISOLATIONS, LAUNCHER, command_line, detect_isolation, launcher_python, unshare_flags
 from .sandbox_prepare import SnapshotError, chown_tree, materialize
-from .sandbox_procs import Completed, Launch, await_launch, kill_tree, kill_uid
 from .sandbox_registry import Registry, UidPool, force_rmtree
+
+__all__ = ["DEFAULT_ROOT", "ISOLATIONS", "LAUNCHER", "LocalSandbox", "LocalSandboxProvider", "SandboxError",
+           "detect_isolation", "launcher_python"]
 
 log = logging.getLogger(__name__)
 
-ISOLATIONS = ("auto", "bwrap", "netns", "none")
-_SHELL = shutil.which("bash") or "/bin/sh"
-LAUNCHER = str(Path(__file__).with_name("sandbox_launch.py"))
 DEFAULT_ROOT = os.path.join(tempfile.gettempdir(), "loongsage-sandboxes")
-
-
-@cache
-def _works(argv: tuple[str, ...], uid: int | None = None, gid: int | None = None) -> bool:
-    """Whether ``argv`` runs and exits 0 here as ``uid`` (cached: used to detect isolation support)."""
-    kwargs: dict[str, Any] = {} if uid is None else {"user": uid, "group": gid, "extra_groups": []}
-    try:
-        return subprocess.run(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd="/",
-                              stderr=subprocess.DEVNULL, timeout=20, **kwargs).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
-
-
-def detect_isolation(uid: int | None = None, gid: int | None = None) -> str:
-    """The strongest isolation that works here for commands run as ``uid``: ``bwrap``, ``netns`` or ``none``."""
-    bwrap = shutil.which("bwrap")
-    if bwrap and _works((bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-net", "--cap-drop", "ALL",
-                         "--die-with-parent", "true"), uid, gid):
-        return "bwrap"
-    if _unshare_flags(uid, gid) is not None:
-        return "netns"
-    return "none"
-
-
-def _unshare_flags(uid: int | None, gid: int | None) -> list[str] | None:
-    """How ``unshare`` gives ``uid`` a network namespace here (``-n``, or ``-n -r`` through a user
-    namespace), or ``None`` if it cannot."""
-    unshare = shutil.which("unshare")
-    if not unshare:
-        return None
-    for flags in (["-n"], ["-n", "-r"]):
-        if _works((unshare, *flags, "true"), uid, gid):
-            return flags
-    return None
-
-
-def launcher_python(uid: int | None, gid: int | None) -> str:
-    """A Python interpreter the sandbox's user can run (the host's may live under a private home)."""
-    candidates = [sys.executable, os.path.realpath(sys.executable), shutil.which("python3"), "/usr/bin/python3",
-                  "/usr/local/bin/python3"]
-    for candidate in dict.fromkeys(c for c in candidates if c):
-        if _works((candidate, "-I", "-S", "-c", "import json, resource, socket, subprocess"), uid, gid):
-            return candidate
-    raise SandboxError(f"local sandbox: no Python interpreter that the sandbox user (uid {uid}) may run; tried "
-                       f"{', '.join(c for c in candidates if c)}")
-
-
-class SandboxError(RuntimeError):
-    """A sandbox operation was refused or failed (a path outside the sandbox, a destroyed
-    sandbox, a snapshot or setup command that failed, ...)."""
-
-
-class LocalSandbox:
-    """One trajectory's sandbox (see the module docstring)."""
-
-    def __init__(self, provider: "LocalSandboxProvider", trajectory_id: str, path: str, uid: int | None,
-                 gid: int | None, marker: str, env: Mapping[str, str]) -> None:
-        self.provider = provider
-        self.trajectory_id = trajectory_id
-        self.path = path
-        self.workdir = os.path.join(path, "work")
-        self.home = os.path.join(path, "home")
-        self.uid, self.gid = uid, gid
-        self.marker = marker
-        self.env = dict(env)
-        self.deadline: float | None = None
-        self.pooled_uid: int | None = None
-        """The uid this sandbox holds from the provider's pool (given back at teardown)."""
-        self.destroyed = False
-        self._lock = threading.Lock()
-        self._launches: set[Launch] = set()
-        self._count = 0
-        self._bridges: dict[tuple[str, int], socket.socket] = {}
-
-    # ------------------------------------------------------------------ host-side file access
-    def _path(self, relative: str) -> Path:
-        """``relative`` inside the workdir; escaping paths (``..``, absolute, symlinks) are refused."""
-        root = Path(self.workdir).resolve()
-        target = (root / relative).resolve()
-        if target != root and root not in target.parents:
-            raise SandboxError(f"path {relative!r} is outside the sandbox directory")
-        return target
-
-    def write_file(self, relative: str, content: str | bytes) -> str:
-        """Write a file inside the sandbox (from the host side); returns its absolute path."""
-        self._check_alive()
-        path = self._path(relative)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content.encode() if isinstance(content, str) else content)
-        if self.uid is not None:
-            for p in [path, *path.parents]:
-                if p == Path(self.workdir).resolve().parent:
-                    break
-                os.lchown(p, self.uid, self.gid if self.gid is not None else -1)
-        return str(path)
-
-    def write_home_file(self, relative: str, content: str | bytes) -> str:
-        """Write a file under the sandbox's ``home`` (an agent's config, prompt...), owned by its user."""
-        self._check_alive()
-        home = Path(self.home).resolve()
-        path = (home / relative).resolve()
-        if home not in path.parents:
-            raise SandboxError(f"path {relative!r} is outside the sandbox's home")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(content.encode() if isinstance(content, str) else content)
-        if self.uid is not None:
-            chown_tree(str(home), self.uid, self.gid if self.gid is not None else -1)
-        return str(path)
-
-    def own(self, path: str) -> None:
-        """Give ``path`` (a tree under the sandbox's directory, written by the host) to the sandbox's user."""
-        if self.uid is not None:
-            chown_tree(path, self.uid, self.gid if self.gid is not None else -1)
-
-    def read_file(self, relative: str) -> str:
-        """Read a text file inside the sandbox (from the host side)."""
-        self._check_alive()
-        return self._path(relative).read_text(errors="replace")
-
-    def _check_alive(self) -> None:
-        if self.destroyed:
-            raise SandboxError(f"sandbox of trajectory {self.trajectory_id!r} was destroyed")
-
-    # ------------------------------------------------------------------ programs
-    def remaining_s(self) -> float | None:
-        """Seconds left of the trajectory's wall-clock budget (``None``: unbounded)."""
-        return None if self.deadline is None else self.deadline - time.monotonic()
-
-    def _launch(self, argv: list[str], *, env: Mapping[str, str] | None, stdin: bytes | None,
-                bridge: dict[str, Any] | None, network: bool | None, max_output_bytes: int | None) -> Launch:
-        self._check_alive()
-        p = self.provider
-        with self._lock:
-            self._count += 1
-            marker = f"{self.marker}:{self._count}"
-        full_env = {**p.base_env(self), **self.env, **(env or {})}
-        launch = Launch(p.argv(self, argv, bridge=bridge, network=network), env=full_env, cwd=self.workdir,
-                        marker=marker, stdin=stdin,
-                        max_output_bytes=p.max_output_bytes if max_output_bytes is None else int(max_output_bytes),
-                        user_kwargs=p.user_kwargs(self))
-        with self._lock:
-            self._launches.add(launch)
-        return launch
-
-    def _finish(self, launch: Launch, timeout: float | None) -> Completed:
-        try:
-            return launch.wait(timeout)
-        finally:
-            with self._lock:
-                self._launches.discard(launch)
-
-    def _timeout(self, timeout_s: float | None, budgeted: bool) -> float | Completed:
-        """The wall-clock limit of one program, or the refusal once the trajectory's budget is spent."""
-        timeout = self.provider.default_timeout_s if timeout_s is None else float(timeout_s)
-        if budgeted and self.deadline is not None:
-            left = self.deadline - time.monotonic()
-            if left <= 0:
-                return Completed(exit_code=124, stdout=b"", timed_out=True,
-                                 stderr=b"sandbox: the trajectory's time budget (trajectory_timeout_s) is spent\n")
-            timeout = min(timeout, left)
-        return timeout
-
-    def run_program(self, argv: list[str], *, env: Mapping[str, str] | None = None, stdin: bytes | None = None,
-                    timeout_s: float | None = None, bridge: dict[str, Any] | None = None,
-                    network: bool | None = None, max_output_bytes: int | None = None,
-                    budgeted: bool = False) -> Completed:
-        """Run ``argv`` in the sandbox (synchronously) with everything the module docstring lists.
-
-        ``budgeted``: the call also counts against the trajectory's wall-clock budget.
-        ``bridge``: what :meth:`bridge` returned, for a program that must reach the router.
-        """
-        timeout = self._timeout(timeout_s, budgeted)
-        if isinstance(timeout, Completed):
-            return timeout
-        launch = self._launch(argv, env=env, stdin=stdin, bridge=bridge, network=network,
-                              max_output_bytes=max_output_bytes)
-        return self._finish(launch, timeout)
-
-    async def arun_program(self, argv: list[str], *, env: Mapping[str, str] | None = None,
-                           stdin: bytes | None = None, timeout_s: float | None = None,
-                           bridge: dict[str, Any] | None = None, network: bool | None = None,
-                           max_output_bytes: int | None = None, budgeted: bool = False) -> Completed:
-        """:meth:`run_program` from the event loop: it waits in a thread, and cancelling the
-        awaiting task kills the program's whole tree."""
-        timeout = self._timeout(timeout_s, budgeted)
-        if isinstance(timeout, Completed):
-            return timeout
-
-        def start() -> Launch:
-            return self._launch(argv, env=env, stdin=stdin, bridge=bridge, network=network,
-                                max_output_bytes=max_output_bytes)
-
-        def finish(launch: Launch) -> None:
-            with self._lock:
-                self._launches.discard(launch)
-
-        return await await_launch(start, timeout, finish, name=f"sandbox-{self.trajectory_id}")
-
-    def run(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
-        """Run a shell command in the sandbox, synchronously (for rewards, in a worker thread)."""
-        return _exec_result(self.run_program([_SHELL, "-c", command], timeout_s=timeout_s))
-
-    async def exec(self, command: str, *, timeout_s: float | None = None) -> ExecResult:
-        """Run a shell command in the sandbox for an agent; it counts against the trajectory's budget."""
-        return _exec_result(await self.arun_program([_SHELL, "-c", command], timeout_s=timeout_s, budgeted=True))
-
-    # ------------------------------------------------------------------ reaching the router
-    def bridge(self, url: str) -> tuple[str, dict[str, Any] | None]:
-        """``(url as the sandboxed program must use it, bridge settings for run_program)``.
-
-        When the sandbox has its own network namespace, ``url``'s host and port become
-        ``127.0.0.1:<port>`` inside it, relayed through a Unix socket to ``url``'s host and port
-        (the router) and nowhere else. Without a namespace the URL is returned as it is.
-        """
-        if not self.provider.netns_for_programs:
-            return url, None
-        parts = urlsplit(url)
-        host, port = parts.hostname or "127.0.0.1", parts.port or (443 if parts.scheme == "https" else 80)
-        path = os.path.join(self.path, f"bridge-{port}.sock")
-        with self._lock:
-            if (host, port) not in self._bridges:
-                self._bridges[(host, port)] = _serve_bridge(path, host, port, self.uid, self.gid)
-        inner = urlunsplit((parts.scheme, f"127.0.0.1:{port}", parts.path, parts.query, parts.fragment))
-        return inner, {"port": port, "socket": path}
-
-    # ------------------------------------------------------------------ teardown
-    def kill_all(self) -> None:
-        """Kill every process of this sandbox (all commands, and whatever they left running)."""
-        with self._lock:
-            launches = list(self._launches)
-        for launch in launches:
-            launch.killed = True
-        kill_tree(None, f"{self.marker}:")
-        for launch in launches:
-            kill_tree(launch.proc.pid, launch.marker)
-        if self.pooled_uid is not None:
-            kill_uid(self.pooled_uid)
-
-    def close_bridges(self) -> None:
-        with self._lock:
-            bridges, self._bridges = list(self._bridges.values()), {}
-        for listener in bridges:
-            try:
-                listener.close()
-            except OSError:
-                pass
-
-
-def _exec_result(done: Completed) -> ExecResult:
-    return ExecResult(exit_code=done.exit_code, stdout=done.stdout.decode(errors="replace"),
-                      stderr=done.stderr.decode(errors="replace"), timed_out=done.timed_out, truncated=done.truncated)
-
-
-def _serve_bridge(path: str, host: str, port: int, uid: int | None, gid: int | None) -> socket.socket:
-    """A Unix socket at ``path`` whose every connection is relayed to ``host:port`` (the router)."""
-    if os.path.lexists(path):
-        os.unlink(path)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
-    if uid is not None:
-        os.chown(path, uid, gid if gid is not None else -1)
-    os.chmod(path, 0o600)
-    listener.listen(64)
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection((host, port), timeout=10)
-                upstream.settimeout(None)
-            except OSError:
-                conn.close()
-                continue
-            threading.Thread(target=pump, args=(conn, upstream), daemon=True).start()
-            threading.Thread(target=pump, args=(upstream, conn), daemon=True).start()
-
-    threading.Thread(target=accept, name=f"sandbox-bridge-{port}", daemon=True).start()
-    return listener
 
 
 class LocalSandboxProvider:
@@ -423,7 +139,7 @@ class LocalSandboxProvider:
         self.isolation = isolation
         self.python = launcher_python(probe_uid, probe_gid)
         self.network = bool(network)
-        self._unshare = _unshare_flags(probe_uid, probe_gid) if isolation == "netns" else None
+        self._unshare = unshare_flags(probe_uid, probe_gid) if isolation == "netns" else None
         self.root = os.path.abspath(root) if root else DEFAULT_ROOT
         self.rlimits = {name: value for name, value in (
             ("RLIMIT_CPU", int(cpu_time_s)), ("RLIMIT_AS", int(memory_mb) * 1024 * 1024),
@@ -494,25 +210,10 @@ class LocalSandboxProvider:
     def argv(self, box: LocalSandbox, argv: list[str], *, bridge: dict[str, Any] | None = None,
              network: bool | None = None) -> list[str]:
         """The full command line of ``argv`` in ``box``: isolation, then the launcher, then ``argv``."""
-        net = self.network if network is None else network
-        config: dict[str, Any] = {"rlimits": self.rlimits, "nproc": self.max_processes or None}
-        prefix: list[str] = []
-        if self.isolation == "bwrap":
-            prefix = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp",
-                      "--ro-bind", self.launcher, self.launcher, "--ro-bind", box.path, box.path,
-                      "--bind", box.workdir, box.workdir,
-                      "--bind", box.home, box.home, "--dev", "/dev", "--proc", "/proc",
-                      "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",
-                      "--cap-drop", "ALL", "--chdir", box.workdir]
-            if not net:
-                prefix.append("--unshare-net")
-            prefix.append("--")
-        elif self.isolation == "netns" and not net and self._unshare is not None:
-            prefix = [shutil.which("unshare") or "unshare", *self._unshare, "--"]
-            config["loopback_up"] = True
-        if bridge and not net:
-            config["bridge"] = bridge
-        return [*prefix, self.python, "-I", "-S", self.launcher, json.dumps(config), *argv]
+        return command_line(argv, isolation=self.isolation, python=self.python, launcher=self.launcher,
+                            unshare=self._unshare, rlimits=self.rlimits, nproc=self.max_processes,
+                            sandbox_dir=box.path, workdir=box.workdir, home=box.home,
+                            network=self.network if network is None else network, bridge=bridge)
 
     def base_env(self, box: LocalSandbox) -> dict[str, str]:
         tmp = "/tmp" if self.isolation == "bwrap" else os.path.join(box.home, "tmp")
@@ -599,7 +300,7 @@ class LocalSandboxProvider:
                     await asyncio.to_thread(chown_tree, sub, box.uid, box.gid if box.gid is not None else -1)
             for command in request.setup:
                 timeout = request.setup_timeout_s or self.setup_timeout_s
-                done = await box.arun_program([_SHELL, "-c", command], timeout_s=timeout,
+                done = await box.arun_program([SHELL, "-c", command], timeout_s=timeout,
                                               network=self.network or self.setup_network)
                 if done.exit_code != 0:
                     why = f"timed out after {timeout:g}s" if done.timed_out else f"exited with status {done.exit_code}"
@@ -651,4 +352,3 @@ class LocalSandboxProvider:
                 os.unlink(self.launcher)
             except OSError:
                 pass
-
