@@ -4,14 +4,12 @@ The same field names go over the wire to both engines: ``/generate`` with ``inpu
 sent as a batch), ``sampling_params``, ``return_logprob`` and ``rid``; ``/abort_request``;
 ``/pause_generation``; ``/continue_generation``; ``/flush_cache``; ``/get_weight_version``;
 ``/update_weights_from_tensor``; ``/release_memory_occupation`` / ``/resume_memory_occupation``;
-``/health``. Responses are read defensively: per-token weight
-versions come from the LoongSage field ``meta_info.output_token_weight_versions`` when present,
-else from SGLang's ``meta_info.weight_versions`` spans, else from ``meta_info.weight_version``
-repeated. Weight versions that are decimal strings (SGLang's type) become ints.
+``/health``. Answers are read by :mod:`loongsage_core.engine_results` (:class:`GenerationResult`,
+:func:`merge_stream_chunk`, :class:`EngineError`, :class:`EngineProtocolError`, re-exported here):
+a 4xx/5xx answer raises :class:`EngineError` with the engine's own message.
 
-Every method exists twice: ``await client.generate(...)`` (httpx.AsyncClient) and
-``client.generate_sync(...)`` (httpx.Client). A 4xx/5xx answer raises :class:`EngineError` with
-the engine's own message.
+Every call is async (``await client.generate(...)``, httpx.AsyncClient); ``generate_sync`` is the
+one blocking twin (httpx.Client), for benchmarks and threads without an event loop.
 
 Every request carries the run secret (``Authorization: Bearer``) when the client has one: the
 ``api_key`` argument, else the secret set in this process (:mod:`loongsage_core.security`).
@@ -29,146 +27,24 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Iterable, Mapping, Sequence, cast
 
-import attrs
 import httpx
 
-from loongsage_hookspecs import parse_weight_version
-
+from .engine_results import (
+    EngineError,
+    EngineProtocolError,
+    GenerationResult,
+    as_version,
+    check_response,
+    json_or_text,
+    merge_stream_chunk,
+)
 from .security import engine_headers
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-
-class EngineError(RuntimeError):
-    """The engine answered with an error status; ``message`` is the engine's own explanation."""
-
-    def __init__(self, status_code: int, message: str, path: str, param: str | None = None) -> None:
-        super().__init__(f"engine {path} failed with HTTP {status_code}: {message}")
-        self.status_code = status_code
-        self.message = message
-        self.path = path
-        self.param = param
-
-
-class EngineProtocolError(EngineError):
-    """The engine answered, but not in SGLang's format (a malformed ``/generate`` body or stream)."""
-
-    def __init__(self, message: str, path: str = "/generate") -> None:
-        super().__init__(502, message, path)
-
-
-def _version(value: Any) -> int | str | None:
-    """A weight version as an int when it is one (SGLang sends strings), else unchanged."""
-    version = parse_weight_version(value)
-    return value if version is None else version
-
-
-@attrs.define
-class GenerationResult:
-    """One generated sequence.
-
-    ``logprobs[i]`` is the engine's log-probability of ``output_ids[i]`` (``None`` entries when the
-    engine gave none); ``weight_versions[i]`` the weight version that produced it;
-    ``finish_reason`` is ``"stop"``, ``"length"`` or ``"abort"`` (details in ``finish_detail``).
-    """
-
-    rid: str
-    output_ids: list[int]
-    logprobs: list[float | None] | None
-    finish_reason: str
-    finish_detail: dict[str, Any]
-    weight_version: int | str | None
-    weight_versions: list[int | str | None]
-    prompt_tokens: int
-    cached_tokens: int
-    text: str
-    meta_info: dict[str, Any] = attrs.field(repr=False)
-    top_logprobs: list[list[tuple[float, int]]] | None = None  # per token: (log-prob, token id) of the most likely
-
-    @property
-    def aborted(self) -> bool:
-        return self.finish_reason == "abort"
-
-    def token_record(self) -> tuple[list[float], list[int]]:
-        """Log-probs and weight versions of ``output_ids`` as a :class:`~loongsage_hookspecs.Segment`
-        records them, by the AgentFlow router's rule: one log-prob per token (an entry the engine
-        left empty counts 0.0) and integer versions (-1 where unknown). An answer without one
-        log-prob per token is a ``ValueError`` naming the request."""
-        n = len(self.output_ids)
-        if self.logprobs is None or len(self.logprobs) != n:
-            got = "no" if self.logprobs is None else str(len(self.logprobs))
-            raise ValueError(f"request {self.rid!r}: the engine returned {got} log-probs for {n} tokens")
-        logprobs = [0.0 if lp is None else float(lp) for lp in self.logprobs]
-        versions = [v if isinstance(v, int) and not isinstance(v, bool) else -1 for v in self.weight_versions]
-        return logprobs, versions
-
-    @classmethod
-    def from_response(cls, obj: Any, rid: str | None = None) -> "GenerationResult":
-        """Read one element of a ``/generate`` response (SGLang's format; the one reader of it).
-
-        Per-token weight versions: ``meta_info.output_token_weight_versions`` (one per token),
-        else the ``weight_versions`` spans ``[{"version", "start", "end"}]`` over
-        ``weight_version``, else ``weight_version`` for every token. An answer without
-        ``meta_info`` or ``output_ids`` is an :class:`EngineProtocolError`.
-        """
-        if not isinstance(obj, Mapping) or not isinstance(obj.get("meta_info"), Mapping):
-            raise EngineProtocolError("returned an unexpected /generate body")
-        if not isinstance(obj.get("output_ids"), list):
-            raise EngineProtocolError("did not return output_ids")
-        meta = dict(obj["meta_info"])
-        output_ids = [int(t) for t in obj["output_ids"]]
-        n = len(output_ids)
-        finish = meta.get("finish_reason")
-        if isinstance(finish, Mapping):
-            detail = dict(finish)
-            kind = str(finish.get("type") or "")
-        else:  # no finish reason: the request is still streaming or the engine omitted it
-            detail, kind = {}, str(finish or "")
-        lp_triples = meta.get("output_token_logprobs")
-        logprobs = None
-        if lp_triples is not None:
-            logprobs = [None if e is None or e[0] is None else float(e[0]) for e in lp_triples]
-        top = meta.get("output_top_logprobs")
-        top_logprobs = None
-        if isinstance(top, list) and len(top) == n:
-            top_logprobs = [[(float(e[0]), int(e[1])) for e in (row or []) if e and e[0] is not None] for row in top]
-        version = _version(meta.get("weight_version"))
-        versions: list[int | str | None] = [version] * n
-        per_token, spans = meta.get("output_token_weight_versions"), meta.get("weight_versions")
-        if isinstance(per_token, list) and len(per_token) == n:
-            versions = [_version(v) for v in per_token]
-        elif isinstance(spans, list) and spans and all(isinstance(span, Mapping) for span in spans):
-            for span in spans:
-                start, end = max(0, int(span.get("start", 0))), min(n, int(span.get("end", n)))
-                versions[start:end] = [_version(span.get("version"))] * max(0, end - start)
-        cached = meta.get("cached_tokens")
-        return cls(rid=str(meta.get("id") or rid or ""), output_ids=output_ids, logprobs=logprobs,
-                   finish_reason=kind, finish_detail=detail, weight_version=version, weight_versions=versions,
-                   prompt_tokens=int(meta.get("prompt_tokens") or 0),
-                   cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else 0,
-                   text=str(obj.get("text") or ""), meta_info=meta, top_logprobs=top_logprobs)
-
-
-def merge_stream_chunk(prev: GenerationResult | None, data: Any) -> GenerationResult:
-    """Fold one streamed ``/generate`` chunk into the generation so far (``prev``).
-
-    SGLang streams cumulative ``output_ids`` and log-probs by default and increments with
-    ``--incremental-streaming-output``; ``meta_info.completion_tokens`` (the total so far) tells
-    which, so both work. ``finish_reason`` is ``""`` until the last chunk.
-    """
-    if prev is not None and isinstance(data, Mapping) and isinstance(data.get("meta_info"), Mapping):
-        meta = data["meta_info"]
-        total, ids = meta.get("completion_tokens"), data.get("output_ids")
-        if isinstance(ids, list) and isinstance(total, int) and total > len(ids) \
-                and total == len(prev.output_ids) + len(ids):  # an increment: make it cumulative
-            earlier = [[lp, t] for lp, t in zip(prev.logprobs or [], prev.output_ids)]
-            merged = {**meta, "output_token_logprobs": earlier + list(meta.get("output_token_logprobs") or [])}
-            if prev.top_logprobs is not None and isinstance(meta.get("output_top_logprobs"), list):
-                merged["output_top_logprobs"] = ([[[lp, t] for lp, t in row] for row in prev.top_logprobs]
-                                                 + meta["output_top_logprobs"])
-            data = {**data, "output_ids": prev.output_ids + ids, "meta_info": merged}
-    return GenerationResult.from_response(data)
+__all__ = ["EngineClient", "EngineError", "EngineProtocolError", "GenerationResult", "encode_direct_tensors",
+           "merge_stream_chunk"]
 
 
 def encode_direct_tensors(named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> str:
@@ -179,35 +55,6 @@ def encode_direct_tensors(named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -
     buf = io.BytesIO()
     torch.save([(name, t.detach().cpu().contiguous()) for name, t in named_tensors], buf)
     return base64.b64encode(buf.getvalue()).decode("ascii")
-
-
-def _check(resp: httpx.Response, path: str) -> httpx.Response:
-    if resp.status_code < 400:
-        return resp
-    message, param = resp.text.strip(), None
-    try:
-        body = resp.json()
-    except ValueError:
-        body = None
-    if isinstance(body, Mapping):
-        err = body.get("error")
-        if isinstance(err, Mapping):
-            message = str(err.get("message") or message)
-            param = err.get("param")
-        elif isinstance(err, str):
-            message = err
-        elif body.get("message"):
-            message = str(body["message"])
-    raise EngineError(resp.status_code, message or resp.reason_phrase, path, param)
-
-
-def _json_or_text(resp: httpx.Response) -> Any:
-    if not resp.content:
-        return {}
-    try:
-        return resp.json()
-    except ValueError:
-        return {"message": resp.text}
 
 
 class EngineClient:
@@ -247,12 +94,12 @@ class EngineClient:
     async def _request(self, method: str, path: str, json: Any = None, timeout: float | None | str = "default") -> Any:
         kw: dict[str, Any] = {} if timeout == "default" else {"timeout": timeout}
         resp = await self._aclient().request(method, path, json=json, **kw)
-        return _json_or_text(_check(resp, path))
+        return json_or_text(check_response(resp, path))
 
     def _request_sync(self, method: str, path: str, json: Any = None, timeout: float | None | str = "default") -> Any:
         kw: dict[str, Any] = {} if timeout == "default" else {"timeout": timeout}
         resp = self._sclient().request(method, path, json=json, **kw)
-        return _json_or_text(_check(resp, path))
+        return json_or_text(check_response(resp, path))
 
     async def aclose(self) -> None:
         if self._async is not None:
@@ -341,7 +188,7 @@ class EngineClient:
         async with self._aclient().stream("POST", "/generate", json=payload) as resp:
             if resp.status_code >= 400:
                 await resp.aread()
-                _check(resp, "/generate")
+                check_response(resp, "/generate")
             async for raw in resp.aiter_lines():
                 line = raw.strip()
                 if not line.startswith("data:"):
@@ -376,7 +223,7 @@ class EngineClient:
         await self._request("POST", "/flush_cache")
 
     async def weight_version(self) -> int | str | None:
-        return _version((await self._request("GET", "/get_weight_version")).get("weight_version"))
+        return as_version((await self._request("GET", "/get_weight_version")).get("weight_version"))
 
     async def update_weight_version(self, version: int | str, *, abort_all_requests: bool = False) -> None:
         await self._request("POST", "/update_weight_version",
@@ -428,36 +275,3 @@ class EngineClient:
         payload = self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
                                                            rids=rids))
         return self._results(self._request_sync("POST", "/generate", payload), self._rid_list(payload))
-
-    def abort_sync(self, rid: str | None = None, *, abort_all: bool = False) -> None:
-        self._request_sync("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all})
-
-    def pause_sync(self, mode: str = "abort") -> None:
-        self._request_sync("POST", "/pause_generation", {"mode": mode})
-
-    def resume_sync(self) -> None:
-        self._request_sync("POST", "/continue_generation", {})
-
-    def flush_cache_sync(self) -> None:
-        self._request_sync("POST", "/flush_cache")
-
-    def weight_version_sync(self) -> int | str | None:
-        return _version(self._request_sync("GET", "/get_weight_version").get("weight_version"))
-
-    def update_weights_from_tensor_sync(self, payload: Mapping[str, Any]) -> dict[str, Any]:
-        body = dict(payload)
-        if body.get("weight_version") is not None:
-            body["weight_version"] = str(body["weight_version"])
-        return self._request_sync("POST", "/update_weights_from_tensor", body, timeout=None)
-
-    def release_memory_occupation_sync(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
-        return self._request_sync("POST", "/release_memory_occupation", {"tags": list(tags)} if tags else {})
-
-    def resume_memory_occupation_sync(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
-        return self._request_sync("POST", "/resume_memory_occupation", {"tags": list(tags)} if tags else {})
-
-    def health_sync(self) -> bool:
-        try:
-            return self._sclient().get("/health", timeout=5.0).status_code == 200
-        except httpx.HTTPError:
-            return False

@@ -3,12 +3,14 @@ the local Ray cluster listens on loopback only."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Awaitable, Callable, TypeVar
 
 import httpx
 import pytest
@@ -82,6 +84,23 @@ RAY_PROBE = textwrap.dedent("""
 """)
 
 
+T = TypeVar("T")
+
+
+def engine_call(url: str, call: Callable[[EngineClient], Awaitable[T]], api_key: str | None = None) -> T:
+    """``call`` (an async engine-client call, e.g. ``lambda c: c.weight_version()``) run to its end
+    from the test's thread, on a client of ``url`` (with ``api_key``) closed afterwards."""
+
+    async def run() -> T:
+        client = EngineClient(url, api_key=api_key)
+        try:
+            return await call(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
 @pytest.fixture(scope="module")
 def ray_probe(tmp_path_factory) -> dict:
     """What a process that started the run's local Ray cluster (``init_ray``) saw of it."""
@@ -128,7 +147,7 @@ def test_serve_writes_a_private_secret_that_engines_and_admin_require(serving):
         assert httpx.post(url + "/pause_generation", json={"mode": "abort"}).status_code == 401
         assert httpx.post(url + "/release_memory_occupation", json={}).status_code == 401
         assert httpx.get(url + "/health").status_code == 200
-        assert EngineClient(url, api_key=secret).weight_version_sync() == 0
+        assert engine_call(url, lambda c: c.weight_version(), api_key=secret) == 0
 
 
 def test_weight_overwrite_of_a_served_engine_fails_and_greedy_answers_stay(serving):
@@ -148,7 +167,7 @@ def test_weight_overwrite_of_a_served_engine_fails_and_greedy_answers_stay(servi
         "serialized_named_tensors": base64.b64encode(buf.getvalue()).decode(), "load_format": "direct"})
     assert resp.status_code == 401
     assert client.generate_sync(prompt, {"temperature": 0.0, "max_new_tokens": 8})[0].output_ids == before
-    assert client.weight_version_sync() == 0
+    assert engine_call(url, lambda c: c.weight_version(), api_key=secret) == 0
 
 
 def test_served_trajectory_opens_with_its_key_only(serving):

@@ -17,7 +17,8 @@ from typing import Any, AsyncIterator, Sequence
 import attrs
 import httpx
 
-from ..engine_client import EngineClient, EngineError, EngineProtocolError, GenerationResult
+from ..engine_client import EngineClient
+from ..engine_results import EngineError, EngineProtocolError, GenerationResult
 from .errors import RouterError
 
 ABORT_TIMEOUT_S = 5.0

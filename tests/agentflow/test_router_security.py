@@ -6,10 +6,11 @@ Real embedded engines started with the secret (as a run starts them), a real rou
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Awaitable, Callable, Iterator, TypeVar
 
 import httpx
 import openai
@@ -22,6 +23,23 @@ TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "data" / "tokenizer"
 SECRET = new_secret()
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 PROMPT = [5, 17, 42, 99, 7]
+
+
+T = TypeVar("T")
+
+
+def engine_call(url: str, call: Callable[[EngineClient], Awaitable[T]], api_key: str | None = None) -> T:
+    """``call`` (an async engine-client call, e.g. ``lambda c: c.weight_version()``) run to its end
+    from the test's thread, on a client of ``url`` (with ``api_key``) closed afterwards."""
+
+    async def run() -> T:
+        client = EngineClient(url, api_key=api_key)
+        try:
+            return await call(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
 
 
 def _engine(api_key: str | None = SECRET) -> Any:
@@ -179,11 +197,9 @@ def test_engine_endpoints_refuse_requests_without_the_secret(secure_engine, meth
 
 def test_engine_client_sends_the_secret_and_is_refused_without_it(secure_engine):
     with pytest.raises(EngineError) as err:
-        EngineClient(secure_engine).pause_sync()
+        engine_call(secure_engine, lambda c: c.pause())
     assert err.value.status_code == 401
-    client = EngineClient(secure_engine, api_key=SECRET)
-    assert client.weight_version_sync() == 0
-    client.close()
+    assert engine_call(secure_engine, lambda c: c.weight_version(), api_key=SECRET) == 0
 
 
 def test_weight_overwrite_attempt_fails_and_greedy_outputs_are_unchanged():
@@ -203,7 +219,7 @@ def test_weight_overwrite_attempt_fails_and_greedy_outputs_are_unchanged():
             resp = httpx.post(url + "/update_weights_from_tensor", json=attack, headers=headers, timeout=60)
             assert resp.status_code == 401
         assert greedy(url) == before
-        assert EngineClient(url, api_key=SECRET).weight_version_sync() == 0
+        assert engine_call(url, lambda c: c.weight_version(), api_key=SECRET) == 0
         # the same upload with the secret does replace the weights: the refusal above is what protected them
         ok = httpx.post(url + "/update_weights_from_tensor", json=attack, headers=AUTH, timeout=60)
         assert ok.status_code == 200 and names

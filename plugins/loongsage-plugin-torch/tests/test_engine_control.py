@@ -3,10 +3,12 @@ cache flush, weight versions and request validation."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import concurrent.futures
 import io
 import time
+from typing import Awaitable, Callable, TypeVar
 
 import httpx
 import pytest
@@ -24,6 +26,28 @@ CONTEXT = 4096
 UNTIL_ABORTED = CONTEXT - 16
 """Length of a request a test aborts: tens of seconds of generation, so it is still running when
 the test acts on it however long a loaded machine keeps the test's thread waiting."""
+
+T = TypeVar("T")
+
+
+def ask(client: EngineClient, call: Callable[[EngineClient], Awaitable[T]]) -> T:
+    """``call`` (an async engine-client call, e.g. ``lambda c: c.pause("abort")``) run to its end
+    from the test's thread, on a client of its own for ``client``'s engine that is closed afterwards:
+    the shared ``client`` stays free for the ``generate_sync`` calls of the pool's threads."""
+
+    async def run() -> T:
+        own = EngineClient(client.base_url)
+        try:
+            return await call(own)
+        finally:
+            await own.aclose()
+
+    return asyncio.run(run())
+
+
+def update_weights(client: EngineClient, payload: dict) -> dict:
+    """``POST /update_weights_from_tensor`` with ``payload``, from the test's thread (see :func:`ask`)."""
+    return ask(client, lambda c: c.update_weights_from_tensor(payload))
 
 
 class DictReceiver:
@@ -66,9 +90,9 @@ def engine_left_serving(served):
     failing test cannot leave the next ones waiting on a paused engine."""
     yield
     _, client, _ = served
-    client.abort_sync(abort_all=True)
-    client.resume_sync()
-    client.resume_memory_occupation_sync()
+    ask(client, lambda c: c.abort(abort_all=True))
+    ask(client, lambda c: c.resume())
+    ask(client, lambda c: c.resume_memory_occupation())
 
 
 def state(client):
@@ -104,11 +128,11 @@ def paused_while_running(client, pool, prompt, rid, mode, n=300, attempts=5):
     for _ in range(attempts):
         fut = long_request(client, pool, prompt, rid, n=n)
         started(client)
-        client.pause_sync(mode)
+        ask(client, lambda c: c.pause(mode))
         now = state(client)
         if now["running"] + now["waiting"] == 1:
             return fut
-        client.resume_sync()
+        ask(client, lambda c: c.resume())
         assert fut.result(timeout=120)[0].finish_reason == "length"
     raise AssertionError(f"the {n}-token request finished before the pause in {attempts} attempts")
 
@@ -118,7 +142,7 @@ def test_abort_by_rid_returns_the_tokens_so_far(served):
     fut = long_request(client, pool, [5, 6, 7], "to-abort")
     other = long_request(client, pool, [8, 9], "keeps-going", n=40)
     started(client)
-    client.abort_sync("to-abort")
+    ask(client, lambda c: c.abort("to-abort"))
     res = fut.result(timeout=120)[0]
     assert res.finish_reason == "abort" and res.rid == "to-abort"
     assert 0 < len(res.output_ids) < UNTIL_ABORTED and len(res.logprobs) == len(res.output_ids)
@@ -131,7 +155,7 @@ def test_abort_all_and_batch_rid_prefix(served):
                                                                   "ignore_eos": True}, rids=["b_0", "b_1"])
     single = long_request(client, pool, [7, 8], "single")
     started(client, 3)
-    client.abort_sync(abort_all=True)
+    ask(client, lambda c: c.abort(abort_all=True))
     results = batch.result(timeout=120) + single.result(timeout=120)
     assert [r.finish_reason for r in results] == ["abort"] * 3
     # a batch sent with one string rid is addressed by that rid
@@ -139,7 +163,7 @@ def test_abort_all_and_batch_rid_prefix(served):
                                                                            "ignore_eos": True}}
     fut = pool.submit(httpx.post, client.base_url + "/generate", json=body, timeout=60)
     started(client, 2)
-    client.abort_sync("grp")
+    ask(client, lambda c: c.abort("grp"))
     out = fut.result(timeout=120).json()
     assert [o["meta_info"]["id"] for o in out] == ["grp_0", "grp_1"]
     assert [o["meta_info"]["finish_reason"]["type"] for o in out] == ["abort", "abort"]
@@ -154,7 +178,7 @@ def test_pause_in_place_keeps_requests_and_their_kv(served):
     assert frozen["paused"] and frozen["running"] == 1
     time.sleep(0.1)
     assert state(client)["generated_tokens"] == frozen["generated_tokens"] and not fut.done()
-    client.resume_sync()
+    ask(client, lambda c: c.resume())
     res = fut.result(timeout=120)[0]
     assert res.finish_reason == "length" and len(res.output_ids) == 300
     expected = sequence_logprobs(ref, prompt + res.output_ids)[len(prompt) - 1:]
@@ -167,7 +191,7 @@ def test_pause_retract_recomputes_and_gives_the_same_sequence(served):
     straight = client.generate_sync([prompt], {"temperature": 0.0, "max_new_tokens": 300, "ignore_eos": True})[0]
     fut = paused_while_running(client, pool, prompt, "retracted", "retract")
     assert state(client)["running"] == 0 and state(client)["waiting"] == 1
-    client.resume_sync()
+    ask(client, lambda c: c.resume())
     res = fut.result(timeout=120)[0]
     assert res.output_ids == straight.output_ids
     assert max(abs(a - b) for a, b in zip(straight.logprobs, res.logprobs)) < 1e-5
@@ -177,13 +201,13 @@ def test_pause_abort_mode_aborts_and_holds_new_requests(served):
     _, client, pool = served
     fut = long_request(client, pool, [31, 32], "pa")
     started(client)
-    client.pause_sync("abort")
+    ask(client, lambda c: c.pause("abort"))
     assert fut.result(timeout=120)[0].finish_reason == "abort"
     queued = pool.submit(client.generate_sync, [[33, 34]], {"max_new_tokens": 5})
     wait_for(lambda: state(client)["waiting"] == 1)
     time.sleep(0.05)
     assert not queued.done()
-    client.resume_sync()
+    ask(client, lambda c: c.resume())
     assert queued.result(timeout=120)[0].finish_reason in ("length", "stop")
 
 
@@ -198,21 +222,21 @@ def test_weight_update_direct_changes_outputs_and_versions(served):
     prompt = [41, 42, 43, 44, 45]
     sampled = {"temperature": 1.0, "sampling_seed": 5, "max_new_tokens": 20, "ignore_eos": True}
     before = client.generate_sync([prompt], sampled)[0]
-    base_version = client.weight_version_sync()
+    base_version = ask(client, lambda c: c.weight_version())
     assert before.weight_versions == [base_version] * 20
     original = [(n, p.detach().clone()) for n, p in load_model(make_job()).named_parameters()]
     other, named = perturbed(engine, seed=1)
-    out = client.update_weights_from_tensor_sync({"serialized_named_tensors": encode_direct_tensors(named),
-                                                  "load_format": "direct", "flush_cache": True,
-                                                  "weight_version": 7})
-    assert out["success"] and client.weight_version_sync() == 7
+    out = update_weights(client, {"serialized_named_tensors": encode_direct_tensors(named),
+                                  "load_format": "direct", "flush_cache": True,
+                                  "weight_version": 7})
+    assert out["success"] and ask(client, lambda c: c.weight_version()) == 7
     after = client.generate_sync([prompt], sampled)[0]
     assert after.output_ids != before.output_ids and after.weight_versions == [7] * 20
     expected = sequence_logprobs(other, prompt + after.output_ids)[len(prompt) - 1:]
     assert max(abs(a - b) for a, b in zip(expected, after.logprobs)) < 1e-5
     # no version given: the engine counts up
-    client.update_weights_from_tensor_sync({"serialized_named_tensors": encode_direct_tensors(original)})
-    assert client.weight_version_sync() == 8
+    update_weights(client, {"serialized_named_tensors": encode_direct_tensors(original)})
+    assert ask(client, lambda c: c.weight_version()) == 8
     assert client.generate_sync([prompt], sampled)[0].output_ids == before.output_ids
 
 
@@ -224,44 +248,44 @@ def test_weight_update_through_a_transport_receiver(served):
     _, named = perturbed(engine, seed=2)
     buf = io.BytesIO()
     torch.save(dict(named), buf)
-    client.update_weights_from_tensor_sync({"serialized_named_tensors": base64.b64encode(buf.getvalue()).decode(),
-                                            "load_format": "dict_b64", "weight_version": 20})
-    assert client.weight_version_sync() == 20
+    update_weights(client, {"serialized_named_tensors": base64.b64encode(buf.getvalue()).decode(),
+                            "load_format": "dict_b64", "weight_version": 20})
+    assert ask(client, lambda c: c.weight_version()) == 20
     changed = client.generate_sync([prompt], sampled)[0].output_ids
     assert changed != before
     with pytest.raises(EngineError) as err:
-        client.update_weights_from_tensor_sync({"serialized_named_tensors": "", "load_format": "nope"})
+        update_weights(client, {"serialized_named_tensors": "", "load_format": "nope"})
     assert err.value.status_code == 400 and "nope" in err.value.message and err.value.param == "load_format"
     # the in-process entry point, from another thread while the engine serves
     original = [(n, p.detach().clone()) for n, p in load_model(make_job()).named_parameters()]
     assert engine.load_weights(original, version=21) == len(original)
-    assert client.weight_version_sync() == 21 and engine.weight_version == 21
+    assert ask(client, lambda c: c.weight_version()) == 21 and engine.weight_version == 21
     assert client.generate_sync([prompt], sampled)[0].output_ids == before
 
 
 def test_bad_weight_updates_are_rejected_by_name(served):
     engine, client, _ = served
-    version = client.weight_version_sync()
+    version = ask(client, lambda c: c.weight_version())
     for named, needle in ([("model.no_such.weight", torch.zeros(3))], "model.no_such.weight"), \
                          ([("model.norm.weight", torch.zeros(3))], "shape"):
         with pytest.raises(EngineError) as err:
-            client.update_weights_from_tensor_sync({"serialized_named_tensors": encode_direct_tensors(named),
-                                                    "load_format": "direct"})
+            update_weights(client, {"serialized_named_tensors": encode_direct_tensors(named),
+                                    "load_format": "direct"})
         assert err.value.status_code == 400 and needle in err.value.message
     with pytest.raises(EngineError) as err:
-        client.update_weights_from_tensor_sync({"serialized_named_tensors": "!!!", "load_format": "direct"})
+        update_weights(client, {"serialized_named_tensors": "!!!", "load_format": "direct"})
     assert "serialized_named_tensors" in err.value.message
-    assert client.weight_version_sync() == version
+    assert ask(client, lambda c: c.weight_version()) == version
 
 
 def test_in_place_update_reports_versions_per_token(served):
     engine, client, pool = served
     fut = paused_while_running(client, pool, [61, 62, 63], "spans", "in_place")
-    version = client.weight_version_sync()
+    version = ask(client, lambda c: c.weight_version())
     original = [(n, p.detach().clone()) for n, p in load_model(make_job()).named_parameters()]
-    client.update_weights_from_tensor_sync({"serialized_named_tensors": encode_direct_tensors(original),
-                                            "weight_version": version + 1, "flush_cache": False})
-    client.resume_sync()
+    update_weights(client, {"serialized_named_tensors": encode_direct_tensors(original),
+                            "weight_version": version + 1, "flush_cache": False})
+    ask(client, lambda c: c.resume())
     res = fut.result(timeout=120)[0]
     versions = res.weight_versions
     assert len(versions) == 300 and versions[0] == version and versions[-1] == version + 1
@@ -275,7 +299,7 @@ def test_in_place_update_reports_versions_per_token(served):
 def test_update_weight_version_endpoint(served):
     _, client, _ = served
     client._request_sync("POST", "/update_weight_version", {"new_version": "33"})
-    assert client.weight_version_sync() == 33
+    assert ask(client, lambda c: c.weight_version()) == 33
     res = client.generate_sync([[1, 2, 3]], {"max_new_tokens": 3})[0]
     assert res.weight_version == 33 and res.meta_info["weight_version"] == "33"
 
@@ -286,14 +310,14 @@ def test_flush_cache_drops_cached_prefixes(served):
     client.generate_sync([prompt], {"max_new_tokens": 2})
     assert state(client)["prefix_cache_entries"] > 0
     assert client.generate_sync([prompt], {"max_new_tokens": 2})[0].cached_tokens >= 32
-    client.flush_cache_sync()
+    ask(client, lambda c: c.flush_cache())
     assert state(client)["prefix_cache_entries"] == 0
     assert httpx.get(client.base_url + "/flush_cache").status_code == 200
 
 
 def test_health_and_model_info(served):
     _, client, _ = served
-    assert client.health_sync()
+    assert ask(client, lambda c: c.health())
     info = httpx.get(client.base_url + "/get_model_info").json()
     assert info["is_generation"] and info["max_context_length"] == CONTEXT and info["vocab_size"] == 512
     client.generate_sync([[1, 2, 3]] * 3, {"max_new_tokens": 3})
@@ -360,7 +384,7 @@ def test_a_rid_in_use_is_rejected(served):
     with pytest.raises(EngineError) as err:
         client.generate_sync([[1, 2]], {"max_new_tokens": 2}, rids=["dup-rid"])
     assert err.value.status_code == 400 and "dup-rid" in err.value.message
-    client.abort_sync("dup-rid")
+    ask(client, lambda c: c.abort("dup-rid"))
     assert fut.result(timeout=120)[0].finish_reason == "abort"
 
 
@@ -371,7 +395,7 @@ def test_a_streamed_request_refused_before_its_first_token_gets_a_plain_error(se
     resp = httpx.post(client.base_url + "/generate", json={"input_ids": [1, 2], "rid": "dup-stream", "stream": True,
                                                            "sampling_params": {"max_new_tokens": 2}})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "rid", resp.text
-    client.abort_sync("dup-stream")
+    ask(client, lambda c: c.abort("dup-stream"))
     assert fut.result(timeout=120)[0].finish_reason == "abort"
 
 
@@ -387,22 +411,23 @@ def test_release_and_resume_memory_occupation(served):
     started(client)
     assert state(client)["kv_capacity"] > 0
     with pytest.raises(EngineError) as busy:
-        client.release_memory_occupation_sync(["kv_cache"])
+        ask(client, lambda c: c.release_memory_occupation(["kv_cache"]))
     assert busy.value.status_code == 400 and "running or waiting" in str(busy.value)
-    client.abort_sync("holds-memory")
+    ask(client, lambda c: c.abort("holds-memory"))
     fut.result(timeout=120)
 
-    answer = client.release_memory_occupation_sync()  # all tags
+    answer = ask(client, lambda c: c.release_memory_occupation())  # all tags
     assert answer["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
     s = state(client)
     assert s["kv_capacity"] == 0 and s["kv_slots"] == 0 and s["prefix_cache_entries"] == 0
     with pytest.raises(EngineError) as refused:
         client.generate_sync([prompt], params)
     assert refused.value.status_code == 503 and "resume_memory_occupation" in str(refused.value)
-    assert client.resume_memory_occupation_sync(["weights", "cuda_graph"])["memory_released"] == ["kv_cache"]
+    resumed = ask(client, lambda c: c.resume_memory_occupation(["weights", "cuda_graph"]))
+    assert resumed["memory_released"] == ["kv_cache"]
     with pytest.raises(EngineError):  # still one tag released
         client.generate_sync([prompt], params)
-    assert client.resume_memory_occupation_sync(["kv_cache"])["memory_released"] == []
+    assert ask(client, lambda c: c.resume_memory_occupation(["kv_cache"]))["memory_released"] == []
     after = client.generate_sync([prompt], params)[0]
     assert after.output_ids == before.output_ids and after.logprobs == before.logprobs
 
