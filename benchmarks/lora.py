@@ -105,9 +105,10 @@ def trainer_child(variant: str, model: str, rank: int, lora_lr: float, train_ste
     from loongsage_plugin_torch.engine import create_engine
     from loongsage_plugin_torch.transport import inprocess_sender
 
-    from loongsage_hookspecs import EngineContext
+    from loongsage_hookspecs import EngineContext, WeightTransportContext
 
-    engine, sender, syncs = create_engine(EngineContext(job=job, components=None)), inprocess_sender(), []
+    engine, syncs = create_engine(EngineContext(job=job, components=None)), []
+    sender = inprocess_sender(WeightTransportContext(role="sender"))
     for version in range(1, 5):
         start = time.perf_counter()
         sender.send(worker.named_weights(), version, [engine])

@@ -76,9 +76,11 @@ def serve() -> None:
     from loongsage_plugin_torch.engine.weights import decode_direct
     from loongsage_plugin_torch.transport import broadcast_receiver, shm_receiver
 
+    from loongsage_hookspecs import WeightTransportContext
+
     torch.set_num_threads(1)
-    receiver = shm_receiver()
-    groups = broadcast_receiver()
+    receiver = shm_receiver(WeightTransportContext(role="receiver"))
+    groups = broadcast_receiver(WeightTransportContext(role="receiver"))
     engine = CopyEngine()
 
     class Handler(BaseHTTPRequestHandler):
@@ -142,6 +144,8 @@ def main() -> None:
     import torch
     from loongsage_plugin_torch.transport import broadcast_sender, inprocess_sender, shm_sender
 
+    from loongsage_hookspecs import WeightTransportContext
+
     torch.set_num_threads(1)
     weights = synthetic_weights(args.total_mb)
     nbytes = sum(t.numel() * t.element_size() for _, t in weights)
@@ -157,7 +161,7 @@ def main() -> None:
     results["plain_copy"] = {"seconds": copy_s, "gb_per_s": nbytes / copy_s / 1e9}
 
     engine = CopyEngine()
-    inproc = inprocess_sender()
+    inproc = inprocess_sender(WeightTransportContext(role="sender"))
     inproc.send(weights, 0, [engine])
     t = best_time(lambda: inproc.send(weights, 1, [engine]), args.repeats)
     results["inprocess"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9, "ratio_vs_copy": copy_s / t}
@@ -168,14 +172,14 @@ def main() -> None:
         url = f"http://127.0.0.1:{int(child.stdout.readline())}"
         results["shm"] = {}
         for mb in (float(x) for x in args.buckets_mb.split(",")):
-            with shm_sender(bucket_bytes=int(mb * (1 << 20))) as sender:
+            with shm_sender(WeightTransportContext(role="sender"), bucket_bytes=int(mb * (1 << 20))) as sender:
                 sender.send(weights, 0, [url])  # warm-up: the engine allocates, blocks are created
                 t = best_time(lambda: sender.send(weights, 1, [url]), args.repeats)
             results["shm"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9, "ratio_vs_copy": copy_s / t}
         results["broadcast"] = {}
         for mb in (float(x) for x in args.buckets_mb.split(",")):
-            with broadcast_sender(bucket_bytes=int(mb * (1 << 20)), backend="gloo",
-                                  group_name=f"bench_{mb:g}") as group_sender:
+            with broadcast_sender(WeightTransportContext(role="sender"), bucket_bytes=int(mb * (1 << 20)),
+                                  backend="gloo", group_name=f"bench_{mb:g}") as group_sender:
                 group_sender.send(weights, 0, [url])  # warm-up: the group is set up, the engine allocates
                 t = best_time(lambda: group_sender.send(weights, 1, [url]), args.repeats)  # noqa: B023
             results["broadcast"][f"{mb:g}MiB"] = {"seconds": t, "gb_per_s": nbytes / t / 1e9,

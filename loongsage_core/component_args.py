@@ -1,12 +1,14 @@
 """Checking every component's ``*_args`` table at validate time, and settings that would do nothing.
 
 A component receives its job-file arguments as keyword arguments (``fn(inputs, **args)`` or
-``factory(**args)``). A misspelt key would otherwise surface mid-run (a reward that raises on
-every trajectory marks each one failed; a loss that raises stops the first step), so
+``factory(ctx, **args)``, ``ctx`` the kind's context). A misspelt key would otherwise surface
+mid-run (a reward that raises on every trajectory marks each one failed; a loss that raises stops
+the first step), so
 ``loongsage validate`` (and ``run``, which resolves first) compares each table with what the
 component accepts: the spec's ``args_schema`` (an attrs class) when it declares one, else the
 signature of its function or factory (``inspect.signature``), leaving out the leading positional
-inputs the host passes and the keywords the host fills itself. A signature with ``**kwargs``
+inputs the host passes (a factory's context, a function's inputs) and the keywords the host fills
+itself. A signature with ``**kwargs``
 accepts any key. Required arguments without a default must be given.
 """
 
@@ -21,6 +23,8 @@ from .config import ConfigError, JobConfig, structure_args
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+_CTX = 1
+"""A factory's leading positional input: its context (``factory(ctx, **args)``)."""
 
 
 @attrs.define(frozen=True)
@@ -32,7 +36,8 @@ class ArgsTable:
     name: str
     args: Mapping[str, Any]
     positional: int = 0
-    """Leading positional inputs the host passes (``inputs``, ``trajectory``, ``loss, mask, norm``)."""
+    """Leading positional inputs the host passes (``inputs``, ``trajectory``, ``loss, mask, norm``;
+    a factory's context: :data:`_CTX`)."""
     reserved: tuple[str, ...] = ()
     """Keywords the host fills itself (a job file may not set them)."""
     attr: str = "fn"
@@ -57,27 +62,29 @@ def args_tables(job: JobConfig) -> Iterator[ArgsTable]:
         for name in src.reward:
             yield ArgsTable(f"data[{i}].reward_args.{name}", "reward", name, src.reward_args.get(name, {}), 1,
                             reserved=("sandbox",))
-        yield ArgsTable(f"data[{i}].agent_args", "agent", src.agent, src.agent_args, attr="factory")
+        yield ArgsTable(f"data[{i}].agent_args", "agent", src.agent, src.agent_args, _CTX, attr="factory")
         if src.generator:
-            yield ArgsTable(f"data[{i}].generator_args", "data_source", src.generator, src.generator_args,
+            yield ArgsTable(f"data[{i}].generator_args", "data_source", src.generator, src.generator_args, _CTX,
                             attr="factory")
         if src.sandbox:
-            yield ArgsTable(f"data[{i}].sandbox_args", "sandbox", src.sandbox, src.sandbox_args, attr="factory")
+            yield ArgsTable(f"data[{i}].sandbox_args", "sandbox", src.sandbox, src.sandbox_args, _CTX,
+                            attr="factory")
     for name in job.agentflow.middleware:
         yield ArgsTable(f"agentflow.middleware_args.{name}", "router_middleware", name,
-                        job.agentflow.middleware_args.get(name, {}), attr="factory")
+                        job.agentflow.middleware_args.get(name, {}), _CTX, attr="factory")
     if job.async_.enable:
-        yield ArgsTable("async.scheduler_args", "scheduler", job.async_.scheduler, job.async_.scheduler_args,
-                        reserved=("batch_size", "stale_steps"), attr="factory")
+        yield ArgsTable("async.scheduler_args", "scheduler", job.async_.scheduler, job.async_.scheduler_args, _CTX,
+                        attr="factory")
     for i, lg in enumerate(job.loggers):
-        yield ArgsTable(f"loggers[{i}].args", "logger", lg.name, lg.args, 1, attr="factory")
+        yield ArgsTable(f"loggers[{i}].args", "logger", lg.name, lg.args, _CTX, attr="factory")
     for i, t in enumerate(job.teachers):
-        yield ArgsTable(f"teachers[{i}].args", "teacher", t.backend, t.args, reserved=("path",), attr="factory")
+        yield ArgsTable(f"teachers[{i}].args", "teacher", t.backend, t.args, _CTX, reserved=("path",),
+                        attr="factory")
     if job.rollout.engine_router:
         yield ArgsTable("rollout.engine_router_args", "engine_router", job.rollout.engine_router,
-                        job.rollout.engine_router_args, 1, attr="factory")
+                        job.rollout.engine_router_args, _CTX, attr="factory")
     yield ArgsTable("rollout.weight_transport_args", "weight_transport", job.rollout.weight_transport,
-                    job.rollout.weight_transport_args, attr="sender")
+                    job.rollout.weight_transport_args, _CTX, attr="sender")
 
 
 def accepted_args(target: Callable[..., Any], positional: int = 0,

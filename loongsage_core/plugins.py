@@ -32,6 +32,7 @@ import attrs
 import pluggy
 
 from loongsage_hookspecs import (
+    BUILD_CONTEXTS,
     BUILT_PROTOCOLS,
     KINDS,
     PROJECT_NAME,
@@ -274,10 +275,14 @@ class PluginHost:
             raise UnknownComponentError(f"{prefix}unknown {kind} '{name}'{hint}; choose one of: {listing}")
         return provided.spec
 
-    def build(self, kind: str, name: str, *args: Any, where: str, args_key: str | None = None,
-              using: str = "factory", **kwargs: Any) -> Any:
-        """Build the component ``kind`` ``name``: ``spec.<using>(*args, **kwargs)`` (``using`` names
+    def build(self, kind: str, name: str, ctx: Any, *, where: str, args_key: str | None = None,
+              using: str = "factory", **args: Any) -> Any:
+        """Build the component ``kind`` ``name``: ``spec.<using>(ctx, **args)`` (``using`` names
         the spec's factory: ``factory``, or a weight transport's ``sender`` / ``receiver``).
+
+        ``ctx`` is the kind's context (:data:`loongsage_hookspecs.BUILD_CONTEXTS`: what the host
+        knows about where the component runs); ``args`` the job's ``*_args`` table. A ``ctx`` of
+        another class is the host's own bug: a ``TypeError`` naming the kind and the class expected.
 
         The one place the host builds what a job names, so every kind fails the same way:
 
@@ -293,17 +298,23 @@ class PluginHost:
         * anything else the factory raises: :class:`ComponentBuildError` (a run error) naming the
           key, the component and its plugin, chained to the original exception.
         """
+        expected = BUILD_CONTEXTS.get((kind, using))
+        if expected is None:
+            raise TypeError(f"build: {kind} '{name}' has no factory field '{using}' the host builds with")
+        if not isinstance(ctx, expected):
+            raise TypeError(f"build: {kind} '{name}' needs a {expected.__name__} as its context, got "
+                            f"{type(ctx).__name__}")
         spec = self.get(kind, name, where=where)
         factory = getattr(spec, using)
         refused = f"{args_key or where}: {kind} '{name}' does not take these arguments"
         try:
-            inspect.signature(factory).bind(*args, **kwargs)
+            inspect.signature(factory).bind(ctx, **args)
         except TypeError as exc:
             raise ConfigError(f"{refused}: {exc}") from None
         except ValueError:  # a callable without a signature (a builtin): let the call decide
             pass
         try:
-            built = factory(*args, **kwargs)
+            built = factory(ctx, **args)
         except (ConfigError, PluginError):
             raise
         except ValueError as exc:  # a value the factory refuses: the arguments' table is at fault
@@ -311,7 +322,7 @@ class PluginHost:
         except Exception as exc:
             # a factory that passes ``**kwargs`` on (to a class, say) meets the argument it does not
             # take one call deeper: still the job's argument, when the error names one it passed
-            if isinstance(exc, TypeError) and any(f"unexpected keyword argument '{key}'" in str(exc) for key in kwargs):
+            if isinstance(exc, TypeError) and any(f"unexpected keyword argument '{key}'" in str(exc) for key in args):
                 raise ConfigError(f"{refused}: {exc}") from None
             raise ComponentBuildError(f"{where}: building {kind} '{name}' (plugin "
                                       f"{self.provider(kind, name)}) failed: {type(exc).__name__}: {exc}") from exc

@@ -247,8 +247,8 @@ from loongsage_hookspecs import SchedulerSpec, hookimpl
 
 
 class Oldest:
-    def __init__(self, batch_size, stale_steps=1):
-        self.batch_size = batch_size
+    def __init__(self, ctx):
+        self.batch_size = ctx.batch_size
 
 
 @hookimpl

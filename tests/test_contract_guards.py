@@ -119,3 +119,45 @@ def test_every_capability_is_documented_and_declared_by_a_shipped_component():
     for cap in caps:
         assert f"| `{cap.__name__}` |" in DOCS, f"docs/hooks.md has no row for the capability {cap.__name__}"
         assert cap in declared or cap in per_trajectory, f"no shipped component declares {cap.__name__}"
+
+
+FACTORY_FIELDS = ("factory", "sender", "receiver")
+"""The spec fields of object-style kinds that hold what the host builds with."""
+
+
+def test_every_object_style_kind_has_a_build_context():
+    """``BUILD_CONTEXTS`` names the context of every ``(kind, factory field)`` the host builds:
+    every key of ``BUILT_PROTOCOLS`` and every factory field of an object-style spec class, each a
+    ``BuildContext`` (so every context carries ``where``, ``job`` and ``components``)."""
+    from loongsage_hookspecs import BUILD_CONTEXTS, BUILT_PROTOCOLS, BuildContext
+
+    assert set(BUILT_PROTOCOLS) <= set(BUILD_CONTEXTS), set(BUILT_PROTOCOLS) - set(BUILD_CONTEXTS)
+    fields = {(kind, f.name) for kind, k in KINDS.items() for f in attrs.fields(k.spec) if f.name in FACTORY_FIELDS}
+    assert fields == set(BUILD_CONTEXTS)
+    for key, ctx in BUILD_CONTEXTS.items():
+        assert isinstance(ctx, type) and issubclass(ctx, BuildContext), key
+        assert attrs.has(ctx) and {"where", "job", "components"} <= {f.name for f in attrs.fields(ctx)}, key
+
+
+def test_every_shipped_factory_takes_its_context_first():
+    """One way to build a component: every shipped object-style spec's factory (all plugins
+    enabled) is ``factory(ctx, **args)``, its first parameter a positional one, the context."""
+    host = PluginHost.create()
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    checked = []
+    for kind in KINDS:
+        for name, spec in host.components(kind).items():
+            for field in FACTORY_FIELDS:
+                factory = getattr(spec, field, None)
+                if factory is None:
+                    continue
+                params = list(inspect.signature(factory).parameters.values())
+                first = params[0] if params else None
+                assert first is not None and first.kind in positional, (
+                    f"{kind} '{name}' ({host.provider(kind, name)}): {field}{inspect.signature(factory)} does not "
+                    "take the context as its first positional parameter")
+                checked.append((kind, field))
+    # the shipped plugins build every object-style kind, so each one was looked at
+    from loongsage_hookspecs import BUILD_CONTEXTS
+
+    assert set(checked) == set(BUILD_CONTEXTS), set(BUILD_CONTEXTS) - set(checked)

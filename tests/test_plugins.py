@@ -9,6 +9,7 @@ import pytest
 
 from loongsage_core.errors import ConflictError, PluginError, UnknownComponentError
 from loongsage_core.plugins import DISABLE_ENV, PluginHost, PluginWarning
+from loongsage_hookspecs import LoggerContext
 
 GOOD = '''
 from loongsage_hookspecs import hookimpl, RewardSpec, AdvantageSpec
@@ -174,13 +175,15 @@ def test_the_plugin_host_is_the_registry_the_contract_hands_to_backends():
     assert host.get("advantage", "grpo") is host.components("advantage")["grpo"]
 
 
+OUT = LoggerContext(output_dir="out", total_steps=1)
+
 BUILDERS = '''
 from loongsage_hookspecs import hookimpl, LoggerSpec
 
 
 class Fine:
-    def __init__(self, output_dir, every=1):
-        self.output_dir, self.every = output_dir, every
+    def __init__(self, ctx, every=1):
+        self.output_dir, self.every = ctx.output_dir, every
 
     def log(self, step, metrics):
         pass
@@ -189,15 +192,15 @@ class Fine:
         pass
 
 
-def refuses(output_dir, every=1):
+def refuses(ctx, every=1):
     raise ValueError(f"every = {every} must be positive")
 
 
-def buggy(output_dir):
-    return len(output_dir, 2)  # a TypeError inside the factory: its bug, not the job's
+def buggy(ctx):
+    return len(ctx.output_dir, 2)  # a TypeError inside the factory: its bug, not the job's
 
 
-def broken(output_dir):
+def broken(ctx):
     raise OSError("disk full")
 
 
@@ -218,28 +221,44 @@ def test_build_is_the_one_way_components_are_made_and_fail(tmp_path):
     (tmp_path / "builders.py").write_text(BUILDERS)
     host = PluginHost.create(enable=[], modules=["builders.py"], base_dir=tmp_path)
     where, args_key = "job.toml: loggers[0].name", "job.toml: loggers[0].args"
-    made = host.build("logger", "fine", "out", where=where, args_key=args_key, every=3)
+    made = host.build("logger", "fine", OUT, where=where, args_key=args_key, every=3)
     assert (made.output_dir, made.every) == ("out", 3)
     with pytest.raises(UnknownComponentError, match=r"job.toml: loggers\[0\].name: unknown logger 'fin' "
                                                     r"\(did you mean 'fine'\?\)"):
-        host.build("logger", "fin", "out", where=where)
+        host.build("logger", "fin", OUT, where=where)
     with pytest.raises(ConfigError, match=r"^job.toml: loggers\[0\].args: logger 'fine' does not take these "
                                           r"arguments: .*'evry'"):
-        host.build("logger", "fine", "out", where=where, args_key=args_key, evry=3)
+        host.build("logger", "fine", OUT, where=where, args_key=args_key, evry=3)
     with pytest.raises(ConfigError, match=r"^job.toml: loggers\[0\].args: every = 0 must be positive$"):
-        host.build("logger", "refuses", "out", where=where, args_key=args_key, every=0)
+        host.build("logger", "refuses", OUT, where=where, args_key=args_key, every=0)
     with pytest.raises(ComponentBuildError, match=r"^job.toml: loggers\[0\].name: building logger 'buggy' \(plugin "
                                                   r"module:builders\) failed: TypeError: ") as bug:
-        host.build("logger", "buggy", "out", where=where)
+        host.build("logger", "buggy", OUT, where=where)
     assert isinstance(bug.value, RunError) and isinstance(bug.value.__cause__, TypeError)
     with pytest.raises(ComponentBuildError, match="building logger 'broken' .* failed: OSError: disk full"):
-        host.build("logger", "broken", "out", where=where)
+        host.build("logger", "broken", OUT, where=where)
+
+
+def test_build_passes_the_kinds_context_and_refuses_another(tmp_path):
+    """``factory(ctx, **args)``: the host's context goes first; a context of another class (or
+    none) is the host's own bug, a ``TypeError`` naming the kind and the class it needs, before
+    the factory runs."""
+    from loongsage_hookspecs import BuildContext
+
+    (tmp_path / "builders.py").write_text(BUILDERS)
+    host = PluginHost.create(enable=[], modules=["builders.py"], base_dir=tmp_path)
+    assert host.build("logger", "fine", OUT, where="w").output_dir == "out"
+    for bad in ("out", BuildContext(), None):
+        with pytest.raises(TypeError, match=r"^build: logger 'fine' needs a LoggerContext as its context, got "):
+            host.build("logger", "fine", bad, where="w")
+    with pytest.raises(TypeError):  # one positional input: the context
+        host.build("logger", "fine", OUT, "extra", where="w")  # type: ignore[misc]
 
 
 CAPABLE = BUILDERS + '''
 
 class Silent:  # no close(): not a MetricsLogger
-    def __init__(self, output_dir):
+    def __init__(self, ctx):
         pass
 
     def log(self, step, metrics):
@@ -270,11 +289,11 @@ def test_build_checks_the_kinds_protocol_and_the_declared_capabilities(tmp_path)
     host = PluginHost.create(enable=[], modules=["capable.py"], base_dir=tmp_path)
     with pytest.raises(ComponentBuildError, match=r"^w: logger 'silent' \(plugin module:capable\) built a Silent "
                                                   r"that lacks close of the logger protocol MetricsLogger$"):
-        host.build("logger", "silent", "out", where="w")
+        host.build("logger", "silent", OUT, where="w")
     with pytest.raises(ComponentBuildError, match=r"built a Fine that lacks truncate_after of the capability "
                                                   r"StepTruncation its spec declares$"):
-        host.build("logger", "claims", "out", where="w")
-    made = host.build("logger", "truncating", "out", where="w")
+        host.build("logger", "claims", OUT, where="w")
+    made = host.build("logger", "truncating", OUT, where="w")
     spec = host.get("logger", "truncating")
     assert spec.capabilities == (StepTruncation,) and spec.declares(StepTruncation) and not spec.declares(Offloadable)
     assert isinstance(made, StepTruncation)
@@ -312,13 +331,13 @@ def test_build_names_an_argument_a_factory_passed_on_as_the_jobs(tmp_path):
     ``TypeError`` is still the job's argument (an unexpected keyword it passed)."""
     from loongsage_core.config import ConfigError
 
-    passes_on = '(("passes_on", lambda output_dir, **args: Fine(output_dir, **args)),'
+    passes_on = '(("passes_on", lambda ctx, **args: Fine(ctx, **args)),'
     passing = BUILDERS.replace('(("fine", Fine),', passes_on)
     (tmp_path / "passing.py").write_text(passing)
     host = PluginHost.create(enable=[], modules=["passing.py"], base_dir=tmp_path)
-    assert host.build("logger", "passes_on", "o", where="w", every=2).every == 2
+    assert host.build("logger", "passes_on", OUT, where="w", every=2).every == 2
     with pytest.raises(ConfigError, match=r"^a: logger 'passes_on' does not take these arguments: .*'evry'"):
-        host.build("logger", "passes_on", "o", where="w", args_key="a", evry=2)
+        host.build("logger", "passes_on", OUT, where="w", args_key="a", evry=2)
 
 
 def test_register_specs_adds_selectable_components_to_a_real_host():

@@ -35,11 +35,20 @@ from .capabilities import (
     missing_members,
 )
 from .chat import prompt_messages
-from .contexts import BuildContext, TeacherContext, TeacherManagerContext
+from .contexts import (
+    BuildContext,
+    EngineRouterContext,
+    LoggerContext,
+    SchedulerContext,
+    TeacherContext,
+    TeacherManagerContext,
+    WeightTransportContext,
+)
 from .kinds import KINDS, Kind
 from .lora import LORA_ADAPTER_NAME, LORA_TENSOR_SUFFIXES, is_lora_tensor
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .protocols import (
+    BUILD_CONTEXTS,
     BUILT_PROTOCOLS,
     Agent,
     CheckpointableScheduler,

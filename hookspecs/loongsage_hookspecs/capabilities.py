@@ -188,9 +188,9 @@ class LoraAwareSender(Protocol):
 class SourcePicker(Protocol):
     """An asynchronous scheduler that keeps the shares of several data sources.
 
-    Its factory takes ``quota``: a callable ``version -> {source: prompts}`` (the ``[[data]]``
-    weights apportioned over ``rollout.prompts_per_step``), and ``next_source(version)`` names the
-    source of each dispatch. A job with more than one data source needs it.
+    Its factory's context (``SchedulerContext``) carries ``quota``: a callable
+    ``version -> {source: prompts}`` (the ``[[data]]`` weights apportioned over
+    ``rollout.prompts_per_step``), and ``next_source(version)`` names the source of each dispatch. A job with more than one data source needs it.
     """
 
     def next_source(self, trainer_version: int) -> str | None: ...

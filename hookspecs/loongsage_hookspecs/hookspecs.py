@@ -48,9 +48,9 @@ from .specs import (
 def loongsage_agents() -> Iterable[AgentSpec]:
     """Provide agents: programs that run one trajectory against an OpenAI-compatible endpoint.
 
-    The host passes nothing. Return :class:`AgentSpec` objects whose ``factory(**args)`` builds an
-    object with ``async run(ctx: AgentContext) -> AgentResult``; ``args`` come from the data
-    source's ``agent_args`` table in the job file.
+    The host passes nothing. Return :class:`AgentSpec` objects whose ``factory(ctx: BuildContext,
+    **args)`` builds an object with ``async run(ctx: AgentContext) -> AgentResult``; ``args`` come
+    from the data source's ``agent_args`` table in the job file.
 
     Example::
 
@@ -87,9 +87,9 @@ def loongsage_rewards() -> Iterable[RewardSpec]:
 def loongsage_data_sources() -> Iterable[DataSourceSpec]:
     """Provide procedural data sources (synthetic task generators).
 
-    The host calls ``factory(**args)`` (``args`` from the data source's ``generator_args``) and
-    expects an iterable of rows ``{"prompt": ..., "label": ..., "metadata": {...}}``, deterministic
-    for the same arguments.
+    The host calls ``factory(ctx: BuildContext, **args)`` (``args`` from the data source's
+    ``generator_args``) and expects an iterable of rows
+    ``{"prompt": ..., "label": ..., "metadata": {...}}``, deterministic for the same arguments.
 
     Example::
 
@@ -104,7 +104,8 @@ def loongsage_data_sources() -> Iterable[DataSourceSpec]:
 def loongsage_sandboxes() -> Iterable[SandboxSpec]:
     """Provide sandbox providers for agents that execute code or commands.
 
-    ``factory(**args)`` returns a ``SandboxProvider``; for each trajectory the host calls
+    ``factory(ctx: BuildContext, **args)`` returns a ``SandboxProvider``; for each trajectory the
+    host calls
     ``create(trajectory_id, row)`` (the data row: the provider prepares the sandbox from the
     :class:`SandboxRequest` that ``sandbox_request(row)`` reads in it), runs the agent, runs the
     rewards (those with ``needs_sandbox`` get the sandbox), then calls ``destroy``, also when the
@@ -206,9 +207,9 @@ def loongsage_corrections() -> Iterable[CorrectionSpec]:
 def loongsage_router_middlewares() -> Iterable[RouterMiddlewareSpec]:
     """Provide AgentFlow router middleware (request/response inspection and rewriting).
 
-    ``factory(**args)`` returns an object with ``on_request`` and ``on_response``; the router
-    chains them in job-file order. Both see chat-completions bodies whatever protocol the agent
-    speaks (the router translates Responses and Anthropic Messages requests). Optional, for
+    ``factory(ctx: BuildContext, **args)`` returns an object with ``on_request`` and
+    ``on_response``; the router chains them in job-file order. Both see chat-completions bodies
+    whatever protocol the agent speaks (the router translates Responses and Anthropic Messages requests). Optional, for
     streaming (the ``StreamingMiddleware`` capability): ``stream_holdback(request, text) -> int``
     declares ``on_response`` safe to run on partial responses and says how many trailing
     characters of the partial text it cannot judge yet (a tool call being written);
@@ -244,8 +245,10 @@ def loongsage_filters() -> Iterable[FilterSpec]:
 def loongsage_schedulers() -> Iterable[SchedulerSpec]:
     """Provide asynchronous-training schedulers (bounded staleness strategies).
 
-    ``factory(**args)`` returns a ``Scheduler``; the host asks it what to dispatch and what the
-    next step may train on. With several ``[[data]]`` sources the host also passes ``quota``
+    ``factory(ctx: SchedulerContext, **args)`` returns a ``Scheduler`` (``ctx.batch_size``: the
+    groups a step trains, ``ctx.stale_steps``: the staleness bound; ``args``: ``[async]
+    scheduler_args``); the host asks it what to dispatch and what the next step may train on. To a
+    scheduler that declares ``SourcePicker`` the host also passes ``ctx.quota``
     (``quota(version) -> {source: groups}``, the step's share of each source, floor or ceil of its
     weight) and asks ``next_source(version)`` which source to draw the next prompt from (the
     ``SourcePicker`` capability, declared in the spec; a job with several sources needs it). Optional
@@ -302,8 +305,10 @@ def loongsage_teacher_managers() -> Iterable[TeacherManagerSpec]:
 def loongsage_weight_transports() -> Iterable[WeightTransportSpec]:
     """Provide weight transports from the trainer to rollout engines.
 
-    ``sender(**args)`` runs in the trainer, ``receiver(**args)`` in the engine, which finds it by
-    the ``load_format`` of the update request. ``receiver = None`` marks a transport whose sender
+    ``sender(ctx: WeightTransportContext, **args)`` runs in the trainer (``ctx.role ==
+    "sender"``; ``args``: ``[rollout] weight_transport_args``), ``receiver(ctx:
+    WeightTransportContext)`` in the engine (``ctx.role == "receiver"``), which finds it by the
+    ``load_format`` of the update request. ``receiver = None`` marks a transport whose sender
     speaks formats the engines decode themselves (or other transports' formats).
 
     Example::
@@ -319,7 +324,8 @@ def loongsage_weight_transports() -> Iterable[WeightTransportSpec]:
 def loongsage_engine_routers() -> Iterable[EngineRouterSpec]:
     """Provide load balancers to put in front of the rollout engines.
 
-    ``factory(engine_urls, **args)`` runs in the controller and returns an object whose
+    ``factory(ctx: EngineRouterContext, **args)`` (``ctx.engine_urls``: the engines' URLs,
+    ``ctx.api_key``: the run secret they require) runs in the controller and returns an object whose
     ``start()`` returns one URL serving ``/generate`` for all engines and whose ``shutdown()``
     stops it. Generation (the fast path and the AgentFlow router's calls) goes through it; weight
     updates, pause/continue and memory release still go to each engine. A router that declares the
@@ -339,8 +345,10 @@ def loongsage_engine_routers() -> Iterable[EngineRouterSpec]:
 def loongsage_loggers() -> Iterable[LoggerSpec]:
     """Provide metrics loggers.
 
-    ``factory(output_dir, **args)`` returns an object with ``log(step, metrics)`` and ``close()``;
-    every logger in the job file's ``[[loggers]]`` list receives every step. Optional
+    ``factory(ctx: LoggerContext, **args)`` (``ctx.output_dir``: the run directory,
+    ``ctx.total_steps``: the planned steps, ``ctx.start_step``: where a resumed run starts)
+    returns an object with ``log(step, metrics)`` and ``close()``; every logger in the job file's
+    ``[[loggers]]`` list receives every step. Optional
     capabilities, declared in the spec: ``StepTruncation`` (``truncate_after(step)``, called when
     a run resumes at ``step``) and ``TrajectoryLogger`` (``log_trajectories(step, records)`` with
     ``wants_trajectories``: while it is true, each step's rollout records, dicts of the format in
@@ -359,7 +367,8 @@ def loongsage_loggers() -> Iterable[LoggerSpec]:
 def loongsage_train_backends() -> Iterable[TrainBackendSpec]:
     """Provide train backends.
 
-    ``factory(ctx: TrainWorkerContext)`` runs inside each trainer actor and returns a
+    ``factory(ctx: TrainWorkerContext)`` (no keyword arguments: ``[train] backend_args`` are in
+    ``ctx.job``) runs inside each trainer actor and returns a
     ``TrainWorker`` (forward log-probs, train a mini-batch, export weights, checkpoints).
 
     Example::
@@ -375,7 +384,8 @@ def loongsage_train_backends() -> Iterable[TrainBackendSpec]:
 def loongsage_rollout_engines() -> Iterable[RolloutEngineSpec]:
     """Provide rollout engines.
 
-    ``factory(ctx: EngineContext)`` runs inside each engine actor and returns a ``RolloutEngine``
+    ``factory(ctx: EngineContext)`` (no keyword arguments: ``[rollout] engine_args`` are in
+    ``ctx.job``) runs inside each engine actor and returns a ``RolloutEngine``
     that serves SGLang's native HTTP API on ``ctx.host`` (its node's address: loopback on one
     machine) and returns a URL with that address. When ``ctx.api_key`` (the run secret) is set,
     every endpoint but the health probes must require ``Authorization: Bearer <api_key>``; without

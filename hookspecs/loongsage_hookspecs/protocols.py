@@ -10,6 +10,15 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Protocol, ru
 
 import attrs
 
+from .contexts import (
+    BuildContext,
+    EngineRouterContext,
+    LoggerContext,
+    SchedulerContext,
+    TeacherContext,
+    TeacherManagerContext,
+    WeightTransportContext,
+)
 from .registry import ComponentRegistry
 from .settings import JobSettings
 
@@ -265,12 +274,13 @@ class WeightReceiver(Protocol):
     def receive(self, payload: Mapping[str, Any]) -> Iterator[tuple[str, "torch.Tensor"]]: ...
 
 
-@attrs.define
-class TrainWorkerContext:
-    """What a train backend factory receives inside its trainer actor.
+@attrs.define(frozen=True, kw_only=True)
+class TrainWorkerContext(BuildContext):
+    """What a train backend factory receives inside its trainer actor (a :class:`BuildContext`).
 
-    ``job`` is the job as a backend may read it (:class:`~loongsage_hookspecs.settings.JobSettings`:
-    the host passes its resolved job, which satisfies it);
+    ``job`` (required here) is the job as a backend may read it
+    (:class:`~loongsage_hookspecs.settings.JobSettings`: the host passes its resolved job, which
+    satisfies it);
     ``components`` resolves ``(kind, name)`` to a spec (the host's plugin registry, a
     :class:`~loongsage_hookspecs.registry.ComponentRegistry`; ``None`` outside a run);
     ``rank``/``world_size`` and ``master_addr``/``master_port`` set up ``torch.distributed`` for
@@ -322,9 +332,9 @@ class TrainWorker(Protocol):
         ...
 
 
-@attrs.define
-class EngineContext:
-    """What a rollout engine factory receives inside its engine actor.
+@attrs.define(frozen=True, kw_only=True)
+class EngineContext(BuildContext):
+    """What a rollout engine factory receives inside its engine actor (a :class:`BuildContext`).
 
     ``api_key`` is the run secret: when set, the engine must refuse every endpoint except its
     health probes to requests without ``Authorization: Bearer <api_key>`` (SGLang's ``--api-key``
@@ -368,3 +378,23 @@ BUILT_PROTOCOLS: dict[tuple[str, str], type] = {
 }
 """The protocol the object a spec's factory builds must implement, by ``(kind, factory field)``;
 the host checks it when it builds the component (kinds not listed build functions or data)."""
+
+BUILD_CONTEXTS: dict[tuple[str, str], type] = {
+    ("agent", "factory"): BuildContext,
+    ("data_source", "factory"): BuildContext,
+    ("sandbox", "factory"): BuildContext,
+    ("router_middleware", "factory"): BuildContext,
+    ("scheduler", "factory"): SchedulerContext,
+    ("teacher", "factory"): TeacherContext,
+    ("teacher_manager", "factory"): TeacherManagerContext,
+    ("weight_transport", "sender"): WeightTransportContext,
+    ("weight_transport", "receiver"): WeightTransportContext,
+    ("engine_router", "factory"): EngineRouterContext,
+    ("logger", "factory"): LoggerContext,
+    ("train_backend", "factory"): TrainWorkerContext,
+    ("rollout_engine", "factory"): EngineContext,
+}
+"""The context class every object-style spec's factory receives first, ``factory(ctx, **args)``,
+by ``(kind, factory field)``: every kind the host builds (every key of :data:`BUILT_PROTOCOLS`, plus
+agents and data sources, whose objects and rows no protocol there describes). The host refuses to call
+a factory with anything else (:meth:`~loongsage_hookspecs.registry.ComponentRegistry.build`)."""

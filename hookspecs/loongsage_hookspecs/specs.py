@@ -4,7 +4,10 @@ Every hook returns an iterable of one spec class below. A spec names a component
 file uses), describes it in one line (shown by ``loongsage plugins``) and carries the callable the
 host invokes. Function-style kinds (reward, advantage, policy loss, KL, filter, aggregation,
 correction) carry the function itself; object-style kinds carry a ``factory`` that builds an
-object implementing the matching protocol of :mod:`loongsage_hookspecs.protocols`.
+object implementing the matching protocol of :mod:`loongsage_hookspecs.protocols`. Every factory
+is called one way, ``factory(ctx, **args)``: ``ctx`` the kind's context
+(:mod:`loongsage_hookspecs.contexts`; which class: ``BUILD_CONTEXTS``), ``args`` the job's
+``*_args`` table.
 
 Names are normalised (lower case, ``-`` becomes ``_``) so ``"Dr-GRPO"`` and ``"dr_grpo"`` are
 the same component.
@@ -148,7 +151,7 @@ class FilterSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class DataSourceSpec(ComponentSpec):
-    """``factory(**args) -> Iterable[dict]``: procedurally generated prompt rows.
+    """``factory(ctx: BuildContext, **args) -> Iterable[dict]``: procedurally generated prompt rows.
 
     Each row is a mapping with at least ``prompt`` and ``label`` (and optionally ``metadata``);
     the rows must be deterministic for the same ``args`` (which include a ``seed``) so a resumed
@@ -160,7 +163,7 @@ class DataSourceSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class AgentSpec(ComponentSpec):
-    """``factory(**args) -> Agent`` (see :class:`~loongsage_hookspecs.protocols.Agent`).
+    """``factory(ctx: BuildContext, **args) -> Agent`` (see :class:`~loongsage_hookspecs.protocols.Agent`).
 
     ``needs_sandbox`` asks the host to create a sandbox for every trajectory of this agent.
     ``fast_path`` declares a single-turn agent: it makes exactly one chat completion of the row's
@@ -181,21 +184,25 @@ class AgentSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class SandboxSpec(ComponentSpec):
-    """``factory(**args) -> SandboxProvider`` that creates and destroys per-trajectory sandboxes."""
+    """``factory(ctx: BuildContext, **args) -> SandboxProvider`` that creates and destroys
+    per-trajectory sandboxes."""
 
     factory: "Callable[..., Any]"
 
 
 @attrs.define(frozen=True, kw_only=True)
 class RouterMiddlewareSpec(ComponentSpec):
-    """``factory(**args) -> RouterMiddleware``; composed in job-file order around each request."""
+    """``factory(ctx: BuildContext, **args) -> RouterMiddleware``; composed in job-file order
+    around each request."""
 
     factory: "Callable[..., Any]"
 
 
 @attrs.define(frozen=True, kw_only=True)
 class SchedulerSpec(ComponentSpec):
-    """``factory(**args) -> Scheduler`` deciding dispatch and collection in asynchronous mode."""
+    """``factory(ctx: SchedulerContext, **args) -> Scheduler`` deciding dispatch and collection in
+    asynchronous mode (``ctx.batch_size``, ``ctx.stale_steps`` and, for a ``SourcePicker``,
+    ``ctx.quota`` come from the job; ``args`` from ``[async] scheduler_args``)."""
 
     factory: "Callable[..., Any]"
 
@@ -228,8 +235,9 @@ class TeacherManagerSpec(ComponentSpec):
 class WeightTransportSpec(ComponentSpec):
     """A way to move trainer weights into rollout engines.
 
-    ``sender(**args) -> WeightSender`` is built in the trainer process; ``receiver(**args) ->
-    WeightReceiver`` inside the engine process, looked up by this spec's name (sent as the
+    ``sender(ctx: WeightTransportContext, **args) -> WeightSender`` is built in the trainer
+    process (``ctx.role == "sender"``); ``receiver(ctx: WeightTransportContext) -> WeightReceiver``
+    inside the engine process (``ctx.role == "receiver"``), looked up by this spec's name (sent as the
     ``load_format`` of the engine's weight-update request). ``receiver = None`` marks a transport
     whose sender only speaks other transports' formats (one that picks a transport per engine).
     ``colocated_only``: the transport hands tensors over inside one process, so it needs
@@ -244,8 +252,9 @@ class WeightTransportSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class EngineRouterSpec(ComponentSpec):
-    """``factory(engine_urls: list[str], **args) -> EngineRouter``: a load balancer the controller
-    starts in front of the engines; generation requests go through it, control calls do not.
+    """``factory(ctx: EngineRouterContext, **args) -> EngineRouter``: a load balancer the controller
+    starts in front of the engines (``ctx.engine_urls``, which require ``ctx.api_key``); generation
+    requests go through it, control calls do not.
     Optional ``add_engine(url)`` / ``remove_engine(url)`` let the controller replace an engine
     that died behind it."""
 
@@ -254,14 +263,17 @@ class EngineRouterSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class LoggerSpec(ComponentSpec):
-    """``factory(output_dir: str, **args) -> MetricsLogger``; all listed loggers receive each step."""
+    """``factory(ctx: LoggerContext, **args) -> MetricsLogger``; all listed loggers receive each
+    step (``ctx.output_dir``: the run directory, ``ctx.total_steps`` the planned steps,
+    ``ctx.start_step`` the step a resumed run starts from)."""
 
     factory: "Callable[..., Any]"
 
 
 @attrs.define(frozen=True, kw_only=True)
 class TrainBackendSpec(ComponentSpec):
-    """``factory(ctx: TrainWorkerContext) -> TrainWorker``, called inside each trainer actor.
+    """``factory(ctx: TrainWorkerContext) -> TrainWorker``, called inside each trainer actor (no
+    keyword arguments: a backend reads its ``[train] backend_args`` from ``ctx.job``).
 
     ``supports_lora``: the backend trains ``[train] lora`` adapters (its workers then yield the
     adapter alone from ``named_weights`` and score the KL reference with it disabled); a job with
@@ -279,7 +291,8 @@ class TrainBackendSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class RolloutEngineSpec(ComponentSpec):
-    """``factory(ctx: EngineContext) -> RolloutEngine``, called inside each engine actor.
+    """``factory(ctx: EngineContext) -> RolloutEngine``, called inside each engine actor (no
+    keyword arguments: an engine reads its ``[rollout] engine_args`` from ``ctx.job``).
 
     The engine serves SGLang's native HTTP API. ``supports_lora``: the engine applies LoRA adapter
     updates (:mod:`loongsage_hookspecs.lora`) and serves ``lora_path`` = ``LORA_ADAPTER_NAME``.

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
+from loongsage_hookspecs import BuildContext
+
 
 def build_middlewares(components: Any, entries: Sequence[str | Mapping[str, Any]],
                       where: str = "agentflow") -> list[Any]:
@@ -29,6 +31,7 @@ def build_middlewares(components: Any, entries: Sequence[str | Mapping[str, Any]
         else:
             raise ValueError(f"router middleware #{i}: expected a name or {{name, args}}, got {entry!r}")
         # the build checks the RouterMiddleware protocol (on_request/on_response)
-        chain.append(components.build("router_middleware", name, where=f"{where}.middleware[{i}]",
+        ctx = BuildContext(where=f"{where}.middleware[{i}]", components=components)
+        chain.append(components.build("router_middleware", name, ctx, where=ctx.where,
                                       args_key=f"{where}.middleware_args.{name}", **args))
     return chain

@@ -22,6 +22,7 @@ from loongsage_hookspecs import (
     AgentContext,
     AgentResult,
     AgentSpec,
+    BuildContext,
     ReportsIsolation,
     Trajectory,
     TrajectoryStatus,
@@ -30,10 +31,13 @@ from loongsage_hookspecs import (
 log = logging.getLogger(__name__)
 
 
-def build_agent(agent: Any, agent_args: Mapping[str, Any] | None) -> tuple[Any, bool]:
-    """``(agent object, needs_sandbox)`` from an :class:`AgentSpec` (+ args) or a built agent."""
+def build_agent(agent: Any, agent_args: Mapping[str, Any] | None,
+                build_ctx: BuildContext | None = None) -> tuple[Any, bool]:
+    """``(agent object, needs_sandbox)`` from an :class:`AgentSpec` (built ``factory(build_ctx,
+    **agent_args)``; a bare :class:`BuildContext` by default) or a built agent."""
     if isinstance(agent, AgentSpec):
-        obj, needs, name = agent.factory(**dict(agent_args or {})), agent.needs_sandbox, agent.name
+        ctx = build_ctx if build_ctx is not None else BuildContext(where=f"agent '{agent.name}'")
+        obj, needs, name = agent.factory(ctx, **dict(agent_args or {})), agent.needs_sandbox, agent.name
     else:
         obj, needs, name = agent, False, type(agent).__name__
     if not isinstance(obj, Agent):
@@ -50,7 +54,8 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
                                sampling: Mapping[str, Any] | None = None, max_response_tokens: int | None = None,
                                max_context_length: int | None = None, timeout_s: float | None = None,
                                api_key: str | None = None, needs_sandbox: bool | None = None,
-                               row: Mapping[str, Any] | None = None, score: ScoreFn | None = None) -> Trajectory:
+                               row: Mapping[str, Any] | None = None, score: ScoreFn | None = None,
+                               build_ctx: BuildContext | None = None) -> Trajectory:
     """Run ``agent`` for ``trajectory`` through ``router`` and fill in what happened.
 
     This is the one place of a trajectory's life: register with the router -> create the sandbox
@@ -73,8 +78,9 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
         row: the data row the sandbox is prepared from (default: the trajectory's prompt, label
             and metadata).
         score: called for a completed trajectory, before the sandbox is destroyed.
+        build_ctx: the context an ``AgentSpec``'s factory receives (where the job names the agent).
     """
-    obj, spec_needs = build_agent(agent, agent_args)
+    obj, spec_needs = build_agent(agent, agent_args, build_ctx)
     wants_sandbox = (spec_needs if needs_sandbox is None else needs_sandbox) or sandbox_provider is not None
     tid = trajectory.id
     base_url = await router.aregister(tid, attempt=attempt, sampling=sampling, max_response_tokens=max_response_tokens,

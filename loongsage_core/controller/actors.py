@@ -30,6 +30,7 @@ from loongsage_hookspecs import (
     OnDevice,
     ReusesTrainingLogprobs,
     TrainWorkerContext,
+    WeightTransportContext,
 )
 
 from ..config import JobConfig
@@ -80,21 +81,21 @@ class ModelActor:
         job = self.job
         where = job.source_path or "<job>"
         if self.rank is not None:
-            ctx = TrainWorkerContext(job=job, components=self.host, rank=self.rank, world_size=self.world_size,
-                                     master_addr=master_addr, master_port=master_port, role="actor")
-            self.worker = self.host.build("train_backend", job.train.backend, ctx, where=f"{where}: train.backend")
+            ctx = TrainWorkerContext(where=f"{where}: train.backend", job=job, components=self.host, rank=self.rank,
+                                     world_size=self.world_size, master_addr=master_addr, master_port=master_port,
+                                     role="actor")
+            self.worker = self.host.build("train_backend", job.train.backend, ctx, where=ctx.where)
             serves_reference = isinstance(self.worker, LoraTrainer) and self.worker.serves_reference
             if self.needs_reference and not serves_reference:
-                ref_ctx = TrainWorkerContext(job=job, components=self.host, rank=0, world_size=1, role="reference")
-                self.reference = self.host.build("train_backend", job.train.backend, ref_ctx,
-                                                 where=f"{where}: train.backend (reference)")
+                ref_ctx = TrainWorkerContext(where=f"{where}: train.backend (reference)", job=job, components=self.host,
+                                             rank=0, world_size=1, role="reference")
+                self.reference = self.host.build("train_backend", job.train.backend, ref_ctx, where=ref_ctx.where)
         if self.engine_index is not None:
             # listen on this node's address (loopback on a local cluster) and advertise it: the
             # driver, the router and trainers on other nodes reach the engine there
-            engine_ctx = EngineContext(job=job, components=self.host, engine_index=self.engine_index,
-                                       api_key=self.secret, host=reachable_address())
-            self.engine = self.host.build("rollout_engine", job.rollout.engine, engine_ctx,
-                                          where=f"{where}: rollout.engine")
+            engine_ctx = EngineContext(where=f"{where}: rollout.engine", job=job, components=self.host,
+                                       engine_index=self.engine_index, api_key=self.secret, host=reachable_address())
+            self.engine = self.host.build("rollout_engine", job.rollout.engine, engine_ctx, where=engine_ctx.where)
             self.engine_url = self.engine.start()
 
     def ready(self) -> dict[str, Any]:
@@ -171,8 +172,10 @@ class ModelActor:
             return {}
         if self._sender is None:
             where = f"{self.job.source_path or '<job>'}: rollout"
-            sender = self.host.build("weight_transport", self.job.rollout.weight_transport, using="sender",
-                                     where=f"{where}.weight_transport", args_key=f"{where}.weight_transport_args",
+            ctx = WeightTransportContext(where=f"{where}.weight_transport", job=self.job, components=self.host,
+                                         role="sender")
+            sender = self.host.build("weight_transport", self.job.rollout.weight_transport, ctx, using="sender",
+                                     where=ctx.where, args_key=f"{where}.weight_transport_args",
                                      **self.job.rollout.weight_transport_args)
             if self.job.train.lora is not None and isinstance(sender, LoraAwareSender):
                 sender.configure_lora(self.job.train.lora)  # a sender writing adapter files needs rank/alpha

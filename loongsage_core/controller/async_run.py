@@ -27,11 +27,17 @@ import collections
 import functools
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
-from loongsage_hookspecs import CheckpointableScheduler, SourcePicker, TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import (
+    CheckpointableScheduler,
+    SchedulerContext,
+    SourcePicker,
+    TrajectoryGroup,
+    TrajectoryStatus,
+)
 
 from ..config import ConfigError
 from ..resolve import check_async_scheduler
@@ -82,16 +88,19 @@ class AsyncRLController(RLController):
             raise ConfigError(f"{where}: async.enable = true needs placement.colocate = false (the trainer and "
                               "the engines must run at the same time on separate actors)")
         spec = check_async_scheduler(job, self.host)
-        extra: dict[str, Any] = {}
-        if spec.declares(SourcePicker):
+        quota: Callable[[int], dict[str, int]] | None = None
+        if spec.declares(SourcePicker):  # the per-source quotas go to a scheduler that keeps them
             names = [src.name for src in job.data]
             quotas = StepQuotas([src.weight for src in job.data], job.rollout.prompts_per_step)
-            extra["quota"] = lambda version: dict(zip(names, quotas(version)))
-        self.scheduler = self.host.build("scheduler", job.async_.scheduler, where=f"{where}: async.scheduler",
-                                         args_key=f"{where}: async.scheduler_args",
-                                         batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
-                                         **job.async_.scheduler_args, **extra)
-        self.quota_mode = "quota" in extra  # the scheduler names the source of every dispatch
+
+            def quota(version: int) -> dict[str, int]:
+                return dict(zip(names, quotas(version)))
+        ctx = SchedulerContext(where=f"{where}: async.scheduler", job=job, components=self.host,
+                               batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
+                               quota=quota)
+        self.scheduler = self.host.build("scheduler", job.async_.scheduler, ctx, where=ctx.where,
+                                         args_key=f"{where}: async.scheduler_args", **job.async_.scheduler_args)
+        self.quota_mode = quota is not None  # the scheduler names the source of every dispatch
         self.requeue: collections.deque[Prompt] = collections.deque()
         self.inflight: dict[str, tuple[asyncio.Task[TrajectoryGroup], Prompt]] = {}
         self.buffer: list[TrajectoryGroup] = []

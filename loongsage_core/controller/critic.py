@@ -84,10 +84,10 @@ class CriticActor:
 
     def start(self, master_addr: str, master_port: int) -> None:
         """Build the critic worker, joining the critic group at ``master_addr:master_port``."""
-        ctx = TrainWorkerContext(job=self.job, components=self.host, rank=self.rank, world_size=self.world_size,
+        ctx = TrainWorkerContext(where=f"{self.job.source_path or '<job>'}: train.backend (critic)", job=self.job,
+                                 components=self.host, rank=self.rank, world_size=self.world_size,
                                  master_addr=master_addr, master_port=master_port, role="critic")
-        self.worker = self.host.build("train_backend", self.job.train.backend, ctx,
-                                      where=f"{self.job.source_path or '<job>'}: train.backend (critic)")
+        self.worker = self.host.build("train_backend", self.job.train.backend, ctx, where=ctx.where)
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self.rank}

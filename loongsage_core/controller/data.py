@@ -31,6 +31,8 @@ from typing import Any, Iterator, Mapping
 
 import attrs
 
+from loongsage_hookspecs import BuildContext
+
 from ..config import ConfigError, DataConfig, JobConfig
 from .mixing import integer_weights, interleave_by_source, quota_sequence, round_shares
 
@@ -141,7 +143,8 @@ def read_source(job: JobConfig, index: int, components: Any) -> Iterator[tuple[s
     raw: Iterator[tuple[str, dict[str, Any]]]
     if src.generator:
         args = {"seed": job.run.seed, **src.generator_args}
-        produced = list(components.build("data_source", src.generator, where=f"{where}.generator",
+        ctx = BuildContext(where=f"{where}.generator", job=job, components=components)
+        produced = list(components.build("data_source", src.generator, ctx, where=ctx.where,
                                          args_key=f"{where}.generator_args", **args))
         raw = ((f"generator '{src.generator}' row {i}", r) for i, r in enumerate(produced))
     else:

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from loongsage_hookspecs import StepTruncation
+from loongsage_hookspecs import LoggerContext, StepTruncation
 
 from ..config import ConfigError, JobConfig, dump_job_toml
 from ..records.writer import recorder_for_run
@@ -78,7 +78,8 @@ class RunLifecycle(RunState):
         if self.actors.teacher_bundle is not None:  # the teachers' actor, in its bundle likewise
             self.teachers = Teachers.create(self.job, self.host, self.actors.placement_group,
                                             self.actors.teacher_bundle)
-        self.engine_router, generate_urls = start_engine_router(self.job, self.host, self.actors.engine_urls)
+        self.engine_router, generate_urls = start_engine_router(self.job, self.host, self.actors.engine_urls,
+                                                                   secret=self.secret)
         self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls,
                                       secret=self.secret)
         self.faults.attach(self.rollout)  # router turns whose engine died go to its replacement
@@ -97,10 +98,12 @@ class RunLifecycle(RunState):
     def _start_loggers(self) -> None:
         """The job's ``[[loggers]]``, each told to forget the steps a resumed run redoes."""
         for i, lg in enumerate(self.job.loggers):
-            args = {"total_steps": self.job.train.total_steps, **lg.args} if lg.name == "console" else dict(lg.args)
             where = f"{self.job.source_path or '<job>'}: loggers[{i}]"
-            logger = self.host.build("logger", lg.name, str(self.output_dir), where=f"{where}.name",
-                                     args_key=f"{where}.args", **args)
+            ctx = LoggerContext(where=f"{where}.name", job=self.job, components=self.host,
+                                output_dir=str(self.output_dir), total_steps=self.job.train.total_steps,
+                                start_step=self.step)
+            logger = self.host.build("logger", lg.name, ctx, where=f"{where}.name", args_key=f"{where}.args",
+                                     **lg.args)
             if isinstance(logger, StepTruncation):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)

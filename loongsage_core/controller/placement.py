@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 
+from loongsage_hookspecs import EngineRouterContext
+
 from ..config import ConfigError, JobConfig
 from .actors import ModelActor
 from .teachers import runs_teachers
@@ -259,13 +261,17 @@ def create_actors(job: JobConfig, needs_reference: bool, secret: str | None = No
                   if runs_teachers(job) else None)
 
 
-def start_engine_router(job: JobConfig, host: Any, engine_urls: list[str]) -> tuple[Any, list[str]]:
+def start_engine_router(job: JobConfig, host: Any, engine_urls: list[str],
+                        secret: str | None = None) -> tuple[Any, list[str]]:
     """The job's ``[rollout] engine_router`` started in front of ``engine_urls`` (or ``None``), and
-    the URLs generation requests go to: the router's one URL, or the engines themselves."""
+    the URLs generation requests go to: the router's one URL, or the engines themselves.
+    ``secret``: the run secret the engines require (the router's context's ``api_key``)."""
     if not job.rollout.engine_router:
         return None, list(engine_urls)
     where = f"{job.source_path or '<job>'}: rollout"
-    router = host.build("engine_router", job.rollout.engine_router, list(engine_urls), where=f"{where}.engine_router",
+    ctx = EngineRouterContext(where=f"{where}.engine_router", job=job, components=host,
+                              engine_urls=tuple(engine_urls), api_key=secret)
+    router = host.build("engine_router", job.rollout.engine_router, ctx, where=ctx.where,
                         args_key=f"{where}.engine_router_args", **dict(job.rollout.engine_router_args))
     try:
         url = router.start()

@@ -26,6 +26,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 from loongsage_hookspecs import (
     LORA_ADAPTER_NAME,
+    BuildContext,
     Closeable,
     ComponentRegistry,
     Segment,
@@ -158,8 +159,9 @@ class RolloutManager:
             return None
         if source.name not in self._sandboxes:
             where = self.job.data_where(self.job.data.index(source))
+            ctx = BuildContext(where=f"{where}.sandbox", job=self.job, components=self.components)
             self._sandboxes[source.name] = self.components.build(
-                "sandbox", source.sandbox, where=f"{where}.sandbox", args_key=f"{where}.sandbox_args",
+                "sandbox", source.sandbox, ctx, where=ctx.where, args_key=f"{where}.sandbox_args",
                 **sandbox_args(self.job, source))
         return self._sandboxes[source.name]
 
@@ -169,6 +171,8 @@ class RolloutManager:
         self.start_router()
         source = self.sources[prompt.source]
         spec = self.components.get("agent", source.agent)
+        agent_ctx = BuildContext(where=f"{self.job.data_where(self.job.data.index(source))}.agent", job=self.job,
+                                 components=self.components)
         af = self.job.agentflow
         if self._agent_slots is None:
             self._agent_slots = asyncio.Semaphore(max(1, af.max_concurrent_agents))
@@ -200,7 +204,7 @@ class RolloutManager:
                     sampling=params, max_response_tokens=af.max_response_tokens or None,
                     max_context_length=self.job.rollout.max_context_length, timeout_s=af.agent_timeout_s,
                     row={"prompt": prompt.prompt, "label": prompt.label, "metadata": dict(prompt.metadata)},
-                    score=score)
+                    score=score, build_ctx=agent_ctx)
             timing.setdefault("agent_s", time.perf_counter() - t0)
             traj.metadata["timing"] = {"reward_s": 0.0, **timing}
             return traj

@@ -57,7 +57,7 @@ def start_serving(resolved: ResolvedJob, port: int = 0, output_dir: str | Path |
     set_process_secret(secret)
     init_ray(job)
     actors = create_actors(job, needs_reference=False, secret=secret)
-    engine_router, generate_urls = start_engine_router(job, resolved.host, actors.engine_urls)
+    engine_router, generate_urls = start_engine_router(job, resolved.host, actors.engine_urls, secret=secret)
     af = job.agentflow
     entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
     middlewares = build_middlewares(resolved.host, entries, f"{job.source_path or '<job>'}: agentflow")

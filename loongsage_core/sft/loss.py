@@ -50,10 +50,10 @@ class SftComponents:
         spec = SPECS.get((kind, name))
         return spec if spec is not None else self.host.get(kind, name, where=where)
 
-    def build(self, kind: str, name: str, *args: Any, where: str, args_key: str | None = None,
-              using: str = "factory", **kwargs: Any) -> Any:
+    def build(self, kind: str, name: str, ctx: Any, *, where: str, args_key: str | None = None,
+              using: str = "factory", **args: Any) -> Any:
         # the two SFT losses are functions, never built: everything built comes from the host
-        return self.host.build(kind, name, *args, where=where, args_key=args_key, using=using, **kwargs)
+        return self.host.build(kind, name, ctx, where=where, args_key=args_key, using=using, **args)
 
     def components(self, kind: str) -> dict[str, Any]:
         found = dict(self.host.components(kind))

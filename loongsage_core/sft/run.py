@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from loongsage_hookspecs import Closeable, StepTruncation
+from loongsage_hookspecs import Closeable, LoggerContext, StepTruncation
 
 from ..config import AlgorithmConfig, JobConfig, SftConfig, dump_job_toml
 from ..controller import checkpoint as ckpt
@@ -39,10 +39,6 @@ from .data import SftData, load_examples, split_eval, step_batch, step_examples
 from .loss import NLL_LOSS, TOKEN_MEAN, SftComponents
 
 log = logging.getLogger("loongsage")
-
-CONSOLE_KEYS = ("sft/loss", "sft/eval_loss", "sft/grad_norm", "sft/lr")
-"""What the ``console`` logger shows of an SFT step unless its ``keys`` argument says otherwise."""
-
 
 def planned_steps(job: JobConfig, data: SftData) -> int:
     """Optimizer steps of the run: ``epochs`` passes over the training examples, capped by ``max_steps``."""
@@ -95,8 +91,9 @@ class SftRun:
         from loongsage_hookspecs import TrainWorkerContext
 
         where = self.job.source_path or "<job>"
-        ctx = TrainWorkerContext(job=trainer_job(self.job, self.total_steps), components=SftComponents(self.host))
-        self.worker = self.host.build("train_backend", self.job.train.backend, ctx, where=f"{where}: train.backend")
+        ctx = TrainWorkerContext(where=f"{where}: train.backend", job=trainer_job(self.job, self.total_steps),
+                                 components=SftComponents(self.host))
+        self.worker = self.host.build("train_backend", self.job.train.backend, ctx, where=ctx.where)
         if self.job.run.resume:
             point, skipped = ckpt.find_resumable(self.output_dir)
             ckpt.warn_skipped(skipped, point.directory if point else None)
@@ -107,10 +104,10 @@ class SftRun:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
         for i, lg in enumerate(self.job.loggers):
-            args = ({"total_steps": self.total_steps, "keys": list(CONSOLE_KEYS), **lg.args} if lg.name == "console"
-                    else dict(lg.args))
-            logger = self.host.build("logger", lg.name, str(self.output_dir), where=f"{where}: loggers[{i}].name",
-                                     args_key=f"{where}: loggers[{i}].args", **args)
+            ctx = LoggerContext(where=f"{where}: loggers[{i}].name", job=self.job, components=self.host,
+                                output_dir=str(self.output_dir), total_steps=self.total_steps, start_step=self.step)
+            logger = self.host.build("logger", lg.name, ctx, where=ctx.where, args_key=f"{where}: loggers[{i}].args",
+                                     **lg.args)
             if isinstance(logger, StepTruncation):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from loongsage_core.agentflow import run_agent_trajectory
-from loongsage_hookspecs import Trajectory, TrajectoryStatus
+from loongsage_hookspecs import BuildContext, Trajectory, TrajectoryStatus
 
 REPO = Path(__file__).resolve().parents[2]
 BLACKBOX = REPO / "examples" / "blackbox_agent.py"
@@ -30,7 +30,7 @@ def agents():
 def local_sandbox():
     from loongsage_plugin_agents import plugin
 
-    return {s.name: s for s in plugin.loongsage_sandboxes()}["local"].factory()
+    return {s.name: s for s in plugin.loongsage_sandboxes()}["local"].factory(BuildContext())
 
 
 def trajectory(tid: str, prompt) -> Trajectory:

@@ -22,7 +22,7 @@ from loongsage_core.agentflow import run_agent_trajectory
 from loongsage_core.config import DataConfig
 from loongsage_core.controller.rewards import score_trajectory_async
 from loongsage_core.plugins import PluginHost
-from loongsage_hookspecs import Trajectory, TrajectoryStatus
+from loongsage_hookspecs import BuildContext, Trajectory, TrajectoryStatus
 
 REPO = Path(__file__).resolve().parents[2]
 SWE = REPO / "configs" / "recipes" / "swe"
@@ -62,7 +62,7 @@ def repair(host, router, provider, mode: str, extra: list[str] = (), tid: str = 
 
 @pytest.fixture
 def setup(host, engine_url, router_factory):
-    provider = host.get("sandbox", "local").factory(base_dir=str(SWE), default_timeout_s=60)
+    provider = host.get("sandbox", "local").factory(BuildContext(), base_dir=str(SWE), default_timeout_s=60)
     yield host, router_factory([engine_url]), provider
     asyncio.run(provider.close())
 

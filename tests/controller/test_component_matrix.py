@@ -22,6 +22,7 @@ import attrs
 import pytest
 
 from loongsage_core.plugins import PluginHost
+from loongsage_hookspecs import BuildContext
 
 FUNCTION_KINDS = ("advantage", "policy_loss", "kl", "loss_aggregation", "correction", "filter", "reward")
 
@@ -34,7 +35,7 @@ GEN = {"arithmetic": {"num_samples": 32},
 def rows_by_prompt(generator: str) -> dict[str, dict[str, Any]]:
     host = PluginHost.create()
     args = {"seed": 3, **GEN[generator]}  # the controller adds [run] seed (3 in these tests)
-    return {r["prompt"]: r for r in host.get("data_source", generator).factory(**args)}
+    return {r["prompt"]: r for r in host.get("data_source", generator).factory(BuildContext(), **args)}
 
 
 def right_answer(generator: str, row: dict[str, Any], style: str) -> str:

@@ -1,7 +1,9 @@
 """Hook implementations of loongsage-plugin-agents (the module its entry point names).
 
 Only names and descriptions live here; each factory imports its module when first called, so
-listing components stays instant.
+listing components stays instant. Every factory is ``factory(ctx, **args)``: ``ctx`` the host's
+:class:`~loongsage_hookspecs.BuildContext` (these components need nothing from it), ``args`` the
+job's ``*_args`` table.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from typing import Any, Iterator
 
 from loongsage_hookspecs import (
     AgentSpec,
+    BuildContext,
     Closeable,
     ReportsIsolation,
     RouterMiddlewareSpec,
@@ -19,19 +22,19 @@ from loongsage_hookspecs import (
 )
 
 
-def _single_turn(**args: Any) -> Any:
+def _single_turn(ctx: BuildContext, **args: Any) -> Any:
     from .single_turn import SingleTurnAgent
 
     return SingleTurnAgent(**args)
 
 
-def _tool_agent(**args: Any) -> Any:
+def _tool_agent(ctx: BuildContext, **args: Any) -> Any:
     from .tool_agent import ToolAgent
 
     return ToolAgent(**args)
 
 
-def _command(**args: Any) -> Any:
+def _command(ctx: BuildContext, **args: Any) -> Any:
     from .command_agent import CommandAgent
 
     return CommandAgent(**args)
@@ -43,15 +46,15 @@ def _cli_agent(cls_name: str) -> Any:
     return getattr(cli_agents, cls_name)
 
 
-def _codex(**args: Any) -> Any:
+def _codex(ctx: BuildContext, **args: Any) -> Any:
     return _cli_agent("CodexAgent")(**args)
 
 
-def _claude_code(**args: Any) -> Any:
+def _claude_code(ctx: BuildContext, **args: Any) -> Any:
     return _cli_agent("ClaudeCodeAgent")(**args)
 
 
-def _opencode(**args: Any) -> Any:
+def _opencode(ctx: BuildContext, **args: Any) -> Any:
     return _cli_agent("OpenCodeAgent")(**args)
 
 
@@ -64,25 +67,25 @@ def _cli_check(cls_name: str) -> Any:
     return check
 
 
-def _local_sandbox(**args: Any) -> Any:
+def _local_sandbox(ctx: BuildContext, **args: Any) -> Any:
     from .local_sandbox import LocalSandboxProvider
 
     return LocalSandboxProvider(**args)
 
 
-def _tool_call_parser(**args: Any) -> Any:
+def _tool_call_parser(ctx: BuildContext, **args: Any) -> Any:
     from .tool_parser import ToolCallParser
 
     return ToolCallParser(**args)
 
 
-def _reasoning_parser(**args: Any) -> Any:
+def _reasoning_parser(ctx: BuildContext, **args: Any) -> Any:
     from .reasoning_parser import ReasoningParser
 
     return ReasoningParser(**args)
 
 
-def _request_logger(**args: Any) -> Any:
+def _request_logger(ctx: BuildContext, **args: Any) -> Any:
     from .request_logger import RequestLogger
 
     return RequestLogger(**args)

@@ -10,6 +10,8 @@ from loongsage_plugin_agents.reasoning_parser import ReasoningParser, split_reas
 from loongsage_plugin_agents.request_logger import RequestLogger
 from loongsage_plugin_agents.tool_parser import ToolCallParser
 
+from loongsage_hookspecs import BuildContext
+
 TOOLS = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}},
          {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
 
@@ -34,7 +36,7 @@ def test_specs_are_registered():
     names = {s.name for s in plugin.loongsage_router_middlewares()}
     assert names == {"tool_call_parser", "reasoning_parser", "request_logger"}
     specs = {s.name: s for s in plugin.loongsage_router_middlewares()}
-    assert isinstance(specs["tool_call_parser"].factory(format="mistral"), ToolCallParser)
+    assert isinstance(specs["tool_call_parser"].factory(BuildContext(), format="mistral"), ToolCallParser)
 
 
 def test_hermes_tool_calls_become_openai_tool_calls():

@@ -19,6 +19,8 @@ import pytest
 from loongsage_plugin_agents import plugin
 from loongsage_plugin_agents.local_sandbox import LocalSandboxProvider, SandboxError, detect_isolation
 
+from loongsage_hookspecs import BuildContext
+
 
 def run(coro):
     return asyncio.run(coro)
@@ -37,7 +39,7 @@ def test_bubblewrap_isolation_is_available():
 
 def test_spec_and_enforced_report(provider):
     spec = {s.name: s for s in plugin.loongsage_sandboxes()}["local"]
-    assert isinstance(spec.factory(), LocalSandboxProvider)
+    assert isinstance(spec.factory(BuildContext()), LocalSandboxProvider)
     report = provider.enforced
     assert report["isolation"] == "bwrap" and report["network"] == "blocked"
     assert report["filesystem"] == "read-only outside the sandbox directory"

@@ -14,11 +14,13 @@ source, agent, status, reward with the reason, the prompt, and each turn's answe
 from __future__ import annotations
 
 import fnmatch
-import os
 import random
 import sys
 import time
-from typing import IO, Any, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Any, Mapping, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from loongsage_hookspecs import LoggerContext
 
 DEFAULT_KEYS: tuple[str, ...] = (
     "rollout/reward_mean",
@@ -28,6 +30,10 @@ DEFAULT_KEYS: tuple[str, ...] = (
     "train/grad_norm",
     "train/is_approx_k3_kl",
     "rollout/response_length_mean",
+    "sft/loss",
+    "sft/eval_loss",
+    "sft/grad_norm",
+    "sft/lr",
     "timing/step",
 )
 """Metrics shown when ``keys`` is not given (those present in a step, in this order)."""
@@ -51,9 +57,9 @@ class ConsoleLogger:
     """Shows progress and chosen metrics on the console.
 
     Args:
-        output_dir: the run's output directory (unused; part of the logger factory signature).
-        total_steps: the run's step count (the host passes ``train.total_steps``); without it the
-            bar has no end and plain lines show no total.
+        ctx: the logger's context; ``ctx.total_steps`` is the run's step count, the bar's end
+            (0: unknown, the bar has no end and plain lines show no total). ``output_dir`` is
+            unused.
         keys: metric names to show; shell-style patterns such as ``"rollout/*"`` match several.
             Default: those of :data:`DEFAULT_KEYS` present in the step (at most four), else the
             first four metric names in sorted order.
@@ -65,12 +71,11 @@ class ConsoleLogger:
         sample_chars: texts of a printed trajectory are cut to this many characters.
     """
 
-    def __init__(self, output_dir: str | os.PathLike[str] | None = None, *, total_steps: int | None = None,
-                 keys: Sequence[str] | str | None = None, live: bool | None = None, every: int = 1,
-                 stream: str = "stdout", console: Any = None, show_samples: int = 0,
+    def __init__(self, ctx: "LoggerContext", *, keys: Sequence[str] | str | None = None, live: bool | None = None,
+                 every: int = 1, stream: str = "stdout", console: Any = None, show_samples: int = 0,
                  sample_chars: int = 300) -> None:
-        if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
-                                        or total_steps < 0):
+        total_steps = ctx.total_steps
+        if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 0:
             raise ValueError(f"console logger: 'total_steps' must be a non-negative integer, got {total_steps!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"console logger: 'every' must be a positive integer, got {every!r}")
@@ -79,7 +84,7 @@ class ConsoleLogger:
                 raise ValueError(f"console logger: {name!r} must be a non-negative integer, got {value!r}")
         if stream not in ("stdout", "stderr"):
             raise ValueError(f"console logger: 'stream' must be 'stdout' or 'stderr', got {stream!r}")
-        self.total_steps = total_steps
+        self.total_steps: int | None = total_steps or None
         self.keys = [keys] if isinstance(keys, str) else (list(keys) if keys is not None else None)
         self.every = every
         self.show_samples = show_samples

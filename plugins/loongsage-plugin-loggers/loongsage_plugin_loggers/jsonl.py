@@ -13,7 +13,10 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from loongsage_hookspecs import LoggerContext
 
 from loongsage_core.backend_api import truncate_jsonl
 
@@ -56,18 +59,18 @@ class JsonlLogger:
     """Appends each step's metrics to ``<output_dir>/<filename>`` as one JSON line.
 
     Args:
-        output_dir: the run's output directory (created if missing).
+        ctx: the logger's context; the file goes to ``ctx.output_dir`` (created if missing).
         filename: file name inside ``output_dir``.
         truncate_on_resume: whether :meth:`truncate_after` (called by the host when a run
             resumes) drops the lines of steps at or after the resumed step; when false the old
             lines stay and the redone steps appear twice.
     """
 
-    def __init__(self, output_dir: str | os.PathLike[str], *, filename: str = DEFAULT_FILENAME,
+    def __init__(self, ctx: "LoggerContext", *, filename: str = DEFAULT_FILENAME,
                  truncate_on_resume: bool = True) -> None:
         if not filename or Path(filename).name != filename:
             raise ValueError(f"jsonl logger: 'filename' must be a plain file name, got {filename!r}")
-        self.path = Path(output_dir) / filename
+        self.path = Path(ctx.output_dir) / filename
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.truncate_on_resume = bool(truncate_on_resume)
         self._fh = open(self.path, "a", encoding="utf-8")

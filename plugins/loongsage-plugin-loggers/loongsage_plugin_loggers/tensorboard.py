@@ -13,7 +13,10 @@ import numbers
 import os
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from loongsage_hookspecs import LoggerContext
 
 
 def _summary_writer_class() -> Any:
@@ -32,16 +35,15 @@ class TensorBoardLogger:
     """Writes each step's numeric metrics with ``add_scalar(name, value, step)``.
 
     Args:
-        output_dir: the run's output directory.
+        ctx: the logger's context (``ctx.output_dir``: the run's output directory).
         log_dir: sub-directory of ``output_dir`` for the event files.
         flush_secs: how often the writer flushes to disk, in seconds (also flushed on close).
 
     Non-numeric values (strings) and non-finite numbers are skipped.
     """
 
-    def __init__(self, output_dir: str | os.PathLike[str], *, log_dir: str = "tensorboard",
-                 flush_secs: int = 10) -> None:
-        self.log_dir = Path(output_dir) / log_dir
+    def __init__(self, ctx: "LoggerContext", *, log_dir: str = "tensorboard", flush_secs: int = 10) -> None:
+        self.log_dir = Path(ctx.output_dir) / log_dir
         self.flush_secs = int(flush_secs)
         self._writer: Any = None
         self._purge_step: int | None = None

@@ -29,7 +29,10 @@ import struct
 import sys
 import threading
 from pathlib import Path
-from typing import Any, Iterator, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, NamedTuple
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from loongsage_hookspecs import LoggerContext
 
 RUN_ID_FILE = "wandb_run_id"
 STEP_AXIS = "step"
@@ -61,7 +64,8 @@ class WandbLogger:
     """Logs each step's numeric metrics to a W&B run over the ``step`` axis.
 
     Args:
-        output_dir: the run's output directory (W&B's files go to ``<output_dir>/wandb``).
+        ctx: the logger's context (``ctx.output_dir``: the run's output directory; W&B's files go
+            to ``<output_dir>/wandb``).
         project: the W&B project.
         name: the run's display name (default: the output directory's name).
         mode: ``"offline"`` (default: no network), ``"online"`` or ``"disabled"``.
@@ -69,7 +73,7 @@ class WandbLogger:
         completions: trajectories per step in the ``rollout/completions`` table (0: no table).
     """
 
-    def __init__(self, output_dir: str | os.PathLike[str], *, project: str = "loongsage",
+    def __init__(self, ctx: "LoggerContext", *, project: str = "loongsage",
                  name: str | None = None, mode: str = "offline", entity: str | None = None,
                  group: str | None = None, tags: list[str] | tuple[str, ...] = (),
                  notes: str | None = None, completions: int = 8) -> None:
@@ -77,7 +81,7 @@ class WandbLogger:
             raise ValueError(f"wandb logger: mode must be 'offline', 'online' or 'disabled', not {mode!r}")
         if isinstance(completions, bool) or not isinstance(completions, int) or completions < 0:
             raise ValueError(f"wandb logger: completions must be a non-negative integer, not {completions!r}")
-        self.output_dir = Path(output_dir)
+        self.output_dir = Path(ctx.output_dir)
         self.project = project
         self.name = name or self.output_dir.resolve().name
         self.mode = mode

@@ -2,13 +2,19 @@ import io
 import re
 
 import pytest
+from loongsage_hookspecs import LoggerContext
 from loongsage_plugin_loggers.console import ConsoleLogger
 from rich.console import Console
 
 
+def ctx(path, total_steps: int = 0) -> LoggerContext:
+    """A logger's context for a test: the run directory ``path``."""
+    return LoggerContext(output_dir=str(path), total_steps=total_steps)
+
+
 def test_plain_lines_when_not_a_terminal(tmp_path):
     buf = io.StringIO()
-    lg = ConsoleLogger(tmp_path, total_steps=3, keys=["rollout/reward_mean", "train/loss"],
+    lg = ConsoleLogger(ctx(tmp_path, 3), keys=["rollout/reward_mean", "train/loss"],
                        console=Console(file=buf, force_terminal=False, width=200))
     assert lg.live is False
     for step in range(3):
@@ -22,7 +28,7 @@ def test_plain_lines_when_not_a_terminal(tmp_path):
 
 def test_every_and_default_keys(tmp_path):
     buf = io.StringIO()
-    lg = ConsoleLogger(tmp_path, total_steps=5, every=2, console=Console(file=buf, force_terminal=False))
+    lg = ConsoleLogger(ctx(tmp_path, 5), every=2, console=Console(file=buf, force_terminal=False))
     for step in range(5):
         lg.log(step, {"train/loss": 1.0, "zzz": 2.0, "rollout/reward_mean": 0.5})
     lg.close()
@@ -32,14 +38,14 @@ def test_every_and_default_keys(tmp_path):
 
 
 def test_patterns_and_ambiguous_short_names(tmp_path):
-    lg = ConsoleLogger(tmp_path, keys=["rollout/*", "train/reward_mean"], live=False)
+    lg = ConsoleLogger(ctx(tmp_path), keys=["rollout/*", "train/reward_mean"], live=False)
     text = lg.format_metrics({"rollout/reward_mean": 1.0, "rollout/len": 3, "train/reward_mean": 2.0})
     assert text == "len=3  rollout/reward_mean=1  train/reward_mean=2"
 
 
 def test_live_bar_on_a_terminal(tmp_path):
     buf = io.StringIO()
-    lg = ConsoleLogger(tmp_path, total_steps=10, keys=["train/loss"],
+    lg = ConsoleLogger(ctx(tmp_path, 10), keys=["train/loss"],
                        console=Console(file=buf, force_terminal=True, width=160))
     assert lg.live is True
     for step in range(4):
@@ -51,10 +57,21 @@ def test_live_bar_on_a_terminal(tmp_path):
         lg.log(5, {})
 
 
-@pytest.mark.parametrize("kwargs", [{"total_steps": -1}, {"every": 0}, {"stream": "file"}])
+@pytest.mark.parametrize("kwargs", [{"every": 0}, {"stream": "file"}])
 def test_bad_arguments(tmp_path, kwargs):
     with pytest.raises(ValueError):
-        ConsoleLogger(tmp_path, **kwargs)
+        ConsoleLogger(ctx(tmp_path), **kwargs)
+    with pytest.raises(ValueError, match="'total_steps' must be a non-negative integer"):
+        ConsoleLogger(ctx(tmp_path, -1))
+
+
+def test_total_steps_comes_from_the_context(tmp_path):
+    buf = io.StringIO()
+    lg = ConsoleLogger(ctx(tmp_path, 7), keys=["train/loss"], console=Console(file=buf, force_terminal=False))
+    lg.log(0, {"train/loss": 1.0})
+    lg.close()
+    assert lg.total_steps == 7 and buf.getvalue().startswith("step 1/7  loss=1")
+    assert ConsoleLogger(ctx(tmp_path), live=False).total_steps is None  # 0: unknown, no end
 
 
 def _record(step: int, index: int) -> dict:
@@ -70,8 +87,8 @@ def _record(step: int, index: int) -> dict:
 
 def test_show_samples_prints_one_trajectory_every_n_steps(tmp_path):
     buf = io.StringIO()
-    lg = ConsoleLogger(tmp_path, total_steps=4, show_samples=2, console=Console(file=buf, force_terminal=False,
-                                                                                  width=300))
+    lg = ConsoleLogger(ctx(tmp_path, 4), show_samples=2, console=Console(file=buf, force_terminal=False,
+                                                                         width=300))
     assert lg.wants_trajectories
     for step in range(4):
         lg.log(step, {"train/loss": 1.0})
@@ -88,13 +105,13 @@ def test_show_samples_prints_one_trajectory_every_n_steps(tmp_path):
 
 def test_show_samples_off_and_bad_values(tmp_path):
     buf = io.StringIO()
-    lg = ConsoleLogger(tmp_path, console=Console(file=buf, force_terminal=False))
+    lg = ConsoleLogger(ctx(tmp_path), console=Console(file=buf, force_terminal=False))
     assert not lg.wants_trajectories
     lg.log_trajectories(0, [_record(0, 0)])
     assert buf.getvalue() == ""
     with pytest.raises(ValueError, match="'show_samples' must be a non-negative integer, got -1"):
-        ConsoleLogger(tmp_path, show_samples=-1)
-    short = ConsoleLogger(tmp_path, sample_chars=20, live=False)
+        ConsoleLogger(ctx(tmp_path), show_samples=-1)
+    short = ConsoleLogger(ctx(tmp_path), sample_chars=20, live=False)
     assert "turn 0: <tool_call>{\"name\": ...\n" in short.format_sample(_record(0, 0))  # 20 characters
 
 
@@ -102,7 +119,7 @@ def test_samples_beside_the_live_bar_from_another_thread(tmp_path):
     import threading
 
     buf = io.StringIO()
-    lg = ConsoleLogger(tmp_path, total_steps=4, show_samples=1, keys=["train/loss"],
+    lg = ConsoleLogger(ctx(tmp_path, 4), show_samples=1, keys=["train/loss"],
                        console=Console(file=buf, force_terminal=True, width=200))
     for step in range(4):
         lg.log(step, {"train/loss": float(step)})

@@ -3,6 +3,7 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
+from loongsage_hookspecs import LoggerContext
 from loongsage_plugin_loggers import plugin
 from loongsage_plugin_loggers.jsonl import JsonlLogger
 from loongsage_plugin_loggers.plot import main, plot_metrics
@@ -10,9 +11,14 @@ from loongsage_plugin_loggers.plot import main, plot_metrics
 from loongsage_hookspecs import LoggerSpec, MetricsLogger
 
 
+def ctx(path, total_steps: int = 0) -> LoggerContext:
+    """A logger's context for a test: the run directory ``path``."""
+    return LoggerContext(output_dir=str(path), total_steps=total_steps)
+
+
 @pytest.fixture
 def metrics_file(tmp_path):
-    lg = JsonlLogger(tmp_path)
+    lg = JsonlLogger(ctx(tmp_path))
     for step in range(6):
         lg.log(step, {"rollout/reward_mean": step / 5, "train/loss": 1 / (step + 1), "train/grad_norm": 0.5})
     lg.close()
@@ -46,7 +52,7 @@ def test_hook_provides_loggers_that_follow_the_protocol(tmp_path):
     assert set(specs) == {"console", "jsonl", "tensorboard", "wandb"}
     for name, spec in specs.items():
         assert isinstance(spec, LoggerSpec) and spec.description
-        logger = spec.factory(str(tmp_path / name), **({"live": False} if name == "console" else {}))
+        logger = spec.factory(ctx(tmp_path / name, 3), **({"live": False} if name == "console" else {}))
         assert isinstance(logger, MetricsLogger)
         logger.log(0, {"train/loss": 1.0})
         logger.close()

@@ -1,8 +1,14 @@
+from loongsage_hookspecs import LoggerContext
 import struct
 from pathlib import Path
 
 from loongsage_plugin_loggers.tensorboard import TensorBoardLogger
 from tensorboardX.proto.event_pb2 import Event
+
+
+def ctx(path, total_steps: int = 0) -> LoggerContext:
+    """A logger's context for a test: the run directory ``path``."""
+    return LoggerContext(output_dir=str(path), total_steps=total_steps)
 
 
 def read_scalars(log_dir: Path) -> list[tuple[int, str, float]]:
@@ -21,7 +27,7 @@ def read_scalars(log_dir: Path) -> list[tuple[int, str, float]]:
 
 
 def test_writes_numeric_scalars(tmp_path):
-    lg = TensorBoardLogger(tmp_path)
+    lg = TensorBoardLogger(ctx(tmp_path))
     lg.log(0, {"rollout/reward_mean": 0.25, "note": "text", "step": 0, "nan": float("nan")})
     lg.log(1, {"rollout/reward_mean": 0.5, "count": 3})
     lg.close()
@@ -30,10 +36,10 @@ def test_writes_numeric_scalars(tmp_path):
 
 
 def test_resume_writes_a_purge_marker(tmp_path):
-    lg = TensorBoardLogger(tmp_path, log_dir="tb")
+    lg = TensorBoardLogger(ctx(tmp_path), log_dir="tb")
     lg.log(0, {"x": 1.0})
     lg.close()
-    lg = TensorBoardLogger(tmp_path, log_dir="tb")
+    lg = TensorBoardLogger(ctx(tmp_path), log_dir="tb")
     lg.truncate_after(1)
     lg.log(1, {"x": 2.0})
     lg.close()

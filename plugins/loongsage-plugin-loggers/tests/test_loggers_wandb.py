@@ -1,12 +1,18 @@
 """The wandb logger offline: run id kept across restarts, numeric metrics only, config recorded."""
 
 import pytest
+from loongsage_hookspecs import LoggerContext
 from loongsage_plugin_loggers.wandb_logger import WandbLogger, read_offline_history
+
+
+def ctx(path, total_steps: int = 0) -> LoggerContext:
+    """A logger's context for a test: the run directory ``path``."""
+    return LoggerContext(output_dir=str(path), total_steps=total_steps)
 
 
 def test_logs_numeric_metrics_over_the_step_axis(tmp_path):
     (tmp_path / "config.resolved.toml").write_text("[train]\nlr = 0.5\n")
-    lg = WandbLogger(tmp_path, project="p")
+    lg = WandbLogger(ctx(tmp_path), project="p")
     lg.log(0, {"rollout/reward_mean": 0.25, "note": "text", "flag": True, "nan": float("nan")})
     lg.log(1, {"rollout/reward_mean": 0.5})
     lg.close()
@@ -18,10 +24,10 @@ def test_logs_numeric_metrics_over_the_step_axis(tmp_path):
 
 
 def test_a_restarted_logger_continues_the_same_run(tmp_path):
-    first = WandbLogger(tmp_path)
+    first = WandbLogger(ctx(tmp_path))
     first.log(0, {"x": 1.0})
     first.close()
-    second = WandbLogger(tmp_path)
+    second = WandbLogger(ctx(tmp_path))
     second.log(1, {"x": 2.0})
     second.close()
     ids, _config, rows = read_offline_history(tmp_path)
@@ -31,11 +37,11 @@ def test_a_restarted_logger_continues_the_same_run(tmp_path):
 
 def test_bad_mode_is_refused():
     with pytest.raises(ValueError, match="mode must be"):
-        WandbLogger("unused", mode="cloud")
+        WandbLogger(ctx("unused"), mode="cloud")
 
 
 def test_log_after_close_is_an_error(tmp_path):
-    lg = WandbLogger(tmp_path)
+    lg = WandbLogger(ctx(tmp_path))
     lg.close()
     with pytest.raises(RuntimeError, match="after close"):
         lg.log(0, {"x": 1.0})
@@ -52,8 +58,8 @@ def _record(step: int, index: int) -> dict:
 def test_completions_table_of_each_step(tmp_path):
     import json
 
-    lg = WandbLogger(tmp_path, completions=2)
-    assert lg.wants_trajectories and not WandbLogger(tmp_path, completions=0).wants_trajectories
+    lg = WandbLogger(ctx(tmp_path), completions=2)
+    assert lg.wants_trajectories and not WandbLogger(ctx(tmp_path), completions=0).wants_trajectories
     for step in range(2):
         lg.log(step, {"x": float(step)})
         lg.log_trajectories(step, [_record(step, i) for i in range(3)])
@@ -76,4 +82,4 @@ def test_completions_table_of_each_step(tmp_path):
 
 def test_bad_completions_is_refused():
     with pytest.raises(ValueError, match="completions must be a non-negative integer"):
-        WandbLogger("unused", completions=-2)
+        WandbLogger(ctx("unused"), completions=-2)

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from loongsage_hookspecs import Reward, Trajectory
+from loongsage_hookspecs import BuildContext, Reward, Trajectory
 
 from .extract import extract_final_answer
 
@@ -50,11 +50,13 @@ def _dataset(name: str, config_json: str) -> Any:
         raise ValueError(f"reasoning_gym: bad config for dataset {name!r}: {exc}") from None
 
 
-def reasoning_gym_rows(*, dataset: str, num_samples: int = 1000, seed: int = 0,
+def reasoning_gym_rows(ctx: BuildContext | None = None, /, *, dataset: str, num_samples: int = 1000, seed: int = 0,
                        config: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Rows of one reasoning-gym dataset.
 
     Args:
+        ctx: the host's context (a data source factory's first argument, ``factory(ctx, **args)``);
+            unused: the rows depend on the arguments only, so it may be left out in a direct call.
         dataset: a reasoning-gym dataset name (``basic_arithmetic``, ``chain_sum``, ``countdown``, ...).
         num_samples: number of rows (the dataset's ``size``).
         seed: the dataset's ``seed``; rows are a pure function of all arguments.

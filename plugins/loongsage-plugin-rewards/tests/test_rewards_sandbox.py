@@ -20,7 +20,7 @@ from loongsage_plugin_rewards.log_parsers import parse_pytest, parse_test_log, p
 from loongsage_plugin_rewards.swe_reward import swe_tests
 
 from loongsage_core.plugins import PluginHost
-from loongsage_hookspecs import Trajectory
+from loongsage_hookspecs import BuildContext, Trajectory
 
 REPO = Path(__file__).resolve().parents[3]
 SWE = REPO / "configs" / "recipes" / "swe"
@@ -91,7 +91,8 @@ def test_parse_pytest_reads_real_output(tmp_path):
 @pytest.fixture
 def sandbox_for() -> Iterator[Any]:
     """``sandbox_for(row)``: a ``local`` sandbox prepared from ``row``, destroyed after the test."""
-    provider = PluginHost.create().get("sandbox", "local").factory(base_dir=str(SWE), default_timeout_s=60)
+    provider = PluginHost.create().get("sandbox", "local").factory(BuildContext(), base_dir=str(SWE),
+                                                                   default_timeout_s=60)
     made = []
 
     def make(row: dict[str, Any]) -> Any:

@@ -18,9 +18,9 @@ that may train it. A group that has not been trained when the step at its deadli
 batch can never be trained (it is the unused surplus of oversampling): :meth:`to_abort` lists it
 while it is in flight and :meth:`evict` returns it once it is in the buffer.
 
-Source quotas. Built with ``quota`` (a function from a trainer version to the groups each data
-source contributes to the step at that version, adding up to ``batch_size``), a scheduler keeps
-every step's mix: places (slots, capacity, rounds) are counted per source, :meth:`next_source`
+Source quotas. Built with a ``quota`` in its context (a function from a trainer version to the
+groups each data source contributes to the step at that version, adding up to ``batch_size``), a
+scheduler keeps every step's mix: places (slots, capacity, rounds) are counted per source, :meth:`next_source`
 tells the producer which source to draw the next prompt from, and a step takes exactly each
 source's quota. A source's places per step are ``ceil(quota * (1 + oversample))``. Without
 ``quota`` every group counts as one anonymous source with ``per_step`` places.
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -42,7 +42,7 @@ import attrs
 from .staleness import check_mode, generated_versions, token_staleness_mean
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
-    from loongsage_hookspecs import TrajectoryGroup
+    from loongsage_hookspecs import SchedulerContext, TrajectoryGroup
 
 DROP_REASONS: tuple[str, ...] = ("stale", "surplus")
 """Why :meth:`BaseScheduler.evict` removes a group: its staleness already exceeds the bound
@@ -89,18 +89,21 @@ def _int_arg(name: str, value: object, minimum: int) -> int:
 class BaseScheduler:
     """Shared state, validation and metrics of the scheduler strategies.
 
-    Arguments (keyword only, as a job file's ``[async]`` section gives them):
+    Built ``cls(ctx, **scheduler_args)``. From the host's context (a ``SchedulerContext``):
 
-    * ``batch_size``: prompt groups one train step consumes (``rollout.prompts_per_step``).
-    * ``stale_steps``: the staleness bound ``s``; no trained group is more than ``s`` versions old
-      (``sync`` accepts and ignores it: its bound is 0).
+    * ``ctx.batch_size``: prompt groups one train step consumes (``rollout.prompts_per_step``).
+    * ``ctx.stale_steps``: the staleness bound ``s`` (``async.stale_steps``); no trained group is
+      more than ``s`` versions old (``sync`` ignores it: its bound is 0).
+    * ``ctx.quota``: optional, ``quota(version) -> {source: groups}`` (non-negative integers adding
+      up to ``batch_size``): the step at that version trains exactly that many groups of each
+      source; the host passes its per-step rounding of the ``[[data]]`` weights.
+
+    Arguments (keyword only, as a job file's ``[async] scheduler_args`` gives them):
+
     * ``oversample``: a ratio >= 0; ``per_step = ceil(batch_size * (1 + oversample))`` groups are
       generated for each step so that filter drops still leave ``batch_size`` groups.
     * ``staleness``: ``"oldest"`` (default) or ``"newest"``: which token's version defines a group's
       staleness (see :mod:`loongsage_plugin_schedulers.staleness`).
-    * ``quota``: optional, ``quota(version) -> {source: groups}`` (non-negative integers adding up to
-      ``batch_size``): the step at that version trains exactly that many groups of each source;
-      the host passes its per-step rounding of the ``[[data]]`` weights.
 
     ``capacity = per_step * (1 + bound)`` groups may be in flight and buffered together (with a
     quota: the places of every source over the versions ``[t, t + bound]``).
@@ -108,9 +111,8 @@ class BaseScheduler:
 
     name: ClassVar[str] = "base"
 
-    def __init__(self, *, batch_size: int, stale_steps: int = 1, oversample: float = 0.0,
-                 staleness: str = "oldest",
-                 quota: Callable[[int], Mapping[str, int]] | None = None) -> None:
+    def __init__(self, ctx: "SchedulerContext", *, oversample: float = 0.0, staleness: str = "oldest") -> None:
+        batch_size, stale_steps, quota = ctx.batch_size, ctx.stale_steps, ctx.quota
         self.batch_size = _int_arg("batch_size", batch_size, 1)
         self.stale_steps = _int_arg("stale_steps", stale_steps, 0)
         if isinstance(oversample, bool) or not isinstance(oversample, (int, float)):

@@ -33,7 +33,13 @@ from typing import Any, Callable
 
 import pytest
 
-from loongsage_hookspecs import Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import SchedulerContext, Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
+
+
+def make(factory, *, batch_size, stale_steps=1, quota=None, **args):
+    """``factory(ctx, **args)`` as the host builds a scheduler: its context carries ``batch_size``,
+    ``stale_steps`` and ``quota``; the rest are the job's ``scheduler_args``."""
+    return factory(SchedulerContext(batch_size=batch_size, stale_steps=stale_steps, quota=quota), **args)
 
 
 @dataclass(frozen=True)
@@ -96,7 +102,7 @@ class _Pipeline:
 
     def __init__(self, factory: Callable[..., Any], cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.sched = factory(batch_size=cfg.batch_size, stale_steps=cfg.stale_steps, oversample=cfg.oversample)
+        self.sched = make(factory, batch_size=cfg.batch_size, stale_steps=cfg.stale_steps, oversample=cfg.oversample)
         self.durations = random.Random(cfg.seed)
         self.filter_rng = random.Random(cfg.seed + 1_000_003)
         self.res = SimResult(capacity=self.sched.capacity)

@@ -10,7 +10,13 @@ import sys
 import pluggy
 from loongsage_plugin_schedulers import plugin
 
-from loongsage_hookspecs import KINDS, PROJECT_NAME, Scheduler, SchedulerSpec, hookspecs
+from loongsage_hookspecs import KINDS, PROJECT_NAME, Scheduler, SchedulerContext, SchedulerSpec, hookspecs
+
+
+def make(factory, *, batch_size, stale_steps=1, quota=None, **args):
+    """``factory(ctx, **args)`` as the host builds a scheduler: its context carries ``batch_size``,
+    ``stale_steps`` and ``quota``; the rest are the job's ``scheduler_args``."""
+    return factory(SchedulerContext(batch_size=batch_size, stale_steps=stale_steps, quota=quota), **args)
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 NAMES = {"sync", "no_window", "window_gated", "windowed_fifo"}
@@ -39,7 +45,7 @@ def test_provides_all_four_described_and_documented():
 
 def test_factories_build_schedulers_from_job_file_arguments():
     for name, spec in provided().items():
-        sched = spec.factory(batch_size=4, stale_steps=2, oversample=0.5, staleness="newest")
+        sched = make(spec.factory, batch_size=4, stale_steps=2, oversample=0.5, staleness="newest")
         assert isinstance(sched, Scheduler), name
         assert sched.batch_size == 4 and sched.per_step == 6
         assert sched.can_dispatch(0, 0, 0)

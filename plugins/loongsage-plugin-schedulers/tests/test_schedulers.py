@@ -15,7 +15,13 @@ from loongsage_plugin_schedulers import (
     token_staleness_mean,
 )
 
-from loongsage_hookspecs import Scheduler, Segment, Trajectory, TrajectoryGroup
+from loongsage_hookspecs import Scheduler, SchedulerContext, Segment, Trajectory, TrajectoryGroup
+
+
+def make(factory, *, batch_size, stale_steps=1, quota=None, **args):
+    """``factory(ctx, **args)`` as the host builds a scheduler: its context carries ``batch_size``,
+    ``stale_steps`` and ``quota``; the rest are the job's ``scheduler_args``."""
+    return factory(SchedulerContext(batch_size=batch_size, stale_steps=stale_steps, quota=quota), **args)
 
 ALL = [SyncScheduler, NoWindowScheduler, WindowGatedScheduler, WindowedFifoScheduler]
 
@@ -101,32 +107,32 @@ def test_staleness_definitions_use_generated_tokens_only():
 @pytest.mark.parametrize("cls", ALL)
 def test_arguments_are_validated(cls):
     with pytest.raises(ValueError, match="batch_size"):
-        cls(batch_size=0)
+        make(cls, batch_size=0)
     with pytest.raises(TypeError, match="batch_size"):
-        cls(batch_size="4")
+        make(cls, batch_size="4")
     with pytest.raises(ValueError, match="stale_steps"):
-        cls(batch_size=4, stale_steps=-1)
+        make(cls, batch_size=4, stale_steps=-1)
     for bad in (-0.1, math.nan, math.inf):
         with pytest.raises(ValueError, match="oversample"):
-            cls(batch_size=4, oversample=bad)
+            make(cls, batch_size=4, oversample=bad)
     with pytest.raises(TypeError, match="oversample"):
-        cls(batch_size=4, oversample=True)
+        make(cls, batch_size=4, oversample=True)
     with pytest.raises(ValueError, match="oldest, newest"):
-        cls(batch_size=4, staleness="median")
+        make(cls, batch_size=4, staleness="median")
     with pytest.raises(TypeError):
-        cls(batch_size=4, window=3)  # unknown argument
+        make(cls, batch_size=4, window=3)  # unknown argument
 
 
 @pytest.mark.parametrize("cls", ALL)
 def test_every_strategy_implements_the_protocol(cls):
-    assert isinstance(cls(batch_size=2), Scheduler)
+    assert isinstance(make(cls, batch_size=2), Scheduler)
 
 
 @pytest.mark.parametrize(("b", "o", "per_step"), [(8, 0.0, 8), (8, 0.25, 10), (8, 0.1, 9), (10, 0.1, 11), (3, 1.0, 6)])
 def test_per_step_and_capacity(b, o, per_step):
-    assert NoWindowScheduler(batch_size=b, stale_steps=2, oversample=o).capacity == per_step * 3
-    assert WindowGatedScheduler(batch_size=b, stale_steps=1, oversample=o).per_step == per_step
-    sync = SyncScheduler(batch_size=b, stale_steps=5, oversample=o)
+    assert make(NoWindowScheduler, batch_size=b, stale_steps=2, oversample=o).capacity == per_step * 3
+    assert make(WindowGatedScheduler, batch_size=b, stale_steps=1, oversample=o).per_step == per_step
+    sync = make(SyncScheduler, batch_size=b, stale_steps=5, oversample=o)
     assert (sync.bound, sync.capacity) == (0, per_step)
 
 
@@ -134,7 +140,7 @@ def test_per_step_and_capacity(b, o, per_step):
 
 
 def test_sync_dispatches_one_round_and_trains_exactly_it():
-    d = Driver(SyncScheduler(batch_size=2, stale_steps=3))
+    d = Driver(make(SyncScheduler, batch_size=2, stale_steps=3))
     assert d.dispatch_all() == ["g0", "g1"]
     d.finish("g1")
     assert d.select() is None  # g0 still generating: a round is trained whole
@@ -148,7 +154,7 @@ def test_sync_dispatches_one_round_and_trains_exactly_it():
 
 
 def test_sync_tops_up_after_a_discard_and_waits_for_an_empty_pipeline():
-    d = Driver(SyncScheduler(batch_size=2, oversample=0.5))  # per_step 3
+    d = Driver(make(SyncScheduler, batch_size=2, oversample=0.5))  # per_step 3
     assert d.dispatch_all() == ["g0", "g1", "g2"]
     d.discard("g0")
     assert d.dispatch_all() == ["g3"]  # replacement for the filtered group
@@ -162,7 +168,7 @@ def test_sync_tops_up_after_a_discard_and_waits_for_an_empty_pipeline():
 
 
 def test_sync_drops_groups_generated_by_older_weights():
-    d = Driver(SyncScheduler(batch_size=1))
+    d = Driver(make(SyncScheduler, batch_size=1))
     d.dispatch_all()
     d.finish("g0")
     d.select()
@@ -178,7 +184,7 @@ def test_sync_drops_groups_generated_by_older_weights():
 
 
 def test_no_window_fills_capacity_and_trains_in_completion_order():
-    d = Driver(NoWindowScheduler(batch_size=2, stale_steps=1))
+    d = Driver(make(NoWindowScheduler, batch_size=2, stale_steps=1))
     assert len(d.dispatch_all()) == 4
     d.finish("g3")
     d.finish("g1")
@@ -188,7 +194,7 @@ def test_no_window_fills_capacity_and_trains_in_completion_order():
 
 
 def test_no_window_evicts_only_groups_beyond_the_bound():
-    d = Driver(NoWindowScheduler(batch_size=1, stale_steps=1))
+    d = Driver(make(NoWindowScheduler, batch_size=1, stale_steps=1))
     d.dispatch_all()  # g0, g1
     d.finish("g0")
     assert d.select() == ["g0"]
@@ -210,8 +216,8 @@ def test_no_window_evicts_only_groups_beyond_the_bound():
 
 
 def test_no_window_newest_token_definition_keeps_mixed_groups():
-    oldest = Driver(NoWindowScheduler(batch_size=1, stale_steps=0, oversample=1.0))  # capacity 2
-    newest = Driver(NoWindowScheduler(batch_size=1, stale_steps=0, oversample=1.0, staleness="newest"))
+    oldest = Driver(make(NoWindowScheduler, batch_size=1, stale_steps=0, oversample=1.0))  # capacity 2
+    newest = Driver(make(NoWindowScheduler, batch_size=1, stale_steps=0, oversample=1.0, staleness="newest"))
     for d in (oldest, newest):
         assert d.dispatch_all() == ["g0", "g1"]
         d.finish("g0")
@@ -227,7 +233,7 @@ def test_no_window_newest_token_definition_keeps_mixed_groups():
 
 @pytest.mark.parametrize("cls", [WindowGatedScheduler, WindowedFifoScheduler])
 def test_window_gate_stops_stale_steps_ahead(cls):
-    d = Driver(cls(batch_size=2, stale_steps=1))
+    d = Driver(make(cls, batch_size=2, stale_steps=1))
     ids = d.dispatch_all()
     assert [d.s.deadline_of(g) for g in ids] == [0, 0, 1, 1]
     assert not d.s.can_dispatch(0, 0, 0)  # counts aside, the window is full
@@ -241,7 +247,7 @@ def test_window_gate_stops_stale_steps_ahead(cls):
 
 
 def test_window_gated_fills_a_short_step_in_completion_order():
-    d = Driver(WindowGatedScheduler(batch_size=2, stale_steps=1))
+    d = Driver(make(WindowGatedScheduler, batch_size=2, stale_steps=1))
     d.dispatch_all()  # g0, g1 due at 0; g2, g3 due at 1
     d.discard("g1")  # filtered out; the controller has not dispatched a replacement yet
     d.finish("g3")
@@ -258,7 +264,7 @@ def test_window_gated_fills_a_short_step_in_completion_order():
 
 
 def test_window_gated_due_group_always_trained_before_its_deadline():
-    d = Driver(WindowGatedScheduler(batch_size=2, stale_steps=1))
+    d = Driver(make(WindowGatedScheduler, batch_size=2, stale_steps=1))
     d.dispatch_all()  # g0,g1 -> 0; g2,g3 -> 1
     d.finish("g2")
     d.finish("g3")
@@ -270,7 +276,7 @@ def test_window_gated_due_group_always_trained_before_its_deadline():
 
 
 def test_windowed_fifo_trains_oldest_first():
-    d = Driver(WindowedFifoScheduler(batch_size=2, stale_steps=2))
+    d = Driver(make(WindowedFifoScheduler, batch_size=2, stale_steps=2))
     d.dispatch_all()  # g0..g5
     for g in ("g5", "g4", "g3", "g2", "g0"):
         d.finish(g)
@@ -283,7 +289,7 @@ def test_windowed_fifo_trains_oldest_first():
 
 
 def test_windowed_fifo_refill_goes_to_the_freed_slot():
-    d = Driver(WindowedFifoScheduler(batch_size=2, stale_steps=1))
+    d = Driver(make(WindowedFifoScheduler, batch_size=2, stale_steps=1))
     d.dispatch_all()  # g0, g1 -> 0; g2, g3 -> 1
     d.discard("g0")
     (refill,) = d.dispatch_all()
@@ -294,7 +300,7 @@ def test_windowed_fifo_refill_goes_to_the_freed_slot():
 
 
 def test_window_gated_oversampling_takes_the_first_finished_and_aborts_the_rest():
-    d = Driver(WindowGatedScheduler(batch_size=2, stale_steps=0, oversample=0.5))  # 3 per step
+    d = Driver(make(WindowGatedScheduler, batch_size=2, stale_steps=0, oversample=0.5))  # 3 per step
     assert d.dispatch_all() == ["g0", "g1", "g2"]
     d.finish("g2")
     d.finish("g0")
@@ -312,7 +318,7 @@ def test_window_gated_oversampling_takes_the_first_finished_and_aborts_the_rest(
 
 @pytest.mark.parametrize("cls", ALL)
 def test_controller_mistakes_raise_clear_errors(cls):
-    d = Driver(cls(batch_size=1, stale_steps=1))
+    d = Driver(make(cls, batch_size=1, stale_steps=1))
     (g0, *_) = d.dispatch_all()
     with pytest.raises(ValueError, match="already live"):
         d.s.on_dispatch(g0, 0)
@@ -352,7 +358,7 @@ def test_controller_mistakes_raise_clear_errors(cls):
 
 
 def test_metrics_report_the_last_batch_and_per_step_drops():
-    d = Driver(NoWindowScheduler(batch_size=2, stale_steps=1))
+    d = Driver(make(NoWindowScheduler, batch_size=2, stale_steps=1))
     d.dispatch_all()  # g0..g3 at version 0
     d.finish("g0")
     d.finish("g1")

@@ -18,6 +18,14 @@ from loongsage_plugin_schedulers import (
     WindowGatedScheduler,
 )
 
+from loongsage_hookspecs import SchedulerContext
+
+
+def make(factory, *, batch_size, stale_steps=1, quota=None, **args):
+    """``factory(ctx, **args)`` as the host builds a scheduler: its context carries ``batch_size``,
+    ``stale_steps`` and ``quota``; the rest are the job's ``scheduler_args``."""
+    return factory(SchedulerContext(batch_size=batch_size, stale_steps=stale_steps, quota=quota), **args)
+
 ASYNC = [NoWindowScheduler, WindowGatedScheduler, WindowedFifoScheduler]
 WINDOWED = [WindowGatedScheduler, WindowedFifoScheduler]
 STEPS = 100  # per drawn pipeline; x EXAMPLES draws = thousands of steps per strategy
@@ -94,7 +102,7 @@ def test_sync_never_trains_stale_data(sim, sim_config, data):
     assert all(staleness == 0 for _, _, staleness in res.dropped)  # only oversampling surplus
     trained = [i for b in res.batches for i in b]
     assert trained == sorted(trained)  # one round at a time, dispatch order
-    assert res.max_occupancy <= SyncScheduler(batch_size=cfg.batch_size, oversample=cfg.oversample).per_step
+    assert res.max_occupancy <= make(SyncScheduler, batch_size=cfg.batch_size, oversample=cfg.oversample).per_step
 
 
 @pytest.mark.parametrize("sched_cls", WINDOWED, ids=lambda c: c.name)

@@ -15,7 +15,13 @@ from loongsage_plugin_schedulers import (
     group_staleness,
 )
 
-from loongsage_hookspecs import CheckpointableScheduler, Segment, Trajectory, TrajectoryGroup
+from loongsage_hookspecs import CheckpointableScheduler, SchedulerContext, Segment, Trajectory, TrajectoryGroup
+
+
+def make(factory, *, batch_size, stale_steps=1, quota=None, **args):
+    """``factory(ctx, **args)`` as the host builds a scheduler: its context carries ``batch_size``,
+    ``stale_steps`` and ``quota``; the rest are the job's ``scheduler_args``."""
+    return factory(SchedulerContext(batch_size=batch_size, stale_steps=stale_steps, quota=quota), **args)
 
 ALL = [SyncScheduler, NoWindowScheduler, WindowGatedScheduler, WindowedFifoScheduler]
 SOURCES = ("a", "b", "c")
@@ -88,7 +94,7 @@ def simulate(sched, steps: int, seed: int, drop: float = 0.15) -> list[tuple[int
 @pytest.mark.parametrize("oversample", [0.0, 0.5])
 def test_every_step_trains_each_sources_quota_within_the_bound(cls, oversample):
     for seed in range(3):
-        sched = cls(batch_size=5, stale_steps=1, oversample=oversample, quota=quota)
+        sched = make(cls, batch_size=5, stale_steps=1, oversample=oversample, quota=quota)
         trained = simulate(sched, steps=12, seed=seed)
         for version, batch in trained:
             counts = {s: sum(g.source == s for g in batch) for s in SOURCES}
@@ -100,7 +106,7 @@ def test_every_step_trains_each_sources_quota_within_the_bound(cls, oversample):
 
 @pytest.mark.parametrize("cls", ALL)
 def test_next_source_follows_the_free_places_and_dispatch_checks_the_source(cls):
-    sched = cls(batch_size=5, stale_steps=0, quota=quota)
+    sched = make(cls, batch_size=5, stale_steps=0, quota=quota)
     got = []
     while sched.can_dispatch(len(got), 0, 0):
         source = sched.next_source(0)
@@ -109,13 +115,13 @@ def test_next_source_follows_the_free_places_and_dispatch_checks_the_source(cls)
     assert sorted(got) == sorted("aaabc")  # the step at version 0: 3 / 1 / 1
     assert sched.next_source(0) is None
     with pytest.raises(ValueError, match="source 'z', not one of"):
-        cls(batch_size=5, quota=quota).on_dispatch("x", 0, source="z")
+        make(cls, batch_size=5, quota=quota).on_dispatch("x", 0, source="z")
     with pytest.raises(ValueError, match="adding up to batch_size 5"):
-        cls(batch_size=5, quota=lambda v: {"a": 4}).can_dispatch(0, 0, 0)
+        make(cls, batch_size=5, quota=lambda v: {"a": 4}).can_dispatch(0, 0, 0)
 
 
 def test_a_completed_group_must_keep_its_source():
-    sched = WindowedFifoScheduler(batch_size=5, stale_steps=1, quota=quota)
+    sched = make(WindowedFifoScheduler, batch_size=5, stale_steps=1, quota=quota)
     sched.on_dispatch("g0", 0, source="a")
     with pytest.raises(ValueError, match="has source 'b' but was dispatched for 'a'"):
         sched.on_complete(group("g0", "b", [0]))
@@ -123,11 +129,11 @@ def test_a_completed_group_must_keep_its_source():
 
 @pytest.mark.parametrize("cls", ALL)
 def test_state_dict_round_trip_continues_the_counters_and_version(cls):
-    sched = cls(batch_size=5, stale_steps=1, quota=quota)
+    sched = make(cls, batch_size=5, stale_steps=1, quota=quota)
     simulate(sched, steps=4, seed=7)
     assert isinstance(sched, CheckpointableScheduler)
     state = sched.state_dict()
-    fresh = cls(batch_size=5, stale_steps=1, quota=quota)
+    fresh = make(cls, batch_size=5, stale_steps=1, quota=quota)
     fresh.load_state_dict(state)
     assert fresh.version == 4 and fresh.state_dict() == state
     assert fresh.metrics()["rollout/trained_total"] == 20.0
@@ -135,7 +141,7 @@ def test_state_dict_round_trip_continues_the_counters_and_version(cls):
     trained = simulate_from(fresh, version=4, steps=2)
     assert [{s: sum(g.source == s for g in b) for s in SOURCES} for _, b in trained] == [quota(4), quota(5)]
     with pytest.raises(ValueError, match="state is of scheduler"):
-        cls(batch_size=5, quota=quota).load_state_dict({**state, "name": "other"})
+        make(cls, batch_size=5, quota=quota).load_state_dict({**state, "name": "other"})
 
 
 def simulate_from(sched, version: int, steps: int) -> list[tuple[int, list[TrajectoryGroup]]]:

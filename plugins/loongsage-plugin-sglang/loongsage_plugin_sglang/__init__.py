@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loongsage_hookspecs import EngineContext
+from loongsage_hookspecs import EngineContext, EngineRouterContext, WeightTransportContext
 
 __version__ = "0.1.0"
 
@@ -24,29 +24,30 @@ def create_server(ctx: EngineContext) -> Any:
     return SGLangServer(ctx)
 
 
-def sglang_router(engine_urls: list[str], **args: Any) -> Any:
-    """``EngineRouter``: the real sglang-router in front of ``engine_urls`` (``[rollout]
-    engine_router_args``: ``policy``, ``extra_args``, ``startup_timeout_s``, ``log_path``, ``port``)."""
+def sglang_router(ctx: EngineRouterContext, **args: Any) -> Any:
+    """``EngineRouter``: the real sglang-router in front of ``ctx.engine_urls``, sending the
+    engines ``ctx.api_key`` (``[rollout] engine_router_args``: ``policy``, ``extra_args``,
+    ``startup_timeout_s``, ``log_path``, ``port``)."""
     from .router import SGLangRouterProcess
 
-    return SGLangRouterProcess(engine_urls, **args)
+    return SGLangRouterProcess(list(ctx.engine_urls), **{"api_key": ctx.api_key, **args})
 
 
-def disk_sender(**args: Any) -> Any:
+def disk_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` writing safetensors and calling ``/update_weights_from_disk``."""
     from .transport_disk import DiskSender
 
     return DiskSender(**args)
 
 
-def nccl_sender(**args: Any) -> Any:
+def nccl_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` broadcasting buckets announced with ``/update_weights_from_distributed``."""
     from .transport_nccl import NcclSender
 
     return NcclSender(**args)
 
 
-def tensor_sender(**args: Any) -> Any:
+def tensor_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` passing tensor handles (CUDA IPC / shared memory) to ``/update_weights_from_tensor``."""
     from .transport_tensor import TensorHandleSender
 

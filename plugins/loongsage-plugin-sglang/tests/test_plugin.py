@@ -8,7 +8,7 @@ import sys
 from loongsage_plugin_sglang import plugin
 from loongsage_plugin_sglang.server import SGLangServer
 
-from loongsage_hookspecs import EngineContext, RolloutEngineSpec, WeightTransportSpec
+from loongsage_hookspecs import EngineContext, RolloutEngineSpec, WeightTransportContext, WeightTransportSpec
 
 
 def test_components_and_descriptions():
@@ -22,8 +22,9 @@ def test_components_and_descriptions():
     for spec in transports.values():
         assert isinstance(spec, WeightTransportSpec)
         assert spec.receiver is None  # the engines' own endpoints receive them
-    assert type(transports["sglang_disk"].sender()).__name__ == "DiskSender"
-    assert type(transports["sglang_nccl"].sender(backend="gloo")).__name__ == "NcclSender"
+    sender = WeightTransportContext(role="sender")
+    assert type(transports["sglang_disk"].sender(sender)).__name__ == "DiskSender"
+    assert type(transports["sglang_nccl"].sender(sender, backend="gloo")).__name__ == "NcclSender"
 
 
 def test_engine_factory_builds_a_server_without_launching(tmp_path):

@@ -61,7 +61,8 @@ class DictReceiver:
 def registry() -> PluginHost:
     """The real component registry an engine receives, with the test's ``dict_b64`` transport."""
     host = PluginHost.create(enable=["torch"])
-    host.register_specs(WeightTransportSpec(name="dict_b64", sender=lambda **_: None, receiver=DictReceiver))
+    host.register_specs(WeightTransportSpec(name="dict_b64", sender=lambda ctx: None,
+                                            receiver=lambda ctx: DictReceiver()))
     return host
 
 

@@ -25,6 +25,7 @@ from loongsage_hookspecs import (
     Batch,
     EngineContext,
     TrainWorkerContext,
+    WeightTransportContext,
 )
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
@@ -157,7 +158,7 @@ def test_engine_scores_like_the_trainer_after_an_adapter_update(transport):
             assert response.status_code == 200 and response.json()["success"], response.text
             stats = {"perf/weight_update_bytes": float(sum(t.numel() * t.element_size() for _, t in adapter))}
         else:
-            sender = Components().get("weight_transport", transport).sender()
+            sender = Components().get("weight_transport", transport).sender(WeightTransportContext(role="sender"))
             stats = sender.send(iter(adapter), 7, [url if transport == "shm" else engine])
             sender.close()
         adapter_bytes = sum(t.numel() * t.element_size() for _, t in adapter)

@@ -23,6 +23,7 @@ from loongsage_hookspecs import (
     Batch,
     EngineContext,
     TrainWorkerContext,
+    WeightTransportContext,
 )
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
@@ -62,7 +63,7 @@ def test_engine_matches_trainer_after_weight_update(transport):
     url = engine.start()
     try:
         prompt = ids[0, :8].tolist()
-        sender = Components().get("weight_transport", transport).sender()
+        sender = Components().get("weight_transport", transport).sender(WeightTransportContext(role="sender"))
         target = url if transport == "shm" else engine
         sender.send(worker.named_weights(), 7, [target])
         sender.close()

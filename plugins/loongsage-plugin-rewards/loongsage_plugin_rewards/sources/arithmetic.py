@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from loongsage_hookspecs import BuildContext
+
 OPERATORS = ("+", "-", "*")
 DEFAULT_TEMPLATE = "What is {expression}?"
 
@@ -41,6 +43,8 @@ def evaluate(operands: list[int], operators: list[str]) -> int:
 
 
 def arithmetic_rows(
+    ctx: BuildContext | None = None,
+    /,
     *,
     num_samples: int = 1000,
     seed: int = 0,
@@ -53,6 +57,8 @@ def arithmetic_rows(
     """Generate ``num_samples`` arithmetic questions.
 
     Args:
+        ctx: the host's context (a data source factory's first argument, ``factory(ctx, **args)``);
+            unused: the rows depend on the arguments only, so it may be left out in a direct call.
         num_samples: number of rows.
         seed: seed of the generator; rows are a pure function of all arguments.
         digits: each operand is drawn uniformly from ``0 .. 10**digits - 1``.

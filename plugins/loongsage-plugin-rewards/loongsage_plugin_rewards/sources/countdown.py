@@ -11,6 +11,8 @@ import random
 from fractions import Fraction
 from typing import Any
 
+from loongsage_hookspecs import BuildContext
+
 DEFAULT_TEMPLATE = (
     "Using the numbers {numbers}, write an arithmetic expression that equals {target}. "
     "You may use + - * / and parentheses, and each number at most once. "
@@ -41,6 +43,8 @@ def _combine(rng: random.Random, items: list[tuple[Fraction, str]]) -> tuple[Fra
 
 
 def countdown_rows(
+    ctx: BuildContext | None = None,
+    /,
     *,
     num_samples: int = 1000,
     seed: int = 0,
@@ -55,6 +59,8 @@ def countdown_rows(
     """Generate ``num_samples`` countdown puzzles.
 
     Args:
+        ctx: the host's context (a data source factory's first argument, ``factory(ctx, **args)``);
+            unused: the rows depend on the arguments only, so it may be left out in a direct call.
         num_samples: number of rows.
         seed: seed of the generator; rows are a pure function of all arguments.
         num_numbers: how many numbers each puzzle gives (2 to 8).

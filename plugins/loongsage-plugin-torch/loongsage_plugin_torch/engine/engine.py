@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from loongsage_core.backend_api import check_listen_address
-from loongsage_hookspecs import EngineContext
+from loongsage_hookspecs import EngineContext, WeightTransportContext
 
 from ..lora import lora_scaling
 from ..modeling import ModelLoadError, load_model, load_tokenizer
@@ -171,9 +171,10 @@ class EmbeddedEngine:
             if spec.receiver is None:
                 raise InvalidRequest(f"'load_format' {load_format!r} names a weight transport without a receiver "
                                      "of its own (its sender uses other transports' formats)", "load_format")
+            ctx = WeightTransportContext(where=f"weight update with load_format {load_format!r}", job=self.ctx.job,
+                                         components=components, role="receiver")
             receiver = self._receivers[load_format] = components.build(
-                "weight_transport", load_format, using="receiver",
-                where=f"weight update with load_format {load_format!r}")
+                "weight_transport", load_format, ctx, using="receiver", where=ctx.where)
         return iter(receiver.receive(payload))
 
     # ------------------------------------------------------------------------------------------

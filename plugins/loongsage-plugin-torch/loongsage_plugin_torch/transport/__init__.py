@@ -12,57 +12,61 @@
 * ``auto``: per engine, the fastest of the above (engine object: ``inprocess``; same node, CPU:
   ``shm``; otherwise ``broadcast``), decided once from the engine's ``/get_server_info``.
 
-The factories below import torch only when called, so the plugin module stays light.
+The factories below (``sender(ctx, **args)`` / ``receiver(ctx, **args)``, ``ctx`` a
+:class:`~loongsage_hookspecs.WeightTransportContext` these transports need nothing from) import
+torch only when called, so the plugin module stays light.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from loongsage_hookspecs import WeightTransportContext
 
-def inprocess_sender(**args: Any) -> Any:
+
+def inprocess_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` calling ``target.load_weights(named_tensors, version)`` on in-process engines."""
     from .inprocess import InProcessSender
 
     return InProcessSender(**args)
 
 
-def inprocess_receiver(**args: Any) -> Any:
+def inprocess_receiver(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightReceiver`` yielding the ``named_tensors`` list an in-process payload carries."""
     from .inprocess import InProcessReceiver
 
     return InProcessReceiver(**args)
 
 
-def shm_sender(**args: Any) -> Any:
+def shm_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` packing tensors into shared-memory buckets announced over HTTP."""
     from .shm import ShmSender
 
     return ShmSender(**args)
 
 
-def shm_receiver(**args: Any) -> Any:
+def shm_receiver(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightReceiver`` mapping the shared-memory bucket a payload names."""
     from .shm import ShmReceiver
 
     return ShmReceiver(**args)
 
 
-def broadcast_sender(**args: Any) -> Any:
+def broadcast_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` broadcasting flat byte buckets over a weight-update process group."""
     from .broadcast import BroadcastSender
 
     return BroadcastSender(**args)
 
 
-def broadcast_receiver(**args: Any) -> Any:
+def broadcast_receiver(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightReceiver`` joining weight-update groups and receiving their broadcasts."""
     from .broadcast import BroadcastReceiver
 
     return BroadcastReceiver(**args)
 
 
-def auto_sender(**args: Any) -> Any:
+def auto_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` choosing inprocess, shm or broadcast per engine."""
     from .auto import AutoSender
 
