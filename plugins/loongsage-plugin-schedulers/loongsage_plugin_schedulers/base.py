@@ -25,6 +25,12 @@ tells the producer which source to draw the next prompt from, and a step takes e
 source's quota. A source's places per step are ``ceil(quota * (1 + oversample))``. Without
 ``quota`` every group counts as one anonymous source with ``per_step`` places.
 
+Parts. The class is assembled from :mod:`.records` (the state, what is remembered per group and
+the consistency checks), :mod:`.places` (places per source and step, capacity), :mod:`.accounting`
+(staleness tests and metrics) and :mod:`.checkpoint` (``state_dict``); this module keeps the
+protocol's queries and events and the strategy rules, and re-exports :data:`DROP_REASONS`,
+:class:`GroupRecord` and :class:`GroupState`.
+
 State. :meth:`BaseScheduler.state_dict` holds what outlives the groups of one process (the
 version and the run's counters); live groups are not in it: a resumed run generates the prompts
 of every group that was generating or buffered again, so it starts with an empty pipeline.
@@ -32,61 +38,22 @@ of every group that was generating or buffered again, so it starts with an empty
 
 from __future__ import annotations
 
-import enum
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar
 
-import attrs
-
+from .accounting import StalenessAccounting
+from .checkpoint import CheckpointState
+from .records import DROP_REASONS, GroupRecord, GroupState, int_arg
 from .staleness import check_mode, generated_versions, token_staleness_mean
+
+__all__ = ["DROP_REASONS", "BaseScheduler", "GroupRecord", "GroupState"]
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from loongsage_hookspecs import SchedulerContext, TrajectoryGroup
 
-DROP_REASONS: tuple[str, ...] = ("stale", "surplus")
-"""Why :meth:`BaseScheduler.evict` removes a group: its staleness already exceeds the bound
-(``stale``), or it missed the step that was its deadline (``surplus``, only with oversampling)."""
 
-
-class GroupState(str, enum.Enum):
-    """Where a live group is: still generating, or finished and waiting in the buffer."""
-
-    IN_FLIGHT = "in_flight"
-    BUFFERED = "buffered"
-
-
-@attrs.define(eq=False)
-class GroupRecord:
-    """What a scheduler remembers about one live group.
-
-    ``order`` is its dispatch index (FIFO order), ``version`` the trainer version it was dispatched
-    at, ``deadline`` the last trainer version allowed to train it (``None`` when the strategy judges
-    staleness from the tokens alone), ``completed`` its completion index once finished, and
-    ``oldest`` / ``newest`` the lowest / highest weight version among its generated tokens;
-    ``source`` its data source (``None`` when the scheduler has no quota).
-    """
-
-    group_id: str
-    order: int
-    version: int
-    deadline: int | None
-    state: GroupState = GroupState.IN_FLIGHT
-    completed: int = -1
-    oldest: int | None = None
-    newest: int | None = None
-    source: str | None = None
-
-
-def _int_arg(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-class BaseScheduler:
+class BaseScheduler(StalenessAccounting, CheckpointState):
     """Shared state, validation and metrics of the scheduler strategies.
 
     Built ``cls(ctx, **scheduler_args)``. From the host's context (a ``SchedulerContext``):
@@ -113,8 +80,8 @@ class BaseScheduler:
 
     def __init__(self, ctx: "SchedulerContext", *, oversample: float = 0.0, staleness: str = "oldest") -> None:
         batch_size, stale_steps, quota = ctx.batch_size, ctx.stale_steps, ctx.quota
-        self.batch_size = _int_arg("batch_size", batch_size, 1)
-        self.stale_steps = _int_arg("stale_steps", stale_steps, 0)
+        self.batch_size = int_arg("batch_size", batch_size, 1)
+        self.stale_steps = int_arg("stale_steps", stale_steps, 0)
         if isinstance(oversample, bool) or not isinstance(oversample, (int, float)):
             raise TypeError(f"oversample must be a number >= 0, got {type(oversample).__name__} {oversample!r}")
         if not math.isfinite(oversample) or oversample < 0:
@@ -147,52 +114,6 @@ class BaseScheduler:
     # ------------------------------------------------------------------ read-only state
 
     @property
-    def bound(self) -> int:
-        """The staleness bound this strategy guarantees (``stale_steps``; 0 for ``sync``)."""
-        return self.stale_steps
-
-    @property
-    def capacity(self) -> int:
-        """Groups that may be in flight and buffered together now: ``per_step * (1 + bound)``, or
-        with a quota, every source's places over the versions ``[t, t + bound]``."""
-        if self._quota_fn is None:
-            return self.per_step * (1 + self.bound)
-        t = self._version or 0
-        return sum(self.seats(v, s) for v in range(t, t + self.bound + 1) for s in self.quota(v))
-
-    @property
-    def has_quota(self) -> bool:
-        """Whether the scheduler keeps per-source quotas (built with ``quota``)."""
-        return self._quota_fn is not None
-
-    def quota(self, version: int) -> dict[str | None, int]:
-        """Groups of each source the step at ``version`` trains (``{None: batch_size}`` without a quota)."""
-        if self._quota_fn is None:
-            return {None: self.batch_size}
-        got = self._quotas.get(version)
-        if got is None:
-            raw = self._quota_fn(version)
-            if not isinstance(raw, Mapping) or not raw or any(
-                    not isinstance(k, str) or isinstance(v, bool) or not isinstance(v, int) or v < 0
-                    for k, v in raw.items()) or sum(raw.values()) != self.batch_size:
-                raise ValueError(f"quota({version}) must map source names to counts >= 0 adding up to batch_size "
-                                 f"{self.batch_size}, got {raw!r}")
-            got = dict(raw)
-            self._quotas[version] = got
-        return got
-
-    def seats(self, version: int, source: str | None) -> int:
-        """Places of ``source`` in the step at ``version``: its quota, oversampled (``per_step``
-        without a quota)."""
-        if self._quota_fn is None:
-            return self.per_step
-        return math.ceil(round(self.quota(version).get(source, 0) * (1.0 + self.oversample), 9))
-
-    def live_count(self, source: str | None) -> int:
-        """Live groups (in flight or buffered) of ``source``."""
-        return sum(1 for r in self._records.values() if r.source == source)
-
-    @property
     def version(self) -> int | None:
         """The trainer version the scheduler is at (``None`` until the first event)."""
         return self._version
@@ -221,8 +142,8 @@ class BaseScheduler:
         scheduler's own counts is held against ``capacity``, so neither view can overfill the
         pipeline.
         """
-        _int_arg("in_flight", in_flight, 0)
-        _int_arg("buffered", buffered, 0)
+        int_arg("in_flight", in_flight, 0)
+        int_arg("buffered", buffered, 0)
         t = self._peek_version(trainer_version, "can_dispatch")
         occupied = max(in_flight + buffered, self._n_in_flight + len(self._buffered))
         if occupied >= self.capacity:
@@ -251,36 +172,6 @@ class BaseScheduler:
         t = self._peek_version(trainer_version, "to_abort")
         return [r.group_id for r in self._records.values()
                 if r.state is GroupState.IN_FLIGHT and self._missed_deadline(r, t)]
-
-    def metrics(self) -> dict[str, float]:
-        """Metrics for the step log (a pure read; the per-step drop counts are frozen at each
-        :meth:`on_train_step`).
-
-        * ``rollout/staleness_mean|max|min``: staleness (this scheduler's definition) of the groups of
-          the most recently selected batch; ``rollout/staleness_token_mean``: its per-token mean.
-        * ``rollout/pipeline_buf_size``, ``rollout/pipeline_in_flight``: groups buffered / generating
-          now; ``rollout/pipeline_capacity``: the most both may hold together.
-        * ``rollout/dropped_stale``, ``rollout/dropped_surplus``: groups :meth:`evict` returned during
-          the last completed step (between the two latest ``on_train_step`` calls); the
-          ``*_total`` variants count the whole run.
-        * ``rollout/dispatched_total``, ``rollout/discarded_total``, ``rollout/trained_total``.
-        """
-        out = {
-            "rollout/staleness_mean": self._last_batch["mean"],
-            "rollout/staleness_max": self._last_batch["max"],
-            "rollout/staleness_min": self._last_batch["min"],
-            "rollout/staleness_token_mean": self._last_batch["token_mean"],
-            "rollout/pipeline_buf_size": float(len(self._buffered)),
-            "rollout/pipeline_in_flight": float(self._n_in_flight),
-            "rollout/pipeline_capacity": float(self.capacity),
-            "rollout/dispatched_total": float(self._dispatched_total),
-            "rollout/discarded_total": float(self._discarded_total),
-            "rollout/trained_total": float(self._trained_total),
-        }
-        for reason in DROP_REASONS:
-            out[f"rollout/dropped_{reason}"] = float(self._dropped_last_step[reason])
-            out[f"rollout/dropped_{reason}_total"] = float(self._dropped_total[reason])
-        return out
 
     # ------------------------------------------------------------------ protocol: events
 
@@ -413,7 +304,7 @@ class BaseScheduler:
     def on_train_step(self, new_version: int) -> None:
         """The step that trained the last selected batch finished and the engines now serve
         ``new_version``, which must be that batch's version + 1."""
-        _int_arg("new_version", new_version, 0)
+        int_arg("new_version", new_version, 0)
         if self._selected_at is None:
             raise RuntimeError(f"on_train_step({new_version}): no batch was selected since the last step")
         if new_version != self._selected_at + 1:
@@ -428,35 +319,6 @@ class BaseScheduler:
             del self._slot_live[slot]
         for v in [v for v in self._quotas if v < new_version]:
             del self._quotas[v]
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def state_dict(self) -> dict[str, Any]:
-        """What a checkpoint keeps (JSON-able): the version and the run's counters. Live groups are
-        not kept: a resumed run dispatches their prompts again into an empty pipeline."""
-        return {"name": self.name, "version": self._version, "next_order": self._next_order,
-                "dispatched_total": self._dispatched_total, "discarded_total": self._discarded_total,
-                "trained_total": self._trained_total, "dropped_total": dict(self._dropped_total),
-                "dropped_last_step": dict(self._dropped_last_step), "last_batch": dict(self._last_batch)}
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from :meth:`state_dict` of an earlier run (into a scheduler with no live group)."""
-        if self._records or self._selected_at is not None:
-            raise RuntimeError("load_state_dict: the scheduler already has live groups or a selected batch")
-        if state.get("name") not in (None, self.name):
-            raise ValueError(f"load_state_dict: the state is of scheduler {state.get('name')!r}, not {self.name!r}")
-        version = state.get("version")
-        self._version = None if version is None else _int_arg("version", version, 0)
-        self._next_order = _int_arg("next_order", state.get("next_order", 0), 0)
-        self._dispatched_total = _int_arg("dispatched_total", state.get("dispatched_total", 0), 0)
-        self._discarded_total = _int_arg("discarded_total", state.get("discarded_total", 0), 0)
-        self._trained_total = _int_arg("trained_total", state.get("trained_total", 0), 0)
-        for reason in DROP_REASONS:
-            self._dropped_total[reason] = int(state.get("dropped_total", {}).get(reason, 0))
-            self._dropped_at_last_step[reason] = self._dropped_total[reason]
-            self._dropped_last_step[reason] = int(state.get("dropped_last_step", {}).get(reason, 0))
-        self._last_batch = {k: float(state.get("last_batch", {}).get(k, 0.0))
-                            for k in ("mean", "max", "min", "token_mean")}
 
     # ------------------------------------------------------------------ strategy rules
 
@@ -483,95 +345,6 @@ class BaseScheduler:
 
     # ------------------------------------------------------------------ helpers for strategies
 
-    def _open_slot(self, t: int, source: str | None) -> int | None:
-        """Lowest deadline in the window ``[t, t + bound]`` with a free place of ``source`` (fewer live
-        groups than :meth:`seats`); ``t`` itself is closed once its batch was taken. ``None`` when
-        the window is full."""
-        start = t + 1 if self._selected_at == t else t
-        for slot in range(start, t + self.bound + 1):
-            if self._slot_live.get((slot, source), 0) < self.seats(slot, source):
-                return slot
-        return None
-
-    def _per_source(self, records: Sequence[GroupRecord], t: int) -> dict[str | None, list[GroupRecord]]:
-        """``records`` split by source (each list in the given order), for every source of ``quota(t)``."""
-        out: dict[str | None, list[GroupRecord]] = {s: [] for s in self.quota(t)}
-        for r in records:
-            if r.source in out:
-                out[r.source].append(r)
-        return out
-
     def _live(self) -> list[GroupRecord]:
         """Live records in dispatch order."""
         return list(self._records.values())
-
-    def _trainable_buffered(self, t: int) -> list[GroupRecord]:
-        """Buffered records that may be trained at ``t``, in completion order."""
-        return [r for r in self._buffered.values() if not self._too_stale(r, t) and not self._missed_deadline(r, t)]
-
-    def _staleness(self, rec: GroupRecord, t: int) -> int:
-        ref = rec.oldest if self.staleness == "oldest" else rec.newest
-        return 0 if ref is None else t - ref
-
-    def _too_stale(self, rec: GroupRecord, t: int) -> bool:
-        ref = rec.oldest if self.staleness == "oldest" else rec.newest
-        return ref is not None and t - ref > self.bound  # in-flight records have no ref yet
-
-    def _missed_deadline(self, rec: GroupRecord, t: int) -> bool:
-        if rec.deadline is None:
-            return False
-        return rec.deadline < t or (rec.deadline == t and self._selected_at == t)
-
-    # ------------------------------------------------------------------ internals
-
-    def _record(self, group_id: str, where: str) -> GroupRecord:
-        rec = self._records.get(group_id) if isinstance(group_id, str) else None
-        if rec is None:
-            raise ValueError(f"{where}: group {group_id!r} is not live (never dispatched, or already trained, "
-                             "discarded or evicted)")
-        return rec
-
-    def _release_slot(self, rec: GroupRecord) -> None:
-        """A group that will never be trained gives its place under its deadline back."""
-        key = (rec.deadline, rec.source)
-        if rec.deadline is not None and key in self._slot_live:
-            self._slot_live[key] -= 1
-
-    def _forget(self, rec: GroupRecord) -> None:
-        del self._records[rec.group_id]
-        if rec.state is GroupState.IN_FLIGHT:
-            self._n_in_flight -= 1
-        else:
-            del self._buffered[rec.group_id]
-
-    def _peek_version(self, version: int, where: str) -> int:
-        _int_arg(f"{where}: trainer_version", version, 0)
-        if self._version is not None and version != self._version:
-            raise ValueError(f"{where}: trainer_version {version} but the scheduler is at version {self._version} "
-                             "(call on_train_step once after each train step)")
-        return version
-
-    def _adopt_version(self, version: int, where: str) -> int:
-        t = self._peek_version(version, where)
-        if self._version is None:
-            self._version = t
-        return t
-
-    def _check_buffer(self, buffer: Sequence["TrajectoryGroup"], where: str) -> dict[str, "TrajectoryGroup"]:
-        """``group_id -> group`` of ``buffer`` after checking that it holds exactly the groups the
-        scheduler knows as buffered (so controller and scheduler cannot drift apart silently)."""
-        by_id: dict[str, TrajectoryGroup] = {getattr(g, "group_id", None): g for g in buffer}  # type: ignore[misc]
-        if len(by_id) == len(buffer) == len(self._buffered) and by_id.keys() == self._buffered.keys():
-            return by_id
-        seen: set[object] = set()
-        for g in buffer:
-            gid = getattr(g, "group_id", None)
-            if gid in seen:
-                raise ValueError(f"{where}: buffer holds group {gid!r} twice")
-            seen.add(gid)
-            if gid not in self._buffered:
-                raise ValueError(f"{where}: buffer holds group {gid!r}, which the scheduler does not know as "
-                                 "finished; call on_complete before adding a group to the buffer")
-        missing = [gid for gid in self._buffered if gid not in by_id]
-        raise ValueError(f"{where}: groups {missing[:5]} were reported complete but are not in the buffer; "
-                         "remove groups only as select/evict return them, or call on_discard")
