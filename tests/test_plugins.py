@@ -306,6 +306,7 @@ def test_shipped_components_declare_what_their_objects_do():
     from loongsage_hookspecs import (
         Closeable,
         LoraTrainer,
+        ObservingMiddleware,
         ReplaceableEngines,
         ResidentTeacher,
         SourcePicker,
@@ -320,6 +321,7 @@ def test_shipped_components_declare_what_their_objects_do():
                 ("scheduler", "window_gated"): SourcePicker, ("engine_router", "sglang_router"): ReplaceableEngines,
                 ("teacher", "torch"): ResidentTeacher, ("sandbox", "local"): Closeable,
                 ("router_middleware", "tool_call_parser"): StreamingMiddleware,
+                ("router_middleware", "request_logger"): ObservingMiddleware,
                 ("train_backend", "torch"): LoraTrainer}
     for (kind, name), capability in expected.items():
         assert host.get(kind, name).declares(capability), (kind, name, capability)

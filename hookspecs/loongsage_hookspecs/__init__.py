@@ -20,6 +20,7 @@ from .capabilities import (
     LoraAwareSender,
     LoraTrainer,
     ModelParallel,
+    ObservingMiddleware,
     Offloadable,
     OnDevice,
     ReplaceableEngines,

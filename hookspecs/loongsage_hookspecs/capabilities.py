@@ -205,6 +205,17 @@ class StreamingMiddleware(Protocol):
     def stream_holdback(self, request: dict[str, Any], text: str) -> int: ...
 
 
+@runtime_checkable
+class ObservingMiddleware(Protocol):
+    """A router middleware that never changes a response (a logger), saying so with
+    ``changes_response = False``. Streaming leaves it out of a turn's partial views (its
+    ``on_response`` sees only the final response) and does not wait for it. Without it, a
+    middleware that is not a ``StreamingMiddleware`` holds a stream's text until the turn ends."""
+
+    @property
+    def changes_response(self) -> bool: ...
+
+
 def is_capability(obj: Any) -> bool:
     """Whether ``obj`` can be declared in a spec's ``capabilities``: a runtime-checkable protocol."""
     return isinstance(obj, type) and bool(getattr(obj, "_is_runtime_protocol", False))

@@ -213,8 +213,9 @@ def loongsage_router_middlewares() -> Iterable[RouterMiddlewareSpec]:
     streaming (the ``StreamingMiddleware`` capability): ``stream_holdback(request, text) -> int``
     declares ``on_response`` safe to run on partial responses and says how many trailing
     characters of the partial text it cannot judge yet (a tool call being written);
-    ``changes_response = False`` marks one that never changes responses (a logger). While a
-    middleware has neither, a turn's text is streamed only at its end.
+    ``changes_response = False`` marks one that never changes responses (a logger; the
+    ``ObservingMiddleware`` capability). While a middleware has neither, a turn's text is streamed
+    only at its end.
 
     Example::
 

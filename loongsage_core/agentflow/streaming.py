@@ -9,10 +9,11 @@ Certainty comes from *hold-back*: the trailing characters that a stop string or 
 still claim are kept until more text arrives. A middleware takes part in streaming by defining
 ``stream_holdback(request, text) -> int`` (how many trailing characters of the partial ``text``
 it cannot judge yet); it thereby declares that its ``on_response`` is a pure function of the
-response that may also run on a partial one (``finish_reason`` ``None``). A middleware that never
-changes responses (a logger) says so with ``changes_response = False`` and is left out of partial
-views. While any other middleware lacks ``stream_holdback``, nothing is streamed before the turn
-ends (the safe default).
+response that may also run on a partial one (``finish_reason`` ``None``): the contract's
+``StreamingMiddleware`` capability. A middleware that never changes responses (a logger) says so
+with ``changes_response = False`` (the ``ObservingMiddleware`` capability) and is left out of
+partial views. While any other middleware lacks ``stream_holdback``, nothing is streamed before
+the turn ends (the safe default).
 
 Increments are append-only: if a later view no longer extends what was sent (a middleware changed
 its mind), that field stops streaming and the rest of it is never resent. With middleware, white
@@ -27,7 +28,7 @@ import json
 import logging
 from typing import Any, Callable, Mapping, Sequence
 
-from loongsage_hookspecs import StreamingMiddleware
+from loongsage_hookspecs import ObservingMiddleware, StreamingMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +42,12 @@ def stop_holdback(text: str, stops: Sequence[str]) -> int:
                 hold = n
                 break
     return hold
+
+
+def changes_responses(middleware: Any) -> bool:
+    """Whether ``middleware`` may change a response: all do but an ``ObservingMiddleware`` that
+    declares ``changes_response = False`` (a logger), which partial views leave out."""
+    return not (isinstance(middleware, ObservingMiddleware) and middleware.changes_response is False)
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
@@ -62,7 +69,7 @@ class TextStreamer:
     def __init__(self, decode: Callable[[Sequence[int]], str], middlewares: Sequence[Any], trajectory_id: str,
                  request: Mapping[str, Any], stops: Sequence[str]) -> None:
         self.decode = decode
-        self.middlewares = [mw for mw in middlewares if getattr(mw, "changes_response", True) is not False]
+        self.middlewares = [mw for mw in middlewares if changes_responses(mw)]
         self.trajectory_id = trajectory_id
         self.request = request
         self.stops = list(stops)

@@ -12,7 +12,8 @@ from loongsage_plugin_agents.reasoning_parser import ReasoningParser
 from loongsage_plugin_agents.request_logger import RequestLogger
 from loongsage_plugin_agents.tool_parser import ToolCallParser
 
-from loongsage_core.agentflow.streaming import TextStreamer, cut_at_stop, stop_holdback
+from loongsage_core.agentflow.streaming import TextStreamer, changes_responses, cut_at_stop, stop_holdback
+from loongsage_hookspecs import ObservingMiddleware
 
 REQUEST = {"messages": [{"role": "user", "content": "q"}],
            "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]}
@@ -80,6 +81,40 @@ def test_a_middleware_without_stream_support_holds_everything():
     streamer = TextStreamer(lambda ids: "hello"[:len(ids)], [Shout()], "t", REQUEST, [])
     assert streamer.update([0, 1, 2]) == {}
     assert streamer.finish({"content": "HELLO"}) == {"content": "HELLO"}
+
+
+def test_a_declared_observer_is_left_out_of_partial_views_and_any_other_middleware_holds_the_stream():
+    """``changes_response = False`` (the ObservingMiddleware capability) keeps a middleware out of
+    the partial views, so text streams past it; the same middleware saying it changes responses,
+    or saying nothing, holds the turn's text until its end."""
+    seen: list = []
+
+    class Observer:
+        changes_response = False
+
+        def on_request(self, tid, request):
+            return request
+
+        def on_response(self, tid, request, response):
+            seen.append(response["choices"][0]["finish_reason"])
+            return response
+
+    class Rewriter(Observer):
+        changes_response = True
+
+    class Undeclared:
+        on_request, on_response = Observer.on_request, Observer.on_response
+
+    assert isinstance(Observer(), ObservingMiddleware) and not changes_responses(Observer())
+    assert isinstance(Rewriter(), ObservingMiddleware) and changes_responses(Rewriter())
+    assert not isinstance(Undeclared(), ObservingMiddleware) and changes_responses(Undeclared())
+    streamer = TextStreamer(lambda ids: "hello"[:len(ids)], [Observer()], "t", REQUEST, [])
+    assert streamer.update([0, 1, 2]) == {"content": "hel"}
+    assert seen == []  # an observer never sees a partial response
+    for held in (Rewriter(), Undeclared()):
+        streamer = TextStreamer(lambda ids: "hello"[:len(ids)], [held], "t", REQUEST, [])
+        assert streamer.update([0, 1, 2]) == {}
+        assert streamer.finish({"content": "hello"}) == {"content": "hello"}
 
 
 def test_stop_strings_and_incomplete_characters_are_held_back():

@@ -14,6 +14,7 @@ from loongsage_hookspecs import (
     AgentSpec,
     BuildContext,
     Closeable,
+    ObservingMiddleware,
     ReportsIsolation,
     RouterMiddlewareSpec,
     SandboxSpec,
@@ -124,4 +125,5 @@ def loongsage_router_middlewares() -> Iterator[RouterMiddlewareSpec]:
                                description="<think>...</think> -> reasoning_content",
                                capabilities=(StreamingMiddleware,))
     yield RouterMiddlewareSpec(name="request_logger", factory=_request_logger,
-                               description="append every request and response to a JSONL file")
+                               description="append every request and response to a JSONL file",
+                               capabilities=(ObservingMiddleware,))

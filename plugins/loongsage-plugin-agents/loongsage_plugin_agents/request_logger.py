@@ -22,7 +22,7 @@ class RequestLogger:
         requests, responses: which events to log.
     """
 
-    changes_response = False  # streaming leaves it out of partial views (see loongsage_core.agentflow.streaming)
+    changes_response = False  # the ObservingMiddleware capability: streaming leaves it out of partial views
 
     def __init__(self, path: str, requests: bool = True, responses: bool = True) -> None:
         if not isinstance(path, str) or not path:
