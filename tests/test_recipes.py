@@ -130,7 +130,7 @@ def test_critic_resources_are_checked_before_starting(tmp_path):
         check_critic_resources(load_job(RECIPES / "ppo_critic.toml", ["critic.gpus=1"]), {"CPU": 8.0})
 
 
-FOLDER_RECIPES = ("math_dapo", "mopd")
+FOLDER_RECIPES = ("math_dapo", "mopd", "swe", "opencode")
 
 
 def test_folder_recipes_validate_by_name_and_ship_their_files():
