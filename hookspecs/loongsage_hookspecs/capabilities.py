@@ -190,7 +190,8 @@ class SourcePicker(Protocol):
 
     Its factory's context (``SchedulerContext``) carries ``quota``: a callable
     ``version -> {source: prompts}`` (the ``[[data]]`` weights apportioned over
-    ``rollout.prompts_per_step``), and ``next_source(version)`` names the source of each dispatch. A job with more than one data source needs it.
+    ``rollout.prompts_per_step``), and ``next_source(version)`` names the source of each
+    dispatch. A job with more than one data source needs it.
     """
 
     def next_source(self, trainer_version: int) -> str | None: ...

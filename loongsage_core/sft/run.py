@@ -104,10 +104,11 @@ class SftRun:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
         for i, lg in enumerate(self.job.loggers):
-            ctx = LoggerContext(where=f"{where}: loggers[{i}].name", job=self.job, components=self.host,
-                                output_dir=str(self.output_dir), total_steps=self.total_steps, start_step=self.step)
-            logger = self.host.build("logger", lg.name, ctx, where=ctx.where, args_key=f"{where}: loggers[{i}].args",
-                                     **lg.args)
+            log_ctx = LoggerContext(where=f"{where}: loggers[{i}].name", job=self.job, components=self.host,
+                                    output_dir=str(self.output_dir), total_steps=self.total_steps,
+                                    start_step=self.step)
+            logger = self.host.build("logger", lg.name, log_ctx, where=log_ctx.where,
+                                     args_key=f"{where}: loggers[{i}].args", **lg.args)
             if isinstance(logger, StepTruncation):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)

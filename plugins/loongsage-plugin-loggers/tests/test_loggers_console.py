@@ -2,9 +2,10 @@ import io
 import re
 
 import pytest
-from loongsage_hookspecs import LoggerContext
 from loongsage_plugin_loggers.console import ConsoleLogger
 from rich.console import Console
+
+from loongsage_hookspecs import LoggerContext
 
 
 def ctx(path, total_steps: int = 0) -> LoggerContext:

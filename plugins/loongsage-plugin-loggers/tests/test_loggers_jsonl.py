@@ -2,8 +2,9 @@ import json
 import math
 
 import pytest
-from loongsage_hookspecs import LoggerContext
 from loongsage_plugin_loggers.jsonl import JsonlLogger, read_metrics
+
+from loongsage_hookspecs import LoggerContext
 
 
 def ctx(path, total_steps: int = 0) -> LoggerContext:

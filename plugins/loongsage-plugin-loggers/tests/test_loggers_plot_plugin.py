@@ -3,12 +3,11 @@ import sys
 from importlib.metadata import entry_points
 
 import pytest
-from loongsage_hookspecs import LoggerContext
 from loongsage_plugin_loggers import plugin
 from loongsage_plugin_loggers.jsonl import JsonlLogger
 from loongsage_plugin_loggers.plot import main, plot_metrics
 
-from loongsage_hookspecs import LoggerSpec, MetricsLogger
+from loongsage_hookspecs import LoggerContext, LoggerSpec, MetricsLogger
 
 
 def ctx(path, total_steps: int = 0) -> LoggerContext:

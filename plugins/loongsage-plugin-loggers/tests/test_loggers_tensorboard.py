@@ -1,9 +1,10 @@
-from loongsage_hookspecs import LoggerContext
 import struct
 from pathlib import Path
 
 from loongsage_plugin_loggers.tensorboard import TensorBoardLogger
 from tensorboardX.proto.event_pb2 import Event
+
+from loongsage_hookspecs import LoggerContext
 
 
 def ctx(path, total_steps: int = 0) -> LoggerContext:

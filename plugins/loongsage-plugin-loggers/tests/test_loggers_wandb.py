@@ -1,8 +1,9 @@
 """The wandb logger offline: run id kept across restarts, numeric metrics only, config recorded."""
 
 import pytest
-from loongsage_hookspecs import LoggerContext
 from loongsage_plugin_loggers.wandb_logger import WandbLogger, read_offline_history
+
+from loongsage_hookspecs import LoggerContext
 
 
 def ctx(path, total_steps: int = 0) -> LoggerContext:
