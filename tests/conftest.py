@@ -1,14 +1,18 @@
-"""Shared fixtures: fake installed plugin distributions (real dist-info on sys.path)."""
+"""Shared fixtures: fake installed plugin distributions (real dist-info on sys.path), the local Ray
+cluster, the tiny job, and one-off engine-client calls from a test (`engine_call`)."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 import sys
 import textwrap
 from pathlib import Path
-from typing import Callable
+from typing import Any, Awaitable, Callable, TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parent.parent
 TOKENIZER_DIR = REPO / "tests" / "data" / "tokenizer"
@@ -122,3 +126,24 @@ class TinyJob:
 def tiny_job() -> TinyJob:
     """The tiny embedded job of :data:`TINY_JOB` (use with ``ray_cluster``)."""
     return TinyJob()
+
+
+def call_engine(url: str, call: Callable[[Any], Awaitable[T]], api_key: str | None = None) -> T:
+    """``call`` (an async engine-client call, e.g. ``lambda c: c.weight_version()``) run to its end
+    from the test's thread, on a client of ``url`` (with ``api_key``) closed afterwards."""
+    from loongsage_core.engine_client import EngineClient
+
+    async def run() -> T:
+        client = EngineClient(url, api_key=api_key)
+        try:
+            return await call(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+@pytest.fixture
+def engine_call() -> Callable[..., Any]:
+    """:func:`call_engine`: one engine-client call from a test, on a client of its own."""
+    return call_engine

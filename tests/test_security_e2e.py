@@ -3,14 +3,12 @@ the local Ray cluster listens on loopback only."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Awaitable, Callable, TypeVar
 
 import httpx
 import pytest
@@ -84,21 +82,6 @@ RAY_PROBE = textwrap.dedent("""
 """)
 
 
-T = TypeVar("T")
-
-
-def engine_call(url: str, call: Callable[[EngineClient], Awaitable[T]], api_key: str | None = None) -> T:
-    """``call`` (an async engine-client call, e.g. ``lambda c: c.weight_version()``) run to its end
-    from the test's thread, on a client of ``url`` (with ``api_key``) closed afterwards."""
-
-    async def run() -> T:
-        client = EngineClient(url, api_key=api_key)
-        try:
-            return await call(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(run())
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +118,7 @@ def serving(ray_cluster, tmp_path_factory):
     s.close()
 
 
-def test_serve_writes_a_private_secret_that_engines_and_admin_require(serving):
+def test_serve_writes_a_private_secret_that_engines_and_admin_require(serving, engine_call):
     assert serving.secret_path.stat().st_mode & 0o777 == 0o600
     secret = read_secret_file(serving.secret_path)
     auth = {"Authorization": f"Bearer {secret}"}
@@ -150,7 +133,7 @@ def test_serve_writes_a_private_secret_that_engines_and_admin_require(serving):
         assert engine_call(url, lambda c: c.weight_version(), api_key=secret) == 0
 
 
-def test_weight_overwrite_of_a_served_engine_fails_and_greedy_answers_stay(serving):
+def test_weight_overwrite_of_a_served_engine_fails_and_greedy_answers_stay(serving, engine_call):
     import base64
     import io
 

@@ -6,11 +6,10 @@ Real embedded engines started with the secret (as a run starts them), a real rou
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Iterator, TypeVar
+from typing import Any, Iterator
 
 import httpx
 import openai
@@ -25,21 +24,6 @@ AUTH = {"Authorization": f"Bearer {SECRET}"}
 PROMPT = [5, 17, 42, 99, 7]
 
 
-T = TypeVar("T")
-
-
-def engine_call(url: str, call: Callable[[EngineClient], Awaitable[T]], api_key: str | None = None) -> T:
-    """``call`` (an async engine-client call, e.g. ``lambda c: c.weight_version()``) run to its end
-    from the test's thread, on a client of ``url`` (with ``api_key``) closed afterwards."""
-
-    async def run() -> T:
-        client = EngineClient(url, api_key=api_key)
-        try:
-            return await call(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(run())
 
 
 def _engine(api_key: str | None = SECRET) -> Any:
@@ -195,14 +179,14 @@ def test_engine_endpoints_refuse_requests_without_the_secret(secure_engine, meth
     assert info["paused"] is False and info["memory_released"] == [] and info["weight_version"] == 0
 
 
-def test_engine_client_sends_the_secret_and_is_refused_without_it(secure_engine):
+def test_engine_client_sends_the_secret_and_is_refused_without_it(secure_engine, engine_call):
     with pytest.raises(EngineError) as err:
         engine_call(secure_engine, lambda c: c.pause())
     assert err.value.status_code == 401
     assert engine_call(secure_engine, lambda c: c.weight_version(), api_key=SECRET) == 0
 
 
-def test_weight_overwrite_attempt_fails_and_greedy_outputs_are_unchanged():
+def test_weight_overwrite_attempt_fails_and_greedy_outputs_are_unchanged(engine_call):
     import torch
 
     engine = _engine()
