@@ -62,7 +62,8 @@ from typing import Any, Mapping
 
 from loongsage_hookspecs import sandbox_request
 
-from .sandbox_box import SHELL, LocalSandbox, SandboxError
+from .sandbox_box import SHELL, LocalSandbox
+from .sandbox_errors import SandboxError
 from .sandbox_isolation import ISOLATIONS, LAUNCHER, command_line, detect_isolation, launcher_python, unshare_flags
 from .sandbox_prepare import SnapshotError, chown_tree, materialize
 from .sandbox_registry import Registry, UidPool, force_rmtree

@@ -21,30 +21,41 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from loongsage_hookspecs import ExecResult
 
+from .sandbox_errors import SandboxError
 from .sandbox_launch import pump
 from .sandbox_prepare import chown_tree
 from .sandbox_procs import Completed, Launch, await_launch, kill_tree, kill_uid
 
-if TYPE_CHECKING:  # pragma: no cover - typing only
-    from .local_sandbox import LocalSandboxProvider
-
 SHELL = shutil.which("bash") or "/bin/sh"
 
 
-class SandboxError(RuntimeError):
-    """A sandbox operation was refused or failed (a path outside the sandbox, a destroyed
-    sandbox, a snapshot or setup command that failed, ...)."""
+class SandboxHost(Protocol):
+    """What a sandbox asks of the provider that made it (:class:`.local_sandbox.LocalSandboxProvider`):
+    the command line and environment of a program, output and time limits, the network setting."""
+
+    max_output_bytes: int
+    default_timeout_s: float
+
+    @property
+    def netns_for_programs(self) -> bool: ...
+
+    def argv(self, box: "LocalSandbox", argv: list[str], *, bridge: dict[str, Any] | None = None,
+             network: bool | None = None) -> list[str]: ...
+
+    def base_env(self, box: "LocalSandbox") -> dict[str, str]: ...
+
+    def user_kwargs(self, box: "LocalSandbox") -> dict[str, Any]: ...
 
 
 class LocalSandbox:
     """One trajectory's sandbox (see this module's and :mod:`.local_sandbox`'s docstrings)."""
 
-    def __init__(self, provider: "LocalSandboxProvider", trajectory_id: str, path: str, uid: int | None,
+    def __init__(self, provider: SandboxHost, trajectory_id: str, path: str, uid: int | None,
                  gid: int | None, marker: str, env: Mapping[str, str]) -> None:
         self.provider = provider
         self.trajectory_id = trajectory_id

@@ -20,7 +20,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .sandbox_box import SandboxError
+from .sandbox_errors import SandboxError
 
 ISOLATIONS = ("auto", "bwrap", "netns", "none")
 LAUNCHER = str(Path(__file__).with_name("sandbox_launch.py"))
