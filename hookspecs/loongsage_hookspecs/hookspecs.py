@@ -9,9 +9,8 @@ the order of the job file, never in plugin registration order.
 A hookspec's body is never called (pluggy calls the plugins' implementations); each returns an
 empty tuple, what a plugin that provides nothing of that kind would return.
 
-The :data:`~.kinds.KINDS` table (module :mod:`.kinds`) maps each component kind (the word a job
-file and ``loongsage plugins`` use) to its hook and spec class; it stays importable from here too,
-for code written before it had a module of its own.
+The :data:`~.kinds.KINDS` table (:mod:`.kinds`) maps each component kind (the word a job file and
+``loongsage plugins`` use) to its hook and spec class; it stays importable from here too.
 """
 
 from __future__ import annotations
