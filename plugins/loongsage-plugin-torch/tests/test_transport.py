@@ -14,7 +14,10 @@ from loongsage_plugin_torch.transport import inprocess_receiver, inprocess_sende
 from loongsage_plugin_torch.transport.buckets import ALIGN, BucketPacker, decode_bucket, encode_bucket
 from loongsage_plugin_torch.transport.shm import WeightTransferError, payload_target
 
-from loongsage_hookspecs import WeightReceiver, WeightSender
+from loongsage_hookspecs import WeightReceiver, WeightSender, WeightTransportContext
+
+SENDER = WeightTransportContext(role="sender")
+RECEIVER = WeightTransportContext(role="receiver")
 
 
 def sample_tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -42,7 +45,7 @@ class Collector:
     """An in-process engine stand-in for the shm receiver: copies what it receives."""
 
     def __init__(self, **receiver_args):
-        self.receiver = shm_receiver(**receiver_args)
+        self.receiver = shm_receiver(RECEIVER, **receiver_args)
         self.got: dict[str, torch.Tensor] = {}
         self.payloads: list[dict] = []
 
@@ -110,7 +113,7 @@ def test_bucket_metadata_round_trips():
 def test_shm_round_trip_is_bit_exact(split_large, bucket_bytes):
     tensors = sample_tensors()
     engine = Collector()
-    with shm_sender(bucket_bytes=bucket_bytes, split_large=split_large) as sender:
+    with shm_sender(SENDER, bucket_bytes=bucket_bytes, split_large=split_large) as sender:
         assert isinstance(sender, WeightSender) and isinstance(engine.receiver, WeightReceiver)
         metrics = sender.send(iter(tensors), 4, [engine])
     assert list(engine.got) == [n for n, _ in tensors]
@@ -132,7 +135,7 @@ def test_shm_round_trip_is_bit_exact(split_large, bucket_bytes):
 
 def test_shm_blocks_are_reused_across_updates_and_retired_when_grown():
     engine = Collector()
-    sender = shm_sender(bucket_bytes=4096, num_buffers=2, split_large=False)
+    sender = shm_sender(SENDER, bucket_bytes=4096, num_buffers=2, split_large=False)
     small = [("a", torch.randn(100)), ("b", torch.randn(900)), ("c", torch.randn(300))]
     sender.send(small, 1, [engine])
     names = sorted(sender.block_names)
@@ -157,7 +160,7 @@ def test_shm_blocks_are_reused_across_updates_and_retired_when_grown():
 
 
 def test_shm_sender_finalizer_unlinks_blocks_when_dropped():
-    sender = shm_sender(bucket_bytes=1024)
+    sender = shm_sender(SENDER, bucket_bytes=1024)
     sender.send(sample_tensors(), 0, [Collector()])
     held = sender.block_names
     assert held
@@ -171,9 +174,9 @@ def test_shm_sender_finalizer_unlinks_blocks_when_dropped():
 def test_shm_receiver_copy_mode_and_views():
     tensors = [("w", torch.randn(64, 8))]
     views, copies = [], []
-    with shm_sender(bucket_bytes=1 << 16) as sender:
-        sender.send(tensors, 0, [payload_target(shm_receiver(), lambda n, t: views.append(t)),
-                                 payload_target(shm_receiver(copy=True), lambda n, t: copies.append(t))])
+    with shm_sender(SENDER, bucket_bytes=1 << 16) as sender:
+        sender.send(tensors, 0, [payload_target(shm_receiver(RECEIVER), lambda n, t: views.append(t)),
+                                 payload_target(shm_receiver(RECEIVER, copy=True), lambda n, t: copies.append(t))])
         assert torch.equal(views[0], tensors[0][1]) and torch.equal(copies[0], tensors[0][1])
         sender.send([("w", torch.zeros(64, 8))], 1, [lambda p: None])
         assert torch.count_nonzero(views[0]) == 0  # a view follows the reused block
@@ -182,7 +185,7 @@ def test_shm_receiver_copy_mode_and_views():
 
 def test_shm_empty_update_still_announces_the_version():
     engine = Collector()
-    with shm_sender() as sender:
+    with shm_sender(SENDER) as sender:
         metrics = sender.send([], 9, [engine])
     assert len(engine.payloads) == 1 and engine.payloads[0]["weight_version"] == 9
     assert engine.payloads[0]["flush_cache"] is True and engine.got == {}
@@ -191,9 +194,9 @@ def test_shm_empty_update_still_announces_the_version():
 
 def test_shm_receiver_reports_incomplete_split_tensors():
     payloads = []
-    with shm_sender(bucket_bytes=256, split_large=True) as sender:
+    with shm_sender(SENDER, bucket_bytes=256, split_large=True) as sender:
         sender.send([("big", torch.randn(200))], 0, [payloads.append])
-        receiver = shm_receiver()
+        receiver = shm_receiver(RECEIVER)
         last = payloads[-1]
         with pytest.raises(ValueError, match="incomplete"):
             list(receiver.receive(last))
@@ -201,13 +204,13 @@ def test_shm_receiver_reports_incomplete_split_tensors():
 
 def test_bad_arguments_and_targets():
     with pytest.raises(ValueError, match="bucket_bytes"):
-        shm_sender(bucket_bytes=8)
+        shm_sender(SENDER, bucket_bytes=8)
     with pytest.raises(TypeError):
-        shm_sender(bucket_size=1024)
-    with shm_sender() as sender, pytest.raises(TypeError, match="base URL or a callable"):
+        shm_sender(SENDER, bucket_size=1024)
+    with shm_sender(SENDER) as sender, pytest.raises(TypeError, match="base URL or a callable"):
         sender.send([("w", torch.ones(2))], 0, [42])
     with pytest.raises(ValueError, match="load_format"):
-        list(shm_receiver().receive({"load_format": "disk", "serialized_named_tensors": "{}"}))
+        list(shm_receiver(RECEIVER).receive({"load_format": "disk", "serialized_named_tensors": "{}"}))
 
 
 def test_shm_http_errors_name_the_engine():
@@ -230,7 +233,7 @@ def test_shm_http_errors_name_the_engine():
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        with shm_sender() as sender:
+        with shm_sender(SENDER) as sender:
             with pytest.raises(WeightTransferError, match=f"{url} rejected weight version 3: version mismatch"):
                 sender.send([("w", torch.ones(4))], 3, [url])
             with pytest.raises(WeightTransferError, match="answered 404"):
@@ -263,7 +266,7 @@ class Engine:
 def test_inprocess_sender_hands_the_same_tensors_to_every_engine():
     tensors = sample_tensors()
     engines = [Engine(tensors), Engine(tensors)]
-    sender = inprocess_sender()
+    sender = inprocess_sender(SENDER)
     metrics = sender.send((pair for pair in tensors), 6, engines)
     for engine in engines:
         assert engine.version == 6
@@ -273,7 +276,7 @@ def test_inprocess_sender_hands_the_same_tensors_to_every_engine():
     assert metrics["perf/weight_update_bytes"] == sum(t.numel() * t.element_size() for _, t in tensors)
     with pytest.raises(TypeError, match="load_weights"):
         sender.send(tensors, 7, [object()])
-    assert list(inprocess_receiver().receive({"named_tensors": tensors[:2]})) == tensors[:2]
+    assert list(inprocess_receiver(RECEIVER).receive({"named_tensors": tensors[:2]})) == tensors[:2]
 
 
 def test_blocks_of_killed_senders_are_reclaimed():

@@ -19,6 +19,11 @@ import httpx
 import pytest
 import torch
 
+from loongsage_hookspecs import WeightTransportContext
+
+SENDER = WeightTransportContext(role="sender")
+RECEIVER = WeightTransportContext(role="receiver")
+
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
 
 
@@ -50,7 +55,7 @@ class Recorder:
     def __init__(self) -> None:
         from loongsage_plugin_torch.transport import broadcast_receiver
 
-        self.receiver = broadcast_receiver()
+        self.receiver = broadcast_receiver(RECEIVER)
         self.digests: dict[str, list] = {}
         self.versions: list[str] = []
         self.requests = 0
@@ -81,7 +86,7 @@ class Sender:
         import ray
         from loongsage_plugin_torch.transport import broadcast_sender
 
-        self.sender = broadcast_sender(bucket_bytes=bucket_bytes, backend="gloo", init_timeout_s=60)
+        self.sender = broadcast_sender(SENDER, bucket_bytes=bucket_bytes, backend="gloo", init_timeout_s=60)
         self.targets = [lambda path, body, r=r: ray.get(r.handle.remote(path, body)) for r in recorders]
 
     def send(self, tensors: list, version: int) -> dict:
@@ -165,7 +170,7 @@ class TrainerHost:
 
         self.worker = create_train_worker(TrainWorkerContext(job=job, components=None, role="reference"))
         factory = broadcast_sender if transport == "broadcast" else auto_sender
-        self.sender = factory(bucket_bytes=4096, backend="auto", init_timeout_s=60)
+        self.sender = factory(SENDER, bucket_bytes=4096, backend="auto", init_timeout_s=60)
 
     def digests(self) -> dict:
         return {n: digest(t) for n, t in self.worker.named_weights()}
@@ -253,7 +258,7 @@ def test_auto_routes_engine_objects_inprocess_and_refuses_unknown_targets():
     engine = create_engine(EngineContext(job=JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=TOKENIZER)),
                                          components=None))
     url = engine.start()
-    sender = auto_sender()
+    sender = auto_sender(SENDER)
     try:
         assert sender.route(engine) == "inprocess"
         assert sender.route(url) == "broadcast"  # this engine has no shm receiver (no plugins given to it)
@@ -262,7 +267,7 @@ def test_auto_routes_engine_objects_inprocess_and_refuses_unknown_targets():
         with pytest.raises(Exception, match="get_server_info"):
             sender.route("http://127.0.0.1:9")
         with pytest.raises(ValueError, match="unknown weight_transport_args \\['bucket'\\]"):
-            auto_sender(bucket=5)
+            auto_sender(SENDER, bucket=5)
         metrics = sender.send(((n, t + 1) for n, t in engine.runner.named_tensors().items()), 4, [engine])
         assert metrics["perf/weight_targets_inprocess"] == 1 and engine.weight_version == 4
     finally:

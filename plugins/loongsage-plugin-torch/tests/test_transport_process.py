@@ -20,6 +20,11 @@ from multiprocessing import shared_memory
 import httpx
 import torch
 
+from loongsage_hookspecs import WeightTransportContext
+
+SENDER = WeightTransportContext(role="sender")
+RECEIVER = WeightTransportContext(role="receiver")
+
 
 def digest(t: torch.Tensor) -> list:
     raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
@@ -30,7 +35,7 @@ def make_server() -> ThreadingHTTPServer:
     """An engine-shaped HTTP endpoint around its own ShmReceiver."""
     from loongsage_plugin_torch.transport import shm_receiver
 
-    receiver = shm_receiver()
+    receiver = shm_receiver(RECEIVER)
     state: dict = {"digests": {}, "versions": [], "flushes": 0}
 
     class Handler(BaseHTTPRequestHandler):
@@ -101,7 +106,7 @@ def test_shm_transport_into_two_engine_processes_is_bit_exact():
     try:
         from loongsage_plugin_torch.transport import shm_sender
 
-        sender = shm_sender(bucket_bytes=16384, split_large=True, num_buffers=2)
+        sender = shm_sender(SENDER, bucket_bytes=16384, split_large=True, num_buffers=2)
         for version, tensors in ((1, first), (2, second)):
             metrics = sender.send(tensors, version, urls)
             assert metrics["perf/weight_update_buckets"] >= 6
@@ -112,7 +117,7 @@ def test_shm_transport_into_two_engine_processes_is_bit_exact():
         blocks = sender.block_names
         assert len(blocks) == 2
 
-        with shm_sender(bucket_bytes=256, split_large=False) as other:  # a tensor gets its own bucket
+        with shm_sender(SENDER, bucket_bytes=256, split_large=False) as other:  # a tensor gets its own bucket
             other.send(first, 3, urls[:1])
         assert httpx.get(urls[0] + "/digests", trust_env=False).json()["digests"] == {n: digest(t) for n, t in first}
     finally:
