@@ -26,6 +26,7 @@ from .placement import create_actors, init_ray, start_engine_router
 from .remote import gather
 from .rollout import RolloutManager
 from .run_dir import truncate_jsonl
+from .signals import restore_signals, stop_on_signals
 from .state import RunState
 from .step import TRAINED_PROMPTS
 from .teacher_actor import Teachers
@@ -69,6 +70,8 @@ class RunLifecycle(RunState):
         write_secret_file(self.output_dir, self.secret)
         set_process_secret(self.secret)  # for clients built in this process (e.g. an engine load balancer)
         init_ray(self.job)
+        # from here on Ctrl-C and SIGTERM end the run through close() (after Ray's own handlers)
+        self.stop_signals = stop_on_signals()
         with_critic = self.advantage.needs_critic
         if with_critic:
             Critic.check_resources(self.job)
@@ -158,6 +161,8 @@ class RunLifecycle(RunState):
                 gather([a.save_adapter.remote(str(self.output_dir / "final_adapter")) for a in self.actors.trainers])
 
     def close(self) -> None:
+        restore_signals(self.stop_signals)  # a second signal now ends the process
+        self.stop_signals = {}
         set_process_secret(None)  # the run's secret ends with the run (a later run in this process makes its own)
         if self.records is not None:
             self.records.close()  # before the loggers: it hands them trajectories

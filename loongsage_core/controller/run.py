@@ -80,6 +80,7 @@ class RLController(RunLifecycle, StepRunner):
         # one event loop for the whole run: the engine clients' connections belong to it
         self.loop = asyncio.new_event_loop()
         self.secret = new_secret()  # the run secret: engines and the router's control endpoints need it
+        self.stop_signals: dict[int, Any] = {}  # the SIGINT / SIGTERM handlers start() replaced
 
     # ------------------------------------------------------------------ the loop
 

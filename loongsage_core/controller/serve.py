@@ -8,7 +8,6 @@ user can point any OpenAI-compatible agent at the live policy and inspect what w
 
 from __future__ import annotations
 
-import signal
 import tempfile
 import time
 import uuid
@@ -22,6 +21,7 @@ from ..resolve import ResolvedJob
 from ..security import new_secret, set_process_secret, write_secret_file
 from .lifecycle import load_tokenizer
 from .placement import Actors, create_actors, init_ray, start_engine_router
+from .signals import stop_on_signals
 
 
 @attrs.define
@@ -92,15 +92,3 @@ def serve_job(resolved: ResolvedJob, port: int = 0, output_dir: str | Path | Non
         pass
     finally:
         serving.close()
-
-
-def stop_on_signals() -> None:
-    """Ctrl-C (SIGINT) and SIGTERM, what process managers send, both end serving cleanly (engines
-    and router shut down). SIGINT is set explicitly: a background job of a non-interactive shell
-    starts with it ignored, and then Ctrl-C or ``kill -INT`` would leave the server running."""
-
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)

@@ -58,6 +58,7 @@ class RunState:
     sampled_groups: list[TrajectoryGroup]
     loop: asyncio.AbstractEventLoop
     secret: str
+    stop_signals: dict[int, Any]
 
     def _push_weights(self, version: int | None = None) -> dict[str, float]:
         """Move the trainer's weights into every engine (the step's part, ``step.py``, does it)."""
