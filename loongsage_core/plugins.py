@@ -275,7 +275,7 @@ class PluginHost:
             raise UnknownComponentError(f"{prefix}unknown {kind} '{name}'{hint}; choose one of: {listing}")
         return provided.spec
 
-    def build(self, kind: str, name: str, ctx: Any, *, where: str, args_key: str | None = None,
+    def build(self, kind: str, name: str, ctx: Any, *, where: str | None = None, args_key: str | None = None,
               using: str = "factory", **args: Any) -> Any:
         """Build the component ``kind`` ``name``: ``spec.<using>(ctx, **args)`` (``using`` names
         the spec's factory: ``factory``, or a weight transport's ``sender`` / ``receiver``).
@@ -283,6 +283,7 @@ class PluginHost:
         ``ctx`` is the kind's context (:data:`loongsage_hookspecs.BUILD_CONTEXTS`: what the host
         knows about where the component runs); ``args`` the job's ``*_args`` table. A ``ctx`` of
         another class is the host's own bug: a ``TypeError`` naming the kind and the class expected.
+        ``where`` defaults to ``ctx.where``.
 
         The one place the host builds what a job names, so every kind fails the same way:
 
@@ -304,6 +305,7 @@ class PluginHost:
         if not isinstance(ctx, expected):
             raise TypeError(f"build: {kind} '{name}' needs a {expected.__name__} as its context, got "
                             f"{type(ctx).__name__}")
+        where = ctx.where if where is None else where  # the job key that named it, as the context says
         spec = self.get(kind, name, where=where)
         factory = getattr(spec, using)
         refused = f"{args_key or where}: {kind} '{name}' does not take these arguments"

@@ -379,7 +379,7 @@ BUILT_PROTOCOLS: dict[tuple[str, str], type] = {
 """The protocol the object a spec's factory builds must implement, by ``(kind, factory field)``;
 the host checks it when it builds the component (kinds not listed build functions or data)."""
 
-BUILD_CONTEXTS: dict[tuple[str, str], type] = {
+BUILD_CONTEXTS: dict[tuple[str, str], type[BuildContext]] = {
     ("agent", "factory"): BuildContext,
     ("data_source", "factory"): BuildContext,
     ("sandbox", "factory"): BuildContext,

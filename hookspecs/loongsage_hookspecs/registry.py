@@ -16,13 +16,13 @@ class ComponentRegistry(Protocol):
         (prefixed with ``where``, the job-file key at fault, when given)."""
         ...
 
-    def build(self, kind: str, name: str, ctx: Any, *, where: str, args_key: str | None = None,
+    def build(self, kind: str, name: str, ctx: Any, *, where: str | None = None, args_key: str | None = None,
               using: str = "factory", **args: Any) -> Any:
         """Build ``kind`` ``name``: ``spec.<using>(ctx, **args)`` (``using``: the factory attribute,
         ``ctx``: an instance of the kind's context class,
         :data:`~loongsage_hookspecs.protocols.BUILD_CONTEXTS`; anything else is a ``TypeError``);
         arguments it does not take and ``ValueError`` become job errors naming ``args_key`` /
-        ``where``, anything else it raises a run error naming the component and its plugin."""
+        ``where`` (default ``ctx.where``), anything else it raises a run error naming the component and its plugin."""
         ...
 
     def components(self, kind: str) -> dict[str, Any]:

@@ -32,6 +32,6 @@ def build_middlewares(components: Any, entries: Sequence[str | Mapping[str, Any]
             raise ValueError(f"router middleware #{i}: expected a name or {{name, args}}, got {entry!r}")
         # the build checks the RouterMiddleware protocol (on_request/on_response)
         ctx = BuildContext(where=f"{where}.middleware[{i}]", components=components)
-        chain.append(components.build("router_middleware", name, ctx, where=ctx.where,
+        chain.append(components.build("router_middleware", name, ctx,
                                       args_key=f"{where}.middleware_args.{name}", **args))
     return chain

@@ -84,18 +84,18 @@ class ModelActor:
             ctx = TrainWorkerContext(where=f"{where}: train.backend", job=job, components=self.host, rank=self.rank,
                                      world_size=self.world_size, master_addr=master_addr, master_port=master_port,
                                      role="actor")
-            self.worker = self.host.build("train_backend", job.train.backend, ctx, where=ctx.where)
+            self.worker = self.host.build("train_backend", job.train.backend, ctx)
             serves_reference = isinstance(self.worker, LoraTrainer) and self.worker.serves_reference
             if self.needs_reference and not serves_reference:
                 ref_ctx = TrainWorkerContext(where=f"{where}: train.backend (reference)", job=job, components=self.host,
                                              rank=0, world_size=1, role="reference")
-                self.reference = self.host.build("train_backend", job.train.backend, ref_ctx, where=ref_ctx.where)
+                self.reference = self.host.build("train_backend", job.train.backend, ref_ctx)
         if self.engine_index is not None:
             # listen on this node's address (loopback on a local cluster) and advertise it: the
             # driver, the router and trainers on other nodes reach the engine there
             engine_ctx = EngineContext(where=f"{where}: rollout.engine", job=job, components=self.host,
                                        engine_index=self.engine_index, api_key=self.secret, host=reachable_address())
-            self.engine = self.host.build("rollout_engine", job.rollout.engine, engine_ctx, where=engine_ctx.where)
+            self.engine = self.host.build("rollout_engine", job.rollout.engine, engine_ctx)
             self.engine_url = self.engine.start()
 
     def ready(self) -> dict[str, Any]:
@@ -175,7 +175,7 @@ class ModelActor:
             ctx = WeightTransportContext(where=f"{where}.weight_transport", job=self.job, components=self.host,
                                          role="sender")
             sender = self.host.build("weight_transport", self.job.rollout.weight_transport, ctx, using="sender",
-                                     where=ctx.where, args_key=f"{where}.weight_transport_args",
+                                     args_key=f"{where}.weight_transport_args",
                                      **self.job.rollout.weight_transport_args)
             if self.job.train.lora is not None and isinstance(sender, LoraAwareSender):
                 sender.configure_lora(self.job.train.lora)  # a sender writing adapter files needs rank/alpha

@@ -98,7 +98,7 @@ class AsyncRLController(RLController):
         ctx = SchedulerContext(where=f"{where}: async.scheduler", job=job, components=self.host,
                                batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
                                quota=quota)
-        self.scheduler = self.host.build("scheduler", job.async_.scheduler, ctx, where=ctx.where,
+        self.scheduler = self.host.build("scheduler", job.async_.scheduler, ctx,
                                          args_key=f"{where}: async.scheduler_args", **job.async_.scheduler_args)
         self.quota_mode = quota is not None  # the scheduler names the source of every dispatch
         self.requeue: collections.deque[Prompt] = collections.deque()

@@ -87,7 +87,7 @@ class CriticActor:
         ctx = TrainWorkerContext(where=f"{self.job.source_path or '<job>'}: train.backend (critic)", job=self.job,
                                  components=self.host, rank=self.rank, world_size=self.world_size,
                                  master_addr=master_addr, master_port=master_port, role="critic")
-        self.worker = self.host.build("train_backend", self.job.train.backend, ctx, where=ctx.where)
+        self.worker = self.host.build("train_backend", self.job.train.backend, ctx)
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self.rank}

@@ -144,7 +144,7 @@ def read_source(job: JobConfig, index: int, components: Any) -> Iterator[tuple[s
     if src.generator:
         args = {"seed": job.run.seed, **src.generator_args}
         ctx = BuildContext(where=f"{where}.generator", job=job, components=components)
-        produced = list(components.build("data_source", src.generator, ctx, where=ctx.where,
+        produced = list(components.build("data_source", src.generator, ctx,
                                          args_key=f"{where}.generator_args", **args))
         raw = ((f"generator '{src.generator}' row {i}", r) for i, r in enumerate(produced))
     else:

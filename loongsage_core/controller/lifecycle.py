@@ -105,7 +105,7 @@ class RunLifecycle(RunState):
             ctx = LoggerContext(where=f"{where}.name", job=self.job, components=self.host,
                                 output_dir=str(self.output_dir), total_steps=self.job.train.total_steps,
                                 start_step=self.step)
-            logger = self.host.build("logger", lg.name, ctx, where=f"{where}.name", args_key=f"{where}.args",
+            logger = self.host.build("logger", lg.name, ctx, args_key=f"{where}.args",
                                      **lg.args)
             if isinstance(logger, StepTruncation):
                 logger.truncate_after(self.step)

@@ -271,7 +271,7 @@ def start_engine_router(job: JobConfig, host: Any, engine_urls: list[str],
     where = f"{job.source_path or '<job>'}: rollout"
     ctx = EngineRouterContext(where=f"{where}.engine_router", job=job, components=host,
                               engine_urls=tuple(engine_urls), api_key=secret)
-    router = host.build("engine_router", job.rollout.engine_router, ctx, where=ctx.where,
+    router = host.build("engine_router", job.rollout.engine_router, ctx,
                         args_key=f"{where}.engine_router_args", **dict(job.rollout.engine_router_args))
     try:
         url = router.start()

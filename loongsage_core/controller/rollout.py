@@ -161,7 +161,7 @@ class RolloutManager:
             where = self.job.data_where(self.job.data.index(source))
             ctx = BuildContext(where=f"{where}.sandbox", job=self.job, components=self.components)
             self._sandboxes[source.name] = self.components.build(
-                "sandbox", source.sandbox, ctx, where=ctx.where, args_key=f"{where}.sandbox_args",
+                "sandbox", source.sandbox, ctx, args_key=f"{where}.sandbox_args",
                 **sandbox_args(self.job, source))
         return self._sandboxes[source.name]
 

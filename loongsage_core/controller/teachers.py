@@ -192,7 +192,7 @@ def _teacher_builder(job: JobConfig, host: Any, index: int) -> Callable[[], Any]
     args = dict(t.args)
 
     def build() -> Any:
-        return host.build("teacher", t.backend, ctx, where=ctx.where, args_key=f"{where}.args", **args)
+        return host.build("teacher", t.backend, ctx, args_key=f"{where}.args", **args)
 
     return build
 

@@ -50,7 +50,7 @@ class SftComponents:
         spec = SPECS.get((kind, name))
         return spec if spec is not None else self.host.get(kind, name, where=where)
 
-    def build(self, kind: str, name: str, ctx: Any, *, where: str, args_key: str | None = None,
+    def build(self, kind: str, name: str, ctx: Any, *, where: str | None = None, args_key: str | None = None,
               using: str = "factory", **args: Any) -> Any:
         # the two SFT losses are functions, never built: everything built comes from the host
         return self.host.build(kind, name, ctx, where=where, args_key=args_key, using=using, **args)

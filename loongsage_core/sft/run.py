@@ -93,7 +93,7 @@ class SftRun:
         where = self.job.source_path or "<job>"
         ctx = TrainWorkerContext(where=f"{where}: train.backend", job=trainer_job(self.job, self.total_steps),
                                  components=SftComponents(self.host))
-        self.worker = self.host.build("train_backend", self.job.train.backend, ctx, where=ctx.where)
+        self.worker = self.host.build("train_backend", self.job.train.backend, ctx)
         if self.job.run.resume:
             point, skipped = ckpt.find_resumable(self.output_dir)
             ckpt.warn_skipped(skipped, point.directory if point else None)
@@ -107,7 +107,7 @@ class SftRun:
             log_ctx = LoggerContext(where=f"{where}: loggers[{i}].name", job=self.job, components=self.host,
                                     output_dir=str(self.output_dir), total_steps=self.total_steps,
                                     start_step=self.step)
-            logger = self.host.build("logger", lg.name, log_ctx, where=log_ctx.where,
+            logger = self.host.build("logger", lg.name, log_ctx,
                                      args_key=f"{where}: loggers[{i}].args", **lg.args)
             if isinstance(logger, StepTruncation):
                 logger.truncate_after(self.step)

@@ -174,7 +174,7 @@ class EmbeddedEngine:
             ctx = WeightTransportContext(where=f"weight update with load_format {load_format!r}", job=self.ctx.job,
                                          components=components, role="receiver")
             receiver = self._receivers[load_format] = components.build(
-                "weight_transport", load_format, ctx, using="receiver", where=ctx.where)
+                "weight_transport", load_format, ctx, using="receiver")
         return iter(receiver.receive(payload))
 
     # ------------------------------------------------------------------------------------------
