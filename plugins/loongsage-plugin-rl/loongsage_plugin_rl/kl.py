@@ -63,7 +63,7 @@ def _k3_values(owner: str, inputs: KLInputs, log_ratio_clamp: Any) -> tuple["tor
     bound = chk.number(owner, "log_ratio_clamp", log_ratio_clamp, low=0.0, low_open=True)
     d, mask = _log_diff(owner, inputs)
     neg = (-d).clamp(-bound, bound)  # log(ref / pi)
-    return neg.exp() - neg - 1, mask
+    return neg.expm1() - neg, mask  # expm1: never below neg when rounded, so k3 >= 0 exactly
 
 
 def k3(inputs: KLInputs, *, clamp: float | None = None, log_ratio_clamp: float = 20.0) -> "torch.Tensor":
