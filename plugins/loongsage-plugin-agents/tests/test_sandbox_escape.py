@@ -159,9 +159,9 @@ def test_fork_bomb_memory_hog_and_endless_command(provider):
         bomb_s = time.monotonic() - started
         left_by_bomb = [p.pid for p in processes() if p.uid == box.uid]
         hog = await box.exec("python3 -c \"x = bytearray(3 * 1024 ** 3)\"")
-        started = time.monotonic()
+        started = time.monotonic()  # the timeout also covers the sandbox's start (seconds on a loaded machine)
         endless = await box.exec(f"setsid sleep {marker} & nohup sleep {marker} >/dev/null 2>&1 & "
-                                 f"(sleep {marker} &) ; echo started; while true; do :; done", timeout_s=1.5)
+                                 f"(sleep {marker} &) ; echo started; while true; do :; done", timeout_s=5)
         endless_s = time.monotonic() - started
         after_timeout = _wait_gone(marker)
         alive = await box.exec("echo alive")
@@ -172,7 +172,7 @@ def test_fork_bomb_memory_hog_and_endless_command(provider):
     assert bomb.timed_out and bomb_s < 20
     assert left_by_bomb == []  # the command's timeout took the whole bomb down
     assert hog.exit_code != 0 and "MemoryError" in hog.stderr
-    assert endless.timed_out and endless.exit_code == 124 and endless.stdout == "started\n" and endless_s < 10
+    assert endless.timed_out and endless.exit_code == 124 and endless.stdout == "started\n" and endless_s < 20
     assert after_timeout == []  # setsid / nohup / double-forked children died with the command
     assert alive.stdout == "alive\n"  # the sandbox is still usable after all that
 

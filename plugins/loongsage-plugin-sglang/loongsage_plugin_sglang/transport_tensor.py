@@ -36,6 +36,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 ALIGN = 64
 _strategy_lock = threading.Lock()
+SHM_MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+"""torch's ``torch_shm_manager`` answers a new shared-memory file within one second or the call
+fails with this message; on a loaded machine (the daemon's first start, a busy CPU) it can be
+slower, so sharing is retried a few times before the error stands."""
+SHM_MANAGER_ATTEMPTS = 5
 
 
 def serialize_named_tensors(named: list[tuple[str, "torch.Tensor"]]) -> str:
@@ -43,18 +48,26 @@ def serialize_named_tensors(named: list[tuple[str, "torch.Tensor"]]) -> str:
 
     CPU storages are shared by file name (``file_system`` strategy) for the duration of the call,
     so any process on this node can open them (the default ``file_descriptor`` strategy only
-    reaches processes this one started).
+    reaches processes this one started). A timed-out ``torch_shm_manager`` is retried
+    (:data:`SHM_MANAGER_TIMEOUT`).
     """
     from multiprocessing.reduction import ForkingPickler
 
     import torch.multiprocessing as mp
 
-    buf = io.BytesIO()
     with _strategy_lock:
         previous = mp.get_sharing_strategy()
         mp.set_sharing_strategy("file_system")
         try:
-            ForkingPickler(buf).dump(named)
+            for attempt in range(SHM_MANAGER_ATTEMPTS):
+                buf = io.BytesIO()
+                try:
+                    ForkingPickler(buf).dump(named)
+                    break
+                except RuntimeError as exc:  # already-shared storages keep their file: a retry is safe
+                    if SHM_MANAGER_TIMEOUT not in str(exc) or attempt + 1 == SHM_MANAGER_ATTEMPTS:
+                        raise
+                    time.sleep(0.2 * (attempt + 1))
         finally:
             mp.set_sharing_strategy(previous)
     return base64.b64encode(buf.getvalue()).decode("ascii")

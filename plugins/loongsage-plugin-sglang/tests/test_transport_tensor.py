@@ -57,6 +57,46 @@ def test_handles_reach_another_process_bit_exact():
     sender.close()
 
 
+SLOW_MANAGER = """
+import json, sys, torch
+from loongsage_plugin_torch.engine.weights import decode_direct
+real, failures = torch.UntypedStorage._new_shared_filename_cpu, [1, 1]
+def slow_manager(*args, **kwargs):
+    if failures:
+        failures.pop()
+        raise RuntimeError("Shared memory manager connection has timed out")
+    return real(*args, **kwargs)
+torch.UntypedStorage._new_shared_filename_cpu = slow_manager
+[(name, tensor)] = decode_direct(json.loads(sys.stdin.read()))
+print(json.dumps([name, tensor.tolist(), failures]))
+"""
+
+
+def test_a_slow_shared_memory_manager_is_retried_on_both_sides(monkeypatch):
+    """torch's shm manager must answer within a second; a loaded machine's late answer is retried."""
+    from multiprocessing.reduction import ForkingPickler
+
+    real, failures = ForkingPickler.dump, [1, 1]
+
+    def slow_manager(*args, **kwargs):
+        if failures:
+            failures.pop()
+            raise RuntimeError("Shared memory manager connection has timed out\nException raised from recv")
+        return real(*args, **kwargs)
+
+    weight = torch.randn(4, 3)
+    monkeypatch.setattr(ForkingPickler, "dump", slow_manager)
+    text = serialize_named_tensors([("w", weight)])
+    assert failures == []
+    out = subprocess.run([sys.executable, "-c", SLOW_MANAGER], input=json.dumps({"serialized_named_tensors": text}),
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == ["w", weight.tolist(), []]  # opened after two timed-out tries
+    failures.extend([1] * 5)
+    with pytest.raises(RuntimeError, match="timed out"):  # a manager that never answers still fails
+        serialize_named_tensors([("w", weight)])
+
+
 def test_sglang_tensor_updates_an_embedded_engine(embedded_engine_process, trainer_model):
     from conftest import assert_engine_scores_like
 

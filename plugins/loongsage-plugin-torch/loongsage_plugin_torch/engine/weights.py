@@ -19,12 +19,17 @@ from __future__ import annotations
 import base64
 import io
 import pickle
+import time
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 DIRECT_FORMAT = "direct"
+SHM_MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+"""Opening a shared-memory handle registers it with the sender's ``torch_shm_manager``, which
+must answer within one second; on a loaded machine it may not, so the open is retried."""
+SHM_MANAGER_ATTEMPTS = 5
 
 
 class WeightUpdateError(ValueError):
@@ -65,7 +70,13 @@ def _load(data: bytes) -> Any:
     if data[:2] == b"PK":
         return torch.load(io.BytesIO(data), weights_only=True)
     if data[:1] == b"\x80":
-        return _HandleUnpickler(io.BytesIO(data)).load()
+        for attempt in range(SHM_MANAGER_ATTEMPTS):
+            try:
+                return _HandleUnpickler(io.BytesIO(data)).load()
+            except RuntimeError as exc:
+                if SHM_MANAGER_TIMEOUT not in str(exc) or attempt + 1 == SHM_MANAGER_ATTEMPTS:
+                    raise
+                time.sleep(0.2 * (attempt + 1))
     raise ValueError("neither a torch.save archive nor a pickle of tensor handles")
 
 
