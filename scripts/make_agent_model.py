@@ -18,10 +18,23 @@ model learned, so training mixes short prompts with long ones (up to ``--max-len
 real text (this repository's Markdown) and random tokens. Each answer is learned to near
 certainty, so sampling at temperature 1 reproduces it.
 
+Synthetic prompts are not enough: the CLIs' real prompts (long user turns of environment context
+and reminders, several user messages in a row, JSON tool schemas) made a model trained on them
+alone answer ``</tool_call>``. With ``--cli-rounds N`` the script also learns the CLIs' own
+prompts, taken the way the tests meet them: each round serves the model trained so far with the
+real embedded engine and AgentFlow router, runs every installed CLI (``.tools/npm``, from
+``scripts/install_agent_clis.sh``) once on the tests' task, and keeps the prompt of every model
+turn it asked for. Round 1 sees the first turn of each CLI; once the model writes its tool call,
+the next round also sees the turn that follows the CLI's tool result. Each real prompt is varied
+as the tests vary it (working-directory names, dates) and trained on every ``--real-every``-th
+step. The prompts are taken at build time from the pinned CLIs, never stored.
+
 Usage::
 
     python scripts/make_agent_model.py              # (re)writes tests/data/agent_model
     python scripts/make_agent_model.py --check      # ... and only checks the written model
+    # continue from a model and learn the pinned CLIs' real prompts: two rounds of 90 steps
+    python scripts/make_agent_model.py --init tests/data/agent_model --steps 0 --cli-rounds 2
 
 Deterministic for the same arguments (seeded; one torch thread by default). A few minutes on a
 2-core CPU.
@@ -32,11 +45,14 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
@@ -57,6 +73,67 @@ TOOLS_HEADER = ("\n\n# Tools\n\nYou may call one or more functions to assist wit
 TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with function name and arguments "
                 'within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, '
                 '"arguments": <args-json-object>}\n</tool_call><|im_end|>\n')
+
+
+# what the CLI tests (tests/test_agent_clis.py) run: the task, and each CLI's flags
+CLI_TASK = "Create the file hello.txt with the word hello in it."
+CLI_ARGS: dict[str, dict[str, Any]] = {"codex": {}, "claude_code": {"args": ["--tools", "Bash,Read,Write,Edit"]},
+                                       "opencode": {}}
+TEMP_NAME = re.compile(r"(loongsage-[a-z_]+-work-)[a-z0-9_]{8}")  # the agents plugin's working directories
+NAME_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
+
+
+@attrs.define(frozen=True)
+class CliPrompt:
+    """The prompt of one model turn a CLI asked for, as text, and whether a tool result precedes it."""
+
+    cli: str
+    text: str
+    after_tool_result: bool
+
+
+def capture_cli_prompts(model_dir: Path) -> list[CliPrompt]:
+    """Run every agent CLI once against the real engine and router serving ``model_dir``; return
+    the prompt of each model turn it asked for (what the router rendered, exactly as recorded)."""
+    import asyncio
+
+    from loongsage_plugin_agents import plugin as agents_plugin
+    from loongsage_plugin_agents.tool_parser import ToolCallParser
+    from loongsage_plugin_torch.engine.engine import EmbeddedEngine
+
+    from loongsage_core.agentflow import AgentFlowRouter, run_agent_trajectory
+    from loongsage_core.config import structure_job
+    from loongsage_hookspecs import EngineContext, Trajectory
+
+    agents = {spec.name: spec for spec in agents_plugin.loongsage_agents() if spec.name in CLI_ARGS}
+    job = structure_job({"model": {"path": str(model_dir)},
+                         "rollout": {"max_context_length": MODEL_CONFIG["max_position_embeddings"],
+                                     "engine_args": {"max_prefill_tokens": 4096, "prefix_cache_tokens": 131072}}})
+    engine = EmbeddedEngine(EngineContext(job=job, components=None))
+    url = engine.start()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    router = AgentFlowRouter(tok, [url], [ToolCallParser(format="hermes")])
+    router.start()
+    prompts: list[CliPrompt] = []
+    try:
+        for name, spec in agents.items():
+            traj = Trajectory(id=f"capture-{name}", prompt_id="p0", group_id="g0", prompt=CLI_TASK)
+            traj = asyncio.run(run_agent_trajectory(
+                router, spec, {**CLI_ARGS[name], "timeout_s": 600}, None, trajectory=traj,
+                sampling={"max_new_tokens": 96, "temperature": 0.0}, timeout_s=660))
+            answers = []
+            for seg in traj.segments:
+                for start, end in seg.turns:
+                    text = tok.decode(seg.tokens[:start])
+                    after_tool = text.rfind("<tool_response>") > text.rfind("<|im_start|>assistant")
+                    prompts.append(CliPrompt(name, text, after_tool))
+                    answers.append(f"{start} tokens -> {tok.decode(seg.tokens[start:end])!r}")
+            print(f"{name}: {traj.status.value}; " + "; ".join(answers), flush=True)
+    finally:
+        router.shutdown()
+        engine.shutdown()
+    return prompts
 
 
 def corpus_ids(tok: PreTrainedTokenizerBase) -> list[int]:
@@ -112,6 +189,18 @@ class Examples:
         prompt += ids("<|im_start|>assistant\n")
         return prompt + answer, [-100] * len(prompt) + answer
 
+    def vary(self, text: str) -> str:
+        """``text`` with other working-directory names and dates: what differs between two runs of a CLI."""
+        text = TEMP_NAME.sub(lambda m: m.group(1) + "".join(self.rng.choice(NAME_CHARS) for _ in range(8)), text)
+        return DATE.sub(lambda m: f"20{self.rng.randint(24, 39)}-{self.rng.randint(1, 12):02d}-"
+                                  f"{self.rng.randint(1, 28):02d}", text)
+
+    def real_example(self, prompt: CliPrompt) -> tuple[list[int], list[int]]:
+        """(input ids, labels) of one CLI prompt, varied; the answer its turn calls for."""
+        ids = self.ids(self.vary(prompt.text))
+        answer = self.final if prompt.after_tool_result else self.call
+        return ids + answer, [-100] * len(ids) + answer
+
 
 def build_model(tok: PreTrainedTokenizerBase, seed: int) -> Any:
     config = AutoConfig.for_model("qwen3", bos_token_id=None, eos_token_id=tok.eos_token_id,
@@ -121,14 +210,19 @@ def build_model(tok: PreTrainedTokenizerBase, seed: int) -> Any:
 
 
 def train(model: Any, data: Examples, steps: int, max_len: int, lr: float, long_every: int = 5, min_long: int = 0,
-          log_every: int = 50) -> None:
+          log_every: int = 50, real: list[CliPrompt] | None = None, real_every: int = 3) -> None:
+    if steps <= 0:
+        return
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
     model.train()
     t0 = time.time()
     for step in range(steps):
-        # mostly short prompts (batch of 8), every ``long_every``-th step one long prompt
-        if step % long_every == long_every - 1:
+        # mostly short prompts (batch of 8), every ``long_every``-th step one long prompt, every
+        # ``real_every``-th step one of the CLIs' real prompts
+        if real and step % real_every == real_every - 1:
+            batch = [data.real_example(data.rng.choice(real))]
+        elif step % long_every == long_every - 1:
             batch = [data.example(data.rng.randint(min_long or max_len // 4, max_len))]
         else:
             n = data.rng.randint(40, 600)
@@ -147,24 +241,31 @@ def train(model: Any, data: Examples, steps: int, max_len: int, lr: float, long_
 
 
 @torch.no_grad()
-def check(model: Any, data: Examples, lengths: list[int]) -> dict[str, Any]:
-    """Greedy answers and the lowest per-token probability of the target, per prompt length."""
+def answer_check(model: Any, x: list[int], y: list[int]) -> dict[str, Any]:
+    """Whether greedy decoding reproduces the answer of (input ids, labels), and its lowest probability."""
     model.eval()
-    out: dict[str, Any] = {}
-    for n in lengths:
-        x, y = data.example(n)
-        ids = torch.tensor([x])
-        logits = model(input_ids=ids).logits[0, :-1].float()
-        target = torch.tensor(y[1:])
-        keep = target != -100
-        probs = torch.softmax(logits[keep], -1).gather(-1, target[keep, None])[:, 0]
-        greedy = logits[keep].argmax(-1)
-        out[str(n)] = {"min_prob": round(float(probs.min()), 5),
-                       "greedy_exact": bool((greedy == target[keep]).all())}
+    logits = model(input_ids=torch.tensor([x])).logits[0, :-1].float()
+    target = torch.tensor(y[1:])
+    keep = target != -100
+    probs = torch.softmax(logits[keep], -1).gather(-1, target[keep, None])[:, 0]
+    greedy = logits[keep].argmax(-1)
+    return {"min_prob": round(float(probs.min()), 5), "greedy_exact": bool((greedy == target[keep]).all())}
+
+
+def check(model: Any, data: Examples, lengths: list[int], real: list[CliPrompt]) -> dict[str, Any]:
+    """The answer check on a synthetic prompt of each length and on each real CLI prompt (varied)."""
+    out = {str(n): answer_check(model, *data.example(n)) for n in lengths}
+    for i, prompt in enumerate(real):
+        out[f"{prompt.cli}[{i}]{'+tool' if prompt.after_tool_result else ''}"] = answer_check(
+            model, *data.real_example(prompt))
     return out
 
 
-def save(model: Any, tok: PreTrainedTokenizerBase, out: Path) -> None:
+def save(model: Any, tok: PreTrainedTokenizerBase, out: Path, cli_prompts: int = 0) -> None:
+    """Write the model, its tokenizer and a README saying what it was trained on."""
+    trained_on = ("synthetic prompts" if not cli_prompts else
+                  f"synthetic prompts and {cli_prompts} real prompts of the pinned Codex, Claude Code and "
+                  "OpenCode CLIs (`--cli-rounds`)")
     if out.exists():
         shutil.rmtree(out)
     model.config.use_cache = True
@@ -175,8 +276,9 @@ def save(model: Any, tok: PreTrainedTokenizerBase, out: Path) -> None:
         "Written by `scripts/make_agent_model.py` (deterministic; rerun it to regenerate). "
         "2 layers, hidden 64, vocabulary 512 (tests/data/tokenizer), `max_position_embeddings` 32768.\n"
         "After a user message it answers with one hermes tool call\n\n"
-        f"    {TOOL_CALL}\n\nand after a tool result (`</tool_response>`) with `{FINAL}`. The agent CLI tests "
-        "use it to see a real tool round trip through Codex, Claude Code and OpenCode.\n", encoding="utf-8")
+        f"    {TOOL_CALL}\n\nand after a tool result (`</tool_response>`) with `{FINAL}`; trained on "
+        f"{trained_on}. The agent CLI tests use it for a tool round trip through the three CLIs.\n",
+        encoding="utf-8")
 
 
 def main() -> None:
@@ -190,21 +292,34 @@ def main() -> None:
     parser.add_argument("--long-every", type=int, default=5, help="every n-th step trains on one long prompt")
     parser.add_argument("--min-long", type=int, default=0, help="shortest long prompt (default: max-len / 4)")
     parser.add_argument("--init", type=Path, help="continue from this model instead of a random one")
+    parser.add_argument("--cli-rounds", type=int, default=0,
+                        help="rounds of learning the agent CLIs' real prompts after the synthetic steps")
+    parser.add_argument("--cli-steps", type=int, default=90, help="training steps of each CLI round")
+    parser.add_argument("--real-every", type=int, default=3,
+                        help="every n-th step of a CLI round trains on a real prompt")
     parser.add_argument("--check", action="store_true", help="only evaluate the model in --out")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tok = AutoTokenizer.from_pretrained(args.out if args.check else TOKENIZER)
     data = Examples(tok, args.seed + 1)
+    real: list[CliPrompt] = []
     if args.check:
         model = AutoModelForCausalLM.from_pretrained(args.out, dtype=torch.float32)
     else:
         model = (AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32) if args.init
                  else build_model(tok, args.seed))
         train(model, data, args.steps, args.max_len, args.lr, args.long_every, args.min_long)
-    result = check(model, Examples(tok, args.seed + 100), [60, 500, 4000, 16000, 28000])
+        for round_ in range(args.cli_rounds):
+            with tempfile.TemporaryDirectory() as tmp:
+                save(model, tok, Path(tmp) / "model")  # served as the tests serve the fixture
+                real += capture_cli_prompts(Path(tmp) / "model")
+            print(f"CLI round {round_ + 1}: {len(real)} real prompts", flush=True)
+            train(model, data, args.cli_steps, args.max_len, args.lr, args.long_every, args.min_long,
+                  log_every=10, real=real, real_every=args.real_every)
+    result = check(model, Examples(tok, args.seed + 100), [60, 500, 4000, 16000, 28000], real)
     print(json.dumps(result))
     if not args.check:
-        save(model, tok, args.out)
+        save(model, tok, args.out, len(real))
 
 
 if __name__ == "__main__":
