@@ -309,6 +309,7 @@ def test_shipped_components_declare_what_their_objects_do():
         ObservingMiddleware,
         ReplaceableEngines,
         ResidentTeacher,
+        ReusesTrainingLogprobs,
         SourcePicker,
         StepTruncation,
         StreamingMiddleware,
@@ -322,10 +323,10 @@ def test_shipped_components_declare_what_their_objects_do():
                 ("teacher", "torch"): ResidentTeacher, ("sandbox", "local"): Closeable,
                 ("router_middleware", "tool_call_parser"): StreamingMiddleware,
                 ("router_middleware", "request_logger"): ObservingMiddleware,
-                ("train_backend", "torch"): LoraTrainer}
+                ("train_backend", "torch"): LoraTrainer, ("train_backend", "megatron"): LoraTrainer}
     for (kind, name), capability in expected.items():
         assert host.get(kind, name).declares(capability), (kind, name, capability)
-    assert not host.get("train_backend", "megatron").declares(LoraTrainer)
+    assert not host.get("train_backend", "megatron").declares(ReusesTrainingLogprobs)
 
 
 def test_build_names_an_argument_a_factory_passed_on_as_the_jobs(tmp_path):

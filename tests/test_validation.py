@@ -68,6 +68,17 @@ def _module(tmp_path: Path, code: str) -> Path:
     return path
 
 
+# a user's train backend whose spec does not declare supports_lora (every shipped backend does)
+NO_LORA_BACKEND = """
+from loongsage_hookspecs import TrainBackendSpec, hookimpl
+
+
+@hookimpl
+def loongsage_train_backends():
+    yield TrainBackendSpec(name="plain", factory=lambda ctx: None, description="a train backend without LoRA")
+"""
+
+
 # (overrides built from tmp_path, text expected in the one error line)
 CASES = {
     "override into a scalar": (lambda t: ["train.lr.x=1"],
@@ -111,9 +122,9 @@ CASES = {
     "lora with a reference refresh": (lambda t: ["train.lora={rank=4}", "algorithm.kl=k3", "algorithm.kl_coef=0.1",
                                                  "algorithm.ref_update_every=5"],
                                       "algorithm.ref_update_every = 5 with train.lora"),
-    "lora on a backend without it": (lambda t: ["train.lora={rank=4}", 'plugins.enable=["torch", "rl", "rewards", '
-                                                '"loggers", "agents", "megatron"]', "train.backend=megatron"],
-                                     "train.lora: train.backend = 'megatron' does not support LoRA adapters"),
+    "lora on a backend without it": (lambda t: ["train.lora={rank=4}", "train.backend=plain",
+                                                f'plugins.modules=["{_module(t, NO_LORA_BACKEND)}"]'],
+                                     "train.lora: train.backend = 'plain' does not support LoRA adapters"),
 }
 
 

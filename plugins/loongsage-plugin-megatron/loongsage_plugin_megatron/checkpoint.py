@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 import torch
 
+from . import lora as lora_lib
 from .parallel import model_parallel_rank
 
 STATE_FILE = "megatron_state_rank{rank}.pt"
@@ -27,15 +28,18 @@ CHECKPOINT_FORMAT = 2
 
 
 def save_checkpoint(path: str, *, rank: int, role: str, step: int, module: Any, optimizer: Any,
-                    scheduler: Any, distributed_optimizer: bool) -> None:
-    """Write this rank's ``module`` (its first model chunk), ``optimizer`` and ``scheduler`` (None
-    for a forward-only worker), ``step`` and RNG state under ``path``; every rank waits for all."""
+                    scheduler: Any, distributed_optimizer: bool, adapter_only: bool = False) -> None:
+    """Write this rank's ``module`` (its first model chunk; with ``adapter_only``, a LoRA run, its
+    adapter alone: the base weights come from ``[model] path`` again), ``optimizer`` and
+    ``scheduler`` (None for a forward-only worker), ``step`` and RNG state under ``path``; every
+    rank waits for all."""
     import torch.distributed as dist
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = {"format": CHECKPOINT_FORMAT, "role": role, "step": step,
-             "model": module.state_dict(),
+             "model": lora_lib.adapter_state(module) if adapter_only else module.state_dict(),
+             "adapter_only": adapter_only,
              "optimizer": optimizer.state_dict() if optimizer is not None else None,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "rng": torch.get_rng_state()}
@@ -50,7 +54,7 @@ def save_checkpoint(path: str, *, rank: int, role: str, step: int, module: Any, 
 
 
 def load_checkpoint(path: str, *, rank: int, module: Any, optimizer: Any, scheduler: Any,
-                    distributed_optimizer: bool) -> int:
+                    distributed_optimizer: bool, adapter_only: bool = False) -> int:
     """Restore what :func:`save_checkpoint` wrote into ``module``, ``optimizer``, ``scheduler`` and
     the RNG; returns the saved step. FileNotFoundError / ValueError name the checkpoint at fault."""
     src = Path(path) / STATE_FILE.format(rank=rank)
@@ -61,7 +65,14 @@ def load_checkpoint(path: str, *, rank: int, module: Any, optimizer: Any, schedu
     if state.get("format") != CHECKPOINT_FORMAT:
         raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' has format {state.get('format')!r}, "
                          f"expected {CHECKPOINT_FORMAT} (Megatron optimizer state)")
-    module.load_state_dict(state["model"])
+    if bool(state.get("adapter_only", False)) != adapter_only:
+        saved = "a LoRA adapter" if state.get("adapter_only") else "full weights"
+        raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' holds {saved}, but this job "
+                         f"{'trains' if adapter_only else 'has no'} [train] lora")
+    if adapter_only:
+        lora_lib.load_adapter_state(module, state["model"], str(src))
+    else:
+        module.load_state_dict(state["model"])
     if optimizer is not None:
         if state["optimizer"] is None:
             raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' holds no optimizer state "

@@ -138,6 +138,7 @@ def apply() -> None:
     the CPU replacements without CUDA; a no-op with both."""
     if not _installed("transformer_engine"):
         _router_gating_without_te()
+        _peft_without_te()
     if not cuda_missing():
         return
     import torch
@@ -261,6 +262,20 @@ def _tied_embedding_setup_on_cpu() -> None:
 
     LanguageModule.setup_embeddings_and_output_layer = _scratch_on_cpu(  # type: ignore[method-assign]
         LanguageModule.setup_embeddings_and_output_layer)
+
+
+def _peft_without_te() -> None:
+    """Let Megatron-Bridge's LoRA (``megatron.bridge.peft``) wrap Megatron-Core's own linear layers
+    without Transformer Engine.
+
+    ``megatron.bridge.peft.utils`` sets ``HAVE_TE`` when importing the Transformer Engine layer
+    classes of Megatron-Core's extension module succeeds, which it does without Transformer Engine
+    too (the names exist as stand-ins that are not classes), so every ``isinstance`` test against
+    them raises ``TypeError``. Without Transformer Engine there are no such layers to test for.
+    """
+    import importlib
+
+    importlib.import_module("megatron.bridge.peft.utils").HAVE_TE = False
 
 
 def _router_gating_without_te() -> None:

@@ -179,6 +179,14 @@ def close_parallel() -> None:
         dist.destroy_process_group()
 
 
+def barrier() -> None:
+    """Wait for every rank of the process group (a no-op without one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def tmp_rendezvous() -> str:
     """A fresh path for a file rendezvous (the file must not exist yet)."""
     import tempfile

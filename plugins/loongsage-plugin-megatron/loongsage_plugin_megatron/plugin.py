@@ -40,8 +40,9 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="megatron", factory=create_train_worker,
                            description="Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
                                        "directory; tensor, pipeline (1F1B), data (Megatron DDP) and, for "
-                                       "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer",
-                           capabilities=(ModelParallel, Offloadable, OnDevice, Closeable))
+                                       "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer; "
+                                       "LoRA through Megatron-Bridge's PEFT (dense models)",
+                           supports_lora=True, capabilities=(ModelParallel, Offloadable, OnDevice, Closeable))
 
 
 @hookimpl

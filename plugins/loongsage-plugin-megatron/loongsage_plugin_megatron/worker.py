@@ -14,6 +14,7 @@ The worker composes the backend's parts, each a module of its own:
 * :mod:`.forward_backward`: micro-batches through Megatron-Core's forward-backward schedule;
 * :mod:`.optimizer`: Megatron DDP, Megatron-Core's Adam, the learning-rate schedule, the step;
 * :mod:`.checkpoint`: per-rank checkpoints (resumed runs continue exactly), Hugging Face export;
+* :mod:`.lora`: ``[train] lora`` through Megatron-Bridge's PEFT (adapters in PEFT's layout);
 * :mod:`.offload`: the model and optimizer state to host memory and back.
 
 Training is Megatron-Core's own. The micro-batches run through
@@ -39,17 +40,12 @@ ranks, which hold different rows, so its MoE layers exchange tokens between them
 they agree on one micro-batch shape and count (a rank short of rows runs all-padding
 micro-batches, which add no loss). Expert gradients are summed over the expert-data-parallel
 group (``dp / ep`` ranks) by Megatron DDP's expert buffers, dense ones over the data-parallel
-group, so a step equals EP = 1's on the same global batch. Megatron-Bridge's expert renaming is
-extended to Megatron-Core's ``SequentialMLP`` (:mod:`.bridge_compat`), so each rank loads and
-exports its own experts. With a positive ``moe_aux_loss_coeff`` Megatron adds the gradient of
-``coeff`` times every MoE layer's load-balancing loss, averaged over the mini-batch's routed
-tokens (all micro-batches and data-parallel ranks); the reported ``train/loss`` stays the RL loss.
+group, so a step equals EP = 1's on the same global batch (the load-balancing loss: :mod:`.model`).
 
 The ``reference`` role is forward-only (no DDP wrapper, no optimizer): the frozen reference
-model beside the policy, and the model of the ``megatron`` distillation teacher
-(:mod:`.teacher`), which builds one in the controller process (TP = PP = EP = 1) and reads
-:meth:`MegatronTrainWorker.score`: the sampled tokens' log-probs, top-k log-probs and full
-logits in the layout of ``loongsage_hookspecs.TeacherOutputs``.
+model beside the policy (none in a LoRA run: the policy's adapters are disabled instead), and
+the model of the ``megatron`` distillation teacher (:mod:`.teacher`), which reads
+:meth:`MegatronTrainWorker.score` (log-probs, top-k and full logits as ``TeacherOutputs`` lays them out).
 """
 
 from __future__ import annotations
@@ -63,6 +59,7 @@ from loongsage_core.backend_api import LossPipeline, MetricAccumulator
 from loongsage_hookspecs import AggregationNorm, Batch
 
 from . import bridge_compat, checkpoint, cpu_compat, parallel
+from . import lora as lora_lib
 from .model import aux_loss_scale, build_model
 from .offload import HostOffload
 from .optimizer import build_optimizer, optimizer_step, wrap_ddp
@@ -116,6 +113,9 @@ class MegatronTrainWorker:
             self.bridge, self.vocab_size = built.bridge, built.vocab_size
             # Unwrapped model chunks (what Megatron-Bridge converts to and from Hugging Face names).
             self.modules = built.modules
+            # [train] lora: the policy trains adapters only; its reference is itself, adapters off
+            self.lora = lora_lib.apply_lora(self.modules, job.train.lora, self.num_experts) if (
+                self.role == "actor" and job.train.lora is not None) else None
 
             self.global_step = 0
             self.optimizer: Any = None
@@ -135,9 +135,8 @@ class MegatronTrainWorker:
         except BaseException:
             parallel.close_parallel()
             raise
-        self._host = HostOffload(self.device, self.modules, self.chunks, self.optimizer,
-                                 params_in_buffers=self.optimizer is not None
-                                 and self.options.use_distributed_optimizer)
+        self._host = HostOffload(self.device, self.modules, self.chunks, self.optimizer, params_in_buffers=(
+            self.optimizer is not None and self.options.use_distributed_optimizer))
 
     # -- rows and micro-batches ------------------------------------------------------------------
 
@@ -217,10 +216,8 @@ class MegatronTrainWorker:
         ``logits`` ``[B, T, V]`` (``V`` the Hugging Face vocabulary) in ``logits_dtype``. Entry
         ``t`` describes the distribution that produced token ``t``; position 0 and padding hold 0
         (the layout of ``loongsage_hookspecs.TeacherOutputs``). Each micro-batch's outputs move to
-        ``output_device`` as soon as they are computed, so full logits never pile up on the
-        accelerator. Needs PP = 1 (the outputs are not broadcast from the last stage); under TP > 1
-        the vocabulary shards are gathered. The ``megatron`` teacher (:mod:`.teacher`) calls it.
-        """
+        ``output_device`` as soon as computed (full logits never pile up on the accelerator).
+        Needs PP = 1; under TP > 1 the vocabulary shards are gathered. :mod:`.teacher` calls it."""
         from .forward_backward import teacher_outputs
 
         if "input_ids" not in batch:
@@ -248,6 +245,21 @@ class MegatronTrainWorker:
         return {key: torch.cat([part[key] for part in parts]) if parts
                 else torch.zeros((0, width, *trailing), dtype=dtype, device=device)
                 for key, (trailing, dtype) in shapes.items()}
+
+    @property
+    def serves_reference(self) -> bool:
+        """Whether this worker scores the KL reference itself (a LoRA policy: :meth:`reference_forward`)."""
+        return self.lora is not None
+
+    @torch.no_grad()
+    def reference_forward(self, batch: Batch) -> dict[str, torch.Tensor]:
+        """:meth:`forward` of the base model, the LoRA adapters disabled (the KL reference of a
+        LoRA run; the same weights, no second copy)."""
+        if self.lora is None:
+            raise RuntimeError("MegatronTrainWorker.reference_forward: the policy has no LoRA adapter to disable; "
+                               "the reference is a worker of its own (role 'reference')")
+        with self.lora.disable_adapter(self.modules):
+            return self.forward(batch)
 
     def _run_forward_only(self, inputs: list[Any], on_logits: Any) -> list[Any]:
         """``inputs`` through Megatron's schedule without gradient, every chunk in eval mode (no
@@ -328,7 +340,11 @@ class MegatronTrainWorker:
     # -- weights and checkpoints -----------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full tensors under Hugging Face names, on every rank (see :func:`.checkpoint.export_hf_weights`)."""
+        """Full tensors under Hugging Face names, on every rank (see :func:`.checkpoint.export_hf_weights`);
+        in a LoRA run the adapter alone, under PEFT's names (:func:`.lora.adapter_weights`)."""
+        if self.lora is not None:
+            yield from lora_lib.adapter_weights(self.bridge, self.modules)
+            return
         yield from checkpoint.export_hf_weights(self.bridge, self.modules)
 
     def save_checkpoint(self, path: str) -> None:
@@ -339,16 +355,27 @@ class MegatronTrainWorker:
         """
         checkpoint.save_checkpoint(path, rank=self.rank, role=self.role, step=self.global_step,
                                    module=self.modules[0], optimizer=self.optimizer, scheduler=self.scheduler,
-                                   distributed_optimizer=self.options.use_distributed_optimizer)
+                                   distributed_optimizer=self.options.use_distributed_optimizer,
+                                   adapter_only=self.lora is not None)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (same parallel layout and optimizer kind)."""
         self.global_step = checkpoint.load_checkpoint(
             path, rank=self.rank, module=self.modules[0], optimizer=self.optimizer, scheduler=self.scheduler,
-            distributed_optimizer=self.options.use_distributed_optimizer)
+            distributed_optimizer=self.options.use_distributed_optimizer, adapter_only=self.lora is not None)
+
+    def save_adapter(self, path: str) -> None:
+        """Write the PEFT adapter directory on rank 0 (every rank takes part: :func:`.lora.save_adapter`)."""
+        if self.lora is None:
+            raise RuntimeError("MegatronTrainWorker.save_adapter: the policy has no LoRA adapter ([train] lora)")
+        weights = dict(lora_lib.adapter_weights(self.bridge, self.modules))  # gathered on every rank
+        if self.rank == 0:
+            lora_lib.save_adapter(path, weights, self.job.train.lora, base_model=str(self.model_path))
+        parallel.barrier()
 
     def save_hf(self, path: str) -> None:
-        """Write a Hugging Face directory (config, safetensors, tokenizer) through Megatron-Bridge."""
+        """Write a Hugging Face directory (config, safetensors, tokenizer) through Megatron-Bridge;
+        in a LoRA run the adapters are merged into the weights (``W + alpha / rank * B @ A``)."""
         checkpoint.save_hf(self.bridge, self.modules, path, rank=self.rank,
                            tokenizer_source=self.job.model.tokenizer or self.model_path)
 
@@ -371,8 +398,3 @@ class MegatronTrainWorker:
     def close(self) -> None:
         """Leave model parallelism and the process group."""
         parallel.close_parallel()
-
-
-def create_train_worker(ctx: Any) -> MegatronTrainWorker:
-    """Factory of the ``megatron`` train backend (``ctx`` is a ``TrainWorkerContext``)."""
-    return MegatronTrainWorker(ctx)

@@ -1,5 +1,5 @@
-"""The megatron train backend against the torch backend on the same tiny Qwen3 weights, and on a
-tiny Qwen3-MoE against transformers and across expert-parallel sizes (CPU).
+"""The megatron train backend against the torch backend on the same tiny Qwen3 weights (LoRA
+included), and on a tiny Qwen3-MoE against transformers and across expert-parallel sizes (CPU).
 
 The multi-rank checks (TP=2 x PP=2, EP=2 x PP=2, TP=2, DP=2, checkpoint resume, PP=2, EP=2) share
 one spawned set of four processes (``multi_rank`` fixture) that runs them as successive phases,
@@ -22,13 +22,14 @@ except ImportError as exc:  # fail, never skip: the backend's tests need the rea
     raise ImportError("megatron-core is not installed: pip install -r requirements-megatron.txt") from exc
 
 from loongsage_plugin_megatron import plugin
+from loongsage_plugin_megatron.checkpoint import STATE_FILE
 from loongsage_plugin_torch.trainer import create_train_worker as create_torch_worker
 
 from loongsage_core.algorithms import compute_norm
-from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
+from loongsage_core.config import AlgorithmConfig, JobConfig, LoraConfig, ModelConfig, TrainConfig
 from loongsage_core.plugins import PluginHost
 from loongsage_core.rendezvous import host_rendezvous
-from loongsage_hookspecs import Batch, TrainWorker, TrainWorkerContext
+from loongsage_hookspecs import Batch, LoraTrainer, TrainWorker, TrainWorkerContext
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
 
@@ -663,3 +664,144 @@ def test_an_update_that_overflows_the_weights_is_reported_for_the_host_to_stop(w
     assert metrics["train/nonfinite_weights"] >= 1.0 and metrics.get("train/rolled_back_step", 0.0) == 0.0
     with pytest.raises(TrainingFailedError, match="weights became non-finite .* did not roll the step back"):
         StepHealth(3).observe(1, metrics, [])
+
+
+# -- LoRA (Megatron-Bridge's PEFT) against LoRA on the torch backend (PEFT), same adapter weights --
+
+# Where Megatron-Bridge's CanonicalLoRA keeps the adapter of each Hugging Face projection: written
+# out here, independently of the backend, so the test also checks the backend's export names.
+MEGATRON_ADAPTER = {"q_proj": "self_attention.linear_qkv.adapter.adapter_q",
+                    "k_proj": "self_attention.linear_qkv.adapter.adapter_k",
+                    "v_proj": "self_attention.linear_qkv.adapter.adapter_v",
+                    "o_proj": "self_attention.linear_proj.adapter",
+                    "gate_proj": "mlp.linear_fc1.adapter.adapter_gate",
+                    "up_proj": "mlp.linear_fc1.adapter.adapter_up",
+                    "down_proj": "mlp.linear_fc2.adapter"}
+
+
+def megatron_name(peft_name: str) -> str:
+    """``base_model.model.model.layers.I.<attn|mlp>.PROJ.lora_<A|B>.weight`` -> Megatron parameter name."""
+    parts = peft_name.split(".")
+    layer, proj, factor = parts[4], parts[6], parts[7]
+    linear = "linear_in" if factor == "lora_A" else "linear_out"
+    return f"decoder.layers.{layer}.{MEGATRON_ADAPTER[proj]}.{linear}.weight"
+
+
+def lora_job(path: str, **lora) -> JobConfig:
+    return JobConfig(model=ModelConfig(path=path, tokenizer=TOKENIZER),
+                     train=TrainConfig(lr=1e-2, micro_batch_size=2, grad_clip=1.0, lr_schedule="cosine",
+                                       lr_warmup_steps=2, total_steps=6, weight_decay=0.01,
+                                       lora=LoraConfig(**{"rank": 4, "alpha": 8.0, **lora})),
+                     algorithm=AlgorithmConfig(entropy_coef=0.01))
+
+
+def megatron_worker(job: JobConfig, host: PluginHost):
+    backends = {s.name: s for s in plugin.loongsage_train_backends()}
+    assert backends["megatron"].supports_lora
+    return backends["megatron"].factory(TrainWorkerContext(job=job, components=host))
+
+
+@pytest.fixture
+def lora_workers(hf_dir, host):
+    """A Megatron LoRA worker and a torch LoRA worker holding the same adapter: the torch one's
+    Kaiming-initialised ``A`` and a random non-zero ``B`` (so the adapter changes the outputs)."""
+    meg = megatron_worker(lora_job(hf_dir), host)
+    ref = create_torch_worker(TrainWorkerContext(job=lora_job(hf_dir), components=host))
+    g = torch.Generator().manual_seed(7)
+    params = dict(meg.modules[0].named_parameters())
+    with torch.no_grad():
+        for name, tensor in ref.named_weights():  # live adapter tensors of the PEFT model
+            if name.endswith("lora_B.weight"):
+                tensor.copy_(0.05 * torch.randn(tensor.shape, generator=g))
+            params[megatron_name(name)].copy_(tensor)
+    yield meg, ref
+    meg.close()
+
+
+def test_the_adapter_is_exported_under_peft_names(lora_workers):
+    meg, ref = lora_workers
+    assert isinstance(meg, LoraTrainer) and meg.serves_reference
+    exported, expected = dict(meg.named_weights()), dict(ref.named_weights())
+    assert set(exported) == set(expected) and len(expected) == 2 * 7 * 2  # A and B, 7 projections, 2 layers
+    for name, tensor in expected.items():
+        torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_lora_logprobs_reference_and_step_match_torch_lora(lora_workers):
+    meg, ref = lora_workers
+    batch = make_batch(seed=3)
+    adapted, base = meg.forward(batch), meg.reference_forward(batch)
+    torch.testing.assert_close(adapted["logprobs"], ref.forward(batch)["logprobs"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(base["logprobs"], ref.reference_forward(batch)["logprobs"], rtol=0, atol=1e-5)
+    assert (adapted["logprobs"] - base["logprobs"]).abs().max() > 1e-3  # the adapter matters; disabled it is off
+    torch.testing.assert_close(meg.forward(batch)["logprobs"], adapted["logprobs"], rtol=0, atol=0)  # back on
+
+    frozen = {n: p.detach().clone() for n, p in meg.modules[0].named_parameters() if not p.requires_grad}
+    trained = sum(p.numel() for p in meg.modules[0].parameters() if p.requires_grad)
+    assert trained == sum(t.numel() for _, t in ref.named_weights())  # the adapter, nothing else
+    step = make_train_batch(ref, seed=1)
+    norm = compute_norm(step)
+    m_meg, m_ref = meg.train_mini_batch(step, norm), ref.train_mini_batch(step, norm)
+    assert m_meg["train/grad_norm"] > 0
+    assert m_meg["train/grad_norm"] == pytest.approx(m_ref["train/grad_norm"], rel=1e-4)
+    assert m_meg["train/loss"] == pytest.approx(m_ref["train/loss"], rel=1e-4, abs=1e-6)
+    after, moved = dict(meg.named_weights()), dict(ref.named_weights())
+    assert any((after[n] - t).abs().max() > 0 for n, t in moved.items())
+    diff = torch.cat([(after[n] - t).abs().flatten() for n, t in moved.items()])
+    assert diff.mean() < 1e-5  # both adapters moved alike
+    for name, param in meg.modules[0].named_parameters():
+        if name in frozen:
+            assert torch.equal(param, frozen[name]), name  # the base weights did not move
+
+
+def test_adapter_directory_and_merged_export_give_the_workers_logprobs(lora_workers, hf_dir, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    meg, _ = lora_workers
+    batch = make_batch(seed=5)
+    want = meg.forward(batch)["logprobs"]
+    meg.save_adapter(str(tmp_path / "adapter"))
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["adapter_config.json",
+                                                                     "adapter_model.safetensors"]
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32),
+                                           str(tmp_path / "adapter")).eval()
+    torch.testing.assert_close(hf_token_outputs(peft_model, batch)["logprobs"], want, rtol=0, atol=1e-5)
+    meg.save_hf(str(tmp_path / "merged"))
+    merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    torch.testing.assert_close(hf_token_outputs(merged, batch)["logprobs"], want, rtol=0, atol=1e-5)
+
+
+def test_lora_checkpoint_holds_the_adapter_and_resumes_exactly(hf_dir, host, tmp_path):
+    first = megatron_worker(lora_job(hf_dir), host)
+    try:
+        first.train_mini_batch(b1 := make_train_batch(first, seed=1), compute_norm(b1))
+        first.save_checkpoint(str(tmp_path / "ckpt"))
+        b2 = make_train_batch(first, seed=2)
+        first.train_mini_batch(b2, compute_norm(b2))
+        want = dict(first.named_weights())
+    finally:
+        first.close()
+    saved = torch.load(tmp_path / "ckpt" / STATE_FILE.format(rank=0), weights_only=False)
+    assert saved["adapter_only"] and saved["model"] and all(".adapter." in k for k in saved["model"])
+    resumed = megatron_worker(lora_job(hf_dir, rank=8), host)
+    try:  # another adapter shape: a clear error, nothing loaded
+        with pytest.raises(ValueError, match="holds another adapter than this job's"):
+            resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    finally:
+        resumed.close()
+    resumed = megatron_worker(lora_job(hf_dir), host)
+    try:
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        resumed.train_mini_batch(b2, compute_norm(b2))
+        got = dict(resumed.named_weights())
+    finally:
+        resumed.close()
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def test_lora_on_unknown_projections_is_an_error_naming_the_key(hf_dir, host):
+    with pytest.raises(ValueError, match=r"\[train\] lora.target_modules = \['qkv'\].*unknown: \['qkv'\]"):
+        megatron_worker(lora_job(hf_dir, target_modules=["qkv"]), host)
