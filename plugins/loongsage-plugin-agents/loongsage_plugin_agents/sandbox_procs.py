@@ -111,11 +111,29 @@ def _kill(pids: Iterable[int]) -> None:
             pass
 
 
-def kill_tree(pid: int | None, marker: str | None, *, rounds: int = 50) -> None:
+KILL_DEADLINE_S = 30.0
+"""How long :func:`kill_tree` and :func:`kill_uid` keep killing before giving up. A killed process
+stays listed until the scheduler runs its exit; on a loaded machine a fork bomb's hundreds of
+processes take seconds to go, so the bound is time, not a number of rounds."""
+
+
+def _until_deadline(seconds: float) -> Iterator[None]:
+    """Yield until ``seconds`` have passed, pausing a little longer each time (10 ms to 50 ms)."""
+    deadline = time.monotonic() + seconds
+    pause = 0.01
+    while True:
+        yield
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.05)
+
+
+def kill_tree(pid: int | None, marker: str | None, *, deadline_s: float = KILL_DEADLINE_S) -> None:
     """SIGKILL the process group of ``pid``, its descendants and every process carrying ``marker``,
     repeating until none is left (a process may fork while it is being killed)."""
     seen: set[int] = {pid} if pid else set()  # once found, followed even after it is reparented
-    for _ in range(rounds):
+    for _ in _until_deadline(deadline_s):
         procs = list(processes())
         live = {p.pid for p in procs}
         victims = (seen & live) | set(descendants(seen, procs))
@@ -128,7 +146,6 @@ def kill_tree(pid: int | None, marker: str | None, *, rounds: int = 50) -> None:
             return
         seen |= victims
         _kill(victims)
-        time.sleep(0.01)
 
 
 def uid_processes(uid: int) -> list[int]:
@@ -138,10 +155,10 @@ def uid_processes(uid: int) -> list[int]:
 _KILL_ALL = "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError:\n    pass\n"
 
 
-def kill_uid(uid: int, *, rounds: int = 50) -> bool:
+def kill_uid(uid: int, *, deadline_s: float = KILL_DEADLINE_S) -> bool:
     """Kill every process of ``uid`` (the host must be root): ``kill(-1, SIGKILL)`` sent as that
     uid, repeated until ``/proc`` shows none. Returns whether none is left."""
-    for _ in range(rounds):
+    for _ in _until_deadline(deadline_s):
         if not uid_processes(uid):
             return True
         try:
@@ -150,7 +167,6 @@ def kill_uid(uid: int, *, rounds: int = 50) -> bool:
                            cwd="/", env={}, timeout=10)
         except (OSError, subprocess.SubprocessError):
             _kill(uid_processes(uid))
-        time.sleep(0.01)
     return not uid_processes(uid)
 
 
