@@ -46,7 +46,7 @@ from .contexts import (
     WeightTransportContext,
 )
 from .kinds import KINDS, Kind
-from .lora import LORA_ADAPTER_NAME, LORA_TENSOR_SUFFIXES, is_lora_tensor
+from .lora import LORA_ADAPTER_NAME, LORA_ALL_LINEAR, LORA_PEFT_PREFIX, LORA_TENSOR_SUFFIXES, is_lora_tensor
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .protocols import (
     BUILD_CONTEXTS,

@@ -14,6 +14,12 @@ LORA_ADAPTER_NAME = "policy"
 LORA_TENSOR_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
 """How the names of a LoRA adapter's tensors end."""
 
+LORA_PEFT_PREFIX = "base_model.model."
+"""What PEFT puts before a base-model module name in an adapter's tensor names."""
+
+LORA_ALL_LINEAR = "all-linear"
+"""``[train] lora.target_modules = ["all-linear"]``: every linear layer but the output layer."""
+
 
 def is_lora_tensor(name: str) -> bool:
     """Whether ``name`` is a LoRA adapter tensor's name (``...lora_A.weight`` / ``...lora_B.weight``)."""

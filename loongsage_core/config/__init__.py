@@ -22,13 +22,14 @@ module a name lives in is not part of the interface.
 
 from __future__ import annotations
 
+from loongsage_hookspecs import LORA_ALL_LINEAR
+
 from .fields import SEED_MAX, Args, RangeError
 from .job import TOML_RENAMES, JobConfig, LoggerConfig, PlacementConfig, PluginsConfig, RunConfig
 from .loading import apply_override, load_job, merge_tables
 from .rollout import AgentFlowConfig, AsyncConfig, DataConfig, RolloutConfig
 from .structuring import A, ConfigError, dump_job_toml, job_to_dict, structure_args, structure_job
 from .training import (
-    LORA_ALL_LINEAR,
     AlgorithmConfig,
     CriticConfig,
     LoraConfig,

@@ -12,6 +12,8 @@ from typing import Any
 
 import attrs
 
+from loongsage_hookspecs import LORA_ALL_LINEAR
+
 from .fields import (
     Args,
     RangeError,
@@ -38,10 +40,6 @@ class ModelConfig:
     dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16", "float16")))
     fp32_lm_head: bool = False
     seed: int = attrs.field(default=0, validator=valid_seed)
-
-
-LORA_ALL_LINEAR = "all-linear"
-"""``[train] lora.target_modules`` value that targets every linear layer except the output layer."""
 
 
 def _target_modules(_: Any, attribute: attrs.Attribute, value: Any) -> None:

@@ -21,11 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from loongsage_hookspecs import LoraSettings
-
-ALL_LINEAR = "all-linear"
-PEFT_PREFIX = "base_model.model."
-"""What PEFT puts before a base-model module name in an adapter's saved tensor names."""
+from loongsage_hookspecs import LORA_ALL_LINEAR, LORA_PEFT_PREFIX, LORA_TENSOR_SUFFIXES, LoraSettings
 
 HF_TO_CANONICAL = {"q_proj": "linear_q", "k_proj": "linear_k", "v_proj": "linear_v", "o_proj": "linear_proj",
                    "gate_proj": "linear_fc1_gate", "up_proj": "linear_fc1_up", "down_proj": "linear_fc2"}
@@ -36,7 +32,7 @@ def canonical_targets(target_modules: list[str]) -> list[str]:
     """``CanonicalLoRA`` targets of ``[train] lora.target_modules`` (Hugging Face projection names,
     or ``["all-linear"]``: every projection of the decoder layers, not the output layer)."""
     names = list(target_modules)
-    if names == [ALL_LINEAR]:
+    if names == [LORA_ALL_LINEAR]:
         return list(HF_TO_CANONICAL.values())
     unknown = [name for name in names if name not in HF_TO_CANONICAL]
     if unknown or not names:
@@ -94,7 +90,7 @@ def load_adapter_state(module: Any, state: dict[str, torch.Tensor], source: str)
 def adapter_weights(bridge: Any, modules: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """The adapter's full tensors under PEFT's saved names, sorted by name, on every rank."""
     with torch.no_grad():
-        weights = {PEFT_PREFIX + name: tensor
+        weights = {LORA_PEFT_PREFIX + name: tensor
                    for name, tensor in bridge.export_adapter_weights(modules, cpu=True, show_progress=False)}
     for name in sorted(weights):
         yield name, weights[name]
@@ -109,8 +105,8 @@ def save_adapter(path: str | Path, weights: dict[str, torch.Tensor], settings: L
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    modules = sorted({name[: -len(".lora_A.weight")].rsplit(".", 1)[-1] for name in weights
-                      if name.endswith(".lora_A.weight")})
+    lora_a = LORA_TENSOR_SUFFIXES[0]
+    modules = sorted({name[: -len(lora_a)].rsplit(".", 1)[-1] for name in weights if name.endswith(lora_a)})
     config = LoraConfig(r=int(settings.rank), lora_alpha=float(settings.alpha), lora_dropout=float(settings.dropout),
                         target_modules=modules, bias="none", task_type="CAUSAL_LM",
                         base_model_name_or_path=base_model)

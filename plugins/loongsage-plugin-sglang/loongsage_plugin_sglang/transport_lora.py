@@ -36,8 +36,6 @@ from .targets import target_url
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-PEFT_PREFIX = "base_model.model."
-
 
 def adapter_config(settings: LoraSettings, modules: Iterable[str]) -> dict[str, Any]:
     """The ``adapter_config.json`` of an adapter with ``settings`` on the modules ``modules``

@@ -15,14 +15,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from loongsage_hookspecs import LORA_TENSOR_SUFFIXES, LoraSettings, is_lora_tensor
+from loongsage_hookspecs import LORA_ALL_LINEAR, LORA_PEFT_PREFIX, LORA_TENSOR_SUFFIXES, LoraSettings, is_lora_tensor
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-ALL_LINEAR = "all-linear"
-PEFT_PREFIX = "base_model.model."
-"""What PEFT puts before a base-model module name in an adapter's saved tensor names."""
 LORA_SUFFIXES = LORA_TENSOR_SUFFIXES
 ADAPTER_DIR = "final_adapter"
 """Where ``loongsage run`` writes the PEFT adapter directory at the end of a LoRA run."""
@@ -39,7 +36,7 @@ def peft_config(settings: LoraSettings) -> Any:
 
     targets = list(settings.target_modules)
     return LoraConfig(r=int(settings.rank), lora_alpha=float(settings.alpha), lora_dropout=float(settings.dropout),
-                      target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets, bias="none",
+                      target_modules=LORA_ALL_LINEAR if targets == [LORA_ALL_LINEAR] else targets, bias="none",
                       task_type="CAUSAL_LM")
 
 
@@ -78,8 +75,8 @@ def adapter_target(name: str) -> tuple[str, str]:
     for suffix, factor in zip(LORA_SUFFIXES, ("A", "B")):
         if name.endswith(suffix):
             module = name[: -len(suffix)]
-            if module.startswith(PEFT_PREFIX):
-                module = module[len(PEFT_PREFIX):]
+            if module.startswith(LORA_PEFT_PREFIX):
+                module = module[len(LORA_PEFT_PREFIX):]
             return module + ".weight", factor
     raise ValueError(f"'{name}' is not a LoRA adapter tensor name (it ends with neither of {LORA_SUFFIXES})")
 
