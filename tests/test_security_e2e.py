@@ -166,7 +166,6 @@ def test_served_trajectory_opens_with_its_key_only(serving):
 def test_loongsage_serve_prints_the_agent_url_its_key_and_where_the_secret_is(tmp_path):
     import os
     import signal
-    import time
 
     (tmp_path / "job.toml").write_text(JOB)
     run_dir = tmp_path / "served"
@@ -178,8 +177,8 @@ def test_loongsage_serve_prints_the_agent_url_its_key_and_where_the_secret_is(tm
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: list[str] = []
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not any(line.startswith("what it recorded") for line in lines):
+        # serve prints its six lines together once the engines are up; the suite's timeout guards a hang
+        while not any(line.startswith("what it recorded") for line in lines):
             line = proc.stdout.readline()
             if not line:
                 break
