@@ -15,6 +15,12 @@ variant in a fresh subprocess so that one does not inherit the other's memory:
   sync into an embedded engine in the same process (``inprocess``: a copy of every weight, or the
   adapter merged into the engine's weights).
 
+* ``engine_decode``: the embedded engine serving the LoRA policy of the larger random model,
+  ``--decode-prompts`` prompts x ``--decode-tokens`` new tokens per batch, with the adapter merged
+  into its weights (``lora_mode = "merged"``, the default) and applied per request
+  (``"unmerged"``: every request names it, and a batch where half do): the median generated
+  tokens per second of each, and unmerged / merged.
+
 Prints one JSON object with both variants and the LoRA / full ratios (absolute times on a shared
 machine are noise; the ratios are the result). Run::
 
@@ -81,10 +87,7 @@ def trainer_child(variant: str, model: str, rank: int, lora_lr: float, train_ste
     if model == "large":  # a random Qwen3 whose weights dominate memory
         job.model.path = None
         job.model.tokenizer = str(TOKENIZER)
-        job.model.config = {"model_type": "qwen3", "vocab_size": 512, "hidden_size": hidden,
-                            "intermediate_size": hidden * 3, "num_hidden_layers": layers, "num_attention_heads": 8,
-                            "num_key_value_heads": 4, "head_dim": hidden // 8, "max_position_embeddings": 1024,
-                            "tie_word_embeddings": True}
+        job.model.config = large_model_config(hidden, layers)
     rows, width = job.train.mini_batch_size, 48
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1, 400, (rows, width), generator=g)
@@ -119,13 +122,69 @@ def trainer_child(variant: str, model: str, rank: int, lora_lr: float, train_ste
             "sync_bytes": float(sum(t.numel() * t.element_size() for _, t in weights))}
 
 
+def large_model_config(hidden: int, layers: int) -> dict:
+    """A random Qwen3 whose weights dominate memory and compute."""
+    return {"model_type": "qwen3", "vocab_size": 512, "hidden_size": hidden, "intermediate_size": hidden * 3,
+            "num_hidden_layers": layers, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": hidden // 8,
+            "max_position_embeddings": 1024, "tie_word_embeddings": True}
+
+
+def decode_child(rank: int, lora_lr: float, hidden: int, layers: int, prompts: int, tokens: int,
+                 repeats: int = 3) -> dict[str, float]:
+    """In this (fresh) process: generated tokens per second of the embedded engine with the LoRA
+    adapter merged, unmerged for every request, and unmerged for half of them."""
+    import httpx
+    import torch
+    from loongsage_plugin_torch.engine import create_engine
+    from loongsage_plugin_torch.trainer import create_train_worker
+    from loongsage_plugin_torch.transport import inprocess_sender
+
+    from loongsage_core.config import load_job
+    from loongsage_core.plugins import PluginHost
+    from loongsage_hookspecs import LORA_ADAPTER_NAME, EngineContext, TrainWorkerContext, WeightTransportContext
+
+    job = load_job(JOB, lora_overrides(rank, lora_lr))
+    job.model.path, job.model.tokenizer = None, str(TOKENIZER)
+    job.model.config = large_model_config(hidden, layers)
+    worker = create_train_worker(TrainWorkerContext(job=job, components=PluginHost.from_job(job)))
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randint(1, 400, (prompts, 24), generator=g).tolist()
+    sampling = {"temperature": 1.0, "max_new_tokens": tokens, "ignore_eos": True, "sampling_seed": 1}
+    out: dict[str, float] = {}
+    for label, mode, named in (("merged", "merged", prompts), ("unmerged", "unmerged", prompts),
+                               ("unmerged_half_named", "unmerged", prompts // 2)):
+        job.rollout.engine_args = {"lora_mode": mode, "prefix_cache_tokens": 0}
+        engine = create_engine(EngineContext(job=job, components=None))
+        url = engine.start()
+        try:
+            inprocess_sender(WeightTransportContext(role="sender")).send(worker.named_weights(), 1, [engine])
+            body = {"input_ids": batch, "sampling_params": sampling,
+                    "lora_path": [LORA_ADAPTER_NAME] * named + [None] * (prompts - named)}
+            times = []
+            for _ in range(repeats + 1):  # the first batch warms up
+                start = time.perf_counter()
+                response = httpx.post(url + "/generate", json=body, timeout=600, trust_env=False)
+                response.raise_for_status()
+                times.append(time.perf_counter() - start)
+        finally:
+            engine.shutdown()
+        out[f"{label}_tokens_per_s"] = prompts * tokens / statistics.median(times[1:])
+    out["unmerged_over_merged"] = out["unmerged_tokens_per_s"] / out["merged_tokens_per_s"]
+    out["unmerged_half_named_over_merged"] = out["unmerged_half_named_tokens_per_s"] / out["merged_tokens_per_s"]
+    return out
+
+
 def trainer(variant: str, model: str, args: argparse.Namespace) -> dict[str, float]:
-    proc = subprocess.run([sys.executable, __file__, "--child", variant, model, "--rank", str(args.rank),
-                           "--lora-lr", str(args.lora_lr), "--train-steps", str(args.train_steps),
-                           "--hidden", str(args.hidden), "--layers", str(args.layers)],
-                          capture_output=True, text=True, cwd=REPO)
+    return child_json([sys.executable, __file__, "--child", variant, model, "--rank", str(args.rank),
+                       "--lora-lr", str(args.lora_lr), "--train-steps", str(args.train_steps),
+                       "--hidden", str(args.hidden), "--layers", str(args.layers)], f"trainer {variant}/{model}")
+
+
+def child_json(command: list[str], what: str) -> dict[str, float]:
+    """Run a measurement in a fresh process; its last line of output is its JSON result."""
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     if proc.returncode != 0:
-        raise RuntimeError(f"trainer {variant}/{model} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -141,8 +200,15 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=3, help="mini-batches per trainer measurement")
     parser.add_argument("--hidden", type=int, default=384, help="hidden size of the larger random model")
     parser.add_argument("--layers", type=int, default=4, help="layers of the larger random model")
+    parser.add_argument("--decode-prompts", type=int, default=16, help="prompts of each engine decode batch")
+    parser.add_argument("--decode-tokens", type=int, default=32, help="new tokens of each prompt")
     parser.add_argument("--child", nargs=2, metavar=("VARIANT", "MODEL"), help=argparse.SUPPRESS)
+    parser.add_argument("--decode-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.decode_child:
+        print(json.dumps(decode_child(args.rank, args.lora_lr, args.hidden, args.layers, args.decode_prompts,
+                                      args.decode_tokens)))
+        return
     if args.child:
         print(json.dumps(trainer_child(*args.child, args.rank, args.lora_lr, args.train_steps, args.hidden,
                                        args.layers)))
@@ -154,6 +220,10 @@ def main() -> None:
                              ("trainer_large_model", lambda v: trainer(v, "large", args))):
         full, lora = measure("full"), measure("lora")
         out[section] = {"full": full, "lora": lora, "lora_over_full": ratios(full, lora)}
+    out["engine_decode"] = child_json([sys.executable, __file__, "--decode-child", "--rank", str(args.rank),
+                                       "--lora-lr", str(args.lora_lr), "--hidden", str(args.hidden),
+                                       "--layers", str(args.layers), "--decode-prompts", str(args.decode_prompts),
+                                       "--decode-tokens", str(args.decode_tokens)], "engine decode")
     print(json.dumps(out, indent=1))
 
 

@@ -98,15 +98,18 @@ def test_dapo_recipe_runs_end_to_end(ray_cluster, tmp_path):
         assert m["train/clip_ratio"] >= 0.0
 
 
-def test_grpo_lora_recipe_trains_the_adapter_alone(ray_cluster, tmp_path):
+@pytest.mark.parametrize("lora_mode", ["merged", "unmerged"])
+def test_grpo_lora_recipe_trains_the_adapter_alone(ray_cluster, tmp_path, lora_mode):
     import torch
     from safetensors.torch import load_file
 
     out = tmp_path / "grpo_lora"
-    job = load_job(RECIPES / "grpo_lora.toml", SMALL)
+    job = load_job(RECIPES / "grpo_lora.toml", [*SMALL, f'rollout.engine_args.lora_mode="{lora_mode}"'])
     assert job.train.lora is not None and job.algorithm.kl
     history = run_job(resolve_job(job), output_dir=str(out))
     assert [m["step"] for m in history] == [0, 1]
+    # the engine's sampling log-probs are the trainer's, the adapter merged or applied per request
+    assert all(m["train/is_approx_k3_kl"] < 1e-6 for m in history)
     # the reference is the base model: at step 0 the adapter is a no-op (B = 0), so the KL is 0
     assert history[0]["train/kl"] == 0.0 and history[1]["train/kl"] > 0.0
     adapter = load_file(str(out / "final_adapter" / "adapter_model.safetensors"))

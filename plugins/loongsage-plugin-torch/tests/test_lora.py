@@ -191,6 +191,76 @@ def test_engine_scores_like_the_trainer_after_an_adapter_update(transport):
         engine.shutdown()
 
 
+def scores(worker, prompt: list[int], result: dict, *, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's log-probs of a result and the trainer's for the same tokens (policy or base)."""
+    tokens = torch.tensor([prompt + result["output_ids"]])
+    batch = Batch(tensors={"input_ids": tokens, "attention_mask": torch.ones_like(tokens)})
+    trainer = (worker.reference_forward if reference else worker.forward)(batch)["logprobs"][0, len(prompt):]
+    return torch.tensor([t[0] for t in result["meta_info"]["output_token_logprobs"]]), trainer
+
+
+def test_unmerged_engine_applies_the_adapter_to_the_requests_that_name_it():
+    job = make_job(lr=5e-2)
+    job.rollout.engine_args = {"lora_mode": "unmerged"}
+    worker = make_worker(job)
+    train(worker, [1, 2])
+    engine = create_engine(EngineContext(job=job, components=Components()))
+    url = engine.start()
+    try:
+        base_weights = {n: t.clone() for n, t in engine.model.state_dict().items()}
+        sender = Components().get("weight_transport", "shm").sender(WeightTransportContext(role="sender"))
+        sender.send(worker.named_weights(), 7, [url])
+        sender.close()
+        # the weights stay the base model's: the adapter is applied per request
+        assert all(torch.equal(t, base_weights[n]) for n, t in engine.model.state_dict().items())
+        # 24 tokens: long enough for the prefix cache (16-token blocks) to hold and serve them
+        prompt = torch.cat([make_batch(5)["input_ids"][0], make_batch(6)["input_ids"][0, :8]]).tolist()
+        # one batch mixing the two, the same prompt twice: prefilled and decoded together,
+        # each row with its own model (and no KV shared between them)
+        body = {"input_ids": [prompt, prompt], "lora_path": [ADAPTER_NAME, None], "return_logprob": True,
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": 3}}
+        response = httpx.post(url + "/generate", json=body, trust_env=False, timeout=60)
+        assert response.status_code == 200, response.text
+        adapted, base = response.json()
+        engine_lp, trainer_lp = scores(worker, prompt, adapted)
+        torch.testing.assert_close(engine_lp, trainer_lp, rtol=0, atol=1e-4)
+        engine_lp, reference_lp = scores(worker, prompt, base, reference=True)
+        torch.testing.assert_close(engine_lp, reference_lp, rtol=0, atol=1e-4)
+        assert (scores(worker, prompt, base)[1] - reference_lp).abs().max() > 1e-3  # the two models differ
+        # again, one at a time: the prefix cache now holds both prompts' KV, each serves its own
+        for lora_path, reference in ((None, True), (ADAPTER_NAME, False)):
+            out = generate(url, prompt, **({"lora_path": lora_path} if lora_path else {}))
+            assert out["meta_info"]["cached_tokens"] >= 16
+            assert out["meta_info"]["output_token_weight_versions"] == [7] * len(out["output_ids"])
+            engine_lp, trainer_lp = scores(worker, prompt, out, reference=reference)
+            torch.testing.assert_close(engine_lp, trainer_lp, rtol=0, atol=1e-4)
+
+        # a new version replaces the adapter (not added to the first)
+        train(worker, [3])
+        engine.load_weights(worker.named_weights(), 8)
+        out = generate(url, prompt, lora_path=ADAPTER_NAME)
+        engine_lp, trainer_lp = scores(worker, prompt, out)
+        torch.testing.assert_close(engine_lp, trainer_lp, rtol=0, atol=1e-4)
+    finally:
+        engine.shutdown()
+
+
+def test_unmerged_adapter_settings_and_targets_are_checked():
+    from loongsage_plugin_torch.engine.settings import EngineConfigError
+
+    job = make_job()
+    job.rollout.engine_args = {"lora_mode": "sideways"}
+    with pytest.raises(EngineConfigError, match="engine_args.lora_mode must be one of 'merged', 'unmerged'"):
+        create_engine(EngineContext(job=job, components=Components()))
+    job.rollout.engine_args = {"lora_mode": "unmerged"}
+    engine = create_engine(EngineContext(job=job, components=Components()))
+    hidden, vocab = TINY_QWEN3["hidden_size"], TINY_QWEN3["vocab_size"]
+    head = [("base_model.model.lm_head.lora_A.weight", torch.zeros(4, hidden)),
+            ("base_model.model.lm_head.lora_B.weight", torch.zeros(vocab, 4))]
+    with pytest.raises(WeightUpdateError, match="'lm_head.weight'; the unmerged adapter applies to attention and MLP"):
+        engine.load_weights(iter(head), 1)
+
+
 def test_engine_refuses_partial_or_misfit_adapters():
     job = make_job()
     worker = make_worker(job)

@@ -1,4 +1,4 @@
-"""LoRA adapter updates of the embedded engine: merged into its weights, from an unmerged base copy.
+"""LoRA adapter updates of the embedded engine: merged into its weights, or applied per request.
 
 With ``[train] lora`` the trainer sends only the adapter (tensors named as PEFT saves them,
 ``...<module>.lora_A.weight`` / ``...lora_B.weight``), over whichever weight transport the job
@@ -12,6 +12,12 @@ costs exactly what it costs without LoRA.
 
 A full-weight tensor that arrives for an adapted weight replaces its base copy and is merged
 with the current adapter.
+
+With ``[rollout] engine_args.lora_mode = "unmerged"`` the weights stay the base model's and the
+adapter's factors go to the runner (:meth:`~.runner.ModelRunner.set_unmerged_adapter`), which adds
+``scaling * (x @ A) @ B`` to the projections of the requests whose ``lora_path`` names the adapter;
+the others are served by the base model, so one engine serves the policy and its base side by side
+(no extra copy of any weight). A full-weight tensor then simply replaces its base weight.
 """
 
 from __future__ import annotations
@@ -26,30 +32,34 @@ from .weights import WeightUpdateError, copy_named_tensors
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .runner import ModelRunner
+
 ADAPTER_NAME = LORA_ADAPTER_NAME
 """The name the engine knows the trained adapter by: the one ``lora_path`` value it accepts."""
 
 
-class AdapterMerger:
-    """Applies LoRA adapter updates to a model's weights (see the module docstring)."""
+class AdapterUpdater:
+    """Applies LoRA adapter updates to the engine's model (see the module docstring)."""
 
-    def __init__(self, scaling: float | None) -> None:
+    def __init__(self, scaling: float | None, unmerged_runner: "ModelRunner | None" = None) -> None:
         """``scaling`` is ``alpha / rank`` of ``[train] lora``; ``None``: the job trains no adapter,
-        and an adapter tensor in an update is an error."""
+        and an adapter tensor in an update is an error. ``unmerged_runner``: apply the adapter
+        unmerged, per request, through this runner instead of merging it into the weights."""
         self.scaling = scaling
+        self.unmerged_runner = unmerged_runner
         self.base: dict[str, "torch.Tensor"] = {}
         self.factors: dict[str, tuple["torch.Tensor", "torch.Tensor"]] = {}
 
     @property
     def has_adapter(self) -> bool:
-        """Whether an adapter has been merged into the weights."""
+        """Whether an adapter has been received (merged into the weights, or held for requests)."""
         return bool(self.factors)
 
     def load(self, targets: Mapping[str, "torch.Tensor"], named_tensors: Iterable[tuple[str, "torch.Tensor"]]) -> int:
-        """Copy full tensors into ``targets`` and merge adapter tensors into the weights they adapt;
-        returns the number of tensors received. A partial adapter (a factor without its pair), a
-        factor whose shape does not fit its weight, or an adapter tensor on an engine whose job has
-        no ``[train] lora`` is an error naming the tensor."""
+        """Copy full tensors into ``targets`` and merge adapter tensors into the weights they adapt
+        (or hand them to the unmerged runner); returns the number of tensors received. A partial
+        adapter (a factor without its pair), a factor whose shape does not fit its weight, or an
+        adapter tensor on an engine whose job has no ``[train] lora`` is an error naming the tensor."""
         import torch
 
         pending: dict[str, dict[str, torch.Tensor]] = {}
@@ -71,10 +81,20 @@ class AdapterMerger:
                 if target not in targets:
                     raise WeightUpdateError(f"weight update: adapter tensor '{name}' adapts '{target}', "
                                             "which the model does not have")
+                if self.unmerged_runner is not None and target not in self.unmerged_runner.adaptable_weights:
+                    raise WeightUpdateError(f"weight update: adapter tensor '{name}' adapts '{target}'; the "
+                                            "unmerged adapter applies to attention and MLP projections only "
+                                            "(set [rollout] engine_args.lora_mode = \"merged\")")
                 # transports may reuse their buffers between pairs: keep a copy (adapters are small)
                 pending.setdefault(target, {})[factor] = tensor.detach().to(targets[target].device, copy=True)
             for target, pair in pending.items():
                 self._check_pair(target, pair, targets[target])
+            if self.unmerged_runner is not None:
+                assert self.scaling is not None or not pending
+                self.factors.update((target, (pair["A"], pair["B"])) for target, pair in pending.items())
+                if pending:
+                    self.unmerged_runner.set_unmerged_adapter(self.factors, self.scaling or 0.0)
+                return count
             for target, pair in pending.items():
                 self.factors[target] = (pair["A"], pair["B"])
                 if target not in self.base:

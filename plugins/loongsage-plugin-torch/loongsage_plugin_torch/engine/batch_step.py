@@ -11,6 +11,10 @@ of an earlier sample, the previous turn of the same conversation) copies that KV
 the rest. Prompts are prefilled packed together (no padding in the matrix products), and a prompt longer
 than ``max_prefill_tokens`` in chunks.
 
+With an unmerged LoRA adapter (``lora_mode = "unmerged"``) each forward tells the runner which
+rows named the adapter, and the prefix cache and the identical-prompt sharing keep requests with
+and without it apart (their KV differs).
+
 Every generated token records the weight version of the model that produced it; a request that
 stays across an in-place weight update therefore reports a list of versions.
 """
@@ -55,7 +59,7 @@ class BatchStepMixin:
         free = self.settings.max_batch_size - len(self.running)
         reps: list[tuple[RequestState, Any, int]] = []  # (request, prefix entry, cached length)
         dups: list[tuple[RequestState, RequestState]] = []  # (request, the identical request prefilled for it)
-        by_tokens: dict[tuple[int, ...], RequestState] = {}
+        by_tokens: dict[tuple[Any, ...], RequestState] = {}  # (namespace, *tokens) -> request
         new_tokens = 0
         while self.waiting and free > 0:
             req = self.waiting[0]
@@ -64,12 +68,13 @@ class BatchStepMixin:
                 req.finish = finish_json("length", length=req.item.params.max_new_tokens)
                 self._deliver(req)
                 continue
-            key = tuple(req.tokens)
+            key = (self._kv_namespace(req), *req.tokens)
             twin = by_tokens.get(key)
             if twin is not None:
                 dups.append((req, twin))
             else:
-                entry, cached = self.prefix_cache.lookup(req.tokens, self.version, len(req.tokens) - 1)
+                entry, cached = self.prefix_cache.lookup(req.tokens, self.version, len(req.tokens) - 1,
+                                                         self._kv_namespace(req))
                 n = len(req.tokens) - cached
                 if reps and new_tokens + n > budget:
                     break
@@ -97,7 +102,7 @@ class BatchStepMixin:
             self.stats.cached_tokens += req.cached_tokens
             if self.prefix_cache.capacity_tokens:
                 keys, values = self.runner.cache.read(req.slot, req.kv_len)
-                self.prefix_cache.insert(req.tokens, keys, values, self.version)
+                self.prefix_cache.insert(req.tokens, keys, values, self.version, self._kv_namespace(req))
         row_of = {id(r): i for i, (r, _, _) in enumerate(reps)}
         for req, twin in dups:
             self.runner.cache.move(twin.slot, req.slot, twin.kv_len)
@@ -125,7 +130,8 @@ class BatchStepMixin:
                 while start < len(req.tokens):
                     end = min(len(req.tokens), start + budget)
                     logits = self.runner.forward(torch.tensor(req.tokens[start:end]), req.slot,
-                                                 torch.tensor([start]), torch.tensor([end - start]))
+                                                 torch.tensor([start]), torch.tensor([end - start]),
+                                                 adapter_rows=self._adapter_rows([req]))
                     start = end
                 out.append(logits)
                 i += 1
@@ -138,7 +144,8 @@ class BatchStepMixin:
             flat = [t for r in group for t in r.tokens[r.kv_len:]]
             starts = torch.tensor([r.kv_len for r in group])
             counts = torch.tensor([len(r.tokens) - r.kv_len for r in group])
-            out.append(self.runner.forward(torch.tensor(flat), group[0].slot, starts, counts))
+            out.append(self.runner.forward(torch.tensor(flat), group[0].slot, starts, counts,
+                                           adapter_rows=self._adapter_rows(group)))
         return torch.cat(out, 0)
 
     def _decode(self) -> None:
@@ -148,13 +155,25 @@ class BatchStepMixin:
         reqs = self.running
         ids = torch.tensor([r.tokens[-1] for r in reqs])
         starts = torch.tensor([r.kv_len for r in reqs])
-        logits = self.runner.forward(ids, 0, starts, torch.ones(len(reqs), dtype=torch.long))
+        logits = self.runner.forward(ids, 0, starts, torch.ones(len(reqs), dtype=torch.long),
+                                     adapter_rows=self._adapter_rows(reqs))
         for req in reqs:
             req.kv_len += 1
         self._sample_and_append(reqs, logits)
         self.stats.decode_steps += 1
         self.stats.decode_seconds += time.perf_counter() - t0
         self._retire()
+
+    def _kv_namespace(self, req: RequestState) -> str | None:
+        """The adapter whose KV ``req`` computes: its ``lora_path`` when adapters apply per
+        request, else ``None`` (a merged adapter is in every request's weights)."""
+        return req.item.lora_path if self.settings.lora_mode == "unmerged" else None
+
+    def _adapter_rows(self, reqs: Sequence[RequestState]) -> "torch.Tensor | None":
+        """Which of ``reqs`` the runner's unmerged adapter applies to (``None``: it holds none)."""
+        if not self.runner.has_unmerged_adapter:
+            return None
+        return self._torch.tensor([r.item.lora_path is not None for r in reqs])
 
     def _sample_and_append(self, reqs: Sequence[RequestState], logits: "torch.Tensor") -> None:
         """Sample one token per request from ``logits``, append it with its log-prob and weight
@@ -208,7 +227,8 @@ class BatchStepMixin:
         for req in done:
             if self.prefix_cache.capacity_tokens and req.kv_len >= self.prefix_cache.block:
                 keys, values = self.runner.cache.read(req.slot, req.kv_len)
-                self.prefix_cache.insert(req.tokens[: req.kv_len], keys, values, self.version)
+                self.prefix_cache.insert(req.tokens[: req.kv_len], keys, values, self.version,
+                                         self._kv_namespace(req))
         n = len(alive)
         holes = sorted(r.slot for r in done if r.slot < n)
         movers = [r for r in alive if r.slot >= n]

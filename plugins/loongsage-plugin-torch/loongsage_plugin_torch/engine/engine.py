@@ -8,8 +8,8 @@ beyond loopback needs the run secret, ``ctx.api_key``);
 weight-update entry (used by the in-process transport); HTTP updates go through
 ``/update_weights_from_tensor``, whose ``load_format`` names a weight transport component.
 With ``[train] lora`` an update may carry a LoRA adapter instead of full weights, over any
-transport; the engine merges it into its weights (:mod:`.adapter`), and requests may name it
-(``lora_path = "policy"``).
+transport; the engine merges it into its weights, or with ``engine_args.lora_mode = "unmerged"``
+applies it per request to the requests that name it (``lora_path = "policy"``), see :mod:`.adapter`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from loongsage_hookspecs import EngineContext, WeightTransportContext
 
 from ..lora import lora_scaling
 from ..modeling import ModelLoadError, load_model, load_tokenizer
-from .adapter import ADAPTER_NAME, AdapterMerger
+from .adapter import ADAPTER_NAME, AdapterUpdater
 from .protocol import InvalidRequest
 from .runner import ModelRunner
 from .scheduler import Scheduler
@@ -74,7 +74,8 @@ class EmbeddedEngine:
             self.scheduler.decode = lambda ids: self.decode(ids, skip_special_tokens=False)
         lora = getattr(getattr(job, "train", None), "lora", None)
         self.lora_scaling = lora_scaling(lora) if lora is not None else None
-        self.scheduler.adapter = AdapterMerger(self.lora_scaling)
+        unmerged = self.settings.lora_mode == "unmerged" and self.lora_scaling is not None
+        self.scheduler.adapter = AdapterUpdater(self.lora_scaling, self.runner if unmerged else None)
         self._receivers: dict[str, Any] = {}
         self._weight_groups: Any = None
         self._http: Any = None  # the ThreadedServer serving the HTTP API
@@ -134,8 +135,9 @@ class EmbeddedEngine:
 
     @property
     def adapter_names(self) -> tuple[str, ...]:
-        """The LoRA adapters requests may name in ``lora_path``: the trained one (merged into the
-        weights, so naming it or not serves the same model), or none without ``[train] lora``."""
+        """The LoRA adapters requests may name in ``lora_path``: the trained one, or none without
+        ``[train] lora``. Merged (the default ``lora_mode``), naming it or not serves the same
+        model; unmerged, a request that does not name it gets the base model."""
         return (ADAPTER_NAME,) if self.lora_scaling is not None else ()
 
     @property

@@ -10,7 +10,9 @@ batch and its longest sequence, not the configured batch size and context length
 whole sequences after they finish) so that a later request that starts with the same tokens (the
 other samples of a group, the next turn of a multi-turn agent) skips their prefill. Lookup hashes
 fixed-size token blocks, so finding the longest cached prefix costs time linear in the prompt.
-Entries are tagged with the weight version that computed them and only serve that version. An
+Entries are tagged with the weight version that computed them and only serve that version; a
+``namespace`` (the LoRA adapter a request names, when the engine applies adapters per request)
+seeds the block hashes, so KV computed with an adapter never serves a request without it. An
 entry that extends an older one (the next turn of a conversation) replaces it, so a conversation
 keeps one copy of its shared prefix; the budget ``capacity_tokens`` bounds the memory held
 (``tokens x layers x 2 x kv_heads x head_dim x dtype size`` bytes) and least recently used
@@ -135,8 +137,8 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def _hashes(self, tokens: Sequence[int]) -> list[int]:
-        out, h, b = [], 0, self.block
+    def _hashes(self, tokens: Sequence[int], namespace: str | None) -> list[int]:
+        out, h, b = [], hash(namespace), self.block
         for end in range(b, len(tokens) + 1, b):
             h = hash((h, tuple(tokens[end - b: end])))
             out.append(h)
@@ -147,12 +149,14 @@ class PrefixCache:
         self._by_hash.clear()
         self.tokens = 0
 
-    def insert(self, tokens: Sequence[int], keys: list, values: list, version: int) -> None:
-        """Remember KV copies for ``tokens``; evicts least recently used entries to stay in budget."""
+    def insert(self, tokens: Sequence[int], keys: list, values: list, version: int,
+               namespace: str | None = None) -> None:
+        """Remember KV copies for ``tokens`` (computed in ``namespace``); evicts least recently used
+        entries to stay in budget."""
         n = len(tokens)
         if self.capacity_tokens <= 0 or n < self.block or n > self.capacity_tokens:
             return
-        hashes = self._hashes(tokens)
+        hashes = self._hashes(tokens, namespace)
         # An entry whose every block is already indexed by an entry of the same length or longer adds
         # nothing beyond a few tail tokens; skip exact duplicates cheaply.
         last = self._by_hash.get(hashes[-1])
@@ -189,11 +193,13 @@ class PrefixCache:
                 del self._by_hash[h]
         self.tokens -= len(entry.tokens)
 
-    def lookup(self, tokens: Sequence[int], version: int, max_len: int) -> tuple[PrefixEntry | None, int]:
-        """The entry sharing the longest prefix with ``tokens`` (at most ``max_len``) and its length."""
+    def lookup(self, tokens: Sequence[int], version: int, max_len: int,
+               namespace: str | None = None) -> tuple[PrefixEntry | None, int]:
+        """The entry of ``namespace`` sharing the longest prefix with ``tokens`` (at most ``max_len``)
+        and its length."""
         if not self._entries or max_len < self.block:
             return None, 0
-        best_id, h, b = None, 0, self.block
+        best_id, h, b = None, hash(namespace), self.block
         for end in range(b, min(len(tokens), max_len) + 1, b):
             h = hash((h, tuple(tokens[end - b: end])))
             entry_id = self._by_hash.get(h)

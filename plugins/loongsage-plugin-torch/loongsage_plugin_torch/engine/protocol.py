@@ -46,6 +46,7 @@ class GenerateItem:
     parent_rid: str | None = None
     top_logprobs_num: int = 0
     stream: bool = False
+    lora_path: str | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,10 +188,11 @@ def _per_item(value: Any, count: int, key: str) -> list[Any]:
     return [value] * count
 
 
-def _check_lora_path(value: Any, count: int, adapters: Sequence[str]) -> None:
-    """``lora_path`` (SGLang: an adapter name per request, or one for all) must be unset or name an
-    adapter the engine serves (the embedded engine: the trained one, merged into its weights)."""
-    for i, name in enumerate(_per_item(value, count, "lora_path")):
+def _read_lora_paths(value: Any, count: int, adapters: Sequence[str]) -> list[str | None]:
+    """Each item's ``lora_path`` (SGLang: an adapter name per request, or one for all), which must
+    be unset or name an adapter the engine serves (the embedded engine: the trained one)."""
+    names = _per_item(value, count, "lora_path")
+    for i, name in enumerate(names):
         if name is None:
             continue
         key = "lora_path" if not isinstance(value, list) else f"lora_path[{i}]"
@@ -200,6 +202,7 @@ def _check_lora_path(value: Any, count: int, adapters: Sequence[str]) -> None:
             served = (f"it serves {', '.join(repr(a) for a in adapters)}" if adapters
                       else "it serves none: the job sets no [train] lora")
             raise InvalidRequest(f"'{key}' = {name!r} names no LoRA adapter of this engine ({served})", key)
+    return names
 
 
 def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Callable[[str], list[int]] | None,
@@ -269,7 +272,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
     if len(sps) != count:
         raise InvalidRequest(f"'sampling_params' has {len(sps)} entries for a batch of {count}", "sampling_params")
     rl = _per_item(body.get("return_logprob"), count, "return_logprob")
-    _check_lora_path(body.get("lora_path"), count, adapters)
+    lora_paths = _read_lora_paths(body.get("lora_path"), count, adapters)
     items = []
     for i, prompt in enumerate(prompts):
         where_ids = "input_ids" if single else f"input_ids[{i}]"
@@ -286,5 +289,6 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
             raise InvalidRequest(f"'return_logprob' must be a boolean, got {ret_lp!r}", "return_logprob")
         items.append(GenerateItem(rid=rids[i], input_ids=list(prompt), params=params, return_logprob=ret_lp,
                                   return_text_in_logprobs=read_bool(body, "return_text_in_logprobs", False, ""),
-                                  parent_rid=parent, top_logprobs_num=top_n, stream=stream))
+                                  parent_rid=parent, top_logprobs_num=top_n, stream=stream,
+                                  lora_path=lora_paths[i]))
     return items, single

@@ -10,6 +10,10 @@ path built for many short decode steps:
   storage, so an in-place weight update of ``...q_proj.weight`` updates what the runner uses;
 * keys and values go into :class:`~.kv_cache.SlotKVCache` rows and every query attends to its own
   row with a causal, length-aware mask;
+* a LoRA adapter applied unmerged (``lora_mode = "unmerged"``) rides on the fused projections:
+  ``x @ W + scaling * (x @ A) @ B`` for the tokens of the rows that name it, with each fused
+  matrix's ``A`` stacked and ``B`` block-diagonal, so one fused projection stays two extra
+  products however many of its parts are adapted;
 * one call serves prefill/extend (new tokens of ``P`` rows packed back to back, for slots that
   already hold ``starts[i]`` positions: 0 for a fresh prompt, ``p`` after a prefix-cache hit,
   earlier chunks of a long prompt) and decode (one token per row). Projections and MLPs see only
@@ -24,7 +28,7 @@ with a plain full-sequence forward of the same model to float32 rounding (tests 
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import attrs
 
@@ -47,18 +51,44 @@ class _Norm:
 
 
 @attrs.define(eq=False)
+class _LoraDelta:
+    """An unmerged LoRA update of one fused projection: ``scaling * (x @ a_t) @ b_t``, with
+    ``a_t`` ``[in, R]`` (the adapted parts' ``A`` stacked) and ``b_t`` ``[R, out]`` (their ``B``
+    on the block diagonal, each in its part's output columns)."""
+
+    a_t: Any
+    b_t: Any
+    scaling: float
+
+
+AdapterTokens = Any
+"""Which packed tokens get the unmerged adapter: ``None`` (none), ``slice(None)`` (all) or an
+index tensor."""
+
+
+@attrs.define(eq=False)
 class _Linear:
-    """``x @ weight_t + bias`` with ``weight_t`` stored ``[in, out]``."""
+    """``x @ weight_t + bias`` with ``weight_t`` stored ``[in, out]``, plus an unmerged LoRA
+    update on the tokens :data:`AdapterTokens` selects."""
 
     weight_t: Any
     bias: Any
+    lora: _LoraDelta | None = None
 
-    def __call__(self, x: "torch.Tensor") -> "torch.Tensor":
+    def __call__(self, x: "torch.Tensor", adapter_tokens: AdapterTokens = None) -> "torch.Tensor":
         import torch
 
         if self.bias is None:
-            return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
+            y = torch.mm(x, self.weight_t)
+        else:
+            y = torch.addmm(self.bias, x, self.weight_t)
+        lora = self.lora
+        if lora is None or adapter_tokens is None:
+            return y
+        if isinstance(adapter_tokens, slice):
+            return y.addmm_(torch.mm(x, lora.a_t), lora.b_t, alpha=lora.scaling)
+        delta = torch.mm(torch.mm(x.index_select(0, adapter_tokens), lora.a_t), lora.b_t)
+        return y.index_add_(0, adapter_tokens, delta, alpha=lora.scaling)
 
 
 @attrs.define(eq=False)
@@ -143,6 +173,10 @@ class ModelRunner:
         self.vocab_size = int(config.vocab_size)
         self.dtype = next(model.parameters()).dtype
         self._check_conventions(decoder_layers[0])
+        # the fused matrix, column offset and width of every projection weight, by its HF name
+        self._module_names = {id(m): n for n, m in model.named_modules()}
+        self._parts: dict[str, tuple[_Linear, int, int]] = {}
+        self.has_unmerged_adapter = False
         self.layers = [self._prepare(layer) for layer in decoder_layers]
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, kv_heads=self.kv_heads,
                                  head_dim=self.head_dim, dtype=self.dtype)
@@ -156,10 +190,51 @@ class ModelRunner:
         qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         return _Layer(
             attn_norm=_norm_of(layer.input_layernorm),
-            qkv=_fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj]),
+            qkv=self._fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
             qk_norm=self._qk_norms(attn) if qk_norm else None,
-            o_proj=_fuse_linears([attn.o_proj]), mlp_norm=_norm_of(layer.post_attention_layernorm),
-            gate_up=_fuse_linears([mlp.gate_proj, mlp.up_proj]), act=mlp.act_fn, down=_fuse_linears([mlp.down_proj]))
+            o_proj=self._fuse([attn.o_proj]), mlp_norm=_norm_of(layer.post_attention_layernorm),
+            gate_up=self._fuse([mlp.gate_proj, mlp.up_proj]), act=mlp.act_fn, down=self._fuse([mlp.down_proj]))
+
+    def _fuse(self, linears: Sequence[Any]) -> _Linear:
+        """:func:`_fuse_linears`, remembering where each projection's columns went."""
+        fused = _fuse_linears(linears)
+        offset = 0
+        for lin in linears:
+            rows = lin.weight.shape[0]
+            self._parts[self._module_names[id(lin)] + ".weight"] = (fused, offset, rows)
+            offset += rows
+        return fused
+
+    # ------------------------------------------------------------------------------------------
+    @property
+    def adaptable_weights(self) -> frozenset[str]:
+        """The weights an unmerged adapter may change: every attention and MLP projection."""
+        return frozenset(self._parts)
+
+    def set_unmerged_adapter(self, factors: Mapping[str, tuple["torch.Tensor", "torch.Tensor"]],
+                             scaling: float) -> None:
+        """Apply ``scaling * B @ A`` of each ``weight name -> (A [r, in], B [out, r])`` unmerged, to
+        the tokens of the rows :meth:`forward` is told use it; replaces any earlier adapter."""
+        torch = self._torch
+        unknown = sorted(set(factors) - set(self._parts))
+        if unknown:
+            raise ValueError(f"'{unknown[0]}' is not an attention or MLP projection")
+        grouped: dict[int, tuple[_Linear, list[tuple[int, int, Any, Any]]]] = {}
+        for name, (a, b) in factors.items():
+            fused, offset, rows = self._parts[name]
+            grouped.setdefault(id(fused), (fused, []))[1].append((offset, rows, a, b))
+        for fused, _, _ in self._parts.values():
+            fused.lora = None
+        for fused, parts in grouped.values():
+            parts.sort(key=lambda part: part[0])
+            a_t = torch.cat([a for _, _, a, _ in parts], 0).t().to(self.dtype).contiguous()
+            b_t = a_t.new_zeros(a_t.shape[1], fused.weight_t.shape[1])
+            r0 = 0
+            for offset, rows, a, b in parts:
+                b_t[r0: r0 + a.shape[0], offset: offset + rows] = b.t()
+                r0 += a.shape[0]
+            fused.lora = _LoraDelta(a_t, b_t, float(scaling))
+        self.has_unmerged_adapter = bool(grouped)
 
     @staticmethod
     def _qk_norms(attn: Any) -> tuple[_Norm, _Norm]:
@@ -205,12 +280,14 @@ class ModelRunner:
 
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens: "torch.Tensor", slot_start: int, starts: "torch.Tensor",
-                counts: "torch.Tensor", *, all_logits: bool = False) -> "torch.Tensor":
+                counts: "torch.Tensor", *, all_logits: bool = False,
+                adapter_rows: "torch.Tensor | None" = None) -> "torch.Tensor":
         """Append new tokens to slots ``slot_start .. slot_start + P - 1``.
 
         ``tokens`` ``[N]`` holds the new tokens of all rows back to back (``counts[i]`` of row
         ``i``, ``N = counts.sum()``); row ``i``'s KV already holds ``starts[i]`` positions. Returns
         float32 logits of each row's last new token ``[P, V]``, or of every new token ``[N, V]``.
+        ``adapter_rows`` (bool ``[P]``): the rows the unmerged adapter applies to (none if unset).
 
         Projections and MLPs run on the ``N`` packed tokens (no padding); only attention uses a
         padded ``[P, T]`` layout, where queries past a row's count are computed and discarded.
@@ -230,6 +307,7 @@ class ModelRunner:
             offset = torch.arange(N) - first[row]
             pos = starts[row] + offset
             pad_index = row * T + offset
+        adapter_tokens = self._adapter_tokens(adapter_rows, row, decode)
         key_len = int((starts + counts).max())
         self.cache.ensure(slot_start + P, key_len)
         slots = slice(slot_start, slot_start + P)
@@ -251,7 +329,7 @@ class ModelRunner:
         q_size, kv_size = H * D, KV * D
         for layer, k_cache, v_cache in zip(self.layers, self.cache.keys, self.cache.values):
             x = self._rms(hidden, layer.attn_norm)
-            qkv = layer.qkv(x)
+            qkv = layer.qkv(x, adapter_tokens)
             # queries and keys are normalised (Qwen3) and rotated together: fewer, larger ops
             qk = qkv[:, : q_size + kv_size].view(N, H + KV, D)
             v = qkv[:, q_size + kv_size:].view(N, KV, D)
@@ -277,13 +355,25 @@ class ModelRunner:
             out = out.view(P, H, T, D).transpose(1, 2).reshape(P * T, q_size)
             if not decode:
                 out = out[pad_index]
-            hidden = hidden + layer.o_proj(out)
+            hidden = hidden + layer.o_proj(out, adapter_tokens)
             x = self._rms(hidden, layer.mlp_norm)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            hidden = hidden + layer.down(layer.act(gate) * up)
+            gate, up = layer.gate_up(x, adapter_tokens).chunk(2, dim=-1)
+            hidden = hidden + layer.down(layer.act(gate) * up, adapter_tokens)
         if not all_logits and not decode:
             hidden = hidden[torch.cumsum(counts, 0) - 1]
         return self.output_logits(hidden)
+
+    def _adapter_tokens(self, adapter_rows: "torch.Tensor | None", row: "torch.Tensor",
+                        decode: bool) -> AdapterTokens:
+        """The packed tokens of the rows in ``adapter_rows`` (see :data:`AdapterTokens`)."""
+        if adapter_rows is None or not self.has_unmerged_adapter:
+            return None
+        selected = adapter_rows if decode else adapter_rows[row]
+        if bool(selected.all()):
+            return slice(None)
+        if not bool(selected.any()):
+            return None
+        return selected.nonzero().squeeze(1)
 
     def output_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
         """Final norm and output layer: float32 logits ``[..., V]``."""

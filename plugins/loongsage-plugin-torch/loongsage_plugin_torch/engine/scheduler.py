@@ -69,7 +69,7 @@ class Scheduler(BatchStepMixin):
         self.paused = False
         self.released: set[str] = set()
         self.version = 0
-        self.adapter: Any = None  # an engine.adapter.AdapterMerger when the job trains a LoRA adapter
+        self.adapter: Any = None  # an engine.adapter.AdapterUpdater when the job trains a LoRA adapter
         self.stats = EngineStats()
         self._generator = torch.Generator().manual_seed(settings.seed)
         self._cond = threading.Condition()

@@ -8,6 +8,9 @@ import attrs
 
 from loongsage_hookspecs import JobSettings
 
+LORA_MODES = ("merged", "unmerged")
+"""How the embedded engine applies a LoRA adapter (``[rollout] engine_args.lora_mode``)."""
+
 
 class EngineConfigError(ValueError):
     """``[rollout] engine_args`` holds an unknown key or a bad value; the message names it."""
@@ -23,6 +26,11 @@ class EngineSettings:
     ``num_threads``: torch intra-op threads of the decode loop (unset: torch's default; on a
     shared CPU 1 is often fastest for small models). ``seed``: the random stream of requests that
     give no ``sampling_seed``. ``max_request_mb``: largest accepted HTTP body (weight updates).
+    ``lora_mode`` (with ``[train] lora``): ``"merged"`` adds the adapter into the weights, so every
+    request gets it and a decode step costs what it costs without LoRA; ``"unmerged"`` keeps the
+    base weights and applies the adapter per request, to the requests whose ``lora_path`` names
+    it (the others get the base model), at the cost of two small extra matrix products per
+    adapted projection.
     ``max_context_length`` comes from ``[rollout] max_context_length``.
     """
 
@@ -33,6 +41,7 @@ class EngineSettings:
     num_threads: int | None = None
     seed: int = 0
     max_request_mb: int = 4096
+    lora_mode: str = "merged"
 
     @classmethod
     def from_job(cls, job: JobSettings) -> "EngineSettings":
@@ -45,6 +54,12 @@ class EngineSettings:
                     f"[rollout] engine_args: unknown key '{key}' for the torch engine; valid keys: {', '.join(valid)}")
         values: dict[str, Any] = {"max_context_length": rollout.max_context_length, "seed": job.run.seed}
         for key, value in args.items():
+            if key == "lora_mode":
+                if value not in LORA_MODES:
+                    raise EngineConfigError(f"[rollout] engine_args.lora_mode must be one of "
+                                            f"{', '.join(repr(m) for m in LORA_MODES)}, got {value!r}")
+                values[key] = value
+                continue
             if key == "num_threads" and value is None:
                 values[key] = None
                 continue
