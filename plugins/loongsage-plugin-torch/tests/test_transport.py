@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing import shared_memory
@@ -279,25 +280,29 @@ def test_inprocess_sender_hands_the_same_tensors_to_every_engine():
     assert list(inprocess_receiver(RECEIVER).receive({"named_tensors": tensors[:2]})) == tensors[:2]
 
 
-def test_blocks_of_killed_senders_are_reclaimed():
-    """A run killed with SIGKILL cannot unlink its blocks; the next sender on the node does."""
+def test_blocks_of_killed_senders_are_reclaimed(tmp_path):
+    """A run killed with SIGKILL (its whole process tree, Python's resource tracker too) cannot
+    unlink its blocks; the next sender on the node does."""
     import subprocess
     import sys
 
     from loongsage_plugin_torch.transport import shm
 
-    code = ("import time; from multiprocessing import shared_memory; "
+    # the child's block is unknown to its resource tracker, which would otherwise unlink it once
+    # the child dies: what is left is exactly what a killed process tree leaves
+    code = ("import time; from multiprocessing import resource_tracker, shared_memory; "
             "from loongsage_plugin_torch.transport.shm import _block_name; "
             "b = shared_memory.SharedMemory(name=_block_name(), create=True, size=4096); "
+            "resource_tracker.unregister(b._name, 'shared_memory'); "
             "print(b.name, flush=True); time.sleep(600)")
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     orphan = child.stdout.readline().strip()
     child.kill()
     child.wait()
+    assert orphan.startswith(shm.BLOCK_PREFIX)
     alive = shared_memory.SharedMemory(name=shm._block_name(), create=True, size=4096)  # this process lives
     try:
-        assert orphan.startswith(shm.BLOCK_PREFIX)
-        shared_memory.SharedMemory(name=orphan).close()  # the killed child's block is still there
+        # (another test's sender running beside this one may reclaim the orphan first: same result)
         with shm.ShmSender(bucket_bytes=1024):
             pass
         with pytest.raises(FileNotFoundError):
@@ -306,3 +311,11 @@ def test_blocks_of_killed_senders_are_reclaimed():
     finally:
         alive.close()
         alive.unlink()
+
+    # which names are judged, on a directory of its own: a dead sender's, a live one's, a stranger
+    dead = f"{shm.BLOCK_PREFIX}{child.pid}_0a"
+    live = f"{shm.BLOCK_PREFIX}{os.getpid()}_0b"
+    for name in (dead, live, f"{shm.BLOCK_PREFIX}notapid_0c", "other_block"):
+        (tmp_path / name).write_bytes(b"x")
+    assert shm.reclaim_orphan_blocks(str(tmp_path)) == [dead]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live, f"{shm.BLOCK_PREFIX}notapid_0c", "other_block"])
