@@ -62,8 +62,9 @@ class _LoraDelta:
 
 
 AdapterTokens = Any
-"""Which packed tokens get the unmerged adapter: ``None`` (none), ``slice(None)`` (all) or an
-index tensor."""
+"""Which packed tokens get the unmerged adapter: ``None`` (none), ``slice(None)`` (all) or a
+``[N, 1]`` 0/1 mask (a mixed batch: the low-rank product runs on every token and is masked,
+cheaper than gathering and scattering the adapter's tokens)."""
 
 
 @attrs.define(eq=False)
@@ -85,10 +86,10 @@ class _Linear:
         lora = self.lora
         if lora is None or adapter_tokens is None:
             return y
-        if isinstance(adapter_tokens, slice):
-            return y.addmm_(torch.mm(x, lora.a_t), lora.b_t, alpha=lora.scaling)
-        delta = torch.mm(torch.mm(x.index_select(0, adapter_tokens), lora.a_t), lora.b_t)
-        return y.index_add_(0, adapter_tokens, delta, alpha=lora.scaling)
+        low_rank = torch.mm(x, lora.a_t)
+        if not isinstance(adapter_tokens, slice):
+            low_rank.mul_(adapter_tokens)
+        return y.addmm_(low_rank, lora.b_t, alpha=lora.scaling)
 
 
 @attrs.define(eq=False)
@@ -373,7 +374,7 @@ class ModelRunner:
             return slice(None)
         if not bool(selected.any()):
             return None
-        return selected.nonzero().squeeze(1)
+        return selected.to(self.dtype).unsqueeze(1)
 
     def output_logits(self, hidden: "torch.Tensor") -> "torch.Tensor":
         """Final norm and output layer: float32 logits ``[..., V]``."""
