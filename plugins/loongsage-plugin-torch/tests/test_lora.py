@@ -141,6 +141,14 @@ def direct_payload(named: list) -> dict:
     return {"serialized_named_tensors": base64.b64encode(buffer.getvalue()).decode(), "load_format": "direct"}
 
 
+def scores(worker, prompt: list[int], result: dict, *, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's log-probs of a result and the trainer's for the same tokens (policy or base)."""
+    tokens = torch.tensor([prompt + result["output_ids"]])
+    batch = Batch(tensors={"input_ids": tokens, "attention_mask": torch.ones_like(tokens)})
+    trainer = (worker.reference_forward if reference else worker.forward)(batch)["logprobs"][0, len(prompt):]
+    return torch.tensor([t[0] for t in result["meta_info"]["output_token_logprobs"]]), trainer
+
+
 @pytest.mark.parametrize("transport", ["shm", "inprocess", "direct"])
 def test_engine_scores_like_the_trainer_after_an_adapter_update(transport):
     job = make_job(lr=5e-2)
@@ -169,34 +177,22 @@ def test_engine_scores_like_the_trainer_after_an_adapter_update(transport):
             out = generate(url, prompt, **({"lora_path": lora_path} if lora_path else {}))
             meta = out["meta_info"]
             assert meta["output_token_weight_versions"] == [7] * len(out["output_ids"])
-            engine_logprobs = torch.tensor([t[0] for t in meta["output_token_logprobs"]])
-            tokens = torch.tensor([prompt + out["output_ids"]])
-            trainer = worker.forward(Batch(tensors={"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}))
-            torch.testing.assert_close(engine_logprobs, trainer["logprobs"][0, len(prompt):], rtol=0, atol=1e-4)
+            engine_logprobs, trainer_logprobs = scores(worker, prompt, out)
+            torch.testing.assert_close(engine_logprobs, trainer_logprobs, rtol=0, atol=1e-4)
         assert out["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
 
         # a second version is merged from the kept base copy, not on top of the first
         train(worker, [3])
         engine.load_weights(worker.named_weights(), 8)
         out = generate(url, prompt)
-        tokens = torch.tensor([prompt + out["output_ids"]])
-        trainer = worker.forward(Batch(tensors={"input_ids": tokens, "attention_mask": torch.ones_like(tokens)}))
-        engine_logprobs = torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]])
-        torch.testing.assert_close(engine_logprobs, trainer["logprobs"][0, len(prompt):], rtol=0, atol=1e-4)
+        engine_logprobs, trainer_logprobs = scores(worker, prompt, out)
+        torch.testing.assert_close(engine_logprobs, trainer_logprobs, rtol=0, atol=1e-4)
 
         other = httpx.post(url + "/generate", json={"input_ids": prompt, "lora_path": "other"}, trust_env=False)
         assert other.status_code == 400 and other.json()["error"]["param"] == "lora_path"
         assert "names no LoRA adapter" in other.json()["error"]["message"]
     finally:
         engine.shutdown()
-
-
-def scores(worker, prompt: list[int], result: dict, *, reference: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's log-probs of a result and the trainer's for the same tokens (policy or base)."""
-    tokens = torch.tensor([prompt + result["output_ids"]])
-    batch = Batch(tensors={"input_ids": tokens, "attention_mask": torch.ones_like(tokens)})
-    trainer = (worker.reference_forward if reference else worker.forward)(batch)["logprobs"][0, len(prompt):]
-    return torch.tensor([t[0] for t in result["meta_info"]["output_token_logprobs"]]), trainer
 
 
 def test_unmerged_engine_applies_the_adapter_to_the_requests_that_name_it():

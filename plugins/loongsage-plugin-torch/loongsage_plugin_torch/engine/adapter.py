@@ -90,10 +90,10 @@ class AdapterUpdater:
             for target, pair in pending.items():
                 self._check_pair(target, pair, targets[target])
             if self.unmerged_runner is not None:
-                assert self.scaling is not None or not pending
-                self.factors.update((target, (pair["A"], pair["B"])) for target, pair in pending.items())
                 if pending:
-                    self.unmerged_runner.set_unmerged_adapter(self.factors, self.scaling or 0.0)
+                    assert self.scaling is not None  # adapter tensors without [train] lora raised above
+                    self.factors.update((target, (pair["A"], pair["B"])) for target, pair in pending.items())
+                    self.unmerged_runner.set_unmerged_adapter(self.factors, self.scaling)
                 return count
             for target, pair in pending.items():
                 self.factors[target] = (pair["A"], pair["B"])

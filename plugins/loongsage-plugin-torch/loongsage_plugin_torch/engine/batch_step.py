@@ -68,13 +68,13 @@ class BatchStepMixin:
                 req.finish = finish_json("length", length=req.item.params.max_new_tokens)
                 self._deliver(req)
                 continue
-            key = (self._kv_namespace(req), *req.tokens)
+            namespace = self._kv_namespace(req)
+            key = (namespace, *req.tokens)
             twin = by_tokens.get(key)
             if twin is not None:
                 dups.append((req, twin))
             else:
-                entry, cached = self.prefix_cache.lookup(req.tokens, self.version, len(req.tokens) - 1,
-                                                         self._kv_namespace(req))
+                entry, cached = self.prefix_cache.lookup(req.tokens, self.version, len(req.tokens) - 1, namespace)
                 n = len(req.tokens) - cached
                 if reps and new_tokens + n > budget:
                     break

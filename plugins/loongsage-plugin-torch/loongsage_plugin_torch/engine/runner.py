@@ -106,9 +106,10 @@ class _Layer:
     down: _Linear
 
 
-def _fuse_linears(linears: Sequence[Any]) -> _Linear:
+def _fuse_linears(linears: Sequence[Any]) -> tuple[_Linear, list[tuple[int, int]]]:
     """Stack ``linears`` along the output axis into one transposed ``[in, out]`` matrix (and one
-    bias) and make each module's parameters views into it, so in-place updates reach both."""
+    bias) and make each module's parameters views into it, so in-place updates reach both;
+    returns it with each linear's ``(first column, width)`` in it."""
     import torch
 
     weight_t = torch.cat([lin.weight.detach() for lin in linears], 0).t().contiguous()
@@ -118,14 +119,15 @@ def _fuse_linears(linears: Sequence[Any]) -> _Linear:
         bias = torch.cat([lin.bias.detach() for lin in linears], 0).contiguous()
     elif any(has_bias):
         raise UnsupportedModelError("embedded engine: projections of one layer mix biased and unbiased linears")
-    offset = 0
+    spans, offset = [], 0
     for lin in linears:
         rows = lin.weight.shape[0]
         lin.weight.data = weight_t[:, offset: offset + rows].t()
         if bias is not None:
             lin.bias.data = bias[offset: offset + rows]
+        spans.append((offset, rows))
         offset += rows
-    return _Linear(weight_t, bias)
+    return _Linear(weight_t, bias), spans
 
 
 def _norm_of(module: Any) -> _Norm:
@@ -198,12 +200,9 @@ class ModelRunner:
 
     def _fuse(self, linears: Sequence[Any]) -> _Linear:
         """:func:`_fuse_linears`, remembering where each projection's columns went."""
-        fused = _fuse_linears(linears)
-        offset = 0
-        for lin in linears:
-            rows = lin.weight.shape[0]
+        fused, spans = _fuse_linears(linears)
+        for lin, (offset, rows) in zip(linears, spans):
             self._parts[self._module_names[id(lin)] + ".weight"] = (fused, offset, rows)
-            offset += rows
         return fused
 
     # ------------------------------------------------------------------------------------------
