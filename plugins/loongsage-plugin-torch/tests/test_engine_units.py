@@ -19,6 +19,10 @@ FAMILIES = {
     "qwen3": dict(TINY_QWEN3),
     "qwen2": {"model_type": "qwen2", **SMALL},  # biased q/k/v projections
     "llama": {"model_type": "llama", **SMALL, "tie_word_embeddings": False},
+    # a window of 4 (shorter than every test sequence): a full layer, then a sliding one
+    "qwen2-sliding": {"model_type": "qwen2", **SMALL, "use_sliding_window": True, "sliding_window": 4,
+                      "max_window_layers": 1},
+    "qwen3-sliding": {**TINY_QWEN3, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0},
 }
 
 
@@ -89,10 +93,10 @@ def test_unsupported_architectures_are_refused_by_name():
                                                                  vocab_size=64))
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         ModelRunner(gpt2, num_slots=1)
-    sliding = model_of({**FAMILIES["qwen2"], "use_sliding_window": True, "sliding_window": 8,
-                        "max_window_layers": 0})
-    with pytest.raises(UnsupportedModelError, match="full attention"):
-        ModelRunner(sliding, num_slots=1)
+    chunked = model_of(FAMILIES["qwen3"])
+    chunked.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(UnsupportedModelError, match="chunked_attention"):
+        ModelRunner(chunked, num_slots=1)
 
 
 def test_sampling_respects_greedy_topk_topp_and_reports_raw_logprobs():

@@ -4,6 +4,7 @@ path's log-probs, loss and gradients against the padded path on a tiny Qwen3."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -37,8 +38,8 @@ def Components() -> PluginHost:  # noqa: N802 - reads like the registry a backen
     return host
 
 
-def make_worker(max_tokens: int | None, **train):
-    job = JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=TOKENIZER),
+def make_worker(max_tokens: int | None, model: dict | None = None, **train):
+    job = JobConfig(model=ModelConfig(config=dict(model or TINY_QWEN3), tokenizer=TOKENIZER),
                     train=TrainConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.0,
                                       max_tokens_per_micro_batch=max_tokens, **train),
                     algorithm=AlgorithmConfig(policy_loss="ratio_pg", loss_agg="token_mean", entropy_coef=0.01))
@@ -92,16 +93,26 @@ def test_packed_rows_restart_positions_and_attend_within_a_row():
     assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9]]
     assert packed.position_ids.tolist() == [[0, 1, 2, 0, 1]]
     assert packed.cu_seqlens.tolist() == [0, 3, 5]
-    mask = packed.attention_mask("sdpa")[0, 0]
+    mask = packed.attention_mask(SimpleNamespace(_attn_implementation="sdpa"))[0, 0]
     assert mask[4].tolist() == [False, False, False, True, True]
     assert mask[2].tolist() == [True, True, True, False, False]
-    assert packed.attention_mask("flash_attention_2") is None
+    assert packed.attention_mask(SimpleNamespace(_attn_implementation="flash_attention_2")) is None
+    # a model with sliding layers gets a mask per layer type, the sliding one within the window
+    masks = packed.attention_mask(SimpleNamespace(_attn_implementation="sdpa", sliding_window=2,
+                                                  layer_types=["full_attention", "sliding_attention"]))
+    assert torch.equal(masks["full_attention"][0, 0], mask)
+    assert masks["sliding_attention"][0, 0, 2].tolist() == [False, True, True, False, False]
+    assert masks["sliding_attention"][0, 0, 4].tolist() == [False, False, False, True, True]
     assert packed.unpack(torch.arange(1.0, 6.0)[None]).tolist() == [[0, 2, 3, 0], [0, 5, 0, 0]]
 
 
-def test_packed_forward_equals_the_padded_forward():
+SLIDING = {**TINY_QWEN3, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}
+
+
+@pytest.mark.parametrize("model", [TINY_QWEN3, SLIDING], ids=["full", "sliding_window"])
+def test_packed_forward_equals_the_padded_forward(model):
     batch = make_batch()
-    padded, packed = make_worker(None), make_worker(48)
+    padded, packed = make_worker(None, model), make_worker(48, model)
     assert packed._micro_batch_rows(batch, 3) != [[0, 1, 2], [3, 4, 5], [6]]  # packed by tokens, reordered
     a, b = padded.forward(batch), packed.forward(batch)
     assert float(a["logprobs"].abs().sum()) > 0

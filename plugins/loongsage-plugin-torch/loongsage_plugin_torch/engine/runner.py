@@ -9,7 +9,9 @@ path built for many short decode steps:
   matrix products with few rows); the model's parameters become (transposed) views into that
   storage, so an in-place weight update of ``...q_proj.weight`` updates what the runner uses;
 * keys and values go into :class:`~.kv_cache.SlotKVCache` rows and every query attends to its own
-  row with a causal, length-aware mask;
+  row with a causal, length-aware mask; a sliding-window layer (``layer_types`` /
+  ``sliding_window``, as transformers reads them) also masks keys older than its window and reads
+  only the keys its window reaches;
 * a LoRA adapter applied unmerged (``lora_mode = "unmerged"``) rides on the fused projections:
   ``x @ W + scaling * (x @ A) @ B`` for the tokens of the rows that name it, with each fused
   matrix's ``A`` stacked and ``B`` block-diagonal, so one fused projection stays two extra
@@ -130,6 +132,25 @@ def _fuse_linears(linears: Sequence[Any]) -> tuple[_Linear, list[tuple[int, int]
     return _Linear(weight_t, bias), spans
 
 
+ATTENTION_TYPES = ("full_attention", "sliding_attention")
+
+
+def _attention_windows(config: Any) -> list[int | None]:
+    """Each decoder layer's attention window: ``None`` for full attention, ``w`` for a sliding
+    window (a query at position ``q`` sees keys ``q - w < k <= q``, the transformers convention)."""
+    count = int(config.num_hidden_layers)
+    layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * count)
+    unknown = sorted(set(layer_types) - set(ATTENTION_TYPES))
+    if unknown:
+        raise UnsupportedModelError(f"embedded engine: layer types {unknown} are not supported "
+                                    f"(supported: {', '.join(ATTENTION_TYPES)})")
+    window = getattr(config, "sliding_window", None)
+    if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
+        raise UnsupportedModelError(f"embedded engine: sliding-attention layers need a positive "
+                                    f"'sliding_window', the config has {window!r}")
+    return [window if kind == "sliding_attention" else None for kind in layer_types[:count]]
+
+
 def _norm_of(module: Any) -> _Norm:
     eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", None)
     if eps is None or not hasattr(module, "weight"):
@@ -151,10 +172,7 @@ class ModelRunner:
             raise UnsupportedModelError(
                 f"embedded engine: model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
-            raise UnsupportedModelError(
-                f"embedded engine: only full attention is supported, the model has layer types {sorted(layer_types)}")
+        self.windows = _attention_windows(config)
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
@@ -314,20 +332,17 @@ class ModelRunner:
         slot = row + slot_start
         # Attention runs per KV head with the G = H / KV query heads sharing it stacked along the
         # query axis ([P, KV, G*T, D]), so grouped keys and values are read once, never repeated.
-        # mask[i, 0, g*T + t, k]: query t of row i sees key k iff k <= starts[i] + t (its position)
+        # mask[i, 0, g*T + t, k]: query t of row i sees key k iff k <= starts[i] + t (its position),
+        # and in a sliding layer k > that position - window
         G = H // KV
         qpos = starts[:, None] + torch.arange(T)[None, :]
-        mask = torch.arange(key_len)[None, None, :] <= qpos[:, :, None]
-        if decode:  # additive mask for the plain matmul attention below, [P, 1, 1, key_len]
-            mask = torch.zeros(P, 1, 1, key_len, dtype=self.dtype).masked_fill_(~mask[:, None], float("-inf"))
-        else:
-            mask = mask[:, None, None].expand(P, 1, G, T, key_len).reshape(P, 1, G * T, key_len)
+        masks = {window: self._attention_mask(qpos, key_len, window, decode) for window in set(self.windows)}
 
         hidden = self.embed(tokens)
         cos, sin = self.rotary(hidden, pos[None, :])
         cos, sin_signed = cos[0].unsqueeze(1), self._signed_sin(sin[0]).unsqueeze(1)
         q_size, kv_size = H * D, KV * D
-        for layer, k_cache, v_cache in zip(self.layers, self.cache.keys, self.cache.values):
+        for layer, window, k_cache, v_cache in zip(self.layers, self.windows, self.cache.keys, self.cache.values):
             x = self._rms(hidden, layer.attn_norm)
             qkv = layer.qkv(x, adapter_tokens)
             # queries and keys are normalised (Qwen3) and rotated together: fewer, larger ops
@@ -342,7 +357,8 @@ class ModelRunner:
             q, k = qk[:, :H], qk[:, H:]
             k_cache[slot, :, pos] = k
             v_cache[slot, :, pos] = v
-            keys, values = k_cache[slots, :, :key_len], v_cache[slots, :, :key_len]
+            first_key, mask = masks[window]
+            keys, values = k_cache[slots, :, first_key:key_len], v_cache[slots, :, first_key:key_len]
             if decode:
                 # one query per row: plain matmuls beat the fused kernel's masked path here
                 scores = torch.matmul(q.view(P, KV, G, D), keys.transpose(-1, -2)).mul_(self.scaling).add_(mask)
@@ -362,6 +378,27 @@ class ModelRunner:
         if not all_logits and not decode:
             hidden = hidden[torch.cumsum(counts, 0) - 1]
         return self.output_logits(hidden)
+
+    def _attention_mask(self, qpos: "torch.Tensor", key_len: int, window: int | None,
+                        decode: bool) -> "tuple[int, torch.Tensor]":
+        """The first key any query may see and the mask over keys ``first .. key_len - 1`` for
+        queries at positions ``qpos`` ``[P, T]``: causal, and within ``window`` when one is set
+        (so a sliding layer reads only the keys its window can reach, however long the row).
+
+        Decode gets an additive ``[P, 1, 1, K]`` mask for the plain matmul attention, prefill a
+        boolean ``[P, 1, G*T, K]`` one for SDPA, its query axis the ``G`` grouped heads stacked."""
+        torch = self._torch
+        first = 0 if window is None else max(0, int(qpos[:, 0].min()) - window + 1)
+        key = torch.arange(first, key_len)[None, None, :]
+        visible = key <= qpos[:, :, None]
+        if window is not None:
+            visible &= key > qpos[:, :, None] - window
+        P, T = qpos.shape
+        if decode:
+            return first, torch.zeros(P, 1, 1, key_len - first, dtype=self.dtype).masked_fill_(
+                ~visible[:, None], float("-inf"))
+        G = self.num_heads // self.kv_heads
+        return first, visible[:, None, None].expand(P, 1, G, T, key_len - first).reshape(P, 1, G * T, key_len - first)
 
     def _adapter_tokens(self, adapter_rows: "torch.Tensor | None", row: "torch.Tensor",
                         decode: bool) -> AdapterTokens:

@@ -70,7 +70,7 @@ class ValueModel(torch.nn.Module):
         torch.nn.init.zeros_(self.value_head.weight)
         torch.nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, *,
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict[str, torch.Tensor] | None, *,
                 compute_dtype: torch.dtype, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 values ``[B, T]``: ``values[:, t] = head(hidden[:, t - 1])``, ``values[:, 0] = 0``.
 
@@ -147,8 +147,8 @@ class TorchCriticWorker(TorchTrainWorker):
             attention = torch.ones_like(ids)
         if self.max_tokens_per_micro_batch and bool(attention.any()):  # padding-free (.packing)
             packed = PackedRows(ids, attention)
-            impl = getattr(getattr(self.model.backbone, "config", None), "_attn_implementation", None)
-            return packed.unpack(self.model(packed.input_ids, packed.attention_mask(impl),
+            config = getattr(self.model.backbone, "config", None)
+            return packed.unpack(self.model(packed.input_ids, packed.attention_mask(config),
                                             compute_dtype=self.compute_dtype, position_ids=packed.position_ids))
         full_width = ids.shape[1]
         width = max(int(attention.sum(dim=1).max()) if ids.shape[0] else 0, 1)

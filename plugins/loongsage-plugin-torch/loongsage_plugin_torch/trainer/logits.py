@@ -24,7 +24,8 @@ def decoder_of(model: Any) -> Any:
     return base
 
 
-def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "torch.Tensor | None", *,
+def next_token_logits(model: Any, input_ids: "torch.Tensor",
+                      attention_mask: "torch.Tensor | dict[str, torch.Tensor] | None", *,
                       compute_dtype: "torch.dtype", fp32_lm_head: bool,
                       position_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Float32 logits ``[B, T-1, V]``: position ``t`` scores token ``t + 1``.
@@ -49,7 +50,8 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor", attention_mask: "to
     with autocast:
         if position_ids is None:
             out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        elif attention_mask is not None and attention_mask.dim() == 4:  # an explicit block-diagonal mask
+        elif isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
+            # explicit block-diagonal mask(s), one per layer type for a model with sliding windows
             out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False)
         else:

@@ -4,7 +4,8 @@ With ``[train] max_tokens_per_micro_batch`` set, the torch trainer cuts a mini-b
 rows of a scoring pass) into micro-batches by tokens instead of rows (:func:`plan_micro_batches`,
 like verl's dynamic batch size), and runs each as **one** sequence: the rows' real tokens
 concatenated, position ids restarting at 0 for every row, and attention kept within each row.
-On the SDPA / eager attention paths that is a block-diagonal causal mask; with
+On the SDPA / eager attention paths that is a block-diagonal causal mask (and, for a model with
+sliding-window layers, a second one limited to the window); with
 ``flash_attention_2`` (``[model] attn_implementation``) the restarting position ids are what the
 varlen kernel reads its ``cu_seqlens`` from. No FLOP is spent on padding, and the per-token
 outputs are scattered back into the batch's ``[b, T]`` layout, so the loss pipeline sees exactly
@@ -61,17 +62,29 @@ class PackedRows:
     def total(self) -> int:
         return int(self.input_ids.shape[1])
 
-    def attention_mask(self, attn_implementation: str | None) -> "torch.Tensor | None":
-        """``None`` for ``flash_attention_2`` (varlen from the position ids), else the 4-D
-        block-diagonal causal mask ``[1, 1, total, total]`` (True: attend)."""
+    def attention_mask(self, config: Any) -> "torch.Tensor | dict[str, torch.Tensor] | None":
+        """The attention mask of the packed sequence for a model with ``config``.
+
+        ``None`` for ``flash_attention_2`` (varlen from the position ids; the kernel applies any
+        sliding window itself). Else the 4-D block-diagonal causal mask ``[1, 1, total, total]``
+        (True: attend); for a model with sliding-window layers, a mask per layer type as
+        transformers takes them, the ``sliding_attention`` one also limited to the window
+        (positions ``q - window < k <= q`` of the same row). A plain 4-D mask would be used as
+        given by every layer, sliding ones included."""
         import torch
 
+        attn_implementation = getattr(config, "_attn_implementation", None)
         if attn_implementation and "flash" in attn_implementation:
             return None
         row = self.row_of_token
         same = row[:, None] == row[None, :]
         causal = torch.ones(self.total, self.total, dtype=torch.bool, device=row.device).tril()
-        return (same & causal)[None, None]
+        mask = same & causal
+        if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
+            return mask[None, None]
+        pos = self.position_ids[0]
+        window = mask & (pos[None, :] > pos[:, None] - int(config.sliding_window))
+        return {"full_attention": mask[None, None], "sliding_attention": window[None, None]}
 
     def unpack(self, flat: "torch.Tensor") -> "torch.Tensor":
         """``[1, total]`` per-token values back to the rows' ``[b, T]`` layout (0 on padding and
@@ -94,8 +107,7 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
     from .logits import logprobs_and_entropy, next_token_logits
 
     packed = PackedRows(input_ids, attention_mask)
-    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    logits = next_token_logits(model, packed.input_ids, packed.attention_mask(impl),
+    logits = next_token_logits(model, packed.input_ids, packed.attention_mask(getattr(model, "config", None)),
                                compute_dtype=compute_dtype, fp32_lm_head=fp32_lm_head,
                                position_ids=packed.position_ids)
     logprobs, entropy = logprobs_and_entropy(logits, packed.input_ids, entropy_grad=entropy_grad)
