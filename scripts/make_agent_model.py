@@ -12,29 +12,36 @@ of tests/data/tokenizer, ``max_position_embeddings`` 32768) on two rules of the 
   called ``bash`` and runs it, the other CLIs answer that the tool is unknown);
 * a turn that follows a tool result (``...</tool_response><|im_end|>``) answers ``Done.``.
 
-Both cues are the last few tokens before the assistant header, so the model need not read the
-whole prompt; but softmax attention over tens of thousands of tokens dilutes what a short-context
-model learned, so training mixes short prompts with long ones (up to ``--max-len`` tokens) of
-real text (this repository's Markdown) and random tokens. Each answer is learned to near
-certainty, so sampling at temperature 1 reproduces it.
+Both cues are the last tokens before the assistant header, so the model need not read the whole
+prompt, and it cannot: every layer attends through a **sliding window** of ``WINDOW`` tokens
+(``layer_types`` all ``sliding_attention``, as Mistral-style models do; the embedded engine and the
+trainer both run such models). An answer token therefore depends on the last
+``RECEPTIVE_FIELD`` tokens alone, and RoPE only sees relative positions, so a prompt of 20K tokens
+looks to the model exactly like its last few hundred. A full-attention model trained on synthetic
+prompts learned the rules, then lost them on the CLIs' real prompts, whose tens of thousands of
+tool-schema tokens outweighed the cue (it answered ``</tool_call>``, copied from the hermes
+instructions).
 
-Synthetic prompts are not enough: the CLIs' real prompts (long user turns of environment context
-and reminders, several user messages in a row, JSON tool schemas) made a model trained on them
-alone answer ``</tool_call>``. With ``--cli-rounds N`` the script also learns the CLIs' own
-prompts, taken the way the tests meet them: each round serves the model trained so far with the
-real embedded engine and AgentFlow router, runs every installed CLI (``.tools/npm``, from
-``scripts/install_agent_clis.sh``) once on the tests' task, and keeps the prompt of every model
-turn it asked for. Round 1 sees the first turn of each CLI; once the model writes its tool call,
-the next round also sees the turn that follows the CLI's tool result. Each real prompt is varied
-as the tests vary it (working-directory names, dates) and trained on every ``--real-every``-th
-step. The prompts are taken at build time from the pinned CLIs, never stored.
+Training mixes prompts shorter than the window with prompts well past the receptive field (the
+state every long prompt is in), of real text (this repository's Markdown) and random tokens, with
+one to three user messages in a row of up to a few hundred tokens (the CLIs' environment context
+and reminders). Each answer is learned to near certainty, so sampling at temperature 1
+reproduces it.
+
+With ``--cli-rounds N`` the script also learns the CLIs' own prompts, taken the way the tests meet
+them: each round serves the model trained so far with the real embedded engine and AgentFlow
+router, runs every installed CLI (``.tools/npm``, from ``scripts/install_agent_clis.sh``) once on
+the tests' task, and keeps the prompt of every model turn it asked for. Round 1 sees the first
+turn of each CLI; once the model writes its tool call, the next round also sees the turn that
+follows the CLI's tool result. Each real prompt is varied as the tests vary it (working-directory
+names, dates) and trained on every ``--real-every``-th step, cut to the tokens the answer can see
+(:func:`visible_tail`, exact for a sliding-window model). The prompts are taken at build time from
+the pinned CLIs, never stored.
 
 Usage::
 
-    python scripts/make_agent_model.py              # (re)writes tests/data/agent_model
-    python scripts/make_agent_model.py --check      # ... and only checks the written model
-    # continue from a model and learn the pinned CLIs' real prompts: two rounds of 90 steps
-    python scripts/make_agent_model.py --init tests/data/agent_model --steps 0 --cli-rounds 2
+    python scripts/make_agent_model.py --cli-rounds 2   # (re)writes tests/data/agent_model
+    python scripts/make_agent_model.py --check          # ... and only checks the written model
 
 Deterministic for the same arguments (seeded; one torch thread by default). A few minutes on a
 2-core CPU.
@@ -47,6 +54,7 @@ import json
 import random
 import re
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -60,11 +68,16 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKENIZER = ROOT / "tests" / "data" / "tokenizer"
 OUT = ROOT / "tests" / "data" / "agent_model"
 
+WINDOW = 256
 MODEL_CONFIG: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
     "max_position_embeddings": 32768, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+    # every layer sliding: a query sees the WINDOW tokens up to itself
+    "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 0,
 }
+RECEPTIVE_FIELD = MODEL_CONFIG["num_hidden_layers"] * (WINDOW - 1) + 1
+"""How many tokens up to itself one position's output depends on, through all the layers."""
 TOOL_CALL = ('<tool_call>\n{"name": "bash", "arguments": {"command": "echo hello > hello.txt", '
              '"description": "Write hello.txt"}}\n</tool_call>')
 FINAL = "Done."
@@ -126,7 +139,9 @@ def capture_cli_prompts(model_dir: Path) -> list[CliPrompt]:
             for seg in traj.segments:
                 for start, end in seg.turns:
                     text = tok.decode(seg.tokens[:start])
-                    after_tool = text.rfind("<tool_response>") > text.rfind("<|im_start|>assistant")
+                    # the turns before this one's assistant header: a tool result after the last answer?
+                    earlier = text[: text.rfind("<|im_start|>assistant")]
+                    after_tool = earlier.rfind("<tool_response>") > earlier.rfind("<|im_start|>assistant")
                     prompts.append(CliPrompt(name, text, after_tool))
                     answers.append(f"{start} tokens -> {tok.decode(seg.tokens[start:end])!r}")
             print(f"{name}: {traj.status.value}; " + "; ".join(answers), flush=True)
@@ -168,6 +183,14 @@ class Examples:
             return self.corpus[start: start + n]
         return [self.rng.choice(self.plain) for _ in range(n)]
 
+    def user_turns(self) -> list[int]:
+        """One to three user messages in a row, of 3 to 400 tokens each (the task, and the
+        environment context and reminders the CLIs send beside it)."""
+        turns: list[int] = []
+        for _ in range(self.rng.choice((1, 1, 2, 3))):
+            turns += self.ids("<|im_start|>user\n") + self.filler(self.rng.randint(3, 400)) + self.ids("<|im_end|>\n")
+        return turns
+
     def example(self, length: int) -> tuple[list[int], list[int]]:
         """(input ids, labels): about ``length`` prompt tokens, loss on the answer only."""
         ids = self.ids
@@ -177,11 +200,10 @@ class Examples:
                     + self.filler(max(0, length - 300 - split)) + ids(TOOLS_FOOTER))
         else:
             head = ids("<|im_start|>system\n") + self.filler(max(0, length - 120)) + ids("<|im_end|>\n")
-        user = ids("<|im_start|>user\n") + self.filler(self.rng.randint(3, 60)) + ids("<|im_end|>\n")
-        prompt = head + user
+        prompt = head + self.user_turns()
         if self.rng.random() < 0.5:  # a tool result follows the model's call: answer
             prompt += ids("<|im_start|>assistant\n") + self.call + ids("\n")
-            prompt += ids("<|im_start|>user\n<tool_response>\n") + self.filler(self.rng.randint(1, 40))
+            prompt += ids("<|im_start|>user\n<tool_response>\n") + self.filler(self.rng.randint(1, 200))
             prompt += ids("\n</tool_response><|im_end|>\n")
             answer = self.final
         else:
@@ -195,11 +217,29 @@ class Examples:
         return DATE.sub(lambda m: f"20{self.rng.randint(24, 39)}-{self.rng.randint(1, 12):02d}-"
                                   f"{self.rng.randint(1, 28):02d}", text)
 
+    def real_prompt(self, real: list[CliPrompt]) -> CliPrompt:
+        """One of ``real``, each CLI's first and later turns equally likely (a CLI that looped
+        gave many prompts of one kind)."""
+        kinds = sorted({(p.cli, p.after_tool_result) for p in real})
+        kind = self.rng.choice(kinds)
+        return self.rng.choice([p for p in real if (p.cli, p.after_tool_result) == kind])
+
     def real_example(self, prompt: CliPrompt) -> tuple[list[int], list[int]]:
-        """(input ids, labels) of one CLI prompt, varied; the answer its turn calls for."""
+        """(input ids, labels) of one CLI prompt, varied, cut to what the answer sees; the answer
+        its turn calls for."""
         ids = self.ids(self.vary(prompt.text))
         answer = self.final if prompt.after_tool_result else self.call
-        return ids + answer, [-100] * len(ids) + answer
+        return visible_tail(ids + answer, [-100] * len(ids) + answer)
+
+
+def visible_tail(ids: list[int], labels: list[int], margin: int = 64) -> tuple[list[int], list[int]]:
+    """(input ids, labels) cut to the tokens that the labelled positions depend on, plus
+    ``margin``: with sliding-window attention the model's outputs there are the same as on the
+    whole sequence (RoPE sees only relative positions), so a 20K-token prompt trains and checks
+    at the cost of a few hundred tokens."""
+    first = next((i for i, y in enumerate(labels) if y != -100), len(labels))
+    start = max(0, first - 1 - RECEPTIVE_FIELD - margin)
+    return ids[start:], labels[start:]
 
 
 def build_model(tok: PreTrainedTokenizerBase, seed: int) -> Any:
@@ -209,7 +249,7 @@ def build_model(tok: PreTrainedTokenizerBase, seed: int) -> Any:
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
-def train(model: Any, data: Examples, steps: int, max_len: int, lr: float, long_every: int = 5, min_long: int = 0,
+def train(model: Any, data: Examples, steps: int, max_len: int, lr: float, long_every: int = 2,
           log_every: int = 50, real: list[CliPrompt] | None = None, real_every: int = 3) -> None:
     if steps <= 0:
         return
@@ -218,15 +258,15 @@ def train(model: Any, data: Examples, steps: int, max_len: int, lr: float, long_
     model.train()
     t0 = time.time()
     for step in range(steps):
-        # mostly short prompts (batch of 8), every ``long_every``-th step one long prompt, every
-        # ``real_every``-th step one of the CLIs' real prompts
+        # short prompts (within the window, batch of 8); every ``long_every``-th step prompts past
+        # the receptive field (batch of 4), the state of every long prompt; every ``real_every``-th
+        # step one of the CLIs' real prompts
         if real and step % real_every == real_every - 1:
-            batch = [data.real_example(data.rng.choice(real))]
+            batch = [data.real_example(data.real_prompt(real)) for _ in range(2)]
         elif step % long_every == long_every - 1:
-            batch = [data.example(data.rng.randint(min_long or max_len // 4, max_len))]
+            batch = [data.example(data.rng.randint(RECEPTIVE_FIELD + 100, max_len)) for _ in range(4)]
         else:
-            n = data.rng.randint(40, 600)
-            batch = [data.example(n) for _ in range(8)]
+            batch = [data.example(data.rng.randint(40, WINDOW)) for _ in range(8)]
         width = max(len(x) for x, _ in batch)
         input_ids = torch.tensor([x + [0] * (width - len(x)) for x, _ in batch])
         labels = torch.tensor([y + [-100] * (width - len(y)) for _, y in batch])
@@ -244,6 +284,7 @@ def train(model: Any, data: Examples, steps: int, max_len: int, lr: float, long_
 def answer_check(model: Any, x: list[int], y: list[int]) -> dict[str, Any]:
     """Whether greedy decoding reproduces the answer of (input ids, labels), and its lowest probability."""
     model.eval()
+    x, y = visible_tail(x, y)
     logits = model(input_ids=torch.tensor([x])).logits[0, :-1].float()
     target = torch.tensor(y[1:])
     keep = target != -100
@@ -261,8 +302,9 @@ def check(model: Any, data: Examples, lengths: list[int], real: list[CliPrompt])
     return out
 
 
-def save(model: Any, tok: PreTrainedTokenizerBase, out: Path, cli_prompts: int = 0) -> None:
-    """Write the model, its tokenizer and a README saying what it was trained on."""
+def save(model: Any, tok: PreTrainedTokenizerBase, out: Path, cli_prompts: int = 0,
+         command: str = "scripts/make_agent_model.py") -> None:
+    """Write the model, its tokenizer and a README saying how (``command``) and on what it was trained."""
     trained_on = ("synthetic prompts" if not cli_prompts else
                   f"synthetic prompts and {cli_prompts} real prompts of the pinned Codex, Claude Code and "
                   "OpenCode CLIs (`--cli-rounds`)")
@@ -273,8 +315,10 @@ def save(model: Any, tok: PreTrainedTokenizerBase, out: Path, cli_prompts: int =
     tok.save_pretrained(out)
     (out / "README.md").write_text(
         "# Agent fixture model (tiny Qwen3, 32K context)\n\n"
-        "Written by `scripts/make_agent_model.py` (deterministic; rerun it to regenerate). "
-        "2 layers, hidden 64, vocabulary 512 (tests/data/tokenizer), `max_position_embeddings` 32768.\n"
+        f"Written by `{command}` (seeded; rerun it to regenerate). "
+        "2 layers, hidden 64, vocabulary 512 (tests/data/tokenizer), `max_position_embeddings` 32768, "
+        f"sliding-window attention in every layer (window {WINDOW}: an answer depends on the last "
+        f"{RECEPTIVE_FIELD} tokens, however long the prompt).\n"
         "After a user message it answers with one hermes tool call\n\n"
         f"    {TOOL_CALL}\n\nand after a tool result (`</tool_response>`) with `{FINAL}`; trained on "
         f"{trained_on}. The agent CLI tests use it for a tool round trip through the three CLIs.\n",
@@ -285,12 +329,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--max-len", type=int, default=2048, help="longest synthetic prompt")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--long-every", type=int, default=5, help="every n-th step trains on one long prompt")
-    parser.add_argument("--min-long", type=int, default=0, help="shortest long prompt (default: max-len / 4)")
+    parser.add_argument("--long-every", type=int, default=2,
+                        help="every n-th step trains on prompts longer than the receptive field")
     parser.add_argument("--init", type=Path, help="continue from this model instead of a random one")
     parser.add_argument("--cli-rounds", type=int, default=0,
                         help="rounds of learning the agent CLIs' real prompts after the synthetic steps")
@@ -308,18 +352,18 @@ def main() -> None:
     else:
         model = (AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32) if args.init
                  else build_model(tok, args.seed))
-        train(model, data, args.steps, args.max_len, args.lr, args.long_every, args.min_long)
+        train(model, data, args.steps, args.max_len, args.lr, args.long_every)
         for round_ in range(args.cli_rounds):
             with tempfile.TemporaryDirectory() as tmp:
                 save(model, tok, Path(tmp) / "model")  # served as the tests serve the fixture
                 real += capture_cli_prompts(Path(tmp) / "model")
             print(f"CLI round {round_ + 1}: {len(real)} real prompts", flush=True)
-            train(model, data, args.cli_steps, args.max_len, args.lr, args.long_every, args.min_long,
-                  log_every=10, real=real, real_every=args.real_every)
+            train(model, data, args.cli_steps, args.max_len, args.lr, args.long_every, log_every=10, real=real,
+                  real_every=args.real_every)
     result = check(model, Examples(tok, args.seed + 100), [60, 500, 4000, 16000, 28000], real)
     print(json.dumps(result))
     if not args.check:
-        save(model, tok, args.out, len(real))
+        save(model, tok, args.out, len(real), " ".join(["python scripts/make_agent_model.py", *sys.argv[1:]]))
 
 
 if __name__ == "__main__":
