@@ -278,6 +278,8 @@ class AsyncRLController(RLController):
             "timing/wait": waited,
             "timing/step": step_time,
             "perf/wait_ratio": waited / max(step_time, 1e-9),
+            # the learn phase's own work (the event loop's thread runs rollouts beside the rest)
+            "perf/controller_overhead_ratio": metrics.get("timing/controller_overhead", 0.0) / max(step_time, 1e-9),
             "perf/generated_tokens": tokens,
             "perf/weight_version": float(self.version),
             "fault/engine_restarts": float(self.faults.engine_restarts),

@@ -22,7 +22,7 @@ import time
 from typing import Any
 
 from ..config import JobConfig
-from .remote import gather
+from .remote import gather, waiting
 
 TRAINING_TAGS = ("kv_cache", "weights")
 
@@ -42,7 +42,8 @@ class PhaseSwitch:
         async def on_every_engine() -> None:
             await asyncio.gather(*(getattr(c, action)(list(tags)) for c in self.clients))
 
-        self.loop.run_until_complete(on_every_engine())
+        with waiting():
+            self.loop.run_until_complete(on_every_engine())
 
     def to_training(self) -> dict[str, float]:
         """Engines release their memory, then the trainer ranks onload."""

@@ -9,7 +9,45 @@ real workers can run in one process without a Ray cluster (the controller tests 
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+import contextlib
+import threading
+import time
+from typing import Any, Iterable, Iterator
+
+_clock = threading.local()
+
+
+@contextlib.contextmanager
+def waiting() -> Iterator[None]:
+    """Count the block as time this thread spends waiting on actors or engines (not its own work);
+    nested blocks count once. :func:`gather` and in-process calls count themselves."""
+    depth = getattr(_clock, "depth", 0)
+    _clock.depth = depth + 1
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _clock.depth = depth
+        if depth == 0:
+            _clock.seconds = waited_s() + time.perf_counter() - start
+
+
+def waited_s() -> float:
+    """Seconds this thread has spent in :func:`waiting` blocks so far."""
+    return float(getattr(_clock, "seconds", 0.0))
+
+
+@contextlib.contextmanager
+def own_time(into: dict[str, float], key: str) -> Iterator[None]:
+    """Add to ``into[key]`` the block's elapsed seconds less what it spent :func:`waiting`: the
+    controller's own work in it (building and padding batches, advantages, serialising rows,
+    bookkeeping)."""
+    start, waited = time.perf_counter(), waited_s()
+    try:
+        yield
+    finally:
+        own = time.perf_counter() - start - (waited_s() - waited)
+        into[key] = into.get(key, 0.0) + own
 
 
 class LocalRef:
@@ -31,7 +69,8 @@ class _LocalMethod:
 
     def remote(self, *args: Any, **kwargs: Any) -> LocalRef:
         try:
-            return LocalRef(self._fn(*args, **kwargs))
+            with waiting():  # the actor's work, done in this thread
+                return LocalRef(self._fn(*args, **kwargs))
         except Exception as exc:  # delivered by gather(), like ray.get re-raises an actor's error
             return LocalRef(error=exc)
 
@@ -53,4 +92,5 @@ def gather(refs: Iterable[Any]) -> list[Any]:
         return [r.result() for r in refs]
     import ray
 
-    return list(ray.get(refs))
+    with waiting():
+        return list(ray.get(refs))

@@ -29,11 +29,14 @@ from ..flops import ModelShape, generation_flops, mfu, scoring_flops
 from .batching import build_batch
 from .metrics import rollout_metrics
 from .mixing import interleave_by_source
-from .remote import gather
+from .remote import gather, own_time, waited_s
 from .state import RunState
 from .worker_group import WorkerGroup, mean_metrics
 
 TRAINED_PROMPTS = "trained_prompts.jsonl"
+CONTROLLER_OVERHEAD = "timing/controller_overhead"
+"""The controller's own work in a step (seconds): building and padding the batch, advantages,
+shipping rows, bookkeeping; the rollout and the time spent waiting on actors and engines excluded."""
 
 
 class StepRunner(RunState):
@@ -108,8 +111,17 @@ class StepRunner(RunState):
         """Train on ``groups`` (rows, old/reference log-probs, advantages, mini-batches).
 
         Returns the ``train/*`` metrics and the number of trained tokens; the caller moves the
-        new weights to the engines (the sync and async loops do that differently).
+        new weights to the engines (the sync and async loops do that differently). The metrics
+        carry ``timing/controller_overhead``: the seconds of this thread's own work in it (what
+        was not spent waiting on the actors).
         """
+        own: dict[str, float] = {}
+        with own_time(own, CONTROLLER_OVERHEAD):
+            metrics, tokens = self._learn(groups, step)
+        metrics.update(own)
+        return metrics, tokens
+
+    def _learn(self, groups: Sequence[TrajectoryGroup], step: int) -> tuple[dict[str, float], float]:
         assert self.actors is not None
         t0 = time.perf_counter()
         batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0,
@@ -207,7 +219,7 @@ class StepRunner(RunState):
         t0 = time.perf_counter()
         assert self.phases is not None
         groups, metrics = self.collect(step)
-        t_rollout = time.perf_counter()
+        t_rollout, waited = time.perf_counter(), waited_s()
         metrics.update(self.phases.to_training())
         train_metrics, tokens = self.learn(groups, step)
         self.record_rollouts(step, groups)
@@ -221,15 +233,20 @@ class StepRunner(RunState):
         metrics.update(self.phases.to_generation())
         t_update = time.perf_counter()
         self.record_trained(step, groups)
+        metrics.update(self.rollout_mfu(t_rollout - t0))
+        end = time.perf_counter()
+        # everything after the rollout that was not waiting on actors or engines
+        overhead = end - t_rollout - (waited_s() - waited)
         metrics.update({
             "timing/rollout": t_rollout - t0,
             "timing/train": t_train - t_rollout,
             "timing/update_weights": t_update - t_train,
-            "timing/step": time.perf_counter() - t0,
+            "timing/step": end - t0,
+            CONTROLLER_OVERHEAD: overhead,
+            "perf/controller_overhead_ratio": overhead / max(end - t0, 1e-9),
             "perf/generated_tokens": tokens,
             "perf/weight_version": float(self.version),
             "perf/tokens_per_s": tokens / max(t_rollout - t0, 1e-9),
-            **self.rollout_mfu(t_rollout - t0),
             "fault/engine_restarts": float(self.faults.engine_restarts),
         })
         return metrics

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -135,3 +137,37 @@ def test_colocated_phases_hand_over_the_devices_in_order(controller_factory):
                      "trainer.push:1", "trainer.offload", "engine0.resume_memory:kv_cache"]
     assert c.events.index("trainer.train") == 2  # trained between the onload and the weight sync
     assert torch.isfinite(torch.tensor(c.trainer.norms[0].num_tokens))
+
+
+def test_the_controller_overhead_leaves_out_the_time_spent_waiting_on_actors(controller_factory):
+    c = controller_factory()
+    trainer = c.actors.trainers[0].obj
+    train_mini_batch = trainer.train_mini_batch
+
+    def slow_train_mini_batch(batch, norm):  # one second of the actor's work, which the controller waits for
+        time.sleep(1.0)
+        return train_mini_batch(batch, norm)
+
+    trainer.train_mini_batch = slow_train_mini_batch
+    m = c.run_step(0)
+    after_rollout = m["timing/step"] - m["timing/rollout"]
+    assert after_rollout > 1.0
+    # the controller's own work: more than nothing, less than what followed the rollout minus the wait
+    assert 0.0 < m["timing/controller_overhead"] < after_rollout - 0.9
+    assert m["perf/controller_overhead_ratio"] == pytest.approx(m["timing/controller_overhead"] / m["timing/step"])
+
+
+def test_own_time_counts_a_block_less_its_waits_once():
+    from loongsage_core.controller.remote import LocalActor, gather, own_time, waiting
+
+    class Sleeper:
+        def nap(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    actor, into = LocalActor(Sleeper()), {}
+    with own_time(into, "own"):
+        time.sleep(0.05)  # the block's own work
+        with waiting():  # nested: counted once
+            assert gather([actor.nap.remote(0.5), actor.nap.remote(0.5)]) == [0.5, 0.5]
+    assert 0.05 <= into["own"] < 0.5
