@@ -108,10 +108,16 @@ def test_worker_satisfies_protocol_and_forward_matches_float64_reference():
     logp = torch.log_softmax(logits, -1)
     expected = logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1)
-    valid = batch["attention_mask"][:, 1:].bool()
+    # the response tokens (loss mask) are scored; prompts and padding hold 0
+    valid = batch["loss_mask"][:, 1:].bool()
+    assert bool((batch["attention_mask"][:, 1:].bool() & ~valid).any())  # some prompt tokens are left out
     torch.testing.assert_close(out["logprobs"][:, 1:][valid].double(), expected[valid], rtol=0, atol=2e-5)
     torch.testing.assert_close(out["entropy"][:, 1:][valid].double(), entropy[valid], rtol=0, atol=2e-5)
-    assert torch.all(out["logprobs"][:, 1:][~valid] == 0)
+    assert torch.all(out["logprobs"][:, 1:][~valid] == 0) and torch.all(out["entropy"][:, 1:][~valid] == 0)
+    # without a loss mask every real token is scored
+    full = worker.forward(Batch(tensors={k: v for k, v in batch.tensors.items() if k != "loss_mask"}))
+    real = batch["attention_mask"][:, 1:].bool()
+    torch.testing.assert_close(full["logprobs"][:, 1:][real].double(), expected[real], rtol=0, atol=2e-5)
 
 
 @pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
@@ -279,7 +285,7 @@ def test_bf16_with_fp32_lm_head_computes_logits_in_float32():
     fp32 = torch.log_softmax(hidden.float() @ w.float().T, -1)
     bf16 = torch.log_softmax((hidden.bfloat16() @ w.bfloat16().T).float(), -1)
     ids = batch["input_ids"][:, 1:, None]
-    valid = batch["attention_mask"][:, 1:].bool()
+    valid = batch["loss_mask"][:, 1:].bool()  # the scored tokens
     got = out["logprobs"][:, 1:][valid]
     want_fp32 = fp32.gather(-1, ids).squeeze(-1)[valid]
     want_bf16 = bf16.gather(-1, ids).squeeze(-1)[valid]

@@ -40,26 +40,34 @@ class ForwardPassMixin:
                        ) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]":
         """Log-probs, entropies ``[b, T]`` and (optionally) next-token logits of one micro-batch.
 
-        Padding positions hold 0; columns past the micro-batch's longest row are not computed.
+        Only the tokens of the micro-batch's ``loss_mask`` (the responses) are scored, unless the
+        logits are kept (every position's, for a loss that reads them) or there is no loss mask:
+        the output projection and the log-softmax skip the prompts (:func:`.logits.next_token_logits`).
+        Every other position holds 0; columns past the micro-batch's longest row are not computed.
         """
         ids = micro["input_ids"]
         attention = micro.get("attention_mask")
         if attention is None:
             attention = torch.ones_like(ids)
+        loss_mask = micro.get("loss_mask")
+        scored = None if keep_logits or loss_mask is None else loss_mask > 0
         # padding-free micro-batches (.packing); rows that are already packed (SFT) keep their own positions
         if (self.max_tokens_per_micro_batch and not keep_logits and "position_ids" not in micro
                 and bool(attention.any())):
             logprobs, entropy = packed_token_outputs(self.model, ids, attention, compute_dtype=self.compute_dtype,
-                                                     fp32_lm_head=self.fp32_lm_head, entropy_grad=entropy_grad)
+                                                     fp32_lm_head=self.fp32_lm_head, entropy_grad=entropy_grad,
+                                                     scored=scored)
             return logprobs, entropy, None
         width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
         full_width = ids.shape[1]
         width = max(width, 1)
+        if scored is not None:
+            scored = scored[:, :width] & (attention[:, :width] > 0)
         positions = micro.get("position_ids")  # packed rows (SFT): attention stays within each sequence
         logits = next_token_logits(self.model, ids[:, :width], attention[:, :width],
                                    compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
-                                   position_ids=None if positions is None else positions[:, :width])
-        logprobs, entropy = logprobs_and_entropy(logits, ids[:, :width], entropy_grad=entropy_grad)
+                                   position_ids=None if positions is None else positions[:, :width], scored=scored)
+        logprobs, entropy = logprobs_and_entropy(logits, ids[:, :width], entropy_grad=entropy_grad, scored=scored)
         assert entropy is not None
         real = attention[:, :width] > 0
         logprobs = torch.where(real, logprobs, torch.zeros_like(logprobs))
@@ -74,7 +82,8 @@ class ForwardPassMixin:
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
-        """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, on the CPU, no gradient)."""
+        """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, on the CPU, no gradient) of
+        the tokens in the batch's ``loss_mask`` (0 elsewhere; every token without one)."""
         def outputs(micro: Batch) -> dict[str, torch.Tensor]:
             lp, ent, _ = self._token_outputs(micro, entropy_grad=False)
             return {"logprobs": lp, "entropy": ent}

@@ -27,8 +27,15 @@ def decoder_of(model: Any) -> Any:
 def next_token_logits(model: Any, input_ids: "torch.Tensor",
                       attention_mask: "torch.Tensor | dict[str, torch.Tensor] | None", *,
                       compute_dtype: "torch.dtype", fp32_lm_head: bool,
-                      position_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
+                      position_ids: "torch.Tensor | None" = None,
+                      scored: "torch.Tensor | None" = None) -> "torch.Tensor":
     """Float32 logits ``[B, T-1, V]``: position ``t`` scores token ``t + 1``.
+
+    ``scored`` (bool ``[B, T]``) names the tokens whose log-probs are wanted (a batch's
+    ``loss_mask``: the responses); the output projection then runs on the positions that predict
+    them alone and the logits are ``[K, V]``, those positions in row-major order. The projection
+    and the vocabulary-wide log-softmax are a large share of a step for a big vocabulary, and a
+    prompt's positions need neither.
 
     ``position_ids`` marks packed rows (several sequences per row, positions restarting at 0 for
     each): the decoder then gets no padding mask and transformers derives a block-diagonal causal
@@ -57,6 +64,8 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor",
         else:
             out = decoder_of(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         hidden = out.last_hidden_state[:, :-1]
+        if scored is not None:
+            hidden = hidden[scored[:, 1:]]
     bias = getattr(head, "bias", None)
     with torch.autocast(device_type=device_type, enabled=False):
         if fp32_lm_head:
@@ -68,8 +77,10 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor",
 
 
 def logprobs_and_entropy(logits: "torch.Tensor", input_ids: "torch.Tensor", *, with_entropy: bool = True,
-                         entropy_grad: bool = True) -> "tuple[torch.Tensor, torch.Tensor | None]":
-    """Token log-probs and entropies ``[B, T]`` from next-token ``logits`` ``[B, T-1, V]``.
+                         entropy_grad: bool = True, scored: "torch.Tensor | None" = None,
+                         ) -> "tuple[torch.Tensor, torch.Tensor | None]":
+    """Token log-probs and entropies ``[B, T]`` from next-token ``logits`` ``[B, T-1, V]`` (or
+    ``[K, V]`` of the ``scored`` tokens, see :func:`next_token_logits`: 0 at every other token).
 
     Uses ``logsumexp`` and a gather rather than a full ``log_softmax``; the entropy is
     ``lse - sum(softmax * logits)``. ``entropy_grad=False`` computes it without autograd history
@@ -78,15 +89,20 @@ def logprobs_and_entropy(logits: "torch.Tensor", input_ids: "torch.Tensor", *, w
     import torch
     import torch.nn.functional as F
 
-    targets = input_ids[:, 1:].unsqueeze(-1)
+    targets = input_ids[:, 1:] if scored is None else input_ids[:, 1:][scored[:, 1:]]
     lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets).squeeze(-1) - lse
-    logprobs = F.pad(picked, (1, 0))
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+    def per_token(values: "torch.Tensor") -> "torch.Tensor":
+        if scored is not None:  # back to [B, T-1], 0 at the tokens not scored
+            values = values.new_zeros(input_ids[:, 1:].shape).masked_scatter(scored[:, 1:], values)
+        return F.pad(values, (1, 0))
+
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             src = logits if entropy_grad else logits.detach()
             lse_e = lse if entropy_grad else lse.detach()
             ent = lse_e - (torch.softmax(src, dim=-1) * src).sum(-1)
-        entropy = F.pad(ent, (1, 0))
-    return logprobs, entropy
+        entropy = per_token(ent)
+    return per_token(picked), entropy

@@ -101,16 +101,21 @@ class PackedRows:
 
 def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: "torch.Tensor", *,
                          compute_dtype: "torch.dtype", fp32_lm_head: bool, entropy_grad: bool,
-                         ) -> "tuple[torch.Tensor, torch.Tensor]":
+                         scored: "torch.Tensor | None" = None) -> "tuple[torch.Tensor, torch.Tensor]":
     """Log-probs and entropies ``[b, T]`` of right-padded rows from one packed forward (the
-    padded path's ``logprobs[:, t] = log p(ids[t] | ids[:t])``, 0 at position 0 and on padding)."""
+    padded path's ``logprobs[:, t] = log p(ids[t] | ids[:t])``, 0 at position 0 and on padding;
+    with ``scored`` (bool ``[b, T]``) only at those tokens, see :func:`.logits.next_token_logits`)."""
     from .logits import logprobs_and_entropy, next_token_logits
 
     packed = PackedRows(input_ids, attention_mask)
+    flat_scored = None
+    if scored is not None:  # a row's first token predicts nothing across the boundary: never scored
+        flat_scored = scored[packed.real].unsqueeze(0).clone()
+        flat_scored[0, packed.starts] = False
     logits = next_token_logits(model, packed.input_ids, packed.attention_mask(getattr(model, "config", None)),
                                compute_dtype=compute_dtype, fp32_lm_head=fp32_lm_head,
-                               position_ids=packed.position_ids)
-    logprobs, entropy = logprobs_and_entropy(logits, packed.input_ids, entropy_grad=entropy_grad)
+                               position_ids=packed.position_ids, scored=flat_scored)
+    logprobs, entropy = logprobs_and_entropy(logits, packed.input_ids, entropy_grad=entropy_grad, scored=flat_scored)
     assert entropy is not None
     return packed.unpack(logprobs), packed.unpack(entropy)
 
