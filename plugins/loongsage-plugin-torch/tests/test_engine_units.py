@@ -39,10 +39,12 @@ def model_of(config, seed=0):
     return load_model(structure_job({"model": {"config": config, "seed": seed}}))
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_chunked_prefill_and_decode_match_a_full_forward(family):
+def test_chunked_prefill_and_decode_match_a_full_forward(family, packed):
     model, ref = model_of(FAMILIES[family]), model_of(FAMILIES[family])
-    runner = ModelRunner(model, num_slots=3)
+    runner = ModelRunner(model, num_slots=3, packed_weights=packed)
+    assert runner.packed_weights == packed  # this machine's torch packs weights for oneDNN
     gen = torch.Generator().manual_seed(1)
     # longest first: rows that finish early are at the end, so the rows still running stay in slots 0..k-1
     seqs = [torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist() for n in (23, 14, 9)]
@@ -72,14 +74,17 @@ def test_chunked_prefill_and_decode_match_a_full_forward(family):
         assert max(abs(a - b) for a, b in zip(expected, lp)) < 1e-5
 
 
-def test_fused_weights_follow_in_place_updates_of_the_hf_parameters():
+@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+def test_fused_weights_follow_in_place_updates_of_the_hf_parameters(packed):
     model, other = model_of(FAMILIES["qwen2"]), model_of(FAMILIES["qwen2"], seed=5)
-    runner = ModelRunner(model, num_slots=1)
+    runner = ModelRunner(model, num_slots=1, packed_weights=packed)
+    seq = list(range(1, 12))
+    with torch.inference_mode():  # a forward first: the packed copies are made from the old weights
+        runner.forward(torch.tensor(seq), 0, torch.tensor([0]), torch.tensor([len(seq)]))
     targets = runner.named_tensors()
-    with torch.no_grad():
+    with torch.inference_mode():  # as the engine's weight updates write them
         for name, p in other.named_parameters():
             targets[name].copy_(p)
-    seq = list(range(1, 12))
     with torch.inference_mode():
         logits = runner.forward(torch.tensor(seq), 0, torch.tensor([0]), torch.tensor([len(seq)]), all_logits=True)
     lp = torch.log_softmax(logits[:-1], -1).gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()
@@ -181,6 +186,11 @@ def test_engine_args_are_validated_by_name():
         EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"max_batchsize": 4}}}))
     with pytest.raises(EngineConfigError, match="max_prefill_tokens"):
         EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"max_prefill_tokens": 0}}}))
+    assert ok.packed_weights  # on by default
+    off = EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"packed_weights": False}}}))
+    assert not off.packed_weights
+    with pytest.raises(EngineConfigError, match="packed_weights must be true or false"):
+        EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"packed_weights": 1}}}))
 
 
 def test_generate_bodies_follow_sglang_shapes():

@@ -67,7 +67,8 @@ class EmbeddedEngine:
         self.model_path = job.model.path
         self.tokenizer_path = job.model.tokenizer or job.model.path
         self.runner = ModelRunner(self.model, num_slots=self.settings.max_batch_size,
-                                  fp32_lm_head=bool(job.model.fp32_lm_head))
+                                  fp32_lm_head=bool(job.model.fp32_lm_head),
+                                  packed_weights=self.settings.packed_weights)
         self.vocab_size = self.runner.vocab_size
         self.scheduler = Scheduler(self.runner, self.settings, _eos_ids(self.model, self.tokenizer, self.vocab_size))
         if self.tokenizer is not None:  # stop strings are matched on decoded text
