@@ -312,7 +312,9 @@ class TrainWorker(Protocol):
     """
 
     def forward(self, batch: "Batch") -> dict[str, "torch.Tensor"]:
-        """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (no gradient) for ``batch``."""
+        """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (no gradient) of the tokens in
+        ``batch``'s ``loss_mask`` (0 at every other token; every real token without a loss mask):
+        a backend need not compute the output layer for the prompts."""
         ...
 
     def train_mini_batch(self, batch: "Batch", norm: "AggregationNorm") -> dict[str, float]:

@@ -121,13 +121,17 @@ def _stage_input(micro: "Batch", width: int, rows: int, device: "torch.device") 
 def token_outputs(logits: "torch.Tensor", inputs: StageInputs, *, tp: int,
                   entropy_grad: bool) -> "tuple[torch.Tensor, torch.Tensor]":
     """Log-probs and entropies ``[rows, T]`` of a micro-batch's real rows from the last stage's
-    logits ``[rows_padded, width, vocab / tp]`` (0 at padding and position 0)."""
+    logits ``[rows_padded, width, vocab / tp]`` at the tokens of its ``loss_mask`` (0 elsewhere,
+    at padding and at position 0; every real token without a loss mask)."""
     import torch
 
     logits = _full_vocabulary(logits, tp)  # differentiable gather under TP > 1
     ids = inputs.input_ids[:inputs.rows]
     logprobs, entropy = logprobs_and_entropy(logits[:inputs.rows, :-1].float(), ids, entropy_grad=entropy_grad)
     real = _real_positions(inputs)
+    loss_mask = inputs.micro.get("loss_mask")
+    if loss_mask is not None:  # the scored tokens, as every train backend reports them (TrainWorker.forward)
+        real = real & (_fit_width(loss_mask, inputs.width) > 0)
     logprobs = torch.where(real, logprobs, torch.zeros_like(logprobs))
     entropy = torch.where(real, entropy, torch.zeros_like(entropy))
     out_width = inputs.micro["input_ids"].shape[1]

@@ -64,13 +64,14 @@ def moe_model(tmp_path_factory):
 
 
 def hf_token_outputs(model, batch: Batch) -> dict[str, torch.Tensor]:
-    """Per-token log-probs and entropies ``[B, T]`` of a transformers model (0 at padding and position 0)."""
+    """Per-token log-probs and entropies ``[B, T]`` of a transformers model at the tokens a train
+    worker scores (its ``loss_mask``; 0 elsewhere, at padding and at position 0)."""
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
     logp = torch.log_softmax(logits, -1)
     picked = logp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
     entropy = -(logp.exp() * logp).sum(-1)
-    real = batch["attention_mask"][:, 1:] > 0
+    real = batch["loss_mask"][:, 1:] > 0
     pad = (1, 0)
     return {"logprobs": torch.nn.functional.pad(torch.where(real, picked, 0.0), pad),
             "entropy": torch.nn.functional.pad(torch.where(real, entropy, 0.0), pad)}

@@ -56,10 +56,15 @@ def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
     tokens = torch.empty(B, dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if greedy:
-        idx = torch.tensor(greedy)
-        tokens[idx] = logits[idx].argmax(dim=-1)
-    if sampled:
+    # a batch of one kind (the usual case) uses ``logits`` as it is, without a copy of its rows
+    if len(greedy) == B:
+        tokens = logits.argmax(dim=-1)
+    elif len(sampled) == B:
+        tokens = _sample_rows(logits, params, generators)
+    else:
+        if greedy:
+            idx = torch.tensor(greedy)
+            tokens[idx] = logits[idx].argmax(dim=-1)
         idx = torch.tensor(sampled)
         tokens[idx] = _sample_rows(logits[idx], [params[i] for i in sampled], [generators[i] for i in sampled])
     logprobs = logprobs_all.gather(-1, tokens[:, None])[:, 0]
@@ -71,8 +76,11 @@ def _sample_rows(logits: "torch.Tensor", params: Sequence[SamplingParams],
     import torch
 
     n, V = logits.shape
-    temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
-    probs = torch.softmax(logits / temps[:, None], dim=-1)
+    if all(p.temperature == 1.0 for p in params):
+        probs = torch.softmax(logits, dim=-1)  # the same numbers as dividing by 1, one pass fewer
+    else:
+        temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
+        probs = torch.softmax(logits / temps[:, None], dim=-1)
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
     if not filtered:
