@@ -39,12 +39,15 @@ def model_of(config, seed=0):
     return load_model(structure_job({"model": {"config": config, "seed": seed}}))
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
+@pytest.mark.parametrize("packed,fused_decode", [(False, False), (True, False), (True, True)],
+                         ids=["plain", "packed", "fused-decode-attention"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_chunked_prefill_and_decode_match_a_full_forward(family, packed):
+def test_chunked_prefill_and_decode_match_a_full_forward(family, packed, fused_decode):
     model, ref = model_of(FAMILIES[family]), model_of(FAMILIES[family])
     runner = ModelRunner(model, num_slots=3, packed_weights=packed)
     assert runner.packed_weights == packed  # this machine's torch packs weights for oneDNN
+    if fused_decode:  # decode attends with the kernel long contexts use
+        runner.fused_decode_keys = 1
     gen = torch.Generator().manual_seed(1)
     # longest first: rows that finish early are at the end, so the rows still running stay in slots 0..k-1
     seqs = [torch.randint(0, runner.vocab_size, (n,), generator=gen).tolist() for n in (23, 14, 9)]
