@@ -54,10 +54,10 @@ class ForwardPassMixin:
         # padding-free micro-batches (.packing); rows that are already packed (SFT) keep their own positions
         if (self.max_tokens_per_micro_batch and not keep_logits and "position_ids" not in micro
                 and bool(attention.any())):
-            logprobs, entropy = packed_token_outputs(self.model, ids, attention, compute_dtype=self.compute_dtype,
-                                                     fp32_lm_head=self.fp32_lm_head, entropy_grad=entropy_grad,
-                                                     scored=scored)
-            return logprobs, entropy, None
+            packed_logprobs, packed_entropy = packed_token_outputs(
+                self.model, ids, attention, compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
+                entropy_grad=entropy_grad, scored=scored)
+            return packed_logprobs, packed_entropy, None
         width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
         full_width = ids.shape[1]
         width = max(width, 1)
