@@ -235,7 +235,8 @@ class StepRunner(RunState):
         self.record_trained(step, groups)
         metrics.update(self.rollout_mfu(t_rollout - t0))
         end = time.perf_counter()
-        # everything after the rollout that was not waiting on actors or engines
+        # everything after the rollout that was not waiting on actors or engines: it holds learn()'s
+        # own part (which asynchronous runs report alone) and replaces it in the metrics
         overhead = end - t_rollout - (waited_s() - waited)
         metrics.update({
             "timing/rollout": t_rollout - t0,

@@ -215,8 +215,7 @@ class ModelRunner:
         self.packed_weights = bool(packed_weights and model.device.type == "cpu"
                                    and packing_works(self.dtype, config.hidden_size, self.num_heads * self.head_dim))
         self.layers = [self._prepare(layer) for layer in decoder_layers]
-        head = self.lm_head.weight
-        self._packed_head = (PackedWeight(lambda: self.lm_head.weight, [head])
+        self._packed_head = (PackedWeight(lambda: self.lm_head.weight, [self.lm_head.weight])
                              if self.packed_weights and getattr(self.lm_head, "bias", None) is None else None)
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, kv_heads=self.kv_heads,
                                  head_dim=self.head_dim, dtype=self.dtype)

@@ -53,7 +53,6 @@ def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
 
     B, V = logits.shape
     logprobs_all = torch.log_softmax(logits, dim=-1)
-    tokens = torch.empty(B, dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.greedy]
     sampled = [i for i, p in enumerate(params) if not p.greedy]
     # a batch of one kind (the usual case) uses ``logits`` as it is, without a copy of its rows
@@ -62,6 +61,7 @@ def sample(logits: "torch.Tensor", params: Sequence[SamplingParams],
     elif len(sampled) == B:
         tokens = _sample_rows(logits, params, generators)
     else:
+        tokens = torch.empty(B, dtype=torch.long)
         if greedy:
             idx = torch.tensor(greedy)
             tokens[idx] = logits[idx].argmax(dim=-1)
