@@ -99,8 +99,12 @@ def batch_lengths(batch: Any) -> list[int]:
     return [int(x) for x in batch["attention_mask"].sum(dim=1).tolist()]
 
 
-def scoring_flops(shape: ModelShape, batch: Any) -> float:
-    """Forward FLOPs of one scoring pass over the rows of ``batch``."""
+def scoring_flops(shape: ModelShape, batch: Any, *, shared_prompts: bool = False) -> float:
+    """Forward FLOPs of one scoring pass over the rows of ``batch``; with ``shared_prompts`` (a
+    trainer that runs the prompt of a group's rows once) each group's prompt counts once, as in
+    :func:`generation_flops`."""
+    if shared_prompts and "loss_mask" in batch:
+        return generation_flops(shape, batch)
     return sum(shape.forward_flops(n) for n in batch_lengths(batch))
 
 

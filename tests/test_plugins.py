@@ -310,6 +310,7 @@ def test_shipped_components_declare_what_their_objects_do():
         ReplaceableEngines,
         ResidentTeacher,
         ReusesTrainingLogprobs,
+        SharesPrompts,
         SourcePicker,
         StepTruncation,
         StreamingMiddleware,
@@ -327,6 +328,8 @@ def test_shipped_components_declare_what_their_objects_do():
     for (kind, name), capability in expected.items():
         assert host.get(kind, name).declares(capability), (kind, name, capability)
     assert not host.get("train_backend", "megatron").declares(ReusesTrainingLogprobs)
+    assert host.get("train_backend", "torch").declares(SharesPrompts)
+    assert not host.get("train_backend", "megatron").declares(SharesPrompts)
 
 
 def test_build_names_an_argument_a_factory_passed_on_as_the_jobs(tmp_path):

@@ -28,6 +28,7 @@ from .capabilities import (
     ResidentTeacher,
     ReusesTrainingLogprobs,
     RunsPrograms,
+    SharesPrompts,
     SourcePicker,
     StepTruncation,
     StreamingMiddleware,

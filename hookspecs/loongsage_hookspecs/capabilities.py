@@ -90,6 +90,16 @@ class ReusesTrainingLogprobs(Protocol):
 
 
 @runtime_checkable
+class SharesPrompts(Protocol):
+    """A train worker that may run the prompt of the rows of a group once rather than once a row
+    (``share_prompts`` says whether it does): the ``perf/mfu_*`` metrics then count each group's
+    prompt once, the FLOPs it spent, not those of the rows as given."""
+
+    @property
+    def share_prompts(self) -> bool: ...
+
+
+@runtime_checkable
 class OnDevice(Protocol):
     """A train worker that says which device it computes on (for the ``perf/mfu_*`` metrics'
     peak FLOP/s). Without it the host assumes the CPU."""

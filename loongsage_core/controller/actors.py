@@ -29,6 +29,7 @@ from loongsage_hookspecs import (
     Offloadable,
     OnDevice,
     ReusesTrainingLogprobs,
+    SharesPrompts,
     TrainWorkerContext,
     WeightTransportContext,
 )
@@ -131,12 +132,14 @@ class ModelActor:
 
     def peak_flops(self) -> dict[str, Any]:
         """The peak FLOP/s of this trainer rank's device (``[train] peak_tflops``, the accelerator
-        table, or a matmul probe here) and the device type, for the ``perf/mfu_*`` metrics."""
+        table, or a matmul probe here), the device type, and whether the worker runs a group's
+        prompt once (:class:`SharesPrompts`), for the ``perf/mfu_*`` metrics."""
         from ..flops import device_peak_flops
 
         device = self.worker.device if isinstance(self.worker, OnDevice) else "cpu"
         peak = device_peak_flops(device, self.job.model.dtype, self.job.train.peak_tflops)
-        return {"peak": peak, "device": str(getattr(device, "type", device))}
+        shares = isinstance(self.worker, SharesPrompts) and bool(self.worker.share_prompts)
+        return {"peak": peak, "device": str(getattr(device, "type", device)), "shares_prompts": shares}
 
     def training_forward_logprobs(self) -> Any:
         """This rank's detached log-probs ``[b, T]`` of its rows of the last mini-batch when they

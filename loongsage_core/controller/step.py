@@ -161,29 +161,31 @@ class StepRunner(RunState):
             policy.call("refresh_reference")
         return metrics, float(batch["loss_mask"].sum())
 
-    def flops_setup(self) -> tuple[ModelShape | None, float, int, int]:
+    def flops_setup(self) -> tuple[ModelShape | None, float, int, int, bool]:
         """The model's shape, one device's peak FLOP/s, the trainer's and the engines' device counts
-        (1 each on a CPU: the ranks share the machine); asked of trainer rank 0 once per run."""
+        (1 each on a CPU: the ranks share the machine), and whether the trainer runs a group's
+        prompt once; asked of trainer rank 0 once per run."""
         cached = getattr(self, "_flops_setup", None)
         if cached is None:
             assert self.actors is not None
             shape = ModelShape.from_job(self.job)
-            peak, trainers, engines = 0.0, 1, 1
+            peak, trainers, engines, shares = 0.0, 1, 1, False
             if shape is not None:
                 info = gather([self.actors.trainers[0].peak_flops.remote()])[0]
-                peak = float(info["peak"])
+                peak, shares = float(info["peak"]), bool(info.get("shares_prompts"))
                 if info["device"] != "cpu":
                     trainers, engines = len(self.actors.trainers), max(1, len(self.actors.engine_urls))
-            cached = self._flops_setup = (shape, peak, trainers, engines)
+            cached = self._flops_setup = (shape, peak, trainers, engines, shares)
         return cached
 
     def phase_mfu(self, batch: Batch, metrics: dict[str, float], *, scoring_passes: int) -> dict[str, float]:
         """``perf/mfu_train`` and ``perf/mfu_logprob`` of the step's policy training and scoring
-        passes (old log-probs, reference) from their model FLOPs (:mod:`loongsage_core.flops`)."""
-        shape, peak, trainers, _ = self.flops_setup()
+        passes (old log-probs, reference) from their model FLOPs (:mod:`loongsage_core.flops`;
+        each group's prompt once when the trainer runs it once)."""
+        shape, peak, trainers, _, shares = self.flops_setup()
         if shape is None or peak <= 0:
             return {}
-        scored = scoring_flops(shape, batch)
+        scored = scoring_flops(shape, batch, shared_prompts=shares)
         out = {"perf/peak_tflops": peak / 1e12,
                "perf/mfu_train": mfu(3.0 * scored * self.job.train.ppo_epochs, metrics.get("timing/policy_train", 0.0),
                                      peak, trainers)}
@@ -194,7 +196,7 @@ class StepRunner(RunState):
 
     def rollout_mfu(self, seconds: float) -> dict[str, float]:
         """``perf/mfu_rollout``: the generation FLOPs of the step's trained rows over ``seconds``."""
-        shape, peak, _, engines = self.flops_setup()
+        shape, peak, _, engines, _ = self.flops_setup()
         if shape is None or peak <= 0 or self.last_batch is None or not len(self.last_batch):
             return {}
         return {"perf/mfu_rollout": mfu(generation_flops(shape, self.last_batch), seconds, peak, engines)}

@@ -38,6 +38,8 @@ def test_forward_training_and_generation_flops_by_hand():
                            "group_index": torch.tensor([0, 0, 1])})
     f = shape.forward_flops
     assert scoring_flops(shape, batch) == f(5) + f(3) + f(3)
+    # a trainer that runs a group's prompt once spends what generating the rows did
+    assert scoring_flops(shape, batch, shared_prompts=True) == generation_flops(shape, batch)
     assert generation_flops(shape, batch) == pytest.approx((f(5) - f(2)) + (f(3) - f(2)) + f(2) + (f(3) - f(1)) + f(1))
     assert mfu(6e9, 2.0, 1e9, devices=3) == pytest.approx(1.0)
     assert mfu(1.0, 0.0, 1e9) == 0.0
@@ -58,8 +60,18 @@ def test_the_step_reports_mfu_per_phase_from_its_flops(controller_factory):
     shape = ModelShape.from_config(TINY)
     batch = c.last_batch
     lengths = batch["attention_mask"].sum(1).tolist()
-    scored = sum(2 * shape.matmul_params * n + 2 * shape.num_layers * shape.attention_width * n * (n + 1)
-                 for n in lengths)
+    prompts = (batch["loss_mask"] > 0).float().argmax(dim=1).tolist()
+
+    def f(n):
+        return 2 * shape.matmul_params * n + 2 * shape.num_layers * shape.attention_width * n * (n + 1)
+
+    # the torch trainer runs each group's prompt once (SharesPrompts): the prompt counts once a group
+    groups = {}
+    for n, p, g in zip(lengths, prompts, batch["group_index"].tolist()):
+        groups.setdefault(g, []).append((n, p))
+    scored = sum(f(rows[0][1]) + sum(f(n) - f(p) for n, p in rows) for rows in groups.values())
+    assert scored < sum(f(n) for n in lengths)
+    assert 0 < m["perf/prompt_tokens_shared"] < 1  # and it did: a share of the step's tokens was not run
     assert m["perf/peak_tflops"] == pytest.approx(0.001)
     assert m["perf/mfu_train"] == pytest.approx(3 * scored / (m["timing/policy_train"] * 1e9), rel=1e-9)
     assert m["perf/mfu_logprob"] == pytest.approx(scored / (m["timing/old_logprobs"] * 1e9), rel=1e-9)

@@ -16,6 +16,7 @@ from loongsage_hookspecs import (
     OnDevice,
     ReusesTrainingLogprobs,
     RolloutEngineSpec,
+    SharesPrompts,
     TrainBackendSpec,
     WeightTransportSpec,
     hookimpl,
@@ -39,7 +40,8 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="torch", factory=create_train_worker,
                            description="embedded PyTorch trainer (transformers models, AdamW, DP over "
                                        "torch.distributed; LoRA through PEFT)", supports_lora=True,
-                           capabilities=(Offloadable, OnDevice, ReusesTrainingLogprobs, LoadsWeights, Closeable))
+                           capabilities=(Offloadable, OnDevice, ReusesTrainingLogprobs, SharesPrompts, LoadsWeights,
+                                         Closeable))
 
 
 @hookimpl

@@ -10,7 +10,7 @@ import pytest
 import torch
 from loongsage_plugin_torch.modeling import TINY_QWEN3
 from loongsage_plugin_torch.trainer import create_train_worker
-from loongsage_plugin_torch.trainer.packing import PackedRows, plan_micro_batches
+from loongsage_plugin_torch.trainer.packing import PackedRows, plan_micro_batches, prompt_groups
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
@@ -40,8 +40,8 @@ def Components() -> PluginHost:  # noqa: N802 - reads like the registry a backen
 
 def make_worker(max_tokens: int | None, model: dict | None = None, **train):
     job = JobConfig(model=ModelConfig(config=dict(model or TINY_QWEN3), tokenizer=TOKENIZER),
-                    train=TrainConfig(lr=1e-3, micro_batch_size=3, grad_clip=0.0,
-                                      max_tokens_per_micro_batch=max_tokens, **train),
+                    train=TrainConfig(lr=1e-3, grad_clip=0.0, max_tokens_per_micro_batch=max_tokens,
+                                      **{"micro_batch_size": 3, **train}),
                     algorithm=AlgorithmConfig(policy_loss="ratio_pg", loss_agg="token_mean", entropy_coef=0.01))
     return create_train_worker(TrainWorkerContext(job=job, components=Components()))
 
@@ -70,6 +70,16 @@ def test_the_plan_respects_the_budget_and_takes_every_row_once():
     assert [3] in plan and len(plan) == 4  # 120 tokens in 4 bins of <= 32 (the 40 alone)
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
         plan_micro_batches(lengths, 0)
+
+
+def test_the_plan_keeps_a_shared_prompt_together_and_counts_it_once():
+    lengths = [30, 30, 30, 30, 12]
+    groups = [[(0, 0), (1, 20), (2, 20), (3, 20)], [(4, 0)]]
+    # 30 + 3 * 10 = 60 tokens for the group: one micro-batch of 64 holds it (4 x 30 would not)
+    assert plan_micro_batches(lengths, 64, groups) == [[0, 1, 2, 3], [4]]
+    # over the budget: cut into pieces, each piece's first row keeping the prompt
+    # over the budget: cut into pieces of 30 + 10 tokens, each piece's first row keeping the prompt
+    assert plan_micro_batches(lengths, 45, groups) == [[0, 1], [2, 3], [4]]
 
 
 def test_ranks_get_equal_rows_and_near_equal_tokens():
@@ -178,3 +188,99 @@ def test_packed_critic_values_and_gradients_equal_the_padded_ones():
         # float32 noise scales with the gradient (the random value head makes it large here)
         scale = max(float(ga[n].abs().max()), 1.0)
         torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6 * scale)
+
+
+def make_group_batch(seed: int = 0) -> Batch:
+    """Two prompts (7 and 10 tokens) with three completions each, then a row of its own: the
+    rows of a prompt share its tokens exactly, their completions differ in content and length."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 512, (7,), generator=g), torch.randint(1, 512, (10,), generator=g)]
+    rows = [(prompts[i // 3], int(torch.randint(2, 12, (1,), generator=g))) for i in range(6)]
+    rows.append((torch.randint(1, 512, (5,), generator=g), 9))
+    width = max(len(p) + n for p, n in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attention, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
+    for r, (prompt, n) in enumerate(rows):
+        ids[r, :len(prompt)] = prompt
+        ids[r, len(prompt):len(prompt) + n] = torch.randint(1, 512, (n,), generator=g)
+        attention[r, :len(prompt) + n] = 1
+        loss_mask[r, len(prompt):len(prompt) + n] = 1
+    adv = torch.randn(len(rows), 1, generator=g) * loss_mask
+    return Batch(tensors={"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask,
+                          "advantages": adv.float()}, meta={"sample_id": [f"s{i}" for i in range(len(rows))]})
+
+
+def test_prompt_groups_share_a_prompt_only_where_it_saves():
+    batch = make_group_batch()
+    wanted = batch["loss_mask"] > 0
+    lengths = batch["attention_mask"].sum(dim=1).tolist()
+    groups = prompt_groups(batch["input_ids"], lengths, wanted)
+    assert groups == [[(0, 0), (1, 7), (2, 7)], [(3, 0), (4, 10), (5, 10)], [(6, 0)]]
+    # one sequence per group: kept while the prompt saves more than the longer attention costs
+    assert prompt_groups(batch["input_ids"], lengths, wanted, hidden_size=64) == groups
+    # a 4-token prompt and three 20-token completions: one sequence of 64 tokens adds
+    # 64**2 - 3 * 24**2 = 2368 query-key pairs and saves 2 * 4 prompt tokens of 6 * hidden each
+    ids = torch.randint(1, 512, (3, 24), generator=torch.Generator().manual_seed(0))
+    ids[:, :4] = ids[0, :4]
+    scored = torch.ones_like(ids, dtype=torch.bool)
+    scored[:, :4] = False
+    assert prompt_groups(ids, [24] * 3, scored, hidden_size=50) == [[(0, 0), (1, 4), (2, 4)]]
+    assert prompt_groups(ids, [24] * 3, scored, hidden_size=49) == [[(0, 0)], [(1, 0)], [(2, 0)]]
+    # a prompt under MIN_SHARED_TOKENS, or a row with nothing scored, stays alone
+    short = wanted.clone()
+    short[:3, 1:] = True
+    assert prompt_groups(batch["input_ids"], lengths, short)[:3] == [[(0, 0)], [(1, 0)], [(2, 0)]]
+    short[3] = False
+    assert [(3, 0)] in prompt_groups(batch["input_ids"], lengths, short)
+
+
+def test_a_sharing_row_attends_to_the_anchor_prompt_and_itself():
+    ids = torch.tensor([[5, 6, 7, 8, 9, 0], [5, 6, 7, 4, 3, 2]])
+    packed = PackedRows(ids, (ids > 0).long(), [[(0, 0), (1, 3)]], one_row=False)
+    assert packed.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 3, 2]]
+    assert packed.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5]]
+    mask = packed.attention_mask(SimpleNamespace(_attn_implementation="sdpa"))[0, 0].int().tolist()
+    assert mask[4] == [1, 1, 1, 1, 1, 0, 0, 0]  # the anchor's last token: its own row
+    assert mask[6] == [1, 1, 1, 0, 0, 1, 1, 0]  # the second row's "3": the prompt, then its own tokens
+    # the second row's first kept token ("4", position 3) is predicted by the anchor's "7"
+    assert packed.predictor[5] == 2 and packed.predictor[6] == 5
+    assert packed.unpack(torch.arange(8.0)[None]).tolist() == [[0, 1, 2, 3, 4, 0], [0, 0, 0, 5, 6, 7]]
+    with pytest.raises(ValueError, match="attention mask"):
+        packed.attention_mask(SimpleNamespace(_attn_implementation="flash_attention_2"))
+
+
+@pytest.mark.parametrize("max_tokens", [None, 40], ids=["rows", "token_budget"])
+@pytest.mark.parametrize("model", [TINY_QWEN3, SLIDING], ids=["full", "sliding_window"])
+def test_shared_prompts_give_the_unshared_log_probs(model, max_tokens):
+    batch = make_group_batch(seed=1)
+    plain = make_worker(max_tokens, model, backend_args={"share_prompts": False})
+    shared = make_worker(max_tokens, model)
+    micro = shared._to_device(batch.select(list(range(len(batch)))))
+    groups = shared._prompt_groups(micro["input_ids"], micro["attention_mask"], micro["loss_mask"] > 0,
+                                   one_row=bool(max_tokens))
+    assert groups is not None and plain._prompt_groups(micro["input_ids"], micro["attention_mask"],
+                                                       micro["loss_mask"] > 0, one_row=True) is None
+    a, b = plain.forward(batch), shared.forward(batch)
+    assert float(a["logprobs"].abs().sum()) > 0
+    torch.testing.assert_close(b["logprobs"], a["logprobs"], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(b["entropy"], a["entropy"], rtol=1e-5, atol=2e-5)
+    assert bool((b["logprobs"][batch["loss_mask"] == 0] == 0).all())
+
+
+@pytest.mark.parametrize("max_tokens", [None, 64], ids=["rows", "token_budget"])
+def test_shared_prompts_give_the_unshared_loss_and_gradients(max_tokens):
+    batch = make_group_batch(seed=2)
+    plain = make_worker(max_tokens, backend_args={"share_prompts": False}, micro_batch_size=7)
+    shared = make_worker(max_tokens, micro_batch_size=7)
+    old = plain.forward(batch)["logprobs"]
+    batch.tensors["old_logprobs"] = (old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
+                                     ) * batch["loss_mask"]
+    batch.tensors["rollout_logprobs"] = batch["old_logprobs"].clone()
+    norm = compute_norm(batch)
+    ma, mb = plain.accumulate_gradients(batch, norm), shared.accumulate_gradients(batch, norm)
+    assert ma["train/loss"] != 0.0
+    for key in ("train/loss", "train/pg_loss", "train/entropy"):
+        assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+    ga = {n: p.grad for n, p in plain.model.named_parameters()}
+    for n, p in shared.model.named_parameters():
+        torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6, msg=n)

@@ -13,7 +13,12 @@ place (the worker, the critic and the README point here).
 * ``grad_sync_bucket_mb``: size of the flat gradient buckets all-reduced across ranks (64);
 * ``rollback_overflow``: take back an optimizer step whose update made a weight non-finite
   (default ``true``: the parameters and optimizer state are copied before each step, see
-  :mod:`.rollback`); ``false`` saves that copy, and such a step ends the run.
+  :mod:`.rollback`); ``false`` saves that copy, and such a step ends the run;
+* ``share_prompts``: rows of a micro-batch that begin with the same prompt (a GRPO group) run it
+  once, each completion attending to the one copy (default ``true``, see
+  :func:`.packing.prompt_groups`); the same log-probs, loss and gradients within float32
+  tolerance, fewer tokens through the model. Used for scored tokens (a ``loss_mask``) on the
+  SDPA and eager attention paths.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class BackendOptions:
     dist_backend: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl")))
     grad_sync_bucket_mb: float = 64.0
     rollback_overflow: bool = True
+    share_prompts: bool = True
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "BackendOptions":

@@ -17,7 +17,7 @@ import torch
 from loongsage_hookspecs import Batch
 
 from .logits import logprobs_and_entropy, next_token_logits
-from .packing import packed_token_outputs, plan_micro_batches
+from .packing import packed_token_outputs, plan_micro_batches, prompt_groups
 
 
 class ForwardPassMixin:
@@ -30,6 +30,9 @@ class ForwardPassMixin:
     fp32_lm_head: bool
     forward_micro_batch_size: int
     max_tokens_per_micro_batch: int | None
+    share_prompts: bool
+    #: tokens of the micro-batches since the last reset: (prompt tokens shared, not run; all given)
+    prompt_tokens: tuple[int, int]
     _offloaded: bool
 
     def _to_device(self, micro: Batch) -> Batch:
@@ -51,13 +54,18 @@ class ForwardPassMixin:
             attention = torch.ones_like(ids)
         loss_mask = micro.get("loss_mask")
         scored = None if keep_logits or loss_mask is None else loss_mask > 0
-        # padding-free micro-batches (.packing); rows that are already packed (SFT) keep their own positions
-        if (self.max_tokens_per_micro_batch and not keep_logits and "position_ids" not in micro
-                and bool(attention.any())):
-            packed_logprobs, packed_entropy = packed_token_outputs(
-                self.model, ids, attention, compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
-                entropy_grad=entropy_grad, scored=scored)
-            return packed_logprobs, packed_entropy, None
+        # padding-free micro-batches and shared prompts (.packing); rows that are already packed
+        # (SFT) keep their own positions
+        packable = not keep_logits and "position_ids" not in micro and bool(attention.any())
+        one_row = bool(self.max_tokens_per_micro_batch)
+        groups = self._prompt_groups(ids, attention, scored, one_row=one_row) if packable else None
+        self._count_prompt_tokens(attention, groups)
+        if packable:
+            if one_row or groups is not None:
+                packed_logprobs, packed_entropy = packed_token_outputs(
+                    self.model, ids, attention, compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
+                    entropy_grad=entropy_grad, scored=scored, groups=groups, one_row=one_row)
+                return packed_logprobs, packed_entropy, None
         width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
         full_width = ids.shape[1]
         width = max(width, 1)
@@ -79,6 +87,26 @@ class ForwardPassMixin:
             if keep_logits:
                 logits = torch.nn.functional.pad(logits, (0, 0, 0, full_width - width))
         return logprobs, entropy, logits if keep_logits else None
+
+    def _count_prompt_tokens(self, attention: torch.Tensor, groups: list[list[tuple[int, int]]] | None) -> None:
+        """Add a micro-batch's tokens to :attr:`prompt_tokens`: (not run, shared; given)."""
+        shared = sum(s for group in groups or () for _, s in group)
+        self.prompt_tokens = (self.prompt_tokens[0] + shared, self.prompt_tokens[1] + int((attention > 0).sum()))
+
+    def _prompt_groups(self, ids: torch.Tensor, attention: torch.Tensor, scored: torch.Tensor | None, *,
+                       one_row: bool) -> list[list[tuple[int, int]]] | None:
+        """The micro-batch's rows grouped by shared prompt (:func:`.packing.prompt_groups`), or
+        ``None`` when no row shares one: ``[train] backend_args.share_prompts`` off, nothing scored
+        (every token is wanted, the prompt's too), or a ``flash_attention_2`` model, whose varlen
+        kernel takes no mask to share a prompt through."""
+        if not self.share_prompts or scored is None:
+            return None
+        config = getattr(self.model, "config", None)
+        if "flash" in str(getattr(config, "_attn_implementation", None) or ""):
+            return None
+        groups = prompt_groups(ids, (attention > 0).sum(dim=1).tolist(), scored & (attention > 0),
+                               None if one_row else getattr(config, "hidden_size", None))
+        return groups if any(shared for group in groups for _, shared in group) else None
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
@@ -137,5 +165,9 @@ class ForwardPassMixin:
         it is set (:mod:`.packing`), else consecutive chunks of ``rows_per_micro`` rows."""
         n = len(batch)
         if self.max_tokens_per_micro_batch and "attention_mask" in batch:
-            return plan_micro_batches(batch["attention_mask"].sum(dim=1).tolist(), self.max_tokens_per_micro_batch)
+            attention = batch["attention_mask"]
+            groups = None
+            if "loss_mask" in batch:  # keep the rows of a shared prompt together
+                groups = self._prompt_groups(batch["input_ids"], attention, batch["loss_mask"] > 0, one_row=True)
+            return plan_micro_batches(attention.sum(dim=1).tolist(), self.max_tokens_per_micro_batch, groups)
         return [list(range(s, min(s + rows_per_micro, n))) for s in range(0, n, rows_per_micro)]

@@ -46,34 +46,70 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor",
     with bfloat16 compute), the decoder runs under autocast. The output projection runs in
     float32 when ``fp32_lm_head`` is set, else in ``compute_dtype``.
     """
-    import torch
-    import torch.nn.functional as F
+    hidden = decoder_hidden(model, input_ids, attention_mask, compute_dtype=compute_dtype,
+                            position_ids=position_ids)[:, :-1]
+    if scored is not None:
+        hidden = hidden[scored[:, 1:]]
+    return output_logits(model, hidden, compute_dtype=compute_dtype, fp32_lm_head=fp32_lm_head)
 
-    head = model.get_output_embeddings()
-    param_dtype = head.weight.dtype
-    device_type = input_ids.device.type
-    autocast = (torch.autocast(device_type=device_type, dtype=compute_dtype)
+
+def decoder_hidden(model: Any, input_ids: "torch.Tensor",
+                   attention_mask: "torch.Tensor | dict[str, torch.Tensor] | None", *,
+                   compute_dtype: "torch.dtype", position_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
+    """The decoder's last hidden states ``[B, T, H]`` (see :func:`next_token_logits` for the
+    masks and positions it takes, and the autocast it runs under)."""
+    import torch
+
+    param_dtype = model.get_output_embeddings().weight.dtype
+    autocast = (torch.autocast(device_type=input_ids.device.type, dtype=compute_dtype)
                 if compute_dtype != param_dtype else contextlib.nullcontext())
     with autocast:
         if position_ids is None:
             out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         elif isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
-            # explicit block-diagonal mask(s), one per layer type for a model with sliding windows
+            # explicit packed mask(s), one per layer type for a model with sliding windows
             out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                     use_cache=False)
         else:
             out = decoder_of(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        hidden = out.last_hidden_state[:, :-1]
-        if scored is not None:
-            hidden = hidden[scored[:, 1:]]
+    return out.last_hidden_state
+
+
+def output_logits(model: Any, hidden: "torch.Tensor", *, compute_dtype: "torch.dtype",
+                  fp32_lm_head: bool) -> "torch.Tensor":
+    """Float32 logits of ``hidden`` states (any leading shape) through the model's output
+    projection, in float32 when ``fp32_lm_head`` is set, else in ``compute_dtype``."""
+    import torch
+    import torch.nn.functional as F
+
+    head = model.get_output_embeddings()
     bias = getattr(head, "bias", None)
-    with torch.autocast(device_type=device_type, enabled=False):
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
         if fp32_lm_head:
             logits = F.linear(hidden.float(), head.weight.float(), None if bias is None else bias.float())
         else:
             logits = F.linear(hidden.to(compute_dtype), head.weight.to(compute_dtype),
                               None if bias is None else bias.to(compute_dtype))
     return logits.float()
+
+
+def picked_logprobs_and_entropy(logits: "torch.Tensor", targets: "torch.Tensor", *, with_entropy: bool = True,
+                                entropy_grad: bool = True) -> "tuple[torch.Tensor, torch.Tensor | None]":
+    """``log p(target)`` and the entropy of each row of ``logits`` ``[..., V]`` (``targets``
+    ``[...]``), from ``logsumexp`` and a gather rather than a full ``log_softmax``; the entropy is
+    ``lse - sum(softmax * logits)``, without autograd history when ``entropy_grad`` is off (no
+    loss term uses it)."""
+    import torch
+
+    lse = torch.logsumexp(logits, dim=-1)
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    if not with_entropy:
+        return picked, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        src = logits if entropy_grad else logits.detach()
+        lse_e = lse if entropy_grad else lse.detach()
+        entropy = lse_e - (torch.softmax(src, dim=-1) * src).sum(-1)
+    return picked, entropy
 
 
 def logprobs_and_entropy(logits: "torch.Tensor", input_ids: "torch.Tensor", *, with_entropy: bool = True,
@@ -86,23 +122,14 @@ def logprobs_and_entropy(logits: "torch.Tensor", input_ids: "torch.Tensor", *, w
     ``lse - sum(softmax * logits)``. ``entropy_grad=False`` computes it without autograd history
     (when no loss term uses it).
     """
-    import torch
     import torch.nn.functional as F
 
     targets = input_ids[:, 1:] if scored is None else input_ids[:, 1:][scored[:, 1:]]
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+    picked, ent = picked_logprobs_and_entropy(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def per_token(values: "torch.Tensor") -> "torch.Tensor":
         if scored is not None:  # back to [B, T-1], 0 at the tokens not scored
             values = values.new_zeros(input_ids[:, 1:].shape).masked_scatter(scored[:, 1:], values)
         return F.pad(values, (1, 0))
 
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            src = logits if entropy_grad else logits.detach()
-            lse_e = lse if entropy_grad else lse.detach()
-            ent = lse_e - (torch.softmax(src, dim=-1) * src).sum(-1)
-        entropy = per_token(ent)
-    return per_token(picked), entropy
+    return per_token(picked), None if ent is None else per_token(ent)

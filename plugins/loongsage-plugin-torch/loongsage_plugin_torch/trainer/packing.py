@@ -20,104 +20,244 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int,
+                       groups: "list[list[tuple[int, int]]] | None" = None) -> list[list[int]]:
     """Row indices per micro-batch, each micro-batch at most ``max_tokens`` real tokens (a longer
-    row goes alone). Longest rows first, each into the first micro-batch it fits (first-fit
-    decreasing), so few micro-batches are nearly full; rows keep ascending order inside one."""
+    row goes alone). Longest first, each into the first micro-batch it fits (first-fit
+    decreasing), so few micro-batches are nearly full; rows keep ascending order inside one.
+
+    With ``groups`` (:func:`prompt_groups`) the rows of a group are placed together, a sharing
+    row counting only the tokens it keeps; a group over the budget is cut into pieces, the first
+    row of each piece keeping the prompt."""
     if max_tokens < 1:
         raise ValueError(f"[train] max_tokens_per_micro_batch must be >= 1, got {max_tokens}")
+    if groups is None:
+        groups = [[(r, 0)] for r in range(len(lengths))]
+    units: list[tuple[int, list[int]]] = []  # (tokens, rows)
+    for group in groups:
+        rows: list[int] = []
+        tokens = 0
+        for row, shared in group:
+            cost = int(lengths[row]) - (shared if rows else 0)
+            if rows and tokens + cost > max_tokens:
+                units.append((tokens, rows))
+                rows, tokens, cost = [], 0, int(lengths[row])
+            rows.append(row)
+            tokens += cost
+        if rows:
+            units.append((tokens, rows))
     bins: list[list[int]] = []
     room: list[int] = []
-    for i in sorted(range(len(lengths)), key=lambda r: (-int(lengths[r]), r)):
-        n = int(lengths[i])
+    for tokens, rows in sorted(units, key=lambda u: (-u[0], u[1][0])):
         for b, free in enumerate(room):
-            if n <= free:
-                bins[b].append(i)
-                room[b] -= n
+            if tokens <= free:
+                bins[b].extend(rows)
+                room[b] -= tokens
                 break
         else:
-            bins.append([i])
-            room.append(max_tokens - n)
+            bins.append(list(rows))
+            room.append(max_tokens - tokens)
     return [sorted(b) for b in bins]
 
 
-class PackedRows:
-    """The real tokens of right-padded rows ``[b, T]`` as one sequence ``[1, total]``."""
+#: A row's shared prompt must be at least this long to be run once for its group.
+MIN_SHARED_TOKENS = 4
 
-    def __init__(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor") -> None:
+
+def prompt_groups(input_ids: "torch.Tensor", lengths: Sequence[int], wanted: "torch.Tensor",
+                  hidden_size: int | None = None) -> list[list[tuple[int, int]]]:
+    """Rows that begin with the same prompt, as groups ``[(row, shared), ...]``: the first row
+    (the group's *anchor*) keeps all its tokens (``shared`` 0), each other one shares its first
+    ``shared`` tokens with the anchor and keeps only the rest.
+
+    A row's prompt is its tokens before the first ``wanted`` one (the first token scored), so a
+    shared token is never scored and every scored token still has its own position; rows with
+    nothing wanted, or a prompt under :data:`MIN_SHARED_TOKENS`, stay alone. With ``hidden_size``
+    (the groups become rows of their own, each attending over all of its tokens) a group is kept
+    only when the attention it adds (``L**2 - sum(n**2)`` for its packed length ``L`` and its
+    rows' lengths ``n``) is below the projections it saves (about ``6 * hidden_size`` per shared
+    token, the ratio of a token's matrix-product FLOPs to a query-key pair's); without it (one
+    sequence for the whole micro-batch) every group saves. Groups keep the rows' order."""
+    keys: dict[tuple[int, ...], list[int]] = {}
+    groups: list[list[int]] = []
+    for r, n in enumerate(lengths):
+        if n == 0:
+            continue
+        first = wanted[r, :n].nonzero()
+        prompt = int(first[0, 0]) if len(first) else 0
+        if prompt < MIN_SHARED_TOKENS:
+            groups.append([r])
+            continue
+        key = (prompt, *input_ids[r, :prompt].tolist())
+        if key not in keys:
+            keys[key] = []
+            groups.append(keys[key])
+        keys[key].append(r)
+    out: list[list[tuple[int, int]]] = []
+    for rows in groups:
+        if len(rows) == 1:
+            out.append([(rows[0], 0)])
+            continue
+        shared = int(wanted[rows[0], :lengths[rows[0]]].nonzero()[0, 0])
+        packed = shared + sum(int(lengths[r]) - shared for r in rows)
+        added = packed * packed - sum(int(lengths[r]) ** 2 for r in rows)
+        if hidden_size is not None and added >= 6 * hidden_size * shared * (len(rows) - 1):
+            out.extend([(r, 0)] for r in rows)
+            continue
+        out.append([(rows[0], 0)] + [(r, shared) for r in rows[1:]])
+    return out
+
+
+class PackedRows:
+    """The real tokens of right-padded rows ``[b, T]`` packed into sequences ``[R, L]``.
+
+    By default every row goes into one sequence (``R = 1``), one after the other, positions
+    restarting at 0 for each, attention kept within each row. With ``groups`` (from
+    :func:`prompt_groups`) the rows of a group share their anchor's prompt: a sharing row keeps
+    only its tokens after the prompt, at their own positions, and attends to the anchor's prompt
+    tokens and its own, so its hidden states are those of the whole row while the prompt is run
+    once for the group (a tree of one level, the prompt its trunk). With ``one_row=False`` each
+    group is a sequence of its own, right-padded to the longest: attention then costs each
+    group's length squared rather than the whole micro-batch's.
+    """
+
+    def __init__(self, input_ids: "torch.Tensor", attention_mask: "torch.Tensor",
+                 groups: "list[list[tuple[int, int]]] | None" = None, *, one_row: bool = True) -> None:
         import torch
 
+        device = input_ids.device
         self.shape = tuple(input_ids.shape)
         self.real = attention_mask > 0
         self.lengths = self.real.sum(dim=1)
-        self.input_ids = input_ids[self.real].unsqueeze(0)
-        device = input_ids.device
-        self.position_ids = torch.cat([torch.arange(int(n), device=device) for n in self.lengths]).unsqueeze(0)
-        self.row_of_token = torch.repeat_interleave(torch.arange(self.shape[0], device=device), self.lengths)
-        starts = torch.cumsum(self.lengths, 0) - self.lengths
-        self.starts = starts[self.lengths > 0]  # first token of each row: it predicts nothing
-        self.cu_seqlens = torch.cat([starts, starts[-1:] + self.lengths[-1:]]).to(torch.int32)
+        lengths = self.lengths.tolist()
+        if groups is None:
+            groups = [[(r, 0)] for r in range(len(lengths)) if lengths[r] > 0]
+            one_row = True
+        # per packed token: source row and column, packed row and column, the anchor row it may read
+        src_row, src_col, dst_row, dst_col, anchor_row, shared_of, anchor_at = [], [], [], [], [], [], []
+        ends = [0] * (1 if one_row else len(groups))
+        for index, group in enumerate(groups):
+            packed_row = 0 if one_row else index
+            anchor, anchor_start = group[0][0], ends[packed_row]
+            for row, shared in group:
+                n, col = lengths[row] - shared, ends[packed_row]
+                src_row.append(torch.full((n,), row))
+                src_col.append(torch.arange(shared, lengths[row]))
+                dst_row.append(torch.full((n,), packed_row))
+                dst_col.append(torch.arange(col, col + n))
+                anchor_row.append(torch.full((n,), anchor if shared else -1))
+                shared_of.append(torch.full((n,), shared))
+                anchor_at.append(torch.full((n,), anchor_start))
+                ends[packed_row] += n
+        cat = (lambda parts: torch.cat(parts).to(device)) if src_row else (
+            lambda parts: torch.zeros(0, dtype=torch.long, device=device))
+        self.src_row, self.src_col = cat(src_row), cat(src_col)
+        self.dst_row, self.dst_col = cat(dst_row), cat(dst_col)
+        rows, cols = len(ends), max(max(ends), 1)
+        where = (self.dst_row, self.dst_col)
+
+        def layout(values: "torch.Tensor", fill: int) -> "torch.Tensor":
+            out = torch.full((rows, cols), fill, dtype=values.dtype, device=device)
+            out[where] = values
+            return out
+
+        self.input_ids = layout(input_ids[self.src_row, self.src_col], 0)
+        self.position_ids = layout(self.src_col, 0)
+        self.valid = layout(torch.ones_like(self.src_row, dtype=torch.bool), False)
+        self.row_of_token = layout(self.src_row, -1)  # the source row, -1 on padding
+        self._anchor_row = layout(cat(anchor_row), -2)
+        self._shared = layout(cat(shared_of), 0)
+        # the flat index ([R * L]) of the hidden state that predicts each packed token: the token
+        # before it in its row, which for a sharing row's first kept token is the anchor's
+        before = self.dst_col - 1
+        from_anchor = self.src_col - 1 < cat(shared_of)
+        before = torch.where(from_anchor, cat(anchor_at) + self.src_col - 1, before)
+        self.predictor = self.dst_row * cols + before  # meaningless where src_col is 0
+        self.shares = any(shared for group in groups for _, shared in group)
+        n = self.lengths
+        starts = torch.cumsum(n, 0) - n
+        self.cu_seqlens = torch.cat([starts, starts[-1:] + n[-1:]]).to(torch.int32)  # without groups only
 
     @property
     def total(self) -> int:
-        return int(self.input_ids.shape[1])
+        """Packed tokens, padding included."""
+        return int(self.input_ids.numel())
 
     def attention_mask(self, config: Any) -> "torch.Tensor | dict[str, torch.Tensor] | None":
-        """The attention mask of the packed sequence for a model with ``config``.
+        """The attention mask of the packed sequences for a model with ``config``.
 
-        ``None`` for ``flash_attention_2`` (varlen from the position ids; the kernel applies any
-        sliding window itself). Else the 4-D block-diagonal causal mask ``[1, 1, total, total]``
-        (True: attend); for a model with sliding-window layers, a mask per layer type as
-        transformers takes them, the ``sliding_attention`` one also limited to the window
-        (positions ``q - window < k <= q`` of the same row). A plain 4-D mask would be used as
-        given by every layer, sliding ones included."""
+        ``None`` for ``flash_attention_2`` (varlen from the position ids, which restart for every
+        row; the kernel applies any sliding window itself; no shared prompts). Else the 4-D mask
+        ``[R, 1, L, L]`` (True: attend): a token sees the earlier tokens of its own row and, in a
+        sharing row, its anchor's prompt; for a model with sliding-window layers, a mask per layer
+        type as transformers takes them, the ``sliding_attention`` one also limited to the window
+        (positions ``q - window < k <= q``). A plain 4-D mask would be used as given by every
+        layer, sliding ones included. A padding position sees only itself (its output is unused)."""
         import torch
 
         attn_implementation = getattr(config, "_attn_implementation", None)
         if attn_implementation and "flash" in attn_implementation:
+            if self.shares or self.input_ids.shape[0] != 1:
+                raise ValueError("shared prompts and one sequence per group need an attention mask; "
+                                 f"{attn_implementation} takes none")
             return None
-        row = self.row_of_token
-        same = row[:, None] == row[None, :]
-        causal = torch.ones(self.total, self.total, dtype=torch.bool, device=row.device).tril()
-        mask = same & causal
+        row, pos = self.row_of_token, self.position_ids
+        q_row, k_row = row[:, :, None], row[:, None, :]
+        q_pos, k_pos = pos[:, :, None], pos[:, None, :]
+        own = q_row == k_row
+        trunk = (self._anchor_row[:, :, None] == k_row) & (k_pos < self._shared[:, :, None])
+        mask = (own | trunk) & (k_pos <= q_pos) & self.valid[:, None, :]
+        eye = torch.eye(pos.shape[1], dtype=torch.bool, device=pos.device)[None]
+        mask = mask | (eye & ~self.valid[:, :, None])
         if "sliding_attention" not in (getattr(config, "layer_types", None) or ()):
-            return mask[None, None]
-        pos = self.position_ids[0]
-        window = mask & (pos[None, :] > pos[:, None] - int(config.sliding_window))
-        return {"full_attention": mask[None, None], "sliding_attention": window[None, None]}
+            return mask[:, None]
+        window = mask & (k_pos > q_pos - int(config.sliding_window))
+        return {"full_attention": mask[:, None], "sliding_attention": window[:, None]}
 
-    def unpack(self, flat: "torch.Tensor") -> "torch.Tensor":
-        """``[1, total]`` per-token values back to the rows' ``[b, T]`` layout (0 on padding and
-        on each row's first token, whose value across the row boundary means nothing)."""
-        import torch
-
-        flat = flat.reshape(-1)
-        keep = torch.ones(self.total, dtype=torch.bool, device=flat.device)
-        keep[self.starts] = False
-        flat = torch.where(keep, flat, torch.zeros_like(flat))
-        out = flat.new_zeros(self.shape)
-        return out.masked_scatter(self.real, flat)
+    def unpack(self, packed: "torch.Tensor") -> "torch.Tensor":
+        """``[R, L]`` per-token values back to the rows' ``[b, T]`` layout (0 on padding, on each
+        row's first token, whose value across the row boundary means nothing, and on the prompt
+        tokens a sharing row does not keep)."""
+        values = packed.reshape(-1)[self.dst_row * self.input_ids.shape[1] + self.dst_col]
+        values = values.masked_fill(self.src_col == 0, 0)
+        out = values.new_zeros(self.shape)
+        out[self.src_row, self.src_col] = values
+        return out
 
 
 def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: "torch.Tensor", *,
                          compute_dtype: "torch.dtype", fp32_lm_head: bool, entropy_grad: bool,
-                         scored: "torch.Tensor | None" = None) -> "tuple[torch.Tensor, torch.Tensor]":
+                         scored: "torch.Tensor | None" = None,
+                         groups: "list[list[tuple[int, int]]] | None" = None,
+                         one_row: bool = True) -> "tuple[torch.Tensor, torch.Tensor]":
     """Log-probs and entropies ``[b, T]`` of right-padded rows from one packed forward (the
     padded path's ``logprobs[:, t] = log p(ids[t] | ids[:t])``, 0 at position 0 and on padding;
-    with ``scored`` (bool ``[b, T]``) only at those tokens, see :func:`.logits.next_token_logits`)."""
-    from .logits import logprobs_and_entropy, next_token_logits
+    with ``scored`` (bool ``[b, T]``) only at those tokens, see :func:`.logits.next_token_logits`).
 
-    packed = PackedRows(input_ids, attention_mask)
-    flat_scored = None
-    if scored is not None:  # a row's first token predicts nothing across the boundary: never scored
-        flat_scored = scored[packed.real].unsqueeze(0).clone()
-        flat_scored[0, packed.starts] = False
-    logits = next_token_logits(model, packed.input_ids, packed.attention_mask(getattr(model, "config", None)),
-                               compute_dtype=compute_dtype, fp32_lm_head=fp32_lm_head,
-                               position_ids=packed.position_ids, scored=flat_scored)
-    logprobs, entropy = logprobs_and_entropy(logits, packed.input_ids, entropy_grad=entropy_grad, scored=flat_scored)
+    With ``groups`` (:func:`prompt_groups` of the same ``scored`` tokens) the rows that begin
+    with the same prompt run it once (:class:`PackedRows`): the same log-probs, fewer tokens
+    through the model; ``one_row=False`` packs each group as a sequence of its own."""
+    from .logits import decoder_hidden, output_logits, picked_logprobs_and_entropy
+
+    real = attention_mask > 0
+    wanted = real if scored is None else scored & real
+    packed = PackedRows(input_ids, attention_mask, groups, one_row=one_row)
+    hidden = decoder_hidden(model, packed.input_ids, packed.attention_mask(getattr(model, "config", None)),
+                            compute_dtype=compute_dtype, position_ids=packed.position_ids)
+    # the kept tokens that are scored (never a row's first), and the hidden states that predict them
+    take = wanted[packed.src_row, packed.src_col] & (packed.src_col > 0)
+    states = hidden.reshape(-1, hidden.shape[-1])[packed.predictor[take]]
+    logits = output_logits(model, states, compute_dtype=compute_dtype, fp32_lm_head=fp32_lm_head)
+    rows, cols = packed.src_row[take], packed.src_col[take]
+    picked, entropy = picked_logprobs_and_entropy(logits, input_ids[rows, cols], entropy_grad=entropy_grad)
     assert entropy is not None
-    return packed.unpack(logprobs), packed.unpack(entropy)
+
+    def per_token(values: "torch.Tensor") -> "torch.Tensor":
+        out = values.new_zeros(packed.shape)
+        out[rows, cols] = values
+        return out
+
+    return per_token(picked), per_token(entropy)
 
 
-__all__ = ["PackedRows", "packed_token_outputs", "plan_micro_batches"]
+__all__ = ["MIN_SHARED_TOKENS", "PackedRows", "packed_token_outputs", "plan_micro_batches", "prompt_groups"]

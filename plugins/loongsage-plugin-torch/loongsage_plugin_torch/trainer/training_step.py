@@ -71,6 +71,7 @@ class TrainingStepMixin(ForwardPassMixin):
         keep_old = old_from_training_forward(batch)  # they are the step's old log-probs: keep them
         kept: list[torch.Tensor] = []
         plan = self._micro_batch_rows(batch, self.micro_batch_size)
+        self.prompt_tokens = (0, 0)
         for rows in plan:
             micro = self._to_device(batch.select(rows))
             logprobs, entropy, logits = self._token_outputs(micro, entropy_grad=entropy_grad,
@@ -85,7 +86,11 @@ class TrainingStepMixin(ForwardPassMixin):
             old = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)
             old[torch.as_tensor([r for rows in plan for r in rows], dtype=torch.long)] = torch.cat(kept)
             self.training_forward_logprobs = old
-        return self._finish_accumulation(acc)
+        metrics = self._finish_accumulation(acc)
+        if self.share_prompts:
+            shared, given = self.prompt_tokens
+            metrics["perf/prompt_tokens_shared"] = shared / given if given else 0.0
+        return metrics
 
     def _finish_accumulation(self, acc: Any) -> dict[str, float]:
         """The end of a mini-batch's backward passes: gradients summed over data-parallel ranks

@@ -114,6 +114,8 @@ class TorchTrainWorker(TrainingStepMixin, WeightIOMixin, CheckpointMixin, Placem
             raise ValueError(f"[{section}] micro_batch_size must be >= 1, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro_batch = job.train.max_tokens_per_micro_batch
+        self.share_prompts = self.options.share_prompts
+        self.prompt_tokens = (0, 0)
         self.forward_micro_batch_size = self.options.forward_micro_batch_size or self.micro_batch_size
         if self.forward_micro_batch_size < 1:
             raise ValueError("[train] backend_args.forward_micro_batch_size must be >= 1")
