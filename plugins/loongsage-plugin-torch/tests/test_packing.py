@@ -284,3 +284,16 @@ def test_shared_prompts_give_the_unshared_loss_and_gradients(max_tokens):
     ga = {n: p.grad for n, p in plain.model.named_parameters()}
     for n, p in shared.model.named_parameters():
         torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("max_tokens", [None, 40], ids=["rows", "token_budget"])
+def test_the_same_rows_in_another_order_give_bit_identical_log_probs(max_tokens):
+    batch = make_group_batch(seed=3)
+    batch.meta["trajectory_id"] = batch.meta["sample_id"]
+    worker = make_worker(max_tokens)
+    perm = [5, 2, 6, 0, 3, 1, 4]
+    shuffled = batch.select(perm)
+    plan, shuffled_plan = worker._micro_batch_rows(batch, 3), worker._micro_batch_rows(shuffled, 3)
+    assert plan == [[perm[r] for r in rows] for rows in shuffled_plan]  # the same micro-batches
+    assert any(set(rows) >= {0, 1, 2} or set(rows) >= {3, 4, 5} for rows in plan)  # a prompt's rows together
+    assert torch.equal(worker.forward(shuffled)["logprobs"], worker.forward(batch)["logprobs"][perm])

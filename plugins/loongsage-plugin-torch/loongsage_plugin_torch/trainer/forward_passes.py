@@ -17,7 +17,7 @@ import torch
 from loongsage_hookspecs import Batch
 
 from .logits import logprobs_and_entropy, next_token_logits
-from .packing import packed_token_outputs, plan_micro_batches, prompt_groups
+from .packing import canonical_order, packed_token_outputs, plan_micro_batches, prompt_groups
 
 
 class ForwardPassMixin:
@@ -162,12 +162,30 @@ class ForwardPassMixin:
 
     def _micro_batch_rows(self, batch: Batch, rows_per_micro: int) -> list[list[int]]:
         """Row indices of each micro-batch: packed by ``[train] max_tokens_per_micro_batch`` when
-        it is set (:mod:`.packing`), else consecutive chunks of ``rows_per_micro`` rows."""
+        it is set (:mod:`.packing`), else at most ``rows_per_micro`` rows each.
+
+        When some rows share a prompt the rows are taken in :func:`.packing.canonical_order` (a
+        prompt's rows side by side, and a micro-batch holds whole groups where they fit, ties broken by the batch's ``trajectory_id`` and ``segment``), and the plan of a set of
+        rows is the same whatever order they come in: the old-log-prob pass over the step's rows
+        and the training pass over the same rows, shuffled into a mini-batch, compute
+        bit-identical log-probs."""
         n = len(batch)
+        order, groups = list(range(n)), None
+        if self.share_prompts and "loss_mask" in batch and "attention_mask" in batch:
+            meta = batch.meta or {}
+            names = (list(zip(meta["trajectory_id"], meta.get("segment", [0] * n))) if "trajectory_id" in meta
+                     else meta.get("sample_id"))
+            names = names if names is not None and len(names) == n else None
+            canonical = canonical_order(batch["input_ids"], batch["attention_mask"].sum(dim=1).tolist(), names)
+            groups = self._prompt_groups(batch["input_ids"][canonical], batch["attention_mask"][canonical],
+                                         batch["loss_mask"][canonical] > 0, one_row=True)
+            if groups is not None:  # some rows share a prompt: take them side by side
+                order = canonical
         if self.max_tokens_per_micro_batch and "attention_mask" in batch:
-            attention = batch["attention_mask"]
-            groups = None
-            if "loss_mask" in batch:  # keep the rows of a shared prompt together
-                groups = self._prompt_groups(batch["input_ids"], attention, batch["loss_mask"] > 0, one_row=True)
-            return plan_micro_batches(attention.sum(dim=1).tolist(), self.max_tokens_per_micro_batch, groups)
-        return [list(range(s, min(s + rows_per_micro, n))) for s in range(0, n, rows_per_micro)]
+            lengths = batch["attention_mask"][order].sum(dim=1).tolist()
+            plan = plan_micro_batches(lengths, self.max_tokens_per_micro_batch, groups)
+        elif groups is not None:  # whole groups into micro-batches of at most rows_per_micro rows
+            plan = plan_micro_batches([1] * n, rows_per_micro, [[(r, 0) for r, _ in group] for group in groups])
+        else:
+            return [order[s:s + rows_per_micro] for s in range(0, n, rows_per_micro)]
+        return [[order[i] for i in rows] for rows in plan]

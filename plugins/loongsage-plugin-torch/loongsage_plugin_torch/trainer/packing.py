@@ -60,6 +60,16 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int,
     return [sorted(b) for b in bins]
 
 
+def canonical_order(input_ids: "torch.Tensor", lengths: Sequence[int], names: Sequence[Any] | None = None) -> list[int]:
+    """The rows sorted by their real tokens, then by ``names`` (a name per row that stays with it,
+    such as the batch's ``trajectory_id`` and ``segment``): the rows that begin with the same
+    prompt side by side, and one order for a set of rows whatever order it comes in. Without
+    names, rows with equal tokens keep their relative order."""
+    rows = [input_ids[r, :int(n)].tolist() for r, n in enumerate(lengths)]
+    tie = [str(x) for x in names] if names is not None else [""] * len(rows)
+    return sorted(range(len(rows)), key=lambda r: (rows[r], tie[r], r))
+
+
 #: A row's shared prompt must be at least this long to be run once for its group.
 MIN_SHARED_TOKENS = 4
 
@@ -260,4 +270,4 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
     return per_token(picked), per_token(entropy)
 
 
-__all__ = ["MIN_SHARED_TOKENS", "PackedRows", "packed_token_outputs", "plan_micro_batches", "prompt_groups"]
+__all__ = ["MIN_SHARED_TOKENS", "PackedRows", "canonical_order", "packed_token_outputs", "plan_micro_batches", "prompt_groups"]
