@@ -380,6 +380,21 @@ def assert_same_bits(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
                            b[name].view(torch.int32) if b[name].dtype == torch.float32 else b[name]), name
 
 
+def test_adamw_is_the_fused_kernel_with_the_for_each_update():
+    fused, plain = make_worker(make_job()), make_worker(make_job())
+    assert fused.optimizer.defaults["fused"]  # torch's one-kernel AdamW, on the CPU too
+    plain.optimizer = torch.optim.AdamW(list(plain.model.parameters()), **{
+        k: v for k, v in fused.optimizer.defaults.items() if k in ("lr", "betas", "eps", "weight_decay")})
+    start = {n: p.detach().clone() for n, p in fused.model.named_parameters()}
+    for worker in (fused, plain):
+        for seed in (1, 2):
+            batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=seed))
+            worker.train_mini_batch(batch, compute_norm(batch))
+    assert max(float((p - start[n]).abs().max()) for n, p in fused.model.named_parameters()) > 1e-4
+    for (name, a), b in zip(fused.model.named_parameters(), plain.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_an_optimizer_step_that_overflows_the_weights_is_rolled_back_bit_for_bit():
     worker = make_worker(make_job(train={"lr": 1e-3}))
     batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=1))

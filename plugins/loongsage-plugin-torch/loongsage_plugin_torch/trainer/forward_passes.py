@@ -164,11 +164,12 @@ class ForwardPassMixin:
         """Row indices of each micro-batch: packed by ``[train] max_tokens_per_micro_batch`` when
         it is set (:mod:`.packing`), else at most ``rows_per_micro`` rows each.
 
-        When some rows share a prompt the rows are taken in :func:`.packing.canonical_order` (a
-        prompt's rows side by side, and a micro-batch holds whole groups where they fit, ties broken by the batch's ``trajectory_id`` and ``segment``), and the plan of a set of
-        rows is the same whatever order they come in: the old-log-prob pass over the step's rows
-        and the training pass over the same rows, shuffled into a mini-batch, compute
-        bit-identical log-probs."""
+        When some rows share a prompt the rows are taken in :func:`.packing.canonical_order`
+        (ties broken by the batch's ``trajectory_id`` and ``segment``): a prompt's rows side by
+        side, a micro-batch holding whole groups where they fit, and the plan of a set of rows the
+        same whatever order they come in, so the old-log-prob pass over the step's rows and the
+        training pass over the same rows, shuffled into a mini-batch, compute bit-identical
+        log-probs."""
         n = len(batch)
         order, groups = list(range(n)), None
         if self.share_prompts and "loss_mask" in batch and "attention_mask" in batch:

@@ -270,4 +270,5 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
     return per_token(picked), per_token(entropy)
 
 
-__all__ = ["MIN_SHARED_TOKENS", "PackedRows", "canonical_order", "packed_token_outputs", "plan_micro_batches", "prompt_groups"]
+__all__ = ["MIN_SHARED_TOKENS", "PackedRows", "canonical_order", "packed_token_outputs", "plan_micro_batches",
+           "prompt_groups"]
