@@ -11,21 +11,26 @@ pass. Workloads:
 * ``small``: a tiny Qwen3 (6 layers, hidden 384, vocabulary 512), 4 prompts x 8 samples, 16 new
   tokens.
 
-The first step of each framework is a warm-up and is not counted. LoongSage runs as users run it
-(a local Ray cluster, the AgentFlow router, the embedded engine colocated with the trainer); its
-per-phase MFU (``perf/mfu_*``, against the probed matmul rate) is reported too. Prints JSON with,
-per workload, ``trl_s_per_step``, ``loongsage_s_per_step``, ``speedup_vs_trl`` and the MFU.
+The first step of each framework is a warm-up and is not counted. The frameworks run in
+``--rounds`` alternating rounds (TRL first in odd rounds, LoongSage first in even ones), so a
+drift of the host's speed over the minutes of a run weighs on both alike; the seconds per step
+are the mean over every round's measured steps, and ``speedup_per_round`` shows the spread.
+LoongSage runs as users run it (a local Ray cluster, the AgentFlow router, the embedded engine
+colocated with the trainer); its per-phase MFU (``perf/mfu_*``, against the probed matmul rate) is
+reported too. Prints JSON with, per workload, ``trl_s_per_step``, ``loongsage_s_per_step``,
+``speedup_vs_trl`` and the MFU.
 
 ``trl`` is a benchmark-only dependency (``pip install -r benchmarks/requirements-bench.txt``),
 never one of the framework's.
 
-    python benchmarks/vs_trl.py [--workloads small,135m] [--steps 4] [--threads 2]
+    python benchmarks/vs_trl.py [--workloads small,135m] [--steps 4] [--threads 2] [--rounds 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import re
 import sys
@@ -190,11 +195,31 @@ def run_loongsage(model_dir: Path, prompts: Path, new_tokens: int, steps: int, t
     return out
 
 
+def combine_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One workload's result over its rounds: seconds per step as the mean of every round's
+    measured steps (each round's first step is its warm-up), LoongSage's metrics averaged over
+    the rounds, and each round's own speedup."""
+    def measured(key: str) -> list[float]:
+        return [t for r in rounds for t in (r[key][1:] or r[key])]
+
+    trl, ours = measured("trl_step_times"), measured("loongsage_step_times")
+    out: dict[str, Any] = {"trl_s_per_step": sum(trl) / len(trl), "loongsage_s_per_step": sum(ours) / len(ours),
+                           "trl_step_times": [r["trl_step_times"] for r in rounds],
+                           "loongsage_step_times": [r["loongsage_step_times"] for r in rounds],
+                           "speedup_per_round": [r["trl_s_per_step"] / r["loongsage_s_per_step"] for r in rounds]}
+    for key in sorted({k for r in rounds for k in r if k.startswith(("perf/", "timing/"))}):
+        values = [r[key] for r in rounds if key in r]
+        out[key] = sum(values) / len(values)
+    out["speedup_vs_trl"] = out["trl_s_per_step"] / out["loongsage_s_per_step"]
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="135m,small")
     parser.add_argument("--steps", type=int, default=4, help="steps per framework (the first is a warm-up)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of both frameworks")
     parser.add_argument("--micro-batch-size", type=int, default=32, help="LoongSage's rows per micro-batch")
     parser.add_argument("--pack-tokens", type=int, default=None,
                         help="LoongSage's [train] max_tokens_per_micro_batch (padding-free micro-batches)")
@@ -213,15 +238,20 @@ def main() -> None:
                     raise SystemExit(f"vs_trl.py: unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
                 model_dir = write_model(name, work)
                 new_tokens = WORKLOADS[name]["new_tokens"]
-                with contextlib.redirect_stdout(sys.stderr):  # their progress logs: stdout is the JSON
-                    res = run_trl(model_dir, prompts, new_tokens, args.steps, args.threads, work)
-                    res.update(run_loongsage(model_dir, prompts, new_tokens, args.steps, args.threads,
-                                             args.micro_batch_size, args.pack_tokens, work, name))
-                res["speedup_vs_trl"] = res["trl_s_per_step"] / res["loongsage_s_per_step"]
-                results[name] = res
+                rounds: list[dict[str, Any]] = []
+                for index in range(args.rounds):
+                    res: dict[str, Any] = {}
+                    runs = [functools.partial(run_trl, model_dir, prompts, new_tokens, args.steps, args.threads, work),
+                            functools.partial(run_loongsage, model_dir, prompts, new_tokens, args.steps, args.threads,
+                                              args.micro_batch_size, args.pack_tokens, work, f"{name}_{index}")]
+                    with contextlib.redirect_stdout(sys.stderr):  # their progress logs: stdout is the JSON
+                        for run in runs if index % 2 == 0 else runs[::-1]:
+                            res.update(run())
+                    rounds.append(res)
+                results[name] = combine_rounds(rounds)
         finally:
             ray.shutdown()
-    print(json.dumps({"benchmark": "vs_trl", "steps": args.steps, "threads": args.threads,
+    print(json.dumps({"benchmark": "vs_trl", "steps": args.steps, "threads": args.threads, "rounds": args.rounds,
                       "prompts_per_step": PROMPTS_PER_STEP, "samples_per_prompt": SAMPLES, "lr": LR,
                       "dtype": "float32", "workloads": results}, indent=2))
 
