@@ -1,4 +1,5 @@
-"""Padding-free micro-batches: rows packed by a token budget into one sequence each.
+"""Padding-free micro-batches (rows packed by a token budget into one sequence each), and a
+group's shared prompt run once.
 
 With ``[train] max_tokens_per_micro_batch`` set, the torch trainer cuts a mini-batch (and the
 rows of a scoring pass) into micro-batches by tokens instead of rows (:func:`plan_micro_batches`,
@@ -10,6 +11,12 @@ sliding-window layers, a second one limited to the window); with
 varlen kernel reads its ``cu_seqlens`` from. No FLOP is spent on padding, and the per-token
 outputs are scattered back into the batch's ``[b, T]`` layout, so the loss pipeline sees exactly
 what the padded path gives it (equal within float32 tolerance, tested).
+
+Rows that begin with the same prompt (the samples of a GRPO group) can also run that prompt once
+(:func:`prompt_groups`, ``[train] backend_args.share_prompts``): in the packed sequence a sharing
+row keeps only its tokens after the prompt, at their own positions, and its mask lets them see
+the first row's copy of the prompt. Every scored token is then predicted by the same hidden state
+as in its own row, so the log-probs, loss and gradients are again those of the padded path.
 """
 
 from __future__ import annotations
