@@ -60,6 +60,23 @@ def make_batch(rows: int = 7, width: int = 30, seed: int = 0) -> Batch:
                           "advantages": adv.float()}, meta={"sample_id": [f"s{i}" for i in range(rows)]})
 
 
+def assert_same_loss_and_gradients(reference, other, batch: Batch) -> None:
+    """Both workers' loss metrics and gradients on ``batch`` agree (old log-probs: the reference's,
+    perturbed, so the ratio is not 1)."""
+    old = reference.forward(batch)["logprobs"]
+    batch.tensors["old_logprobs"] = (old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
+                                     ) * batch["loss_mask"]
+    batch.tensors["rollout_logprobs"] = batch["old_logprobs"].clone()
+    norm = compute_norm(batch)
+    ma, mb = reference.accumulate_gradients(batch, norm), other.accumulate_gradients(batch, norm)
+    assert ma["train/loss"] != 0.0
+    for key in ("train/loss", "train/pg_loss", "train/entropy"):
+        assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
+    ga = {n: p.grad for n, p in reference.model.named_parameters()}
+    for n, p in other.model.named_parameters():
+        torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_the_plan_respects_the_budget_and_takes_every_row_once():
     lengths = [30, 5, 12, 40, 7, 7, 18, 1]
     plan = plan_micro_batches(lengths, 32)
@@ -133,19 +150,7 @@ def test_packed_forward_equals_the_padded_forward(model):
 def test_packed_training_gives_the_padded_loss_and_gradients():
     batch = make_batch(seed=1)
     padded, packed = make_worker(None), make_worker(40)
-    old = padded.forward(batch)["logprobs"]
-    batch.tensors["old_logprobs"] = (old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
-                                     ) * batch["loss_mask"]
-    batch.tensors["rollout_logprobs"] = batch["old_logprobs"].clone()
-    norm = compute_norm(batch)
-    ma = padded.accumulate_gradients(batch, norm)
-    mb = packed.accumulate_gradients(batch, norm)
-    assert ma["train/loss"] != 0.0
-    for key in ("train/loss", "train/pg_loss", "train/entropy"):
-        assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
-    ga = {n: p.grad for n, p in padded.model.named_parameters()}
-    for n, p in packed.model.named_parameters():
-        torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_loss_and_gradients(padded, packed, batch)
     sa, sb = padded.optimizer_step(), packed.optimizer_step()
     assert sb["train/grad_norm"] == pytest.approx(sa["train/grad_norm"], rel=1e-5)
 
@@ -272,18 +277,7 @@ def test_shared_prompts_give_the_unshared_loss_and_gradients(max_tokens):
     batch = make_group_batch(seed=2)
     plain = make_worker(max_tokens, backend_args={"share_prompts": False}, micro_batch_size=7)
     shared = make_worker(max_tokens, micro_batch_size=7)
-    old = plain.forward(batch)["logprobs"]
-    batch.tensors["old_logprobs"] = (old + 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(3))
-                                     ) * batch["loss_mask"]
-    batch.tensors["rollout_logprobs"] = batch["old_logprobs"].clone()
-    norm = compute_norm(batch)
-    ma, mb = plain.accumulate_gradients(batch, norm), shared.accumulate_gradients(batch, norm)
-    assert ma["train/loss"] != 0.0
-    for key in ("train/loss", "train/pg_loss", "train/entropy"):
-        assert mb[key] == pytest.approx(ma[key], rel=1e-5, abs=1e-7), key
-    ga = {n: p.grad for n, p in plain.model.named_parameters()}
-    for n, p in shared.model.named_parameters():
-        torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_loss_and_gradients(plain, shared, batch)
 
 
 @pytest.mark.parametrize("max_tokens", [None, 40], ids=["rows", "token_budget"])
