@@ -130,7 +130,9 @@ def test_packed_rows_restart_positions_and_attend_within_a_row():
     assert torch.equal(masks["full_attention"][0, 0], mask)
     assert masks["sliding_attention"][0, 0, 2].tolist() == [False, True, True, False, False]
     assert masks["sliding_attention"][0, 0, 4].tolist() == [False, False, False, True, True]
-    assert packed.unpack(torch.arange(1.0, 6.0)[None]).tolist() == [[0, 2, 3, 0], [0, 5, 0, 0]]
+    # each token after a row's first is predicted by the state before it in its own row
+    states, rows, cols = packed.predicting_states(torch.arange(5.0).view(1, 5, 1), ids > 0)
+    assert (states.view(-1).tolist(), rows.tolist(), cols.tolist()) == ([0, 1, 3], [0, 0, 1], [1, 2, 1])
 
 
 SLIDING = {**TINY_QWEN3, "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}
@@ -155,30 +157,44 @@ def test_packed_training_gives_the_padded_loss_and_gradients():
     assert sb["train/grad_norm"] == pytest.approx(sa["train/grad_norm"], rel=1e-5)
 
 
-def test_packed_critic_values_and_gradients_equal_the_padded_ones():
+def make_critic(max_tokens: int | None, **backend_args):
+    from loongsage_core.config import CriticConfig, RunConfig
+
+    job = JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=TOKENIZER),
+                    train=TrainConfig(lr=1e-3, micro_batch_size=3, max_tokens_per_micro_batch=max_tokens,
+                                      backend_args=backend_args),
+                    algorithm=AlgorithmConfig(loss_agg="token_mean"), critic=CriticConfig(micro_batch_size=3),
+                    run=RunConfig(seed=3))
+    host = PluginHost.create(enable=["rl", "torch"])
+    worker = create_train_worker(TrainWorkerContext(job=job, components=host, role="critic"))
+    with torch.no_grad():  # a fresh head is all zeros: give it weights
+        head = worker.model.value_head
+        head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(1)))
+    return worker
+
+
+@pytest.mark.parametrize("case", ["packed", "shared_prompts", "shared_prompts_packed"])
+def test_packed_or_shared_critic_values_and_gradients_equal_the_padded_ones(case):
     from loongsage_plugin_rl.advantages import gae
 
-    from loongsage_core.config import CriticConfig, RunConfig
     from loongsage_hookspecs import AdvantageInputs
 
-    def critic(max_tokens):
-        job = JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=TOKENIZER),
-                        train=TrainConfig(lr=1e-3, micro_batch_size=3, max_tokens_per_micro_batch=max_tokens),
-                        algorithm=AlgorithmConfig(loss_agg="token_mean"), critic=CriticConfig(micro_batch_size=3),
-                        run=RunConfig(seed=3))
-        host = PluginHost.create(enable=["rl", "torch"])
-        worker = create_train_worker(TrainWorkerContext(job=job, components=host, role="critic"))
-        with torch.no_grad():  # a fresh head is all zeros: give it weights
-            head = worker.model.value_head
-            head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(1)))
-        return worker
-
-    batch = make_batch(seed=2)
+    if case == "packed":  # every real token's value, padding-free
+        batch = make_batch(seed=2)
+        reference, other = make_critic(None), make_critic(40)
+    else:  # a group's prompt run once: the values at the trained tokens
+        batch = make_group_batch(seed=4)
+        reference = make_critic(None, share_prompts=False)
+        other = make_critic(64 if case == "shared_prompts_packed" else None)
+        micro = batch.select(list(range(len(batch))))
+        assert other._prompt_groups(micro["input_ids"], micro["attention_mask"], micro["loss_mask"] > 0,
+                                    one_row=True) is not None
     batch.tensors["loss_mask"] = batch["loss_mask"].float()
     batch.tensors["rewards"] = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0])
     batch.tensors["group_index"] = torch.arange(7) // 4
-    padded, packed = critic(None), critic(40)
-    va, vb = padded.forward(batch)["values"], packed.forward(batch)["values"]
+    va, vb = reference.forward(batch)["values"], other.forward(batch)["values"]
+    if case != "packed":  # a micro-batch that shares computes only its trained tokens' values
+        va, vb = va * batch["loss_mask"], vb * batch["loss_mask"]
     assert float(va.abs().sum()) > 0
     torch.testing.assert_close(vb, va, rtol=1e-5, atol=2e-5)
     batch.tensors["values"] = va * batch["loss_mask"]
@@ -186,10 +202,10 @@ def test_packed_critic_values_and_gradients_equal_the_padded_ones():
                                                    group_index=batch["group_index"], values=batch["values"]),
                                    lam=0.9).returns
     norm = compute_norm(batch)
-    ma, mb = padded.accumulate_gradients(batch, norm), packed.accumulate_gradients(batch, norm)
+    ma, mb = reference.accumulate_gradients(batch, norm), other.accumulate_gradients(batch, norm)
     assert mb["train/critic_loss"] == pytest.approx(ma["train/critic_loss"], rel=1e-5)
-    ga = {n: p.grad for n, p in padded.model.named_parameters()}
-    for n, p in packed.model.named_parameters():
+    ga = {n: p.grad for n, p in reference.model.named_parameters()}
+    for n, p in other.model.named_parameters():
         # float32 noise scales with the gradient (the random value head makes it large here)
         scale = max(float(ga[n].abs().max()), 1.0)
         torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6 * scale)
@@ -249,7 +265,9 @@ def test_a_sharing_row_attends_to_the_anchor_prompt_and_itself():
     assert mask[6] == [1, 1, 1, 0, 0, 1, 1, 0]  # the second row's "3": the prompt, then its own tokens
     # the second row's first kept token ("4", position 3) is predicted by the anchor's "7"
     assert packed.predictor[5] == 2 and packed.predictor[6] == 5
-    assert packed.unpack(torch.arange(8.0)[None]).tolist() == [[0, 1, 2, 3, 4, 0], [0, 0, 0, 5, 6, 7]]
+    states, rows, cols = packed.predicting_states(torch.arange(8.0).view(1, 8, 1), ids > 0)
+    assert states.view(-1).tolist() == [0, 1, 2, 3, 2, 5, 6]  # the second row's "4" from the anchor's "7"
+    assert (rows.tolist(), cols.tolist()) == ([0, 0, 0, 0, 1, 1, 1], [1, 2, 3, 4, 3, 4, 5])
     with pytest.raises(ValueError, match="attention mask"):
         packed.attention_mask(SimpleNamespace(_attn_implementation="flash_attention_2"))
 

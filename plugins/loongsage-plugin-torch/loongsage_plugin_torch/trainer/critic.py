@@ -77,18 +77,25 @@ class ValueModel(torch.nn.Module):
         The backbone runs under autocast when its parameters are wider than ``compute_dtype``;
         the head always runs in float32.
         """
+        hidden = self.hidden(input_ids, attention_mask, compute_dtype=compute_dtype, position_ids=position_ids)
+        return torch.nn.functional.pad(self.head(hidden[:, :-1]), (1, 0))
+
+    def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict[str, torch.Tensor] | None, *,
+               compute_dtype: torch.dtype, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The backbone's last hidden states ``[B, T, H]`` (under autocast, see :meth:`forward`)."""
         param_dtype = self.value_head.weight.dtype
-        device_type = input_ids.device.type
-        autocast = (torch.autocast(device_type=device_type, dtype=compute_dtype)
+        autocast = (torch.autocast(device_type=input_ids.device.type, dtype=compute_dtype)
                     if compute_dtype != param_dtype else contextlib.nullcontext())
         with autocast:
             extra = {} if position_ids is None else {"position_ids": position_ids}  # packed rows
-            hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                                   use_cache=False, **extra).last_hidden_state[:, :-1]
-        with torch.autocast(device_type=device_type, enabled=False):
+            return self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False, **extra).last_hidden_state
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The value head in float32 over ``hidden`` ``[..., H]``: values ``[...]``."""
+        with torch.autocast(device_type=hidden.device.type, enabled=False):
             head = self.value_head
-            v = torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias.float()).squeeze(-1)
-        return torch.nn.functional.pad(v, (1, 0))
+            return torch.nn.functional.linear(hidden.float(), head.weight.float(), head.bias.float()).squeeze(-1)
 
 
 class TorchCriticWorker(TorchTrainWorker):
@@ -139,17 +146,33 @@ class TorchCriticWorker(TorchTrainWorker):
     # Forward
     # ------------------------------------------------------------------------------------------
 
+    def _model_config(self) -> Any:
+        return getattr(self.model.backbone, "config", None)
+
     def _values(self, micro: Batch) -> torch.Tensor:
-        """Values ``[b, T]`` of one micro-batch (0 on padding; columns past its longest row not computed)."""
+        """Values ``[b, T]`` of one micro-batch (0 on padding; columns past its longest row not computed).
+
+        When rows share a prompt (:meth:`_prompt_groups`) the prompt runs once and only the values
+        at the ``loss_mask`` tokens are computed (0 elsewhere): the only ones GAE, the value loss
+        and the host read."""
         ids = micro["input_ids"]
         attention = micro.get("attention_mask")
         if attention is None:
             attention = torch.ones_like(ids)
-        if self.max_tokens_per_micro_batch and bool(attention.any()):  # padding-free (.packing)
-            packed = PackedRows(ids, attention)
-            config = getattr(self.model.backbone, "config", None)
-            return packed.unpack(self.model(packed.input_ids, packed.attention_mask(config),
-                                            compute_dtype=self.compute_dtype, position_ids=packed.position_ids))
+        loss_mask = micro.get("loss_mask")
+        one_row = bool(self.max_tokens_per_micro_batch)
+        groups = None
+        if loss_mask is not None and bool(attention.any()):
+            groups = self._prompt_groups(ids, attention, loss_mask > 0, one_row=one_row)
+        if groups is not None or (one_row and bool(attention.any())):  # shared prompts, padding-free (.packing)
+            packed = PackedRows(ids, attention, groups, one_row=one_row)
+            hidden = self.model.hidden(packed.input_ids, packed.attention_mask(self._model_config()),
+                                       compute_dtype=self.compute_dtype, position_ids=packed.position_ids)
+            wanted = (attention > 0) if groups is None else (loss_mask > 0) & (attention > 0)
+            states, rows, cols = packed.predicting_states(hidden, wanted)
+            values = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)
+            values = values.index_put((rows, cols), self.model.head(states))
+            return values
         full_width = ids.shape[1]
         width = max(int(attention.sum(dim=1).max()) if ids.shape[0] else 0, 1)
         values = self.model(ids[:, :width], attention[:, :width], compute_dtype=self.compute_dtype)

@@ -88,6 +88,10 @@ class ForwardPassMixin:
                 logits = torch.nn.functional.pad(logits, (0, 0, 0, full_width - width))
         return logprobs, entropy, logits if keep_logits else None
 
+    def _model_config(self) -> Any:
+        """The transformers config of the model this worker runs (``None`` when it has none)."""
+        return getattr(self.model, "config", None)
+
     def _count_prompt_tokens(self, attention: torch.Tensor, groups: list[list[tuple[int, int]]] | None) -> None:
         """Add a micro-batch's tokens to :attr:`prompt_tokens`: (not run, shared; given)."""
         shared = sum(s for group in groups or () for _, s in group)
@@ -101,7 +105,7 @@ class ForwardPassMixin:
         kernel takes no mask to share a prompt through."""
         if not self.share_prompts or scored is None:
             return None
-        config = getattr(self.model, "config", None)
+        config = self._model_config()
         if "flash" in str(getattr(config, "_attn_implementation", None) or ""):
             return None
         groups = prompt_groups(ids, (attention > 0).sum(dim=1).tolist(), scored & (attention > 0),

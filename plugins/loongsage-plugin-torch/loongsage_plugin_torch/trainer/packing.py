@@ -200,6 +200,15 @@ class PackedRows:
         """Packed tokens, padding included."""
         return int(self.input_ids.numel())
 
+    def predicting_states(self, hidden: "torch.Tensor", wanted: "torch.Tensor",
+                          ) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+        """The hidden states (``[K, H]`` of the packed ``hidden`` ``[R, L, H]``) that predict the
+        kept tokens ``wanted`` (bool ``[b, T]``) marks, a row's first token never among them, and
+        those tokens' rows and columns in the ``[b, T]`` layout."""
+        take = wanted[self.src_row, self.src_col] & (self.src_col > 0)
+        states = hidden.reshape(-1, hidden.shape[-1])[self.predictor[take]]
+        return states, self.src_row[take], self.src_col[take]
+
     def attention_mask(self, config: Any) -> "torch.Tensor | dict[str, torch.Tensor] | None":
         """The attention mask of the packed sequences for a model with ``config``.
 
@@ -231,16 +240,6 @@ class PackedRows:
         window = mask & (k_pos > q_pos - int(config.sliding_window))
         return {"full_attention": mask[:, None], "sliding_attention": window[:, None]}
 
-    def unpack(self, packed: "torch.Tensor") -> "torch.Tensor":
-        """``[R, L]`` per-token values back to the rows' ``[b, T]`` layout (0 on padding, on each
-        row's first token, whose value across the row boundary means nothing, and on the prompt
-        tokens a sharing row does not keep)."""
-        values = packed.reshape(-1)[self.dst_row * self.input_ids.shape[1] + self.dst_col]
-        values = values.masked_fill(self.src_col == 0, 0)
-        out = values.new_zeros(self.shape)
-        out[self.src_row, self.src_col] = values
-        return out
-
 
 def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: "torch.Tensor", *,
                          compute_dtype: "torch.dtype", fp32_lm_head: bool, entropy_grad: bool,
@@ -261,11 +260,8 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
     packed = PackedRows(input_ids, attention_mask, groups, one_row=one_row)
     hidden = decoder_hidden(model, packed.input_ids, packed.attention_mask(getattr(model, "config", None)),
                             compute_dtype=compute_dtype, position_ids=packed.position_ids)
-    # the kept tokens that are scored (never a row's first), and the hidden states that predict them
-    take = wanted[packed.src_row, packed.src_col] & (packed.src_col > 0)
-    states = hidden.reshape(-1, hidden.shape[-1])[packed.predictor[take]]
+    states, rows, cols = packed.predicting_states(hidden, wanted)
     logits = output_logits(model, states, compute_dtype=compute_dtype, fp32_lm_head=fp32_lm_head)
-    rows, cols = packed.src_row[take], packed.src_col[take]
     picked, entropy = picked_logprobs_and_entropy(logits, input_ids[rows, cols], entropy_grad=entropy_grad)
     assert entropy is not None
 
