@@ -72,7 +72,10 @@ def canonical_order(input_ids: "torch.Tensor", lengths: Sequence[int], names: Se
     such as the batch's ``trajectory_id`` and ``segment``): the rows that begin with the same
     prompt side by side, and one order for a set of rows whatever order it comes in. Without
     names, rows with equal tokens keep their relative order."""
-    rows = [input_ids[r, :int(n)].tolist() for r, n in enumerate(lengths)]
+    ids = input_ids.detach().cpu().numpy()
+    # a row's tokens as bytes: equal prefixes are equal byte prefixes, so the rows that share one
+    # sort side by side (the bytes' order is not the tokens', which does not matter here)
+    rows = [ids[r, :int(n)].tobytes() for r, n in enumerate(lengths)]
     tie = [str(x) for x in names] if names is not None else [""] * len(rows)
     return sorted(range(len(rows)), key=lambda r: (rows[r], tie[r], r))
 
@@ -95,17 +98,22 @@ def prompt_groups(input_ids: "torch.Tensor", lengths: Sequence[int], wanted: "to
     rows' lengths ``n``) is below the projections it saves (about ``6 * hidden_size`` per shared
     token, the ratio of a token's matrix-product FLOPs to a query-key pair's); without it (one
     sequence for the whole micro-batch) every group saves. Groups keep the rows' order."""
-    keys: dict[tuple[int, ...], list[int]] = {}
+    import torch
+
+    ids = input_ids.detach().cpu().numpy()
+    wanted = wanted.detach().cpu()
+    has = wanted.any(dim=1)
+    firsts = torch.where(has, wanted.to(torch.uint8).argmax(dim=1), torch.zeros_like(has, dtype=torch.long)).tolist()
+    keys: dict[bytes, list[int]] = {}
     groups: list[list[int]] = []
     for r, n in enumerate(lengths):
         if n == 0:
             continue
-        first = wanted[r, :n].nonzero()
-        prompt = int(first[0, 0]) if len(first) else 0
+        prompt = int(firsts[r])
         if prompt < MIN_SHARED_TOKENS:
             groups.append([r])
             continue
-        key = (prompt, *input_ids[r, :prompt].tolist())
+        key = ids[r, :prompt].tobytes()  # the prompt's length is in the key: its byte count
         if key not in keys:
             keys[key] = []
             groups.append(keys[key])
@@ -115,7 +123,7 @@ def prompt_groups(input_ids: "torch.Tensor", lengths: Sequence[int], wanted: "to
         if len(rows) == 1:
             out.append([(rows[0], 0)])
             continue
-        shared = int(wanted[rows[0], :lengths[rows[0]]].nonzero()[0, 0])
+        shared = int(firsts[rows[0]])
         packed = shared + sum(int(lengths[r]) - shared for r in rows)
         added = packed * packed - sum(int(lengths[r]) ** 2 for r in rows)
         if hidden_size is not None and added >= 6 * hidden_size * shared * (len(rows) - 1):
