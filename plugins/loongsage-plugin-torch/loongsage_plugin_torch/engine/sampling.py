@@ -84,7 +84,7 @@ def _sample_rows(logits: "torch.Tensor", params: Sequence[SamplingParams],
     u = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
     filtered = any(p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0 for p in params)
     if not filtered:
-        cdf = probs.double().cumsum(dim=-1)
+        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # as .double().cumsum(), without the copy
         choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
         return choice.clamp_(max=V - 1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
