@@ -64,6 +64,26 @@ def test_logprobs_equal_a_full_forward_of_the_model(served):
             assert res.prompt_tokens == len(prompt)
 
 
+def test_a_mixture_of_experts_model_is_served_with_the_models_log_probs():
+    moe = {**TINY_QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 24, "norm_topk_prob": True}
+    job = structure_job({"model": {"config": moe, "tokenizer": TOKENIZER, "seed": 3},
+                         "rollout": {"max_context_length": 192, "engine_args": {"num_threads": 1}}})
+    engine = create_engine(EngineContext(job=job, components=None))
+    client = EngineClient(engine.start())
+    try:
+        ref = load_model(job)
+        batch = prompts(5, 40, seed=2)
+        results = client.generate_sync(batch, {"temperature": 1.0, "sampling_seed": 4, "max_new_tokens": 16,
+                                                "ignore_eos": True})
+        for prompt, res in zip(batch, results):
+            assert len(res.output_ids) == 16
+            assert_logprobs_match(ref, prompt, res)
+    finally:
+        client.close()
+        engine.shutdown()
+
+
 def test_greedy_batch_of_mixed_lengths_equals_one_at_a_time(served):
     _, client, ref = served
     batch = prompts(3, 17, 8, 41, 1, seed=1)

@@ -23,6 +23,9 @@ FAMILIES = {
     "qwen2-sliding": {"model_type": "qwen2", **SMALL, "use_sliding_window": True, "sliding_window": 4,
                       "max_window_layers": 1},
     "qwen3-sliding": {**TINY_QWEN3, "use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0},
+    # mixture of experts: 4 experts, 2 per token; the first layer dense, the second sparse
+    "qwen3-moe": {**TINY_QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 24, "mlp_only_layers": [0], "norm_topk_prob": True},
 }
 
 
@@ -77,9 +80,10 @@ def test_chunked_prefill_and_decode_match_a_full_forward(family, packed, fused_d
         assert max(abs(a - b) for a, b in zip(expected, lp)) < 1e-5
 
 
+@pytest.mark.parametrize("family", ["qwen2", "qwen3-moe"])
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
-def test_fused_weights_follow_in_place_updates_of_the_hf_parameters(packed):
-    model, other = model_of(FAMILIES["qwen2"]), model_of(FAMILIES["qwen2"], seed=5)
+def test_fused_weights_follow_in_place_updates_of_the_hf_parameters(packed, family):
+    model, other = model_of(FAMILIES[family]), model_of(FAMILIES[family], seed=5)
     runner = ModelRunner(model, num_slots=1, packed_weights=packed)
     seq = list(range(1, 12))
     with torch.inference_mode():  # a forward first: the packed copies are made from the old weights
