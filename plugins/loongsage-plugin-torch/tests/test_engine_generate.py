@@ -64,24 +64,88 @@ def test_logprobs_equal_a_full_forward_of_the_model(served):
             assert res.prompt_tokens == len(prompt)
 
 
-def test_a_mixture_of_experts_model_is_served_with_the_models_log_probs():
-    moe = {**TINY_QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
-           "moe_intermediate_size": 24, "norm_topk_prob": True}
-    job = structure_job({"model": {"config": moe, "tokenizer": TOKENIZER, "seed": 3},
+# a mixture of experts: 4 experts, 2 per token; the first layer dense, the second sparse
+MOE = {**TINY_QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+       "moe_intermediate_size": 24, "norm_topk_prob": True, "mlp_only_layers": [0]}
+
+
+@pytest.fixture(scope="module")
+def served_moe():
+    job = structure_job({"model": {"config": dict(MOE), "tokenizer": TOKENIZER, "seed": 3},
                          "rollout": {"max_context_length": 192, "engine_args": {"num_threads": 1}}})
     engine = create_engine(EngineContext(job=job, components=None))
-    client = EngineClient(engine.start())
+    url = engine.start()
+    client = EngineClient(url)
+    yield url, client, load_model(job)
+    client.close()
+    engine.shutdown()
+
+
+def test_a_mixture_of_experts_model_is_served_with_the_models_log_probs(served_moe):
+    _, client, ref = served_moe
+    batch = prompts(5, 40, seed=2)
+    results = client.generate_sync(batch, {"temperature": 1.0, "sampling_seed": 4, "max_new_tokens": 16,
+                                            "ignore_eos": True})
+    for prompt, res in zip(batch, results):
+        assert len(res.output_ids) == 16
+        assert_logprobs_match(ref, prompt, res)
+
+
+def router_choices(model, tokens):
+    """Each layer's top-k experts for every position of ``tokens`` ``[len, layers, k]`` from the
+    model's own routers (forward hooks), -1 in a dense layer: computed apart from the engine."""
+    layers = model.model.layers
+    k = model.config.num_experts_per_tok
+    out = torch.full((len(tokens), len(layers), k), -1, dtype=torch.int32)
+    def keep(index):
+        def hook(_module, _inputs, output):  # (logits, weights, indices); returns None: output unchanged
+            out[:, index] = output[2]
+        return hook
+
+    hooks = [layer.mlp.gate.register_forward_hook(keep(index)) for index, layer in enumerate(layers)
+             if hasattr(layer.mlp, "gate")]
     try:
-        ref = load_model(job)
-        batch = prompts(5, 40, seed=2)
-        results = client.generate_sync(batch, {"temperature": 1.0, "sampling_seed": 4, "max_new_tokens": 16,
-                                                "ignore_eos": True})
-        for prompt, res in zip(batch, results):
-            assert len(res.output_ids) == 16
-            assert_logprobs_match(ref, prompt, res)
+        with torch.no_grad():
+            model(torch.tensor([tokens]))
     finally:
-        client.close()
-        engine.shutdown()
+        for hook in hooks:
+            hook.remove()
+    return out
+
+
+def test_routed_experts_are_those_of_the_models_routers_through_the_caches(served_moe):
+    import base64
+
+    url, _, ref = served_moe
+    a, b = prompts(40, 24, seed=7)
+
+    def generate(batch):
+        body = {"input_ids": batch, "return_routed_experts": True, "sampling_params": {
+            "temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}}
+        answer = httpx.post(f"{url}/generate", json=body, timeout=60).raise_for_status().json()
+        return answer if isinstance(answer, list) else [answer]
+
+    # a prompt twice in one batch (one prefill, copied), then again (the prefix cache's KV)
+    answers = generate([a, a, b]) + generate([a])
+    assert answers[3]["meta_info"]["cached_tokens"] >= 16
+    for prompt, answer in zip([a, a, b, a], answers):
+        meta = answer["meta_info"]
+        assert meta["routed_experts_dtype"] == "int32"
+        tokens = prompt + answer["output_ids"]
+        got = torch.frombuffer(bytearray(base64.b64decode(meta["routed_experts"])), dtype=torch.int32)
+        expected = router_choices(ref, tokens[:-1])  # every position the model ran
+        assert torch.equal(got.view(expected.shape), expected)
+        assert bool((expected[:, 0] == -1).all()) and bool((expected[:, 1] >= 0).all())
+    # without the question, no routing; a dense model refuses it by name
+    plain = httpx.post(f"{url}/generate", json={"input_ids": a, "sampling_params": {"max_new_tokens": 2}},
+                       timeout=60).json()
+    assert "routed_experts" not in plain["meta_info"]
+
+
+def test_a_dense_model_refuses_return_routed_experts(served):
+    engine, client, _ = served
+    resp = httpx.post(client.base_url + "/generate", json={"input_ids": [1, 2, 3], "return_routed_experts": True})
+    assert resp.status_code == 400 and "return_routed_experts" in resp.text
 
 
 def test_greedy_batch_of_mixed_lengths_equals_one_at_a_time(served):

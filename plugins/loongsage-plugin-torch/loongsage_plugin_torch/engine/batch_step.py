@@ -93,7 +93,7 @@ class BatchStepMixin:
         self.running.extend(joined)  # from here on a failure reaches these requests too
         for req, entry, cached in reps:
             if entry is not None:
-                self.runner.cache.write(req.slot, entry.keys, entry.values, cached)
+                self.runner.cache.write(req.slot, entry.keys, entry.values, cached, entry.routes)
             req.kv_len = req.cached_tokens = cached
         logits = self._prefill([r for r, _, _ in reps])
         for req, _, _ in reps:
@@ -101,8 +101,7 @@ class BatchStepMixin:
             self.stats.prefill_tokens += len(req.tokens) - req.cached_tokens
             self.stats.cached_tokens += req.cached_tokens
             if self.prefix_cache.capacity_tokens:
-                keys, values = self.runner.cache.read(req.slot, req.kv_len)
-                self.prefix_cache.insert(req.tokens, keys, values, self.version, self._kv_namespace(req))
+                self._remember_prefix(req, req.tokens)
         row_of = {id(r): i for i, (r, _, _) in enumerate(reps)}
         for req, twin in dups:
             self.runner.cache.move(twin.slot, req.slot, twin.kv_len)
@@ -163,6 +162,12 @@ class BatchStepMixin:
         self.stats.decode_steps += 1
         self.stats.decode_seconds += time.perf_counter() - t0
         self._retire()
+
+    def _remember_prefix(self, req: RequestState, tokens: list[int]) -> None:
+        """Copy the KV (and routing) of ``req``'s first ``len(tokens)`` positions into the prefix cache."""
+        keys, values = self.runner.cache.read(req.slot, len(tokens))
+        self.prefix_cache.insert(tokens, keys, values, self.version, self._kv_namespace(req),
+                                 routes=self.runner.cache.read_routes(req.slot, len(tokens)) or None)
 
     def _kv_namespace(self, req: RequestState) -> str | None:
         """The adapter whose KV ``req`` computes: its ``lora_path`` when adapters apply per
@@ -225,10 +230,10 @@ class BatchStepMixin:
             return
         alive = [r for r in self.running if r.finish is None]
         for req in done:
+            if req.item.return_routed_experts:  # the experts of every position the model ran
+                req.routed_experts = self.runner.routed_experts(req.slot, req.kv_len)
             if self.prefix_cache.capacity_tokens and req.kv_len >= self.prefix_cache.block:
-                keys, values = self.runner.cache.read(req.slot, req.kv_len)
-                self.prefix_cache.insert(req.tokens[: req.kv_len], keys, values, self.version,
-                                         self._kv_namespace(req))
+                self._remember_prefix(req, req.tokens[: req.kv_len])
         n = len(alive)
         holes = sorted(r.slot for r in done if r.slot < n)
         movers = [r for r in alive if r.slot >= n]
@@ -260,4 +265,5 @@ class BatchStepMixin:
             weight_version=req.versions[-1] if req.versions else self.version,
             finish_reason=dict(finish),
             cached_tokens=req.cached_tokens, latency_s=time.monotonic() - req.created,
-            top_logprobs=[list(row) for row in req.top_logprobs] if req.item.top_logprobs_num else None)
+            top_logprobs=[list(row) for row in req.top_logprobs] if req.item.top_logprobs_num else None,
+            routed_experts=req.routed_experts)

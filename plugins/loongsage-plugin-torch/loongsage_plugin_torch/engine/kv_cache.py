@@ -40,16 +40,22 @@ class SlotKVCache:
     """
 
     def __init__(self, *, num_layers: int, num_slots: int, kv_heads: int, head_dim: int,
-                 dtype: "torch.dtype") -> None:
+                 dtype: "torch.dtype", route_layers: int = 0, top_k: int = 0) -> None:
         self.num_layers = num_layers
         self.num_slots = num_slots
         self.kv_heads = kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.route_layers = route_layers
+        self.top_k = top_k
         self.slots = 0
         self.capacity = 0
         self.keys: list["torch.Tensor"] = []
         self.values: list["torch.Tensor"] = []
+        # a mixture-of-experts model's routing: per MoE layer ``[slots, capacity, top_k]`` expert
+        # ids, kept with the KV of the same positions so that every copy of KV (prefix cache, a
+        # duplicate prompt, a slot moved) carries the experts that computed it
+        self.routes: list["torch.Tensor"] = []
 
     def ensure(self, slots: int, length: int) -> None:
         """Make room for slots ``0..slots-1`` holding ``length`` positions each."""
@@ -71,12 +77,18 @@ class SlotKVCache:
                 v[: self.slots, :, : self.capacity].copy_(self.values[layer])
             keys.append(k)
             values.append(v)
-        self.keys, self.values = keys, values
+        routes = []
+        for layer in range(self.route_layers):
+            r = torch.full((new_slots, new_cap, self.top_k), -1, dtype=torch.int16)
+            if self.slots and self.capacity:
+                r[: self.slots, : self.capacity].copy_(self.routes[layer])
+            routes.append(r)
+        self.keys, self.values, self.routes = keys, values, routes
         self.slots, self.capacity = new_slots, new_cap
 
     def reset(self) -> None:
         """Drop all storage (the next :meth:`ensure` allocates afresh)."""
-        self.keys, self.values = [], []
+        self.keys, self.values, self.routes = [], [], []
         self.slots = self.capacity = 0
 
     def move(self, src: int, dst: int, length: int) -> None:
@@ -87,19 +99,29 @@ class SlotKVCache:
         for k, v in zip(self.keys, self.values):
             k[dst, :, :length].copy_(k[src, :, :length])
             v[dst, :, :length].copy_(v[src, :, :length])
+        for r in self.routes:
+            r[dst, :length].copy_(r[src, :length])
 
     def read(self, slot: int, length: int) -> "tuple[list[torch.Tensor], list[torch.Tensor]]":
         """Copies of the first ``length`` positions of ``slot``: per layer ``[kv_heads, length, head_dim]``."""
         return ([k[slot, :, :length].clone() for k in self.keys],
                 [v[slot, :, :length].clone() for v in self.values])
 
+    def read_routes(self, slot: int, length: int) -> "list[torch.Tensor]":
+        """Copies of the expert ids of the first ``length`` positions of ``slot``: per MoE layer
+        ``[length, top_k]`` (empty for a model without experts)."""
+        return [r[slot, :length].clone() for r in self.routes]
+
     def write(self, slot: int, keys: "Sequence[torch.Tensor]", values: "Sequence[torch.Tensor]",
-              length: int) -> None:
-        """Store the first ``length`` positions of per-layer KV copies into ``slot``."""
+              length: int, routes: "Sequence[torch.Tensor] | None" = None) -> None:
+        """Store the first ``length`` positions of per-layer KV copies (and of the routing
+        :meth:`read_routes` gave) into ``slot``."""
         self.ensure(slot + 1, length)
         for layer in range(self.num_layers):
             self.keys[layer][slot, :, :length].copy_(keys[layer][:, :length])
             self.values[layer][slot, :, :length].copy_(values[layer][:, :length])
+        for layer, route in enumerate(routes or ()):
+            self.routes[layer][slot, :length].copy_(route[:length])
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
@@ -114,6 +136,7 @@ class PrefixEntry:
     values: list
     version: int
     block_hashes: list[int]
+    routes: list | None = None  # a mixture-of-experts model's expert ids of the same positions
 
 
 class PrefixCache:
@@ -150,7 +173,7 @@ class PrefixCache:
         self.tokens = 0
 
     def insert(self, tokens: Sequence[int], keys: list, values: list, version: int,
-               namespace: str | None = None) -> None:
+               namespace: str | None = None, routes: list | None = None) -> None:
         """Remember KV copies for ``tokens`` (computed in ``namespace``); evicts least recently used
         entries to stay in budget."""
         n = len(tokens)
@@ -176,7 +199,7 @@ class PrefixCache:
                 self._remove(owner)
         entry_id = self._next_id
         self._next_id += 1
-        self._entries[entry_id] = PrefixEntry(list(tokens), keys, values, version, hashes)
+        self._entries[entry_id] = PrefixEntry(list(tokens), keys, values, version, hashes, routes)
         for h in hashes:
             self._by_hash[h] = entry_id
         self.tokens += n

@@ -47,6 +47,7 @@ class GenerateItem:
     top_logprobs_num: int = 0
     stream: bool = False
     lora_path: str | None = None
+    return_routed_experts: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -54,7 +55,8 @@ class GenerateItem:
 # --------------------------------------------------------------------------------------------
 
 GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
-                   "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "lora_path"}
+                   "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "lora_path",
+                   "return_routed_experts"}
 GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "log_metrics": lambda v: isinstance(v, bool) or v is None,
     # fields sglang-router adds to every request it forwards
@@ -206,10 +208,12 @@ def _read_lora_paths(value: Any, count: int, adapters: Sequence[str]) -> list[st
 
 
 def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Callable[[str], list[int]] | None,
-                   can_decode: bool = True, adapters: Sequence[str] = ()) -> tuple[list[GenerateItem], bool]:
+                   can_decode: bool = True, adapters: Sequence[str] = (),
+                   routes_experts: bool = False) -> tuple[list[GenerateItem], bool]:
     """Validate a ``/generate`` body; returns the items and whether the input was a single prompt.
 
-    ``adapters``: the LoRA adapter names a request's ``lora_path`` may give."""
+    ``adapters``: the LoRA adapter names a request's ``lora_path`` may give; ``routes_experts``:
+    the model has mixture-of-experts layers, so ``return_routed_experts`` may be asked."""
     body = require_object(body, "/generate")
     check_unknown(body, GENERATE_FIELDS, GENERATE_NEUTRAL)
     stream = read_bool(body, "stream", False, "")
@@ -272,6 +276,12 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
     if len(sps) != count:
         raise InvalidRequest(f"'sampling_params' has {len(sps)} entries for a batch of {count}", "sampling_params")
     rl = _per_item(body.get("return_logprob"), count, "return_logprob")
+    routed = _per_item(body.get("return_routed_experts", False), count, "return_routed_experts")
+    if not all(isinstance(flag, bool) for flag in routed):
+        raise InvalidRequest("'return_routed_experts' must be a boolean or a list of booleans", "return_routed_experts")
+    if any(routed) and not routes_experts:
+        raise InvalidRequest("'return_routed_experts': the served model has no mixture-of-experts layers",
+                             "return_routed_experts")
     lora_paths = _read_lora_paths(body.get("lora_path"), count, adapters)
     items = []
     for i, prompt in enumerate(prompts):
@@ -290,5 +300,5 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
         items.append(GenerateItem(rid=rids[i], input_ids=list(prompt), params=params, return_logprob=ret_lp,
                                   return_text_in_logprobs=read_bool(body, "return_text_in_logprobs", False, ""),
                                   parent_rid=parent, top_logprobs_num=top_n, stream=stream,
-                                  lora_path=lora_paths[i]))
+                                  lora_path=lora_paths[i], return_routed_experts=routed[i]))
     return items, single

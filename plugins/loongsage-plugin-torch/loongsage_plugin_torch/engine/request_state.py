@@ -51,6 +51,9 @@ class GenerationResult:
     cached_tokens: int
     latency_s: float
     top_logprobs: list[list[tuple[float, int]]] | None = None
+    #: ``return_routed_experts``: int32 ``[positions, layers, top_k]`` expert ids of every position
+    #: the model ran (prompt and output but the last token; -1 in dense layers)
+    routed_experts: Any = None
 
 
 @attrs.define(eq=False)
@@ -72,6 +75,7 @@ class RequestState:
     kv_len: int = 0
     cached_tokens: int = 0
     finish: dict[str, Any] | None = None
+    routed_experts: Any = None
 
     @property
     def prompt_len(self) -> int:

@@ -9,6 +9,7 @@ the routes read without the JSON details.
 
 from __future__ import annotations
 
+import base64
 from typing import TYPE_CHECKING, Any, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,6 +63,9 @@ def response_body(engine: "ServedEngine", item: Any, res: "GenerationResult") ->
         meta["output_token_logprobs"] = token_logprob_triples(res.logprobs, res.output_ids, texts)
         if res.top_logprobs is not None:
             meta["output_top_logprobs"] = top_logprob_rows(res.top_logprobs)
+    if res.routed_experts is not None:  # SGLang: base64 of int32 [positions, layers, top_k], row-major
+        meta["routed_experts"] = base64.b64encode(res.routed_experts.astype("<i4").tobytes()).decode("ascii")
+        meta["routed_experts_dtype"] = "int32"
     text = engine.decode(res.output_ids, skip_special_tokens=params.skip_special_tokens)
     matched = res.finish_reason.get("matched") if res.finish_reason else None
     if isinstance(matched, str) and not params.no_stop_trim:  # SGLang trims the stop string

@@ -233,8 +233,12 @@ class ModelRunner:
         self.layers = [self._prepare(layer) for layer in decoder_layers]
         self._packed_head = (PackedWeight(lambda: self.lm_head.weight, [self.lm_head.weight])
                              if self.packed_weights and getattr(self.lm_head, "bias", None) is None else None)
+        #: the decoder layers with experts (their routing is kept with the KV, see :meth:`routed_experts`)
+        self.moe_layers = [i for i, layer in enumerate(self.layers) if layer.experts is not None]
+        self.moe_top_k = max((self.layers[i].experts.top_k for i in self.moe_layers), default=0)
         self.cache = SlotKVCache(num_layers=len(self.layers), num_slots=num_slots, kv_heads=self.kv_heads,
-                                 head_dim=self.head_dim, dtype=self.dtype)
+                                 head_dim=self.head_dim, dtype=self.dtype, route_layers=len(self.moe_layers),
+                                 top_k=self.moe_top_k)
 
     # ------------------------------------------------------------------------------------------
     def _prepare(self, layer: Any) -> _Layer:
@@ -394,6 +398,7 @@ class ModelRunner:
         cos, sin = self.rotary(hidden, pos[None, :])
         cos, sin_signed = cos[0].unsqueeze(1), self._signed_sin(sin[0]).unsqueeze(1)
         q_size, kv_size = H * D, KV * D
+        routes = iter(self.cache.routes)
         for layer, window, k_cache, v_cache in zip(self.layers, self.windows, self.cache.keys, self.cache.values):
             x = self._rms(hidden, layer.attn_norm)
             qkv = layer.qkv(x, adapter_tokens)
@@ -430,7 +435,9 @@ class ModelRunner:
             hidden = hidden + layer.o_proj(out, adapter_tokens)
             x = self._rms(hidden, layer.mlp_norm)
             if layer.experts is not None:
-                hidden = hidden + self._mixture(layer.experts, x)
+                mixed, chosen = self._mixture(layer.experts, x)
+                next(routes)[slot, pos] = chosen.to(torch.int16)  # kept with this position's KV
+                hidden = hidden + mixed
                 continue
             assert layer.gate_up is not None and layer.down is not None
             gate, up = layer.gate_up(x, adapter_tokens).chunk(2, dim=-1)
@@ -439,11 +446,25 @@ class ModelRunner:
             hidden = hidden[torch.cumsum(counts, 0) - 1]
         return self.output_logits(hidden)
 
-    def _mixture(self, block: _Experts, x: "torch.Tensor") -> "torch.Tensor":
+    def routed_experts(self, slot: int, length: int) -> Any:
+        """The expert ids of the first ``length`` positions of ``slot`` as an int32 array
+        ``[length, layers, top_k]`` (SGLang's ``routed_experts`` layout), -1 in dense layers;
+        ``None`` for a model without experts."""
+        import numpy as np
+
+        if not self.moe_layers:
+            return None
+        out = np.full((length, len(self.layers), self.moe_top_k), -1, dtype=np.int32)
+        for index, route in zip(self.moe_layers, self.cache.read_routes(slot, length)):
+            out[:, index, :] = route.numpy()
+        return out
+
+    def _mixture(self, block: _Experts, x: "torch.Tensor") -> "tuple[torch.Tensor, torch.Tensor]":
         """A mixture-of-experts MLP over the packed tokens ``x`` ``[N, H]``: the router's softmax
         (in float32), its top-k experts per token (their weights renormalised when the model says
         so), and each chosen expert's gated MLP weighted and summed, expert by expert in ascending
-        order as transformers does, so the sums round alike."""
+        order as transformers does, so the sums round alike. Returns the output and the experts
+        chosen ``[N, top_k]``."""
         torch = self._torch
         F = torch.nn.functional
         logits = F.linear(x, block.router)
@@ -457,7 +478,7 @@ class ModelRunner:
             gate, up = F.linear(x[token], block.gate_up[expert]).chunk(2, dim=-1)
             y = F.linear(block.act(gate) * up, block.down[expert]) * top_w[token, slot, None]
             out.index_add_(0, token, y.to(out.dtype))
-        return out
+        return out, top_i
 
     def _attention_mask(self, qpos: "torch.Tensor", key_len: int, window: int | None,
                         decode: bool) -> "tuple[int, torch.Tensor]":

@@ -5,7 +5,8 @@ Paths and JSON fields follow SGLang so that one client drives both engines:
 =============================  ==========================================================
 ``POST /generate``             ``input_ids`` (one prompt or a batch), ``sampling_params``
                                (``stop`` strings too), ``return_logprob``, ``top_logprobs_num``,
-                               ``rid``, ``stream`` -> ``text``, ``output_ids``, ``meta_info``
+                               ``return_routed_experts``, ``rid``, ``stream`` -> ``text``,
+                               ``output_ids``, ``meta_info``
                                (one object, or a list for a batch); with ``stream`` server-sent
                                events ``data: {...}`` carrying the cumulative ``text``,
                                ``output_ids`` and ``meta_info`` after each token
@@ -39,7 +40,11 @@ with ``--api-key`` and ``--admin-api-key`` does, and gets a 401 otherwise.
 ``completion_tokens``, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
 ``weight_versions`` (spans ``{"version", "start", "end"}`` over the output tokens), the
 ``output_token_logprobs`` triples when asked, ``output_top_logprobs`` (per token the
-``top_logprobs_num`` most likely ``[logprob, token_id, null]``) when asked, and one LoongSage extension:
+``top_logprobs_num`` most likely ``[logprob, token_id, null]``) when asked, ``routed_experts``
+(a mixture-of-experts model, when asked: base64 of int32 ``[positions, layers, top_k]`` expert
+ids, row-major, for every position the model ran, the prompt and the output but its last token;
+-1 in dense layers; ``routed_experts_dtype`` says ``"int32"``; with the final answer only), and
+one LoongSage extension:
 ``output_token_weight_versions``, the integer weight version of every output token.
 Weight versions are integers inside LoongSage; ``weight_version`` is sent as a string, the type
 SGLang uses.
@@ -137,7 +142,8 @@ class EngineServer(WeightEndpointsMixin):
         body = await read_json_body(request)
         items, single = parse_generate(body, vocab_size=engine.vocab_size,
                                        max_context=engine.settings.max_context_length, encode=engine.encode,
-                                       can_decode=engine.tokenizer is not None, adapters=engine.adapter_names)
+                                       can_decode=engine.tokenizer is not None, adapters=engine.adapter_names,
+                                       routes_experts=bool(engine.runner.moe_layers))
         if items[0].stream:
             return await self._generate_stream(request, items[0])
         futures = engine.scheduler.submit(items)
