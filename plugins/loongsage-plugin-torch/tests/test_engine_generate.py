@@ -27,15 +27,18 @@ def make_job(**engine_args):
                           "rollout": {"max_context_length": 192, "engine_args": args}})
 
 
-@pytest.fixture(scope="module")
-def served():
-    job = make_job()
+def serve(job):
+    """A started engine for ``job``, a client and a reference copy of the model; stopped after."""
     engine = create_engine(EngineContext(job=job, components=None))
-    url = engine.start()
-    client = EngineClient(url)
+    client = EngineClient(engine.start())
     yield engine, client, load_model(job)
     client.close()
     engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served():
+    yield from serve(make_job())
 
 
 def prompts(*lengths, seed=0):
@@ -71,14 +74,8 @@ MOE = {**TINY_QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_p
 
 @pytest.fixture(scope="module")
 def served_moe():
-    job = structure_job({"model": {"config": dict(MOE), "tokenizer": TOKENIZER, "seed": 3},
-                         "rollout": {"max_context_length": 192, "engine_args": {"num_threads": 1}}})
-    engine = create_engine(EngineContext(job=job, components=None))
-    url = engine.start()
-    client = EngineClient(url)
-    yield url, client, load_model(job)
-    client.close()
-    engine.shutdown()
+    yield from serve(structure_job({"model": {"config": dict(MOE), "tokenizer": TOKENIZER, "seed": 3},
+                                    "rollout": {"max_context_length": 192, "engine_args": {"num_threads": 1}}}))
 
 
 def test_a_mixture_of_experts_model_is_served_with_the_models_log_probs(served_moe):
@@ -116,7 +113,8 @@ def router_choices(model, tokens):
 def test_routed_experts_are_those_of_the_models_routers_through_the_caches(served_moe):
     import base64
 
-    url, _, ref = served_moe
+    _, client, ref = served_moe
+    url = client.base_url
     a, b = prompts(40, 24, seed=7)
 
     def generate(batch):
