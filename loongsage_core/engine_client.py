@@ -61,11 +61,15 @@ class EngineClient:
     """Talks to one engine at ``base_url`` (``http://host:port``)."""
 
     def __init__(self, base_url: str, *, timeout: float | None = 600.0, api_key: str | None = None,
-                 max_connections: int | None = 100, lora_path: str | None = None) -> None:
+                 max_connections: int | None = 100, lora_path: str | None = None,
+                 return_routed_experts: bool = False) -> None:
         """``lora_path``: the LoRA adapter every ``/generate`` names (SGLang's per-request adapter;
-        a LoRA run's :data:`~loongsage_hookspecs.LORA_ADAPTER_NAME`), ``None`` for the base model."""
+        a LoRA run's :data:`~loongsage_hookspecs.LORA_ADAPTER_NAME`), ``None`` for the base model.
+        ``return_routed_experts``: every ``/generate`` asks a mixture-of-experts engine for the
+        experts it routed each token to (:attr:`GenerationResult.routed_experts`; Router Replay)."""
         self.base_url = base_url.rstrip("/")
         self.lora_path = lora_path
+        self.return_routed_experts = return_routed_experts
         self.timeout = timeout
         self.headers = engine_headers(api_key)
         # without a connection limit every connection is kept alive for reuse (the router's case)
@@ -144,9 +148,12 @@ class EngineClient:
                 "rid": list(rids), **extra}
 
     def _with_adapter(self, payload: dict[str, Any]) -> dict[str, Any]:
-        """``payload`` naming this client's LoRA adapter (``lora_path``), when it has one."""
+        """``payload`` naming this client's LoRA adapter (``lora_path``), when it has one, and
+        asking for the routed experts when this client does."""
         if self.lora_path is not None:
             payload["lora_path"] = self.lora_path
+        if self.return_routed_experts:
+            payload["return_routed_experts"] = True
         return payload
 
     @staticmethod

@@ -5,8 +5,11 @@ engine speaks it too); :func:`merge_stream_chunk` folds streamed chunks, cumulat
 into it. Per-token weight versions come from the LoongSage field
 ``meta_info.output_token_weight_versions`` when present, else from SGLang's
 ``meta_info.weight_versions`` spans, else from ``meta_info.weight_version`` repeated; weight versions
-that are decimal strings (SGLang's type) become ints (:func:`as_version`). A 4xx/5xx answer becomes
-an :class:`EngineError` with the engine's own message (:func:`check_response`).
+that are decimal strings (SGLang's type) become ints (:func:`as_version`). A mixture-of-experts
+engine asked for ``return_routed_experts`` answers ``meta_info.routed_experts`` (base64 of int32
+``[prompt + output - 1, layers, top_k]``), read into a :class:`~loongsage_hookspecs.RoutedExperts`.
+A 4xx/5xx answer becomes an :class:`EngineError` with the engine's own message
+(:func:`check_response`).
 
 Split out of :mod:`loongsage_core.engine_client` (which re-exports these names) so the wire format
 reads apart from the HTTP calls; importing it imports neither httpx nor torch.
@@ -18,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import attrs
 
-from loongsage_hookspecs import parse_weight_version
+from loongsage_hookspecs import RoutedExperts, parse_weight_version
 
 if TYPE_CHECKING:  # pragma: no cover
     import httpx
@@ -68,6 +71,9 @@ class GenerationResult:
     text: str
     meta_info: dict[str, Any] = attrs.field(repr=False)
     top_logprobs: list[list[tuple[float, int]]] | None = None  # per token: (log-prob, token id) of the most likely
+    #: ``return_routed_experts``: the experts of every position the engine ran (prompt and output
+    #: tokens but the last), ``None`` when not asked or not given
+    routed_experts: RoutedExperts | None = attrs.field(default=None, repr=False)
 
     @property
     def aborted(self) -> bool:
@@ -126,11 +132,19 @@ class GenerationResult:
                 start, end = max(0, int(span.get("start", 0))), min(n, int(span.get("end", n)))
                 versions[start:end] = [as_version(span.get("version"))] * max(0, end - start)
         cached = meta.get("cached_tokens")
+        routed = meta.pop("routed_experts", None)
+        routes = None
+        if isinstance(routed, str) and routed:
+            positions = int(meta.get("prompt_tokens") or 0) + n - 1
+            try:
+                routes = RoutedExperts.from_sglang(routed, positions, str(meta.get("routed_experts_dtype") or "int32"))
+            except ValueError as exc:
+                raise EngineProtocolError(f"returned unreadable routed_experts: {exc}") from None
         return cls(rid=str(meta.get("id") or rid or ""), output_ids=output_ids, logprobs=logprobs,
                    finish_reason=kind, finish_detail=detail, weight_version=version, weight_versions=versions,
                    prompt_tokens=int(meta.get("prompt_tokens") or 0),
                    cached_tokens=cached if isinstance(cached, int) and not isinstance(cached, bool) else 0,
-                   text=str(obj.get("text") or ""), meta_info=meta, top_logprobs=top_logprobs)
+                   text=str(obj.get("text") or ""), meta_info=meta, top_logprobs=top_logprobs, routed_experts=routes)
 
 
 def merge_stream_chunk(prev: GenerationResult | None, data: Any) -> GenerationResult:

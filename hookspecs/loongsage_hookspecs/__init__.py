@@ -84,6 +84,7 @@ from .records import (
     PolicyLossInputs,
     PolicyLossOutput,
     Reward,
+    RoutedExperts,
     SamplingParams,
     Segment,
     TeacherOutputs,

@@ -13,7 +13,7 @@ from typing import Any, Mapping, Sequence
 
 import attrs
 
-from loongsage_hookspecs import Segment
+from loongsage_hookspecs import RoutedExperts, Segment
 
 from .messages import same_messages
 from .tito import ChatRenderer
@@ -87,8 +87,11 @@ class ConversationTracker:
         return TurnPlan(len(self.segments), True, tokens, list(tokens), msgs, tools, kwargs, reason)
 
     def commit(self, plan: TurnPlan, generated: Sequence[int], logprobs: Sequence[float],
-               weight_versions: Sequence[int], assistant_message: Mapping[str, Any]) -> Segment:
-        """Append the plan's delta (mask 0) and the model's tokens (mask 1); remember the answer."""
+               weight_versions: Sequence[int], assistant_message: Mapping[str, Any],
+               routed_experts: RoutedExperts | None = None) -> Segment:
+        """Append the plan's delta (mask 0) and the model's tokens (mask 1); remember the answer.
+        ``routed_experts``: the engine's routing of the turn's last call (its input was the
+        segment so far, so it covers the whole segment; :meth:`Segment.record_routes`)."""
         if plan.new_segment:
             if plan.segment_index != len(self.segments):
                 raise RuntimeError("stale turn plan: segments changed since it was made")
@@ -101,6 +104,7 @@ class ConversationTracker:
         seg.append(plan.delta, generated=False)
         if generated:
             seg.append(list(generated), generated=True, logprobs=list(logprobs), weight_version=list(weight_versions))
+        seg.record_routes(routed_experts)
         last = int(generated[-1]) if generated else None
         self.state = SegmentState(messages=plan.messages + [dict(assistant_message)], tools=plan.tools,
                                   template_kwargs=plan.template_kwargs, last_generated=last)

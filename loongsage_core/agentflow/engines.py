@@ -17,6 +17,8 @@ from typing import Any, AsyncIterator, Sequence
 import attrs
 import httpx
 
+from loongsage_hookspecs import RoutedExperts
+
 from ..engine_client import EngineClient
 from ..engine_results import EngineError, EngineProtocolError, GenerationResult
 from .errors import RouterError
@@ -36,6 +38,7 @@ class EngineOutput:
     matched_stop: Any = None
     top_logprobs: list[list[tuple[float, int]]] | None = None
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
+    routed_experts: RoutedExperts | None = None  # the experts of every position the engine ran, when asked
 
 
 def engine_output(res: GenerationResult, url: str) -> EngineOutput:
@@ -45,7 +48,7 @@ def engine_output(res: GenerationResult, url: str) -> EngineOutput:
     except ValueError as exc:
         raise RouterError(502, f"engine {url}: {exc}", type="api_error", code="engine_error") from None
     return EngineOutput(res.output_ids, logprobs, versions, res.finish_reason, res.finish_detail.get("matched"),
-                        res.top_logprobs, cached_tokens=res.cached_tokens)
+                        res.top_logprobs, cached_tokens=res.cached_tokens, routed_experts=res.routed_experts)
 
 
 def parse_generate_response(data: Any, url: str) -> EngineOutput:
@@ -165,18 +168,23 @@ class EnginePool:
         secret: the run secret every request carries.
         timeout_s: the limit of one ``/generate`` call.
         lora_path: the LoRA adapter every generation names (a LoRA run's), or ``None``.
+        return_routed_experts: every generation asks for the experts each token was routed to
+            (a mixture-of-experts policy trained with ``[algorithm] router_replay``).
     """
 
-    def __init__(self, secret: str | None, timeout_s: float | None, lora_path: str | None = None) -> None:
+    def __init__(self, secret: str | None, timeout_s: float | None, lora_path: str | None = None,
+                 return_routed_experts: bool = False) -> None:
         self.secret = secret
         self.timeout_s = timeout_s
         self.lora_path = lora_path
+        self.return_routed_experts = return_routed_experts
         self._clients: dict[str, EngineClient] = {}
 
     def client(self, url: str) -> EngineClient:
         if url not in self._clients:  # no connection limit: the balancer spreads the load
             self._clients[url] = EngineClient(url, timeout=self.timeout_s, api_key=self.secret, max_connections=None,
-                                              lora_path=self.lora_path)
+                                              lora_path=self.lora_path,
+                                              return_routed_experts=self.return_routed_experts)
         return self._clients[url]
 
     async def generate(self, url: str, input_ids: list[int], sampling_params: dict[str, Any], rid: str,

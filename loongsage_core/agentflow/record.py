@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from loongsage_hookspecs import Segment, TrajectoryStatus
+from loongsage_hookspecs import RoutedExperts, Segment, TrajectoryStatus
 
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """Seeds the router accepts (a signed 64-bit integer, what engines can seed a generator with)."""
@@ -150,8 +150,9 @@ class TrajectoryRecord:
         """A JSON-ready dict (the admin API's wire format)."""
         out = attrs.asdict(self, recurse=True)
         out["status"] = self.status.value
-        for seg in out["segments"]:
+        for seg, own in zip(out["segments"], self.segments):
             seg["turns"] = [list(t) for t in seg["turns"]]
+            seg["routed_experts"] = None if own.routed_experts is None else own.routed_experts.to_json()
         for turn in out["turns"]:
             turn["weight_versions"] = list(turn["weight_versions"])
         return out
@@ -162,7 +163,9 @@ class TrajectoryRecord:
         data = dict(data)
         data["status"] = TrajectoryStatus(data.get("status", "pending"))
         data["segments"] = [Segment(tokens=s["tokens"], loss_mask=s["loss_mask"], logprobs=s["logprobs"],
-                                    weight_versions=s["weight_versions"], turns=[tuple(t) for t in s["turns"]])
+                                    weight_versions=s["weight_versions"], turns=[tuple(t) for t in s["turns"]],
+                                    routed_experts=(None if s.get("routed_experts") is None
+                                                    else RoutedExperts.from_json(s["routed_experts"])))
                             for s in data.get("segments", [])]
         data["turns"] = [TurnInfo(**{**t, "weight_versions": tuple(t["weight_versions"])})
                          for t in data.get("turns", [])]

@@ -106,7 +106,7 @@ class AgentFlowRouter:
                  default_sampling: Mapping[str, Any] | None = None, max_context_length: int | None = None,
                  engine_timeout_s: float = 600.0, max_continuations: int = 8, chat_template: str | None = None,
                  turn_end_ids: Sequence[int] | None = None, access_log_path: str | None = None,
-                 lora_path: str | None = None,
+                 lora_path: str | None = None, return_routed_experts: bool = False,
                  on_engine_lost: Callable[[str], None] | None = None, engine_retries: int = 0,
                  engine_wait_s: float = 300.0) -> None:
         self.tokenizer = _load_tokenizer(tokenizer)
@@ -128,7 +128,7 @@ class AgentFlowRouter:
                                                                   thread_name_prefix="agentflow-render")
         self.registry = TrajectoryRegistry(self.renderer, self._abort_at_engine, self.balancer.forget, secret=secret,
                                            default_sampling=default_sampling, max_context_length=max_context_length)
-        self.engines = EnginePool(secret, engine_timeout_s, lora_path)
+        self.engines = EnginePool(secret, engine_timeout_s, lora_path, return_routed_experts)
         limits = TurnLimits(max_prompt_chars=max_prompt_chars, max_continuations=max_continuations,
                             engine_retries=engine_retries, engine_wait_s=engine_wait_s)
         self.turns = TurnRunner(self.registry, self.renderer, self.balancer, self.engines, middlewares, model_name,

@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import attrs
 
-from loongsage_hookspecs import TrajectoryStatus
+from loongsage_hookspecs import RoutedExperts, TrajectoryStatus
 
 from .conversation import TurnPlan
 from .engines import EngineBalancer, EngineOutput, EnginePool
@@ -54,6 +54,8 @@ class Generation:
     top_logprobs: list[list[tuple[float, int]]] | None = None
     content: str | None = None
     cached_tokens: int = 0
+    #: the latest engine call's routed experts (its input held every earlier token of the segment)
+    routed_experts: RoutedExperts | None = None
 
 
 @attrs.define
@@ -203,7 +205,7 @@ class TurnRunner:
                                        f"{type(response).__name__}, expected a dict", type="server_error")
         message = response["choices"][0]["message"]
         if max_new > 0:
-            entry.tracker.commit(plan, gen.ids, gen.logprobs, gen.versions, message)
+            entry.tracker.commit(plan, gen.ids, gen.logprobs, gen.versions, message, gen.routed_experts)
             versions = [v for v in gen.versions if v >= 0] or [-1]
             rec.turns.append(TurnInfo(segment=plan.segment_index, prompt_tokens=len(plan.context),
                                       new_prompt_tokens=len(plan.delta), completion_tokens=len(gen.ids),
@@ -304,6 +306,8 @@ class TurnRunner:
         gen.logprobs += out.logprobs
         gen.versions += out.weight_versions
         gen.cached_tokens += out.cached_tokens
+        if out.routed_experts is not None:
+            gen.routed_experts = out.routed_experts
         if gen.top_logprobs is not None:
             gen.top_logprobs += out.top_logprobs or [[] for _ in out.output_ids]
 

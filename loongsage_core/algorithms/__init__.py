@@ -15,7 +15,13 @@ from __future__ import annotations
 from .metrics import MetricAccumulator
 from .norm import compute_norm
 from .pipeline import CORRECTION_MASK_KEY, CORRECTION_WEIGHTS_KEY, LossPipeline, LossPipelineError
-from .step import StepAlgorithm, advantage_metrics, train_inference_gap
+from .step import (
+    ROUTER_REPLAY_OUTPUTS,
+    StepAlgorithm,
+    advantage_metrics,
+    router_replay_metrics,
+    train_inference_gap,
+)
 
 __all__ = [
     "CORRECTION_MASK_KEY",
@@ -27,4 +33,6 @@ __all__ = [
     "advantage_metrics",
     "compute_norm",
     "train_inference_gap",
+    "ROUTER_REPLAY_OUTPUTS",
+    "router_replay_metrics",
 ]

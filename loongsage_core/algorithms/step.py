@@ -30,7 +30,7 @@ score (as verl does).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
 from loongsage_hookspecs import AdvantageInputs, AdvantageOutput, AggregationNorm, Batch, KLInputs
 
@@ -214,21 +214,52 @@ def train_inference_gap(batch: Batch) -> dict[str, float]:
     ``exp(r) - r - 1`` cancels catastrophically for the tiny ``r`` of a consistent trainer and
     engine).
     """
-    import torch
 
     if "old_logprobs" not in batch or "rollout_logprobs" not in batch:
         return {}
+    return _logprob_gap(batch, batch["old_logprobs"])
+
+
+def _logprob_gap(batch: Batch, logprobs: "torch.Tensor", suffix: str = "") -> dict[str, float]:
+    """The k3 gap and absolute log-prob differences of ``logprobs`` against the rollout's, over
+    the loss mask (see :func:`train_inference_gap`); names end with ``suffix``."""
+    import torch
+
     mask = batch["loss_mask"] > 0
     if not bool(mask.any()):
         return {}
-    r = (batch["old_logprobs"] - batch["rollout_logprobs"]).double()[mask]
+    r = (logprobs - batch["rollout_logprobs"]).double()[mask]
     k3 = torch.expm1(r) - r
     diff = r.abs()
     return {
-        "train/is_approx_k3_kl": float(k3.mean()),
-        "train/logprob_abs_diff_mean": float(diff.mean()),
-        "train/logprob_abs_diff_max": float(diff.max()),
+        f"train/is_approx_k3_kl{suffix}": float(k3.mean()),
+        f"train/logprob_abs_diff_mean{suffix}": float(diff.mean()),
+        f"train/logprob_abs_diff_max{suffix}": float(diff.max()),
     }
+
+
+ROUTER_REPLAY_OUTPUTS = ("router_agreement", "logprobs_no_replay", "router_agreement_no_replay")
+"""What a policy's old-log-prob pass returns besides ``logprobs`` under Router Replay's comparison."""
+
+
+def router_replay_metrics(batch: Batch, outputs: Mapping[str, "torch.Tensor"]) -> dict[str, float]:
+    """What Router Replay buys, from the old-log-prob pass's :data:`ROUTER_REPLAY_OUTPUTS`:
+    ``train/router_agreement`` (with replay) and ``train/router_agreement_no_replay``, the share
+    of token-layer choices where the trainer's own top-k experts are the engine's, over every
+    token with a record; and the train-inference gap of the pass without replay,
+    ``train/is_approx_k3_kl_no_replay`` (and ``train/logprob_abs_diff_*_no_replay``), to set
+    against ``train/is_approx_k3_kl``."""
+    real = batch["attention_mask"] > 0
+    out: dict[str, float] = {}
+    for key in ("router_agreement", "router_agreement_no_replay"):
+        if key in outputs:
+            values = outputs[key]
+            measured = real & (values >= 0)
+            if bool(measured.any()):
+                out[f"train/{key}"] = float(values[measured].double().mean())
+    if "logprobs_no_replay" in outputs and "rollout_logprobs" in batch:
+        out.update(_logprob_gap(batch, outputs["logprobs_no_replay"], "_no_replay"))
+    return out
 
 
 def advantage_metrics(batch: Batch) -> dict[str, float]:

@@ -125,7 +125,14 @@ class AlgorithmConfig:
     ``distill_kl`` set (a ``kl`` component, e.g. ``opd_topk_kl``) it is a term of its own,
     ``distill_coef * aggregate(term)`` in the loss (or subtracted from the token rewards with
     ``distill_in_reward``), next to an ordinary reference KL. ``distill_topk`` is how many
-    teacher top-k entries per token are computed when the term ``requires = "topk"``."""
+    teacher top-k entries per token are computed when the term ``requires = "topk"``.
+
+    Router Replay (R3, mixture-of-experts policies): ``router_replay`` asks the engines for the
+    experts they routed each token to and makes every policy forward (old log-probs, training, a
+    LoRA run's reference) use them, gating weights still from the current router. With
+    ``router_replay_compare`` (default) the old-log-prob pass (then always run) also scores the
+    rows without replay, for ``train/router_agreement[_no_replay]`` and
+    ``train/is_approx_k3_kl_no_replay``."""
 
     advantage: str = "grpo"
     advantage_args: Args = attrs.field(factory=dict)
@@ -151,6 +158,8 @@ class AlgorithmConfig:
     distill_coef: float = attrs.field(default=1.0, validator=non_negative)
     distill_in_reward: bool = False
     distill_topk: int = attrs.field(default=20, validator=attrs.validators.ge(1))
+    router_replay: bool = False
+    router_replay_compare: bool = True
 
 
 @attrs.define

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from loongsage_hookspecs import Batch, TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import Batch, Segment, TrajectoryGroup, TrajectoryStatus
 
 
 def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stale: bool = False) -> Batch:
@@ -42,6 +42,7 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
     rewards = torch.zeros(n, dtype=torch.float32)
     group_index = torch.zeros(n, dtype=torch.long)
     sample_index = torch.zeros(n, dtype=torch.long)
+    routes = routed_experts_tensor([seg for _, _, _, (_, seg) in rows], width)
     meta: dict[str, list[Any]] = {"trajectory_id": [], "prompt_id": [], "source": [], "segment": []}
     for i, (g_idx, sample, traj, (s_idx, seg)) in enumerate(rows):
         L = len(seg.tokens)
@@ -61,12 +62,30 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
         meta["prompt_id"].append(traj.prompt_id)
         meta["source"].append(traj.source)
         meta["segment"].append(s_idx)
-    return Batch(
-        tensors={"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
-                 "rollout_logprobs": logprobs, "weight_versions": versions, "rewards": rewards,
-                 "group_index": group_index, "sample_index": sample_index},
-        meta=meta,
-    )
+    tensors = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
+               "rollout_logprobs": logprobs, "weight_versions": versions, "rewards": rewards,
+               "group_index": group_index, "sample_index": sample_index}
+    if routes is not None:
+        tensors["routed_experts"] = routes
+    return Batch(tensors=tensors, meta=meta)
+
+
+def routed_experts_tensor(segments: Sequence[Segment], width: int) -> torch.Tensor | None:
+    """The ``routed_experts`` rows ``[B, width, layers * top_k]`` (int16, -1 where nothing was
+    recorded: padding, a segment without a record, its last token) of ``segments``, or ``None``
+    when none has a record. Segments recorded with different model shapes are a ``ValueError``."""
+    recorded = [seg.routed_experts for seg in segments if seg.routed_experts is not None]
+    if not recorded:
+        return None
+    shapes = sorted({r.width for r in recorded})
+    if len(shapes) > 1:
+        raise ValueError(f"routed experts of the batch's segments have {shapes} ids per token: they were "
+                         "recorded from different models")
+    out = torch.full((len(segments), width, shapes[0]), -1, dtype=torch.int16)
+    for i, seg in enumerate(segments):
+        if seg.routed_experts is not None:
+            out[i, :len(seg.tokens)] = seg.routed_experts.to_tensor()
+    return out
 
 
 def balanced_shards(lengths: Sequence[int], parts: int) -> list[list[int]]:

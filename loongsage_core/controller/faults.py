@@ -273,7 +273,7 @@ class FaultSupervisor:
         retired = rollout.clients[index]
         # the same list the phase switch (and, without an engine router, generation) uses; the
         # engine wants the run secret
-        rollout.clients[index] = EngineClient(url, api_key=ctrl.secret, lora_path=rollout.lora_path)
+        rollout.clients[index] = rollout.engine_client(url)
         if balancer is None:  # generation goes to each engine itself (behind a router: to the router)
             rollout.generate_clients[index] = rollout.clients[index]
             rollout.generate_urls[index] = url

@@ -115,10 +115,12 @@ class RolloutManager:
         self.secret = secret
         # a LoRA run's generations name its adapter (SGLang serves the base model without it)
         self.lora_path = LORA_ADAPTER_NAME if job.train.lora is not None else None
-        self.clients = [EngineClient(url, api_key=secret, lora_path=self.lora_path) for url in engine_urls]
+        # a mixture-of-experts policy trained with Router Replay needs the experts the engine chose
+        self.return_routed_experts = bool(getattr(job.algorithm, "router_replay", False))
+        self.clients = [self.engine_client(url) for url in engine_urls]
         self.generate_urls = list(generate_urls) if generate_urls else list(engine_urls)
         self.generate_clients = self.clients if not generate_urls else [
-            EngineClient(u, api_key=secret, lora_path=self.lora_path) for u in self.generate_urls]
+            self.engine_client(u) for u in self.generate_urls]
         # a load balancer takes one sampling_params per request (and routes each sample itself)
         self.one_request_per_sample = bool(generate_urls)
         self.sources = {src.name: src for src in job.data}
@@ -149,10 +151,18 @@ class RolloutManager:
                                           secret=self.secret, max_request_bytes=af.max_request_bytes,
                                           max_prompt_chars=af.max_prompt_chars,
                                           access_log_path=af.access_log or None, lora_path=self.lora_path,
+                                          return_routed_experts=self.return_routed_experts,
                                           on_engine_lost=self.on_engine_lost, engine_retries=self.engine_retries,
                                           engine_wait_s=self.engine_wait_s)
             self.router.start()
         return str(self.router.base_url)
+
+    def engine_client(self, url: str) -> EngineClient:
+        """A client of the engine (or load balancer) at ``url`` as this run talks to it: with the
+        run secret, the LoRA adapter of a LoRA run, and asking for the routed experts when the
+        policy is trained with Router Replay."""
+        return EngineClient(url, api_key=self.secret, lora_path=self.lora_path,
+                            return_routed_experts=self.return_routed_experts)
 
     def _sandbox_provider(self, source: DataConfig) -> Any:
         if not source.sandbox:
@@ -256,6 +266,7 @@ class RolloutManager:
             seg.append(tokens, generated=False)
             logprobs, versions = res.token_record()
             seg.append(res.output_ids, generated=True, logprobs=logprobs, weight_version=versions)
+            seg.record_routes(res.routed_experts)
             # the answer's text as the router gives it to an agent: decoded, without the turn end
             text = self.renderer.content_of(res.output_ids)
             traj = Trajectory(id=rids[j], prompt_id=prompt.prompt_id, group_id=group_id, source=prompt.source,

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 from loongsage_hookspecs import Batch, TrajectoryGroup
 
 from ..algorithms.old_logprobs import mark_old_from_training_forward, old_from_training_forward, old_logprob_pass
+from ..algorithms.step import ROUTER_REPLAY_OUTPUTS, router_replay_metrics
 from ..flops import ModelShape, generation_flops, mfu, scoring_flops
 from .batching import build_batch
 from .metrics import rollout_metrics
@@ -138,7 +139,10 @@ class StepRunner(RunState):
         needs_forward = run_pass or self.needs_reference or self.critic is not None
         rows = policy.share(batch) if needs_forward else None  # the rollout rows, shipped once
         if run_pass:
-            batch.tensors["old_logprobs"] = policy.forward(rows, batch, "logprobs") * batch["loss_mask"]
+            compare = alg.router_replay and alg.router_replay_compare and "routed_experts" in batch
+            outputs = policy.forward_outputs(rows, batch, ("logprobs", *(ROUTER_REPLAY_OUTPUTS if compare else ())))
+            batch.tensors["old_logprobs"] = outputs["logprobs"] * batch["loss_mask"]
+            metrics.update(router_replay_metrics(batch, outputs))
         elif alg.recompute_old_logprobs:
             mark_old_from_training_forward(batch)  # the training forward's own log-probs stand in
         else:

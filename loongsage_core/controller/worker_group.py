@@ -88,6 +88,12 @@ class WorkerGroup:
     def forward(self, shared: Any, batch: Batch, key: str, *, reference: bool = False) -> torch.Tensor:
         """``key`` (``logprobs``, ``values``) of every row of ``batch`` (shipped as ``shared``),
         ``[B, T]`` float32, right-padded to the batch's width."""
+        return self.forward_outputs(shared, batch, (key,), reference=reference)[key]
+
+    def forward_outputs(self, shared: Any, batch: Batch, keys: Sequence[str], *,
+                        reference: bool = False) -> dict[str, torch.Tensor]:
+        """:meth:`forward` for several ``keys`` of one pass; a key after the first that the
+        workers did not return is left out."""
         n = len(batch)
         calls, replica_of = [], []
         for actor, rows, replica in zip(self.actors, self.rows_per_actor(range(n), batch), self.dp_ranks):
@@ -98,8 +104,13 @@ class WorkerGroup:
         for replica, out in zip(replica_of, gather(calls)):
             first.setdefault(replica, out)
         width = batch["input_ids"].shape[1]
-        parts = [first[r][key] for r in sorted(first)]
-        return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], 0).float()
+        out = {}
+        for i, key in enumerate(keys):
+            if i and any(key not in first[r] for r in first):
+                continue
+            parts = [first[r][key] for r in sorted(first)]
+            out[key] = torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], 0).float()
+        return out
 
     def training_forward_logprobs(self, batch: Batch, rows: Sequence[int]) -> torch.Tensor | None:
         """The log-probs ``[B, T]`` the last mini-batch (``rows`` of ``batch``) was trained with,

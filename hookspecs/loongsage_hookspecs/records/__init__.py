@@ -18,6 +18,7 @@ The records live in modules by what they describe; import them from here (or fro
 * :mod:`.trajectory`: a rollout's trajectories, segments, rewards and sampling settings;
 * :mod:`.batch`: the training :class:`Batch` and its documented tensor names;
 * :mod:`.loss`: what loss-pipeline components and teachers receive and return;
+* :mod:`.routing`: the experts a mixture-of-experts engine routed each token to;
 * :mod:`.weights`: the metadata of a weight update's buckets;
 * :mod:`.agents`: what an agent receives and returns, and a sandbox command's outcome.
 """
@@ -38,6 +39,7 @@ from .loss import (
     TeacherOutputs,
     teacher_inputs,
 )
+from .routing import RoutedExperts
 from .trajectory import Reward, SamplingParams, Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
 from .weights import TensorMeta, WeightBucket
 
@@ -56,6 +58,7 @@ __all__ = [
     "PolicyLossInputs",
     "PolicyLossOutput",
     "Reward",
+    "RoutedExperts",
     "SamplingParams",
     "Segment",
     "TeacherOutputs",

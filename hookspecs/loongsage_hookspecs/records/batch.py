@@ -33,6 +33,9 @@ BATCH_FIELDS: Mapping[str, str] = {
     "correction_weights": "[B, T] product of the pre-advantage corrections' IS weights",
     "correction_mask": "[B, T] product of the pre-advantage corrections' masks",
     "weight_versions": "[B, T] long, policy version that produced each token (-1: not generated)",
+    "routed_experts": "[B, T, layers * top_k] int16, optional: the experts a mixture-of-experts engine routed "
+                      "each token to, layer by layer (-1: no record); the trainer replays them with "
+                      "[algorithm] router_replay",
 }
 """Documented tensor names of :class:`Batch`; components may add their own keys."""
 

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import attrs
 
+from .routing import RoutedExperts
+
 
 class TrajectoryStatus(str, enum.Enum):
     """Life cycle of a trajectory; only ``completed`` ones are trained on by default."""
@@ -54,7 +56,9 @@ class Segment:
     All lists have the same length. ``logprobs`` holds the rollout engine's log-probability of each
     generated token (0.0 elsewhere); ``weight_versions`` the policy version that produced it (-1 on
     tokens the policy did not generate); ``turns`` holds ``(start, end)`` token spans of each model
-    turn.
+    turn. ``routed_experts`` (a mixture-of-experts engine asked for them, ``[algorithm]
+    router_replay``) holds the experts the engine routed every token to, one record per token
+    (:meth:`record_routes`).
     """
 
     tokens: list[int] = attrs.field(factory=list)
@@ -62,15 +66,27 @@ class Segment:
     logprobs: list[float] = attrs.field(factory=list)
     weight_versions: list[int] = attrs.field(factory=list)
     turns: list[tuple[int, int]] = attrs.field(factory=list)
+    routed_experts: RoutedExperts | None = None
 
     def __attrs_post_init__(self) -> None:
         lengths = {len(self.tokens), len(self.loss_mask), len(self.logprobs), len(self.weight_versions)}
+        if self.routed_experts is not None:
+            lengths.add(len(self.routed_experts))
         if len(lengths) != 1:
+            routes = "" if self.routed_experts is None else f" routed_experts={len(self.routed_experts)}"
             raise ValueError(
                 "Segment fields must have equal lengths, got "
                 f"tokens={len(self.tokens)} loss_mask={len(self.loss_mask)} "
-                f"logprobs={len(self.logprobs)} weight_versions={len(self.weight_versions)}"
+                f"logprobs={len(self.logprobs)} weight_versions={len(self.weight_versions)}{routes}"
             )
+
+    def record_routes(self, routes: RoutedExperts | None) -> None:
+        """Keep the engine's routing of this segment's tokens: the latest engine call's, whose
+        input was the segment so far, so it covers every earlier token and replaces what was
+        recorded (a partial rollout's resumed call, the next turn). Tokens it did not run (the
+        last generated one) get no record (-1). ``None`` keeps the record, if any, as it is."""
+        if routes is not None:
+            self.routed_experts = routes.padded(len(self.tokens))
 
     def append(self, tokens: Sequence[int], *, generated: bool, logprobs: Sequence[float] | None = None,
                weight_version: int | Sequence[int] = -1) -> None:
@@ -93,6 +109,8 @@ class Segment:
             if len(weight_version) != n:
                 raise ValueError("weight_version sequence must match tokens")
             self.weight_versions.extend(int(v) for v in weight_version)
+        if self.routed_experts is not None:  # the new tokens have no record until the engine gives one
+            self.routed_experts = self.routed_experts.padded(len(self.tokens))
 
     @property
     def num_generated(self) -> int:
