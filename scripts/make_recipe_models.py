@@ -26,6 +26,15 @@ that samples some right answers (so the reward is not stuck at 0) and leaves roo
       (``configs/recipes/sft.toml``): chats of one or two word problems (``{"messages": [...]}``
       rows, user question then the bare answer), drawn from the same problem generator.
 
+``moe_r3`` (``--only moe_r3``):
+    * ``configs/recipes/moe_r3/model/``: the quickstart model *upcycled* into a Qwen3-MoE (each
+      decoder layer's MLP copied into ``--moe-experts`` experts, each copy perturbed by
+      ``--moe-noise`` of its weights' spread so that the experts differ, and a fresh top-2 router
+      of small weights, ``--moe-router-std``),
+      the tiny mixture-of-experts policy of the Router Replay recipe. Its experts start nearly
+      alike, so it keeps the quickstart model's arithmetic, and its router's choices are close
+      calls that a bfloat16 engine and a float32 trainer often make differently.
+
 Everything is seeded and runs on one CPU thread: the same arguments rewrite the same files.
 
 Usage::
@@ -33,6 +42,7 @@ Usage::
     python scripts/make_recipe_models.py                  # both recipes
     python scripts/make_recipe_models.py --only mopd
     python scripts/make_recipe_models.py --only sft       # the SFT recipe's chat data only
+    python scripts/make_recipe_models.py --only moe_r3    # the Router Replay recipe's model
 """
 
 from __future__ import annotations
@@ -152,9 +162,59 @@ def build_mopd(mq: Any, args: argparse.Namespace) -> None:
         _save(model, tok, RECIPES / "mopd" / name)
 
 
+def upcycle(dense: Any, *, experts: int, top_k: int, noise: float, router_std: float, seed: int) -> Any:
+    """A Qwen3-MoE copy of the dense Qwen3 ``dense``: attention, norms and embeddings as they are;
+    every layer's MLP copied into ``experts`` experts (gate and up stacked, as transformers keeps
+    them), each copy plus Gaussian noise of ``noise`` times that weight's standard deviation;
+    a router initialised with standard deviation ``router_std``, renormalised top-``top_k``."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    cfg = dense.config.to_dict()
+    for key in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype"):
+        cfg.pop(key, None)
+    cfg.update(num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=dense.config.intermediate_size,
+               decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, output_router_logits=False)
+    torch.manual_seed(seed)
+    moe = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**cfg), dtype=torch.float32)
+    missing, unexpected = moe.load_state_dict(dense.state_dict(), strict=False)
+    assert not [k for k in unexpected if ".mlp." not in k], unexpected
+    gen = torch.Generator().manual_seed(seed)
+
+    def noisy(weight: Any) -> Any:
+        copies = weight.detach().float().expand(experts, *weight.shape).clone()
+        return copies + torch.randn(copies.shape, generator=gen) * noise * float(weight.float().std())
+
+    with torch.no_grad():
+        for dense_layer, layer in zip(dense.model.layers, moe.model.layers):
+            mlp = dense_layer.mlp
+            gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0)
+            layer.mlp.experts.gate_up_proj.copy_(noisy(gate_up))
+            layer.mlp.experts.down_proj.copy_(noisy(mlp.down_proj.weight))
+            layer.mlp.gate.weight.normal_(0.0, router_std, generator=gen)
+    moe.generation_config = dense.generation_config
+    return moe
+
+
+def build_moe_r3(mq: Any, args: argparse.Namespace) -> None:
+    """Write the upcycled mixture-of-experts policy of the ``moe_r3`` recipe."""
+    from loongsage_plugin_rewards.sources.arithmetic import arithmetic_rows
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(QUICKSTART))
+    dense = AutoModelForCausalLM.from_pretrained(str(QUICKSTART))
+    moe = upcycle(dense, experts=args.moe_experts, top_k=2, noise=args.moe_noise, router_std=args.moe_router_std,
+                  seed=args.seed)
+    rows = arithmetic_rows(num_samples=256, seed=1, digits=1, num_operands=2, ops="+-")
+    before = mq.evaluate(dense, tok, rows, samples=2, max_new_tokens=8, seed=args.seed + 1)
+    after = mq.evaluate(moe, tok, rows, samples=2, max_new_tokens=8, seed=args.seed + 1)
+    print(f"moe_r3: dense {json.dumps(before)} -> upcycled {json.dumps(after)}", flush=True)
+    _save(moe, tok, RECIPES / "moe_r3" / "model")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("math_dapo", "mopd", "sft"), help="build one recipe's files only")
+    parser.add_argument("--only", choices=("math_dapo", "mopd", "sft", "moe_r3"), help="build one recipe's files only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-problems", type=int, default=2000, help="word problems in the shipped set")
     parser.add_argument("--sft-problems", type=int, default=1200, help="problems the student is fine-tuned on")
@@ -166,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sft-chats", type=int, default=400, help="conversations of the SFT recipe's data")
     parser.add_argument("--teacher-epochs", type=int, default=20)
     parser.add_argument("--teacher-lr", type=float, default=1e-3)
+    parser.add_argument("--moe-experts", type=int, default=4, help="experts per layer of the moe_r3 model")
+    parser.add_argument("--moe-noise", type=float, default=1.0, help="expert perturbation, in weight std units")
+    parser.add_argument("--moe-router-std", type=float, default=0.005,
+                        help="spread of the fresh router's weights (smaller: closer calls between experts)")
     args = parser.parse_args(argv)
 
     import torch
@@ -182,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
         build_mopd(mq, args)
     if args.only in (None, "sft"):
         build_sft_data(args)
+    if args.only in (None, "moe_r3"):
+        build_moe_r3(mq, args)
     print(f"done in {time.perf_counter() - t0:.0f}s", flush=True)
     return 0
 

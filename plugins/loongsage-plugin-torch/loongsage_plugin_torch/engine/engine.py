@@ -21,7 +21,7 @@ from loongsage_core.backend_api import check_listen_address
 from loongsage_hookspecs import EngineContext, WeightTransportContext
 
 from ..lora import lora_scaling
-from ..modeling import ModelLoadError, load_model, load_tokenizer
+from ..modeling import ModelLoadError, load_model, load_tokenizer, torch_dtype
 from .adapter import ADAPTER_NAME, AdapterUpdater
 from .protocol import InvalidRequest
 from .runner import ModelRunner
@@ -56,6 +56,8 @@ class EmbeddedEngine:
         job = ctx.job
         self.settings = EngineSettings.from_job(job)
         self.model = model if model is not None else load_model(job)
+        if self.settings.dtype is not None:  # the engine's own precision, apart from the trainer's
+            self.model = self.model.to(torch_dtype(self.settings.dtype))
         self.tokenizer = None
         if job.model.tokenizer or job.model.path:
             try:

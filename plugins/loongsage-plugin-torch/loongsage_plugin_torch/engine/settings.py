@@ -12,6 +12,10 @@ LORA_MODES = ("merged", "unmerged")
 """How the embedded engine applies a LoRA adapter (``[rollout] engine_args.lora_mode``)."""
 
 
+ENGINE_DTYPES = ("float32", "bfloat16")
+"""Precisions the embedded engine can run in apart from the trainer (``[rollout] engine_args.dtype``)."""
+
+
 class EngineConfigError(ValueError):
     """``[rollout] engine_args`` holds an unknown key or a bad value; the message names it."""
 
@@ -34,6 +38,9 @@ class EngineSettings:
     ``packed_weights`` (default on): multiply by weights packed for oneDNN on x86 CPUs (about
     twice the plain product's speed at decode's few rows; one extra copy of the weights, packed
     again after each weight update); off, or where the torch build cannot, the plain product.
+    ``dtype``: the engine's own precision, ``"float32"`` or ``"bfloat16"`` (unset: ``[model]
+    dtype``, the trainer's), as a production engine runs in bf16 next to an fp32 trainer; weight
+    updates are cast to it.
     ``max_context_length`` comes from ``[rollout] max_context_length``.
     """
 
@@ -46,6 +53,7 @@ class EngineSettings:
     max_request_mb: int = 4096
     lora_mode: str = "merged"
     packed_weights: bool = True
+    dtype: str | None = None
 
     @classmethod
     def from_job(cls, job: JobSettings) -> "EngineSettings":
@@ -62,6 +70,12 @@ class EngineSettings:
                 if value not in LORA_MODES:
                     raise EngineConfigError(f"[rollout] engine_args.lora_mode must be one of "
                                             f"{', '.join(repr(m) for m in LORA_MODES)}, got {value!r}")
+                values[key] = value
+                continue
+            if key == "dtype":
+                if value not in ENGINE_DTYPES:
+                    raise EngineConfigError(f"[rollout] engine_args.dtype must be one of "
+                                            f"{', '.join(repr(d) for d in ENGINE_DTYPES)}, got {value!r}")
                 values[key] = value
                 continue
             if key == "packed_weights":

@@ -6,18 +6,25 @@ outputs, :meth:`~ForwardPassMixin.forward` in forward micro-batches, and the LoR
 reference (the base model, the adapter disabled). It is a mixin rather than a helper object so
 that the critic (:class:`~.critic.TorchCriticWorker`) reuses the chunking and overrides the rest
 exactly as it did when everything lived in one class.
+
+A mixture-of-experts policy trained with ``[algorithm] router_replay`` replays the engine's
+routing in every forward (:mod:`.router_replay`): the batch's ``routed_experts`` are laid out as
+the forward's tokens (padded or packed) and handed to the routers' hooks; the old-log-prob pass
+also scores the rows without replay and reports both passes' router agreement.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 
 from loongsage_hookspecs import Batch
 
 from .logits import logprobs_and_entropy, next_token_logits
-from .packing import canonical_order, packed_token_outputs, plan_micro_batches, prompt_groups
+from .packing import PackedRows, canonical_order, packed_token_outputs, plan_micro_batches, prompt_groups
+from .router_replay import RouterReplay
 
 
 class ForwardPassMixin:
@@ -34,6 +41,14 @@ class ForwardPassMixin:
     #: tokens of the micro-batches since the last reset: (prompt tokens shared, not run; all given)
     prompt_tokens: tuple[int, int]
     _offloaded: bool
+    #: Router Replay of a mixture-of-experts policy (``[algorithm] router_replay``), else ``None``
+    router_replay: RouterReplay | None = None
+    #: whether the policy's scoring pass also runs without replay (``[algorithm] router_replay_compare``)
+    router_replay_compare: bool = False
+    #: (replay, measure agreement) of the forwards that follow, see :meth:`_routing`
+    _route_mode: tuple[bool, bool] = (True, False)
+    #: the last forward's flat tokens ``[N]`` back in the micro-batch's ``[b, T]`` layout
+    _route_layout: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def _to_device(self, micro: Batch) -> Batch:
         return Batch(tensors={k: v.to(self.device, non_blocking=True) for k, v in micro.tensors.items()},
@@ -54,21 +69,28 @@ class ForwardPassMixin:
             attention = torch.ones_like(ids)
         loss_mask = micro.get("loss_mask")
         scored = None if keep_logits or loss_mask is None else loss_mask > 0
+        routes = micro.get("routed_experts") if self.router_replay is not None else None
+        if routes is None:
+            self._clear_routes()  # no record: the routers route on their own
         # padding-free micro-batches and shared prompts (.packing); rows that are already packed
         # (SFT) keep their own positions
         packable = not keep_logits and "position_ids" not in micro and bool(attention.any())
         one_row = bool(self.max_tokens_per_micro_batch)
-        groups = self._prompt_groups(ids, attention, scored, one_row=one_row) if packable else None
+        groups = self._prompt_groups(ids, attention, scored, one_row=one_row, routes=routes) if packable else None
         self._count_prompt_tokens(attention, groups)
         if packable:
             if one_row or groups is not None:
                 packed_logprobs, packed_entropy = packed_token_outputs(
                     self.model, ids, attention, compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
-                    entropy_grad=entropy_grad, scored=scored, groups=groups, one_row=one_row)
+                    entropy_grad=entropy_grad, scored=scored, groups=groups, one_row=one_row,
+                    on_packed=None if routes is None else lambda packed: self._route_packed(packed, routes))
                 return packed_logprobs, packed_entropy, None
         width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
         full_width = ids.shape[1]
         width = max(width, 1)
+        if routes is not None:
+            self._set_routes(routes[:, :width], lambda flat: torch.nn.functional.pad(
+                flat.view(ids.shape[0], width), (0, full_width - width), value=-1.0))
         if scored is not None:
             scored = scored[:, :width] & (attention[:, :width] > 0)
         positions = micro.get("position_ids")  # packed rows (SFT): attention stays within each sequence
@@ -88,6 +110,42 @@ class ForwardPassMixin:
                 logits = torch.nn.functional.pad(logits, (0, 0, 0, full_width - width))
         return logprobs, entropy, logits if keep_logits else None
 
+    def _route_packed(self, packed: PackedRows, routes: torch.Tensor) -> None:
+        """Hand the routers the recorded experts of a packed forward's tokens."""
+        self._set_routes(packed.pack(routes, -1), lambda flat: packed.unpack(flat.view(packed.input_ids.shape), -1.0))
+
+    def _set_routes(self, routes: torch.Tensor, layout: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """The recorded experts ``[..., width]`` of the next forward's tokens (laid out as its
+        ``input_ids``), in the current :meth:`_routing` mode; ``layout`` maps the forward's flat
+        tokens back to the micro-batch's rows."""
+        assert self.router_replay is not None
+        replay, measure = self._route_mode
+        self.router_replay.set_routes(routes, replay=replay, measure=measure)
+        self._route_layout = layout
+
+    @contextlib.contextmanager
+    def _routing(self, *, replay: bool, measure: bool) -> Iterator[None]:
+        """Forwards inside replay the recorded experts (or, ``replay=False``, route on their own)
+        and measure the router agreement when asked; the routes are dropped on the way out."""
+        self._route_mode = (replay, measure)
+        try:
+            yield
+        finally:
+            self._route_mode = (True, False)
+            self._clear_routes()
+
+    def _clear_routes(self) -> None:
+        if self.router_replay is not None:
+            self.router_replay.clear()
+        self._route_layout = None
+
+    def _router_agreement(self, like: torch.Tensor) -> torch.Tensor:
+        """The last measured forward's per-token router agreement ``[b, T]`` (-1: not measured)."""
+        agreement = self.router_replay.agreement() if self.router_replay is not None else None
+        if agreement is None or self._route_layout is None:  # the micro-batch had no routes
+            return torch.full_like(like, -1.0)
+        return self._route_layout(agreement).to(like.dtype)
+
     def _model_config(self) -> Any:
         """The transformers config of the model this worker runs (``None`` when it has none)."""
         return getattr(self.model, "config", None)
@@ -98,7 +156,7 @@ class ForwardPassMixin:
         self.prompt_tokens = (self.prompt_tokens[0] + shared, self.prompt_tokens[1] + int((attention > 0).sum()))
 
     def _prompt_groups(self, ids: torch.Tensor, attention: torch.Tensor, scored: torch.Tensor | None, *,
-                       one_row: bool) -> list[list[tuple[int, int]]] | None:
+                       one_row: bool, routes: torch.Tensor | None = None) -> list[list[tuple[int, int]]] | None:
         """The micro-batch's rows grouped by shared prompt (:func:`.packing.prompt_groups`), or
         ``None`` when no row shares one: ``[train] backend_args.share_prompts`` off, nothing scored
         (every token is wanted, the prompt's too), or a ``flash_attention_2`` model, whose varlen
@@ -109,18 +167,37 @@ class ForwardPassMixin:
         if "flash" in str(getattr(config, "_attn_implementation", None) or ""):
             return None
         groups = prompt_groups(ids, (attention > 0).sum(dim=1).tolist(), scored & (attention > 0),
-                               None if one_row else getattr(config, "hidden_size", None))
+                               None if one_row else getattr(config, "hidden_size", None), routes=routes)
         return groups if any(shared for group in groups for _, shared in group) else None
 
     @torch.no_grad()
     def forward(self, batch: Batch) -> dict[str, torch.Tensor]:
         """Per-token ``logprobs`` and ``entropy`` ``[B, T]`` (float32, on the CPU, no gradient) of
-        the tokens in the batch's ``loss_mask`` (0 elsewhere; every token without one)."""
-        def outputs(micro: Batch) -> dict[str, torch.Tensor]:
-            lp, ent, _ = self._token_outputs(micro, entropy_grad=False)
-            return {"logprobs": lp, "entropy": ent}
+        the tokens in the batch's ``loss_mask`` (0 elsewhere; every token without one).
 
-        return self._forward_chunks(batch, ("logprobs", "entropy"), outputs)
+        With Router Replay and ``[algorithm] router_replay_compare`` (a batch with
+        ``routed_experts``) also ``router_agreement`` (per token, the share of its
+        mixture-of-experts layers where the trainer's own top-k is the engine's; -1 where not
+        measured) and, from a second pass routing on its own, ``logprobs_no_replay`` and
+        ``router_agreement_no_replay``."""
+        return self._scores(batch, compare=self.router_replay_compare and "routed_experts" in batch)
+
+    def _scores(self, batch: Batch, *, compare: bool) -> dict[str, torch.Tensor]:
+        def outputs(micro: Batch) -> dict[str, torch.Tensor]:
+            with self._routing(replay=True, measure=compare):
+                lp, ent, _ = self._token_outputs(micro, entropy_grad=False)
+                out = {"logprobs": lp, "entropy": ent}
+                if compare:
+                    out["router_agreement"] = self._router_agreement(lp)
+            if compare:
+                with self._routing(replay=False, measure=True):
+                    out["logprobs_no_replay"], _, _ = self._token_outputs(micro, entropy_grad=False)
+                    out["router_agreement_no_replay"] = self._router_agreement(lp)
+            return out
+
+        keys = ("logprobs", "entropy") + (
+            ("router_agreement", "logprobs_no_replay", "router_agreement_no_replay") if compare else ())
+        return self._forward_chunks(batch, keys, outputs)
 
     @property
     def serves_reference(self) -> bool:
@@ -136,7 +213,7 @@ class ForwardPassMixin:
             raise RuntimeError("TorchTrainWorker.reference_forward: the policy has no LoRA adapter to disable; "
                                "the reference is a worker of its own (role 'reference')")
         with self.peft_model.disable_adapter():
-            return self.forward(batch)
+            return self._scores(batch, compare=False)
 
     def _forward_chunks(self, batch: Batch, keys: tuple[str, ...],
                         outputs: Callable[[Batch], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

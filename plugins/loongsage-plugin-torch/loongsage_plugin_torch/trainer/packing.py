@@ -21,7 +21,7 @@ as in its own row, so the log-probs, loss and gradients are again those of the p
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -85,7 +85,7 @@ MIN_SHARED_TOKENS = 4
 
 
 def prompt_groups(input_ids: "torch.Tensor", lengths: Sequence[int], wanted: "torch.Tensor",
-                  hidden_size: int | None = None) -> list[list[tuple[int, int]]]:
+                  hidden_size: int | None = None, routes: "torch.Tensor | None" = None) -> list[list[tuple[int, int]]]:
     """Rows that begin with the same prompt, as groups ``[(row, shared), ...]``: the first row
     (the group's *anchor*) keeps all its tokens (``shared`` 0), each other one shares its first
     ``shared`` tokens with the anchor and keeps only the rest.
@@ -97,10 +97,14 @@ def prompt_groups(input_ids: "torch.Tensor", lengths: Sequence[int], wanted: "to
     only when the attention it adds (``L**2 - sum(n**2)`` for its packed length ``L`` and its
     rows' lengths ``n``) is below the projections it saves (about ``6 * hidden_size`` per shared
     token, the ratio of a token's matrix-product FLOPs to a query-key pair's); without it (one
-    sequence for the whole micro-batch) every group saves. Groups keep the rows' order."""
+    sequence for the whole micro-batch) every group saves. Groups keep the rows' order.
+
+    With ``routes`` (``[b, T, ...]``, the experts a Router Replay forward replays per token) rows
+    share a prompt only when it was also routed alike, so the anchor's copy replays every row's."""
     import torch
 
     ids = input_ids.detach().cpu().numpy()
+    routed = None if routes is None else routes.detach().cpu().numpy()
     wanted = wanted.detach().cpu()
     has = wanted.any(dim=1)
     firsts = torch.where(has, wanted.to(torch.uint8).argmax(dim=1), torch.zeros_like(has, dtype=torch.long)).tolist()
@@ -114,6 +118,8 @@ def prompt_groups(input_ids: "torch.Tensor", lengths: Sequence[int], wanted: "to
             groups.append([r])
             continue
         key = ids[r, :prompt].tobytes()  # the prompt's length is in the key: its byte count
+        if routed is not None:
+            key += routed[r, :prompt].tobytes()
         if key not in keys:
             keys[key] = []
             groups.append(keys[key])
@@ -203,6 +209,25 @@ class PackedRows:
         starts = torch.cumsum(n, 0) - n
         self.cu_seqlens = torch.cat([starts, starts[-1:] + n[-1:]]).to(torch.int32)  # without groups only
 
+    def pack(self, values: "torch.Tensor", fill: int | float) -> "torch.Tensor":
+        """Per-token ``values`` ``[b, T, ...]`` laid out as the packed tokens ``[R, L, ...]``
+        (``fill`` on padding), e.g. the experts a Router Replay forward replays."""
+        import torch
+
+        rows, cols = self.input_ids.shape
+        out = torch.full((rows, cols, *values.shape[2:]), fill, dtype=values.dtype, device=values.device)
+        out[self.dst_row, self.dst_col] = values[self.src_row, self.src_col]
+        return out
+
+    def unpack(self, values: "torch.Tensor", fill: int | float) -> "torch.Tensor":
+        """Per packed token ``values`` ``[R, L]`` back in the rows' layout ``[b, T]`` (``fill``
+        where no packed token stands: padding, a sharing row's prompt)."""
+        import torch
+
+        out = torch.full(self.shape, fill, dtype=values.dtype, device=values.device)
+        out[self.src_row, self.src_col] = values[self.dst_row, self.dst_col]
+        return out
+
     @property
     def total(self) -> int:
         """Packed tokens, padding included."""
@@ -253,19 +278,25 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
                          compute_dtype: "torch.dtype", fp32_lm_head: bool, entropy_grad: bool,
                          scored: "torch.Tensor | None" = None,
                          groups: "list[list[tuple[int, int]]] | None" = None,
-                         one_row: bool = True) -> "tuple[torch.Tensor, torch.Tensor]":
+                         one_row: bool = True,
+                         on_packed: "Callable[[PackedRows], None] | None" = None,
+                         ) -> "tuple[torch.Tensor, torch.Tensor]":
     """Log-probs and entropies ``[b, T]`` of right-padded rows from one packed forward (the
     padded path's ``logprobs[:, t] = log p(ids[t] | ids[:t])``, 0 at position 0 and on padding;
     with ``scored`` (bool ``[b, T]``) only at those tokens, see :func:`.logits.next_token_logits`).
 
     With ``groups`` (:func:`prompt_groups` of the same ``scored`` tokens) the rows that begin
     with the same prompt run it once (:class:`PackedRows`): the same log-probs, fewer tokens
-    through the model; ``one_row=False`` packs each group as a sequence of its own."""
+    through the model; ``one_row=False`` packs each group as a sequence of its own. ``on_packed``
+    is called with the :class:`PackedRows` before the forward (to lay other per-token inputs out
+    alike, such as the experts Router Replay replays)."""
     from .logits import decoder_hidden, output_logits, picked_logprobs_and_entropy
 
     real = attention_mask > 0
     wanted = real if scored is None else scored & real
     packed = PackedRows(input_ids, attention_mask, groups, one_row=one_row)
+    if on_packed is not None:
+        on_packed(packed)
     hidden = decoder_hidden(model, packed.input_ids, packed.attention_mask(getattr(model, "config", None)),
                             compute_dtype=compute_dtype, position_ids=packed.position_ids)
     states, rows, cols = packed.predicting_states(hidden, wanted)

@@ -80,15 +80,17 @@ class TrainingStepMixin(ForwardPassMixin):
         kept: list[torch.Tensor] = []
         plan = self._micro_batch_rows(batch, self.micro_batch_size)
         self.prompt_tokens = (0, 0)
-        for rows in plan:
-            micro = self._to_device(batch.select(rows))
-            logprobs, entropy, logits = self._token_outputs(micro, entropy_grad=entropy_grad,
-                                                            keep_logits=pipeline.needs_logits)
-            loss, metrics = pipeline.loss(micro, logprobs, entropy, norm, logits=logits)
-            loss.backward()
-            acc.add(metrics, micro["loss_mask"])
-            if keep_old:
-                kept.append(logprobs.detach().float().cpu())
+        # a replayed micro-batch keeps its routes through its backward (recomputed activations)
+        with self._routing(replay=True, measure=False):
+            for rows in plan:
+                micro = self._to_device(batch.select(rows))
+                logprobs, entropy, logits = self._token_outputs(micro, entropy_grad=entropy_grad,
+                                                                keep_logits=pipeline.needs_logits)
+                loss, metrics = pipeline.loss(micro, logprobs, entropy, norm, logits=logits)
+                loss.backward()
+                acc.add(metrics, micro["loss_mask"])
+                if keep_old:
+                    kept.append(logprobs.detach().float().cpu())
         self.training_forward_logprobs = None
         if kept:
             old = torch.zeros(batch["input_ids"].shape, dtype=torch.float32)

@@ -20,7 +20,8 @@ The worker is assembled from mixins, one concern per module, so that each reads 
 :mod:`.forward_passes` (log-probs, entropies, the KL reference), :mod:`.training_step` (gradients,
 the AdamW step and its rollback; it builds on the forward passes), :mod:`.weight_io` (weights for
 transports and reference updates, Hugging Face and adapter exports), :mod:`.checkpoint_io` (the
-checkpoint directory) and :mod:`.placement` (offload, onload, close). This module builds the
+checkpoint directory), :mod:`.placement` (offload, onload, close) and :mod:`.router_replay` (a
+mixture-of-experts policy routing as the engine did). This module builds the
 model and the rank; the critic (:mod:`.critic`) subclasses the worker.
 """
 
@@ -40,6 +41,7 @@ from .backend_options import BackendOptions, resolve_device
 from .checkpoint import seed_everything
 from .checkpoint_io import CheckpointMixin
 from .placement import PlacementMixin
+from .router_replay import RouterReplay
 from .training_step import TrainingStepMixin
 from .weight_io import WeightIOMixin
 
@@ -80,6 +82,11 @@ class TorchTrainWorker(TrainingStepMixin, WeightIOMixin, CheckpointMixin, Placem
             self.peft_model = lora_lib.apply_lora(model, self.lora)
             model = self.peft_model.get_base_model()
         self.model: Any = model
+        # a mixture-of-experts policy replays the engine's routing ([algorithm] router_replay)
+        algorithm = job.algorithm
+        self.router_replay = RouterReplay(model) if getattr(algorithm, "router_replay", False) else None
+        self.router_replay_compare = (trainable and self.router_replay is not None
+                                      and bool(getattr(algorithm, "router_replay_compare", True)))
         self.global_step = 0
         self.training_forward_logprobs: torch.Tensor | None = None  # of the last mini-batch, when they are old ones
         self.optimizer: torch.optim.Optimizer | None = None
