@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loongsage_core.controller.batching import build_batch, shard_rows
-from loongsage_hookspecs import Reward, Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import Reward, RoutedExperts, Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 
 def traj(tid: str, prompt: list[int], spans: list[tuple[list[int], int]], score: float,
@@ -38,6 +40,26 @@ def test_stale_prefix_of_a_partial_rollout_can_be_masked():
     assert kept["loss_mask"].tolist() == [[0, 1, 1, 1, 1]]
     assert masked["loss_mask"].tolist() == [[0, 0, 0, 1, 1]]
     assert masked["weight_versions"].tolist() == [[-1, 3, 3, 4, 4]]
+
+
+def test_routed_experts_become_an_int16_tensor_aligned_with_the_tokens():
+    a, b = traj("a", [1, 2], [([5, 6, 7], 0)], 1.0), traj("b", [1, 2], [([5], 0)], 0.0)
+    c = traj("c", [3], [([8], 0)], 0.0)
+    # the engine ran every token but the last: 4 of a's 5 tokens, 2 of b's 3; width = 2 layers x top-2
+    a.segments[0].record_routes(RoutedExperts(4, list(range(16))))
+    b.segments[0].record_routes(RoutedExperts(4, [9] * 8))
+    batch = build_batch([TrajectoryGroup("g", "p", trajectories=[a, b, c])])
+    routes = batch["routed_experts"]
+    assert routes.dtype.is_floating_point is False and routes.element_size() == 2
+    assert routes.shape == (3, 5, 4)
+    assert routes[0, :4].flatten().tolist() == list(range(16)) and routes[0, 4].tolist() == [-1] * 4
+    assert routes[1, :2].flatten().tolist() == [9] * 8 and bool((routes[1, 2:] == -1).all())
+    assert bool((routes[2] == -1).all())  # a segment without a record: the trainer routes on its own
+    assert "routed_experts" not in build_batch([TrajectoryGroup("g", "p", trajectories=[c])])
+    other = traj("d", [1], [([2], 0)], 0.0)
+    other.segments[0].record_routes(RoutedExperts(6, [0] * 6))
+    with pytest.raises(ValueError, match=r"\[4, 6\] ids per token: they were recorded from different models"):
+        build_batch([TrajectoryGroup("g", "p", trajectories=[a, other])])
 
 
 def test_shards_are_contiguous_and_balanced():

@@ -133,7 +133,7 @@ def test_critic_resources_are_checked_before_starting(tmp_path):
         check_critic_resources(load_job(RECIPES / "ppo_critic.toml", ["critic.gpus=1"]), {"CPU": 8.0})
 
 
-FOLDER_RECIPES = ("math_dapo", "mopd", "swe", "opencode")
+FOLDER_RECIPES = ("math_dapo", "mopd", "swe", "opencode", "moe_r3")
 
 
 def test_folder_recipes_validate_by_name_and_ship_their_files():
@@ -172,6 +172,30 @@ def test_math_dapo_recipe_runs_two_steps(ray_cluster, tmp_path):
         assert m[f"{source}/overlong_penalty/score"] <= 0.0
     # the warm-started model answers some problems right: math_verify is not stuck at 0
     assert max(m[f"{source}/math_verify/score"] for m in metrics) > 0.0
+
+
+def test_moe_r3_recipe_replays_the_bf16_engines_routing_in_the_fp32_trainer(ray_cluster, tmp_path):
+    """Controller -> engine (bfloat16, returning its routed experts) -> trainer (float32, replaying
+    them) -> loss: with replay the trainer uses the engine's experts everywhere, and the gap to the
+    engine's log-probs is lower than the same rows give without replay wherever routing differed."""
+    out = tmp_path / "moe_r3"
+    job = load_job(RECIPES / "moe_r3" / "moe_r3.toml", [*SMALL, "train.total_steps=3", "run.checkpoint_every=0",
+                                                        "run.save_hf_at_end=false"])
+    assert job.algorithm.router_replay and job.model.dtype == "float32"
+    assert job.rollout.engine_args["dtype"] == "bfloat16"
+    run_job(resolve_job(job), output_dir=str(out))
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert all(m["train/router_agreement"] == 1.0 for m in metrics)
+    assert all(m["perf/old_logprob_pass_skipped"] == 0.0 for m in metrics)  # the comparison needs the pass
+    flipped = [m for m in metrics if m["train/router_agreement_no_replay"] < 1.0]
+    assert flipped, "bfloat16 and float32 routed every token alike: nothing to replay"
+    for m in metrics:
+        replayed, own = m["train/is_approx_k3_kl"], m["train/is_approx_k3_kl_no_replay"]
+        assert replayed > 0.0  # bf16 against fp32: a gap remains, routing apart
+        if m["train/router_agreement_no_replay"] == 1.0:
+            assert replayed == own  # the same experts: replay changes nothing, bit for bit
+    assert sum(m["train/is_approx_k3_kl"] for m in flipped) < sum(m["train/is_approx_k3_kl_no_replay"] for m in flipped)
 
 
 def test_mopd_recipe_runs_two_steps(ray_cluster, tmp_path):

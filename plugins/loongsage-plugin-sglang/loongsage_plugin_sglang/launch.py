@@ -15,7 +15,10 @@ Flags that come from the job (SGLang's own argument names):
   ``--lora-target-modules`` (the module names; ``all`` for ``"all-linear"``), so the trained
   adapter can be loaded by name (``/load_lora_adapter``); in a colocated run with offload also
   ``--enable-weights-cpu-backup``: only the adapter is sent after training, so the base weights
-  must come back from host memory when the engine takes its memory back.
+  must come back from host memory when the engine takes its memory back;
+* with ``[algorithm] router_replay``: ``--enable-return-routed-experts``, so a mixture-of-experts
+  engine can answer ``return_routed_experts`` (the experts each token was routed to, which the
+  trainer replays).
 
 Every key of ``[rollout] engine_args`` becomes ``--kebab-case`` (``mem_fraction_static = 0.7`` ->
 ``--mem-fraction-static 0.7``): ``true`` is a bare flag, ``false`` leaves it out, a list repeats
@@ -150,6 +153,13 @@ def build_launch_command(job: JobSettings, *, host: str = "127.0.0.1", port: int
         args.setdefault("lora_target_modules", ["all"] if targets == ["all-linear"] else targets)
         if "enable_memory_saver" in args:
             args.setdefault("enable_weights_cpu_backup", True)
+    if getattr(getattr(job, "algorithm", None), "router_replay", False):
+        routed = args.pop("enable_return_routed_experts", args.pop("enable-return-routed-experts", True))
+        if routed is not True:
+            raise LaunchConfigError(f"{where}: [rollout] engine_args.enable_return_routed_experts = {routed!r}, but "
+                                    "[algorithm] router_replay = true replays the experts the engine returns; remove "
+                                    "the key or set algorithm.router_replay = false")
+        args["enable_return_routed_experts"] = True
     argv = [python or sys.executable, "-m", "sglang.launch_server",
             "--model-path", job.resolve_path(job.model.path)]
     tok = tokenizer_dir(job)

@@ -202,6 +202,18 @@ def test_memory_saver_follows_colocated_offload(tmp_path):
         sglang_command(refused, port=30000)
 
 
+def test_router_replay_launches_sglang_able_to_return_routed_experts(tmp_path):
+    plain = load_job(write_job(tmp_path))
+    assert "--enable-return-routed-experts" not in sglang_command(plain, port=30000)
+    replay = load_job(write_job(tmp_path), ["algorithm.router_replay=true"])
+    assert sglang_command(replay, port=30000).count("--enable-return-routed-experts") == 1
+    refused = load_job(write_job(tmp_path, "engine_args = { enable_return_routed_experts = false }"),
+                       ["algorithm.router_replay=true"])
+    with pytest.raises(LaunchConfigError, match="enable_return_routed_experts = False, but \\[algorithm\\] "
+                                                "router_replay = true"):
+        sglang_command(refused, port=30000)
+
+
 def test_the_run_secret_becomes_api_key_and_admin_api_key_and_is_masked_in_logs(tmp_path):
     import argparse
 
