@@ -89,6 +89,37 @@ def test_needed_before_training_keeps_the_pass(controller_factory):
     assert run and "before training" in why
 
 
+def test_router_replay_comparison_keeps_the_pass_and_reports_on_the_rows(controller_factory):
+    from loongsage_core.algorithms import router_replay_metrics
+
+    c = controller_factory()
+    groups, _ = c.collect(0)
+    batch = build_batch(groups)
+    replay = make_job({"algorithm": {"router_replay": True}})
+    assert old_logprob_pass(replay, batch, version=0, needed_before_training=False)[0] is False  # no routes
+    batch.tensors["routed_experts"] = torch.zeros((*batch["input_ids"].shape, 4), dtype=torch.int16)
+    run, why = old_logprob_pass(replay, batch, version=0, needed_before_training=False)
+    assert run and "router_replay_compare" in why
+    quiet = make_job({"algorithm": {"router_replay": True, "router_replay_compare": False}})
+    assert old_logprob_pass(quiet, batch, version=0, needed_before_training=False)[0] is False
+
+    # agreement over the tokens with a record (-1: none, padding never counts); the unreplayed gap
+    # over the loss mask, against the rollout log-probs
+    real, mask = batch["attention_mask"] > 0, batch["loss_mask"] > 0
+    agreement = torch.where(real, 1.0, -1.0)
+    agreement[0, 0], agreement[0, 1] = 0.5, -1.0
+    shifted = batch["rollout_logprobs"] + 0.1 * mask
+    out = router_replay_metrics(batch, {"router_agreement": torch.where(real, 1.0, -1.0),
+                                        "router_agreement_no_replay": agreement, "logprobs_no_replay": shifted})
+    measured = int(real.sum()) - 1
+    assert out["train/router_agreement"] == 1.0
+    assert out["train/router_agreement_no_replay"] == pytest.approx((measured - 0.5) / measured)
+    assert out["train/is_approx_k3_kl_no_replay"] == pytest.approx(float(torch.tensor(0.1).double().expm1() - 0.1),
+                                                                    rel=1e-5)  # r is a float32 difference
+    assert out["train/logprob_abs_diff_max_no_replay"] == pytest.approx(0.1)
+    assert router_replay_metrics(batch, {}) == {}
+
+
 def test_maximum_metrics_take_the_largest_micro_batch_value():
     from loongsage_core.algorithms.metrics import Maximum, MetricAccumulator
 
