@@ -3,8 +3,8 @@
 A real embedded engine serves a tiny Qwen3-MoE; a router with ``return_routed_experts`` asks for
 the experts of every token. Each segment then holds one record per token, equal to the top-k of
 the model's routers computed here independently with transformers, over multi-turn
-conversations, streamed turns and a turn resumed after the engine aborted it mid-way (a partial
-rollout's continuation).
+conversations, streamed turns, every protocol (chat completions, Responses, Anthropic Messages)
+and a turn resumed after the engine aborted it mid-way (a partial rollout's continuation).
 """
 
 from __future__ import annotations
@@ -92,6 +92,20 @@ def test_each_turn_records_the_experts_of_every_token_of_the_segment(moe_engine,
     wire = json.loads(json.dumps(record.to_dict()))
     assert isinstance(wire["segments"][0]["routed_experts"]["ids"], str)
     assert TrajectoryRecord.from_dict(wire).segments[0].routed_experts == seg.routed_experts
+
+
+def test_the_responses_and_messages_protocols_record_the_routing_too(moe_engine, router_factory):
+    import anthropic
+
+    url, model = moe_engine
+    router = router_factory([url], return_routed_experts=True)
+    base = router.blocking.register("moe-responses", sampling={"max_new_tokens": 8, "seed": 1})
+    openai.OpenAI(base_url=base, api_key="k", max_retries=0).responses.create(model="p", input="route me")
+    assert_routes_of_the_model(router.blocking.pop("moe-responses").segments[0], model)
+    base = router.blocking.register("moe-messages", sampling={"max_new_tokens": 8, "seed": 2})
+    anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key="k", max_retries=0).messages.create(
+        model="p", max_tokens=8, messages=[{"role": "user", "content": "route me"}])
+    assert_routes_of_the_model(router.blocking.pop("moe-messages").segments[0], model)
 
 
 def test_a_turn_resumed_after_an_engine_abort_keeps_one_record_per_token(moe_engine, router_factory):
