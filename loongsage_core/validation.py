@@ -150,12 +150,37 @@ def check_lora(job: JobConfig) -> None:
                           "which never changes; drop ref_update_every")
 
 
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+"""Keys of a Hugging Face config that give a mixture-of-experts model's experts per layer."""
+
+
+def check_router_replay(job: JobConfig) -> None:
+    """``[algorithm] router_replay`` needs a policy with mixture-of-experts layers: an inline
+    ``[model] config`` or the model directory's ``config.json`` naming its experts."""
+    if not job.algorithm.router_replay:
+        return
+    where = _where(job)
+    if job.model.config:
+        config, source = dict(job.model.config), "[model] config"
+    elif job.model.path:
+        path = Path(job.resolve_path(job.model.path)) / "config.json"
+        config, source = json.loads(path.read_text(encoding="utf-8")), str(path)
+    else:
+        return
+    experts = [config.get(key) for key in EXPERT_COUNT_KEYS]
+    if not any(isinstance(n, int) and not isinstance(n, bool) and n > 1 for n in experts):
+        raise ConfigError(f"{where}: algorithm.router_replay = true, but the policy ({source}, model_type "
+                          f"{config.get('model_type')!r}) has no mixture-of-experts layers (none of "
+                          f"{', '.join(EXPERT_COUNT_KEYS)}): there is no routing to replay")
+
+
 def check_job(job: JobConfig) -> None:
     """Every check of this module, in the order a user would fix them."""
     check_sizes(job)
     check_lora(job)
     check_sampling(job)
     check_models(job)
+    check_router_replay(job)
     check_data_files(job)
 
 

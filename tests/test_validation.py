@@ -118,6 +118,8 @@ CASES = {
                                                      '"megatron"]', "train.backend=megatron", "algorithm.kl=k3",
                                                      "algorithm.kl_coef=0.1", "algorithm.ref_update_every=5"],
                                           "'megatron' does not declare the LoadsWeights capability"),
+    "router replay on a dense model": (lambda t: ["algorithm.router_replay=true"],
+                                       "algorithm.router_replay = true, but the policy"),
     "lora rank 0": (lambda t: ["train.lora={rank=0}"], "must be an integer >= 1, got 0 at key 'train.lora.rank'"),
     "lora with a reference refresh": (lambda t: ["train.lora={rank=4}", "algorithm.kl=k3", "algorithm.kl_coef=0.1",
                                                  "algorithm.ref_update_every=5"],
