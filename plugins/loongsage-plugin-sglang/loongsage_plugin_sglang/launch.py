@@ -16,6 +16,9 @@ Flags that come from the job (SGLang's own argument names):
   adapter can be loaded by name (``/load_lora_adapter``); in a colocated run with offload also
   ``--enable-weights-cpu-backup``: only the adapter is sent after training, so the base weights
   must come back from host memory when the engine takes its memory back;
+* with ``[model] fp32_lm_head``: ``--enable-fp32-lm-head``, so the engine's logits come from a
+  float32 output projection as the trainer's do (the same train-inference consistency option as
+  the embedded engine's);
 * with ``[algorithm] router_replay``: ``--enable-return-routed-experts``, so a mixture-of-experts
   engine can answer ``return_routed_experts`` (the experts each token was routed to, which the
   trainer replays).
@@ -153,6 +156,13 @@ def build_launch_command(job: JobSettings, *, host: str = "127.0.0.1", port: int
         args.setdefault("lora_target_modules", ["all"] if targets == ["all-linear"] else targets)
         if "enable_memory_saver" in args:
             args.setdefault("enable_weights_cpu_backup", True)
+    if getattr(job.model, "fp32_lm_head", False):
+        fp32_head = args.pop("enable_fp32_lm_head", args.pop("enable-fp32-lm-head", True))
+        if fp32_head is not True:
+            raise LaunchConfigError(f"{where}: [rollout] engine_args.enable_fp32_lm_head = {fp32_head!r}, but "
+                                    "[model] fp32_lm_head = true computes the trainer's logits in float32; remove "
+                                    "the key or set model.fp32_lm_head = false")
+        args["enable_fp32_lm_head"] = True
     if getattr(getattr(job, "algorithm", None), "router_replay", False):
         routed = args.pop("enable_return_routed_experts", args.pop("enable-return-routed-experts", True))
         if routed is not True:

@@ -202,6 +202,16 @@ def test_memory_saver_follows_colocated_offload(tmp_path):
         sglang_command(refused, port=30000)
 
 
+def test_fp32_lm_head_reaches_sglang(tmp_path):
+    assert "--enable-fp32-lm-head" not in sglang_command(load_job(write_job(tmp_path)), port=30000)
+    fp32 = load_job(write_job(tmp_path), ["model.fp32_lm_head=true"])
+    assert sglang_command(fp32, port=30000).count("--enable-fp32-lm-head") == 1
+    refused = load_job(write_job(tmp_path, "engine_args = { enable_fp32_lm_head = false }"),
+                       ["model.fp32_lm_head=true"])
+    with pytest.raises(LaunchConfigError, match="set model.fp32_lm_head = false"):
+        sglang_command(refused, port=30000)
+
+
 def test_router_replay_launches_sglang_able_to_return_routed_experts(tmp_path):
     plain = load_job(write_job(tmp_path))
     assert "--enable-return-routed-experts" not in sglang_command(plain, port=30000)
