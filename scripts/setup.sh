@@ -26,8 +26,7 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 # Megatron-Core backend: megatron-bridge declares GPU-only packages it does not need here
-.venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-megatron.txt
-.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps megatron-bridge==0.3.1
+PYTHON=.venv/bin/python bash scripts/install_megatron.sh
 # the black-box agent CLIs (agents `codex`, `claude_code`, `opencode`), pinned, into .tools/npm
 bash scripts/install_agent_clis.sh || echo "warning: could not install the agent CLIs; see scripts/install_agent_clis.sh" >&2
 echo "LoongSage installed in .venv ($(.venv/bin/python --version))"

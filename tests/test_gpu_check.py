@@ -1,0 +1,37 @@
+"""scripts/gpu_check.sh as CI can run it: its CPU dry run validates every GPU case's job and
+overrides (one- and two-GPU layouts) and runs the same cases on the CPU, the embedded engine
+standing in for SGLang, and prints the JSON report the GPU run prints."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_cpu_dry_run_runs_every_case_and_reports_json(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "STEPS": "2"}
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--cpu-dry-run"], capture_output=True,
+                          text=True, env=env, cwd=REPO, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
+    report = json.loads(done.stdout)
+    assert report["dry_run"] is True and report["ok"] is True
+    assert sorted(report["cases"]) == ["megatron/sglang_disk", "megatron/sglang_tensor", "torch/sglang_disk",
+                                       "torch/sglang_tensor"]
+    for name, case in report["cases"].items():
+        assert case["ok"] is True and case["steps"] == 2, name
+        assert 0 <= case["k3_mean"] < 1e-6, name  # float32 engine and trainer: the same numbers
+        assert case["weight_sync_s_mean"] > 0 and case["weight_sync_gb_per_s_mean"] > 0, name
+        assert case["step_s_mean"] > 0 and 0 < case["mfu_train_mean"] <= 1, name
+        assert case["peak_trainer_host_rss_gb"] > 0.1, name
+    assert report["cases"]["torch/sglang_tensor"]["transport"] == "inprocess"  # colocated, as CUDA IPC is
+
+
+def test_unknown_arguments_are_refused():
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--gpu"], capture_output=True, text=True,
+                          cwd=REPO)
+    assert done.returncode == 2 and "unknown argument '--gpu'" in done.stderr
