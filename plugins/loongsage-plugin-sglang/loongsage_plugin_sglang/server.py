@@ -55,6 +55,32 @@ def sglang_available(python: str | None = None) -> bool:
     return probe.returncode == 0
 
 
+_FLAG_CHECK = """
+import argparse, sys
+from sglang.srt.server_args import ServerArgs
+parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
+ServerArgs.add_cli_args(parser)
+try:
+    _, unknown = parser.parse_known_args(sys.argv[1:])
+except argparse.ArgumentError as exc:
+    sys.exit(str(exc))
+if unknown:
+    sys.exit("unrecognized arguments: " + " ".join(unknown))
+"""
+
+
+def sglang_flag_error(python: str, argv: list[str]) -> str | None:
+    """What the installed SGLang's own argument parser (``ServerArgs.add_cli_args``, run by
+    ``python``) says of the launch flags ``argv`` (the command line after ``-m
+    sglang.launch_server``): ``None`` when it accepts them, else its message. A flag this SGLang
+    release does not know, or a value of the wrong type, is caught before a server is started."""
+    probe = subprocess.run([python, "-c", _FLAG_CHECK, *argv], capture_output=True, text=True, timeout=300)
+    if probe.returncode == 0:
+        return None
+    lines = (probe.stderr or probe.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit status {probe.returncode}"
+
+
 def _launcher_options(job: JobSettings) -> tuple[dict[str, Any], dict[str, Any]]:
     """Split ``engine_args`` into (launcher options, SGLang arguments), validating the former."""
     where = job.source_path or "<job>"
@@ -117,6 +143,13 @@ class SGLangServer:
             raise SGLangNotInstalled(f"the sglang rollout engine needs SGLang, which {self.python} cannot import; "
                                      f"install it with: {INSTALL_HINT} (it needs a CUDA machine), or select "
                                      "[rollout] engine = \"torch\"")
+        plain = sglang_command(self.ctx.job, host=self.host, port=self.port, engine_index=self.engine_index,
+                               python=self.python)  # without the run secret: it never reaches the probe
+        error = sglang_flag_error(self.python, plain[plain.index("sglang.launch_server") + 1:])
+        if error is not None:
+            where = self.ctx.job.source_path or "<job>"
+            raise LaunchConfigError(f"{where}: the installed SGLang refuses the launch command built from "
+                                    f"[model] / [rollout] (engine_args included): {error}")
         name = f"sglang server (engine {self.engine_index})"
         if self.fixed_port:
             self.base_url = self._launch(self.port)

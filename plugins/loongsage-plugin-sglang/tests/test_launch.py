@@ -14,7 +14,13 @@ import pytest
 from loongsage_plugin_sglang.launch import LaunchConfigError, build_launch_command, engine_args_to_flags
 from loongsage_plugin_sglang.process import ManagedProcess, ServerStartError, redact_command
 from loongsage_plugin_sglang.router import SGLangRouterProcess
-from loongsage_plugin_sglang.server import INSTALL_HINT, SGLangNotInstalled, SGLangServer, sglang_command
+from loongsage_plugin_sglang.server import (
+    INSTALL_HINT,
+    SGLangNotInstalled,
+    SGLangServer,
+    sglang_command,
+    sglang_flag_error,
+)
 
 from loongsage_core.config import load_job
 from loongsage_core.rendezvous import retry_on_port_collision
@@ -140,6 +146,46 @@ def test_start_without_sglang_raises_the_install_hint(tmp_path):
     assert INSTALL_HINT in str(err.value) and sys.executable in str(err.value)
     assert server.process is None  # nothing was launched
     server.shutdown()  # harmless after a failed start
+
+
+STANDIN_SERVER_ARGS = """
+class ServerArgs:
+    @staticmethod
+    def add_cli_args(parser):
+        for flag in ("--model-path", "--tokenizer-path", "--host", "--dtype", "--weight-version", "--log-level",
+                     "--attention-backend"):
+            parser.add_argument(flag)
+        for flag in ("--port", "--context-length", "--random-seed", "--tp-size"):
+            parser.add_argument(flag, type=int)
+        parser.add_argument("--mem-fraction-static", type=float)
+        for flag in ("--enable-memory-saver", "--skip-server-warmup", "--disable-cuda-graph"):
+            parser.add_argument(flag, action="store_true")
+"""
+
+
+def test_the_installed_sglangs_own_parser_judges_the_flags_before_a_start(tmp_path, monkeypatch):
+    # SGLang does not install on this CPU machine: a package with its ServerArgs.add_cli_args entry
+    # point (a few of the real release's flags) stands in for it
+    pkg = tmp_path / "site" / "sglang" / "srt"
+    pkg.mkdir(parents=True)
+    (pkg.parent / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "server_args.py").write_text(STANDIN_SERVER_ARGS)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))  # for the probe, a process of its own
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))  # for the "is SGLang installed" check here
+    good = load_job(write_job(tmp_path, "engine_args = { mem_fraction_static = 0.5 }"), ["placement.offload=false"])
+    assert sglang_flag_error(sys.executable, sglang_command(good, port=30000)[3:]) is None
+    unknown = load_job(write_job(tmp_path, "engine_args = { enable_flux_capacitor = true }"))
+    assert sglang_flag_error(sys.executable, sglang_command(unknown, port=30000)[3:]) == \
+        "unrecognized arguments: --enable-flux-capacitor"
+    wrong = load_job(write_job(tmp_path, 'engine_args = { mem_fraction_static = "most" }'))
+    assert "--mem-fraction-static: invalid float value: 'most'" in sglang_flag_error(
+        sys.executable, sglang_command(wrong, port=30000)[3:])
+    server = SGLangServer(EngineContext(job=unknown, components=None, engine_index=0, api_key="s3cret"))
+    with pytest.raises(LaunchConfigError, match="the installed SGLang refuses the launch command built from "
+                                                r"\[model\] / \[rollout\].*--enable-flux-capacitor") as err:
+        server.start()
+    assert "s3cret" not in str(err.value) and server.process is None  # refused before anything was launched
 
 
 def test_a_server_that_exits_reports_its_log_tail(tmp_path):
