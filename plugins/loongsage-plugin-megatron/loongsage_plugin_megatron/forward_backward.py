@@ -7,7 +7,8 @@ model's inputs, one :class:`StageInputs` per micro-batch; :func:`run_schedule` h
 pipeline stage calls back with each micro-batch's logits. :func:`token_outputs` turns those into
 per-token log-probs and entropies, :func:`teacher_outputs` into a teacher's log-probs, top-k and
 full logits; what the caller's ``on_logits`` does with them (the host's loss, or collecting
-them) is up to it.
+them) is up to it. Under Router Replay (``[algorithm] router_replay``) :func:`run_schedule` hands
+each micro-batch's recorded experts to the routers around its forward (:mod:`.router_replay`).
 
 Pipeline stages exchange activations of one fixed shape ``[width, rows, hidden]``, so under
 PP > 1 every micro-batch is padded to the widest real length of the call and to
@@ -197,7 +198,7 @@ def _fit_width(tensor: "torch.Tensor", width: int) -> "torch.Tensor":
 
 
 def run_schedule(chunks: list[Any], inputs: list[StageInputs], on_logits: Callable[[StageInputs, Any], Any], *,
-                 forward_only: bool) -> list[Any]:
+                 forward_only: bool, routing: Any = None) -> list[Any]:
     """Run ``inputs`` through Megatron-Core's forward-backward schedule; returns what the last stage
     collected (``[]`` elsewhere).
 
@@ -207,6 +208,12 @@ def run_schedule(chunks: list[Any], inputs: list[StageInputs], on_logits: Callab
     back-propagate that loss as it is (its 2-tuple convention would divide it by the number of
     micro-batches) and ``info`` is collected. Forward only: it returns what is collected, passed
     through as Megatron's non-loss data.
+
+    ``routing`` (Router Replay, :class:`.router_replay.MegatronRouterReplay`): its ``begin(item)``
+    and ``end(item)`` run on every stage right before and after each micro-batch's forward, so
+    the routers of the stage's layers get that micro-batch's recorded experts (under PP > 1 the
+    1F1B schedule interleaves micro-batches; without recomputation no router runs again in the
+    backward pass).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
@@ -220,8 +227,14 @@ def run_schedule(chunks: list[Any], inputs: list[StageInputs], on_logits: Callab
 
     def forward_step(data: Iterator[StageInputs], model: Any) -> tuple[Any, Callable[..., Any]]:
         item = next(data)
-        output = model(input_ids=item.input_ids, position_ids=item.position_ids,
-                       attention_mask=item.attention_mask)
+        if routing is not None:
+            routing.begin(item)
+        try:
+            output = model(input_ids=item.input_ids, position_ids=item.position_ids,
+                           attention_mask=item.attention_mask)
+        finally:
+            if routing is not None:
+                routing.end(item)
 
         def loss_func(logits: Any, non_loss_data: bool = False) -> Any:
             return on_logits(item, logits)

@@ -10,7 +10,9 @@ Mixture-of-Experts models (a Hugging Face config naming routed experts, e.g. ``q
 Megatron-Core's MoE layers; under expert parallelism each rank holds ``num_experts / ep`` of
 every MoE layer's experts. The load-balancing (auxiliary) loss is off by default
 (``moe_aux_loss_coeff = 0``): the gradient is the host's RL loss's exactly; with a positive
-coefficient its gradient is added at the scale :func:`aux_loss_scale` gives.
+coefficient its gradient is added at the scale :func:`aux_loss_scale` gives. Under Router Replay
+the routers keep Megatron-Core's unfused top-k, where the recorded experts are swapped in
+(:mod:`.router_replay`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,11 @@ class BuiltModel:
 
 
 def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, sizes: tuple[int, int, int],
-                hf_config: dict[str, Any], num_experts: int | None, device: torch.device) -> BuiltModel:
-    """This rank's share of the model in ``model_path``, with ``sizes`` = ``(tp, pp, ep)``.
+                hf_config: dict[str, Any], num_experts: int | None, device: torch.device, *,
+                router_replay: bool = False) -> BuiltModel:
+    """This rank's share of the model in ``model_path``, with ``sizes`` = ``(tp, pp, ep)``;
+    ``router_replay`` (``[algorithm] router_replay``) keeps the MoE routers on the path that
+    replays routing (:mod:`.router_replay`).
 
     Needs Megatron-Core's parallel state (:func:`.parallel.init_parallel`) and the
     compatibility patches (:mod:`.bridge_compat`, :mod:`.cpu_compat`) applied.
@@ -64,6 +69,9 @@ def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, size
     provider.calculate_per_token_loss = True
     if num_experts:
         _configure_moe(provider, hf_config, options, num_experts)
+        if router_replay:
+            # Transformer Engine's fused top-k never asks the router's replay object
+            provider.moe_router_fusion = False
     cpu_compat.configure_provider(provider)
     provider.finalize()
     vocab_size = int(provider.vocab_size)

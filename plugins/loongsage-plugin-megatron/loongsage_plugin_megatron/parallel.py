@@ -224,6 +224,14 @@ def broadcast_from_last_stage(tensor: "torch.Tensor") -> None:
                    group=parallel_state.get_pipeline_model_parallel_group())
 
 
+def sum_over_pipeline(values: "torch.Tensor") -> None:
+    """Sum ``values`` over this rank's pipeline group (in place): each stage's share of a count."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+
+
 def all_reduce_max_over_experts(values: "torch.Tensor") -> None:
     """Element-wise maximum of ``values`` over this rank's expert-parallel group (in place)."""
     import torch.distributed as dist

@@ -15,7 +15,9 @@ The worker composes the backend's parts, each a module of its own:
 * :mod:`.optimizer`: Megatron DDP, Megatron-Core's Adam, the learning-rate schedule, the step;
 * :mod:`.checkpoint`: per-rank checkpoints (resumed runs continue exactly), Hugging Face export;
 * :mod:`.lora`: ``[train] lora`` through Megatron-Bridge's PEFT (adapters in PEFT's layout);
-* :mod:`.offload`: the model and optimizer state to host memory and back.
+* :mod:`.offload`: the model and optimizer state to host memory and back;
+* :mod:`.router_replay`: ``[algorithm] router_replay`` on a Mixture-of-Experts model (the
+  engine's recorded experts replayed in every forward, through Megatron-Core's ``RouterReplay``).
 
 Training is Megatron-Core's own. The micro-batches run through
 ``megatron.core.pipeline_parallel.get_forward_backward_func()``: no pipelining under PP = 1, the
@@ -42,6 +44,15 @@ micro-batches, which add no loss). Expert gradients are summed over the expert-d
 group (``dp / ep`` ranks) by Megatron DDP's expert buffers, dense ones over the data-parallel
 group, so a step equals EP = 1's on the same global batch (the load-balancing loss: :mod:`.model`).
 
+Router Replay (``[algorithm] router_replay``, Mixture-of-Experts models only; a dense model is a
+clear error at construction): every forward of the worker, the no-grad scoring pass of
+:meth:`~MegatronTrainWorker.forward` and the training forwards of
+:meth:`~MegatronTrainWorker.train_mini_batch`, routes each token of a batch with ``routed_experts``
+to the experts the engine chose (its own top-k where it has no record), gating weights from the
+current router logits. The actor's :meth:`~MegatronTrainWorker.forward` with
+``[algorithm] router_replay_compare`` also reports the router agreement and scores the rows again
+without replay (``logprobs_no_replay``, ``router_agreement_no_replay``). See :mod:`.router_replay`.
+
 The ``reference`` role is forward-only (no DDP wrapper, no optimizer): the frozen reference
 model beside the policy (none in a LoRA run: the policy's adapters are disabled instead), and
 the model of the ``megatron`` distillation teacher (:mod:`.teacher`), which reads
@@ -50,6 +61,7 @@ the model of the ``megatron`` distillation teacher (:mod:`.teacher`), which read
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -99,6 +111,15 @@ class MegatronTrainWorker:
         self.tp, self.pp, self.dp, self.ep = parallel.parallel_sizes(self.options, self.world_size, self.num_experts)
         self.micro_batch_size = job.train.micro_batch_size
         parallel.check_layout(self.options, self.role, self.tp, self.pp, hf_config, self.num_experts)
+        # [algorithm] router_replay: every forward of a mixture-of-experts model replays the
+        # engine's routing (.router_replay); the actor's scoring pass also compares without it
+        replay = bool(getattr(job.algorithm, "router_replay", False))
+        if replay and not self.num_experts:
+            raise ValueError("[algorithm] router_replay = true, but the model has no mixture-of-experts layers "
+                             f"(the config.json of '{self.model_path}' names no routed experts): there is no "
+                             "routing to replay")
+        self.router_replay_compare = (replay and self.role == "actor"
+                                      and bool(getattr(job.algorithm, "router_replay_compare", True)))
 
         auto_bridge = cpu_compat.import_bridge()
         bridge_compat.apply()
@@ -109,10 +130,17 @@ class MegatronTrainWorker:
             self.device = torch.device("cpu") if cpu_compat.cuda_missing() else torch.device(
                 "cuda", torch.cuda.current_device())
             built = build_model(auto_bridge, self.model_path, self.options, (self.tp, self.pp, self.ep), hf_config,
-                                self.num_experts, self.device)
+                                self.num_experts, self.device, router_replay=replay)
             self.bridge, self.vocab_size = built.bridge, built.vocab_size
             # Unwrapped model chunks (what Megatron-Bridge converts to and from Hugging Face names).
             self.modules = built.modules
+            self.router_replay: Any = None
+            if replay:
+                from megatron.core.utils import get_model_config
+
+                from .router_replay import MegatronRouterReplay
+
+                self.router_replay = MegatronRouterReplay(self.modules, get_model_config(self.modules[0]))
             # [train] lora: the policy trains adapters only; its reference is itself, adapters off
             self.lora = lora_lib.apply_lora(self.modules, job.train.lora, self.num_experts) if (
                 self.role == "actor" and job.train.lora is not None) else None
@@ -182,19 +210,43 @@ class MegatronTrainWorker:
         Under PP > 1 the last pipeline stage computes them and broadcasts them to the other
         stages, so every rank returns them. Under EP > 1 every rank of an expert-parallel group
         must call it (with its own rows, possibly none): their MoE layers run together.
-        """
-        from .forward_backward import token_outputs
 
+        Router Replay (``[algorithm] router_replay``, a batch with ``routed_experts``): the
+        forward routes each token to its recorded experts (:mod:`.router_replay`). The actor with
+        ``[algorithm] router_replay_compare`` also returns ``router_agreement`` (per token, the
+        share of its MoE layers whose experts equal the record; -1 without a record) and, from a
+        second pass routing on its own, ``logprobs_no_replay`` and ``router_agreement_no_replay``.
+        """
+        return self._scores(batch, compare=self.router_replay_compare and "routed_experts" in batch,
+                            caller="forward")
+
+    def _scores(self, batch: Batch, *, compare: bool, caller: str) -> dict[str, torch.Tensor]:
         if "input_ids" not in batch:
-            raise KeyError("MegatronTrainWorker.forward: the batch has no 'input_ids' tensor")
+            raise KeyError(f"MegatronTrainWorker.{caller}: the batch has no 'input_ids' tensor")
         if self.offloaded:
-            raise RuntimeError("MegatronTrainWorker.forward: the worker is offloaded; call onload() first")
-        self._check_same_rows(batch, "forward")
+            raise RuntimeError(f"MegatronTrainWorker.{caller}: the worker is offloaded; call onload() first")
+        self._check_same_rows(batch, caller)
         rows, width = batch["input_ids"].shape
+        keys = ("logprobs", "entropy") + (
+            ("router_agreement", "logprobs_no_replay", "router_agreement_no_replay") if compare else ())
         inputs = self._stage_inputs(batch)
         if not inputs:
-            empty = torch.zeros(0, width)
-            return {"logprobs": empty, "entropy": empty.clone()}
+            return {key: torch.zeros(0, width) for key in keys}
+        with self._routing(replay=True, measure=compare):
+            out = self._token_scores(inputs, rows, width)
+            if compare:
+                out["router_agreement"] = self._router_agreement(width)
+        if compare:
+            with self._routing(replay=False, measure=True):
+                out["logprobs_no_replay"] = self._token_scores(inputs, rows, width)["logprobs"]
+                out["router_agreement_no_replay"] = self._router_agreement(width)
+        return out
+
+    def _token_scores(self, inputs: list[Any], rows: int, width: int) -> dict[str, torch.Tensor]:
+        """``logprobs`` and ``entropy`` ``[rows, width]`` (CPU) of one forward-only pass; under
+        PP > 1 broadcast from the last stage."""
+        from .forward_backward import token_outputs
+
         outs = self._run_forward_only(
             inputs, lambda inputs, logits: token_outputs(logits, inputs, tp=self.tp, entropy_grad=False))
         if outs:
@@ -204,6 +256,21 @@ class MegatronTrainWorker:
         if self.pp > 1:
             parallel.broadcast_from_last_stage(both)
         return {"logprobs": both[0].cpu(), "entropy": both[1].cpu()}
+
+    def _routing(self, *, replay: bool, measure: bool) -> Any:
+        """The Router Replay mode of the forwards inside (a no-op without Router Replay)."""
+        if self.router_replay is None:
+            return contextlib.nullcontext()
+        return self.router_replay.routing(replay=replay, measure=measure)
+
+    def _router_agreement(self, width: int) -> torch.Tensor:
+        """The last measured pass's per-token router agreement ``[rows, width]`` (CPU), each
+        stage's MoE layers counted together."""
+        def sum_stages(counts: torch.Tensor) -> None:
+            if self.pp > 1:
+                parallel.sum_over_pipeline(counts)
+
+        return self.router_replay.agreement(width, self.device, sum_stages).float().cpu()
 
     @torch.no_grad()
     def score(self, batch: Batch, *, topk: int = 0, return_logits: bool = False,
@@ -259,7 +326,7 @@ class MegatronTrainWorker:
             raise RuntimeError("MegatronTrainWorker.reference_forward: the policy has no LoRA adapter to disable; "
                                "the reference is a worker of its own (role 'reference')")
         with self.lora.disable_adapter(self.modules):
-            return self.forward(batch)
+            return self._scores(batch, compare=False, caller="reference_forward")
 
     def _run_forward_only(self, inputs: list[Any], on_logits: Any) -> list[Any]:
         """``inputs`` through Megatron's schedule without gradient, every chunk in eval mode (no
@@ -273,7 +340,7 @@ class MegatronTrainWorker:
         for chunk in self.chunks:
             chunk.eval()
         try:
-            return run_schedule(self.chunks, inputs, on_logits, forward_only=True)
+            return run_schedule(self.chunks, inputs, on_logits, forward_only=True, routing=self.router_replay)
         finally:
             for chunk in self.chunks:
                 chunk.train(was_training)
@@ -323,7 +390,8 @@ class MegatronTrainWorker:
         if coeff:
             config.moe_aux_loss_coeff = coeff * aux_loss_scale(inputs, self.dp, self.device)
         try:
-            run_schedule(self.chunks, inputs, loss, forward_only=False)
+            with self._routing(replay=True, measure=False):  # every training forward replays the records
+                run_schedule(self.chunks, inputs, loss, forward_only=False, routing=self.router_replay)
         finally:
             if coeff:
                 config.moe_aux_loss_coeff = coeff

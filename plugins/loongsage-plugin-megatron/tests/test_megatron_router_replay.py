@@ -1,0 +1,309 @@
+"""Router Replay (``[algorithm] router_replay``) in the megatron train backend on the tiny Qwen3-MoE
+of ``test_megatron_backend`` (CPU).
+
+The reference is the torch backend's: the transformers model with the same weights and
+``loongsage_plugin_torch.trainer.router_replay.RouterReplay`` replaying the same records (for the
+gradients, the torch train worker). The records replace the model's own top-2 by its 2nd and 3rd
+choices on about two thirds of the token-layers and leave some token-layers without a record (the
+model then routes on its own), so a backend that ignored them, misaligned them with the tokens or
+handed a router another layer's ids would fail. EP = 2 (rows split unevenly, one rank running an
+all-padding micro-batch) and PP = 2 (each stage one layer) run in two spawned ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+try:
+    import megatron.core  # noqa: F401
+except ImportError as exc:  # fail, never skip: the backend's tests need the real library
+    raise ImportError("megatron-core is not installed: pip install -r requirements-megatron.txt") from exc
+
+from loongsage_plugin_megatron import plugin
+from loongsage_plugin_torch.trainer import create_train_worker as create_torch_worker
+from loongsage_plugin_torch.trainer.router_replay import RouterReplay
+
+from loongsage_core.algorithms import compute_norm
+from loongsage_core.plugins import PluginHost
+from loongsage_hookspecs import Batch, TrainWorkerContext
+
+
+def _sibling(name: str):
+    """The test module ``name`` of this folder (its helpers), imported under the name pytest gives it."""
+    package = __name__.rpartition(".")[0]
+    full = f"{package}.{name}" if package else name
+    if full in sys.modules:
+        return sys.modules[full]
+    try:
+        return importlib.import_module(full)
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[full] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+backend = _sibling("test_megatron_backend")
+LAYERS, TOP_K = backend.TINY_QWEN3_MOE["num_hidden_layers"], backend.TINY_QWEN3_MOE["num_experts_per_tok"]
+COMPARE_KEYS = {"logprobs", "entropy", "router_agreement", "logprobs_no_replay", "router_agreement_no_replay"}
+
+
+def replay_job(path: str, **backend_args):
+    """``test_megatron_backend.make_job`` with Router Replay on (and gradients left unclipped, to
+    compare them)."""
+    job = backend.make_job(path, **backend_args)
+    return attrs.evolve(job, train=attrs.evolve(job.train, grad_clip=1e9),
+                        algorithm=attrs.evolve(job.algorithm, router_replay=True))
+
+
+def own_ranking(model, batch: Batch) -> torch.Tensor:
+    """``[B, T, layers, experts]``: each router's experts for each token, best first, in the
+    model's own (unreplayed) forward."""
+    B, T = batch["input_ids"].shape
+    with torch.no_grad():
+        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
+    return torch.stack([lg.view(B, T, -1).argsort(dim=-1, descending=True) for lg in out.router_logits], dim=2)
+
+
+def records(ranking: torch.Tensor, batch: Batch, *, differ: bool) -> torch.Tensor:
+    """int16 ``[B, T, layers * top_k]`` records as an engine returns them: the model's own top-2,
+    or (``differ``) its 2nd and 3rd choices on about two thirds of the token-layers; -1 on
+    padding, on each row's last token (every layer) and on layer 1 of every fifth token."""
+    B, T = batch["input_ids"].shape
+    ranks = torch.tensor([0, 1]).expand(B, T, LAYERS, TOP_K).clone()
+    if differ:
+        b, t, layer = torch.meshgrid(torch.arange(B), torch.arange(T), torch.arange(LAYERS), indexing="ij")
+        ranks[(b + t + layer) % 3 != 0] = torch.tensor([1, 2])
+    routes = ranking.gather(-1, ranks)
+    lengths = batch["attention_mask"].sum(dim=1)
+    routes[batch["attention_mask"] == 0] = -1
+    routes[torch.arange(B), lengths - 1] = -1
+    routes[:, ::5, 1] = -1
+    return routes.flatten(2).to(torch.int16)
+
+
+def replayed_reference(model, batch: Batch) -> dict[str, torch.Tensor]:
+    """The torch backend's replay of ``batch["routed_experts"]`` on the transformers model."""
+    replay = RouterReplay(model)
+    try:
+        replay.set_routes(batch["routed_experts"], replay=True)
+        return backend.hf_token_outputs(model, batch)
+    finally:
+        replay.close()
+
+
+def expected_agreement(ranking: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
+    """``[B, T]``: per token, the share of its layers with a record where the model's own top-2 (as a
+    set) is the record; -1 for a token without any record."""
+    own = ranking[..., :TOP_K].sort(dim=-1).values
+    recorded = routes.long().view(*routes.shape[:2], LAYERS, TOP_K).sort(dim=-1).values
+    has = (recorded >= 0).all(dim=-1)
+    share = ((own == recorded).all(dim=-1) & has).sum(-1) / has.sum(-1).clamp(min=1)
+    return torch.where(has.any(dim=-1), share.float(), -1.0)
+
+
+def with_routes(batch: Batch, routes: torch.Tensor) -> Batch:
+    return Batch(tensors={**batch.tensors, "routed_experts": routes}, meta=batch.meta)
+
+
+def without_routes(batch: Batch) -> Batch:
+    return Batch(tensors={k: v for k, v in batch.tensors.items() if k != "routed_experts"}, meta=batch.meta)
+
+
+def grpo_batch(model) -> Batch:
+    """A GRPO batch with differing records whose ``old_logprobs`` are the replayed log-probs plus noise."""
+    batch = backend.make_batch(seed=6)
+    batch = with_routes(batch, records(own_ranking(model, batch), batch, differ=True))
+    old = replayed_reference(model, batch)["logprobs"]
+    noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(8))
+    batch.tensors["old_logprobs"] = (old + noise) * batch["loss_mask"]
+    return batch
+
+
+@pytest.fixture(scope="module")
+def moe(tmp_path_factory):
+    """(Hugging Face directory, transformers model with its weights)."""
+    out = str(tmp_path_factory.mktemp("tiny_qwen3_moe_replay"))
+    return out, backend.save_tiny_moe(out)
+
+
+@pytest.fixture(scope="module")
+def host() -> PluginHost:
+    return PluginHost.create([])
+
+
+@pytest.fixture(scope="module")
+def scored(moe, host):
+    """The EP = 1 actor's ``forward()`` of a batch with differing records, and what the test needs
+    to check it."""
+    path, hf = moe
+    worker = plugin.create_train_worker(TrainWorkerContext(job=replay_job(path), components=host))
+    try:
+        batch = backend.make_batch()
+        ranking = own_ranking(hf, batch)
+        batch = with_routes(batch, records(ranking, batch, differ=True))
+        yield worker, batch, ranking, worker.forward(batch)
+    finally:
+        worker.close()
+
+
+def test_replayed_logprobs_equal_the_torch_backends_replay(scored, moe):
+    _, batch, _, got = scored
+    hf = moe[1]
+    want, unreplayed = replayed_reference(hf, batch), backend.hf_token_outputs(hf, batch)
+    assert set(got) == COMPARE_KEYS
+    for key in ("logprobs", "entropy"):
+        torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
+    # the records matter: a backend routing on its own would be far off
+    assert float((want["logprobs"] - unreplayed["logprobs"]).abs().max()) > 1e-2
+    # ... which is what the comparison pass without replay returns
+    torch.testing.assert_close(got["logprobs_no_replay"], unreplayed["logprobs"], rtol=0, atol=1e-5)
+
+
+def test_forward_reports_the_router_agreement_with_and_without_replay(scored):
+    from megatron.core.transformer.moe.router_replay import RouterReplay as CoreRouterReplay
+
+    worker, batch, ranking, got = scored
+    # each router replays through its own Megatron-Core RouterReplay, outside the process-wide list
+    assert [layer for layer, _, _ in worker.router_replay.routers] == list(range(LAYERS))
+    for _, router, replay in worker.router_replay.routers:
+        assert router.router_replay is replay and isinstance(replay, CoreRouterReplay)
+        assert replay not in CoreRouterReplay.global_router_replay_instances
+    recorded = (batch["routed_experts"].view(*batch["input_ids"].shape, LAYERS, TOP_K) >= 0).all(-1).any(-1)
+    assert bool((got["router_agreement"][recorded] == 1.0).all())
+    assert bool((got["router_agreement"][~recorded] == -1.0).all())
+    want = expected_agreement(ranking, batch["routed_experts"])
+    assert 0.2 < float(want[recorded].mean()) < 0.8  # the records differ from the model's choice, not everywhere
+    assert torch.equal(got["router_agreement_no_replay"], want)
+
+
+def test_replaying_the_models_own_routing_changes_nothing(scored, moe):
+    worker, batch, ranking, _ = scored
+    own = with_routes(batch, records(ranking, batch, differ=False))
+    got = worker.forward(own)
+    assert bool((got["router_agreement_no_replay"][got["router_agreement"] >= 0] == 1.0).all())
+    torch.testing.assert_close(got["logprobs"], got["logprobs_no_replay"], rtol=0, atol=1e-6)
+    torch.testing.assert_close(got["logprobs"], backend.hf_token_outputs(moe[1], batch)["logprobs"], rtol=0, atol=1e-5)
+    # a batch without records routes on its own and reports no comparison
+    plain = worker.forward(without_routes(batch))
+    assert set(plain) == {"logprobs", "entropy"}
+    torch.testing.assert_close(plain["logprobs"], got["logprobs_no_replay"], rtol=0, atol=0)
+
+
+def _router_grads(worker) -> dict[int, torch.Tensor]:
+    params = dict(worker.modules[0].named_parameters())
+    return {layer: params[f"decoder.layers.{layer}.mlp.router.weight"].main_grad.detach().clone()
+            for layer in range(LAYERS) if f"decoder.layers.{layer}.mlp.router.weight" in params}
+
+
+def torch_router_grads(path: str, host: PluginHost, batch: Batch) -> dict[int, torch.Tensor]:
+    """The torch backend's router-weight gradients of one mini-batch (Router Replay on)."""
+    ref = create_torch_worker(TrainWorkerContext(job=replay_job(path), components=host))
+    ref.accumulate_gradients(batch, compute_norm(batch))
+    return {layer: ref.model.model.layers[layer].mlp.gate.weight.grad.detach().clone() for layer in range(LAYERS)}
+
+
+def test_gradients_reach_the_router_weights_as_in_the_torch_backend(moe, host):
+    path, hf = moe
+    batch = grpo_batch(hf)
+    worker = plugin.create_train_worker(TrainWorkerContext(job=replay_job(path), components=host))
+    try:
+        metrics = worker.train_mini_batch(batch, compute_norm(batch))
+        got = _router_grads(worker)
+    finally:
+        worker.close()
+    want = torch_router_grads(path, host, batch)
+    unreplayed = torch_router_grads(path, host, without_routes(batch))
+    assert metrics["train/grad_norm"] > 0
+    for layer in range(LAYERS):
+        assert float(got[layer].abs().max()) > 1e-4, "the router learns nothing"
+        torch.testing.assert_close(got[layer], want[layer], rtol=1e-4, atol=1e-6)
+        assert float((want[layer] - unreplayed[layer]).abs().max()) > 1e-3  # the replay shows in them
+
+
+def test_a_dense_model_refuses_router_replay(hf_dir, host):
+    import torch.distributed as dist
+
+    had_group = dist.is_initialized()
+    with pytest.raises(ValueError, match=r"\[algorithm\] router_replay = true, but the model has no "
+                                         r"mixture-of-experts layers"):
+        plugin.create_train_worker(TrainWorkerContext(job=replay_job(hf_dir), components=host))
+    assert dist.is_initialized() == had_group
+
+
+# -- expert and pipeline parallelism, two spawned ranks --------------------------------------------
+
+def _two_rank_job(rank: int, path: str, batch: Batch, out: str) -> None:
+    """EP = 2 (rows 0-2 on rank 0, row 3 on rank 1: two micro-batches against one and an
+    all-padding one): forward and one training step; then PP = 2 (layer 0 on rank 0, layer 1 on
+    rank 1): forward."""
+    ports, _listening = backend._rendezvous_ports(rank, out, 2)
+    host = PluginHost.create([])
+
+    def worker(port: int, **backend_args):
+        return plugin.create_train_worker(TrainWorkerContext(job=replay_job(path, **backend_args), components=host,
+                                                             rank=rank, world_size=2, master_port=port))
+
+    result: dict = {}
+    w = worker(ports[0], ep=2)
+    mine = batch.select([0, 1, 2] if w.data_parallel_rank == 0 else [3])
+    result["ep_forward"] = w.forward(mine)
+    w.train_mini_batch(mine, compute_norm(batch))
+    result["ep_router_grads"] = _router_grads(w)
+    w.close()
+    w = worker(ports[1], pp=2)
+    result["pp_layers"] = sorted(layer for layer, _, _ in w.router_replay.routers)
+    result["pp_forward"] = w.forward(batch)
+    w.close()
+    torch.save(result, str(Path(out) / f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks(moe, tmp_path_factory):
+    import torch.multiprocessing as mp
+
+    path, hf = moe
+    batch = grpo_batch(hf)
+    out = tmp_path_factory.mktemp("router_replay_ranks")
+    mp.start_processes(_two_rank_job, args=(path, batch, str(out)), nprocs=2, join=True, start_method="spawn")
+    return batch, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def test_expert_and_pipeline_parallel_replay_equal_the_torch_backends(two_ranks, moe, host):
+    batch, (rank0, rank1) = two_ranks
+    path, hf = moe
+    want = replayed_reference(hf, batch)
+    unreplayed = backend.hf_token_outputs(hf, batch)
+    agreement = expected_agreement(own_ranking(hf, batch), batch["routed_experts"])
+    recorded = agreement >= 0
+    # EP = 2: each rank's rows
+    for rank, rows in ((rank0, [0, 1, 2]), (rank1, [3])):
+        got = rank["ep_forward"]
+        assert set(got) == COMPARE_KEYS
+        for key in ("logprobs", "entropy"):
+            torch.testing.assert_close(got[key], want[key][rows], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got["logprobs_no_replay"], unreplayed["logprobs"][rows], rtol=0, atol=1e-5)
+        assert torch.equal(got["router_agreement"], torch.where(recorded[rows], 1.0, -1.0))
+        assert torch.equal(got["router_agreement_no_replay"], agreement[rows])
+    # the router gradients, summed over the two data-parallel ranks, are the whole batch's
+    grads = torch_router_grads(path, host, batch)
+    for rank in (rank0, rank1):
+        for layer in range(LAYERS):
+            torch.testing.assert_close(rank["ep_router_grads"][layer], grads[layer], rtol=1e-4, atol=1e-6)
+    # PP = 2: each stage replays its own layer, every stage returns the whole result
+    assert (rank0["pp_layers"], rank1["pp_layers"]) == ([0], [1])
+    for rank in (rank0, rank1):
+        got = rank["pp_forward"]
+        for key in ("logprobs", "entropy"):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got["logprobs_no_replay"], unreplayed["logprobs"], rtol=0, atol=1e-5)
+        assert torch.equal(got["router_agreement"], torch.where(recorded, 1.0, -1.0))
+        assert torch.equal(got["router_agreement_no_replay"], agreement)
