@@ -244,9 +244,10 @@ ROUTER_REPLAY_OUTPUTS = ("router_agreement", "logprobs_no_replay", "router_agree
 
 def router_replay_metrics(batch: Batch, outputs: Mapping[str, "torch.Tensor"]) -> dict[str, float]:
     """What Router Replay buys, from the old-log-prob pass's :data:`ROUTER_REPLAY_OUTPUTS`:
-    ``train/router_agreement`` (with replay) and ``train/router_agreement_no_replay``, the share
-    of token-layer choices where the trainer's own top-k experts are the engine's, over every
-    token with a record; and the train-inference gap of the pass without replay,
+    ``train/router_agreement`` (with replay: 1.0 unless the records do not line up with the
+    tokens) and ``train/router_agreement_no_replay`` (the trainer's own routing), the share of
+    token-layer choices where the experts the trainer used are the engine's, over every token
+    with a record; and the train-inference gap of the pass without replay,
     ``train/is_approx_k3_kl_no_replay`` (and ``train/logprob_abs_diff_*_no_replay``), to set
     against ``train/is_approx_k3_kl``."""
     real = batch["attention_mask"] > 0

@@ -26,6 +26,9 @@ FAMILIES = {
     # mixture of experts: 4 experts, 2 per token; the first layer dense, the second sparse
     "qwen3-moe": {**TINY_QWEN3, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
                   "moe_intermediate_size": 24, "mlp_only_layers": [0], "norm_topk_prob": True},
+    # Mixtral: every layer sparse, top-k weights always renormalised, no q/k norms
+    "mixtral": {"model_type": "mixtral", **SMALL, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "head_dim": 8},
 }
 
 
@@ -80,7 +83,7 @@ def test_chunked_prefill_and_decode_match_a_full_forward(family, packed, fused_d
         assert max(abs(a - b) for a, b in zip(expected, lp)) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3-moe"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3-moe", "mixtral"])
 @pytest.mark.parametrize("packed", [False, True], ids=["plain", "packed"])
 def test_fused_weights_follow_in_place_updates_of_the_hf_parameters(packed, family):
     model, other = model_of(FAMILIES[family]), model_of(FAMILIES[family], seed=5)

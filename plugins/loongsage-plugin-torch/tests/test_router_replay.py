@@ -37,10 +37,11 @@ def token_mean(loss, mask, norm):
     return (loss * mask).sum() / norm.num_tokens
 
 
-def make_worker(*, replay: bool = True, compare: bool = True, max_tokens: int | None = None, **backend_args):
+def make_worker(*, replay: bool = True, compare: bool = True, max_tokens: int | None = None, config: dict = MOE,
+                **backend_args):
     host = PluginHost.create(enable=["torch"])
     host.register_specs(PolicyLossSpec(name="ratio_pg", fn=ratio_pg), AggregationSpec(name="token_mean", fn=token_mean))
-    job = JobConfig(model=ModelConfig(config=dict(MOE), tokenizer=TOKENIZER, seed=5),
+    job = JobConfig(model=ModelConfig(config=dict(config), tokenizer=TOKENIZER, seed=5),
                     train=TrainConfig(lr=1e-3, grad_clip=0.0, micro_batch_size=7, max_tokens_per_micro_batch=max_tokens,
                                       backend_args=backend_args),
                     algorithm=AlgorithmConfig(policy_loss="ratio_pg", loss_agg="token_mean", router_replay=replay,
@@ -68,7 +69,7 @@ def group_batch(seed: int = 0) -> Batch:
                  meta={"trajectory_id": [f"t{i}" for i in range(len(rows))], "segment": [0] * len(rows)})
 
 
-def own_choices(model: Any, batch: Batch) -> torch.Tensor:
+def own_choices(model: Any, batch: Batch, moe_layers: list[int] = MOE_LAYERS) -> torch.Tensor:
     """``[B, T, layers, E]`` the expert ranking (best first) each router of ``model`` gives each
     token, one unpadded row at a time; -1 on padding and in dense layers."""
     B, T = batch["input_ids"].shape
@@ -77,7 +78,7 @@ def own_choices(model: Any, batch: Batch) -> torch.Tensor:
         n = int(batch["attention_mask"][r].sum())
         with torch.no_grad():
             logits = model(input_ids=batch["input_ids"][r:r + 1, :n], output_router_logits=True).router_logits
-        for layer, lg in zip(MOE_LAYERS, logits):
+        for layer, lg in zip(moe_layers, logits):
             out[r, :n, layer] = torch.softmax(lg.float(), dim=-1).argsort(dim=-1, descending=True)
     return out
 
@@ -102,14 +103,15 @@ def differing_ranks(batch: Batch, seed: int = 1) -> torch.Tensor:
     return ranks
 
 
-def forced_routing_log_probs(model: Any, batch: Batch, routes: torch.Tensor) -> torch.Tensor:
+def forced_routing_log_probs(model: Any, batch: Batch, routes: torch.Tensor,
+                             moe_layers: list[int] = MOE_LAYERS) -> torch.Tensor:
     """The reference: each row alone, every router forced to ``routes`` by replacing its forward."""
     out = torch.zeros(batch["input_ids"].shape, dtype=torch.float64)
     for r in range(len(batch)):
         n = int(batch["attention_mask"][r].sum())
         row_routes = routes[r, :n].long().view(n, LAYERS, TOP_K)
         originals = {}
-        for layer in MOE_LAYERS:
+        for layer in moe_layers:
             gate = model.model.layers[layer].mlp.gate
             originals[layer] = gate.forward
 
@@ -211,6 +213,24 @@ def test_the_scoring_pass_reports_agreement_and_the_unreplayed_log_probs():
     assert bool((run <= measured).all()) and bool(run[batch["loss_mask"] > 0].all()) and int((measured & ~run).sum())
     for key in ("router_agreement", "router_agreement_no_replay"):
         assert torch.equal(shared[key][run], out[key][run]) and bool((shared[key][~run] == -1).all())
+
+
+def test_a_mixtral_router_is_replayed_too():
+    # Mixtral: every layer sparse, top-k weights always renormalised (its router has no norm_topk_prob)
+    mixtral = {"model_type": "mixtral", "vocab_size": 512, "hidden_size": 32, "intermediate_size": 48,
+               "num_hidden_layers": LAYERS, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+               "num_local_experts": EXPERTS, "num_experts_per_tok": TOP_K, "max_position_embeddings": 512}
+    batch = group_batch(seed=6)
+    plain, replayed = make_worker(replay=False, config=mixtral), make_worker(compare=False, config=mixtral)
+    choices = own_choices(plain.model, batch, moe_layers=list(range(LAYERS)))
+    batch.tensors["routed_experts"] = routes_of(choices, torch.tensor([0, 1]).expand(
+        *batch["input_ids"].shape, LAYERS, TOP_K))
+    assert torch.equal(replayed.forward(batch)["logprobs"], plain.forward(batch)["logprobs"])
+    batch.tensors["routed_experts"] = routes_of(choices, differing_ranks(batch))
+    want = forced_routing_log_probs(replayed.model, batch, batch["routed_experts"], moe_layers=list(range(LAYERS)))
+    got = replayed.forward(batch)["logprobs"]
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=2e-5)
+    assert float((got - plain.forward(batch)["logprobs"]).abs().max()) > 1e-3  # the replay mattered
 
 
 def test_a_model_without_experts_refuses_router_replay():

@@ -42,7 +42,7 @@ from .packed_linear import PackedWeight, packing_works
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe", "mixtral")
 FUSED_DECODE_KEYS = 4096
 """From this many keys a decode step's attention uses the fused SDPA kernel, which splits the keys
 across threads (a 6-layer, 384-wide model decoding 4 rows at 20K keys on 2 threads: 57 ms a step
@@ -267,7 +267,7 @@ class ModelRunner:
                                         "in the supported layout (a router 'gate.weight' [E, H], experts' "
                                         "stacked 'gate_up_proj' [E, 2I, H] and 'down_proj' [E, H, I])")
         return _Experts(router=weight, gate_up=gate_up, down=down, act=experts.act_fn, top_k=int(gate.top_k),
-                        norm_topk_prob=bool(gate.norm_topk_prob))
+                        norm_topk_prob=bool(getattr(gate, "norm_topk_prob", True)))  # Mixtral: always
 
     def _fuse(self, linears: Sequence[Any]) -> _Linear:
         """:func:`_fuse_linears`, remembering where each projection's columns went."""

@@ -177,9 +177,10 @@ class ForwardPassMixin:
 
         With Router Replay and ``[algorithm] router_replay_compare`` (a batch with
         ``routed_experts``) also ``router_agreement`` (per token, the share of its
-        mixture-of-experts layers where the trainer's own top-k is the engine's; -1 where not
-        measured) and, from a second pass routing on its own, ``logprobs_no_replay`` and
-        ``router_agreement_no_replay``."""
+        mixture-of-experts layers whose experts in the forward are the engine's: 1 with replay
+        wherever there is a record; -1 where not measured) and, from a second pass routing on its
+        own, ``logprobs_no_replay`` and ``router_agreement_no_replay`` (the trainer's own routing
+        against the engine's)."""
         return self._scores(batch, compare=self.router_replay_compare and "routed_experts" in batch)
 
     def _scores(self, batch: Batch, *, compare: bool) -> dict[str, torch.Tensor]:
