@@ -120,6 +120,16 @@ def check_lora_support(job: JobConfig, host: PluginHost) -> None:
                               "one that does (torch)")
 
 
+def check_model_dtype(job: JobConfig, host: PluginHost) -> None:
+    """``[model] dtype`` must be one the train backend trains in (its spec's ``model_dtypes``)."""
+    spec = host.get("train_backend", job.train.backend)
+    allowed = tuple(getattr(spec, "model_dtypes", ()))
+    if allowed and job.model.dtype not in allowed:
+        raise ConfigError(f"{job.source_path or '<job>'}: model.dtype = '{job.model.dtype}': train.backend = "
+                          f"'{job.train.backend}' trains in {', '.join(repr(d) for d in allowed)} only (its "
+                          f"train_backend spec declares model_dtypes); set model.dtype = '{allowed[0]}'")
+
+
 def check_weight_transport(job: JobConfig, host: PluginHost) -> None:
     """A transport that declares ``colocated_only`` needs ``[placement] colocate = true``."""
     name = job.rollout.weight_transport
@@ -174,6 +184,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
 
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
     check_lora_support(job, host)
+    check_model_dtype(job, host)
     check_reference_updates(job, host)
     check_weight_transport(job, host)
     if job.async_.enable:

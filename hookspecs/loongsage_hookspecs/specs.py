@@ -279,10 +279,14 @@ class TrainBackendSpec(ComponentSpec):
     adapter alone from ``named_weights`` and score the KL reference with it disabled); a job with
     ``[train] lora`` on a backend without it is refused at validation. It implies the
     :class:`~loongsage_hookspecs.capabilities.LoraTrainer` capability.
+
+    ``model_dtypes``: the ``[model] dtype`` values the backend trains in (empty: every one); a
+    job with another dtype is refused at validation, with the reason, not when a worker starts.
     """
 
     factory: "Callable[..., Any]"
     supports_lora: bool = False
+    model_dtypes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
 
     def declared_capabilities(self) -> tuple[type, ...]:
         extra = (LoraTrainer,) if self.supports_lora and LoraTrainer not in self.capabilities else ()

@@ -37,7 +37,7 @@ def create_teacher(ctx: TeacherContext, **args: Any) -> Any:
 
 @hookimpl
 def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
-    yield TrainBackendSpec(name="megatron", factory=create_train_worker,
+    yield TrainBackendSpec(name="megatron", factory=create_train_worker, model_dtypes=("float32",),
                            description="Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
                                        "directory; tensor, pipeline (1F1B), data (Megatron DDP) and, for "
                                        "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer; "
