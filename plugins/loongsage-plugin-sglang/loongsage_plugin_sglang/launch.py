@@ -117,6 +117,17 @@ def tokenizer_dir(job: JobSettings) -> str | None:
     return str(path.parent if path.is_file() else path)
 
 
+def _require_flag(args: dict[str, Any], key: str, where: str, needed_by: str, instead: str) -> None:
+    """Turn on the SGLang flag ``key`` (snake or kebab case in ``args``) that the job needs;
+    an explicit other value is a :class:`LaunchConfigError` saying what needs it and what to set
+    ``instead``."""
+    value = args.pop(key, args.pop(key.replace("_", "-"), True))
+    if value is not True:
+        raise LaunchConfigError(f"{where}: [rollout] engine_args.{key} = {value!r}, but {needed_by}; remove the key "
+                                f"or set {instead}")
+    args[key] = True
+
+
 def build_launch_command(job: JobSettings, *, host: str = "127.0.0.1", port: int, engine_index: int = 0,
                          python: str | None = None, engine_args: Mapping[str, Any] | None = None) -> list[str]:
     """The full ``python -m sglang.launch_server ...`` argv for engine ``engine_index`` of ``job``.
@@ -142,12 +153,8 @@ def build_launch_command(job: JobSettings, *, host: str = "127.0.0.1", port: int
     version = args.pop("weight_version", args.pop("weight-version", "0"))
     placement = getattr(job, "placement", None)
     if placement is not None and placement.colocate and placement.offload:
-        saver = args.pop("enable_memory_saver", args.pop("enable-memory-saver", True))
-        if saver is not True:
-            raise LaunchConfigError(f"{where}: [rollout] engine_args.enable_memory_saver = {saver!r}, but a colocated "
-                                    "run with [placement] offload = true releases the engine's memory while "
-                                    "training, which needs it; remove the key or set placement.offload = false")
-        args["enable_memory_saver"] = True
+        _require_flag(args, "enable_memory_saver", where, "a colocated run with [placement] offload = true releases "
+                      "the engine's memory while training, which needs it", "placement.offload = false")
     lora = getattr(getattr(job, "train", None), "lora", None)
     if lora is not None:
         targets = list(lora.target_modules)
@@ -157,19 +164,11 @@ def build_launch_command(job: JobSettings, *, host: str = "127.0.0.1", port: int
         if "enable_memory_saver" in args:
             args.setdefault("enable_weights_cpu_backup", True)
     if getattr(job.model, "fp32_lm_head", False):
-        fp32_head = args.pop("enable_fp32_lm_head", args.pop("enable-fp32-lm-head", True))
-        if fp32_head is not True:
-            raise LaunchConfigError(f"{where}: [rollout] engine_args.enable_fp32_lm_head = {fp32_head!r}, but "
-                                    "[model] fp32_lm_head = true computes the trainer's logits in float32; remove "
-                                    "the key or set model.fp32_lm_head = false")
-        args["enable_fp32_lm_head"] = True
+        _require_flag(args, "enable_fp32_lm_head", where, "[model] fp32_lm_head = true computes the trainer's logits "
+                      "in float32", "model.fp32_lm_head = false")
     if getattr(getattr(job, "algorithm", None), "router_replay", False):
-        routed = args.pop("enable_return_routed_experts", args.pop("enable-return-routed-experts", True))
-        if routed is not True:
-            raise LaunchConfigError(f"{where}: [rollout] engine_args.enable_return_routed_experts = {routed!r}, but "
-                                    "[algorithm] router_replay = true replays the experts the engine returns; remove "
-                                    "the key or set algorithm.router_replay = false")
-        args["enable_return_routed_experts"] = True
+        _require_flag(args, "enable_return_routed_experts", where, "[algorithm] router_replay = true replays the "
+                      "experts the engine returns", "algorithm.router_replay = false")
     argv = [python or sys.executable, "-m", "sglang.launch_server",
             "--model-path", job.resolve_path(job.model.path)]
     tok = tokenizer_dir(job)

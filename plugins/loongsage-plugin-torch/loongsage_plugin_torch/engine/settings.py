@@ -66,16 +66,11 @@ class EngineSettings:
                     f"[rollout] engine_args: unknown key '{key}' for the torch engine; valid keys: {', '.join(valid)}")
         values: dict[str, Any] = {"max_context_length": rollout.max_context_length, "seed": job.run.seed}
         for key, value in args.items():
-            if key == "lora_mode":
-                if value not in LORA_MODES:
-                    raise EngineConfigError(f"[rollout] engine_args.lora_mode must be one of "
-                                            f"{', '.join(repr(m) for m in LORA_MODES)}, got {value!r}")
-                values[key] = value
-                continue
-            if key == "dtype":
-                if value not in ENGINE_DTYPES:
-                    raise EngineConfigError(f"[rollout] engine_args.dtype must be one of "
-                                            f"{', '.join(repr(d) for d in ENGINE_DTYPES)}, got {value!r}")
+            choices = {"lora_mode": LORA_MODES, "dtype": ENGINE_DTYPES}.get(key)
+            if choices is not None:
+                if value not in choices:
+                    raise EngineConfigError(f"[rollout] engine_args.{key} must be one of "
+                                            f"{', '.join(repr(c) for c in choices)}, got {value!r}")
                 values[key] = value
                 continue
             if key == "packed_weights":
