@@ -4,10 +4,13 @@ A checkpoint holds, per rank (:data:`STATE_FILE`), the model shard, the Megatron
 ``state_dict()``, the learning-rate schedule, the step and the RNG state; under the distributed
 optimizer the sharded Adam state goes to one more file per model-parallel rank
 (:data:`PARAM_STATE_FILE`, ``save_parameter_state``, gathered on data-parallel rank 0). A run
-resumed from it continues exactly (same parallel layout and optimizer kind).
+resumed from it continues exactly (same parallel layout and optimizer kind). Under bfloat16 /
+float16 the model shard is 16-bit and the optimizer's state holds the float32 master weights
+(``fp32_from_fp16_params``) and, under float16, the loss scaler.
 
 Hugging Face weights are Megatron-Bridge's export: full tensors under Hugging Face names,
-gathered over tensor parallelism and broadcast from the pipeline stage that holds them.
+gathered over tensor parallelism and broadcast from the pipeline stage that holds them, in the
+model's dtype (the 16-bit parameters under bfloat16 / float16, not the float32 master weights).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Megatron-Core and Megatron-Bridge are written for CUDA machines with Transformer Engine. The
 backend uses them unchanged on GPUs; on a machine without CUDA, :func:`apply` swaps in the few
-CPU-safe replacements below (each names the upstream call it stands in for; one, the MoE
+CPU-safe replacements below (the mixed-precision optimizer and its loss scalers among them;
+each names the upstream call it stands in for; one, the MoE
 router's matmul, is needed wherever Transformer Engine is missing), and :func:`import_bridge`
 imports Megatron-Bridge although Transformer Engine and Triton are absent.
 :func:`configure_provider` sets the model config switches a CPU needs (the layer spec, the
@@ -154,6 +155,7 @@ def apply() -> None:
         torch.cuda.current_device = current_device  # type: ignore[assignment]
     _contiguous_tp_scatter()
     _optimizer_scratch_on_cpu()
+    _mixed_precision_optimizer_on_cpu()
     _clip_without_cuda_type_check()
     _schedule_scratch_on_cpu()
     _tied_embedding_setup_on_cpu()
@@ -207,6 +209,58 @@ def _optimizer_scratch_on_cpu() -> None:
     megatron_optimizer.FP32Optimizer.__init__ = _scratch_on_cpu(  # type: ignore[method-assign]
         megatron_optimizer.FP32Optimizer.__init__)
     megatron_optimizer.get_grad_norm_fp32 = _scratch_on_cpu(megatron_optimizer.get_grad_norm_fp32)
+
+
+@functools.cache
+def _cuda_type_names() -> type:
+    """A torch function mode class: what :func:`_cuda_factories_on_cpu` does, and ``Tensor.type()``
+    (no arguments) of a CPU tensor answers the CUDA name (``torch.cuda.BFloat16Tensor`` for a
+    ``torch.BFloat16Tensor``), as upstream's dtype tests expect."""
+    import torch
+
+    class CudaTypeNames(_cuda_factories_on_cpu()):  # type: ignore[misc]
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+                name = func(*args)
+                return name if ".cuda." in name else name.replace("torch.", "torch.cuda.", 1)
+            return super().__torch_function__(func, types, args, kwargs)
+
+    return CudaTypeNames
+
+
+def _mixed_precision_optimizer_on_cpu() -> None:
+    """Build Megatron-Core's mixed-precision optimizer and its loss scalers on the CPU.
+
+    Replaces ``Float16OptimizerWithFloat16Params.__init__`` (``megatron.core.optimizer.optimizer``,
+    what ``get_megatron_optimizer`` builds under ``bf16`` / ``fp16``): it sorts the parameters by
+    ``param.type()``, keeping a float32 master copy of each ``torch.cuda.{Half,BFloat16}Tensor``
+    and raising ``TypeError`` for anything that is not a ``torch.cuda.*Tensor``, and
+    ``MixedPrecisionOptimizer.__init__`` creates its ``found_inf`` flag, overflow buffer and unit
+    scale with ``device="cuda"``. It runs unchanged, with ``Tensor.type()`` answering the CUDA
+    name of a CPU tensor's type and those tensors created on the CPU.
+
+    Replaces ``ConstantGradScaler.__init__`` / ``DynamicGradScaler.__init__`` (their scale, bounds
+    and factors are ``device="cuda"`` tensors) and ``DynamicGradScaler.load_state_dict`` (it moves
+    the saved scale with ``.cuda()``), which run unchanged with those tensors on the CPU.
+    """
+    from megatron.core.optimizer import grad_scaler
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    cls = megatron_optimizer.Float16OptimizerWithFloat16Params
+    if not getattr(cls.__init__, "_loongsage_cpu", False):
+        upstream = cls.__init__
+
+        @functools.wraps(upstream)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            with _cuda_type_names()():
+                upstream(self, *args, **kwargs)
+
+        __init__._loongsage_cpu = True  # type: ignore[attr-defined]
+        cls.__init__ = __init__  # type: ignore[method-assign]
+    for scaler in (grad_scaler.ConstantGradScaler, grad_scaler.DynamicGradScaler):
+        scaler.__init__ = _scratch_on_cpu(scaler.__init__)  # type: ignore[method-assign]
+    grad_scaler.DynamicGradScaler.load_state_dict = _scratch_on_cpu(  # type: ignore[method-assign]
+        grad_scaler.DynamicGradScaler.load_state_dict)
 
 
 def _clip_without_cuda_type_check() -> None:

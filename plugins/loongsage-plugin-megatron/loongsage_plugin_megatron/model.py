@@ -1,6 +1,9 @@
 """Building the megatron backend's model: a Megatron-Core ``GPTModel`` from a Hugging Face directory.
 
-Megatron-Bridge converts the weights on load (:func:`build_model`) in float32, without dropout
+Megatron-Bridge converts the weights on load (:func:`build_model`) into parameters of
+``[model] dtype`` (:data:`MODEL_DTYPES`: float32, or bfloat16 / float16 inside Megatron-Core's
+``Float16Module``, whose float32 master weights the optimizer keeps; ``[model] fp32_lm_head``
+computes the output projection in float32, :func:`fp32_output_layer`), without dropout
 or sequence parallelism, with ``calculate_per_token_loss`` (Megatron back-propagates the host's
 loss as it is and sums data-parallel gradients). Under PP > 1 each rank holds one pipeline
 stage's share of the layers (the first stage the embedding, the last the final norm and output
@@ -25,6 +28,18 @@ import torch
 from . import bridge_compat, cpu_compat
 from .parallel import BackendOptions, sum_over_data_parallel
 
+MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                        "float16": torch.float16}
+"""``[model] dtype`` values the backend trains in (the spec's ``model_dtypes``), and their torch dtypes."""
+
+
+def model_dtype(name: str) -> torch.dtype:
+    """The torch dtype of ``[model] dtype`` = ``name``; ValueError naming the key for another value."""
+    if name not in MODEL_DTYPES:
+        raise ValueError(f"megatron train backend: [model] dtype = {name!r} is not supported "
+                         f"({', '.join(MODEL_DTYPES)})")
+    return MODEL_DTYPES[name]
+
 
 @attrs.define(frozen=True)
 class BuiltModel:
@@ -39,14 +54,24 @@ class BuiltModel:
 
 def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, sizes: tuple[int, int, int],
                 hf_config: dict[str, Any], num_experts: int | None, device: torch.device, *,
-                router_replay: bool = False) -> BuiltModel:
+                router_replay: bool = False, dtype: torch.dtype = torch.float32,
+                fp32_lm_head: bool = False) -> BuiltModel:
     """This rank's share of the model in ``model_path``, with ``sizes`` = ``(tp, pp, ep)``;
     ``router_replay`` (``[algorithm] router_replay``) keeps the MoE routers on the path that
     replays routing (:mod:`.router_replay`).
 
+    ``dtype`` (``[model] dtype``): the parameters' and the compute's dtype. Under bfloat16 or
+    float16 the provider sets Megatron-Core's ``bf16`` / ``fp16`` and ``params_dtype``, and
+    Megatron-Bridge wraps each chunk in Megatron-Core's ``Float16Module`` (16-bit parameters,
+    float32 outputs on the last stage); the fp32 master weights are the optimizer's
+    (:mod:`.optimizer`). ``fp32_lm_head`` (``[model] fp32_lm_head``) computes the output
+    projection in float32 (:func:`fp32_output_layer`).
+
     Needs Megatron-Core's parallel state (:func:`.parallel.init_parallel`) and the
     compatibility patches (:mod:`.bridge_compat`, :mod:`.cpu_compat`) applied.
     """
+    from megatron.core.transformer.module import Float16Module
+
     tp, pp, ep = sizes
     # ``torch_dtype`` (the bridge's own argument), not ``dtype``: other keywords are kept for
     # loading the tokenizer and config, whose save_pretrained in save_hf cannot serialise a dtype.
@@ -60,8 +85,9 @@ def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, size
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
     provider.expert_model_parallel_size = ep
-    provider.params_dtype = torch.float32
-    provider.bf16 = provider.fp16 = False
+    provider.params_dtype = dtype
+    provider.bf16 = dtype == torch.bfloat16
+    provider.fp16 = dtype == torch.float16
     provider.hidden_dropout = provider.attention_dropout = 0.0
     provider.sequence_parallel = False
     # The host's loss is already divided by the mini-batch's global norm: Megatron DDP must sum
@@ -76,8 +102,50 @@ def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, size
     provider.finalize()
     vocab_size = int(provider.vocab_size)
     modules = provider.provide_distributed_model(
-        wrap_with_ddp=False, use_cpu_initialization=device.type == "cpu", mixed_precision_wrapper=None)
+        wrap_with_ddp=False, use_cpu_initialization=device.type == "cpu",
+        mixed_precision_wrapper=Float16Module if dtype != torch.float32 else None)
+    if fp32_lm_head and dtype != torch.float32:
+        for module in modules:
+            fp32_output_layer(module)
     return BuiltModel(bridge=bridge, modules=modules, vocab_size=vocab_size)
+
+
+def fp32_output_layer(module: Any) -> int:
+    """Compute the output projection (the logits) of ``module``'s last pipeline stage in float32;
+    returns how many output layers it changed (0 on other stages).
+
+    Megatron-Core's ``GPTModel`` calls ``output_layer(hidden, weight=output_weight)`` (a
+    ``ColumnParallelLinear``; ``output_weight`` is the embedding under tied embeddings, else the
+    layer's own weight). The layer's forward is wrapped to run the same upstream forward on the
+    float32 upcast of the hidden states and of that weight, so the matmul and its logits are
+    float32 (as the torch backend's ``fp32_lm_head``). The weight stays a 16-bit parameter: its
+    gradient flows back through the upcast, and Megatron DDP accumulates it in its float32
+    gradient buffer. ``gradient_accumulation_fusion`` is turned off for that layer (the fused
+    kernel would write into the upcast copy's missing ``main_grad``).
+    """
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+
+    changed = 0
+    for sub in module.modules():
+        layer = getattr(sub, "output_layer", None)
+        if not isinstance(layer, ColumnParallelLinear) or getattr(layer, "_loongsage_fp32", False):
+            continue
+        if layer.bias is not None:
+            raise ValueError("[model] fp32_lm_head: the model's output layer has a bias, which the megatron "
+                             "backend does not compute in float32")
+        layer.gradient_accumulation_fusion = False
+        upstream = layer.forward
+
+        def forward(input_: torch.Tensor, weight: torch.Tensor | None = None,
+                    runtime_gather_output: bool | None = None, _layer: Any = layer,
+                    _upstream: Any = upstream) -> Any:
+            weight = _layer.weight if weight is None else weight
+            return _upstream(input_.float(), weight=weight.float(), runtime_gather_output=runtime_gather_output)
+
+        layer.forward = forward
+        layer._loongsage_fp32 = True
+        changed += 1
+    return changed
 
 
 def _configure_moe(provider: Any, hf_config: dict[str, Any], options: BackendOptions, num_experts: int) -> None:

@@ -5,7 +5,8 @@ accelerator: parameters and optimizer state go to host memory, gradient buffers 
 (they are scratch between steps). Parameters keep their CUDA device and identity: their storage
 is emptied and refilled (as Megatron's buffers do), because moving a parameter's ``.data`` to
 another device resets its gradient accumulator and would drop the backward hooks Megatron DDP
-put there. On the CPU there is nothing to move: both directions are no-ops.
+put there. Under bfloat16 / float16 the optimizer's float32 master weights move with its Adam
+state. On the CPU there is nothing to move: both directions are no-ops.
 """
 
 from __future__ import annotations
@@ -71,6 +72,13 @@ class HostOffload:
     def _move_optimizer_state(self, device: torch.device) -> None:
         if self.optimizer is None:
             return
+        # bfloat16 / float16: the mixed-precision optimizer's float32 master weights (optimizer
+        # tensors with no backward hooks: their ``.data`` moves)
+        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
+                for group in getattr(sub, name, None) or []:
+                    for main_param in group:
+                        main_param.data = main_param.data.to(device, non_blocking=True)
         for _, state in self.optimizer.state.items():
             for key, value in state.items():
                 if isinstance(value, torch.Tensor) and key != "step":

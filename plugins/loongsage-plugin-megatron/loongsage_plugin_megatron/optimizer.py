@@ -29,20 +29,43 @@ from .parallel import BackendOptions
 
 
 def wrap_ddp(modules: list[Any], options: BackendOptions) -> list[Any]:
-    """Wrap each model chunk in Megatron-Core's ``DistributedDataParallel`` (grad buffers, DP reduction)."""
+    """Wrap each model chunk in Megatron-Core's ``DistributedDataParallel`` (grad buffers, DP reduction).
+
+    The gradient buffers are float32 whatever the parameters' dtype (``grad_reduce_in_fp32``):
+    under bfloat16 / float16 each micro-batch's 16-bit gradient is added into a float32 buffer,
+    which is summed over the data-parallel group in float32 and handed to the optimizer's float32
+    master weights as it is."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=options.use_distributed_optimizer,
+        use_distributed_optimizer=options.use_distributed_optimizer, grad_reduce_in_fp32=True,
         overlap_grad_reduce=False, overlap_param_gather=False, average_in_collective=False)
     return [DistributedDataParallel(config=m.config, ddp_config=ddp_config, module=m,
                                     disable_bucketing=index > 0)
             for index, m in enumerate(modules)]
 
 
-def build_optimizer(chunks: list[Any], train: Any, options: BackendOptions) -> tuple[Any, Any]:
-    """Megatron-Core's Adam over the DDP ``chunks``, and the ``[train]`` learning-rate schedule."""
+INITIAL_LOSS_SCALE = 2.0 ** 16
+"""float16's first dynamic loss scale (Megatron-Core's default, 2**32, would skip ~17 steps while it
+backs off to a scale the 16-bit gradients hold; 2**16 is torch's ``GradScaler`` default)."""
+
+
+def build_optimizer(chunks: list[Any], train: Any, options: BackendOptions,
+                    dtype: torch.dtype = torch.float32) -> tuple[Any, Any]:
+    """Megatron-Core's Adam over the DDP ``chunks``, and the ``[train]`` learning-rate schedule.
+
+    ``dtype`` is the parameters' (``[model] dtype``). float32: Megatron-Core's ``FP32Optimizer``.
+    bfloat16 / float16: its mixed-precision optimizer (``Float16OptimizerWithFloat16Params``, or
+    the ``DistributedOptimizer`` under ``use_distributed_optimizer``), which keeps a float32 master
+    copy of every 16-bit parameter, steps Adam on the master weights with the float32 gradients
+    and copies them back rounded to the 16-bit parameters. float16 adds Megatron-Core's
+    ``DynamicGradScaler`` (first scale :data:`INITIAL_LOSS_SCALE`, halved after 2 overflowing
+    steps in a row, doubled after 1000 clean ones); the schedule multiplies the loss by the scale
+    before the backward pass (``config.grad_scale_func = optimizer.scale_loss``) and the optimizer
+    unscales the gradients before clipping and stepping.
+    """
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.utils import get_model_config
 
     from .schedule import make_megatron_scheduler
 
@@ -52,11 +75,16 @@ def build_optimizer(chunks: list[Any], train: Any, options: BackendOptions) -> t
         optimizer="adam", lr=float(train.lr), min_lr=float(train.lr) * float(train.min_lr_ratio),
         weight_decay=float(train.weight_decay), adam_beta1=float(train.betas[0]),
         adam_beta2=float(train.betas[1]), adam_eps=float(train.eps), decoupled_weight_decay=True,
-        clip_grad=float(train.grad_clip), fp16=False, bf16=False, params_dtype=torch.float32,
+        clip_grad=float(train.grad_clip), fp16=dtype == torch.float16, bf16=dtype == torch.bfloat16,
+        params_dtype=dtype, initial_loss_scale=INITIAL_LOSS_SCALE,
         use_distributed_optimizer=options.use_distributed_optimizer)
     # No overrides: every parameter decays like in the torch backend (Megatron's default
     # groups would exempt biases and norms, relying on its own scheduler for ``wd_mult``).
     optimizer = get_megatron_optimizer(config, chunks, config_overrides={})
+    if dtype != torch.float32:
+        # what Megatron's training loop does: the schedules scale each loss before its backward
+        for chunk in chunks:
+            get_model_config(chunk).grad_scale_func = optimizer.scale_loss
     return optimizer, make_megatron_scheduler(optimizer, train)
 
 
@@ -92,12 +120,14 @@ def optimizer_step(optimizer: Any, scheduler: Any, chunks: list[Any], device: to
     if grads_finite(chunks, device):
         try:
             updated, grad_norm, _ = optimizer.step()
+            if not updated:  # the mixed-precision optimizer's own overflow check (already done above)
+                grad_norm = float("nan")
         except RuntimeError as exc:  # a step size beyond float range: torch stops part-way through
             if "without overflow" not in str(exc):
                 raise
             updated, grad_norm, overflowed = True, optimizer.get_grad_norm(), True
     else:
-        optimizer.prepare_grads()
+        optimizer.prepare_grads()  # under float16 also backs the loss scale off
         updated, grad_norm = False, optimizer.get_grad_norm()
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()

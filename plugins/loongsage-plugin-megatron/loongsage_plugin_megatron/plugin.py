@@ -37,10 +37,12 @@ def create_teacher(ctx: TeacherContext, **args: Any) -> Any:
 
 @hookimpl
 def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
-    yield TrainBackendSpec(name="megatron", factory=create_train_worker, model_dtypes=("float32",),
+    yield TrainBackendSpec(name="megatron", factory=create_train_worker,
+                           model_dtypes=("float32", "bfloat16", "float16"),
                            description="Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
                                        "directory; tensor, pipeline (1F1B), data (Megatron DDP) and, for "
-                                       "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer; "
+                                       "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer "
+                                       "(float32, or bfloat16 / float16 with float32 master weights); "
                                        "LoRA through Megatron-Bridge's PEFT (dense models)",
                            supports_lora=True, capabilities=(ModelParallel, Offloadable, OnDevice, Closeable))
 

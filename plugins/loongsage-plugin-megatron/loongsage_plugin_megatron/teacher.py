@@ -114,12 +114,13 @@ class MegatronTeacher:
     """A frozen Megatron-Core GPT model that scores batches of student samples (the ``Teacher`` protocol).
 
     Arguments (the ``[[teachers]]`` table's ``path`` and ``args``): ``path``, a Hugging Face
-    model directory Megatron-Bridge converts; ``dtype`` of the weights (``"float32"`` only, like
-    the megatron train backend); ``device`` it runs on when loaded (default: the current CUDA
-    device when CUDA is available, else ``cpu``); ``offload_device`` where it waits (``cpu``, the
-    only choice); ``micro_batch_size`` rows per forward pass; ``output_device`` of the returned
-    tensors (``cpu``); ``logits_dtype`` of returned full logits; ``seed`` of the model-parallel
-    RNG; ``tp`` / ``pp`` / ``ep``, which must be 1. The model starts offloaded.
+    model directory Megatron-Bridge converts; ``dtype`` of the weights (``"float32"`` only: the
+    train backend's bfloat16 / float16 is not offered to teachers yet); ``device`` it runs on when
+    loaded (default: the current CUDA device when CUDA is available, else ``cpu``);
+    ``offload_device`` where it waits (``cpu``, the only choice); ``micro_batch_size`` rows per
+    forward pass; ``output_device`` of the returned tensors (``cpu``); ``logits_dtype`` of returned
+    full logits; ``seed`` of the model-parallel RNG; ``tp`` / ``pp`` / ``ep``, which must be 1.
+    The model starts offloaded.
     """
 
     def __init__(self, path: str | None = None, *, dtype: str = "float32", device: str | None = None,
@@ -129,8 +130,8 @@ class MegatronTeacher:
 
         _check_parallel_sizes({"tp": tp, "pp": pp, "ep": ep})
         if dtype != "float32":
-            raise ValueError(f"megatron teacher: dtype = {dtype!r} is not supported (float32 only, like the megatron "
-                             "train backend)")
+            raise ValueError(f"megatron teacher: dtype = {dtype!r} is not supported (float32 only; the "
+                             "megatron teacher does not take the train backend's bfloat16 / float16 yet)")
         if logits_dtype not in LOGITS_DTYPES:
             raise ValueError(f"megatron teacher: logits_dtype must be one of {list(LOGITS_DTYPES)}, "
                              f"got {logits_dtype!r}")

@@ -10,9 +10,12 @@ The worker composes the backend's parts, each a module of its own:
 
 * :mod:`.parallel`: ``[train] backend_args``, the ``(tp, pp, dp, ep)`` layout, the process
   group and Megatron-Core's parallel state;
-* :mod:`.model`: the model built by Megatron-Bridge (MoE settings included);
+* :mod:`.model`: the model built by Megatron-Bridge (MoE settings included), in ``[model] dtype``
+  (float32, bfloat16 or float16; ``[model] fp32_lm_head`` for a float32 output projection);
 * :mod:`.forward_backward`: micro-batches through Megatron-Core's forward-backward schedule;
-* :mod:`.optimizer`: Megatron DDP, Megatron-Core's Adam, the learning-rate schedule, the step;
+* :mod:`.optimizer`: Megatron DDP (float32 gradient buffers), Megatron-Core's Adam (float32
+  master weights of 16-bit parameters, float16's dynamic loss scaling), the learning-rate
+  schedule, the step;
 * :mod:`.checkpoint`: per-rank checkpoints (resumed runs continue exactly), Hugging Face export;
 * :mod:`.lora`: ``[train] lora`` through Megatron-Bridge's PEFT (adapters in PEFT's layout);
 * :mod:`.offload`: the model and optimizer state to host memory and back;
@@ -72,7 +75,7 @@ from loongsage_hookspecs import AggregationNorm, Batch
 
 from . import bridge_compat, checkpoint, cpu_compat, parallel
 from . import lora as lora_lib
-from .model import aux_loss_scale, build_model
+from .model import aux_loss_scale, build_model, model_dtype
 from .offload import HostOffload
 from .optimizer import build_optimizer, optimizer_step, wrap_ddp
 from .parallel import BackendOptions
@@ -88,9 +91,7 @@ class MegatronTrainWorker:
         if not job.model.path:
             raise ValueError("megatron train backend: [model] path must name a Hugging Face directory "
                              "(Megatron-Bridge converts it)")
-        if job.model.dtype != "float32":
-            raise ValueError(f"megatron train backend: [model] dtype = {job.model.dtype!r} is not supported yet "
-                             "(float32 only)")
+        self.dtype = model_dtype(job.model.dtype)
         if job.train.micro_batch_size < 1:
             raise ValueError(f"[train] micro_batch_size must be >= 1, got {job.train.micro_batch_size}")
         self.job, self.role = job, ctx.role
@@ -130,7 +131,8 @@ class MegatronTrainWorker:
             self.device = torch.device("cpu") if cpu_compat.cuda_missing() else torch.device(
                 "cuda", torch.cuda.current_device())
             built = build_model(auto_bridge, self.model_path, self.options, (self.tp, self.pp, self.ep), hf_config,
-                                self.num_experts, self.device, router_replay=replay)
+                                self.num_experts, self.device, router_replay=replay, dtype=self.dtype,
+                                fp32_lm_head=bool(getattr(job.model, "fp32_lm_head", False)))
             self.bridge, self.vocab_size = built.bridge, built.vocab_size
             # Unwrapped model chunks (what Megatron-Bridge converts to and from Hugging Face names).
             self.modules = built.modules
@@ -153,7 +155,7 @@ class MegatronTrainWorker:
                 self.pipeline = LossPipeline(job, ctx.components)
                 self.chunks: list[Any] = wrap_ddp(self.modules, self.options)
                 self.model = self.chunks[0]
-                self.optimizer, self.scheduler = build_optimizer(self.chunks, job.train, self.options)
+                self.optimizer, self.scheduler = build_optimizer(self.chunks, job.train, self.options, self.dtype)
                 self.model.train()
             else:
                 self.chunks = list(self.modules)
