@@ -59,8 +59,6 @@ def gpu_overrides(backend: str, transport: str, *, gpus: int, model: Path, steps
     """The ``key=value`` overrides of one GPU case (the same for ``validate`` and ``run``)."""
     out = [f"model.path={model}", f"train.backend={backend}", f"train.total_steps={steps}",
            f"rollout.weight_transport={transport}", f"rollout.engine_args.log_dir={run_dir / 'logs'}"]
-    if backend == "megatron":
-        out.append("model.dtype=float32")  # the megatron backend trains in float32 (mixed precision: to come)
     if transport == "sglang_tensor":  # CUDA IPC handles: trainer and engine in one actor, on one GPU
         out += ["placement.colocate=true", "placement.offload=true", "placement.trainer_gpus=1"]
     elif gpus < 2:  # trainer and engine share the only GPU

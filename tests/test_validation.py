@@ -79,6 +79,18 @@ def loongsage_train_backends():
 """
 
 
+# a user's train backend that trains in float32 only (its spec declares model_dtypes)
+FP32_BACKEND = """
+from loongsage_hookspecs import TrainBackendSpec, hookimpl
+
+
+@hookimpl
+def loongsage_train_backends():
+    yield TrainBackendSpec(name="fp32only", factory=lambda ctx: None, model_dtypes=("float32",),
+                           description="a train backend that trains in float32 only")
+"""
+
+
 # (overrides built from tmp_path, text expected in the one error line)
 CASES = {
     "override into a scalar": (lambda t: ["train.lr.x=1"],
@@ -120,9 +132,10 @@ CASES = {
                                           "'megatron' does not declare the LoadsWeights capability"),
     "router replay on a dense model": (lambda t: ["algorithm.router_replay=true"],
                                        "algorithm.router_replay = true, but the policy"),
-    "megatron in bfloat16": (lambda t: ['plugins.enable=["torch", "rl", "rewards", "loggers", "agents", "megatron"]',
-                                        "train.backend=megatron", "model.dtype=bfloat16"],
-                             "model.dtype = 'bfloat16': train.backend = 'megatron' trains in 'float32' only"),
+    "a dtype the backend does not train in": (lambda t: ["train.backend=fp32only", "model.dtype=bfloat16",
+                                                         f'plugins.modules=["{_module(t, FP32_BACKEND)}"]'],
+                                              "model.dtype = 'bfloat16': train.backend = 'fp32only' trains in "
+                                              "'float32' only"),
     "lora rank 0": (lambda t: ["train.lora={rank=0}"], "must be an integer >= 1, got 0 at key 'train.lora.rank'"),
     "lora with a reference refresh": (lambda t: ["train.lora={rank=4}", "algorithm.kl=k3", "algorithm.kl_coef=0.1",
                                                  "algorithm.ref_update_every=5"],
