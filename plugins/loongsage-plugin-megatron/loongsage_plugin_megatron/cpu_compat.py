@@ -3,8 +3,9 @@
 Megatron-Core and Megatron-Bridge are written for CUDA machines with Transformer Engine. The
 backend uses them unchanged on GPUs; on a machine without CUDA, :func:`apply` swaps in the few
 CPU-safe replacements below (the mixed-precision optimizer and its loss scalers among them;
-each names the upstream call it stands in for; one, the MoE
-router's matmul, is needed wherever Transformer Engine is missing), and :func:`import_bridge`
+each names the upstream call it stands in for; some, the MoE
+router's matmul and the torch norm under sequence parallelism, are needed wherever Transformer
+Engine is missing), and :func:`import_bridge`
 imports Megatron-Bridge although Transformer Engine and Triton are absent.
 :func:`configure_provider` sets the model config switches a CPU needs (the layer spec, the
 pipeline's point-to-point sync, the MoE token dispatcher and expert layout), preferred to
@@ -140,6 +141,7 @@ def apply() -> None:
     if not _installed("transformer_engine"):
         _router_gating_without_te()
         _peft_without_te()
+        _torch_norm_with_sequence_parallel()
     if not cuda_missing():
         return
     import torch
@@ -345,6 +347,39 @@ def _router_gating_without_te() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def _torch_norm_with_sequence_parallel() -> None:
+    """Let Megatron-Core's ``WrappedTorchNorm`` (the norm of the local layer spec, without
+    Transformer Engine or Apex) run under sequence parallelism.
+
+    Upstream asserts ``not config.sequence_parallel``: a norm computes each token alone, so it is
+    exact on a shard of the sequence; what sequence parallelism needs is that its weights, which
+    every tensor-parallel rank holds whole but trains on its own tokens only, carry
+    ``sequence_parallel = True`` so that ``finalize_model_grads`` sums their gradients over the
+    tensor-parallel group (as Transformer Engine's and Apex's norms mark them). The replacement
+    builds the torch norm from a copy of the config without the switch and marks the weights.
+    """
+    import copy
+
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    if getattr(WrappedTorchNorm.__new__, "_loongsage_sp", False):
+        return
+    upstream = WrappedTorchNorm.__new__
+
+    def new(cls: Any, config: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(config, "sequence_parallel", False):
+            return upstream(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = upstream(cls, plain, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    new._loongsage_sp = True  # type: ignore[attr-defined]
+    WrappedTorchNorm.__new__ = staticmethod(new)  # type: ignore[assignment]
 
 
 def distributed_optimizer_blocker() -> str | None:

@@ -16,7 +16,9 @@ PP > 1 every micro-batch is padded to the widest real length of the call and to
 parallelism the MoE layers exchange tokens with the other ranks of the expert-parallel group,
 which hold other rows: they agree on one width and one number of micro-batches (the caller
 passes them), a rank short of rows running all-padding micro-batches. Otherwise each
-micro-batch keeps its own width and row count.
+micro-batch keeps its own width and row count. Under sequence parallelism Megatron-Core splits
+the sequence evenly over the tensor-parallel ranks, so every width is rounded up to a multiple
+of ``tp`` (``width_multiple``; the extra columns are right padding, never scored).
 """
 
 from __future__ import annotations
@@ -72,14 +74,16 @@ def real_lengths(batch: "Batch") -> "torch.Tensor":
 
 
 def stage_inputs(batch: "Batch", micro_batch_size: int, device: "torch.device", *,
-                 fixed_shape: bool, width: int | None = None, micro_batches: int | None = None) -> list[StageInputs]:
+                 fixed_shape: bool, width: int | None = None, micro_batches: int | None = None,
+                 width_multiple: int = 1) -> list[StageInputs]:
     """The micro-batches of ``batch`` as model inputs on ``device``.
 
     ``fixed_shape`` (pipeline or expert parallelism): every micro-batch gets ``width`` columns
     (default: the batch's widest real length) and ``micro_batch_size`` rows; otherwise each is cut
     to its own widest real length. ``micro_batches`` (expert parallelism, where the ranks of an
     expert-parallel group must run as many micro-batches as each other): the count to return,
-    extra ones being all padding (no real rows).
+    extra ones being all padding (no real rows). ``width_multiple`` (``tp`` under sequence
+    parallelism): every width is rounded up to a multiple of it (right padding).
     """
 
     from loongsage_hookspecs import Batch
@@ -88,11 +92,14 @@ def stage_inputs(batch: "Batch", micro_batch_size: int, device: "torch.device", 
         raise ValueError(f"stage_inputs: width {width} is shorter than the batch's longest row")
     if not len(batch) and not micro_batches:
         return []
-    batch_width = max(int(real_lengths(batch).max()) if len(batch) else 1, width or 1)
+    def fit(w: int) -> int:
+        return -(-w // width_multiple) * width_multiple
+
+    batch_width = fit(max(int(real_lengths(batch).max()) if len(batch) else 1, width or 1))
     out = []
     for micro in batch.chunks(micro_batch_size) if len(batch) else []:
         micro = Batch(tensors={k: v.to(device) for k, v in micro.tensors.items()}, meta=micro.meta)
-        micro_width = batch_width if fixed_shape else max(int(real_lengths(micro).max()), 1)
+        micro_width = batch_width if fixed_shape else fit(max(int(real_lengths(micro).max()), 1))
         out.append(_stage_input(micro, micro_width, micro_batch_size if fixed_shape else 0, device))
     if micro_batches is not None:
         if micro_batches < len(out):

@@ -3,8 +3,12 @@
 Megatron-Bridge converts the weights on load (:func:`build_model`) into parameters of
 ``[model] dtype`` (:data:`MODEL_DTYPES`: float32, or bfloat16 / float16 inside Megatron-Core's
 ``Float16Module``, whose float32 master weights the optimizer keeps; ``[model] fp32_lm_head``
-computes the output projection in float32, :func:`fp32_output_layer`), without dropout
-or sequence parallelism, with ``calculate_per_token_loss`` (Megatron back-propagates the host's
+computes the output projection in float32, :func:`fp32_output_layer`), without dropout, with
+sequence parallelism as ``backend_args.sequence_parallel`` resolves it
+(:func:`.parallel.sequence_parallel`: the embedding scatters the sequence over the
+tensor-parallel ranks and the output layer gathers it back, so the logits cover whole sequences;
+the inputs' width must be a multiple of ``tp``, which :func:`.forward_backward.stage_inputs`
+pads to), with ``calculate_per_token_loss`` (Megatron back-propagates the host's
 loss as it is and sums data-parallel gradients). Under PP > 1 each rank holds one pipeline
 stage's share of the layers (the first stage the embedding, the last the final norm and output
 layer, built with ``pre_process`` / ``post_process``).
@@ -55,7 +59,7 @@ class BuiltModel:
 def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, sizes: tuple[int, int, int],
                 hf_config: dict[str, Any], num_experts: int | None, device: torch.device, *,
                 router_replay: bool = False, dtype: torch.dtype = torch.float32,
-                fp32_lm_head: bool = False) -> BuiltModel:
+                fp32_lm_head: bool = False, sequence_parallel: bool = False) -> BuiltModel:
     """This rank's share of the model in ``model_path``, with ``sizes`` = ``(tp, pp, ep)``;
     ``router_replay`` (``[algorithm] router_replay``) keeps the MoE routers on the path that
     replays routing (:mod:`.router_replay`).
@@ -65,7 +69,8 @@ def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, size
     Megatron-Bridge wraps each chunk in Megatron-Core's ``Float16Module`` (16-bit parameters,
     float32 outputs on the last stage); the fp32 master weights are the optimizer's
     (:mod:`.optimizer`). ``fp32_lm_head`` (``[model] fp32_lm_head``) computes the output
-    projection in float32 (:func:`fp32_output_layer`).
+    projection in float32 (:func:`fp32_output_layer`). ``sequence_parallel``: Megatron-Core's
+    ``sequence_parallel`` (needs ``tp > 1``).
 
     Needs Megatron-Core's parallel state (:func:`.parallel.init_parallel`) and the
     compatibility patches (:mod:`.bridge_compat`, :mod:`.cpu_compat`) applied.
@@ -89,7 +94,7 @@ def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, size
     provider.bf16 = dtype == torch.bfloat16
     provider.fp16 = dtype == torch.float16
     provider.hidden_dropout = provider.attention_dropout = 0.0
-    provider.sequence_parallel = False
+    provider.sequence_parallel = bool(sequence_parallel) and tp > 1
     # The host's loss is already divided by the mini-batch's global norm: Megatron DDP must sum
     # the data-parallel gradients (gradient scaling factor 1), not average them.
     provider.calculate_per_token_loss = True

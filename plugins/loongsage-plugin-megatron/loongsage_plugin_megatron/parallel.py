@@ -10,8 +10,13 @@
 * ``use_distributed_optimizer``: shard the optimizer state over the data-parallel group with
   Megatron-Core's ``DistributedOptimizer`` (default false; needs CUDA, a clear error otherwise);
 * ``ep``: expert-parallel size (default 1; MoE models only; must divide ``dp`` and the number
-  of experts); MoE models need ``tp = 1`` (Megatron-Core's MoE layers train under tensor
-  parallelism only with sequence parallelism, which this backend does not use yet);
+  of experts);
+* ``sequence_parallel``: Megatron-Core's sequence parallelism (the activations outside the
+  tensor-parallel matmuls split along the sequence over the tensor-parallel ranks); needs
+  ``tp > 1``. Default (:func:`sequence_parallel`): on for a MoE model under ``tp > 1`` (Megatron-Core's
+  MoE layers train under tensor parallelism only with it, so a MoE model with ``tp > 1`` and
+  ``sequence_parallel = false`` is refused), off otherwise (a dense model keeps whole sequences
+  per rank unless asked);
 * ``moe_aux_loss_coeff``: weight of the MoE load-balancing loss (default 0: off).
 
 :func:`parallel_sizes` and :func:`check_layout` turn them and the model's ``config.json`` into
@@ -48,6 +53,8 @@ class BackendOptions:
     dist_backend: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl")))
     use_distributed_optimizer: bool = attrs.field(default=False, validator=attrs.validators.instance_of(bool))
     ep: int = 1
+    sequence_parallel: bool | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(bool)))
     moe_aux_loss_coeff: float = attrs.field(default=0.0, converter=float, validator=attrs.validators.ge(0.0))
 
     @classmethod
@@ -86,9 +93,23 @@ def parallel_sizes(options: BackendOptions, world_size: int,
     return tp, pp, dp, ep
 
 
+def sequence_parallel(options: BackendOptions, tp: int, num_experts: int | None) -> bool:
+    """Whether the model runs Megatron-Core's sequence parallelism: ``backend_args.sequence_parallel``,
+    by default on exactly for a Mixture-of-Experts model under ``tp > 1``; ValueError when it is
+    asked for with ``tp = 1`` (there is no tensor-parallel group to split the sequence over)."""
+    if options.sequence_parallel is None:
+        return bool(num_experts) and tp > 1
+    if options.sequence_parallel and tp == 1:
+        raise ValueError("[train] backend_args.sequence_parallel = true needs tp > 1 (it splits the sequence "
+                         "over the tensor-parallel ranks), but tp = 1; set sequence_parallel = false or "
+                         "leave it out")
+    return bool(options.sequence_parallel)
+
+
 def check_layout(options: BackendOptions, role: str, tp: int, pp: int, hf_config: dict[str, Any],
                  num_experts: int | None) -> None:
     """Raise ValueError naming the backend_args key that this model or machine cannot run with."""
+    sp = sequence_parallel(options, tp, num_experts)
     if role == "actor" and options.use_distributed_optimizer:
         blocker = cpu_compat.distributed_optimizer_blocker()
         if blocker:
@@ -98,12 +119,13 @@ def check_layout(options: BackendOptions, role: str, tp: int, pp: int, hf_config
     if isinstance(layers, int) and layers % pp:
         raise ValueError(f"[train] backend_args.pp = {pp}: the model's {layers} layers do not split evenly "
                          "over the pipeline stages")
-    if num_experts and tp > 1:
+    if num_experts and tp > 1 and not sp:
         # Megatron-Core's MoELayer refuses to train under tensor parallelism without sequence
-        # parallelism, which this backend does not use (its inputs are whole sequences per rank).
-        raise ValueError(f"[train] backend_args.tp = {tp}: Mixture-of-Experts models need tp = 1 in the "
-                         "megatron backend (Megatron-Core's MoE layers need sequence parallelism under "
-                         "tensor parallelism, not supported yet); use ep and dp instead")
+        # parallelism (MoELayer.forward raises).
+        raise ValueError(f"[train] backend_args.tp = {tp} with sequence_parallel = false: Mixture-of-Experts "
+                         "models need sequence parallelism under tensor parallelism (Megatron-Core's MoE "
+                         "layers train with tp > 1 only with it); set sequence_parallel = true (the default "
+                         "for MoE models) or tp = 1")
     if options.moe_aux_loss_coeff and not num_experts:
         raise ValueError(f"[train] backend_args.moe_aux_loss_coeff = {options.moe_aux_loss_coeff}: the model "
                          "in [model] path is dense (no MoE load-balancing loss)")

@@ -112,6 +112,7 @@ class MegatronTrainWorker:
         self.tp, self.pp, self.dp, self.ep = parallel.parallel_sizes(self.options, self.world_size, self.num_experts)
         self.micro_batch_size = job.train.micro_batch_size
         parallel.check_layout(self.options, self.role, self.tp, self.pp, hf_config, self.num_experts)
+        self.sequence_parallel = parallel.sequence_parallel(self.options, self.tp, self.num_experts)
         # [algorithm] router_replay: every forward of a mixture-of-experts model replays the
         # engine's routing (.router_replay); the actor's scoring pass also compares without it
         replay = bool(getattr(job.algorithm, "router_replay", False))
@@ -119,6 +120,11 @@ class MegatronTrainWorker:
             raise ValueError("[algorithm] router_replay = true, but the model has no mixture-of-experts layers "
                              f"(the config.json of '{self.model_path}' names no routed experts): there is no "
                              "routing to replay")
+        if replay and self.sequence_parallel:
+            # the routers would see their rank's share of the sequence, the records the whole of it
+            raise ValueError(f"[algorithm] router_replay = true with [train] backend_args.tp = {self.tp} and "
+                             "sequence parallelism: the megatron backend replays routing only without "
+                             "sequence parallelism (use tp = 1 for a MoE model under router replay)")
         self.router_replay_compare = (replay and self.role == "actor"
                                       and bool(getattr(job.algorithm, "router_replay_compare", True)))
 
@@ -132,7 +138,8 @@ class MegatronTrainWorker:
                 "cuda", torch.cuda.current_device())
             built = build_model(auto_bridge, self.model_path, self.options, (self.tp, self.pp, self.ep), hf_config,
                                 self.num_experts, self.device, router_replay=replay, dtype=self.dtype,
-                                fp32_lm_head=bool(getattr(job.model, "fp32_lm_head", False)))
+                                fp32_lm_head=bool(getattr(job.model, "fp32_lm_head", False)),
+                                sequence_parallel=self.sequence_parallel)
             self.bridge, self.vocab_size = built.bridge, built.vocab_size
             # Unwrapped model chunks (what Megatron-Bridge converts to and from Hugging Face names).
             self.modules = built.modules
@@ -180,15 +187,17 @@ class MegatronTrainWorker:
         """
         from .forward_backward import real_lengths, stage_inputs
 
+        multiple = self.tp if self.sequence_parallel else 1  # Megatron-Core splits the sequence evenly
         if self.ep == 1:
-            return stage_inputs(batch, self.micro_batch_size, self.device, fixed_shape=self.pp > 1)
+            return stage_inputs(batch, self.micro_batch_size, self.device, fixed_shape=self.pp > 1,
+                                width_multiple=multiple)
         rows = len(batch)
         width = int(real_lengths(batch).max()) if rows else 0
         count = -(-rows // self.micro_batch_size)
         agreed = torch.tensor([width, count], dtype=torch.int64, device=self.device)
         parallel.all_reduce_max_over_experts(agreed)
         return stage_inputs(batch, self.micro_batch_size, self.device, fixed_shape=True,
-                            width=int(agreed[0]), micro_batches=int(agreed[1]))
+                            width=int(agreed[0]), micro_batches=int(agreed[1]), width_multiple=multiple)
 
     def _check_same_rows(self, batch: Batch, caller: str) -> None:
         """ValueError unless every rank of this rank's model-parallel group got the same rows."""

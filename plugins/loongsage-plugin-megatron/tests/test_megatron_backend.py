@@ -624,7 +624,8 @@ def test_bad_backend_args_raise_clear_errors(hf_dir, moe_model, host):
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, use_distributed_optimizer="yes"),
                                                       components=host))
-    # Expert parallelism: a MoE model, ep dividing dp and the number of experts, tp = 1 for MoE.
+    # Expert parallelism: a MoE model, ep dividing dp and the number of experts; MoE under tp > 1
+    # needs sequence parallelism.
     with pytest.raises(ValueError, match=r"backend_args.ep = 2: expert parallelism needs a Mixture-of-Experts "
                                          r"model, but the model in \[model\] path is dense"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, ep=2), components=host, world_size=2))
@@ -636,8 +637,10 @@ def test_bad_backend_args_raise_clear_errors(hf_dir, moe_model, host):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(moe_dir, ep=3), components=host, world_size=3))
     with pytest.raises(ValueError, match=r"backend_args.ep must be >= 1, got 0"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(moe_dir, ep=0), components=host))
-    with pytest.raises(ValueError, match=r"backend_args.tp = 2: Mixture-of-Experts models need tp = 1"):
-        plugin.create_train_worker(TrainWorkerContext(job=make_job(moe_dir, tp=2), components=host, world_size=2))
+    with pytest.raises(ValueError, match=r"backend_args.tp = 2 with sequence_parallel = false: Mixture-of-Experts "
+                                         r"models need sequence parallelism"):
+        plugin.create_train_worker(TrainWorkerContext(job=make_job(moe_dir, tp=2, sequence_parallel=False),
+                                                      components=host, world_size=2))
     with pytest.raises(ValueError, match=r"moe_aux_loss_coeff = 0.1: the model in \[model\] path is dense"):
         plugin.create_train_worker(TrainWorkerContext(job=make_job(hf_dir, moe_aux_loss_coeff=0.1), components=host))
     with pytest.raises(ValueError, match=r"backend_args: 'moe_aux_loss_coeff' must be >= 0"):
