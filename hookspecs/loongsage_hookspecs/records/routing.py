@@ -58,11 +58,6 @@ class RoutedExperts:
         return isinstance(other, RoutedExperts) and self.width == other.width and self.ids == other.ids
 
     @classmethod
-    def empty(cls, tokens: int, width: int) -> "RoutedExperts":
-        """``tokens`` tokens without a record (-1 everywhere)."""
-        return cls(width, array.array("h", [NO_EXPERT]) * (tokens * width))
-
-    @classmethod
     def from_sglang(cls, encoded: str, positions: int, dtype: str = "int32") -> "RoutedExperts":
         """Decode SGLang's ``meta_info.routed_experts``: base64 of a little-endian ``dtype`` array
         ``[positions, layers, top_k]`` (``positions`` = prompt + output tokens - 1, the tokens
@@ -84,9 +79,21 @@ class RoutedExperts:
         if positions < 1 or len(values) % positions or not values:
             raise ValueError(f"routed_experts has {len(values)} ids, not a whole number of rows for "
                              f"{positions} positions")
-        if values.typecode != "h" and (min(values) < NO_EXPERT or max(values) > 32767):
+        if values.typecode == "h":
+            return cls(len(values) // positions, values)
+        if min(values) < NO_EXPERT or max(values) > 32767:
             raise ValueError("routed_experts holds expert ids outside [-1, 32767]")
-        return cls(len(values) // positions, array.array("h", values))
+        # narrowed without a Python loop (a long rollout holds millions of ids): every id fits in
+        # int16, so it is the low half of its wider word; take those halves as one strided copy
+        step = values.itemsize // 2
+        halves = memoryview(values).cast("B").cast("h")
+        ids = array.array("h")
+        ids.frombytes(halves[(0 if sys.byteorder == "little" else step - 1)::step].tobytes())
+        return cls(len(values) // positions, ids)
+
+    def extend_unrecorded(self, tokens: int) -> None:
+        """Append ``tokens`` tokens without a record (-1), in place."""
+        self.ids.extend(array.array("h", [NO_EXPERT]) * (tokens * self.width))
 
     def padded(self, tokens: int) -> "RoutedExperts":
         """The first ``tokens`` tokens' records, -1 rows appended where this one is shorter."""

@@ -110,7 +110,7 @@ class Segment:
                 raise ValueError("weight_version sequence must match tokens")
             self.weight_versions.extend(int(v) for v in weight_version)
         if self.routed_experts is not None:  # the new tokens have no record until the engine gives one
-            self.routed_experts = self.routed_experts.padded(len(self.tokens))
+            self.routed_experts.extend_unrecorded(n)  # in place: no copy of the segment's record per turn
 
     @property
     def num_generated(self) -> int:
