@@ -382,14 +382,15 @@ def _torch_norm_with_sequence_parallel() -> None:
     WrappedTorchNorm.__new__ = staticmethod(new)  # type: ignore[assignment]
 
 
-def distributed_optimizer_blocker() -> str | None:
-    """Why Megatron-Core's ``DistributedOptimizer`` cannot run on this machine, or None if it can.
+def distributed_optimizer_blocker(cuda: bool) -> str | None:
+    """Why Megatron-Core's ``DistributedOptimizer`` cannot run on ranks with (``cuda``) or without
+    CUDA devices, or None if it can.
 
     Without CUDA it cannot: ``DistributedOptimizer._build_model_and_main_param_groups`` sorts the
     parameters it shards by ``param.type()`` and raises ``TypeError`` for anything but
     ``torch.cuda.{Float,Half,BFloat16}Tensor``; no small replacement makes it shard CPU tensors.
     """
-    if not cuda_missing():
+    if cuda:
         return None
     return ("Megatron-Core's DistributedOptimizer needs CUDA: it only shards torch.cuda.*Tensor "
             "parameters (DistributedOptimizer._build_model_and_main_param_groups raises TypeError "

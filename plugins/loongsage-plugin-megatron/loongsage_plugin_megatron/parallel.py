@@ -107,11 +107,13 @@ def sequence_parallel(options: BackendOptions, tp: int, num_experts: int | None)
 
 
 def check_layout(options: BackendOptions, role: str, tp: int, pp: int, hf_config: dict[str, Any],
-                 num_experts: int | None) -> None:
-    """Raise ValueError naming the backend_args key that this model or machine cannot run with."""
+                 num_experts: int | None, *, cuda: bool) -> None:
+    """Raise ValueError naming the backend_args key that this model cannot run with, or that the
+    trainer's devices cannot (``cuda``: whether the ranks have CUDA devices; ``loongsage validate``
+    reads it from ``[placement] trainer_gpus``, a worker from its own machine)."""
     sp = sequence_parallel(options, tp, num_experts)
     if role == "actor" and options.use_distributed_optimizer:
-        blocker = cpu_compat.distributed_optimizer_blocker()
+        blocker = cpu_compat.distributed_optimizer_blocker(cuda)
         if blocker:
             raise ValueError(f"[train] backend_args.use_distributed_optimizer = true cannot run here: {blocker}; "
                              "set it to false (the optimizer state is then replicated on each rank)")

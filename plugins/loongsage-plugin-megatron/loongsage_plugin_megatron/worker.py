@@ -111,7 +111,8 @@ class MegatronTrainWorker:
         self.num_experts = parallel.hf_num_experts(hf_config)
         self.tp, self.pp, self.dp, self.ep = parallel.parallel_sizes(self.options, self.world_size, self.num_experts)
         self.micro_batch_size = job.train.micro_batch_size
-        parallel.check_layout(self.options, self.role, self.tp, self.pp, hf_config, self.num_experts)
+        parallel.check_layout(self.options, self.role, self.tp, self.pp, hf_config, self.num_experts,
+                              cuda=not cpu_compat.cuda_missing())
         self.sequence_parallel = parallel.sequence_parallel(self.options, self.tp, self.num_experts)
         # [algorithm] router_replay: every forward of a mixture-of-experts model replays the
         # engine's routing (.router_replay); the actor's scoring pass also compares without it
