@@ -130,6 +130,19 @@ def check_model_dtype(job: JobConfig, host: PluginHost) -> None:
                           f"train_backend spec declares model_dtypes); set model.dtype = '{allowed[0]}'")
 
 
+def check_backend_job(job: JobConfig, host: PluginHost) -> None:
+    """The train backend's own checks of the job (its spec's ``check_job``): its ``backend_args``,
+    the model and the parallel layout, refused here with the reason rather than when a worker
+    starts on the cluster."""
+    check = host.get("train_backend", job.train.backend).check_job
+    if check is None:
+        return
+    try:
+        check(job)
+    except (ValueError, TypeError, OSError) as exc:
+        raise ConfigError(f"{job.source_path or '<job>'}: train.backend = '{job.train.backend}': {exc}") from None
+
+
 def check_weight_transport(job: JobConfig, host: PluginHost) -> None:
     """A transport that declares ``colocated_only`` needs ``[placement] colocate = true``."""
     name = job.rollout.weight_transport
@@ -185,6 +198,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
     check_lora_support(job, host)
     check_model_dtype(job, host)
+    check_backend_job(job, host)
     check_reference_updates(job, host)
     check_weight_transport(job, host)
     if job.async_.enable:
@@ -222,6 +236,8 @@ def resolve_sft_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJ
     for key, kind, name in sft_components(job):
         host.get(kind, name, where=f"{where}: {key}")
         resolved.components[key] = (kind, name, host.provider(kind, name))
+    check_model_dtype(job, host)
+    check_backend_job(job, host)
     if job.train.lora is not None and not host.get("train_backend", job.train.backend).supports_lora:
         raise ConfigError(f"{where}: train.lora: train.backend = '{job.train.backend}' does not support LoRA "
                           "adapters (its train_backend spec does not declare supports_lora); drop [train] lora "

@@ -91,6 +91,27 @@ def loongsage_train_backends():
 """
 
 
+# a user's train backend that checks its own backend_args (its spec declares check_job)
+CHECKED_BACKEND = """
+from loongsage_hookspecs import TrainBackendSpec, hookimpl
+
+
+def check_job(job):
+    shards = job.train.backend_args.get("shards", 1)
+    if job.train.num_workers % shards:
+        raise ValueError(f"[train] backend_args.shards = {shards} must divide the {job.train.num_workers} ranks")
+
+
+@hookimpl
+def loongsage_train_backends():
+    yield TrainBackendSpec(name="sharded", factory=lambda ctx: None, check_job=check_job,
+                           description="a train backend that checks its layout at validation")
+"""
+
+
+MEGATRON = ['plugins.enable=["torch", "rl", "rewards", "loggers", "agents", "megatron"]', "train.backend=megatron"]
+
+
 # (overrides built from tmp_path, text expected in the one error line)
 CASES = {
     "override into a scalar": (lambda t: ["train.lr.x=1"],
@@ -130,12 +151,34 @@ CASES = {
                                                      '"megatron"]', "train.backend=megatron", "algorithm.kl=k3",
                                                      "algorithm.kl_coef=0.1", "algorithm.ref_update_every=5"],
                                           "'megatron' does not declare the LoadsWeights capability"),
+    "megatron's distributed optimizer without a trainer GPU": (
+        lambda t: [*MEGATRON, "train.backend_args={use_distributed_optimizer=true}"],
+        "backend_args.use_distributed_optimizer = true cannot run here: Megatron-Core's DistributedOptimizer "
+        "needs CUDA"),
+    "megatron tp above the ranks": (lambda t: [*MEGATRON, "train.backend_args={tp=2}"],
+                                    "train.backend = 'megatron': [train] backend_args: 1 ranks are not divisible "
+                                    "by tp * pp = 2"),
+    "megatron pp not splitting the layers": (lambda t: [*MEGATRON, "train.num_workers=2", "train.backend_args={pp=2}"],
+                                             "backend_args.pp = 2: the model's 3 layers do not split evenly"),
+    "megatron backend_args key misspelt": (lambda t: [*MEGATRON, "train.backend_args={tpp=2}"],
+                                           "[train] backend_args: unknown keys ['tpp'] for the megatron backend"),
     "router replay on a dense model": (lambda t: ["algorithm.router_replay=true"],
                                        "algorithm.router_replay = true, but the policy"),
     "a dtype the backend does not train in": (lambda t: ["train.backend=fp32only", "model.dtype=bfloat16",
                                                          f'plugins.modules=["{_module(t, FP32_BACKEND)}"]'],
                                               "model.dtype = 'bfloat16': train.backend = 'fp32only' trains in "
                                               "'float32' only"),
+    "a layout the backend's check_job refuses": (lambda t: ["train.backend=sharded", "train.num_workers=3",
+                                                           "train.backend_args={shards=2}",
+                                                           f'plugins.modules=["{_module(t, CHECKED_BACKEND)}"]'],
+                                                 "train.backend = 'sharded': [train] backend_args.shards = 2 must "
+                                                 "divide the 3 ranks"),
+    "torch backend_args key misspelt": (lambda t: ["train.backend_args={devcie='cpu'}"],
+                                        "train.backend = 'torch': [train] backend_args"),
+    "torch on CUDA without a trainer GPU": (lambda t: ["train.backend_args={device='cuda'}"],
+                                            "backend_args.device = 'cuda', but [placement] trainer_gpus = 0"),
+    "torch on a device torch cannot parse": (lambda t: ["train.backend_args={device='gpu0'}"],
+                                             "backend_args.device = 'gpu0' is not a torch device"),
     "lora rank 0": (lambda t: ["train.lora={rank=0}"], "must be an integer >= 1, got 0 at key 'train.lora.rank'"),
     "lora with a reference refresh": (lambda t: ["train.lora={rank=4}", "algorithm.kl=k3", "algorithm.kl_coef=0.1",
                                                  "algorithm.ref_update_every=5"],
@@ -155,6 +198,18 @@ def test_bad_value_is_one_line_naming_the_key(capsys, tmp_path, job, case):
     assert len(lines) == 1, err
     assert lines[0].startswith(f"loongsage: error: {job}: ") or lines[0].startswith("loongsage: error: "), lines[0]
     assert str(job) in lines[0] and expected in lines[0], lines[0]
+
+
+def test_a_backends_device_checks_read_the_jobs_placement_not_this_machine(capsys, job):
+    """A GPU job validates on a machine without a GPU (a login node): the backends' ``check_job``
+    reads ``[placement] trainer_gpus``, and the same settings are refused without it."""
+    gpus = ["placement.trainer_gpus=1", "placement.engine_gpus=1"]
+    for overrides in ([*MEGATRON, "train.backend_args={use_distributed_optimizer=true}"],
+                      ["train.backend_args={device='cuda:0'}"]):
+        rc, err = validate(capsys, job, *overrides, *gpus)
+        assert rc == 0, err
+        rc, err = validate(capsys, job, *overrides)
+        assert rc == 2 and ("trainer_gpus = 0" in err or "needs CUDA" in err), err
 
 
 def test_non_utf8_job_file(capsys, tmp_path):

@@ -282,11 +282,19 @@ class TrainBackendSpec(ComponentSpec):
 
     ``model_dtypes``: the ``[model] dtype`` values the backend trains in (empty: every one); a
     job with another dtype is refused at validation, with the reason, not when a worker starts.
+
+    ``check_job(job) -> None``: the backend's own checks of a whole job (its ``[train]
+    backend_args``, the model's ``config.json``, the parallel layout over ``[train] num_workers``
+    ranks), run by ``loongsage validate`` and before ``loongsage run``; it raises ``ValueError``
+    naming the key at fault. It runs where the job is validated, not on the trainer's machine,
+    so it reads the trainer's devices from the job (``[placement] trainer_gpus``), never from
+    the local hardware, and it must stay cheap (no model weights, no torch import needed).
     """
 
     factory: "Callable[..., Any]"
     supports_lora: bool = False
     model_dtypes: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    check_job: "Callable[[Any], None] | None" = None
 
     def declared_capabilities(self) -> tuple[type, ...]:
         extra = (LoraTrainer,) if self.supports_lora and LoraTrainer not in self.capabilities else ()

@@ -20,6 +20,8 @@ from loongsage_hookspecs import (
     hookimpl,
 )
 
+from .job_checks import check_job
+
 
 def create_train_worker(ctx: Any) -> Any:
     """Build one rank of the megatron backend (``ctx`` is a ``TrainWorkerContext``)."""
@@ -44,7 +46,8 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
                                        "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer "
                                        "(float32, or bfloat16 / float16 with float32 master weights); "
                                        "LoRA through Megatron-Bridge's PEFT (dense models)",
-                           supports_lora=True, capabilities=(ModelParallel, Offloadable, OnDevice, Closeable))
+                           supports_lora=True, check_job=check_job,
+                           capabilities=(ModelParallel, Offloadable, OnDevice, Closeable))
 
 
 @hookimpl

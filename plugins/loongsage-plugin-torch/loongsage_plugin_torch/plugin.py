@@ -24,6 +24,7 @@ from loongsage_hookspecs import (
 
 from .engine import create_engine
 from .trainer import create_train_worker
+from .trainer.backend_options import check_job
 from .transport import (
     auto_sender,
     broadcast_receiver,
@@ -40,6 +41,7 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="torch", factory=create_train_worker,
                            description="embedded PyTorch trainer (transformers models, AdamW, DP over "
                                        "torch.distributed; LoRA through PEFT)", supports_lora=True,
+                           check_job=check_job,
                            capabilities=(Offloadable, OnDevice, ReusesTrainingLogprobs, SharesPrompts, LoadsWeights,
                                          Closeable))
 

@@ -23,12 +23,14 @@ place (the worker, the critic and the README point here).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 
 from loongsage_core.backend_api import structure_args
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
 
 
 @attrs.define(frozen=True)
@@ -37,7 +39,8 @@ class BackendOptions:
 
     device: str = "auto"
     master_weights: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "model")))
-    forward_micro_batch_size: int | None = None
+    forward_micro_batch_size: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
     dist_backend: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl")))
     grad_sync_bucket_mb: float = 64.0
     rollback_overflow: bool = True
@@ -48,8 +51,38 @@ class BackendOptions:
         return structure_args(cls, args, "[train] backend_args", "torch backend")
 
 
-def resolve_device(name: str) -> torch.device:
+def check_job(job: Any) -> None:
+    """The torch backend's checks of a job at validation (``TrainBackendSpec.check_job``): its
+    ``backend_args`` keys and values, and the device they ask for against the GPUs each trainer
+    rank reserves (``[placement] trainer_gpus``; a rank without one sees no CUDA device)."""
+    options = BackendOptions.from_args(dict(job.train.backend_args))
+    gpus = float(job.placement.trainer_gpus)
+    if options.device != "auto":
+        try:
+            kind = _device_type(options.device)
+        except RuntimeError as exc:
+            raise ValueError(f"[train] backend_args.device = {options.device!r} is not a torch device "
+                             f"({exc})") from None
+        if kind == "cuda" and gpus <= 0:
+            raise ValueError(f"[train] backend_args.device = {options.device!r}, but [placement] trainer_gpus = 0: "
+                             "the trainer ranks reserve no GPU, so they see none; set trainer_gpus (e.g. 1) or "
+                             "device = 'cpu'")
+    if options.dist_backend == "nccl" and gpus <= 0 and job.train.num_workers > 1:
+        raise ValueError("[train] backend_args.dist_backend = 'nccl' needs GPUs, but [placement] trainer_gpus = 0; "
+                         "use 'gloo' or 'auto'")
+
+
+def _device_type(name: str) -> str:
+    """The device type of a torch device string (``cuda:1`` -> ``cuda``), parsed as torch parses it."""
+    import torch
+
+    return torch.device(name).type
+
+
+def resolve_device(name: str) -> "torch.device":
     """The torch device for ``backend_args.device`` (``auto`` picks the current CUDA device if any)."""
+    import torch
+
     if name == "auto":
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(name)

@@ -124,8 +124,6 @@ class TorchTrainWorker(TrainingStepMixin, WeightIOMixin, CheckpointMixin, Placem
         self.share_prompts = self.options.share_prompts
         self.prompt_tokens = (0, 0)
         self.forward_micro_batch_size = self.options.forward_micro_batch_size or self.micro_batch_size
-        if self.forward_micro_batch_size < 1:
-            raise ValueError("[train] backend_args.forward_micro_batch_size must be >= 1")
         self.device = resolve_device(self.options.device)
         self.compute_dtype = torch_dtype(job.model.dtype)
         if trainable and self.compute_dtype == torch.float16:
