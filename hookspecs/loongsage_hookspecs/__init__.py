@@ -93,6 +93,7 @@ from .records import (
     TrajectoryGroup,
     TrajectoryStatus,
     WeightBucket,
+    WeightTarget,
     teacher_inputs,
 )
 from .registry import ComponentRegistry
@@ -102,6 +103,7 @@ from .settings import (
     JobSettings,
     LoraSettings,
     ModelSettings,
+    PlacementSettings,
     RolloutSettings,
     RunSettings,
     TrainSettings,

@@ -109,6 +109,16 @@ class RolloutSettings(Protocol):
     def engine_args(self) -> dict[str, Any]: ...
 
 
+class PlacementSettings(Protocol):
+    """``[placement]``: whether trainer and engines share devices, and the GPUs a trainer rank
+    reserves (a rank that reserves none sees no CUDA device)."""
+
+    @property
+    def colocate(self) -> bool: ...
+    @property
+    def trainer_gpus(self) -> float: ...
+
+
 class JobSettings(Protocol):
     """The job as a backend sees it; relative paths resolve against the job file's folder."""
 
@@ -122,6 +132,8 @@ class JobSettings(Protocol):
     def run(self) -> RunSettings: ...
     @property
     def rollout(self) -> RolloutSettings: ...
+    @property
+    def placement(self) -> PlacementSettings: ...
     @property
     def algorithm(self) -> Any: ...
     @property

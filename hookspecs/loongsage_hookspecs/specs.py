@@ -243,11 +243,17 @@ class WeightTransportSpec(ComponentSpec):
     ``colocated_only``: the transport hands tensors over inside one process, so it needs
     ``[placement] colocate = true`` (``loongsage validate`` refuses it otherwise). A spec's
     ``capabilities`` are its sender's.
+
+    ``auto_rank(target: WeightTarget) -> int | None``: how well this transport carries updates to
+    one engine (:class:`~loongsage_hookspecs.WeightTarget`), higher first, or ``None`` where it
+    cannot. The ``auto`` transport asks every active transport that has one and sends each
+    engine's updates by the highest; a transport without ``auto_rank`` is never chosen by it.
     """
 
     sender: "Callable[..., Any]"
     receiver: "Callable[..., Any] | None" = None
     colocated_only: bool = False
+    auto_rank: "Callable[[Any], int | None] | None" = None
 
 
 @attrs.define(frozen=True, kw_only=True)

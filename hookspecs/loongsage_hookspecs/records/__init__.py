@@ -41,7 +41,7 @@ from .loss import (
 )
 from .routing import RoutedExperts
 from .trajectory import Reward, SamplingParams, Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
-from .weights import TensorMeta, WeightBucket
+from .weights import TensorMeta, WeightBucket, WeightTarget
 
 __all__ = [
     "BATCH_FIELDS",
@@ -67,5 +67,6 @@ __all__ = [
     "TrajectoryGroup",
     "TrajectoryStatus",
     "WeightBucket",
+    "WeightTarget",
     "teacher_inputs",
 ]

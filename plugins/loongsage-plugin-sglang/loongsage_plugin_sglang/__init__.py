@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loongsage_hookspecs import EngineContext, EngineRouterContext, WeightTransportContext
+from loongsage_hookspecs import EngineContext, EngineRouterContext, WeightTarget, WeightTransportContext
 
 __version__ = "0.1.0"
 
@@ -54,4 +54,38 @@ def tensor_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     return TensorHandleSender(**args)
 
 
-__all__ = ["create_server", "disk_sender", "nccl_sender", "sglang_router", "tensor_sender"]
+# ``auto_rank`` of this plugin's transports, for SGLang servers (see the ``auto`` transport's table)
+TENSOR_RANK = 90
+NCCL_RANK = 60
+DISK_RANK = 10
+
+
+def is_sglang_server(info: Any) -> bool:
+    """Whether a ``/get_server_info`` answer is an SGLang server's: its server arguments
+    (``model_path``, ``tp_size``) and no ``weight_load_formats`` (the embedded engine's list)."""
+    return (isinstance(info, dict) and "weight_load_formats" not in info
+            and "model_path" in info and "tp_size" in info)
+
+
+def tensor_rank(target: WeightTarget) -> int | None:
+    """CUDA IPC handles reach an SGLang server on the trainer's own GPU: a colocated run whose
+    trainer holds its weights on a GPU (each engine shares its trainer rank's device)."""
+    sglang = target.url is not None and is_sglang_server(dict(target.server_info))
+    return TENSOR_RANK if sglang and target.colocated and target.trainer_on_gpu else None
+
+
+def nccl_rank(target: WeightTarget) -> int | None:
+    """An NCCL group reaches an SGLang server on any GPU, when the trainer's weights are on one."""
+    sglang = target.url is not None and is_sglang_server(dict(target.server_info))
+    return NCCL_RANK if sglang and target.trainer_on_gpu else None
+
+
+def disk_rank(target: WeightTarget) -> int | None:
+    """Safetensors on a shared directory reach any SGLang server: the path left when the trainer
+    has no GPU (and so no NCCL to the server's)."""
+    sglang = target.url is not None and is_sglang_server(dict(target.server_info))
+    return DISK_RANK if sglang else None
+
+
+__all__ = ["create_server", "disk_rank", "disk_sender", "is_sglang_server", "nccl_rank", "nccl_sender",
+           "sglang_router", "tensor_rank", "tensor_sender"]

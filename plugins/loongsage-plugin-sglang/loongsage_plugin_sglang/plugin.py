@@ -20,7 +20,16 @@ from loongsage_hookspecs import (
     hookimpl,
 )
 
-from . import create_server, disk_sender, nccl_sender, sglang_router, tensor_sender
+from . import (
+    create_server,
+    disk_rank,
+    disk_sender,
+    nccl_rank,
+    nccl_sender,
+    sglang_router,
+    tensor_rank,
+    tensor_sender,
+)
 
 _SENDER = (LoraAwareSender, Closeable)  # what every SGLang sender also does
 
@@ -37,11 +46,14 @@ def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
 def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
     # received by the engine's own endpoints (SGLang's, or the embedded engine's copies of them)
     yield WeightTransportSpec(name="sglang_disk", sender=disk_sender, receiver=None, capabilities=_SENDER,
+                              auto_rank=disk_rank,
                               description="safetensors to a shared directory, then SGLang /update_weights_from_disk")
     yield WeightTransportSpec(name="sglang_nccl", sender=nccl_sender, receiver=None, capabilities=_SENDER,
+                              auto_rank=nccl_rank,
                               description="NCCL broadcast in buckets announced by SGLang "
                                           "/update_weights_from_distributed")
     yield WeightTransportSpec(name="sglang_tensor", sender=tensor_sender, receiver=None, capabilities=_SENDER,
+                              auto_rank=tensor_rank,
                               description="tensor handles (CUDA IPC on GPU, shared memory on CPU) to "
                                           "/update_weights_from_tensor; for engines on the trainer's device")
 

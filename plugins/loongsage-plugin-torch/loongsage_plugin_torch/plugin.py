@@ -27,10 +27,13 @@ from .trainer import create_train_worker
 from .trainer.backend_options import check_job
 from .transport import (
     auto_sender,
+    broadcast_rank,
     broadcast_receiver,
     broadcast_sender,
+    inprocess_rank,
     inprocess_receiver,
     inprocess_sender,
+    shm_rank,
     shm_receiver,
     shm_sender,
 )
@@ -56,13 +59,15 @@ def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
 @hookimpl
 def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
     yield WeightTransportSpec(name="inprocess", sender=inprocess_sender, receiver=inprocess_receiver,
-                              colocated_only=True,
+                              colocated_only=True, auto_rank=inprocess_rank,
                               description="trainer and engine in one process: tensors handed over directly")
-    yield WeightTransportSpec(name="shm", sender=shm_sender, receiver=shm_receiver,
+    yield WeightTransportSpec(name="shm", sender=shm_sender, receiver=shm_receiver, auto_rank=shm_rank,
                               description="bucketed shared memory between processes on one node")
     yield WeightTransportSpec(name="broadcast", sender=broadcast_sender, receiver=broadcast_receiver,
+                              auto_rank=broadcast_rank,
                               description="bucketed broadcast over a torch.distributed group (Gloo on CPU, "
                                           "NCCL on GPU) to engines on other devices or nodes")
     yield WeightTransportSpec(name="auto", sender=auto_sender,
-                              description="per engine the fastest path: inprocess, shm on one node, broadcast "
-                                          "across devices and nodes")
+                              description="per engine the fastest transport that reaches it (each active "
+                                          "transport's auto_rank): inprocess, shm on one node, broadcast across "
+                                          "devices and nodes, the sglang plugin's for SGLang servers")

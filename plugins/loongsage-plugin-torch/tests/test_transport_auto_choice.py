@@ -1,6 +1,7 @@
-"""How ``auto`` picks a weight path per engine: by node id (Ray's node id inside a Ray cluster, so
-two Ray nodes on one machine count as two), device and the formats the engine accepts. The
-two-node run that sees ``broadcast`` chosen end to end is ``tests/multinode/test_two_nodes.py``."""
+"""How this plugin's transports rank an engine for ``auto``: by node id (Ray's node id inside a Ray
+cluster, so two Ray nodes on one machine count as two), device and the formats the engine accepts.
+Every receiver kind with every shipped transport: ``tests/test_weight_transport_auto.py``; the
+two-node run that sees ``broadcast`` chosen end to end: ``tests/multinode/test_two_nodes.py``."""
 
 from __future__ import annotations
 
@@ -14,6 +15,13 @@ from loongsage_core.weight_group import NODE_ID_ENV, node_id
 BOTH = ["direct", "shm", "broadcast"]
 
 
+def _target(info, in_process=False):
+    from loongsage_hookspecs import WeightTarget
+
+    return WeightTarget(url=None if in_process else "http://e:1", server_info=info, trainer_node="ray:a",
+                        in_process=in_process)
+
+
 @pytest.mark.parametrize("info, path", [
     ({"node_id": "ray:a", "device": "cpu", "weight_load_formats": BOTH}, "shm"),
     ({"node_id": "ray:b", "device": "cpu", "weight_load_formats": BOTH}, "broadcast"),  # another node
@@ -22,17 +30,20 @@ BOTH = ["direct", "shm", "broadcast"]
     ({"device": "cpu", "weight_load_formats": BOTH}, "broadcast"),  # an engine that does not say its node
 ])
 def test_choice_by_node_device_and_formats(info, path):
-    from loongsage_plugin_torch.transport.auto import choose_path
+    """Outside a run (no registry) the candidates are this plugin's own three transports."""
+    from loongsage_plugin_torch.transport.auto import choose_transport, own_candidates
 
-    assert choose_path(info, "ray:a", "http://e:1") == path
+    assert sorted(own_candidates()) == ["broadcast", "inprocess", "shm"]
+    assert choose_transport(_target(info), own_candidates()) == path
+    assert choose_transport(_target({}, in_process=True), own_candidates()) == "inprocess"
 
 
 def test_an_engine_without_shm_or_broadcast_is_an_error_naming_it():
-    from loongsage_plugin_torch.transport.auto import choose_path
+    from loongsage_plugin_torch.transport.auto import choose_transport, own_candidates
     from loongsage_plugin_torch.transport.shm import WeightTransferError
 
-    with pytest.raises(WeightTransferError, match="engine http://e:1 accepts neither 'shm' nor 'broadcast'"):
-        choose_path({"node_id": "ray:a", "weight_load_formats": ["disk"]}, "ray:a", "http://e:1")
+    with pytest.raises(WeightTransferError, match="no active transport reaches engine http://e:1"):
+        choose_transport(_target({"node_id": "ray:a", "weight_load_formats": ["disk"]}), own_candidates())
 
 
 @pytest.fixture(scope="module")

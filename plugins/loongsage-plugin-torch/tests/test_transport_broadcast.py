@@ -169,8 +169,9 @@ class TrainerHost:
         from loongsage_hookspecs import TrainWorkerContext
 
         self.worker = create_train_worker(TrainWorkerContext(job=job, components=None, role="reference"))
-        factory = broadcast_sender if transport == "broadcast" else auto_sender
-        self.sender = factory(SENDER, bucket_bytes=4096, backend="auto", init_timeout_s=60)
+        args = {"bucket_bytes": 4096, "backend": "auto", "init_timeout_s": 60}
+        self.sender = (broadcast_sender(SENDER, **args) if transport == "broadcast"
+                       else auto_sender(SENDER, broadcast=args, shm={"bucket_bytes": 4096}))
 
     def digests(self) -> dict:
         return {n: digest(t) for n, t in self.worker.named_weights()}

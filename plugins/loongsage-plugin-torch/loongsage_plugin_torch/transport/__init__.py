@@ -9,8 +9,10 @@
   trainer (rank 0) and the engines; each bucket's metadata is POSTed to
   ``/update_weights_from_distributed``, then its bytes are broadcast. For engines on other
   devices or nodes.
-* ``auto``: per engine, the fastest of the above (engine object: ``inprocess``; same node, CPU:
-  ``shm``; otherwise ``broadcast``), decided once from the engine's ``/get_server_info``.
+* ``auto``: per engine, the fastest transport of every active plugin that ranks it (``auto_rank``
+  of each ``WeightTransportSpec``: engine object: ``inprocess``; same node, CPU: ``shm``;
+  otherwise ``broadcast``; SGLang servers: the sglang plugin's), decided once from the engine's
+  ``/get_server_info`` (:mod:`.auto`).
 
 The factories below (``sender(ctx, **args)`` / ``receiver(ctx, **args)``, ``ctx`` a
 :class:`~loongsage_hookspecs.WeightTransportContext` these transports need nothing from) import
@@ -21,7 +23,31 @@ from __future__ import annotations
 
 from typing import Any
 
-from loongsage_hookspecs import WeightTransportContext
+from loongsage_hookspecs import WeightTarget, WeightTransportContext
+
+# ``auto_rank`` of this plugin's transports (higher wins; see :mod:`.auto` for the whole table)
+INPROCESS_RANK = 100
+SHM_RANK = 80
+BROADCAST_RANK = 50
+
+
+def inprocess_rank(target: WeightTarget) -> int | None:
+    """An engine object in the trainer's process takes the trainer's tensors directly."""
+    return INPROCESS_RANK if target.in_process else None
+
+
+def shm_rank(target: WeightTarget) -> int | None:
+    """Shared memory reaches an engine that maps this node's memory: same node id, weights on the
+    CPU, and a receiver for ``shm`` (an engine started without the plugins has none)."""
+    if target.in_process or "shm" not in target.load_formats or target.engine_on_gpu:
+        return None
+    return SHM_RANK if target.engine_node is not None and target.engine_node == target.trainer_node else None
+
+
+def broadcast_rank(target: WeightTarget) -> int | None:
+    """A torch.distributed group reaches any engine with a ``broadcast`` receiver: another node,
+    or weights on an accelerator (NCCL)."""
+    return BROADCAST_RANK if not target.in_process and "broadcast" in target.load_formats else None
 
 
 def inprocess_sender(ctx: WeightTransportContext, **args: Any) -> Any:
@@ -67,11 +93,11 @@ def broadcast_receiver(ctx: WeightTransportContext, **args: Any) -> Any:
 
 
 def auto_sender(ctx: WeightTransportContext, **args: Any) -> Any:
-    """``WeightSender`` choosing inprocess, shm or broadcast per engine."""
+    """``WeightSender`` routing each engine to the transport that ranks it highest."""
     from .auto import AutoSender
 
-    return AutoSender(**args)
+    return AutoSender.from_context(ctx, **args)
 
 
-__all__ = ["auto_sender", "broadcast_receiver", "broadcast_sender", "inprocess_receiver", "inprocess_sender",
-           "shm_receiver", "shm_sender"]
+__all__ = ["auto_sender", "broadcast_rank", "broadcast_receiver", "broadcast_sender", "inprocess_rank",
+           "inprocess_receiver", "inprocess_sender", "shm_rank", "shm_receiver", "shm_sender"]

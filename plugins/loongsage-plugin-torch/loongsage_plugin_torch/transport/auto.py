@@ -1,83 +1,111 @@
-"""The ``auto`` weight transport: per engine, the fastest path this project has to it.
+"""The ``auto`` weight transport: per engine, the best transport any active plugin has to it.
 
-=====================================  ===========================================================
-engine                                 path
-=====================================  ===========================================================
-an engine object in this process       ``inprocess``: its ``load_weights`` gets the tensors
-same node (same ``node_id``), CPU      ``shm``: shared-memory buckets, no copy through a socket
-other node, or weights on an           ``broadcast``: one torch.distributed group (NCCL on GPU,
-accelerator                            Gloo on CPU), set up once and reused
-=====================================  ===========================================================
+Every active ``WeightTransportSpec`` with an ``auto_rank`` is asked about each engine once, at its
+first update, with a :class:`~loongsage_hookspecs.WeightTarget` (the engine's ``GET
+/get_server_info``, the trainer's node, whether the trainer's weights are on a GPU and whether the
+run is colocated); the highest rank wins and carries that engine's updates from then on. The
+shipped ranks:
 
-An engine URL is asked once, at its first update, for ``GET /get_server_info`` (``node_id``,
-``device``, ``weight_load_formats``); the choice is kept for the sender's life, logged once per
-engine, and counted per update in the metrics ``perf/weight_targets_<path>`` (see
-:func:`choose_path`). Nodes are told apart by :func:`loongsage_core.weight_group.node_id`: Ray's
-node id in a Ray cluster, never the IP (two Ray nodes on one machine share an IP but not an object
-store, and count as two nodes). Same-node CUDA engines take ``broadcast`` over NCCL: zero-copy
-CUDA IPC handles are not implemented.
-An engine that accepts neither ``shm`` nor ``broadcast`` (an SGLang server) is an error that
-names it: use the sglang plugin's ``sglang_nccl`` or ``sglang_disk`` for those.
+=========================================================  ===============  ====  =======
+engine                                                     transport        rank  plugin
+=========================================================  ===============  ====  =======
+an engine object in the trainer's process                  ``inprocess``    100   torch
+SGLang server, colocated run, trainer on a GPU              ``sglang_tensor`` 90  sglang
+embedded engine on this node (same ``node_id``), CPU       ``shm``          80    torch
+SGLang server, trainer on a GPU                             ``sglang_nccl``  60    sglang
+embedded engine with a ``broadcast`` receiver               ``broadcast``    50    torch
+SGLang server, trainer without a GPU                        ``sglang_disk``  10    sglang
+=========================================================  ===============  ====  =======
 
-``weight_transport_args`` are split by name: ``bucket_bytes`` and ``timeout_s`` go to both
-senders, ``num_buffers`` / ``split_large`` to ``shm``, ``backend`` / ``device`` /
-``master_address`` / ``master_port`` / ``group_name`` / ``init_timeout_s`` to ``broadcast``.
-When engines take different paths, the weights are listed once (references to the trainer's
-tensors) so every path reads the same tensors.
+So the embedded engine gets shared memory on one node and a torch.distributed broadcast across
+nodes or onto an accelerator (NCCL; zero-copy CUDA IPC is not implemented for it); an SGLang
+server gets CUDA IPC handles on the trainer's own GPU, NCCL to other GPUs, and safetensors on a
+shared disk when the trainer has no GPU (SGLang loads onto its GPU; a CPU trainer has no NCCL).
+The choice is logged once per engine and counted per update in ``perf/weight_targets_<name>``.
+Nodes are told apart by :func:`loongsage_core.backend_api.node_id` (Ray's node id in a Ray
+cluster, never the IP). An engine no transport ranks is an error that names it and what it
+reported. The trainer's device and colocation come from the job (``[placement] trainer_gpus``,
+``colocate``); outside a run (no job, no registry) the torch plugin's own three transports are
+the candidates and the device is this process's.
+
+``weight_transport_args`` hold one table per transport, given to that transport's sender when an
+engine first needs it: ``weight_transport_args = { shm = { num_buffers = 4 }, broadcast = {
+backend = "gloo" } }``. A key that names no candidate transport is an error listing them. When
+engines take different transports, the weights are listed once (references to the trainer's
+tensors) so every transport reads the same tensors.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from loongsage_core.backend_api import engine_headers, node_id
+from loongsage_hookspecs import LoraSettings, WeightTarget, WeightTransportContext
 
-from .broadcast import BroadcastSender
-from .inprocess import InProcessSender
-from .shm import ShmSender, WeightTransferError
+from .shm import WeightTransferError
 
 log = logging.getLogger(__name__)
 
-SHM_ARGS = ("num_buffers", "split_large")
-BROADCAST_ARGS = ("backend", "device", "master_address", "master_port", "group_name", "init_timeout_s")
+
+def own_candidates() -> dict[str, Any]:
+    """The torch plugin's transports that rank engines (the candidates without a registry)."""
+    from ..plugin import loongsage_weight_transports
+
+    return {spec.name: spec for spec in loongsage_weight_transports() if spec.auto_rank is not None}
 
 
-def choose_path(info: dict[str, Any], trainer_node: str, url: str) -> str:
-    """``"shm"`` or ``"broadcast"`` for the engine at ``url`` whose ``/get_server_info`` is ``info``,
-    seen from a trainer on node ``trainer_node``: shared memory only for a CPU engine on the same
-    node that accepts it, a broadcast group otherwise (another node, or weights on an accelerator)."""
-    formats = info.get("weight_load_formats") or []
-    on_accelerator = not str(info.get("device", "cpu")).startswith("cpu")
-    if "shm" in formats and info.get("node_id") == trainer_node and not on_accelerator:
-        return "shm"
-    if "broadcast" in formats:
-        return "broadcast"
-    raise WeightTransferError(
-        f"auto weight transport: engine {url} accepts neither 'shm' nor 'broadcast' weight updates "
-        f"(it reports {formats or 'no weight_load_formats'}); choose a transport for it explicitly, "
-        "e.g. sglang_nccl or sglang_disk for SGLang servers")
+def choose_transport(target: WeightTarget, candidates: Mapping[str, Any]) -> str:
+    """The name of the candidate transport that ranks ``target`` highest (ties: the first name in
+    alphabetical order); :class:`WeightTransferError` naming the engine when none reaches it."""
+    ranks = {name: spec.auto_rank(target) for name, spec in sorted(candidates.items())}
+    reachable = {name: rank for name, rank in ranks.items() if rank is not None}
+    if not reachable:
+        shown = {k: target.server_info[k] for k in ("engine", "version", "node_id", "device", "weight_load_formats")
+                 if k in target.server_info}
+        raise WeightTransferError(
+            f"auto weight transport: no active transport reaches engine {target.url or '(in-process object)'} "
+            f"(it reports {shown or 'nothing auto can use'}; candidates: {', '.join(sorted(candidates)) or 'none'}); "
+            "enable the plugin of its transport (sglang for SGLang servers) or choose one explicitly")
+    return max(reachable, key=lambda name: reachable[name])
 
 
 class AutoSender:
-    """Trainer side of ``auto`` (a ``WeightSender``): routes each target to its fastest path."""
+    """Trainer side of ``auto`` (a ``WeightSender``): routes each target to its best transport."""
 
-    def __init__(self, bucket_bytes: int | None = None, timeout_s: float | None = None, copy: bool | None = None,
-                 **args: Any) -> None:
-        unknown = sorted(set(args) - set(SHM_ARGS) - set(BROADCAST_ARGS))
-        if unknown:
-            raise ValueError(f"auto weight transport: unknown weight_transport_args {unknown}; known: "
-                             f"{sorted(('bucket_bytes', 'timeout_s', *SHM_ARGS, *BROADCAST_ARGS))}")
-        common = {k: v for k, v in (("bucket_bytes", bucket_bytes), ("timeout_s", timeout_s)) if v is not None}
-        self._shm_args = {**common, **{k: args[k] for k in SHM_ARGS if k in args}}
-        self._broadcast_args = {**common, **{k: args[k] for k in BROADCAST_ARGS if k in args}}
-        self.timeout_s = float(timeout_s or 30.0)
+    def __init__(self, candidates: Mapping[str, Any], args: Mapping[str, Any] | None = None, *,
+                 ctx: WeightTransportContext | None = None, trainer_on_gpu: bool = False,
+                 colocated: bool = False, timeout_s: float = 30.0) -> None:
+        self.candidates = dict(candidates)
+        self.args = check_args(dict(args or {}), self.candidates)
+        self.ctx = ctx or WeightTransportContext(role="sender")
+        self.trainer_on_gpu, self.colocated = bool(trainer_on_gpu), bool(colocated)
+        self.timeout_s = float(timeout_s)
         self.node_id = node_id()
         self.routes: dict[str, str] = {}
         self._senders: dict[str, Any] = {}
+        self._lora: LoraSettings | None = None
+
+    @classmethod
+    def from_context(cls, ctx: WeightTransportContext, **args: Any) -> "AutoSender":
+        """The sender a run builds: the registry's ranking transports, the job's placement."""
+        registry = ctx.components
+        candidates = ({name: spec for name, spec in registry.components("weight_transport").items()
+                       if spec.auto_rank is not None} if registry is not None else own_candidates())
+        placement = getattr(ctx.job, "placement", None)
+        on_gpu = float(placement.trainer_gpus) > 0 if placement is not None else torch.cuda.is_available()
+        colocated = bool(placement.colocate) if placement is not None else False
+        return cls(candidates, args, ctx=ctx, trainer_on_gpu=on_gpu, colocated=colocated)
+
+    def configure_lora(self, settings: LoraSettings) -> None:
+        """Remember a LoRA run's adapter settings for the transports built later that need them."""
+        self._lora = settings
+        for sender in self._senders.values():
+            if callable(getattr(sender, "configure_lora", None)):
+                sender.configure_lora(settings)
 
     # -- routing ---------------------------------------------------------------------------------
     def _server_info(self, url: str) -> dict[str, Any]:
@@ -93,30 +121,40 @@ class AutoSender:
                                       f"to that engine: {exc}") from exc
         return info if isinstance(info, dict) else {}
 
-    def route(self, target: Any) -> str:
-        """``"inprocess"``, ``"shm"`` or ``"broadcast"`` for ``target`` (an engine object or URL)."""
-        if not isinstance(target, str):
-            if callable(getattr(target, "load_weights", None)):
-                return "inprocess"
+    def target(self, engine: Any) -> WeightTarget:
+        """What the transports are asked about ``engine`` (an engine URL or an engine object)."""
+        common = {"trainer_node": self.node_id, "trainer_on_gpu": self.trainer_on_gpu, "colocated": self.colocated}
+        if not isinstance(engine, str):
+            if callable(getattr(engine, "load_weights", None)):
+                return WeightTarget(url=None, in_process=True, **common)
             raise TypeError(f"auto weight transport: a target must be an engine URL or an engine object with "
-                            f"load_weights(weights, version), got {target!r}")
-        url = target.rstrip("/")
+                            f"load_weights(weights, version), got {engine!r}")
+        url = engine.rstrip("/")
+        return WeightTarget(url=url, server_info=self._server_info(url), **common)
+
+    def route(self, engine: Any) -> str:
+        """The name of the transport that carries ``engine``'s updates (decided at its first)."""
+        if not isinstance(engine, str):
+            return choose_transport(self.target(engine), self.candidates)
+        url = engine.rstrip("/")
         if url not in self.routes:
-            info = self._server_info(url)
-            path = self.routes[url] = choose_path(info, self.node_id, url)
+            target = self.target(url)
+            name = self.routes[url] = choose_transport(target, self.candidates)
             log.info("auto weight transport: engine %s gets %s (engine node %s, trainer node %s, device %s)",
-                     url, path, info.get("node_id"), self.node_id, info.get("device", "cpu"))
+                     url, name, target.engine_node, self.node_id, target.server_info.get("device", "?"))
         return self.routes[url]
 
-    def _sender(self, path: str) -> Any:
-        if path not in self._senders:
-            if path == "inprocess":
-                self._senders[path] = InProcessSender()
-            elif path == "shm":
-                self._senders[path] = ShmSender(**self._shm_args)
-            else:
-                self._senders[path] = BroadcastSender(**self._broadcast_args)
-        return self._senders[path]
+    def _sender(self, name: str) -> Any:
+        if name not in self._senders:
+            where = f"{self.ctx.where}: weight_transport_args.{name}"
+            try:
+                sender = self.candidates[name].sender(self.ctx, **self.args.get(name, {}))
+            except TypeError as exc:
+                raise ValueError(f"{where}: {exc}") from None
+            if self._lora is not None and callable(getattr(sender, "configure_lora", None)):
+                sender.configure_lora(self._lora)
+            self._senders[name] = sender
+        return self._senders[name]
 
     # -- sending ---------------------------------------------------------------------------------
     def send(self, weights: Iterable[tuple[str, torch.Tensor]], version: int, targets: list[Any]) -> dict[str, float]:
@@ -147,3 +185,17 @@ class AutoSender:
         for sender in self._senders.values():
             sender.close()
         self._senders = {}
+
+
+def check_args(args: dict[str, Any], candidates: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``weight_transport_args`` of ``auto``: one table per candidate transport, by its name."""
+    unknown = sorted(set(args) - set(candidates))
+    if unknown:
+        raise ValueError(f"auto weight transport: unknown weight_transport_args {unknown}: it takes one table per "
+                         f"transport it may choose ({', '.join(sorted(candidates))}), e.g. "
+                         "{ shm = { num_buffers = 4 } }")
+    for name, table in args.items():
+        if not isinstance(table, Mapping):
+            raise ValueError(f"auto weight transport: weight_transport_args.{name} must be a table of the "
+                             f"'{name}' transport's arguments, got {type(table).__name__}")
+    return {name: dict(table) for name, table in args.items()}
