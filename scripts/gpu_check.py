@@ -1,18 +1,22 @@
 """The GPU check's driver (``scripts/gpu_check.sh`` installs what it needs, then runs this).
 
-For each train backend (``BACKENDS``, default ``torch megatron``) and each weight transport one
-GPU allows (``TRANSPORTS``, default ``sglang_disk sglang_tensor``, plus ``sglang_nccl`` with two
-GPUs), it validates then runs a few GRPO steps of ``plugins/loongsage-plugin-sglang/gpu_check.toml``
-on a tiny random Qwen3 with SGLang serving the rollouts, and prints one JSON object: per case the
-train-inference gap (``train/is_approx_k3_kl``), the weight-sync seconds and GB/s, the step time,
-the trainer's and the rollout's MFU, and the peak memory of the trainer and engine processes
-(host RSS, and device memory from ``nvidia-smi`` on a GPU). A case whose mean gap is above
-``MAX_K3`` (default 0.05), or whose run fails, fails the check (exit status 1).
+For each train backend (``BACKENDS``, default ``torch megatron``) and each weight transport one GPU
+allows (``TRANSPORTS``, default ``sglang_disk sglang_tensor auto``, plus ``sglang_nccl`` with two
+GPUs; and ``auto``, with the first backend only, in the colocated layout, where it must choose
+``sglang_tensor`` for the real SGLang server), it validates then runs a few GRPO steps of
+``plugins/loongsage-plugin-sglang/gpu_check.toml`` on a tiny random Qwen3 with SGLang serving the
+rollouts, and prints one JSON object: per case the train-inference gap (``train/is_approx_k3_kl``),
+the weight-sync seconds and GB/s, the step time, the trainer's and the rollout's MFU, and the peak
+memory of the trainer and engine processes (host RSS, and device memory from ``nvidia-smi`` on a
+GPU). A case whose mean gap is above ``MAX_K3`` (default 0.05), or whose run fails, fails the check
+(exit status 1).
 
 ``--cpu-dry-run`` runs the same cases on the CPU, so the check cannot rot unseen: the embedded
 engine stands in for SGLang, float32 for bfloat16, and each SGLang transport for the embedded
 engine's own (``sglang_disk`` -> ``shm``, ``sglang_tensor`` -> ``inprocess`` colocated,
-``sglang_nccl`` -> ``broadcast``). CI runs it (``tests/test_gpu_check.py``).
+``sglang_nccl`` -> ``broadcast``; ``auto`` must then choose ``inprocess``). The ``auto`` case reports the
+transports its updates took (``transports``, from its ``perf/weight_targets_*`` metrics). CI runs it
+(``tests/test_gpu_check.py``).
 
 Environment: ``OUT`` (default ``runs/gpu_check``), ``BACKENDS``, ``TRANSPORTS``, ``MAX_K3``,
 ``STEPS`` (default 4).
@@ -33,8 +37,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "plugins" / "loongsage-plugin-sglang" / "gpu_check.toml"
 TOKENIZER = ROOT / "tests" / "data" / "tokenizer"
-DRY_RUN_TRANSPORT = {"sglang_disk": "shm", "sglang_tensor": "inprocess", "sglang_nccl": "broadcast"}
+DRY_RUN_TRANSPORT = {"sglang_disk": "shm", "sglang_tensor": "inprocess", "sglang_nccl": "broadcast", "auto": "auto"}
 """The embedded engine's transport standing in for each SGLang one in ``--cpu-dry-run``."""
+AUTO_CHOICE = {False: "sglang_tensor", True: "inprocess"}
+"""What ``auto`` must choose in its case (colocated, trainer on the GPU), on a GPU and in the dry run."""
+TARGETS = "perf/weight_sync_perf/weight_targets_"
+"""Prefix of the per-step count of engines each transport updated."""
 
 
 def build_model(out: Path, dtype: str) -> Path:
@@ -59,7 +67,7 @@ def gpu_overrides(backend: str, transport: str, *, gpus: int, model: Path, steps
     """The ``key=value`` overrides of one GPU case (the same for ``validate`` and ``run``)."""
     out = [f"model.path={model}", f"train.backend={backend}", f"train.total_steps={steps}",
            f"rollout.weight_transport={transport}", f"rollout.engine_args.log_dir={run_dir / 'logs'}"]
-    if transport == "sglang_tensor":  # CUDA IPC handles: trainer and engine in one actor, on one GPU
+    if transport in ("sglang_tensor", "auto"):  # CUDA IPC handles: trainer and engine share one GPU
         out += ["placement.colocate=true", "placement.offload=true", "placement.trainer_gpus=1"]
     elif gpus < 2:  # trainer and engine share the only GPU
         out += ["placement.trainer_gpus=0.5", "placement.engine_gpus=0.5"]
@@ -71,7 +79,7 @@ def cpu_job(backend: str, transport: str, *, model: Path, steps: int, out: Path)
     (no SGLang engine arguments), float32 and the transport standing in for ``transport``."""
     from loongsage_core.config import dump_job_toml, load_job
 
-    colocated = transport == "sglang_tensor"
+    colocated = transport in ("sglang_tensor", "auto")
     job = load_job(JOB, [f"model.path={model}", f"train.backend={backend}", f"train.total_steps={steps}",
                          "model.dtype=float32", "rollout.engine=torch",
                          f"rollout.weight_transport={DRY_RUN_TRANSPORT[transport]}", "placement.trainer_gpus=0",
@@ -186,6 +194,7 @@ def summarize(metrics: list[dict[str, Any]], max_k3: float) -> dict[str, Any]:
         "mfu_rollout_mean": mean(series("perf/mfu_rollout")),
     }
     out["ok"] = bool(k3) and out["k3_mean"] is not None and out["k3_mean"] <= max_k3
+    out["transports"] = sorted({key[len(TARGETS):] for m in metrics for key in m if key.startswith(TARGETS)})
     return out
 
 
@@ -229,6 +238,8 @@ def run_case(backend: str, transport: str, *, dry_run: bool, gpus: int, model: P
     result.update(memory.summary(), wall_s=round(time.monotonic() - started, 1))
     if dry_run:
         result["transport"] = DRY_RUN_TRANSPORT[transport]
+    if transport == "auto" and result["transports"] != [AUTO_CHOICE[dry_run]]:
+        result.update(ok=False, error=f"auto chose {result['transports']}, expected {AUTO_CHOICE[dry_run]}")
     return result
 
 
@@ -244,11 +255,13 @@ def main(argv: list[str]) -> int:
         import torch
 
         gpus = torch.cuda.device_count()
-    transports = os.environ.get("TRANSPORTS", "sglang_disk sglang_tensor" + (" sglang_nccl" if gpus >= 2 else ""))
+    transports = os.environ.get("TRANSPORTS", "sglang_disk sglang_tensor auto" + (" sglang_nccl" if gpus >= 2 else ""))
     model = build_model(out / ("model-fp32" if dry_run else "model"), "float32" if dry_run else "bfloat16")
     report: dict[str, Any] = {"check": "gpu_check", "dry_run": dry_run, "gpus": gpus, "cases": {}}
     for backend in backends:
         for transport in transports.split():
+            if transport == "auto" and backend != backends[0]:
+                continue  # the choice does not depend on the train backend
             if transport == "sglang_nccl" and not dry_run and gpus < 2:
                 report["cases"][f"{backend}/{transport}"] = {"ok": None, "skipped": "needs two GPUs"}
                 continue

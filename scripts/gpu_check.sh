@@ -11,8 +11,8 @@
 # (loongsage-plugin-sglang[sglang]) when it is not importable, and the Megatron backend's packages
 # (scripts/install_megatron.sh) when a megatron case runs and they are missing.
 # Environment: PYTHON (default .venv/bin/python, else python3), OUT (default runs/gpu_check),
-#   BACKENDS (default "torch megatron"), TRANSPORTS (default "sglang_disk sglang_tensor", plus
-#   sglang_nccl with two GPUs), STEPS (default 4), MAX_K3 (default 0.05).
+#   BACKENDS (default "torch megatron"), TRANSPORTS (default "sglang_disk sglang_tensor auto",
+#   plus sglang_nccl with two GPUs; auto runs with the first backend only), STEPS (default 4), MAX_K3 (default 0.05).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-}"

@@ -20,8 +20,8 @@ def test_cpu_dry_run_runs_every_case_and_reports_json(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:] + done.stdout[-3000:]
     report = json.loads(done.stdout)
     assert report["dry_run"] is True and report["ok"] is True
-    assert sorted(report["cases"]) == ["megatron/sglang_disk", "megatron/sglang_tensor", "torch/sglang_disk",
-                                       "torch/sglang_tensor"]
+    assert sorted(report["cases"]) == ["megatron/sglang_disk", "megatron/sglang_tensor", "torch/auto",
+                                       "torch/sglang_disk", "torch/sglang_tensor"]
     for name, case in report["cases"].items():
         assert case["ok"] is True and case["steps"] == 2, name
         assert 0 <= case["k3_mean"] < 1e-6, name  # float32 engine and trainer: the same numbers
@@ -29,6 +29,8 @@ def test_cpu_dry_run_runs_every_case_and_reports_json(tmp_path):
         assert case["step_s_mean"] > 0 and 0 < case["mfu_train_mean"] <= 1, name
         assert case["peak_trainer_host_rss_gb"] > 0.1, name
     assert report["cases"]["torch/sglang_tensor"]["transport"] == "inprocess"  # colocated, as CUDA IPC is
+    # auto's updates (its perf/weight_targets_* metrics) took the in-process path of the colocated layout
+    assert report["cases"]["torch/auto"]["transports"] == ["inprocess"]
 
 
 def test_unknown_arguments_are_refused():
