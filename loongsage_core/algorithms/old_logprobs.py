@@ -43,6 +43,14 @@ FROM_TRAINING_FORWARD = "training_forward"
 """Value of :data:`OLD_LOGPROBS_SOURCE`: the training forward's own detached log-probs."""
 
 
+def compares_router_replay(job: Any, batch: Batch) -> bool:
+    """Whether the old-log-prob pass also scores ``batch`` without Router Replay
+    (``router_replay_compare``, for the ``*_no_replay`` metrics): only rows with recorded routes."""
+    alg = job.algorithm
+    return (bool(getattr(alg, "router_replay", False)) and bool(getattr(alg, "router_replay_compare", True))
+            and "routed_experts" in batch)
+
+
 def old_logprob_pass(job: Any, batch: Batch, *, version: int, needed_before_training: bool) -> tuple[bool, str]:
     """Whether the step must run the separate old-log-prob pass over ``batch``, and why.
 
@@ -55,8 +63,7 @@ def old_logprob_pass(job: Any, batch: Batch, *, version: int, needed_before_trai
         return False, "recompute_old_logprobs is off (old = rollout log-probs)"
     if getattr(alg, "force_old_logprob_pass", False):
         return True, "force_old_logprob_pass is set"
-    if getattr(alg, "router_replay", False) and getattr(alg, "router_replay_compare", True) \
-            and "routed_experts" in batch:
+    if compares_router_replay(job, batch):
         return True, "router_replay_compare: the pass also scores the rows without Router Replay"
     if int(train.ppo_epochs) != 1:
         return True, f"ppo_epochs = {train.ppo_epochs}: later passes see updated weights"

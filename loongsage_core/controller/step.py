@@ -24,7 +24,12 @@ from typing import Any, Sequence
 
 from loongsage_hookspecs import Batch, TrajectoryGroup
 
-from ..algorithms.old_logprobs import mark_old_from_training_forward, old_from_training_forward, old_logprob_pass
+from ..algorithms.old_logprobs import (
+    compares_router_replay,
+    mark_old_from_training_forward,
+    old_from_training_forward,
+    old_logprob_pass,
+)
 from ..algorithms.step import ROUTER_REPLAY_OUTPUTS, router_replay_metrics
 from ..flops import ModelShape, generation_flops, mfu, scoring_flops
 from .batching import build_batch
@@ -139,7 +144,7 @@ class StepRunner(RunState):
         needs_forward = run_pass or self.needs_reference or self.critic is not None
         rows = policy.share(batch) if needs_forward else None  # the rollout rows, shipped once
         if run_pass:
-            compare = alg.router_replay and alg.router_replay_compare and "routed_experts" in batch
+            compare = compares_router_replay(self.job, batch)
             outputs = policy.forward_outputs(rows, batch, ("logprobs", *(ROUTER_REPLAY_OUTPUTS if compare else ())))
             batch.tensors["old_logprobs"] = outputs["logprobs"] * batch["loss_mask"]
             metrics.update(router_replay_metrics(batch, outputs))
