@@ -54,6 +54,7 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
 def loongsage_teachers() -> Iterator[TeacherSpec]:
     yield TeacherSpec(name="megatron", factory=create_teacher,
                       description="frozen Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
-                                  "directory, run in the run's teacher actor (tp = pp = ep = 1, float32) with "
-                                  "CPU offload; args device, micro_batch_size, output_device, logits_dtype, seed",
+                                  "directory, run in the run's teacher actor (tp = pp = ep = 1; float32, bfloat16 or float16) "
+                                  "with CPU offload; args dtype, device, micro_batch_size, output_device, "
+                                  "logits_dtype, seed",
                       capabilities=(ResidentTeacher,))

@@ -2,7 +2,8 @@
 
 The model is the megatron train backend's forward-only worker (:class:`~.worker.MegatronTrainWorker`
 with role ``"reference"``): Megatron-Bridge converts the Hugging Face directory ``path`` into a
-Megatron-Core ``GPTModel`` (float32), and :meth:`~.worker.MegatronTrainWorker.score` runs batches
+Megatron-Core ``GPTModel`` (float32, or bfloat16 / float16 as the train backend runs them:
+Megatron-Core's ``Float16Module``, float32 outputs), and :meth:`~.worker.MegatronTrainWorker.score` runs batches
 through Megatron-Core's forward schedule. Arguments, residency and outputs follow the distill
 plugin's ``torch`` teacher, so the run's teacher manager (``[placement] teacher_manager``) treats both alike:
 
@@ -37,6 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from .worker import MegatronTrainWorker
 
 LOGITS_DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes of the weights (``dtype``) and of returned full logits (``logits_dtype``)."""
 PARALLEL_KEYS = {"tp": "tensor", "pp": "pipeline", "ep": "expert"}
 
 
@@ -114,8 +116,9 @@ class MegatronTeacher:
     """A frozen Megatron-Core GPT model that scores batches of student samples (the ``Teacher`` protocol).
 
     Arguments (the ``[[teachers]]`` table's ``path`` and ``args``): ``path``, a Hugging Face
-    model directory Megatron-Bridge converts; ``dtype`` of the weights (``"float32"`` only: the
-    train backend's bfloat16 / float16 is not offered to teachers yet); ``device`` it runs on when
+    model directory Megatron-Bridge converts; ``dtype`` of the weights and the compute
+    (``"float32"``, ``"bfloat16"`` or ``"float16"``; the logits leave the model in float32);
+    ``device`` it runs on when
     loaded (default: the current CUDA device when CUDA is available, else ``cpu``);
     ``offload_device`` where it waits (``cpu``, the only choice); ``micro_batch_size`` rows per
     forward pass; ``output_device`` of the returned tensors (``cpu``); ``logits_dtype`` of returned
@@ -129,9 +132,8 @@ class MegatronTeacher:
         import torch
 
         _check_parallel_sizes({"tp": tp, "pp": pp, "ep": ep})
-        if dtype != "float32":
-            raise ValueError(f"megatron teacher: dtype = {dtype!r} is not supported (float32 only; the "
-                             "megatron teacher does not take the train backend's bfloat16 / float16 yet)")
+        if dtype not in LOGITS_DTYPES:
+            raise ValueError(f"megatron teacher: dtype must be one of {list(LOGITS_DTYPES)}, got {dtype!r}")
         if logits_dtype not in LOGITS_DTYPES:
             raise ValueError(f"megatron teacher: logits_dtype must be one of {list(LOGITS_DTYPES)}, "
                              f"got {logits_dtype!r}")
@@ -153,7 +155,7 @@ class MegatronTeacher:
         self.device = _run_device(device)
         self.logits_dtype: torch.dtype = getattr(torch, logits_dtype)
         self.micro_batch_size = micro_batch_size
-        self.path = str(directory)
+        self.path, self.dtype = str(directory), dtype
         self.worker = self._build_worker(int(seed))
         self.loaded = True  # built on the device; start offloaded like the torch teacher
         self.offload()
@@ -167,7 +169,7 @@ class MegatronTeacher:
 
         from .worker import MegatronTrainWorker
 
-        job = JobConfig(model=ModelConfig(path=self.path, dtype="float32"),
+        job = JobConfig(model=ModelConfig(path=self.path, dtype=self.dtype),
                         train=TrainConfig(backend="megatron", micro_batch_size=self.micro_batch_size),
                         run=RunConfig(seed=seed))
         cuda_devices = [self.device.index] if self.device.type == "cuda" else []

@@ -157,12 +157,31 @@ def test_two_teachers_in_one_process(teacher, torch_teacher, tiny_qwen3_writer, 
     assert float((first.logprobs - got.logprobs).abs().max()) > 0.1
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_16_bit_teacher_scores_in_16_bit_close_to_float32(teacher, hf_dir, dtype):
+    """``dtype``: the weights and the compute are 16-bit (Megatron-Core's Float16Module), the
+    outputs float32 and within 16-bit rounding of the float32 teacher's."""
+    half = MegatronTeacher(hf_dir, dtype=dtype, micro_batch_size=2)
+    weights = {p.dtype for module in half.worker.modules for p in module.parameters()}
+    assert weights == {getattr(torch, dtype)}
+    batch = make_batch(seed=4)
+    got, full = half.forward(batch, topk=3, return_logits=True), teacher.forward(batch, topk=3, return_logits=True)
+    assert got.logprobs.dtype == got.topk_logprobs.dtype == torch.float32
+    scored = scored_positions(batch)
+    gap = (got.logprobs - full.logprobs)[scored].abs()
+    assert float(gap.max()) > 1e-5  # 16-bit arithmetic, not the float32 model
+    assert float(gap.mean()) < 2e-2 and float(gap.max()) < 1e-1
+    assert bool((got.logprobs[~scored] == 0).all())
+    agree = (got.topk_ids[..., 0] == full.topk_ids[..., 0])[scored].float().mean()
+    assert float(agree) > 0.9  # the same best token almost everywhere
+
+
 def test_bad_arguments_raise_clear_errors(teacher, hf_dir, host, tmp_path):
     for key, kind in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert")):
         with pytest.raises(ValueError, match=rf"megatron teacher: {key} = 2: .*its {kind}-parallel size must be 1"):
             MegatronTeacher(hf_dir, **{key: 2})
-    with pytest.raises(ValueError, match=r"dtype = 'bfloat16' is not supported \(float32 only"):
-        MegatronTeacher(hf_dir, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"dtype must be one of \['float32', 'bfloat16', 'float16'\], got 'int8'"):
+        MegatronTeacher(hf_dir, dtype="int8")
     with pytest.raises(ValueError, match="set 'path'"):
         MegatronTeacher()
     with pytest.raises(ValueError, match="no config.json in model directory"):
