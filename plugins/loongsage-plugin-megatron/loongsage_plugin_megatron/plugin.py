@@ -45,7 +45,8 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
                                        "directory; tensor, pipeline (1F1B), data (Megatron DDP) and, for "
                                        "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer "
                                        "(float32, or bfloat16 / float16 with float32 master weights); "
-                                       "LoRA through Megatron-Bridge's PEFT (dense models)",
+                                       "LoRA through Megatron-Bridge's PEFT (dense models); vocabulary-level KL "
+                                       "and distillation terms (full logits)",
                            supports_lora=True, check_job=check_job,
                            capabilities=(ModelParallel, Offloadable, OnDevice, Closeable))
 
@@ -54,7 +55,7 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
 def loongsage_teachers() -> Iterator[TeacherSpec]:
     yield TeacherSpec(name="megatron", factory=create_teacher,
                       description="frozen Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
-                                  "directory, run in the run's teacher actor (tp = pp = ep = 1; float32, bfloat16 or float16) "
-                                  "with CPU offload; args dtype, device, micro_batch_size, output_device, "
-                                  "logits_dtype, seed",
+                                  "directory, run in the run's teacher actor (tp = pp = ep = 1; float32, "
+                                  "bfloat16 or float16) with CPU offload; args dtype, device, micro_batch_size, "
+                                  "output_device, logits_dtype, seed",
                       capabilities=(ResidentTeacher,))
