@@ -160,6 +160,15 @@ CASES = {
                                     "by tp * pp = 2"),
     "megatron pp not splitting the layers": (lambda t: [*MEGATRON, "train.num_workers=2", "train.backend_args={pp=2}"],
                                              "backend_args.pp = 2: the model's 3 layers do not split evenly"),
+    "megatron virtual stages without a pipeline": (lambda t: [*MEGATRON, "train.backend_args={vpp=2}"],
+                                                   "backend_args.vpp = 2 needs pp > 1"),
+    "megatron context parallelism on the CPU": (lambda t: [*MEGATRON, "train.num_workers=2",
+                                                           "train.backend_args={cp=2}"],
+                                                "backend_args.cp = 2 cannot run: Megatron-Core computes "
+                                                "context-parallel attention only in Transformer Engine's"),
+    "megatron full recomputation without a method": (
+        lambda t: [*MEGATRON, "train.backend_args={recompute_granularity='full'}"],
+        "backend_args.recompute_granularity = 'full' needs recompute_method"),
     "megatron backend_args key misspelt": (lambda t: [*MEGATRON, "train.backend_args={tpp=2}"],
                                            "[train] backend_args: unknown keys ['tpp'] for the megatron backend"),
     "router replay on a dense model": (lambda t: ["algorithm.router_replay=true"],

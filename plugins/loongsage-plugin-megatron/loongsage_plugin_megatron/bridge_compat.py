@@ -1,4 +1,5 @@
-"""Megatron-Bridge's expert naming, extended to Megatron-Core's ``SequentialMLP``.
+"""Megatron-Bridge's expert naming, extended to Megatron-Core's ``SequentialMLP``; its tied
+embeddings under virtual pipeline stages.
 
 Megatron-Core builds a Mixture-of-Experts layer's experts either as one grouped module
 (``TEGroupedMLP`` / ``GroupedMLP``: parameters ``mlp.experts.linear_fc1.weight{e}``) or, without
@@ -22,6 +23,12 @@ spellings, but three helpers of its conversion only read the expert index from t
 
 :func:`apply` extends each of them to ``local_experts.{e}`` and leaves every other name to the
 upstream code unchanged. Loading, conversion and export themselves stay Megatron-Bridge's.
+
+With tied input and output embeddings under pipeline parallelism the bridge loads the embedding
+on the first stage and copies it into the last stage's output layer
+(``MegatronModelBridge._broadcast_shared_embeddings``). Under virtual pipeline stages
+(``backend_args.vpp``) it reads the rank's first model chunk on both, but the last stage's output
+layer is in its last chunk: :func:`apply` hands it that chunk (:func:`_tied_embeddings_under_vpp`).
 
 :func:`configure_router` fills in one setting its Qwen3-MoE config translation leaves out
 (``norm_topk_prob``).
@@ -140,8 +147,38 @@ def configure_router(provider: Any, hf_config: dict[str, Any]) -> None:
         provider.moe_router_pre_softmax = not bool(hf_config.get("norm_topk_prob", False))
 
 
+def _tied_embeddings_under_vpp() -> None:
+    """Replace ``MegatronModelBridge._broadcast_shared_embeddings`` (``megatron.bridge.models.conversion.
+    model_bridge``) for several model chunks per rank.
+
+    Upstream broadcasts the first pipeline stage's embedding into the last stage's output layer,
+    reading both from ``unwrap_model(chunks)[0]`` (its own comment marks virtual pipelines as not
+    handled): on the last stage under virtual pipeline stages that chunk has no output layer
+    (upstream asserts). The replacement runs upstream on the chunk that holds the tied weight: the
+    first chunk on the first stage, the last chunk elsewhere (the output layer's, on the last stage).
+    """
+    from megatron.bridge.models.conversion.model_bridge import MegatronModelBridge
+    from megatron.core import parallel_state
+
+    upstream = MegatronModelBridge._broadcast_shared_embeddings
+    if getattr(upstream, "_loongsage_vpp", False):
+        return
+
+    @functools.wraps(upstream)
+    def broadcast(self: Any, megatron_model: Any) -> None:
+        if isinstance(megatron_model, list) and len(megatron_model) > 1 and \
+                not parallel_state.is_pipeline_first_stage(ignore_virtual=True):
+            megatron_model = megatron_model[-1:]
+        upstream(self, megatron_model)
+
+    broadcast._loongsage_vpp = True  # type: ignore[attr-defined]
+    MegatronModelBridge._broadcast_shared_embeddings = broadcast  # type: ignore[method-assign]
+
+
 def apply() -> None:
-    """Extend Megatron-Bridge's expert naming to ``SequentialMLP`` (idempotent; see the module docstring)."""
+    """Extend Megatron-Bridge's expert naming to ``SequentialMLP`` and its tied-embedding load to
+    virtual pipeline stages (idempotent; see the module docstring)."""
     _extend_local_name_to_global()
     _extend_ep_gather()
     _extend_sort_key()
+    _tied_embeddings_under_vpp()

@@ -1,6 +1,7 @@
 """Checkpoints and Hugging Face export of the megatron train backend.
 
-A checkpoint holds, per rank (:data:`STATE_FILE`), the model shard, the Megatron optimizer's
+A checkpoint holds, per rank (:data:`STATE_FILE`), the model shard (the state dict of its model
+chunk, or under ``backend_args.vpp`` the list of its chunks' state dicts), the Megatron optimizer's
 ``state_dict()``, the learning-rate schedule, the step and the RNG state; under the distributed
 optimizer the sharded Adam state goes to one more file per model-parallel rank
 (:data:`PARAM_STATE_FILE`, ``save_parameter_state``, gathered on data-parallel rank 0). A run
@@ -30,19 +31,17 @@ PARAM_STATE_FILE = "megatron_optimizer_params_mp{rank}.pt"
 CHECKPOINT_FORMAT = 2
 
 
-def save_checkpoint(path: str, *, rank: int, role: str, step: int, module: Any, optimizer: Any,
+def save_checkpoint(path: str, *, rank: int, role: str, step: int, modules: list[Any], optimizer: Any,
                     scheduler: Any, distributed_optimizer: bool, adapter_only: bool = False) -> None:
-    """Write this rank's ``module`` (its first model chunk; with ``adapter_only``, a LoRA run, its
-    adapter alone: the base weights come from ``[model] path`` again), ``optimizer`` and
-    ``scheduler`` (None for a forward-only worker), ``step`` and RNG state under ``path``; every
-    rank waits for all."""
+    """Write this rank's model chunks ``modules`` (with ``adapter_only``, a LoRA run, their adapter
+    alone: the base weights come from ``[model] path`` again), ``optimizer`` and ``scheduler``
+    (None for a forward-only worker), ``step`` and RNG state under ``path``; every rank waits for all."""
     import torch.distributed as dist
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     state = {"format": CHECKPOINT_FORMAT, "role": role, "step": step,
-             "model": lora_lib.adapter_state(module) if adapter_only else module.state_dict(),
-             "adapter_only": adapter_only,
+             "model": model_state(modules, adapter_only), "adapter_only": adapter_only,
              "optimizer": optimizer.state_dict() if optimizer is not None else None,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "rng": torch.get_rng_state()}
@@ -56,9 +55,31 @@ def save_checkpoint(path: str, *, rank: int, role: str, step: int, module: Any, 
         dist.barrier()
 
 
-def load_checkpoint(path: str, *, rank: int, module: Any, optimizer: Any, scheduler: Any,
+def model_state(modules: list[Any], adapter_only: bool) -> Any:
+    """What a checkpoint holds of the model chunks ``modules``: one chunk's state dict (its
+    adapter's with ``adapter_only``), or the list of every chunk's under virtual pipeline stages."""
+    states = [lora_lib.adapter_state(module) if adapter_only else module.state_dict() for module in modules]
+    return states[0] if len(states) == 1 else states
+
+
+def load_model_state(modules: list[Any], saved: Any, adapter_only: bool, source: str) -> None:
+    """Load what :func:`model_state` returned into ``modules``; ValueError naming ``source`` when
+    it holds another number of model chunks (another ``backend_args.vpp``)."""
+    states = saved if isinstance(saved, list) else [saved]
+    if len(states) != len(modules):
+        raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{source}' holds {len(states)} model chunk(s) per "
+                         f"rank, this worker has {len(modules)} (the checkpoint was saved with another "
+                         "[train] backend_args.vpp)")
+    for module, state in zip(modules, states):
+        if adapter_only:
+            lora_lib.load_adapter_state(module, state, source)
+        else:
+            module.load_state_dict(state)
+
+
+def load_checkpoint(path: str, *, rank: int, modules: list[Any], optimizer: Any, scheduler: Any,
                     distributed_optimizer: bool, adapter_only: bool = False) -> int:
-    """Restore what :func:`save_checkpoint` wrote into ``module``, ``optimizer``, ``scheduler`` and
+    """Restore what :func:`save_checkpoint` wrote into ``modules``, ``optimizer``, ``scheduler`` and
     the RNG; returns the saved step. FileNotFoundError / ValueError name the checkpoint at fault."""
     src = Path(path) / STATE_FILE.format(rank=rank)
     if not src.is_file():
@@ -72,10 +93,7 @@ def load_checkpoint(path: str, *, rank: int, module: Any, optimizer: Any, schedu
         saved = "a LoRA adapter" if state.get("adapter_only") else "full weights"
         raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' holds {saved}, but this job "
                          f"{'trains' if adapter_only else 'has no'} [train] lora")
-    if adapter_only:
-        lora_lib.load_adapter_state(module, state["model"], str(src))
-    else:
-        module.load_state_dict(state["model"])
+    load_model_state(modules, state["model"], adapter_only, str(src))
     if optimizer is not None:
         if state["optimizer"] is None:
             raise ValueError(f"MegatronTrainWorker.load_checkpoint: '{src}' holds no optimizer state "

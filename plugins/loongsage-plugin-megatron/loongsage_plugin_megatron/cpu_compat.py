@@ -161,6 +161,7 @@ def apply() -> None:
     _clip_without_cuda_type_check()
     _schedule_scratch_on_cpu()
     _tied_embedding_setup_on_cpu()
+    _recompute_rng_on_cpu()
 
 
 @functools.cache
@@ -295,16 +296,47 @@ def _clip_without_cuda_type_check() -> None:
 def _schedule_scratch_on_cpu() -> None:
     """Run Megatron-Core's forward-backward schedules with their token counter on the CPU.
 
-    Replaces ``forward_backward_no_pipelining`` and ``forward_backward_pipelining_without_interleaving``
-    in ``megatron.core.pipeline_parallel.schedules`` (what ``get_forward_backward_func`` returns):
-    both create ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``. They run
+    Replaces ``forward_backward_no_pipelining``, ``forward_backward_pipelining_without_interleaving``
+    and ``forward_backward_pipelining_with_interleaving`` in
+    ``megatron.core.pipeline_parallel.schedules`` (what ``get_forward_backward_func`` returns):
+    they create ``total_num_tokens = torch.zeros([], dtype=torch.int, device="cuda")``. They run
     unchanged, with that counter created on the CPU; the pipeline's send and receive buffers are
     allocated on ``torch.cuda.current_device()``, which :func:`apply` already points at the CPU.
     """
     from megatron.core.pipeline_parallel import schedules
 
-    for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving"):
+    for name in ("forward_backward_no_pipelining", "forward_backward_pipelining_without_interleaving",
+                 "forward_backward_pipelining_with_interleaving"):
         setattr(schedules, name, _scratch_on_cpu(getattr(schedules, name)))
+
+
+def _recompute_rng_on_cpu() -> None:
+    """Let Megatron-Core's activation recomputation save and restore the RNG state without CUDA.
+
+    Replaces ``_get_all_rng_states`` and ``_set_all_rng_states`` of
+    ``megatron.core.tensor_parallel.random``, which ``CheckpointFunction`` (the recomputation of
+    ``recompute_granularity``) and ``_fork_rng`` call to replay a recomputed forward with the
+    random state of the original one: upstream reads and writes the CUDA generator
+    (``torch.cuda.get_rng_state``), which a CPU build of torch does not have. The replacements
+    keep the CPU generator and the model-parallel tracker's states as upstream does, and no CUDA
+    state.
+    """
+    import torch
+    from megatron.core.tensor_parallel import random as mp_random
+
+    if getattr(mp_random._get_all_rng_states, "_loongsage_cpu", False):
+        return
+
+    def get_all_rng_states() -> tuple[Any, None, Any]:
+        return torch.get_rng_state(), None, mp_random.get_cuda_rng_tracker().get_states()
+
+    def set_all_rng_states(cpu_rng_state: Any, cuda_rng_state: Any, cuda_rng_state_tracker: Any) -> None:
+        torch.set_rng_state(cpu_rng_state)
+        mp_random.get_cuda_rng_tracker().set_states(cuda_rng_state_tracker)
+
+    get_all_rng_states._loongsage_cpu = True  # type: ignore[attr-defined]
+    mp_random._get_all_rng_states = get_all_rng_states
+    mp_random._set_all_rng_states = set_all_rng_states
 
 
 def _tied_embedding_setup_on_cpu() -> None:

@@ -3,12 +3,16 @@
 Every rank of a pipeline group holds the same rows. :func:`stage_inputs` turns them into the
 model's inputs, one :class:`StageInputs` per micro-batch; :func:`run_schedule` hands these to
 ``megatron.core.pipeline_parallel.get_forward_backward_func()`` (no pipelining under PP = 1, the
-1F1B schedule ``forward_backward_pipelining_without_interleaving`` under PP > 1), whose last
+1F1B schedule ``forward_backward_pipelining_without_interleaving`` under PP > 1, the interleaved
+1F1B schedule over the model chunks of ``backend_args.vpp``), whose last
 pipeline stage calls back with each micro-batch's logits. :func:`token_outputs` turns those into
-per-token log-probs and entropies, :func:`teacher_outputs` into a teacher's log-probs, top-k and
-full logits; what the caller's ``on_logits`` does with them (the host's loss, or collecting
-them) is up to it. Under Router Replay (``[algorithm] router_replay``) :func:`run_schedule` hands
-each micro-batch's recorded experts to the routers around its forward (:mod:`.router_replay`).
+per-token log-probs and entropies, :func:`token_outputs_and_logits` adds the next-token logits
+over the Hugging Face vocabulary that a vocabulary-level KL or distillation term of the host's
+loss reads (under TP > 1 the vocabulary shards are gathered differentiably), and
+:func:`teacher_outputs` makes a teacher's log-probs, top-k and full logits; what the caller's
+``on_logits`` does with them (the host's loss, or collecting them) is up to it. Under Router
+Replay (``[algorithm] router_replay``) :func:`run_schedule` hands each micro-batch's recorded
+experts to the routers around its forward (:mod:`.router_replay`).
 
 Pipeline stages exchange activations of one fixed shape ``[width, rows, hidden]``, so under
 PP > 1 every micro-batch is padded to the widest real length of the call and to
@@ -131,9 +135,33 @@ def token_outputs(logits: "torch.Tensor", inputs: StageInputs, *, tp: int,
     """Log-probs and entropies ``[rows, T]`` of a micro-batch's real rows from the last stage's
     logits ``[rows_padded, width, vocab / tp]`` at the tokens of its ``loss_mask`` (0 elsewhere,
     at padding and at position 0; every real token without a loss mask)."""
+    # differentiable gather under TP > 1
+    return _scored_token_outputs(_full_vocabulary(logits, tp), inputs, entropy_grad=entropy_grad)
+
+
+def token_outputs_and_logits(logits: "torch.Tensor", inputs: StageInputs, *, tp: int, vocab: int,
+                             entropy_grad: bool) -> "tuple[torch.Tensor, torch.Tensor, torch.Tensor]":
+    """:func:`token_outputs` plus the next-token logits ``[rows, T - 1, vocab]`` (float32, with
+    gradient) that a vocabulary-level KL or distillation term of the host's loss reads.
+
+    The logits follow the torch backend's layout: entry ``t`` scores token ``t + 1`` (the
+    ``[B, T - 1, V]`` next-token layout the KL terms accept), columns past the micro-batch's
+    width are zeros, ``T`` is the width of the caller's batch. Under TP > 1 the vocabulary shards
+    are gathered once, for both outputs, by Megatron-Core's autograd-aware gather (its backward
+    hands each rank the gradient of its own shard); only the first ``vocab`` entries (the Hugging
+    Face vocabulary) are kept, Megatron's padding of its output layer dropped.
+    """
+    full = _full_vocabulary(logits, tp)
+    logprobs, entropy = _scored_token_outputs(full, inputs, entropy_grad=entropy_grad)
+    next_logits = full[:inputs.rows, :-1, :vocab].float()
+    return logprobs, entropy, _fit_width(next_logits, inputs.micro["input_ids"].shape[1] - 1)
+
+
+def _scored_token_outputs(logits: "torch.Tensor", inputs: StageInputs, *,
+                          entropy_grad: bool) -> "tuple[torch.Tensor, torch.Tensor]":
+    """:func:`token_outputs` from logits over the whole vocabulary ``[rows_padded, width, vocab]``."""
     import torch
 
-    logits = _full_vocabulary(logits, tp)  # differentiable gather under TP > 1
     ids = inputs.input_ids[:inputs.rows]
     logprobs, entropy = logprobs_and_entropy(logits[:inputs.rows, :-1].float(), ids, entropy_grad=entropy_grad)
     real = _real_positions(inputs)
@@ -216,12 +244,21 @@ def run_schedule(chunks: list[Any], inputs: list[StageInputs], on_logits: Callab
     micro-batches) and ``info`` is collected. Forward only: it returns what is collected, passed
     through as Megatron's non-loss data.
 
+    Several model ``chunks`` (``backend_args.vpp``): Megatron-Core's interleaved 1F1B schedule,
+    fed one iterator over ``inputs`` per chunk (each chunk runs every micro-batch once). It needs
+    at least ``pp`` micro-batches (:func:`interleaved_inputs` adds all-padding ones, whose
+    outputs ``on_logits`` never sees: they add no loss and collect nothing; their tokens still
+    pass the MoE routers, like the padding positions of real rows) and a
+    ``microbatch_group_size_per_vp_stage`` that fits their number (:func:`microbatch_group_size`).
+
     ``routing`` (Router Replay, :class:`.router_replay.MegatronRouterReplay`): its ``begin(item)``
-    and ``end(item)`` run on every stage right before and after each micro-batch's forward, so
-    the routers of the stage's layers get that micro-batch's recorded experts (under PP > 1 the
-    1F1B schedule interleaves micro-batches; without recomputation no router runs again in the
-    backward pass).
+    and ``end(item)`` run on every stage right before and after each micro-batch's forward through
+    a chunk, so the routers of the chunk's layers get that micro-batch's recorded experts (under
+    PP > 1 the schedule interleaves micro-batches); a layer recomputed in the backward pass
+    replays the experts of its forward (:class:`.router_replay.LayerReplay`).
     """
+    import torch
+    from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
 
@@ -231,6 +268,12 @@ def run_schedule(chunks: list[Any], inputs: list[StageInputs], on_logits: Callab
     if not forward_only and not config.calculate_per_token_loss:
         raise RuntimeError("run_schedule: the model config must set calculate_per_token_loss (the host's loss "
                            "is normalised already)")
+    real = len(inputs)
+    if len(chunks) > 1:
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        inputs = interleaved_inputs(inputs, pp)
+        config.microbatch_group_size_per_vp_stage = microbatch_group_size(len(inputs), pp)
+    padding = {id(item) for item in inputs[real:]}
 
     def forward_step(data: Iterator[StageInputs], model: Any) -> tuple[Any, Callable[..., Any]]:
         item = next(data)
@@ -244,12 +287,56 @@ def run_schedule(chunks: list[Any], inputs: list[StageInputs], on_logits: Callab
                 routing.end(item)
 
         def loss_func(logits: Any, non_loss_data: bool = False) -> Any:
+            if id(item) in padding:  # added for the interleaved schedule: no loss, nothing collected
+                return _PADDING if forward_only else (
+                    logits.sum() * 0.0, logits.new_zeros((), dtype=torch.int), {})
             return on_logits(item, logits)
 
         return output, loss_func
 
     first = inputs[0]
-    return get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter(inputs), model=chunks, num_microbatches=len(inputs),
+    data: Any = [iter(inputs) for _ in chunks] if len(chunks) > 1 else iter(inputs)
+    out = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data, model=chunks, num_microbatches=len(inputs),
         seq_length=first.width, micro_batch_size=int(first.input_ids.shape[0]), forward_only=forward_only,
         collect_non_loss_data=forward_only)
+    return [value for value in out if value is not _PADDING] if forward_only else out
+
+
+_PADDING = object()
+"""What an all-padding micro-batch of :func:`interleaved_inputs` collects in a forward-only schedule
+(dropped before :func:`run_schedule` returns)."""
+
+
+def interleaved_inputs(inputs: list[StageInputs], pp: int) -> list[StageInputs]:
+    """``inputs`` followed by all-padding micro-batches up to ``pp`` of them: Megatron-Core's
+    interleaved schedule refuses fewer micro-batches than pipeline stages (its
+    ``microbatch_group_size_per_vp_stage`` is at least ``pp`` and at most their number)."""
+    return inputs + [padding_like(inputs[0]) for _ in range(pp - len(inputs))]
+
+
+def padding_like(item: StageInputs) -> StageInputs:
+    """A micro-batch of ``item``'s shape without real rows (token 0 everywhere): under PP > 1 the
+    stages exchange one fixed shape, so it runs like any other and its logits are dropped."""
+    import torch
+
+    from loongsage_hookspecs import Batch
+
+    micro = Batch(tensors={key: value[:0] for key, value in item.micro.tensors.items()},
+                  meta={key: [] for key in item.micro.meta})
+    return StageInputs(micro=micro, input_ids=torch.zeros_like(item.input_ids), position_ids=item.position_ids,
+                       attention_mask=item.attention_mask)
+
+
+def microbatch_group_size(num_microbatches: int, pp: int) -> int:
+    """Megatron-Core's ``microbatch_group_size_per_vp_stage`` for ``num_microbatches`` (>= ``pp``)
+    under the interleaved schedule: the micro-batches one model chunk runs in a row before the
+    next chunk takes them. The schedule refuses a size below ``pp`` or above the number of
+    micro-batches, and a last group of fewer than ``pp``; the smallest size it accepts keeps the
+    most micro-batches in flight across chunks (``pp``, Megatron-Core's default, whenever ``pp``
+    divides the number)."""
+    for size in range(pp, num_microbatches + 1):
+        rest = num_microbatches % size
+        if rest == 0 or rest >= pp:
+            return size
+    raise ValueError(f"microbatch_group_size: {num_microbatches} micro-batches are fewer than pp = {pp}")

@@ -11,11 +11,16 @@ the inputs' width must be a multiple of ``tp``, which :func:`.forward_backward.s
 pads to), with ``calculate_per_token_loss`` (Megatron back-propagates the host's
 loss as it is and sums data-parallel gradients). Under PP > 1 each rank holds one pipeline
 stage's share of the layers (the first stage the embedding, the last the final norm and output
-layer, built with ``pre_process`` / ``post_process``).
+layer, built with ``pre_process`` / ``post_process``); with ``backend_args.vpp`` virtual stages
+it holds ``vpp`` model chunks, chunk ``v`` of stage ``p`` holding the layers of virtual stage
+``v * pp + p`` (the embedding in chunk 0 of the first stage, the output layer in the last chunk
+of the last). Activation recomputation follows ``backend_args.recompute_*``
+(:func:`configure_recompute`).
 
 Mixture-of-Experts models (a Hugging Face config naming routed experts, e.g. ``qwen3_moe``) get
 Megatron-Core's MoE layers; under expert parallelism each rank holds ``num_experts / ep`` of
-every MoE layer's experts. The load-balancing (auxiliary) loss is off by default
+every MoE layer's experts, and under expert tensor parallelism (``etp``) each expert's weights
+split over ``etp`` ranks. The load-balancing (auxiliary) loss is off by default
 (``moe_aux_loss_coeff = 0``): the gradient is the host's RL loss's exactly; with a positive
 coefficient its gradient is added at the scale :func:`aux_loss_scale` gives. Under Router Replay
 the routers keep Megatron-Core's unfused top-k, where the recorded experts are swapped in
@@ -60,7 +65,10 @@ def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, size
                 hf_config: dict[str, Any], num_experts: int | None, device: torch.device, *,
                 router_replay: bool = False, dtype: torch.dtype = torch.float32,
                 fp32_lm_head: bool = False, sequence_parallel: bool = False) -> BuiltModel:
-    """This rank's share of the model in ``model_path``, with ``sizes`` = ``(tp, pp, ep)``;
+    """This rank's share of the model in ``model_path``, with ``sizes`` = ``(tp, pp, ep)`` and the
+    virtual pipeline, context-parallel and expert tensor-parallel sizes of ``options`` (under
+    ``vpp`` one model chunk per virtual stage, Megatron-Bridge's ``vp_stage``, each with its own
+    share of the layers), its activation recomputation (:func:`configure_recompute`);
     ``router_replay`` (``[algorithm] router_replay``) keeps the MoE routers on the path that
     replays routing (:mod:`.router_replay`).
 
@@ -89,7 +97,12 @@ def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, size
     provider.perform_initialization = True
     provider.tensor_model_parallel_size = tp
     provider.pipeline_model_parallel_size = pp
+    provider.virtual_pipeline_model_parallel_size = options.virtual_stages
+    if options.virtual_stages:
+        interleaved_p2p(provider)
+    provider.context_parallel_size = int(options.cp)
     provider.expert_model_parallel_size = ep
+    provider.expert_tensor_parallel_size = options.expert_tp(tp)
     provider.params_dtype = dtype
     provider.bf16 = dtype == torch.bfloat16
     provider.fp16 = dtype == torch.float16
@@ -98,6 +111,7 @@ def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, size
     # The host's loss is already divided by the mini-batch's global norm: Megatron DDP must sum
     # the data-parallel gradients (gradient scaling factor 1), not average them.
     provider.calculate_per_token_loss = True
+    configure_recompute(provider, options)
     if num_experts:
         _configure_moe(provider, hf_config, options, num_experts)
         if router_replay:
@@ -113,6 +127,32 @@ def build_model(auto_bridge: Any, model_path: str, options: BackendOptions, size
         for module in modules:
             fp32_output_layer(module)
     return BuiltModel(bridge=bridge, modules=modules, vocab_size=vocab_size)
+
+
+def interleaved_p2p(provider: Any) -> None:
+    """Point-to-point exchanges the interleaved schedule (``backend_args.vpp``) can match up:
+    Megatron-Core's ``batch_p2p_comm = False``.
+
+    The interleaved schedule sends activations forward and gradients backward in one exchange. In
+    a batched exchange (``_batched_p2p_ops``) every rank posts send-to-previous, receive-from-
+    previous, send-to-next, receive-from-next; under ``pp = 2`` the previous and the next stage
+    are the same rank, so with Gloo, which matches a pair's messages in the order they were
+    posted, a rank's first send (a gradient) meets its peer's first receive (an activation of the
+    same shape) and the stages silently swap them. Megatron-Core's unbatched exchange
+    (``_p2p_ops``) orders the sends and receives by even and odd stage, so each meets its own.
+    """
+    provider.batch_p2p_comm = False
+
+
+def configure_recompute(provider: Any, options: BackendOptions) -> None:
+    """Megatron-Core's activation recomputation, as ``backend_args`` sets it (checked beforehand by
+    :func:`.parallel.check_recompute`): ``recompute_granularity``, ``recompute_method`` and
+    ``recompute_num_layers`` of the ``TransformerConfig``. ``"selective"`` keeps Megatron-Core's
+    default ``recompute_modules`` (the core attention). Megatron-Core recomputes only in training
+    (a module in train mode, under autograd), so forward-only passes run as before."""
+    provider.recompute_granularity = options.recompute_granularity
+    provider.recompute_method = options.recompute_method
+    provider.recompute_num_layers = options.recompute_num_layers
 
 
 def fp32_output_layer(module: Any) -> int:

@@ -42,8 +42,10 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
     yield TrainBackendSpec(name="megatron", factory=create_train_worker,
                            model_dtypes=("float32", "bfloat16", "float16"),
                            description="Megatron-Core GPT model built by Megatron-Bridge from a Hugging Face "
-                                       "directory; tensor, pipeline (1F1B), data (Megatron DDP) and, for "
-                                       "Mixture-of-Experts models, expert parallelism; Megatron-Core Adam optimizer "
+                                       "directory; tensor, pipeline (1F1B, interleaved with virtual stages), "
+                                       "data (Megatron DDP) and, for Mixture-of-Experts models, expert and "
+                                       "expert-tensor parallelism; activation recomputation; Megatron-Core Adam "
+                                       "optimizer "
                                        "(float32, or bfloat16 / float16 with float32 master weights); "
                                        "LoRA through Megatron-Bridge's PEFT (dense models); vocabulary-level KL "
                                        "and distillation terms (full logits)",

@@ -45,8 +45,22 @@ its rank's own tokens before they are dispatched and sees global expert ids, so 
 The backend runs no sequence or context parallelism and no packed (THD) sequences; a router that
 sees another number of tokens than the records is a clear error, never a silent misalignment.
 
-Activation recomputation of MoE layers would run the routers again in the backward pass (upstream's
-``REPLAY_BACKWARD``); the backend never enables it, and a model config that does is refused.
+Activation recomputation (``backend_args.recompute_granularity = "full"``, or a selective
+recomputation of the MoE layers) runs a layer's router again in the backward pass. Upstream's
+action for that is ``REPLAY_BACKWARD``: each ``set_target_indices`` queues the ids, and a router
+whose action is set to it pops them in order. Megatron-Core never sets that action itself (a
+training loop must switch every router to it around the backward passes), and the per-token
+fallback means the ids a forward used are not the records alone. :class:`LayerReplay` therefore
+queues, in every training forward (its router in train mode, inside :meth:`MegatronRouterReplay.routing`),
+the ids the forward used, and a router run inside the autograd engine's backward pass (the
+recomputation) pops the oldest and gathers its gating scores from them, as ``REPLAY_BACKWARD``
+does. Megatron-Core's schedules run the backward passes of a layer's micro-batches in the order
+of their forwards (no pipelining, 1F1B, interleaved 1F1B alike), so the queue hands each
+recomputation the experts of its own forward, replayed or routed on its own.
+
+Virtual pipeline stages (``backend_args.vpp``): each model chunk's forward of a micro-batch is
+one :meth:`~MegatronRouterReplay.begin` / :meth:`~MegatronRouterReplay.end` pair; the agreement
+counts of a micro-batch's chunks are added up.
 """
 
 from __future__ import annotations
@@ -68,18 +82,37 @@ class LayerReplay(RouterReplay):
     has a record, the router's own top-k where it has none; ``RECORD``: the router's own top-k
     (recorded, as upstream does). In both, ``on_routed(ids, recorded, has)`` (when set) sees the
     ids used, the record and which tokens have one. No action: the router's own top-k, untouched.
+
+    With ``keep_for_backward`` (activation recomputation reruns this router), every forward of
+    the ``router`` in train mode queues the ids it used, and a run inside the backward pass (the
+    recomputation) pops the oldest and routes on them (upstream's ``REPLAY_BACKWARD``, see the
+    module docstring).
     """
 
-    def __init__(self, layer: int) -> None:
+    def __init__(self, layer: int, router: Any = None) -> None:
         super().__init__()
         # not in upstream's process-wide list: this instance belongs to one worker's model
         _unregister(self)
         self.layer = layer
+        self.router = router
         self.on_routed: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None
+        self.keep_for_backward = False
+        self.forward_ids: list[torch.Tensor] = []  # the ids of training forwards not yet recomputed
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
                         group_topk: int | None = None, default_compute_topk: Any = None,
                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.forward_ids and in_backward_pass():  # REPLAY_BACKWARD: the recomputed forward's experts
+            ids = self.forward_ids.pop(0).to(scores.device)
+            return scores.gather(1, ids), ids
+        probs, ids = self._forward_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        if self.keep_for_backward and self.router is not None and self.router.training:
+            self.forward_ids.append(ids.detach())
+        return probs, ids
+
+    def _forward_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None, group_topk: int | None,
+                      default_compute_topk: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The top-k of a forward pass under the current action (see the class docstring)."""
         action = self.router_replay_action
         recorded = self.target_topk_idx
         if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.RECORD) or recorded is None:
@@ -100,6 +133,20 @@ class LayerReplay(RouterReplay):
         if self.on_routed is not None:
             self.on_routed(ids, recorded, has)
         return probs, ids
+
+
+def in_backward_pass() -> bool:
+    """Whether this thread runs inside the autograd engine's backward pass (where Megatron-Core's
+    ``CheckpointFunction.backward`` recomputes a checkpointed forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def recomputes_routers(config: Any) -> bool:
+    """Whether Megatron-Core's activation recomputation under ``config`` runs the MoE routers again
+    in the backward pass: full recomputation (whole layers), or a selective one of the MoE layers."""
+    granularity = getattr(config, "recompute_granularity", None)
+    modules = getattr(config, "recompute_modules", None) or []
+    return granularity == "full" or (granularity == "selective" and "moe" in modules)
 
 
 def _unregister(replay: RouterReplay) -> None:
@@ -126,15 +173,13 @@ class MegatronRouterReplay:
 
     :meth:`routing` sets the mode of the forwards inside it (replay or the routers' own routing,
     agreement measured or not); :func:`.forward_backward.run_schedule` calls :meth:`begin` and
-    :meth:`end` around every micro-batch's forward on this stage; :meth:`agreement` gives the
+    :meth:`end` around every micro-batch's forward through a model chunk of this stage; :meth:`agreement` gives the
     measured forward's per-token agreement. Outside :meth:`routing`, and for a micro-batch without
     ``routed_experts``, the routers route on their own.
     """
 
     def __init__(self, modules: list[Any], config: Any) -> None:
-        if getattr(config, "recompute_granularity", None) or getattr(config, "moe_layer_recompute", False):
-            raise ValueError("[algorithm] router_replay = true: the megatron backend does not replay routing "
-                             "in recomputed (activation-checkpointed) MoE layers")
+        self.recompute = recomputes_routers(config)
         if getattr(config, "moe_router_fusion", False):  # the fused kernel never asks the replay object
             raise ValueError("[algorithm] router_replay = true needs moe_router_fusion = false")
         self.num_layers = int(config.num_layers)
@@ -149,27 +194,37 @@ class MegatronRouterReplay:
                                  f"{self.num_layers} decoder layers")
             if router.router_replay is not None:  # moe_enable_routing_replay: upstream's own instance
                 _unregister(router.router_replay)
-            replay = LayerReplay(layer)
+            replay = LayerReplay(layer, router)
             replay.on_routed = self._count
             router.router_replay = replay
             self.routers.append((layer, router, replay))
         self._mode: tuple[bool, bool] | None = None  # (replay, measure) inside routing()
         self._agree: torch.Tensor | None = None  # [tokens] of the running micro-batch, [s * b] order
         self._measured: torch.Tensor | None = None
-        self._counts: list[torch.Tensor] = []  # per measured micro-batch: [2, rows, width]
+        # per measured micro-batch (by identity, in the order of their first forward): [2, rows, width]
+        self._counts: dict[int, torch.Tensor] = {}
 
     @contextlib.contextmanager
     def routing(self, *, replay: bool, measure: bool) -> Iterator[None]:
         """Forwards inside replay the records (``replay``) or route on their own, and count the
-        agreement when ``measure``; everything is dropped on the way out."""
+        agreement when ``measure``; everything is dropped on the way out. Under a recomputation of
+        the MoE layers, the training forwards inside keep their experts for the backward pass
+        (:class:`LayerReplay`)."""
         self._mode = (replay, measure)
-        self._counts = []
+        self._counts = {}
+        self._keep_for_backward(self.recompute)
         try:
             yield
         finally:
             self._mode = None
             self._clear()
-            self._counts = []
+            self._counts = {}
+            self._keep_for_backward(False)
+
+    def _keep_for_backward(self, keep: bool) -> None:
+        for _, _, layer_replay in self.routers:
+            layer_replay.keep_for_backward = keep
+            layer_replay.forward_ids = []
 
     def begin(self, item: "StageInputs") -> None:
         """Before ``item``'s forward on this stage: each router gets its layer's recorded ids."""
@@ -195,11 +250,13 @@ class MegatronRouterReplay:
             self._measured = torch.zeros(width * rows, device=routes.device)
 
     def end(self, item: "StageInputs") -> None:
-        """After ``item``'s forward on this stage: keep its counts, drop its records."""
+        """After ``item``'s forward through a model chunk of this stage: add its counts to the
+        micro-batch's (the chunks of virtual pipeline stages count their own layers), drop its records."""
         if self._agree is not None and self._measured is not None:
             rows, width = item.input_ids.shape
-            counts = torch.stack([self._agree, self._measured]).view(2, width, rows).transpose(1, 2)
-            self._counts.append(counts[:, :item.rows])
+            counts = torch.stack([self._agree, self._measured]).view(2, width, rows).transpose(1, 2)[:, :item.rows]
+            earlier = self._counts.get(id(item))
+            self._counts[id(item)] = counts if earlier is None else earlier + counts
         self._clear()
 
     def agreement(self, width: int, device: torch.device,
@@ -208,7 +265,8 @@ class MegatronRouterReplay:
         forward: the share of its MoE layers whose experts equal the record, -1 where no layer
         has a record. ``sum_stages`` sums the counts over the pipeline stages (in place), each
         stage having counted its own layers; every stage must call it."""
-        parts = [torch.nn.functional.pad(c[..., :width], (0, max(0, width - c.shape[-1]))) for c in self._counts]
+        parts = [torch.nn.functional.pad(c[..., :width], (0, max(0, width - c.shape[-1])))
+                 for c in self._counts.values()]
         counts = torch.cat(parts, dim=1) if parts else torch.zeros(2, 0, width, device=device)
         if sum_stages is not None:
             sum_stages(counts)

@@ -8,10 +8,12 @@ mini-batch's global norm, so gradients add up across micro-batches and data-para
 
 The worker composes the backend's parts, each a module of its own:
 
-* :mod:`.parallel`: ``[train] backend_args``, the ``(tp, pp, dp, ep)`` layout, the process
+* :mod:`.parallel`: ``[train] backend_args``, the ``(tp, pp, dp, ep)`` layout (with virtual
+  pipeline stages, expert tensor parallelism and the refused context parallelism), the process
   group and Megatron-Core's parallel state;
-* :mod:`.model`: the model built by Megatron-Bridge (MoE settings included), in ``[model] dtype``
-  (float32, bfloat16 or float16; ``[model] fp32_lm_head`` for a float32 output projection);
+* :mod:`.model`: the model built by Megatron-Bridge (MoE settings and activation recomputation
+  included), in ``[model] dtype`` (float32, bfloat16 or float16; ``[model] fp32_lm_head`` for a
+  float32 output projection);
 * :mod:`.forward_backward`: micro-batches through Megatron-Core's forward-backward schedule;
 * :mod:`.optimizer`: Megatron DDP (float32 gradient buffers), Megatron-Core's Adam (float32
   master weights of 16-bit parameters, float16's dynamic loss scaling), the learning-rate
@@ -24,17 +26,28 @@ The worker composes the backend's parts, each a module of its own:
 
 Training is Megatron-Core's own. The micro-batches run through
 ``megatron.core.pipeline_parallel.get_forward_backward_func()``: no pipelining under PP = 1, the
-1F1B schedule under PP > 1, where the last stage computes the loss on each micro-batch's logits.
+1F1B schedule under PP > 1 (interleaved over the ``vpp`` model chunks of each rank with
+``backend_args.vpp``: the worker's ``modules`` and ``chunks`` hold one entry per chunk, and
+checkpoints, export, LoRA and offload cover all of them), where the last stage computes the loss
+on each micro-batch's logits.
 The loss function returns Megatron's ``(loss, num_tokens, info)`` triple, so Megatron
 back-propagates the host's loss as it is (no division by the number of micro-batches or tokens).
 ``finalize_model_grads`` sums the gradients over the data-parallel group, the tensor-parallel
 partial gradients of replicated norms and, under PP > 1, the gradients of the tied embedding's
 copies on the first and last stage.
 
-Every rank returns the same results: :meth:`~MegatronTrainWorker.forward` broadcasts the last
-stage's log-probs and entropies over the pipeline group, training metrics are reported by the
-last stage's tensor-parallel rank 0 of each data-parallel rank and all-reduced, and
-:meth:`~MegatronTrainWorker.named_weights` gathers full weights from every stage. The ranks of
+Vocabulary-level KL and distillation terms of the host's loss (``LossPipeline.needs_logits``: a
+``kl`` or ``distill_kl`` component whose ``requires`` is ``"topk"`` or ``"logits"``, such as the
+distill plugin's ``opd_topk_kl``, ``opd_full_kl`` and ``opd_jsd``) get the last stage's
+next-token logits over the Hugging Face vocabulary, ``[B, T - 1, V]`` float32 as the torch
+backend passes them: under TP > 1 the vocabulary shards are gathered by Megatron-Core's
+autograd-aware gather, so each rank's shard of the output layer gets its share of the gradient.
+
+Every rank returns the same results: :meth:`~MegatronTrainWorker.forward` and
+:meth:`~MegatronTrainWorker.score` broadcast the last stage's outputs over the pipeline group,
+training metrics are reported by the last stage's tensor-parallel rank 0 of each data-parallel
+rank and all-reduced, and :meth:`~MegatronTrainWorker.named_weights` gathers full weights from
+every stage. The ranks of
 one model-parallel group (its ``tp * pp`` ranks) must be given the same rows; a clear error
 says so otherwise.
 
@@ -296,7 +309,9 @@ class MegatronTrainWorker:
         ``t`` describes the distribution that produced token ``t``; position 0 and padding hold 0
         (the layout of ``loongsage_hookspecs.TeacherOutputs``). Each micro-batch's outputs move to
         ``output_device`` as soon as computed (full logits never pile up on the accelerator).
-        Needs PP = 1; under TP > 1 the vocabulary shards are gathered. :mod:`.teacher` calls it."""
+        Under TP > 1 the vocabulary shards are gathered; under PP > 1 the last stage's outputs
+        are broadcast over the pipeline group (:meth:`_score_parts_from_last_stage`), so every
+        rank returns the same result. :mod:`.teacher` calls it."""
         from .forward_backward import teacher_outputs
 
         if "input_ids" not in batch:
@@ -305,25 +320,61 @@ class MegatronTrainWorker:
             raise ValueError(f"MegatronTrainWorker.score: topk must be an integer >= 0, got {topk!r}")
         if topk > self.vocab_size:
             raise ValueError(f"MegatronTrainWorker.score: topk={topk} exceeds the vocabulary size {self.vocab_size}")
-        if self.pp > 1:
-            raise ValueError(f"MegatronTrainWorker.score: needs pp = 1, got pp = {self.pp} (only the last pipeline "
-                             "stage has the logits)")
         if self.offloaded:
             raise RuntimeError("MegatronTrainWorker.score: the worker is offloaded; call onload() first")
         self._check_same_rows(batch, "score")
         device = torch.device(output_device)
         width = int(batch["input_ids"].shape[1])
-        parts = self._run_forward_only(self._stage_inputs(batch), lambda inputs, logits: teacher_outputs(
-            logits, inputs, tp=self.tp, vocab=self.vocab_size, topk=topk, return_logits=return_logits,
+        inputs = self._stage_inputs(batch)
+        parts = self._run_forward_only(inputs, lambda item, logits: teacher_outputs(
+            logits, item, tp=self.tp, vocab=self.vocab_size, topk=topk, return_logits=return_logits,
             logits_dtype=logits_dtype, device=device))
+        shapes = self._score_shapes(topk, return_logits, logits_dtype)
+        if self.pp > 1:
+            parts = self._score_parts_from_last_stage(parts, inputs, shapes, width, device)
+        return {key: torch.cat([part[key] for part in parts]) if parts
+                else torch.zeros((0, width, *trailing), dtype=dtype, device=device)
+                for key, (trailing, dtype) in shapes.items()}
+
+    def _score_shapes(self, topk: int, return_logits: bool,
+                      logits_dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """The keys :meth:`score` returns, each with its trailing shape (after ``[B, T]``) and dtype."""
         shapes: dict[str, tuple[tuple[int, ...], torch.dtype]] = {"logprobs": ((), torch.float32)}
         if topk:
             shapes.update(topk_ids=((topk,), torch.long), topk_logprobs=((topk,), torch.float32))
         if return_logits:
             shapes["logits"] = ((self.vocab_size,), logits_dtype)
-        return {key: torch.cat([part[key] for part in parts]) if parts
-                else torch.zeros((0, width, *trailing), dtype=dtype, device=device)
-                for key, (trailing, dtype) in shapes.items()}
+        return shapes
+
+    def _score_parts_from_last_stage(self, parts: list[dict[str, torch.Tensor]], inputs: list[Any],
+                                     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], width: int,
+                                     device: torch.device) -> list[dict[str, torch.Tensor]]:
+        """The last pipeline stage's per-micro-batch :meth:`score` outputs ``parts`` on every stage.
+
+        Only the last stage computes logits, so only it has ``parts``; the other stages know their
+        shapes (a micro-batch's real rows, the batch's ``width``, the trailing sizes and dtypes of
+        ``shapes``) and receive them by a broadcast over the pipeline group. One micro-batch and
+        key at a time passes through this rank's device (the collective's: CUDA under NCCL), then
+        moves to ``device``, so full logits never pile up on the accelerator.
+        """
+        from megatron.core import parallel_state
+
+        last = parallel_state.is_pipeline_last_stage()
+        if last and len(parts) != len(inputs):
+            raise RuntimeError(f"MegatronTrainWorker.score: the last pipeline stage collected {len(parts)} "
+                               f"outputs for {len(inputs)} micro-batches")
+        shared = []
+        for index, item in enumerate(inputs):
+            received = {}
+            for key, (trailing, dtype) in shapes.items():
+                if last:
+                    buffer = parts[index][key].to(self.device).contiguous()
+                else:
+                    buffer = torch.empty((item.rows, width, *trailing), dtype=dtype, device=self.device)
+                parallel.broadcast_from_last_stage(buffer)
+                received[key] = parts[index][key] if last else buffer.to(device)
+            shared.append(received)
+        return shared
 
     @property
     def serves_reference(self) -> bool:
@@ -362,19 +413,18 @@ class MegatronTrainWorker:
 
         The micro-batches go through Megatron-Core's forward-backward schedule (1F1B under
         PP > 1); the last pipeline stage computes the host's loss on each micro-batch's logits.
+        A vocabulary-level KL or distillation term (``LossPipeline.needs_logits``) also gets the
+        next-token logits over the Hugging Face vocabulary (:meth:`_loss_outputs`).
         Under EP > 1 every rank of an expert-parallel group must call it (see :meth:`forward`).
         """
         if self.optimizer is None or self.pipeline is None:
             raise RuntimeError(f"MegatronTrainWorker.train_mini_batch: the {self.role!r} worker is forward-only")
-        if self.pipeline.needs_logits:
-            raise ValueError("megatron train backend: vocabulary-level KL estimators (full logits) are not "
-                             "supported yet")
         if self.offloaded:
             raise RuntimeError("MegatronTrainWorker.train_mini_batch: the worker is offloaded; call onload() first")
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.utils import get_model_config
 
-        from .forward_backward import run_schedule, token_outputs
+        from .forward_backward import run_schedule
 
         self._check_same_rows(batch, "train_mini_batch")
         pipeline = self.pipeline
@@ -384,14 +434,16 @@ class MegatronTrainWorker:
         self.optimizer.zero_grad(set_to_none=True)
         acc = MetricAccumulator()
         entropy_grad = pipeline.entropy_coef != 0.0
+        keep_logits = pipeline.needs_logits  # a vocabulary-level KL or distillation term
         # Every rank of a tensor-parallel group computes the same loss: one of them reports it.
         reports = parallel.tensor_parallel_rank() == 0
 
         def loss(inputs: Any, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
             if not inputs.rows:  # an all-padding micro-batch (expert parallelism): no loss, same graph
                 return logits.sum() * 0.0, torch.zeros((), dtype=torch.int), {}
-            logprobs, entropy = token_outputs(logits, inputs, tp=self.tp, entropy_grad=entropy_grad)
-            value, micro_metrics = pipeline.loss(inputs.micro, logprobs, entropy, norm)
+            logprobs, entropy, vocab_logits = self._loss_outputs(logits, inputs, entropy_grad=entropy_grad,
+                                                                 keep_logits=keep_logits)
+            value, micro_metrics = pipeline.loss(inputs.micro, logprobs, entropy, norm, logits=vocab_logits)
             if reports:
                 acc.add(micro_metrics, inputs.micro["loss_mask"])
             return value, inputs.micro["loss_mask"].sum().to(torch.int), {}
@@ -417,6 +469,20 @@ class MegatronTrainWorker:
         self.global_step += 1
         return metrics
 
+    def _loss_outputs(self, logits: torch.Tensor, inputs: Any, *, entropy_grad: bool, keep_logits: bool,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """What the host's loss reads of one micro-batch's last-stage ``logits``: per-token
+        log-probs and entropies ``[rows, T]`` and, with ``keep_logits`` (a vocabulary-level KL or
+        distillation term), the next-token logits ``[rows, T - 1, V]`` over the Hugging Face
+        vocabulary, float32, laid out as the torch backend passes them (gathered from the
+        vocabulary shards under TP > 1, the gradient flowing back to each shard); else None."""
+        from .forward_backward import token_outputs, token_outputs_and_logits
+
+        if not keep_logits:
+            logprobs, entropy = token_outputs(logits, inputs, tp=self.tp, entropy_grad=entropy_grad)
+            return logprobs, entropy, None
+        return token_outputs_and_logits(logits, inputs, tp=self.tp, vocab=self.vocab_size, entropy_grad=entropy_grad)
+
     # -- weights and checkpoints -----------------------------------------------------------------
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -428,20 +494,21 @@ class MegatronTrainWorker:
         yield from checkpoint.export_hf_weights(self.bridge, self.modules)
 
     def save_checkpoint(self, path: str) -> None:
-        """Each rank saves its model shard, Megatron optimizer state, schedule, step and RNG to ``path``.
+        """Each rank saves its model shard (every model chunk), Megatron optimizer state, schedule,
+        step and RNG to ``path``.
 
         Under the distributed optimizer the sharded Adam state goes to a separate file per
         model-parallel rank (``save_parameter_state``, gathered on data-parallel rank 0).
         """
         checkpoint.save_checkpoint(path, rank=self.rank, role=self.role, step=self.global_step,
-                                   module=self.modules[0], optimizer=self.optimizer, scheduler=self.scheduler,
+                                   modules=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
                                    distributed_optimizer=self.options.use_distributed_optimizer,
                                    adapter_only=self.lora is not None)
 
     def load_checkpoint(self, path: str) -> None:
         """Restore what :meth:`save_checkpoint` wrote (same parallel layout and optimizer kind)."""
         self.global_step = checkpoint.load_checkpoint(
-            path, rank=self.rank, module=self.modules[0], optimizer=self.optimizer, scheduler=self.scheduler,
+            path, rank=self.rank, modules=self.modules, optimizer=self.optimizer, scheduler=self.scheduler,
             distributed_optimizer=self.options.use_distributed_optimizer, adapter_only=self.lora is not None)
 
     def save_adapter(self, path: str) -> None:
