@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from . import parallel
-from .parallel import BackendOptions
+from . import layout
+from .layout import BackendOptions
 
 
 def check_job(job: Any) -> None:
@@ -27,11 +27,11 @@ def check_job(job: Any) -> None:
     config_file = Path(job.resolve_path(job.model.path)) / "config.json"
     if not config_file.is_file():
         return  # the job's model checks name the missing file
-    hf_config = parallel.read_hf_config(config_file)
-    num_experts = parallel.hf_num_experts(hf_config)
-    tp, pp, _, _ = parallel.parallel_sizes(options, int(job.train.num_workers), num_experts)
+    hf_config = layout.read_hf_config(config_file)
+    num_experts = layout.hf_num_experts(hf_config)
+    tp, pp, _, _ = layout.parallel_sizes(options, int(job.train.num_workers), num_experts)
     cuda = float(job.placement.trainer_gpus) > 0
-    parallel.check_layout(options, "actor", tp, pp, hf_config, num_experts, cuda=cuda)
+    layout.check_layout(options, "actor", tp, pp, hf_config, num_experts, cuda=cuda)
     check_model_settings(job, options, tp, num_experts, str(config_file.parent))
 
 
@@ -47,7 +47,7 @@ def check_model_settings(job: Any, options: BackendOptions, tp: int, num_experts
         raise ValueError("[algorithm] router_replay = true, but the model has no mixture-of-experts layers "
                          f"(the config.json of '{model_path}' names no routed experts): there is no "
                          "routing to replay")
-    if parallel.sequence_parallel(options, tp, num_experts):
+    if layout.sequence_parallel(options, tp, num_experts):
         raise ValueError(f"[algorithm] router_replay = true with [train] backend_args.tp = {tp} and "
                          "sequence parallelism: the megatron backend replays routing only without "
                          "sequence parallelism (use tp = 1 for a MoE model under router replay)")

@@ -5,7 +5,7 @@ Megatron-Bridge converts the weights on load (:func:`build_model`) into paramete
 ``Float16Module``, whose float32 master weights the optimizer keeps; ``[model] fp32_lm_head``
 computes the output projection in float32, :func:`fp32_output_layer`), without dropout, with
 sequence parallelism as ``backend_args.sequence_parallel`` resolves it
-(:func:`.parallel.sequence_parallel`: the embedding scatters the sequence over the
+(:func:`.layout.sequence_parallel`: the embedding scatters the sequence over the
 tensor-parallel ranks and the output layer gathers it back, so the logits cover whole sequences;
 the inputs' width must be a multiple of ``tp``, which :func:`.forward_backward.stage_inputs`
 pads to), with ``calculate_per_token_loss`` (Megatron back-propagates the host's
@@ -35,7 +35,8 @@ import attrs
 import torch
 
 from . import bridge_compat, cpu_compat
-from .parallel import BackendOptions, sum_over_data_parallel
+from .layout import BackendOptions
+from .parallel import sum_over_data_parallel
 
 MODEL_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
                                         "float16": torch.float16}
@@ -146,7 +147,7 @@ def interleaved_p2p(provider: Any) -> None:
 
 def configure_recompute(provider: Any, options: BackendOptions) -> None:
     """Megatron-Core's activation recomputation, as ``backend_args`` sets it (checked beforehand by
-    :func:`.parallel.check_recompute`): ``recompute_granularity``, ``recompute_method`` and
+    :func:`.layout.check_recompute`): ``recompute_granularity``, ``recompute_method`` and
     ``recompute_num_layers`` of the ``TransformerConfig``. ``"selective"`` keeps Megatron-Core's
     default ``recompute_modules`` (the core attention). Megatron-Core recomputes only in training
     (a module in train mode, under autograd), so forward-only passes run as before."""

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .parallel import BackendOptions
+from .layout import BackendOptions
 
 
 def wrap_ddp(modules: list[Any], options: BackendOptions) -> list[Any]:

@@ -86,12 +86,13 @@ import torch
 from loongsage_core.backend_api import LossPipeline, MetricAccumulator
 from loongsage_hookspecs import AggregationNorm, Batch
 
-from . import bridge_compat, checkpoint, cpu_compat, parallel
+from . import bridge_compat, checkpoint, cpu_compat, layout, parallel
 from . import lora as lora_lib
+from .job_checks import check_model_settings
+from .layout import BackendOptions
 from .model import aux_loss_scale, build_model, model_dtype
 from .offload import HostOffload
 from .optimizer import build_optimizer, optimizer_step, wrap_ddp
-from .parallel import BackendOptions
 
 
 class MegatronTrainWorker:
@@ -120,25 +121,17 @@ class MegatronTrainWorker:
         config_file = Path(self.model_path) / "config.json"
         if not config_file.is_file():
             raise ValueError(f"[model] path: no config.json in model directory '{self.model_path}'")
-        hf_config = parallel.read_hf_config(config_file)
-        self.num_experts = parallel.hf_num_experts(hf_config)
-        self.tp, self.pp, self.dp, self.ep = parallel.parallel_sizes(self.options, self.world_size, self.num_experts)
+        hf_config = layout.read_hf_config(config_file)
+        self.num_experts = layout.hf_num_experts(hf_config)
+        self.tp, self.pp, self.dp, self.ep = layout.parallel_sizes(self.options, self.world_size, self.num_experts)
         self.micro_batch_size = job.train.micro_batch_size
-        parallel.check_layout(self.options, self.role, self.tp, self.pp, hf_config, self.num_experts,
-                              cuda=not cpu_compat.cuda_missing())
-        self.sequence_parallel = parallel.sequence_parallel(self.options, self.tp, self.num_experts)
+        layout.check_layout(self.options, self.role, self.tp, self.pp, hf_config, self.num_experts,
+                            cuda=not cpu_compat.cuda_missing())
+        self.sequence_parallel = layout.sequence_parallel(self.options, self.tp, self.num_experts)
         # [algorithm] router_replay: every forward of a mixture-of-experts model replays the
         # engine's routing (.router_replay); the actor's scoring pass also compares without it
         replay = bool(getattr(job.algorithm, "router_replay", False))
-        if replay and not self.num_experts:
-            raise ValueError("[algorithm] router_replay = true, but the model has no mixture-of-experts layers "
-                             f"(the config.json of '{self.model_path}' names no routed experts): there is no "
-                             "routing to replay")
-        if replay and self.sequence_parallel:
-            # the routers would see their rank's share of the sequence, the records the whole of it
-            raise ValueError(f"[algorithm] router_replay = true with [train] backend_args.tp = {self.tp} and "
-                             "sequence parallelism: the megatron backend replays routing only without "
-                             "sequence parallelism (use tp = 1 for a MoE model under router replay)")
+        check_model_settings(job, self.options, self.tp, self.num_experts, self.model_path)
         self.router_replay_compare = (replay and self.role == "actor"
                                       and bool(getattr(job.algorithm, "router_replay_compare", True)))
 

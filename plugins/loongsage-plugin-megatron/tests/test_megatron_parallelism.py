@@ -27,9 +27,9 @@ try:
 except ImportError as exc:  # fail, never skip: the backend's tests need the real library
     raise ImportError("megatron-core is not installed: pip install -r requirements-megatron.txt") from exc
 
-from loongsage_plugin_megatron import parallel, plugin
+from loongsage_plugin_megatron import layout, plugin
 from loongsage_plugin_megatron.forward_backward import microbatch_group_size
-from loongsage_plugin_megatron.parallel import BackendOptions
+from loongsage_plugin_megatron.layout import BackendOptions
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import LoraConfig
@@ -435,12 +435,12 @@ MOE = {"num_hidden_layers": 2, "num_experts": 4, "moe_intermediate_size": 16}
 
 
 def _layout(hf_config: dict, world: int = 2, cuda: bool = False, **args) -> None:
-    """What a worker and ``loongsage validate`` check: :func:`parallel.parallel_sizes` and
-    :func:`parallel.check_layout` of ``args`` on ``world`` ranks."""
+    """What a worker and ``loongsage validate`` check: :func:`layout.parallel_sizes` and
+    :func:`layout.check_layout` of ``args`` on ``world`` ranks."""
     options = BackendOptions.from_args(args)
-    experts = parallel.hf_num_experts(hf_config)
-    tp, pp, _, _ = parallel.parallel_sizes(options, world, experts)
-    parallel.check_layout(options, "actor", tp, pp, hf_config, experts, cuda=cuda)
+    experts = layout.hf_num_experts(hf_config)
+    tp, pp, _, _ = layout.parallel_sizes(options, world, experts)
+    layout.check_layout(options, "actor", tp, pp, hf_config, experts, cuda=cuda)
 
 
 @pytest.mark.parametrize("args, world, config, cuda, message", [
@@ -504,7 +504,7 @@ def test_parallelism_options_that_fit_pass_the_checks():
     _layout(MOE, 2, tp=2, etp=2)
     assert BackendOptions(tp=2).expert_tp(2) == 2 and BackendOptions(etp=1).expert_tp(2) == 1
     _layout(DENSE, 1, cuda=True, cp=1)
-    assert parallel.context_parallel_blocker(1, cuda=False) is None
+    assert layout.context_parallel_blocker(1, cuda=False) is None
 
 
 def test_the_worker_refuses_before_it_builds(hf_dir):

@@ -138,7 +138,7 @@ def test_moe_tp2_with_sequence_parallel_equals_tp1(two_ranks):
 
 
 def test_sequence_parallel_options_are_checked(hf_dir, tmp_path):
-    from loongsage_plugin_megatron.parallel import BackendOptions, sequence_parallel
+    from loongsage_plugin_megatron.layout import BackendOptions, sequence_parallel
 
     host = PluginHost.create([])
     with pytest.raises(ValueError, match=r"backend_args.sequence_parallel = true needs tp > 1"):
