@@ -11,6 +11,7 @@ import torch
 from loongsage_plugin_torch.modeling import TINY_QWEN3
 from loongsage_plugin_torch.trainer import create_train_worker
 from loongsage_plugin_torch.trainer.packing import PackedRows, plan_micro_batches, prompt_groups
+from torch_test_support import prompt_group_tensors
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
@@ -212,23 +213,10 @@ def test_packed_or_shared_critic_values_and_gradients_equal_the_padded_ones(case
 
 
 def make_group_batch(seed: int = 0) -> Batch:
-    """Two prompts (7 and 10 tokens) with three completions each, then a row of its own: the
-    rows of a prompt share its tokens exactly, their completions differ in content and length."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, 512, (7,), generator=g), torch.randint(1, 512, (10,), generator=g)]
-    rows = [(prompts[i // 3], int(torch.randint(2, 12, (1,), generator=g))) for i in range(6)]
-    rows.append((torch.randint(1, 512, (5,), generator=g), 9))
-    width = max(len(p) + n for p, n in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for r, (prompt, n) in enumerate(rows):
-        ids[r, :len(prompt)] = prompt
-        ids[r, len(prompt):len(prompt) + n] = torch.randint(1, 512, (n,), generator=g)
-        attention[r, :len(prompt) + n] = 1
-        loss_mask[r, len(prompt):len(prompt) + n] = 1
-    adv = torch.randn(len(rows), 1, generator=g) * loss_mask
-    return Batch(tensors={"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask,
-                          "advantages": adv.float()}, meta={"sample_id": [f"s{i}" for i in range(len(rows))]})
+    """Two prompts with three completions each, then a row of its own (see
+    :func:`torch_test_support.prompt_group_tensors`)."""
+    tensors = prompt_group_tensors(seed)
+    return Batch(tensors=tensors, meta={"sample_id": [f"s{i}" for i in range(len(tensors["input_ids"]))]})
 
 
 def test_prompt_groups_share_a_prompt_only_where_it_saves():

@@ -16,6 +16,7 @@ import pytest
 import torch
 from loongsage_plugin_torch.modeling import TINY_QWEN3
 from loongsage_plugin_torch.trainer import create_train_worker
+from torch_test_support import prompt_group_tensors
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
@@ -50,23 +51,11 @@ def make_worker(*, replay: bool = True, compare: bool = True, max_tokens: int | 
 
 
 def group_batch(seed: int = 0) -> Batch:
-    """Two prompts (7 and 10 tokens) with three completions each, and a row of its own."""
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(1, 512, (7,), generator=g), torch.randint(1, 512, (10,), generator=g)]
-    rows = [(prompts[i // 3], int(torch.randint(3, 12, (1,), generator=g))) for i in range(6)]
-    rows.append((torch.randint(1, 512, (5,), generator=g), 9))
-    width = max(len(p) + n for p, n in rows) + 2  # right padding on every row
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attention, loss_mask = torch.zeros_like(ids), torch.zeros_like(ids)
-    for r, (prompt, n) in enumerate(rows):
-        ids[r, :len(prompt)] = prompt
-        ids[r, len(prompt):len(prompt) + n] = torch.randint(1, 512, (n,), generator=g)
-        attention[r, :len(prompt) + n] = 1
-        loss_mask[r, len(prompt):len(prompt) + n] = 1
-    adv = torch.randn(len(rows), 1, generator=g) * loss_mask
-    return Batch(tensors={"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask,
-                          "advantages": adv.float()},
-                 meta={"trajectory_id": [f"t{i}" for i in range(len(rows))], "segment": [0] * len(rows)})
+    """Two prompts (7 and 10 tokens) with three completions each, and a row of its own, every row
+    right-padded."""
+    tensors = prompt_group_tensors(seed, shortest=3, padding=2)
+    rows = len(tensors["input_ids"])
+    return Batch(tensors=tensors, meta={"trajectory_id": [f"t{i}" for i in range(rows)], "segment": [0] * rows})
 
 
 def own_choices(model: Any, batch: Batch, moe_layers: list[int] = MOE_LAYERS) -> torch.Tensor:
