@@ -9,8 +9,6 @@ two-rank phases after them, rank 0 alone for the one-rank references.
 
 from __future__ import annotations
 
-import json
-import time
 from pathlib import Path
 
 import pytest
@@ -24,36 +22,25 @@ except ImportError as exc:  # fail, never skip: the backend's tests need the rea
 from loongsage_plugin_megatron import plugin
 from loongsage_plugin_megatron.checkpoint import STATE_FILE
 from loongsage_plugin_torch.trainer import create_train_worker as create_torch_worker
+from megatron_test_support import (
+    TINY_QWEN3_MOE,
+    TOKENIZER,
+    assert_weights_equal,
+    hf_token_outputs,
+    make_batch,
+    make_job,
+    make_train_batch,
+    rendezvous_ports,
+    run_ranks,
+    save_tiny_moe,
+    weights_of,
+    with_hf_old_logprobs,
+)
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import AlgorithmConfig, JobConfig, LoraConfig, ModelConfig, TrainConfig
 from loongsage_core.plugins import PluginHost
-from loongsage_core.rendezvous import host_rendezvous
 from loongsage_hookspecs import Batch, LoraTrainer, TrainWorker, TrainWorkerContext
-
-TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
-
-
-# A tiny Qwen3-MoE: every layer sparse, 4 experts, top-2 with renormalised top-k weights (as the
-# released Qwen3-MoE checkpoints).
-TINY_QWEN3_MOE = dict(vocab_size=512, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-                      mlp_only_layers=[], max_position_embeddings=128, tie_word_embeddings=False)
-
-
-def save_tiny_moe(out: str, **overrides):
-    """Write a tiny Qwen3-MoE Hugging Face directory to ``out``; returns the transformers model."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    torch.manual_seed(0)
-    model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**{**TINY_QWEN3_MOE, **overrides})).float()
-    with torch.no_grad():  # decisive routing and experts that matter: a wrong expert shows in the log-probs
-        for name, param in model.named_parameters():
-            if ".mlp." in name:
-                param.normal_(0.0, 0.3)
-    model.save_pretrained(out)
-    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -63,54 +50,9 @@ def moe_model(tmp_path_factory):
     return out, save_tiny_moe(out)
 
 
-def hf_token_outputs(model, batch: Batch) -> dict[str, torch.Tensor]:
-    """Per-token log-probs and entropies ``[B, T]`` of a transformers model at the tokens a train
-    worker scores (its ``loss_mask``; 0 elsewhere, at padding and at position 0)."""
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1].float()
-    logp = torch.log_softmax(logits, -1)
-    picked = logp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
-    entropy = -(logp.exp() * logp).sum(-1)
-    real = batch["loss_mask"][:, 1:] > 0
-    pad = (1, 0)
-    return {"logprobs": torch.nn.functional.pad(torch.where(real, picked, 0.0), pad),
-            "entropy": torch.nn.functional.pad(torch.where(real, entropy, 0.0), pad)}
-
-
 def make_moe_train_batch(model, seed: int) -> Batch:
     """A GRPO batch whose ``old_logprobs`` are the MoE model's log-probs plus a little noise."""
-    batch = make_batch(seed=seed)
-    old = hf_token_outputs(model, batch)["logprobs"]
-    noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed + 2))
-    batch.tensors["old_logprobs"] = (old + noise) * batch["loss_mask"]
-    return batch
-
-
-@pytest.fixture(scope="module")
-def host() -> PluginHost:
-    return PluginHost.create([])
-
-
-def make_job(path: str, **backend_args) -> JobConfig:
-    # Warmup then cosine decay: the first step trains at lr / 2, so the schedule shows in every step.
-    return JobConfig(model=ModelConfig(path=path, tokenizer=TOKENIZER),
-                     train=TrainConfig(lr=1e-3, micro_batch_size=2, grad_clip=1.0, lr_schedule="cosine",
-                                       lr_warmup_steps=2, total_steps=6, weight_decay=0.01,
-                                       backend_args=backend_args),
-                     algorithm=AlgorithmConfig(entropy_coef=0.01))
-
-
-def make_batch(rows: int = 4, width: int = 12, seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(width // 2, width + 1, (rows,), generator=g)
-    lengths[0] = width
-    t = torch.arange(width)
-    attention = (t[None, :] < lengths[:, None]).long()
-    loss_mask = ((t[None, :] >= 3) & (t[None, :] < lengths[:, None])).long()
-    ids = torch.randint(1, 512, (rows, width), generator=g) * attention
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:rows, None] * loss_mask
-    return Batch(tensors={"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask,
-                          "advantages": adv.float()}, meta={"sample_id": [f"s{i}" for i in range(rows)]})
+    return with_hf_old_logprobs(model, make_batch(seed=seed), seed)
 
 
 @pytest.fixture
@@ -141,15 +83,6 @@ def test_hf_export_equals_torch_state_dict(workers):
     assert set(exported) == set(expected)
     for name, tensor in expected.items():
         torch.testing.assert_close(exported[name], tensor, rtol=0, atol=0, msg=name)
-
-
-def make_train_batch(ref, seed: int) -> Batch:
-    """A GRPO batch whose ``old_logprobs`` are ``ref``'s log-probs plus a little noise (ratios near 1)."""
-    batch = make_batch(seed=seed)
-    old = ref.forward(batch)["logprobs"]
-    noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed + 2))
-    batch.tensors["old_logprobs"] = (old + noise) * batch["loss_mask"]
-    return batch
 
 
 def test_grpo_step_matches_torch_backend(workers):
@@ -192,7 +125,7 @@ def test_not_finite_gradients_skip_the_step(workers):
     before = {n: t.clone() for n, t in meg.named_weights()}
     metrics = meg.train_mini_batch(batch, compute_norm(batch))
     assert metrics["train/skipped_step"] == 1.0 and metrics["train/grad_norm"] != metrics["train/grad_norm"]
-    _assert_weights_equal(dict(meg.named_weights()), before, atol=0)
+    assert_weights_equal(dict(meg.named_weights()), before, atol=0)
 
 
 def test_offload_onload_keep_cpu_results(workers):
@@ -207,32 +140,10 @@ def test_offload_onload_keep_cpu_results(workers):
         torch.testing.assert_close(out["logprobs"], before["logprobs"], rtol=0, atol=0)
 
 
-def _rendezvous_ports(rank: int, out: str, count: int) -> tuple[list[int], list]:
-    """One rendezvous port per phase: rank 0 listens on ``count`` ports the OS assigns and
-    publishes them in ``out/ports.json``; the other ranks wait for that file. Returns the ports
-    and (on rank 0) the listening stores, which must stay alive while the phases run."""
-    published = Path(out) / "ports.json"
-    if rank == 0:
-        stores = [host_rendezvous() for _ in range(count)]
-        (Path(out) / "ports.tmp").write_text(json.dumps([r.port for r in stores]))
-        (Path(out) / "ports.tmp").rename(published)  # whole or absent, never half written
-        return [r.port for r in stores], stores
-    deadline = time.monotonic() + 300
-    while not published.exists():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"rank {rank}: rank 0 published no rendezvous ports in {published}")
-        time.sleep(0.05)
-    return json.loads(published.read_text()), []
-
-
-def _weights(worker) -> dict[str, torch.Tensor]:
-    return {n: t.clone() for n, t in worker.named_weights()}
-
-
-def _multi_rank_job(rank: int, hf_dir: str, batches: list[Batch], out: str, moe: tuple[str, Batch]) -> None:
+def _multi_rank_job(rank: int, out: str, hf_dir: str, batches: list[Batch], moe: tuple[str, Batch]) -> dict:
     """Phases of one of four ranks; each phase leaves its process group before the next starts
-    and the next joins a rendezvous of its own."""
-    ports, _listening = _rendezvous_ports(rank, out, 7)
+    and the next joins a rendezvous of its own. Returns the rank's results."""
+    ports, _listening = rendezvous_ports(rank, out, 7)
     host = PluginHost.create([])
     first, second = batches
     moe_dir, moe_batch = moe
@@ -245,30 +156,29 @@ def _multi_rank_job(rank: int, hf_dir: str, batches: list[Batch], out: str, moe:
     # TP = 2 x PP = 2 on four ranks: forward, export, one training step on the whole batch.
     w = worker(ports[4], world=4, tp=2, pp=2)
     result["tppp_forward"] = w.forward(make_batch())
-    result["tppp_initial"] = _weights(w)
+    result["tppp_initial"] = weights_of(w)
     result["tppp_metrics"] = w.train_mini_batch(first, compute_norm(first))
-    result["tppp_weights"] = _weights(w)
+    result["tppp_weights"] = weights_of(w)
     w.close()
 
     # EP = 2 x PP = 2 on four ranks (the MoE model): ranks 0 and 1 hold the first layer, 2 and 3 the
     # second; data-parallel replica r (ranks r and r + 2) gets rows 0-2 or row 3 of the batch.
     w = worker(ports[6], world=4, path=moe_dir, ep=2, pp=2)
     result["eppp_forward"] = w.forward(make_batch())
-    result["eppp_initial"] = _weights(w)
+    result["eppp_initial"] = weights_of(w)
     mine = moe_batch.select([0, 1, 2] if w.data_parallel_rank == 0 else [3])
     result["eppp_metrics"] = w.train_mini_batch(mine, compute_norm(moe_batch))
-    result["eppp_weights"] = _weights(w)
+    result["eppp_weights"] = weights_of(w)
     w.close()
     if rank >= 2:
-        torch.save(result, str(Path(out) / f"rank{rank}.pt"))
-        return
+        return result
 
     # TP = 2: forward, then one training step on the whole batch.
     w = worker(ports[0], tp=2)
     result["tp_forward"] = w.forward(make_batch())
-    result["tp_initial"] = _weights(w)
+    result["tp_initial"] = weights_of(w)
     result["tp_metrics"] = w.train_mini_batch(first, compute_norm(first))
-    result["tp_weights"] = _weights(w)
+    result["tp_weights"] = weights_of(w)
     w.close()
 
     # DP = 2: each rank trains on its half of the rows with the whole batch's norm; checkpoint
@@ -278,17 +188,17 @@ def _multi_rank_job(rank: int, hf_dir: str, batches: list[Batch], out: str, moe:
 
     w = worker(ports[1], dp=2)
     result["dp_metrics"] = w.train_mini_batch(half(first), compute_norm(first))
-    result["dp_weights"] = _weights(w)
+    result["dp_weights"] = weights_of(w)
     w.save_checkpoint(str(Path(out) / "ckpt"))
     result["dp_metrics_2"] = w.train_mini_batch(half(second), compute_norm(second))
-    result["dp_weights_2"] = _weights(w)
+    result["dp_weights_2"] = weights_of(w)
     w.close()
 
     # A fresh DP = 2 run resumed from the checkpoint takes the second step again.
     w = worker(ports[2], dp=2)
     w.load_checkpoint(str(Path(out) / "ckpt"))
     result["resumed_metrics_2"] = w.train_mini_batch(half(second), compute_norm(second))
-    result["resumed_weights_2"] = _weights(w)
+    result["resumed_weights_2"] = weights_of(w)
     w.close()
 
     # PP = 2: rank 0 holds the embedding and the first layer, rank 1 the second layer, the final
@@ -298,9 +208,9 @@ def _multi_rank_job(rank: int, hf_dir: str, batches: list[Batch], out: str, moe:
     result["pp_stage_params"] = sorted(n for n, _ in w.modules[0].named_parameters())
     result["pp_forward"] = w.forward(make_batch())
     result["pp_forward_3"] = w.forward(make_batch(rows=3, seed=3))  # the second micro-batch is padded
-    result["pp_initial"] = _weights(w)
+    result["pp_initial"] = weights_of(w)
     result["pp_metrics"] = w.train_mini_batch(first, compute_norm(first))
-    result["pp_weights"] = _weights(w)
+    result["pp_weights"] = weights_of(w)
     w.save_hf(str(Path(out) / "pp_hf"))
     try:  # the two stages given different rows: a clear error on both, not a hung pipeline
         w.forward(make_batch(rows=2 + rank))
@@ -315,12 +225,12 @@ def _multi_rank_job(rank: int, hf_dir: str, batches: list[Batch], out: str, moe:
     result["ep_forward"] = w.forward(make_batch())
     # Different rows on the two ranks (3 and none): they agree on one shape and number of micro-batches.
     result["ep_forward_uneven"] = w.forward(make_batch(rows=3, seed=3) if rank == 0 else make_batch().select([]))
-    result["ep_initial"] = _weights(w)
+    result["ep_initial"] = weights_of(w)
     # One GRPO step on the whole batch split unevenly (3 rows and 1: two micro-batches against one
     # and an all-padding one), with the whole batch's norm.
     mine = moe_batch.select([0, 1, 2] if rank == 0 else [3])
     result["ep_metrics"] = w.train_mini_batch(mine, compute_norm(moe_batch))
-    result["ep_weights"] = _weights(w)
+    result["ep_weights"] = weights_of(w)
     w.close()
 
     # PP = 1, DP = 1 on rank 0 alone: the same forward and first step on the whole batch.
@@ -328,52 +238,42 @@ def _multi_rank_job(rank: int, hf_dir: str, batches: list[Batch], out: str, moe:
         w = worker(0, world=1)
         result["dp1_forward"] = w.forward(make_batch())
         result["dp1_forward_3"] = w.forward(make_batch(rows=3, seed=3))
-        result["dp1_initial"] = _weights(w)
+        result["dp1_initial"] = weights_of(w)
         result["dp1_metrics"] = w.train_mini_batch(first, compute_norm(first))
-        result["dp1_weights"] = _weights(w)
+        result["dp1_weights"] = weights_of(w)
         w.close()
         # EP = 1 on the MoE model: the reference of the EP = 2 phase.
         w = worker(0, world=1, path=moe_dir)
         result["ep1_forward"] = w.forward(make_batch())
         result["ep1_forward_3"] = w.forward(make_batch(rows=3, seed=3))
-        result["ep1_initial"] = _weights(w)
+        result["ep1_initial"] = weights_of(w)
         result["ep1_metrics"] = w.train_mini_batch(moe_batch, compute_norm(moe_batch))
-        result["ep1_weights"] = _weights(w)
+        result["ep1_weights"] = weights_of(w)
         w.close()
-    torch.save(result, str(Path(out) / f"rank{rank}.pt"))
+    return result
 
 
 @pytest.fixture(scope="module")
 def multi_rank(hf_dir, moe_model, host, tmp_path_factory):
     """Run :func:`_multi_rank_job` on four spawned ranks; returns (rank results, torch reference results,
     output directory)."""
-    import torch.multiprocessing as mp
-
     # A fresh torch worker (the module's workers may have trained already) gives the batches'
     # old log-probs, the untouched weights and the torch backend's first step.
     ref = create_torch_worker(TrainWorkerContext(job=make_job(hf_dir), components=host))
-    expected = {"forward": ref.forward(make_batch()), "initial": _weights(ref)}
+    expected = {"forward": ref.forward(make_batch()), "initial": weights_of(ref)}
     batches = [make_train_batch(ref, seed=6), make_train_batch(ref, seed=7)]
     out = tmp_path_factory.mktemp("multi_rank")
     moe = (moe_model[0], make_moe_train_batch(moe_model[1], seed=6))
-    mp.start_processes(_multi_rank_job, args=(hf_dir, batches, str(out), moe), nprocs=4, join=True,
-                       start_method="spawn")
+    ranks = run_ranks(_multi_rank_job, 4, out, hf_dir, batches, moe)
     expected["metrics"] = ref.train_mini_batch(batches[0], compute_norm(batches[0]))
     expected["weights"] = dict(ref.named_weights())
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
     return ranks, expected, out
-
-
-def _assert_weights_equal(got: dict, expected: dict, atol: float) -> None:
-    assert set(got) == set(expected)
-    for name, tensor in expected.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=atol, msg=name)
 
 
 def test_tensor_parallel_2_equals_tp_1(multi_rank):
     (rank0, *_), expected, _ = multi_rank
     torch.testing.assert_close(rank0["tp_forward"]["logprobs"], expected["forward"]["logprobs"], rtol=0, atol=1e-5)
-    _assert_weights_equal(rank0["tp_initial"], expected["initial"], atol=0)  # export gathers the TP shards
+    assert_weights_equal(rank0["tp_initial"], expected["initial"], atol=0)  # export gathers the TP shards
     # One training step under TP = 2 (gradient norm over the TP shards, QK-norm gradients summed
     # over the TP group by Megatron) matches the torch backend like the TP = 1 step does.
     got, ref = rank0["tp_metrics"], expected["metrics"]
@@ -392,8 +292,8 @@ def test_data_parallel_2_equals_dp_1(multi_rank):
     assert rank0["dp_metrics"]["train/grad_norm"] > 0
     for key in ("train/loss", "train/pg_loss", "train/entropy"):
         assert rank0["dp_metrics"][key] == pytest.approx(rank0["dp1_metrics"][key], rel=1e-6), key
-    _assert_weights_equal(rank0["dp_weights"], rank0["dp1_weights"], atol=0)
-    _assert_weights_equal(rank1["dp_weights"], rank0["dp_weights"], atol=0)  # replicas stay identical
+    assert_weights_equal(rank0["dp_weights"], rank0["dp1_weights"], atol=0)
+    assert_weights_equal(rank1["dp_weights"], rank0["dp_weights"], atol=0)  # replicas stay identical
     moved = torch.cat([(rank0["dp_weights"][n] - t).abs().flatten() for n, t in expected["initial"].items()])
     assert moved.max() > 1e-4
 
@@ -402,7 +302,7 @@ def test_checkpoint_resume_continues_exactly(multi_rank):
     (rank0, rank1, *_), _, _ = multi_rank
     for rank in (rank0, rank1):
         assert rank["resumed_metrics_2"] == rank["dp_metrics_2"]
-        _assert_weights_equal(rank["resumed_weights_2"], rank["dp_weights_2"], atol=0)  # bit-equal
+        assert_weights_equal(rank["resumed_weights_2"], rank["dp_weights_2"], atol=0)  # bit-equal
     # The second step trained at the warmed-up learning rate with the saved Adam moments.
     assert rank0["dp_metrics_2"]["train/lr"] > rank0["dp_metrics"]["train/lr"]
     step = torch.cat([(rank0["dp_weights_2"][n] - t).abs().flatten() for n, t in rank0["dp_weights"].items()])
@@ -425,7 +325,7 @@ def test_pipeline_parallel_2_equals_pp_1(multi_rank, hf_dir):
             torch.testing.assert_close(rank["pp_forward"][key], rank0["dp1_forward"][key], rtol=0, atol=1e-5)
             torch.testing.assert_close(rank["pp_forward_3"][key], rank0["dp1_forward_3"][key], rtol=0, atol=1e-5)
         # Export gathers the stages' weights: the same full Hugging Face state dict as PP = 1.
-        _assert_weights_equal(rank["pp_initial"], rank0["dp1_initial"], atol=0)
+        assert_weights_equal(rank["pp_initial"], rank0["dp1_initial"], atol=0)
     # One GRPO step through the 1F1B schedule: same loss, gradient norm and updated weights.
     got, ref = rank0["pp_metrics"], rank0["dp1_metrics"]
     assert rank1["pp_metrics"] == got  # every stage reports the last stage's metrics
@@ -433,7 +333,7 @@ def test_pipeline_parallel_2_equals_pp_1(multi_rank, hf_dir):
     for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/entropy", "train/lr"):
         assert got[key] == pytest.approx(ref[key], rel=1e-6, abs=1e-7), key
     for rank in (rank0, rank1):
-        _assert_weights_equal(rank["pp_weights"], rank0["dp1_weights"], atol=1e-5)
+        assert_weights_equal(rank["pp_weights"], rank0["dp1_weights"], atol=1e-5)
     moved = torch.cat([(rank0["pp_weights"][n] - t).abs().flatten() for n, t in rank0["pp_initial"].items()])
     assert moved.max() > 1e-4
     for rank in (rank0, rank1):
@@ -466,8 +366,8 @@ def test_expert_parallel_2_equals_ep_1(multi_rank, moe_model):
         for key in ("logprobs", "entropy"):
             torch.testing.assert_close(rank["ep_forward"][key], rank0["ep1_forward"][key], rtol=0, atol=1e-5)
         # Export gathers every rank's experts: the source checkpoint, as under EP = 1.
-        _assert_weights_equal(rank["ep_initial"], source, atol=0)
-        _assert_weights_equal(rank0["ep1_initial"], source, atol=0)
+        assert_weights_equal(rank["ep_initial"], source, atol=0)
+        assert_weights_equal(rank0["ep1_initial"], source, atol=0)
     torch.testing.assert_close(rank0["ep_forward_uneven"]["logprobs"], rank0["ep1_forward_3"]["logprobs"],
                                rtol=0, atol=1e-5)
     assert rank1["ep_forward_uneven"]["logprobs"].shape == (0, 12)
@@ -479,7 +379,7 @@ def test_expert_parallel_2_equals_ep_1(multi_rank, moe_model):
     for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/entropy", "train/lr"):
         assert got[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
     for rank in (rank0, rank1):
-        _assert_weights_equal(rank["ep_weights"], rank0["ep1_weights"], atol=1e-5)
+        assert_weights_equal(rank["ep_weights"], rank0["ep1_weights"], atol=1e-5)
     moved = {n: (rank0["ep_weights"][n] - t).abs().max() for n, t in source.items()}
     assert all(moved[n] > 1e-4 for n in moved if ".mlp.experts." in n)
 
@@ -491,12 +391,12 @@ def test_expert_parallel_2_by_pipeline_parallel_2_equals_one_rank(multi_rank, mo
     for rank in ranks:
         for key in ("logprobs", "entropy"):
             torch.testing.assert_close(rank["eppp_forward"][key], ref["ep1_forward"][key], rtol=0, atol=1e-5)
-        _assert_weights_equal(rank["eppp_initial"], source, atol=0)
+        assert_weights_equal(rank["eppp_initial"], source, atol=0)
         got = rank["eppp_metrics"]
         assert got["train/grad_norm"] == pytest.approx(ref["ep1_metrics"]["train/grad_norm"], rel=1e-5)
         for key in ("train/loss", "train/pg_loss", "train/entropy"):
             assert got[key] == pytest.approx(ref["ep1_metrics"][key], rel=1e-5), key
-        _assert_weights_equal(rank["eppp_weights"], ref["ep1_weights"], atol=1e-5)
+        assert_weights_equal(rank["eppp_weights"], ref["ep1_weights"], atol=1e-5)
 
 
 def test_tensor_parallel_2_by_pipeline_parallel_2_equals_one_rank(multi_rank):
@@ -505,12 +405,12 @@ def test_tensor_parallel_2_by_pipeline_parallel_2_equals_one_rank(multi_rank):
     for rank in ranks:  # each rank returns the full outputs, metrics and weights
         for key in ("logprobs", "entropy"):
             torch.testing.assert_close(rank["tppp_forward"][key], ref["dp1_forward"][key], rtol=0, atol=1e-5)
-        _assert_weights_equal(rank["tppp_initial"], ref["dp1_initial"], atol=0)
+        assert_weights_equal(rank["tppp_initial"], ref["dp1_initial"], atol=0)
         got = rank["tppp_metrics"]
         assert got["train/grad_norm"] == pytest.approx(ref["dp1_metrics"]["train/grad_norm"], rel=1e-5)
         for key in ("train/loss", "train/pg_loss", "train/entropy"):
             assert got[key] == pytest.approx(ref["dp1_metrics"][key], rel=1e-5), key
-        _assert_weights_equal(rank["tppp_weights"], ref["dp1_weights"], atol=1e-5)
+        assert_weights_equal(rank["tppp_weights"], ref["dp1_weights"], atol=1e-5)
 
 
 def test_moe_logprobs_and_export_equal_transformers(moe_model, host):
@@ -522,7 +422,7 @@ def test_moe_logprobs_and_export_equal_transformers(moe_model, host):
         got, expected = w.forward(batch), hf_token_outputs(hf, batch)
         for key in ("logprobs", "entropy"):
             torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-5)
-    _assert_weights_equal(dict(w.named_weights()), _source_weights(path), atol=0)
+    assert_weights_equal(dict(w.named_weights()), _source_weights(path), atol=0)
 
 
 def test_moe_router_without_top_k_renormalisation_equals_transformers(tmp_path, host):

@@ -11,15 +11,11 @@ step of 4 rows, bfloat16 / float16):
   below 5 % of the float32 step's mean absolute size (measured 0.6 % / 0.1 %);
 * log-probs: largest difference below 1e-2 (measured 2.6e-3 / 2.6e-4; mean 8.2e-4 / 9.3e-5);
   bfloat16 with ``fp32_lm_head``: mean 7.5e-4, largest 2.3e-3.
-
-The helpers are copies of ``test_megatron_backend.py``'s (test modules cannot import each other
-under ``--import-mode=importlib``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
+import attrs
 import pytest
 import torch
 
@@ -28,16 +24,15 @@ try:
 except ImportError as exc:  # fail, never skip: the backend's tests need the real library
     raise ImportError("megatron-core is not installed: pip install -r requirements-megatron.txt") from exc
 
+import megatron_test_support as support
 from loongsage_plugin_megatron import plugin
 from loongsage_plugin_megatron.checkpoint import STATE_FILE
 from loongsage_plugin_megatron.model import MODEL_DTYPES, model_dtype
 
 from loongsage_core.algorithms import compute_norm
-from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
+from loongsage_core.config import JobConfig
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Batch, TrainWorkerContext
-
-TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
 
 LOSS_RTOL = 1e-3
 GRAD_NORM_RTOL = 5e-3
@@ -45,37 +40,15 @@ UPDATE_SHARE = 0.05
 LOGPROB_ATOL = 1e-2
 
 
-@pytest.fixture(scope="module")
-def host() -> PluginHost:
-    return PluginHost.create([])
-
-
 def make_job(path: str, dtype: str = "float32", fp32_lm_head: bool = False) -> JobConfig:
-    return JobConfig(model=ModelConfig(path=path, tokenizer=TOKENIZER, dtype=dtype, fp32_lm_head=fp32_lm_head),
-                     train=TrainConfig(lr=1e-3, micro_batch_size=2, grad_clip=1.0, lr_schedule="cosine",
-                                       lr_warmup_steps=2, total_steps=6, weight_decay=0.01),
-                     algorithm=AlgorithmConfig(entropy_coef=0.01))
-
-
-def make_batch(rows: int = 4, width: int = 12, seed: int = 0) -> Batch:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(width // 2, width + 1, (rows,), generator=g)
-    lengths[0] = width
-    t = torch.arange(width)
-    attention = (t[None, :] < lengths[:, None]).long()
-    loss_mask = ((t[None, :] >= 3) & (t[None, :] < lengths[:, None])).long()
-    ids = torch.randint(1, 512, (rows, width), generator=g) * attention
-    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])[:rows, None] * loss_mask
-    return Batch(tensors={"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask,
-                          "advantages": adv.float()}, meta={"sample_id": [f"s{i}" for i in range(rows)]})
+    """``megatron_test_support.make_job`` (no ``backend_args``) in ``[model] dtype``, with ``fp32_lm_head``."""
+    job = support.make_job(path)
+    return attrs.evolve(job, model=attrs.evolve(job.model, dtype=dtype, fp32_lm_head=fp32_lm_head))
 
 
 def make_train_batch(logprobs: torch.Tensor, seed: int) -> Batch:
     """A GRPO batch whose ``old_logprobs`` are ``logprobs`` (of ``make_batch(seed=seed)``) plus a little noise."""
-    batch = make_batch(seed=seed)
-    noise = 0.05 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(seed + 2))
-    batch.tensors["old_logprobs"] = (logprobs + noise) * batch["loss_mask"]
-    return batch
+    return support.with_old_logprobs(support.make_batch(seed=seed), logprobs, seed)
 
 
 def build(hf_dir: str, host: PluginHost, dtype: str = "float32", fp32_lm_head: bool = False):
@@ -115,7 +88,7 @@ def fp32_step(hf_dir, host):
     its step's metrics and its parameters before and after the step."""
     worker = build(hf_dir, host)
     try:
-        logprobs = worker.forward(make_batch(seed=1))["logprobs"]
+        logprobs = worker.forward(support.make_batch(seed=1))["logprobs"]
         batch = make_train_batch(logprobs, seed=1)
         before = params(worker)
         metrics = worker.train_mini_batch(batch, compute_norm(batch))
@@ -180,7 +153,7 @@ def test_bfloat16_checkpoint_resumes_bit_exactly(hf_dir, host, fp32_step, tmp_pa
     try:
         first.train_mini_batch(b1, compute_norm(b1))
         first.save_checkpoint(str(tmp_path / "ckpt"))
-        b2 = make_train_batch(first.forward(make_batch(seed=2))["logprobs"], seed=2)
+        b2 = make_train_batch(first.forward(support.make_batch(seed=2))["logprobs"], seed=2)
         first.train_mini_batch(b2, compute_norm(b2))
         want_params, want_masters = params(first), masters(first)
         want_state = mixed_precision_optimizer(first).optimizer.state_dict()["state"]
@@ -208,7 +181,7 @@ def test_bfloat16_checkpoint_resumes_bit_exactly(hf_dir, host, fp32_step, tmp_pa
 
 
 def test_fp32_lm_head_computes_the_logits_in_float32(hf_dir, host, fp32_step):
-    batch = make_batch(seed=1)
+    batch = support.make_batch(seed=1)
     real = batch["loss_mask"] > 0
     errors, dtypes = {}, {}
     for head in (False, True):

@@ -5,16 +5,13 @@ context parallelism of the megatron train backend (``[train] backend_args``: ``v
 Two spawned ranks run, each phase with its own process group: PP = 2 with vpp = 2 on a tiny
 4-layer Qwen3 (each rank two model chunks of one layer; forward with fewer micro-batches than
 stages, one and three micro-batches, a training step, a checkpoint and its resumption, LoRA),
-the tiny Qwen3-MoE of ``test_megatron_backend`` under TP = 2 with etp = 1 and ep = 2, and a
+the tiny Qwen3-MoE of ``megatron_test_support`` under TP = 2 with etp = 1 and ep = 2, and a
 4-layer Qwen3-MoE under PP = 2 x vpp = 2 with Router Replay and full recomputation; rank 0 alone
 then builds the one-rank references. Recomputation itself is checked on one rank.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 import zlib
 from pathlib import Path
 
@@ -27,6 +24,7 @@ try:
 except ImportError as exc:  # fail, never skip: the backend's tests need the real library
     raise ImportError("megatron-core is not installed: pip install -r requirements-megatron.txt") from exc
 
+import megatron_test_support as support
 from loongsage_plugin_megatron import layout, plugin
 from loongsage_plugin_megatron.forward_backward import microbatch_group_size
 from loongsage_plugin_megatron.layout import BackendOptions
@@ -36,40 +34,14 @@ from loongsage_core.config import LoraConfig
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Batch, TrainWorkerContext
 
-
-def _sibling(name: str):
-    """The test module ``name`` of this folder (its helpers), imported under the name pytest gives it."""
-    package = __name__.rpartition(".")[0]
-    full = f"{package}.{name}" if package else name
-    if full in sys.modules:
-        return sys.modules[full]
-    try:
-        return importlib.import_module(full)
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-backend = _sibling("test_megatron_backend")
 MOE_LAYERS, TOP_K, EXPERTS = 4, 2, 4
 
 
 def six_rows(seed: int) -> Batch:
     """A batch of six rows (three micro-batches of two), 12 tokens wide."""
-    a, b = backend.make_batch(seed=seed), backend.make_batch(rows=2, seed=seed + 1)
+    a, b = support.make_batch(seed=seed), support.make_batch(rows=2, seed=seed + 1)
     return Batch(tensors={key: torch.cat([a[key], b[key]]) for key in a.tensors},
                  meta={"sample_id": a.meta["sample_id"] + ["t0", "t1"]})
-
-
-def with_old_logprobs(model, batch: Batch, seed: int) -> Batch:
-    """``batch`` as a GRPO batch whose ``old_logprobs`` are ``model``'s plus a little noise."""
-    old = backend.hf_token_outputs(model, batch)["logprobs"]
-    noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed + 2))
-    batch.tensors["old_logprobs"] = (old + noise) * batch["loss_mask"]
-    return batch
 
 
 def random_records(batch: Batch, seed: int) -> torch.Tensor:
@@ -84,12 +56,12 @@ def random_records(batch: Batch, seed: int) -> torch.Tensor:
 
 
 def replay_job(path: str, **backend_args):
-    job = backend.make_job(path, **backend_args)
+    job = support.make_job(path, **backend_args)
     return attrs.evolve(job, algorithm=attrs.evolve(job.algorithm, router_replay=True))
 
 
 def lora_job(path: str, **backend_args):
-    job = backend.make_job(path, **backend_args)
+    job = support.make_job(path, **backend_args)
     return attrs.evolve(job, train=attrs.evolve(job.train, lr=1e-2, lora=LoraConfig(rank=4, alpha=8.0)))
 
 
@@ -105,58 +77,55 @@ def fill_adapters(worker) -> None:
                         param.copy_(0.05 * torch.randn(param.shape, generator=g))
 
 
-def _weights(worker) -> dict[str, torch.Tensor]:
-    return {name: tensor.clone() for name, tensor in worker.named_weights()}
-
-
 def _dense_phase(w, result: dict, name: str, data: dict, ckpt: str | None) -> None:
     """Forward (4, 1 and 6 rows), export, two training steps (with ``ckpt``: a checkpoint between
     them, a Hugging Face directory after them), forward."""
-    result[f"{name}_forward"] = w.forward(backend.make_batch())
-    result[f"{name}_forward_1"] = w.forward(backend.make_batch(rows=1, seed=3))  # fewer micro-batches than pp
+    result[f"{name}_forward"] = w.forward(support.make_batch())
+    result[f"{name}_forward_1"] = w.forward(support.make_batch(rows=1, seed=3))  # fewer micro-batches than pp
     result[f"{name}_forward_6"] = w.forward(six_rows(seed=4))  # three micro-batches
-    result[f"{name}_initial"] = _weights(w)
+    result[f"{name}_initial"] = support.weights_of(w)
     first, second = data["first"], data["second"]
     result[f"{name}_metrics"] = w.train_mini_batch(first, compute_norm(first))
-    result[f"{name}_weights"] = _weights(w)
+    result[f"{name}_weights"] = support.weights_of(w)
     if ckpt:
         w.save_checkpoint(ckpt)
     result[f"{name}_metrics_2"] = w.train_mini_batch(second, compute_norm(second))
-    result[f"{name}_weights_2"] = _weights(w)
+    result[f"{name}_weights_2"] = support.weights_of(w)
     if ckpt:
         from safetensors.torch import load_file
 
         w.save_hf(ckpt + "_hf")
         result[f"{name}_saved_hf"] = load_file(str(Path(ckpt + "_hf") / "model.safetensors"))
-    result[f"{name}_forward_after"] = w.forward(backend.make_batch())
+    result[f"{name}_forward_after"] = w.forward(support.make_batch())
 
 
 def _lora_phase(w, result: dict, name: str, batch: Batch) -> None:
     fill_adapters(w)
-    result[f"{name}_adapter"] = _weights(w)
-    result[f"{name}_forward"] = w.forward(backend.make_batch())
-    result[f"{name}_reference"] = w.reference_forward(backend.make_batch())
+    result[f"{name}_adapter"] = support.weights_of(w)
+    result[f"{name}_forward"] = w.forward(support.make_batch())
+    result[f"{name}_reference"] = w.reference_forward(support.make_batch())
     result[f"{name}_metrics"] = w.train_mini_batch(batch, compute_norm(batch))
-    result[f"{name}_adapter_after"] = _weights(w)
+    result[f"{name}_adapter_after"] = support.weights_of(w)
 
 
 def _moe_phase(w, result: dict, name: str, batch: Batch) -> None:
-    result[f"{name}_forward"] = w.forward(backend.make_batch())
-    result[f"{name}_initial"] = _weights(w)
+    result[f"{name}_forward"] = w.forward(support.make_batch())
+    result[f"{name}_initial"] = support.weights_of(w)
     result[f"{name}_metrics"] = w.train_mini_batch(batch, compute_norm(batch))
-    result[f"{name}_weights"] = _weights(w)
-    result[f"{name}_forward_after"] = w.forward(backend.make_batch())
+    result[f"{name}_weights"] = support.weights_of(w)
+    result[f"{name}_forward_after"] = w.forward(support.make_batch())
 
 
 def _replay_phase(w, result: dict, name: str, batch: Batch) -> None:
     result[f"{name}_forward"] = w.forward(batch)
     result[f"{name}_metrics"] = w.train_mini_batch(batch, compute_norm(batch))
-    result[f"{name}_weights"] = _weights(w)
+    result[f"{name}_weights"] = support.weights_of(w)
 
 
-def _two_rank_job(rank: int, paths: dict, data: dict, out: str) -> None:
-    """The phases of one of two ranks (see the module docstring); the references on rank 0."""
-    ports, _listening = backend._rendezvous_ports(rank, out, 5)
+def _two_rank_job(rank: int, out: str, paths: dict, data: dict) -> dict:
+    """The phases of one of two ranks (see the module docstring); the references on rank 0.
+    Returns the rank's results."""
+    ports, _listening = support.rendezvous_ports(rank, out, 5)
     host = PluginHost.create([])
     result: dict = {}
 
@@ -166,19 +135,19 @@ def _two_rank_job(rank: int, paths: dict, data: dict, out: str) -> None:
 
     dense, moe, moe4 = paths["dense"], paths["moe"], paths["moe4"]
     ckpt = str(Path(out) / "vpp_ckpt")
-    w = worker(ports[0], backend.make_job(dense, pp=2, vpp=2))
+    w = worker(ports[0], support.make_job(dense, pp=2, vpp=2))
     result["vpp_layers"] = [[layer.layer_number for layer in m.decoder.layers] for m in w.modules]
     _dense_phase(w, result, "vpp", data, ckpt)
     w.close()
-    w = worker(ports[1], backend.make_job(dense, pp=2, vpp=2))
+    w = worker(ports[1], support.make_job(dense, pp=2, vpp=2))
     w.load_checkpoint(ckpt)
     result["resumed_metrics_2"] = w.train_mini_batch(data["second"], compute_norm(data["second"]))
-    result["resumed_weights_2"] = _weights(w)
+    result["resumed_weights_2"] = support.weights_of(w)
     w.close()
     w = worker(ports[2], lora_job(dense, pp=2, vpp=2))
     _lora_phase(w, result, "vpp_lora", data["first"])
     w.close()
-    w = worker(ports[3], backend.make_job(moe, tp=2, etp=1, ep=2))
+    w = worker(ports[3], support.make_job(moe, tp=2, etp=1, ep=2))
     params = dict(w.modules[0].named_parameters())
     result["etp_shapes"] = {n: tuple(p.shape) for n, p in params.items() if n.startswith("decoder.layers.0.")}
     _moe_phase(w, result, "etp", data["moe"])
@@ -189,9 +158,9 @@ def _two_rank_job(rank: int, paths: dict, data: dict, out: str) -> None:
     w.close()
     if rank == 0:
         for name, job, phase, arg in (
-                ("pp1", backend.make_job(dense), _dense_phase, None),
+                ("pp1", support.make_job(dense), _dense_phase, None),
                 ("pp1_lora", lora_job(dense), _lora_phase, data["first"]),
-                ("tp1", backend.make_job(moe), _moe_phase, data["moe"]),
+                ("tp1", support.make_job(moe), _moe_phase, data["moe"]),
                 ("pp1_replay", replay_job(moe4), _replay_phase, data["replay"])):
             w = worker(0, job, world=1)
             if phase is _dense_phase:
@@ -199,37 +168,29 @@ def _two_rank_job(rank: int, paths: dict, data: dict, out: str) -> None:
             else:
                 phase(w, result, name, arg)
             w.close()
-    torch.save(result, str(Path(out) / f"rank{rank}.pt"))
+    return result
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tiny_qwen3_writer, tmp_path_factory):
     """Run :func:`_two_rank_job` on two spawned ranks; returns both ranks' results."""
-    import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("parallelism")
     dense = tiny_qwen3_writer(str(root / "dense4"), num_hidden_layers=4)
     hf = AutoModelForCausalLM.from_pretrained(dense, dtype=torch.float32).eval()
-    moe_hf = backend.save_tiny_moe(str(root / "moe"))
-    moe4_hf = backend.save_tiny_moe(str(root / "moe4"), num_hidden_layers=MOE_LAYERS)
-    replay = backend.make_batch(seed=9)
+    moe_hf = support.save_tiny_moe(str(root / "moe"))
+    moe4_hf = support.save_tiny_moe(str(root / "moe4"), num_hidden_layers=MOE_LAYERS)
+    replay = support.make_batch(seed=9)
     replay.tensors["routed_experts"] = random_records(replay, seed=9)
-    data = {"first": with_old_logprobs(hf, backend.make_batch(seed=6), seed=6),
-            "second": with_old_logprobs(hf, six_rows(seed=7), seed=7),
-            "moe": with_old_logprobs(moe_hf, backend.make_batch(seed=6), seed=6),
-            "replay": with_old_logprobs(moe4_hf, replay, seed=9)}
+    data = {"first": support.with_hf_old_logprobs(hf, support.make_batch(seed=6), seed=6),
+            "second": support.with_hf_old_logprobs(hf, six_rows(seed=7), seed=7),
+            "moe": support.with_hf_old_logprobs(moe_hf, support.make_batch(seed=6), seed=6),
+            "replay": support.with_hf_old_logprobs(moe4_hf, replay, seed=9)}
     paths = {"dense": dense, "moe": str(root / "moe"), "moe4": str(root / "moe4")}
     out = root / "ranks"
     out.mkdir()
-    mp.start_processes(_two_rank_job, args=(paths, data, str(out)), nprocs=2, join=True, start_method="spawn")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
-
-
-def _assert_weights_equal(got: dict, expected: dict, atol: float) -> None:
-    assert set(got) == set(expected)
-    for name, tensor in expected.items():
-        torch.testing.assert_close(got[name], tensor, rtol=0, atol=atol, msg=name)
+    return support.run_ranks(_two_rank_job, 2, out, paths, data)
 
 
 def _assert_same_step(got: dict, want: dict) -> None:
@@ -249,33 +210,34 @@ def test_virtual_pipeline_2_by_pipeline_parallel_2_equals_pp_1(two_ranks):
                 got, want = rank[f"vpp_{key}"][out], rank0[f"pp1_{key}"][out]
                 assert got.shape == want.shape
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-5, msg=f"{key} {out}")
-        _assert_weights_equal(rank["vpp_initial"], rank0["pp1_initial"], atol=0)  # export of every chunk
+        support.assert_weights_equal(rank["vpp_initial"], rank0["pp1_initial"], atol=0)  # export of every chunk
         # two steps through the interleaved schedule: two micro-batches, then three
         _assert_same_step(rank["vpp_metrics"], rank0["pp1_metrics"])
         _assert_same_step(rank["vpp_metrics_2"], rank0["pp1_metrics_2"])
-        _assert_weights_equal(rank["vpp_weights"], rank0["pp1_weights"], atol=1e-5)
-        _assert_weights_equal(rank["vpp_weights_2"], rank0["pp1_weights_2"], atol=1e-5)
+        support.assert_weights_equal(rank["vpp_weights"], rank0["pp1_weights"], atol=1e-5)
+        support.assert_weights_equal(rank["vpp_weights_2"], rank0["pp1_weights_2"], atol=1e-5)
     moved = torch.cat([(rank0["vpp_weights"][n] - t).abs().flatten() for n, t in rank0["vpp_initial"].items()])
     assert moved.max() > 1e-4
     # save_hf writes every chunk's trained weights (the tied output layer once, as the source)
-    _assert_weights_equal(rank0["vpp_saved_hf"], rank0["vpp_weights_2"], atol=0)
+    support.assert_weights_equal(rank0["vpp_saved_hf"], rank0["vpp_weights_2"], atol=0)
 
 
 def test_virtual_pipeline_checkpoint_resumes_exactly(two_ranks):
     for rank in two_ranks:  # every chunk's weights and the optimizer state come back
         assert rank["resumed_metrics_2"] == rank["vpp_metrics_2"]
-        _assert_weights_equal(rank["resumed_weights_2"], rank["vpp_weights_2"], atol=0)
+        support.assert_weights_equal(rank["resumed_weights_2"], rank["vpp_weights_2"], atol=0)
 
 
 def test_virtual_pipeline_lora_equals_pp_1(two_ranks):
     rank0, rank1 = two_ranks
     for rank in (rank0, rank1):
-        _assert_weights_equal(rank["vpp_lora_adapter"], rank0["pp1_lora_adapter"], atol=0)  # PEFT names, all layers
+        # PEFT names, all layers
+        support.assert_weights_equal(rank["vpp_lora_adapter"], rank0["pp1_lora_adapter"], atol=0)
         for key in ("forward", "reference"):
             torch.testing.assert_close(rank[f"vpp_lora_{key}"]["logprobs"], rank0[f"pp1_lora_{key}"]["logprobs"],
                                        rtol=0, atol=1e-5)
         _assert_same_step(rank["vpp_lora_metrics"], rank0["pp1_lora_metrics"])
-        _assert_weights_equal(rank["vpp_lora_adapter_after"], rank0["pp1_lora_adapter_after"], atol=1e-5)
+        support.assert_weights_equal(rank["vpp_lora_adapter_after"], rank0["pp1_lora_adapter_after"], atol=1e-5)
     assert (rank0["pp1_lora_forward"]["logprobs"] - rank0["pp1_lora_reference"]["logprobs"]).abs().max() > 1e-3
 
 
@@ -292,12 +254,12 @@ def test_expert_tensor_parallel_1_under_tp_2_equals_tp_1(two_ranks):
         for key in ("forward", "forward_after"):
             for out in ("logprobs", "entropy"):
                 torch.testing.assert_close(rank[f"etp_{key}"][out], rank0[f"tp1_{key}"][out], rtol=0, atol=1e-5)
-        _assert_weights_equal(rank["etp_initial"], rank0["tp1_initial"], atol=0)
+        support.assert_weights_equal(rank["etp_initial"], rank0["tp1_initial"], atol=0)
         got, want = rank["etp_metrics"], rank0["tp1_metrics"]
         assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
         for key in ("train/loss", "train/pg_loss", "train/entropy"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
-        _assert_weights_equal(rank["etp_weights"], rank0["tp1_weights"], atol=1e-5)
+        support.assert_weights_equal(rank["etp_weights"], rank0["tp1_weights"], atol=1e-5)
 
 
 def test_router_replay_under_virtual_pipeline_and_recomputation_equals_pp_1(two_ranks):
@@ -314,7 +276,7 @@ def test_router_replay_under_virtual_pipeline_and_recomputation_equals_pp_1(two_
         for key in ("router_agreement", "router_agreement_no_replay"):
             assert torch.equal(got[key], want[key]), key
         _assert_same_step(rank["vpp_replay_metrics"], rank0["pp1_replay_metrics"])
-        _assert_weights_equal(rank["vpp_replay_weights"], rank0["pp1_replay_weights"], atol=1e-5)
+        support.assert_weights_equal(rank["vpp_replay_weights"], rank0["pp1_replay_weights"], atol=1e-5)
 
 
 def test_microbatch_group_size_fits_the_interleaved_schedule():
@@ -357,12 +319,12 @@ def _counting_step(worker, batch: Batch) -> tuple[dict, dict[str, int]]:
 def no_recompute(hf_dir):
     """The step, its counts and the log-probs after it without recomputation (the reference)."""
     host = PluginHost.create([])
-    w = plugin.create_train_worker(TrainWorkerContext(job=backend.make_job(hf_dir), components=host))
+    w = plugin.create_train_worker(TrainWorkerContext(job=support.make_job(hf_dir), components=host))
     try:
-        batch = backend.make_batch(seed=1)
+        batch = support.make_batch(seed=1)
         batch.tensors["old_logprobs"] = (w.forward(batch)["logprobs"] + 0.05) * batch["loss_mask"]
         metrics, counts = _counting_step(w, batch)
-        return batch, metrics, counts, w.forward(backend.make_batch(seed=2))
+        return batch, metrics, counts, w.forward(support.make_batch(seed=2))
     finally:
         w.close()
 
@@ -373,7 +335,7 @@ def test_recomputation_gives_the_same_step(no_recompute, hf_dir, setting):
 
     batch, want, base_counts, want_after = no_recompute
     host = PluginHost.create([])
-    w = plugin.create_train_worker(TrainWorkerContext(job=backend.make_job(hf_dir, **RECOMPUTE[setting]),
+    w = plugin.create_train_worker(TrainWorkerContext(job=support.make_job(hf_dir, **RECOMPUTE[setting]),
                                                       components=host))
     try:
         config = get_model_config(w.modules[0])
@@ -381,7 +343,7 @@ def test_recomputation_gives_the_same_step(no_recompute, hf_dir, setting):
             RECOMPUTE[setting]["recompute_granularity"], RECOMPUTE[setting].get("recompute_method"),
             RECOMPUTE[setting].get("recompute_num_layers"))
         got, counts = _counting_step(w, batch)
-        after = w.forward(backend.make_batch(seed=2))
+        after = w.forward(support.make_batch(seed=2))
     finally:
         w.close()
     # two micro-batches: each layer and attention ran twice without recomputation
@@ -402,15 +364,14 @@ def test_router_replay_replays_the_forwards_experts_in_recomputed_layers(monkeyp
     on their own in the backward pass instead would change them."""
     from loongsage_plugin_megatron import router_replay
 
-    replay_test = _sibling("test_megatron_router_replay")
     root = tmp_path / "moe"
-    hf = backend.save_tiny_moe(str(root))
-    batch = replay_test.grpo_batch(hf)
+    hf = support.save_tiny_moe(str(root))
+    batch = support.grpo_batch(hf)
     host = PluginHost.create([])
     full = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 
     def step(**backend_args) -> tuple[dict, torch.Tensor]:
-        w = plugin.create_train_worker(TrainWorkerContext(job=replay_test.replay_job(str(root), **backend_args),
+        w = plugin.create_train_worker(TrainWorkerContext(job=support.replay_job(str(root), **backend_args),
                                                           components=host))
         try:
             metrics = w.train_mini_batch(batch, compute_norm(batch))
@@ -513,11 +474,11 @@ def test_the_worker_refuses_before_it_builds(hf_dir):
     had_group = dist.is_initialized()
     host = PluginHost.create([])
     with pytest.raises(ValueError, match=r"backend_args.vpp = 2 needs pp > 1"):
-        plugin.create_train_worker(TrainWorkerContext(job=backend.make_job(hf_dir, vpp=2), components=host))
+        plugin.create_train_worker(TrainWorkerContext(job=support.make_job(hf_dir, vpp=2), components=host))
     with pytest.raises(ValueError, match=r"backend_args.cp = 2 cannot run"):
-        plugin.create_train_worker(TrainWorkerContext(job=backend.make_job(hf_dir, cp=2), components=host,
+        plugin.create_train_worker(TrainWorkerContext(job=support.make_job(hf_dir, cp=2), components=host,
                                                       world_size=2))
     with pytest.raises(ValueError, match=r"unknown keys \['recompute'\]"):
-        plugin.create_train_worker(TrainWorkerContext(job=backend.make_job(hf_dir, recompute="full"),
+        plugin.create_train_worker(TrainWorkerContext(job=support.make_job(hf_dir, recompute="full"),
                                                       components=host))
     assert dist.is_initialized() == had_group

@@ -1,5 +1,5 @@
 """Router Replay (``[algorithm] router_replay``) in the megatron train backend on the tiny Qwen3-MoE
-of ``test_megatron_backend`` (CPU).
+of ``megatron_test_support`` (CPU).
 
 The reference is the torch backend's: the transformers model with the same weights and
 ``loongsage_plugin_torch.trainer.router_replay.RouterReplay`` replaying the same records (for the
@@ -12,12 +12,6 @@ all-padding micro-batch) and PP = 2 (each stage one layer) run in two spawned ra
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-
-import attrs
 import pytest
 import torch
 
@@ -28,76 +22,28 @@ except ImportError as exc:  # fail, never skip: the backend's tests need the rea
 
 from loongsage_plugin_megatron import plugin
 from loongsage_plugin_torch.trainer import create_train_worker as create_torch_worker
-from loongsage_plugin_torch.trainer.router_replay import RouterReplay
+from megatron_test_support import (
+    TINY_MOE_LAYERS,
+    TINY_MOE_TOP_K,
+    grpo_batch,
+    hf_token_outputs,
+    make_batch,
+    own_ranking,
+    records,
+    rendezvous_ports,
+    replay_job,
+    replayed_reference,
+    run_ranks,
+    save_tiny_moe,
+    with_routes,
+)
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Batch, TrainWorkerContext
 
-
-def _sibling(name: str):
-    """The test module ``name`` of this folder (its helpers), imported under the name pytest gives it."""
-    package = __name__.rpartition(".")[0]
-    full = f"{package}.{name}" if package else name
-    if full in sys.modules:
-        return sys.modules[full]
-    try:
-        return importlib.import_module(full)
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-backend = _sibling("test_megatron_backend")
-LAYERS, TOP_K = backend.TINY_QWEN3_MOE["num_hidden_layers"], backend.TINY_QWEN3_MOE["num_experts_per_tok"]
+LAYERS, TOP_K = TINY_MOE_LAYERS, TINY_MOE_TOP_K
 COMPARE_KEYS = {"logprobs", "entropy", "router_agreement", "logprobs_no_replay", "router_agreement_no_replay"}
-
-
-def replay_job(path: str, **backend_args):
-    """``test_megatron_backend.make_job`` with Router Replay on (and gradients left unclipped, to
-    compare them)."""
-    job = backend.make_job(path, **backend_args)
-    return attrs.evolve(job, train=attrs.evolve(job.train, grad_clip=1e9),
-                        algorithm=attrs.evolve(job.algorithm, router_replay=True))
-
-
-def own_ranking(model, batch: Batch) -> torch.Tensor:
-    """``[B, T, layers, experts]``: each router's experts for each token, best first, in the
-    model's own (unreplayed) forward."""
-    B, T = batch["input_ids"].shape
-    with torch.no_grad():
-        out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=True)
-    return torch.stack([lg.view(B, T, -1).argsort(dim=-1, descending=True) for lg in out.router_logits], dim=2)
-
-
-def records(ranking: torch.Tensor, batch: Batch, *, differ: bool) -> torch.Tensor:
-    """int16 ``[B, T, layers * top_k]`` records as an engine returns them: the model's own top-2,
-    or (``differ``) its 2nd and 3rd choices on about two thirds of the token-layers; -1 on
-    padding, on each row's last token (every layer) and on layer 1 of every fifth token."""
-    B, T = batch["input_ids"].shape
-    ranks = torch.tensor([0, 1]).expand(B, T, LAYERS, TOP_K).clone()
-    if differ:
-        b, t, layer = torch.meshgrid(torch.arange(B), torch.arange(T), torch.arange(LAYERS), indexing="ij")
-        ranks[(b + t + layer) % 3 != 0] = torch.tensor([1, 2])
-    routes = ranking.gather(-1, ranks)
-    lengths = batch["attention_mask"].sum(dim=1)
-    routes[batch["attention_mask"] == 0] = -1
-    routes[torch.arange(B), lengths - 1] = -1
-    routes[:, ::5, 1] = -1
-    return routes.flatten(2).to(torch.int16)
-
-
-def replayed_reference(model, batch: Batch) -> dict[str, torch.Tensor]:
-    """The torch backend's replay of ``batch["routed_experts"]`` on the transformers model."""
-    replay = RouterReplay(model)
-    try:
-        replay.set_routes(batch["routed_experts"], replay=True)
-        return backend.hf_token_outputs(model, batch)
-    finally:
-        replay.close()
 
 
 def expected_agreement(ranking: torch.Tensor, routes: torch.Tensor) -> torch.Tensor:
@@ -110,34 +56,15 @@ def expected_agreement(ranking: torch.Tensor, routes: torch.Tensor) -> torch.Ten
     return torch.where(has.any(dim=-1), share.float(), -1.0)
 
 
-def with_routes(batch: Batch, routes: torch.Tensor) -> Batch:
-    return Batch(tensors={**batch.tensors, "routed_experts": routes}, meta=batch.meta)
-
-
 def without_routes(batch: Batch) -> Batch:
     return Batch(tensors={k: v for k, v in batch.tensors.items() if k != "routed_experts"}, meta=batch.meta)
-
-
-def grpo_batch(model) -> Batch:
-    """A GRPO batch with differing records whose ``old_logprobs`` are the replayed log-probs plus noise."""
-    batch = backend.make_batch(seed=6)
-    batch = with_routes(batch, records(own_ranking(model, batch), batch, differ=True))
-    old = replayed_reference(model, batch)["logprobs"]
-    noise = 0.05 * torch.randn(old.shape, generator=torch.Generator().manual_seed(8))
-    batch.tensors["old_logprobs"] = (old + noise) * batch["loss_mask"]
-    return batch
 
 
 @pytest.fixture(scope="module")
 def moe(tmp_path_factory):
     """(Hugging Face directory, transformers model with its weights)."""
     out = str(tmp_path_factory.mktemp("tiny_qwen3_moe_replay"))
-    return out, backend.save_tiny_moe(out)
-
-
-@pytest.fixture(scope="module")
-def host() -> PluginHost:
-    return PluginHost.create([])
+    return out, save_tiny_moe(out)
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +74,7 @@ def scored(moe, host):
     path, hf = moe
     worker = plugin.create_train_worker(TrainWorkerContext(job=replay_job(path), components=host))
     try:
-        batch = backend.make_batch()
+        batch = make_batch()
         ranking = own_ranking(hf, batch)
         batch = with_routes(batch, records(ranking, batch, differ=True))
         yield worker, batch, ranking, worker.forward(batch)
@@ -158,7 +85,7 @@ def scored(moe, host):
 def test_replayed_logprobs_equal_the_torch_backends_replay(scored, moe):
     _, batch, _, got = scored
     hf = moe[1]
-    want, unreplayed = replayed_reference(hf, batch), backend.hf_token_outputs(hf, batch)
+    want, unreplayed = replayed_reference(hf, batch), hf_token_outputs(hf, batch)
     assert set(got) == COMPARE_KEYS
     for key in ("logprobs", "entropy"):
         torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
@@ -191,7 +118,7 @@ def test_replaying_the_models_own_routing_changes_nothing(scored, moe):
     got = worker.forward(own)
     assert bool((got["router_agreement_no_replay"][got["router_agreement"] >= 0] == 1.0).all())
     torch.testing.assert_close(got["logprobs"], got["logprobs_no_replay"], rtol=0, atol=1e-6)
-    torch.testing.assert_close(got["logprobs"], backend.hf_token_outputs(moe[1], batch)["logprobs"], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["logprobs"], hf_token_outputs(moe[1], batch)["logprobs"], rtol=0, atol=1e-5)
     # a batch without records routes on its own and reports no comparison
     plain = worker.forward(without_routes(batch))
     assert set(plain) == {"logprobs", "entropy"}
@@ -241,11 +168,12 @@ def test_a_dense_model_refuses_router_replay(hf_dir, host):
 
 # -- expert and pipeline parallelism, two spawned ranks --------------------------------------------
 
-def _two_rank_job(rank: int, path: str, batch: Batch, out: str) -> None:
+def _two_rank_job(rank: int, out: str, path: str, batch: Batch) -> dict:
     """EP = 2 (rows 0-2 on rank 0, row 3 on rank 1: two micro-batches against one and an
     all-padding one): forward and one training step; then PP = 2 (layer 0 on rank 0, layer 1 on
-    rank 1): forward."""
-    ports, _listening = backend._rendezvous_ports(rank, out, 2)
+    rank 1): forward; then TP = 2 with sequence parallelism (each rank's routers see half of every
+    row's positions): forward and one training step. Returns the rank's results."""
+    ports, _listening = rendezvous_ports(rank, out, 3)
     host = PluginHost.create([])
 
     def worker(port: int, **backend_args):
@@ -263,25 +191,28 @@ def _two_rank_job(rank: int, path: str, batch: Batch, out: str) -> None:
     result["pp_layers"] = sorted(layer for layer, _, _ in w.router_replay.routers)
     result["pp_forward"] = w.forward(batch)
     w.close()
-    torch.save(result, str(Path(out) / f"rank{rank}.pt"))
+    w = worker(ports[2], tp=2)
+    result["sp"] = w.sequence_parallel
+    result["sp_forward"] = w.forward(batch)
+    w.train_mini_batch(batch, compute_norm(batch))
+    result["sp_router_grads"] = _router_grads(w)
+    w.close()
+    return result
 
 
 @pytest.fixture(scope="module")
 def two_ranks(moe, tmp_path_factory):
-    import torch.multiprocessing as mp
-
     path, hf = moe
     batch = grpo_batch(hf)
     out = tmp_path_factory.mktemp("router_replay_ranks")
-    mp.start_processes(_two_rank_job, args=(path, batch, str(out)), nprocs=2, join=True, start_method="spawn")
-    return batch, [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return batch, run_ranks(_two_rank_job, 2, out, path, batch)
 
 
-def test_expert_and_pipeline_parallel_replay_equal_the_torch_backends(two_ranks, moe, host):
+def test_expert_pipeline_and_sequence_parallel_replay_equal_the_torch_backends(two_ranks, moe, host):
     batch, (rank0, rank1) = two_ranks
     path, hf = moe
     want = replayed_reference(hf, batch)
-    unreplayed = backend.hf_token_outputs(hf, batch)
+    unreplayed = hf_token_outputs(hf, batch)
     agreement = expected_agreement(own_ranking(hf, batch), batch["routed_experts"])
     recorded = agreement >= 0
     # EP = 2: each rank's rows
@@ -307,3 +238,14 @@ def test_expert_and_pipeline_parallel_replay_equal_the_torch_backends(two_ranks,
         torch.testing.assert_close(got["logprobs_no_replay"], unreplayed["logprobs"], rtol=0, atol=1e-5)
         assert torch.equal(got["router_agreement"], torch.where(recorded, 1.0, -1.0))
         assert torch.equal(got["router_agreement_no_replay"], agreement)
+    # TP = 2 + SP: each rank replays its share of the sequence; agreement summed over the two
+    for rank in (rank0, rank1):
+        assert rank["sp"] is True
+        got = rank["sp_forward"]
+        for key in ("logprobs", "entropy"):
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got["logprobs_no_replay"], unreplayed["logprobs"], rtol=0, atol=1e-5)
+        assert torch.equal(got["router_agreement"], torch.where(recorded, 1.0, -1.0))
+        assert torch.equal(got["router_agreement_no_replay"], agreement)
+        for layer in range(LAYERS):  # both halves of the sequence reach the (replicated) router weights
+            torch.testing.assert_close(rank["sp_router_grads"][layer], grads[layer], rtol=1e-4, atol=1e-6)

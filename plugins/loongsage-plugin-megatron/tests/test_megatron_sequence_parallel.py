@@ -1,21 +1,16 @@
 """Sequence parallelism (``[train] backend_args.sequence_parallel``) in the megatron train backend (CPU).
 
-TP = 2 with sequence parallelism against TP = 1 on the dense tiny Qwen3 of ``test_megatron_backend``
-(the model of its TP tests) and on its tiny Qwen3-MoE (TP = 2 + SP, EP = 1: Megatron-Core trains
-MoE layers under tensor parallelism only with sequence parallelism): per-token log-probs and one
-training step's loss and gradient norm. The batches are 11 tokens wide, so every micro-batch is
-padded to a multiple of tp = 2 before Megatron-Core splits its sequence over the two ranks. Both
-ranks run in two spawned processes; rank 0 alone then builds the TP = 1 references.
+TP = 2 with sequence parallelism against TP = 1 on the dense tiny Qwen3 of ``conftest.py`` (the
+model of ``test_megatron_backend``'s TP tests) and on the tiny Qwen3-MoE of
+``megatron_test_support`` (TP = 2 + SP, EP = 1: Megatron-Core trains MoE layers under tensor
+parallelism only with sequence parallelism): per-token log-probs and one training step's loss and
+gradient norm. The batches are 11 tokens wide, so every micro-batch is padded to a multiple of
+tp = 2 before Megatron-Core splits its sequence over the two ranks. Both ranks run in two spawned
+processes; rank 0 alone then builds the TP = 1 references.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-
-import attrs
 import pytest
 import torch
 
@@ -24,6 +19,7 @@ try:
 except ImportError as exc:  # fail, never skip: the backend's tests need the real library
     raise ImportError("megatron-core is not installed: pip install -r requirements-megatron.txt") from exc
 
+import megatron_test_support as support
 from loongsage_plugin_megatron import plugin
 from loongsage_plugin_torch.trainer import create_train_worker as create_torch_worker
 
@@ -31,48 +27,23 @@ from loongsage_core.algorithms import compute_norm
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Batch, TrainWorkerContext
 
-
-def _sibling(name: str):
-    """The test module ``name`` of this folder (its helpers), imported under the name pytest gives it."""
-    package = __name__.rpartition(".")[0]
-    full = f"{package}.{name}" if package else name
-    if full in sys.modules:
-        return sys.modules[full]
-    try:
-        return importlib.import_module(full)
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-backend = _sibling("test_megatron_backend")
 WIDTH = 11  # not a multiple of tp = 2: sequence parallelism pads every micro-batch
 
 
 def odd_batch(seed: int, rows: int = 4) -> Batch:
-    return backend.make_batch(rows=rows, width=WIDTH, seed=seed)
+    return support.make_batch(rows=rows, width=WIDTH, seed=seed)
 
 
-def with_old_logprobs(batch: Batch, logprobs: torch.Tensor, seed: int) -> Batch:
-    """``batch`` as a GRPO batch whose ``old_logprobs`` are ``logprobs`` plus a little noise."""
-    noise = 0.05 * torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(seed + 2))
-    batch.tensors["old_logprobs"] = (logprobs + noise) * batch["loss_mask"]
-    return batch
-
-
-def _two_rank_job(rank: int, dense_dir: str, moe_dir: str, batches: dict, out: str) -> None:
+def _two_rank_job(rank: int, out: str, dense_dir: str, moe_dir: str, batches: dict) -> dict:
     """TP = 2 + SP on both ranks (dense, then MoE): forward and one training step; then the
-    TP = 1 references on rank 0 alone."""
-    ports, _listening = backend._rendezvous_ports(rank, out, 2)
+    TP = 1 references on rank 0 alone. Returns the rank's results."""
+    ports, _listening = support.rendezvous_ports(rank, out, 2)
     host = PluginHost.create([])
     result: dict = {}
 
     def worker(port: int, path: str, world: int = 2, **backend_args):
         return plugin.create_train_worker(TrainWorkerContext(
-            job=backend.make_job(path, **backend_args), components=host, rank=rank, world_size=world,
+            job=support.make_job(path, **backend_args), components=host, rank=rank, world_size=world,
             master_port=port))
 
     def run(w, name: str, batch: Batch) -> None:
@@ -91,25 +62,21 @@ def _two_rank_job(rank: int, dense_dir: str, moe_dir: str, batches: dict, out: s
     if rank == 0:
         run(worker(0, dense_dir, world=1), "dense_tp1", batches["dense"])
         run(worker(0, moe_dir, world=1), "moe_tp1", batches["moe"])
-    torch.save(result, str(Path(out) / f"rank{rank}.pt"))
+    return result
 
 
 @pytest.fixture(scope="module")
 def two_ranks(hf_dir, tmp_path_factory):
-    import torch.multiprocessing as mp
-
     host = PluginHost.create([])
     moe_dir = str(tmp_path_factory.mktemp("tiny_qwen3_moe_sp"))
-    moe_hf = backend.save_tiny_moe(moe_dir)
-    ref = create_torch_worker(TrainWorkerContext(job=backend.make_job(hf_dir), components=host))
+    moe_hf = support.save_tiny_moe(moe_dir)
+    ref = create_torch_worker(TrainWorkerContext(job=support.make_job(hf_dir), components=host))
     dense = odd_batch(seed=6)
     moe = odd_batch(seed=6)
-    batches = {"dense": with_old_logprobs(dense, ref.forward(dense)["logprobs"], seed=6),
-               "moe": with_old_logprobs(moe, backend.hf_token_outputs(moe_hf, moe)["logprobs"], seed=6)}
+    batches = {"dense": support.with_old_logprobs(dense, ref.forward(dense)["logprobs"], seed=6),
+               "moe": support.with_hf_old_logprobs(moe_hf, moe, seed=6)}
     out = tmp_path_factory.mktemp("sequence_parallel_ranks")
-    mp.start_processes(_two_rank_job, args=(hf_dir, moe_dir, batches, str(out)), nprocs=2, join=True,
-                       start_method="spawn")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return support.run_ranks(_two_rank_job, 2, out, hf_dir, moe_dir, batches)
 
 
 def _assert_tp2_sp_equals_tp1(ranks: list[dict], name: str) -> None:
@@ -142,23 +109,17 @@ def test_sequence_parallel_options_are_checked(hf_dir, tmp_path):
 
     host = PluginHost.create([])
     with pytest.raises(ValueError, match=r"backend_args.sequence_parallel = true needs tp > 1"):
-        plugin.create_train_worker(TrainWorkerContext(job=backend.make_job(hf_dir, sequence_parallel=True),
+        plugin.create_train_worker(TrainWorkerContext(job=support.make_job(hf_dir, sequence_parallel=True),
                                                       components=host))
     with pytest.raises(ValueError, match="sequence_parallel"):
-        plugin.create_train_worker(TrainWorkerContext(job=backend.make_job(hf_dir, sequence_parallel="yes"),
+        plugin.create_train_worker(TrainWorkerContext(job=support.make_job(hf_dir, sequence_parallel="yes"),
                                                       components=host))
     moe_dir = str(tmp_path / "moe")
-    backend.save_tiny_moe(moe_dir)
+    support.save_tiny_moe(moe_dir)
     with pytest.raises(ValueError, match=r"backend_args.tp = 2 with sequence_parallel = false: Mixture-of-Experts "
                                          r"models need sequence parallelism"):
-        plugin.create_train_worker(TrainWorkerContext(job=backend.make_job(moe_dir, tp=2, sequence_parallel=False),
+        plugin.create_train_worker(TrainWorkerContext(job=support.make_job(moe_dir, tp=2, sequence_parallel=False),
                                                       components=host, world_size=2))
-    # Router Replay's records hold whole sequences: not under sequence parallelism
-    job = backend.make_job(moe_dir, tp=2)
-    job = attrs.evolve(job, algorithm=attrs.evolve(job.algorithm, router_replay=True))
-    with pytest.raises(ValueError, match=r"router_replay = true with \[train\] backend_args.tp = 2 and sequence "
-                                         r"parallelism"):
-        plugin.create_train_worker(TrainWorkerContext(job=job, components=host, world_size=2))
     # defaults: on for MoE under tp > 1, off for a dense model and under tp = 1
     assert sequence_parallel(BackendOptions(tp=2), 2, num_experts=4)
     assert not sequence_parallel(BackendOptions(tp=2), 2, num_experts=None)

@@ -18,7 +18,6 @@ from loongsage_plugin_megatron.teacher import MegatronTeacher
 
 from loongsage_core.config import ConfigError, JobConfig, TeacherConfig
 from loongsage_core.controller.teachers import _teacher_builder
-from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Batch, Teacher, TeacherContext, TeacherOutputs
 
 LENGTHS = [11, 3, 7, 10, 1]  # a full row, short rows and one with nothing but position 0
@@ -62,11 +61,6 @@ def restore_process_group():
     if not before and dist.is_initialized():
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def host() -> PluginHost:
-    return PluginHost.create([])
 
 
 @pytest.fixture(scope="module")

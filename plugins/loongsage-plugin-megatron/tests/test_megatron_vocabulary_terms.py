@@ -16,11 +16,6 @@ The multi-rank phases run in two spawned processes, each phase with its own proc
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
-from pathlib import Path
-
 import attrs
 import pytest
 import torch
@@ -30,6 +25,7 @@ try:
 except ImportError as exc:  # fail, never skip: the backend's tests need the real library
     raise ImportError("megatron-core is not installed: pip install -r requirements-megatron.txt") from exc
 
+import megatron_test_support as support
 from loongsage_plugin_megatron import plugin
 from loongsage_plugin_torch.trainer import create_train_worker as create_torch_worker
 
@@ -38,24 +34,6 @@ from loongsage_core.config import JobConfig
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Batch, TrainWorkerContext
 
-
-def _sibling(name: str):
-    """The test module ``name`` of this folder (its helpers), imported under the name pytest gives it."""
-    package = __name__.rpartition(".")[0]
-    full = f"{package}.{name}" if package else name
-    if full in sys.modules:
-        return sys.modules[full]
-    try:
-        return importlib.import_module(full)
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(full, Path(__file__).with_name(f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[full] = module
-        spec.loader.exec_module(module)
-        return module
-
-
-backend = _sibling("test_megatron_backend")
 VOCAB = 512  # the tiny Qwen3's vocabulary
 TOPK = 5  # the teacher's top-k in the batches
 TEACHER_ROWS = (1.0, 1.0, 0.0, 1.0)  # row 2's source has no teacher
@@ -71,14 +49,9 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def host() -> PluginHost:
-    return PluginHost.create([])
-
-
 def vocab_job(path: str, case: str, **backend_args) -> JobConfig:
-    """``test_megatron_backend``'s job with the ``[algorithm]`` terms of ``CASES[case]``."""
-    job = backend.make_job(path, **backend_args)
+    """``megatron_test_support.make_job`` with the ``[algorithm]`` terms of ``CASES[case]``."""
+    job = support.make_job(path, **backend_args)
     return attrs.evolve(job, algorithm=attrs.evolve(job.algorithm, **CASES[case]))
 
 
@@ -107,7 +80,7 @@ def with_vocab_targets(batch: Batch, seed: int) -> Batch:
 
 def train_batch(ref, seed: int) -> Batch:
     """A GRPO batch (old log-probs near ``ref``'s) with the vocabulary-level terms' targets."""
-    return with_vocab_targets(backend.make_train_batch(ref, seed=seed), seed=seed + 10)
+    return with_vocab_targets(support.make_train_batch(ref, seed=seed), seed=seed + 10)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -142,7 +115,7 @@ def test_vocabulary_terms_step_matches_torch_backend(hf_dir, host, case):
 
 def score_batch(rows: int = 4, seed: int = 0) -> Batch:
     """Rows for ``score``: right-padded, without a loss mask (every real token is scored)."""
-    batch = backend.make_batch(rows=rows, seed=seed)
+    batch = support.make_batch(rows=rows, seed=seed)
     return Batch(tensors={"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
 
 
@@ -161,10 +134,10 @@ def _step(w, batch: Batch, result: dict, name: str) -> None:
     w.close()
 
 
-def _two_rank_job(rank: int, hf_dir: str, batch: Batch, out: str) -> None:
+def _two_rank_job(rank: int, out: str, hf_dir: str, batch: Batch) -> dict:
     """PP = 2 (score, then a step with the vocabulary-level terms) and TP = 2 (the step) on both
-    ranks; then the one-rank references on rank 0 alone."""
-    ports, _listening = backend._rendezvous_ports(rank, out, 2)
+    ranks; then the one-rank references on rank 0 alone. Returns the rank's results."""
+    ports, _listening = support.rendezvous_ports(rank, out, 2)
     host = PluginHost.create([])
     result: dict = {}
 
@@ -181,19 +154,16 @@ def _two_rank_job(rank: int, hf_dir: str, batch: Batch, out: str) -> None:
         w = worker(0, world=1)
         result["one_scores"] = _scores(w)
         _step(w, batch, result, "one")
-    torch.save(result, str(Path(out) / f"rank{rank}.pt"))
+    return result
 
 
 @pytest.fixture(scope="module")
 def two_ranks(hf_dir, host, tmp_path_factory):
     """Run :func:`_two_rank_job` on two spawned ranks; returns (rank results, the training batch)."""
-    import torch.multiprocessing as mp
-
     ref = create_torch_worker(TrainWorkerContext(job=vocab_job(hf_dir, "full_kl_and_topk"), components=host))
     batch = train_batch(ref, seed=6)
     out = tmp_path_factory.mktemp("vocabulary_terms_ranks")
-    mp.start_processes(_two_rank_job, args=(hf_dir, batch, str(out)), nprocs=2, join=True, start_method="spawn")
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], batch
+    return support.run_ranks(_two_rank_job, 2, out, hf_dir, batch), batch
 
 
 def test_score_under_pipeline_parallel_2_equals_pp_1(two_ranks):

@@ -91,7 +91,7 @@ def test_broadcast_to_a_stand_in_engine_over_gloo(standin_process):
 
 def test_sglang_nccl_feeds_an_embedded_engine(embedded_engine_process, trainer_model):
     """SGLang's per-tensor broadcast protocol, received by the torch plugin's embedded engine in another process."""
-    from conftest import assert_engine_scores_like
+    from sglang_test_support import assert_engine_scores_like
 
     url = embedded_engine_process
     sender = NcclSender(bucket_bytes=8192, backend="gloo", group_name="sglang_into_embedded", init_timeout_s=60)

@@ -98,7 +98,7 @@ def test_a_slow_shared_memory_manager_is_retried_on_both_sides(monkeypatch):
 
 
 def test_sglang_tensor_updates_an_embedded_engine(embedded_engine_process, trainer_model):
-    from conftest import assert_engine_scores_like
+    from sglang_test_support import assert_engine_scores_like
 
     url = embedded_engine_process
     named = [(n, p.detach()) for n, p in trainer_model.named_parameters()]
