@@ -32,22 +32,13 @@ def check_job(job: Any) -> None:
     tp, pp, _, _ = layout.parallel_sizes(options, int(job.train.num_workers), num_experts)
     cuda = float(job.placement.trainer_gpus) > 0
     layout.check_layout(options, "actor", tp, pp, hf_config, num_experts, cuda=cuda)
-    check_model_settings(job, options, tp, num_experts, str(config_file.parent))
+    check_model_settings(job, num_experts, str(config_file.parent))
 
 
-def check_model_settings(job: Any, options: BackendOptions, tp: int, num_experts: int | None,
-                         model_path: str) -> None:
-    """The job's algorithm settings this model and layout cannot run: Router Replay
-    (``[algorithm] router_replay``) needs routed experts, and the megatron backend replays them
-    only without sequence parallelism (each rank's routers would see its share of the sequence,
-    the records the whole of it)."""
-    if not getattr(job.algorithm, "router_replay", False):
-        return
-    if not num_experts:
+def check_model_settings(job: Any, num_experts: int | None, model_path: str) -> None:
+    """The job's algorithm settings this model cannot run: Router Replay (``[algorithm]
+    router_replay``) needs routed experts."""
+    if getattr(job.algorithm, "router_replay", False) and not num_experts:
         raise ValueError("[algorithm] router_replay = true, but the model has no mixture-of-experts layers "
                          f"(the config.json of '{model_path}' names no routed experts): there is no "
                          "routing to replay")
-    if layout.sequence_parallel(options, tp, num_experts):
-        raise ValueError(f"[algorithm] router_replay = true with [train] backend_args.tp = {tp} and "
-                         "sequence parallelism: the megatron backend replays routing only without "
-                         "sequence parallelism (use tp = 1 for a MoE model under router replay)")

@@ -128,6 +128,15 @@ def sum_over_pipeline(values: "torch.Tensor") -> None:
     dist.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
 
 
+def sum_over_tensor_parallel(values: "torch.Tensor") -> None:
+    """Sum ``values`` over this rank's tensor-parallel group (in place): under sequence
+    parallelism each rank's share of a per-token count."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    dist.all_reduce(values, group=parallel_state.get_tensor_model_parallel_group())
+
+
 def all_reduce_max_over_experts(values: "torch.Tensor") -> None:
     """Element-wise maximum of ``values`` over this rank's expert-parallel group (in place)."""
     import torch.distributed as dist

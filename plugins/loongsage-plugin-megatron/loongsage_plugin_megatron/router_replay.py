@@ -42,8 +42,13 @@ each micro-batch's records out that way (padding positions and rows get -1) and 
 the ids of its own Hugging Face layer: ``TopKRouter.layer_number - 1``, which is global under
 pipeline parallelism (each stage holds its own layers). Under expert parallelism a router routes
 its rank's own tokens before they are dispatched and sees global expert ids, so nothing changes.
-The backend runs no sequence or context parallelism and no packed (THD) sequences; a router that
-sees another number of tokens than the records is a clear error, never a silent misalignment.
+Under sequence parallelism (``tp > 1`` for a MoE model) each tensor-parallel rank's routers see
+its share of the sequence, positions ``[r * width / tp, (r + 1) * width / tp)`` of every row
+(Megatron-Core scatters ``[s, b, h]`` along ``s``; the backend pads widths to a multiple of
+``tp``): :class:`MegatronRouterReplay` hands them those positions' records and counts agreement
+there, and the worker sums the counts over the tensor-parallel group. The backend runs no context
+parallelism and no packed (THD) sequences; a router that sees another number of tokens than the
+records is a clear error, never a silent misalignment.
 
 Activation recomputation (``backend_args.recompute_granularity = "full"``, or a selective
 recomputation of the MoE layers) runs a layer's router again in the backward pass. Upstream's
@@ -175,11 +180,15 @@ class MegatronRouterReplay:
     agreement measured or not); :func:`.forward_backward.run_schedule` calls :meth:`begin` and
     :meth:`end` around every micro-batch's forward through a model chunk of this stage; :meth:`agreement` gives the
     measured forward's per-token agreement. Outside :meth:`routing`, and for a micro-batch without
-    ``routed_experts``, the routers route on their own.
+    ``routed_experts``, the routers route on their own. ``sequence_shard`` = ``(rank, tp)`` under
+    sequence parallelism: the routers get the records of this tensor-parallel rank's positions.
     """
 
-    def __init__(self, modules: list[Any], config: Any) -> None:
+    def __init__(self, modules: list[Any], config: Any, *, sequence_shard: tuple[int, int] | None = None) -> None:
         self.recompute = recomputes_routers(config)
+        # under sequence parallelism (tensor-parallel rank, tp): the routers see one share of the sequence
+        self.sequence_shard = sequence_shard
+        self._tokens = slice(None)  # this rank's tokens of the running micro-batch, in [s * b] order
         if getattr(config, "moe_router_fusion", False):  # the fused kernel never asks the replay object
             raise ValueError("[algorithm] router_replay = true needs moe_router_fusion = false")
         self.num_layers = int(config.num_layers)
@@ -241,6 +250,8 @@ class MegatronRouterReplay:
         routes = stage_routes(routes, rows, width)
         # Megatron-Core runs [s, b, h]: a router's tokens are position-major
         tokens = routes.transpose(0, 1).reshape(width * rows, self.num_layers, self.top_k)
+        self._tokens = self._shard(width, rows)
+        tokens = tokens[self._tokens]
         action = RouterReplayAction.REPLAY_FORWARD if replay else RouterReplayAction.RECORD
         for layer, _, layer_replay in self.routers:
             layer_replay.set_target_indices(tokens[:, layer].contiguous())
@@ -248,6 +259,18 @@ class MegatronRouterReplay:
         if measure:
             self._agree = torch.zeros(width * rows, device=routes.device)
             self._measured = torch.zeros(width * rows, device=routes.device)
+
+    def _shard(self, width: int, rows: int) -> slice:
+        """This rank's tokens among a micro-batch's ``width * rows`` (position-major): all of them,
+        or under sequence parallelism its ``width / tp`` positions of every row."""
+        if self.sequence_shard is None:
+            return slice(0, width * rows)
+        rank, tp = self.sequence_shard
+        if width % tp:
+            raise RuntimeError(f"router_replay: a micro-batch {width} tokens wide does not split over tp = {tp} "
+                               "sequence-parallel ranks")
+        share = width // tp * rows
+        return slice(rank * share, (rank + 1) * share)
 
     def end(self, item: "StageInputs") -> None:
         """After ``item``'s forward through a model chunk of this stage: add its counts to the
@@ -279,8 +302,8 @@ class MegatronRouterReplay:
             return
         with torch.no_grad():  # the experts this forward uses against the engine's
             same = (ids.sort(dim=-1).values == recorded.sort(dim=-1).values).all(dim=-1)
-            self._agree += (same & has).float()
-            self._measured += has.float()
+            self._agree[self._tokens] += (same & has).float()
+            self._measured[self._tokens] += has.float()
 
     def _clear(self) -> None:
         for _, _, layer_replay in self.routers:

@@ -131,7 +131,7 @@ class MegatronTrainWorker:
         # [algorithm] router_replay: every forward of a mixture-of-experts model replays the
         # engine's routing (.router_replay); the actor's scoring pass also compares without it
         replay = bool(getattr(job.algorithm, "router_replay", False))
-        check_model_settings(job, self.options, self.tp, self.num_experts, self.model_path)
+        check_model_settings(job, self.num_experts, self.model_path)
         self.router_replay_compare = (replay and self.role == "actor"
                                       and bool(getattr(job.algorithm, "router_replay_compare", True)))
 
@@ -156,7 +156,9 @@ class MegatronTrainWorker:
 
                 from .router_replay import MegatronRouterReplay
 
-                self.router_replay = MegatronRouterReplay(self.modules, get_model_config(self.modules[0]))
+                shard = (parallel.tensor_parallel_rank(), self.tp) if self.sequence_parallel else None
+                self.router_replay = MegatronRouterReplay(self.modules, get_model_config(self.modules[0]),
+                                                          sequence_shard=shard)
             # [train] lora: the policy trains adapters only; its reference is itself, adapters off
             self.lora = lora_lib.apply_lora(self.modules, job.train.lora, self.num_experts) if (
                 self.role == "actor" and job.train.lora is not None) else None
@@ -283,10 +285,12 @@ class MegatronTrainWorker:
 
     def _router_agreement(self, width: int) -> torch.Tensor:
         """The last measured pass's per-token router agreement ``[rows, width]`` (CPU), each
-        stage's MoE layers counted together."""
+        stage's MoE layers (and under sequence parallelism each rank's tokens) counted together."""
         def sum_stages(counts: torch.Tensor) -> None:
             if self.pp > 1:
                 parallel.sum_over_pipeline(counts)
+            if self.sequence_parallel:  # each tensor-parallel rank counted its share of the sequence
+                parallel.sum_over_tensor_parallel(counts)
 
         return self.router_replay.agreement(width, self.device, sum_stages).float().cpu()
 
