@@ -11,6 +11,9 @@ step of 4 rows, bfloat16 / float16):
   below 5 % of the float32 step's mean absolute size (measured 0.6 % / 0.1 %);
 * log-probs: largest difference below 1e-2 (measured 2.6e-3 / 2.6e-4; mean 8.2e-4 / 9.3e-5);
   bfloat16 with ``fp32_lm_head``: mean 7.5e-4, largest 2.3e-3.
+
+bfloat16 under TP = 2 and PP = 2 (two spawned ranks) is held to the same loss, gradient-norm and
+log-prob tolerances, its trained log-probs against the one-rank bfloat16 worker's.
 """
 
 from __future__ import annotations
@@ -243,3 +246,50 @@ def test_spec_declares_the_dtypes_the_worker_trains_in():
     with pytest.raises(ValueError, match=r"\[model\] dtype = 'float64' is not supported"):
         model_dtype("float64")
 
+
+
+def _bf16_two_rank_job(rank: int, out: str, path: str, batch: Batch) -> dict:
+    """bfloat16 under TP = 2, then PP = 2: each rank's parameter and master dtypes, log-probs
+    before and after one step, and the step's metrics."""
+    ports, _listening = support.rendezvous_ports(rank, out, 2)
+    host = PluginHost.create([])
+    result: dict = {}
+    for port, layout in zip(ports, ("tp", "pp")):
+        job = make_job(path, "bfloat16")
+        job = attrs.evolve(job, train=attrs.evolve(job.train, backend_args={layout: 2}))
+        worker = plugin.create_train_worker(TrainWorkerContext(job=job, components=host, rank=rank, world_size=2,
+                                                               master_port=port))
+        try:
+            opt = mixed_precision_optimizer(worker)
+            result[f"{layout}_dtypes"] = ({p.dtype for p in model(worker).parameters()},
+                                          {m.dtype for group in opt.fp32_from_float16_groups for m in group})
+            result[f"{layout}_before"] = worker.forward(batch)["logprobs"]
+            result[f"{layout}_metrics"] = worker.train_mini_batch(batch, compute_norm(batch))
+            result[f"{layout}_after"] = worker.forward(batch)["logprobs"]
+        finally:
+            worker.close()
+    return result
+
+
+def test_bfloat16_under_tensor_and_pipeline_parallel_2_matches_one_rank(hf_dir, host, fp32_step, tmp_path):
+    """16-bit training sharded: the same float32 masters beside bfloat16 parameters on every rank,
+    and a step within the module's tolerances of the float32 step, its log-probs afterwards within
+    bfloat16 rounding of the one-rank bfloat16 worker's."""
+    batch = fp32_step["batch"]
+    one = build(hf_dir, host, "bfloat16")
+    try:
+        one.train_mini_batch(batch, compute_norm(batch))
+        one_after = one.forward(batch)["logprobs"]
+    finally:
+        one.close()
+    want = fp32_step["metrics"]
+    for rank in support.run_ranks(_bf16_two_rank_job, 2, tmp_path, hf_dir, batch):
+        for layout in ("tp", "pp"):
+            assert rank[f"{layout}_dtypes"] == ({torch.bfloat16}, {torch.float32}), layout
+            assert (rank[f"{layout}_before"] - fp32_step["logprobs"]).abs().max() < LOGPROB_ATOL, layout
+            metrics = rank[f"{layout}_metrics"]
+            assert metrics["train/skipped_step"] == 0.0
+            assert metrics["train/loss"] == pytest.approx(want["train/loss"], rel=LOSS_RTOL), layout
+            assert metrics["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=GRAD_NORM_RTOL), layout
+            assert (rank[f"{layout}_after"] - one_after).abs().max() < LOGPROB_ATOL, layout
+            assert (rank[f"{layout}_after"] - rank[f"{layout}_before"]).abs().max() > 1e-3, layout  # it trained
