@@ -15,6 +15,14 @@ from loongsage_core.weight_group import NODE_ID_ENV, node_id
 BOTH = ["direct", "shm", "broadcast"]
 
 
+def torch_candidates() -> dict:
+    """This plugin's transports that rank engines for ``auto``, from the real plugin host."""
+    from loongsage_core.plugins import PluginHost
+
+    return {name: spec for name, spec in PluginHost.create(["torch"]).components("weight_transport").items()
+            if spec.auto_rank is not None}
+
+
 def _target(info, in_process=False):
     from loongsage_hookspecs import WeightTarget
 
@@ -30,20 +38,21 @@ def _target(info, in_process=False):
     ({"device": "cpu", "weight_load_formats": BOTH}, "broadcast"),  # an engine that does not say its node
 ])
 def test_choice_by_node_device_and_formats(info, path):
-    """Outside a run (no registry) the candidates are this plugin's own three transports."""
-    from loongsage_plugin_torch.transport.auto import choose_transport, own_candidates
+    """This plugin's three transports, as a run with only this plugin has them."""
+    from loongsage_plugin_torch.transport.auto import choose_transport
 
-    assert sorted(own_candidates()) == ["broadcast", "inprocess", "shm"]
-    assert choose_transport(_target(info), own_candidates()) == path
-    assert choose_transport(_target({}, in_process=True), own_candidates()) == "inprocess"
+    candidates = torch_candidates()
+    assert sorted(candidates) == ["broadcast", "inprocess", "shm"]
+    assert choose_transport(_target(info), candidates) == path
+    assert choose_transport(_target({}, in_process=True), candidates) == "inprocess"
 
 
 def test_an_engine_without_shm_or_broadcast_is_an_error_naming_it():
-    from loongsage_plugin_torch.transport.auto import choose_transport, own_candidates
+    from loongsage_plugin_torch.transport.auto import choose_transport
     from loongsage_plugin_torch.transport.shm import WeightTransferError
 
     with pytest.raises(WeightTransferError, match="no active transport reaches engine http://e:1"):
-        choose_transport(_target({"node_id": "ray:a", "weight_load_formats": ["disk"]}), own_candidates())
+        choose_transport(_target({"node_id": "ray:a", "weight_load_formats": ["disk"]}), torch_candidates())
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,13 @@ import torch
 from loongsage_hookspecs import WeightTransportContext
 
 SENDER = WeightTransportContext(role="sender")
+
+
+def auto_context() -> WeightTransportContext:
+    """A sender context with the plugin registry ``auto`` chooses its transports from."""
+    from loongsage_core.plugins import PluginHost
+
+    return WeightTransportContext(role="sender", components=PluginHost.create(["torch"]))
 RECEIVER = WeightTransportContext(role="receiver")
 
 TOKENIZER = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "tokenizer")
@@ -171,7 +178,7 @@ class TrainerHost:
         self.worker = create_train_worker(TrainWorkerContext(job=job, components=None, role="reference"))
         args = {"bucket_bytes": 4096, "backend": "auto", "init_timeout_s": 60}
         self.sender = (broadcast_sender(SENDER, **args) if transport == "broadcast"
-                       else auto_sender(SENDER, broadcast=args, shm={"bucket_bytes": 4096}))
+                       else auto_sender(auto_context(), broadcast=args, shm={"bucket_bytes": 4096}))
 
     def digests(self) -> dict:
         return {n: digest(t) for n, t in self.worker.named_weights()}
@@ -259,7 +266,9 @@ def test_auto_routes_engine_objects_inprocess_and_refuses_unknown_targets():
     engine = create_engine(EngineContext(job=JobConfig(model=ModelConfig(config=dict(TINY_QWEN3), tokenizer=TOKENIZER)),
                                          components=None))
     url = engine.start()
-    sender = auto_sender(SENDER)
+    with pytest.raises(ValueError, match="no plugin registry"):
+        auto_sender(SENDER)
+    sender = auto_sender(auto_context())
     try:
         assert sender.route(engine) == "inprocess"
         assert sender.route(url) == "broadcast"  # this engine has no shm receiver (no plugins given to it)
@@ -268,7 +277,7 @@ def test_auto_routes_engine_objects_inprocess_and_refuses_unknown_targets():
         with pytest.raises(Exception, match="get_server_info"):
             sender.route("http://127.0.0.1:9")
         with pytest.raises(ValueError, match="unknown weight_transport_args \\['bucket'\\]"):
-            auto_sender(SENDER, bucket=5)
+            auto_sender(auto_context(), bucket=5)
         metrics = sender.send(((n, t + 1) for n, t in engine.runner.named_tensors().items()), 4, [engine])
         assert metrics["perf/weight_targets_inprocess"] == 1 and engine.weight_version == 4
     finally:

@@ -25,8 +25,8 @@ The choice is logged once per engine and counted per update in ``perf/weight_tar
 Nodes are told apart by :func:`loongsage_core.backend_api.node_id` (Ray's node id in a Ray
 cluster, never the IP). An engine no transport ranks is an error that names it and what it
 reported. The trainer's device and colocation come from the job (``[placement] trainer_gpus``,
-``colocate``); outside a run (no job, no registry) the torch plugin's own three transports are
-the candidates and the device is this process's.
+``colocate``; without a job, this process's device). The candidates come from the context's
+plugin registry, so a plugin's own transport joins by declaring ``auto_rank``.
 
 ``weight_transport_args`` hold one table per transport, given to that transport's sender when an
 engine first needs it: ``weight_transport_args = { shm = { num_buffers = 4 }, broadcast = {
@@ -49,13 +49,6 @@ from loongsage_hookspecs import LoraSettings, WeightTarget, WeightTransportConte
 from .shm import WeightTransferError
 
 log = logging.getLogger(__name__)
-
-
-def own_candidates() -> dict[str, Any]:
-    """The torch plugin's transports that rank engines (the candidates without a registry)."""
-    from ..plugin import loongsage_weight_transports
-
-    return {spec.name: spec for spec in loongsage_weight_transports() if spec.auto_rank is not None}
 
 
 def choose_transport(target: WeightTarget, candidates: Mapping[str, Any]) -> str:
@@ -93,8 +86,11 @@ class AutoSender:
     def from_context(cls, ctx: WeightTransportContext, **args: Any) -> "AutoSender":
         """The sender a run builds: the registry's ranking transports, the job's placement."""
         registry = ctx.components
-        candidates = ({name: spec for name, spec in registry.components("weight_transport").items()
-                       if spec.auto_rank is not None} if registry is not None else own_candidates())
+        if registry is None:
+            raise ValueError("auto weight transport: its context has no plugin registry (components), which "
+                             "holds the transports it chooses among")
+        candidates = {name: spec for name, spec in registry.components("weight_transport").items()
+                      if spec.auto_rank is not None}
         placement = getattr(ctx.job, "placement", None)
         on_gpu = float(placement.trainer_gpus) > 0 if placement is not None else torch.cuda.is_available()
         colocated = bool(placement.colocate) if placement is not None else False
