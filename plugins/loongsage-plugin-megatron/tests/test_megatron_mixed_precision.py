@@ -12,8 +12,9 @@ step of 4 rows, bfloat16 / float16):
 * log-probs: largest difference below 1e-2 (measured 2.6e-3 / 2.6e-4; mean 8.2e-4 / 9.3e-5);
   bfloat16 with ``fp32_lm_head``: mean 7.5e-4, largest 2.3e-3.
 
-bfloat16 under TP = 2 and PP = 2 (two spawned ranks) is held to the same loss, gradient-norm and
-log-prob tolerances, its trained log-probs against the one-rank bfloat16 worker's.
+bfloat16 under TP = 2, PP = 2, DP = 2 and (the tiny Qwen3-MoE) EP = 2, two spawned ranks, is held
+to the same gradient-norm and log-prob tolerances (and, where a rank holds the whole batch, the
+loss), against the one-rank step, its trained log-probs against the one-rank bfloat16 worker's.
 """
 
 from __future__ import annotations
@@ -248,48 +249,78 @@ def test_spec_declares_the_dtypes_the_worker_trains_in():
 
 
 
-def _bf16_two_rank_job(rank: int, out: str, path: str, batch: Batch) -> dict:
-    """bfloat16 under TP = 2, then PP = 2: each rank's parameter and master dtypes, log-probs
-    before and after one step, and the step's metrics."""
-    ports, _listening = support.rendezvous_ports(rank, out, 2)
+def _bf16_worker(path: str, host: PluginHost, rank: int = 0, world: int = 1, port: int = 0, **backend_args):
+    """A bfloat16 worker on ``path`` with ``backend_args``, rank ``rank`` of ``world``."""
+    job = make_job(path, "bfloat16")
+    job = attrs.evolve(job, train=attrs.evolve(job.train, backend_args=backend_args))
+    return plugin.create_train_worker(TrainWorkerContext(job=job, components=host, rank=rank, world_size=world,
+                                                         master_port=port))
+
+
+def _bf16_two_rank_job(rank: int, out: str, path: str, moe_path: str, batch: Batch, moe_batch: Batch) -> dict:
+    """bfloat16 under TP = 2, PP = 2, DP = 2 (rows 0-1 and 2-3) and, for the tiny Qwen3-MoE,
+    EP = 2 (DP = 2 with the experts split): each rank's parameter and master dtypes, log-probs of
+    the whole batch before and after one step, and the step's metrics."""
+    ports, _listening = support.rendezvous_ports(rank, out, 4)
     host = PluginHost.create([])
     result: dict = {}
-    for port, layout in zip(ports, ("tp", "pp")):
-        job = make_job(path, "bfloat16")
-        job = attrs.evolve(job, train=attrs.evolve(job.train, backend_args={layout: 2}))
-        worker = plugin.create_train_worker(TrainWorkerContext(job=job, components=host, rank=rank, world_size=2,
-                                                               master_port=port))
+    layouts = (("tp", path, batch, {"tp": 2}), ("pp", path, batch, {"pp": 2}), ("dp", path, batch, {}),
+               ("ep", moe_path, moe_batch, {"ep": 2}))
+    for port, (layout, model_path, rows, backend_args) in zip(ports, layouts):
+        worker = _bf16_worker(model_path, host, rank, 2, port, **backend_args)
         try:
-            opt = mixed_precision_optimizer(worker)
+            # under EP the optimizer chains one 16-bit optimizer for the dense and one for the expert parameters
+            subs = getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
             result[f"{layout}_dtypes"] = ({p.dtype for p in model(worker).parameters()},
-                                          {m.dtype for group in opt.fp32_from_float16_groups for m in group})
-            result[f"{layout}_before"] = worker.forward(batch)["logprobs"]
-            result[f"{layout}_metrics"] = worker.train_mini_batch(batch, compute_norm(batch))
-            result[f"{layout}_after"] = worker.forward(batch)["logprobs"]
+                                          {m.dtype for opt in subs for group in opt.fp32_from_float16_groups
+                                           for m in group})
+            index = list(range(len(rows))) if layout in ("tp", "pp") else (
+                [0, 1] if worker.data_parallel_rank == 0 else [2, 3])
+            mine = rows.select(index)
+            result[f"{layout}_before"] = worker.forward(mine)["logprobs"]
+            result[f"{layout}_metrics"] = worker.train_mini_batch(mine, compute_norm(rows))
+            result[f"{layout}_after"] = worker.forward(mine)["logprobs"]
+            result[f"{layout}_index"] = index
         finally:
             worker.close()
     return result
 
 
-def test_bfloat16_under_tensor_and_pipeline_parallel_2_matches_one_rank(hf_dir, host, fp32_step, tmp_path):
-    """16-bit training sharded: the same float32 masters beside bfloat16 parameters on every rank,
-    and a step within the module's tolerances of the float32 step, its log-probs afterwards within
-    bfloat16 rounding of the one-rank bfloat16 worker's."""
-    batch = fp32_step["batch"]
-    one = build(hf_dir, host, "bfloat16")
+def _one_rank_bf16(path: str, host: PluginHost, batch: Batch) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """The one-rank bfloat16 worker's step metrics and log-probs before and after it."""
+    worker = _bf16_worker(path, host)
     try:
-        one.train_mini_batch(batch, compute_norm(batch))
-        one_after = one.forward(batch)["logprobs"]
+        before = worker.forward(batch)["logprobs"]
+        metrics = worker.train_mini_batch(batch, compute_norm(batch))
+        return metrics, before, worker.forward(batch)["logprobs"]
     finally:
-        one.close()
-    want = fp32_step["metrics"]
-    for rank in support.run_ranks(_bf16_two_rank_job, 2, tmp_path, hf_dir, batch):
-        for layout in ("tp", "pp"):
+        worker.close()
+
+
+def test_bfloat16_under_tensor_pipeline_data_and_expert_parallel_2_matches_one_rank(hf_dir, host, fp32_step,
+                                                                                    tmp_path):
+    """16-bit training sharded and replicated: the same float32 masters beside bfloat16 parameters
+    on every rank, and a step within the module's tolerances of the one-rank step (the float32 one
+    for the loss and gradient norm of the dense model, the bfloat16 one otherwise), its log-probs
+    afterwards within bfloat16 rounding of the one-rank bfloat16 worker's."""
+    batch = fp32_step["batch"]
+    moe_path = str(tmp_path / "moe")
+    moe_hf = support.save_tiny_moe(moe_path)
+    moe_batch = support.with_hf_old_logprobs(moe_hf, support.make_batch(seed=3), seed=3)
+    dense = _one_rank_bf16(hf_dir, host, batch)
+    moe = _one_rank_bf16(moe_path, host, moe_batch)
+    want = {"tp": fp32_step["metrics"], "pp": fp32_step["metrics"], "dp": fp32_step["metrics"], "ep": moe[0]}
+    ranks = support.run_ranks(_bf16_two_rank_job, 2, tmp_path, hf_dir, moe_path, batch, moe_batch)
+    for rank in ranks:
+        for layout in ("tp", "pp", "dp", "ep"):
+            metrics_one, before_one, after_one = moe if layout == "ep" else dense
+            index = rank[f"{layout}_index"]
             assert rank[f"{layout}_dtypes"] == ({torch.bfloat16}, {torch.float32}), layout
-            assert (rank[f"{layout}_before"] - fp32_step["logprobs"]).abs().max() < LOGPROB_ATOL, layout
+            assert (rank[f"{layout}_before"] - before_one[index]).abs().max() < LOGPROB_ATOL, layout
             metrics = rank[f"{layout}_metrics"]
             assert metrics["train/skipped_step"] == 0.0
-            assert metrics["train/loss"] == pytest.approx(want["train/loss"], rel=LOSS_RTOL), layout
-            assert metrics["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=GRAD_NORM_RTOL), layout
-            assert (rank[f"{layout}_after"] - one_after).abs().max() < LOGPROB_ATOL, layout
+            assert metrics["train/grad_norm"] == pytest.approx(want[layout]["train/grad_norm"], rel=GRAD_NORM_RTOL)
+            if layout in ("tp", "pp"):  # every rank holds the whole batch: its loss is the batch's
+                assert metrics["train/loss"] == pytest.approx(want[layout]["train/loss"], rel=LOSS_RTOL), layout
+            assert (rank[f"{layout}_after"] - after_one[index]).abs().max() < LOGPROB_ATOL, layout
             assert (rank[f"{layout}_after"] - rank[f"{layout}_before"]).abs().max() > 1e-3, layout  # it trained
