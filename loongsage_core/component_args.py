@@ -87,6 +87,26 @@ def args_tables(job: JobConfig) -> Iterator[ArgsTable]:
                     job.rollout.weight_transport_args, _CTX, attr="sender")
 
 
+def transport_tables(job: JobConfig, host: Any) -> Iterator[ArgsTable]:
+    """The per-transport tables of a transport whose spec declares ``args_per_transport`` (``auto``):
+    each key must name an active transport it may choose (one with an ``auto_rank``) and hold a
+    table, checked as that transport's own ``weight_transport_args``."""
+    where = job.source_path or "<job>"
+    args = job.rollout.weight_transport_args
+    if not args or not host.get("weight_transport", job.rollout.weight_transport).args_per_transport:
+        return
+    choices = sorted(name for name, spec in host.components("weight_transport").items() if spec.auto_rank)
+    for name, table in args.items():
+        key = f"rollout.weight_transport_args.{name}"
+        if name not in choices:
+            raise ConfigError(f"{where}: {key}: '{job.rollout.weight_transport}' takes one table per transport it "
+                              f"may choose, and '{name}' is none of them; choose from: {', '.join(choices)}")
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{where}: {key}: expected a table of the '{name}' transport's arguments, got "
+                              f"{type(table).__name__}")
+        yield ArgsTable(key, "weight_transport", name, table, _CTX, attr="sender")
+
+
 def accepted_args(target: Callable[..., Any], positional: int = 0,
                   reserved: tuple[str, ...] = ()) -> tuple[list[str], list[str]] | None:
     """``(accepted, required)`` keyword names of ``target`` after its first ``positional``
@@ -116,7 +136,7 @@ def check_component_args(job: JobConfig, host: Any) -> None:
     """Raise :class:`ConfigError` naming the key of the first argument table that does not fit
     its component: an unknown key (with the accepted ones) or a missing required argument."""
     where = job.source_path or "<job>"
-    for table in args_tables(job):
+    for table in (*args_tables(job), *transport_tables(job, host)):
         spec = host.get(table.kind, table.name, where=f"{where}: {table.key}")
         schema = spec.args_schema
         if schema is not None:

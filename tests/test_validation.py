@@ -169,6 +169,12 @@ CASES = {
     "megatron full recomputation without a method": (
         lambda t: [*MEGATRON, "train.backend_args={recompute_granularity='full'}"],
         "backend_args.recompute_granularity = 'full' needs recompute_method"),
+    "auto's flat weight_transport_args": (lambda t: ["rollout.weight_transport_args={bucket_bytes=4096}"],
+                                          "rollout.weight_transport_args.bucket_bytes: 'auto' takes one table per "
+                                          "transport it may choose, and 'bucket_bytes' is none of them; choose "
+                                          "from: broadcast, inprocess, shm"),
+    "auto's table for a transport that is not a table": (lambda t: ["rollout.weight_transport_args={shm=4}"],
+                                                         "rollout.weight_transport_args.shm: expected a table"),
     "megatron backend_args key misspelt": (lambda t: [*MEGATRON, "train.backend_args={tpp=2}"],
                                            "[train] backend_args: unknown keys ['tpp'] for the megatron backend"),
     "router replay on a dense model": (lambda t: ["algorithm.router_replay=true"],

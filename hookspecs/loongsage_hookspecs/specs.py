@@ -248,12 +248,18 @@ class WeightTransportSpec(ComponentSpec):
     one engine (:class:`~loongsage_hookspecs.WeightTarget`), higher first, or ``None`` where it
     cannot. The ``auto`` transport asks every active transport that has one and sends each
     engine's updates by the highest; a transport without ``auto_rank`` is never chosen by it.
+
+    ``args_per_transport``: the transport's ``weight_transport_args`` are one table per transport
+    it may choose (a transport that routes engines to others, like ``auto``); ``loongsage
+    validate`` checks each key names an active transport with an ``auto_rank`` and each table
+    against that transport's sender.
     """
 
     sender: "Callable[..., Any]"
     receiver: "Callable[..., Any] | None" = None
     colocated_only: bool = False
     auto_rank: "Callable[[Any], int | None] | None" = None
+    args_per_transport: bool = False
 
 
 @attrs.define(frozen=True, kw_only=True)

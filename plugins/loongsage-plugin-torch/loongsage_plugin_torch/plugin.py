@@ -67,7 +67,7 @@ def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
                               auto_rank=broadcast_rank,
                               description="bucketed broadcast over a torch.distributed group (Gloo on CPU, "
                                           "NCCL on GPU) to engines on other devices or nodes")
-    yield WeightTransportSpec(name="auto", sender=auto_sender,
+    yield WeightTransportSpec(name="auto", sender=auto_sender, args_per_transport=True,
                               description="per engine the fastest transport that reaches it (each active "
                                           "transport's auto_rank): inprocess, shm on one node, broadcast across "
                                           "devices and nodes, the sglang plugin's for SGLang servers")
