@@ -216,36 +216,31 @@ def test_expert_pipeline_and_sequence_parallel_replay_equal_the_torch_backends(t
     agreement = expected_agreement(own_ranking(hf, batch), batch["routed_experts"])
     recorded = agreement >= 0
     # EP = 2: each rank's rows
+    expected = (want, unreplayed["logprobs"], torch.where(recorded, 1.0, -1.0), agreement)
     for rank, rows in ((rank0, [0, 1, 2]), (rank1, [3])):
-        got = rank["ep_forward"]
-        assert set(got) == COMPARE_KEYS
-        for key in ("logprobs", "entropy"):
-            torch.testing.assert_close(got[key], want[key][rows], rtol=0, atol=1e-5)
-        torch.testing.assert_close(got["logprobs_no_replay"], unreplayed["logprobs"][rows], rtol=0, atol=1e-5)
-        assert torch.equal(got["router_agreement"], torch.where(recorded[rows], 1.0, -1.0))
-        assert torch.equal(got["router_agreement_no_replay"], agreement[rows])
+        assert set(rank["ep_forward"]) == COMPARE_KEYS
+        assert_replayed_rows(rank["ep_forward"], *expected, rows=rows)
     # the router gradients, summed over the two data-parallel ranks, are the whole batch's
     grads = torch_router_grads(path, host, batch)
-    for rank in (rank0, rank1):
-        for layer in range(LAYERS):
-            torch.testing.assert_close(rank["ep_router_grads"][layer], grads[layer], rtol=1e-4, atol=1e-6)
-    # PP = 2: each stage replays its own layer, every stage returns the whole result
+    # PP = 2: each stage replays its own layer, every stage returns the whole result;
+    # TP = 2 + SP: each rank replays its share of the sequence, agreement summed over the two
     assert (rank0["pp_layers"], rank1["pp_layers"]) == ([0], [1])
     for rank in (rank0, rank1):
-        got = rank["pp_forward"]
-        for key in ("logprobs", "entropy"):
-            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
-        torch.testing.assert_close(got["logprobs_no_replay"], unreplayed["logprobs"], rtol=0, atol=1e-5)
-        assert torch.equal(got["router_agreement"], torch.where(recorded, 1.0, -1.0))
-        assert torch.equal(got["router_agreement_no_replay"], agreement)
-    # TP = 2 + SP: each rank replays its share of the sequence; agreement summed over the two
-    for rank in (rank0, rank1):
         assert rank["sp"] is True
-        got = rank["sp_forward"]
-        for key in ("logprobs", "entropy"):
-            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-5)
-        torch.testing.assert_close(got["logprobs_no_replay"], unreplayed["logprobs"], rtol=0, atol=1e-5)
-        assert torch.equal(got["router_agreement"], torch.where(recorded, 1.0, -1.0))
-        assert torch.equal(got["router_agreement_no_replay"], agreement)
-        for layer in range(LAYERS):  # both halves of the sequence reach the (replicated) router weights
-            torch.testing.assert_close(rank["sp_router_grads"][layer], grads[layer], rtol=1e-4, atol=1e-6)
+        assert_replayed_rows(rank["pp_forward"], *expected)
+        assert_replayed_rows(rank["sp_forward"], *expected)
+        for key in ("ep_router_grads", "sp_router_grads"):  # every rank's tokens reach the router weights
+            for layer in range(LAYERS):
+                torch.testing.assert_close(rank[key][layer], grads[layer], rtol=1e-4, atol=1e-6)
+
+
+def assert_replayed_rows(got: dict, want: dict, unreplayed: torch.Tensor, replayed_agreement: torch.Tensor,
+                         agreement: torch.Tensor, rows: list[int] | None = None) -> None:
+    """A worker's ``forward`` outputs for ``rows`` (all by default) against the torch backend's
+    replay, transformers' own routing and the agreement computed apart, with and without replay."""
+    pick = slice(None) if rows is None else rows
+    for key in ("logprobs", "entropy"):
+        torch.testing.assert_close(got[key], want[key][pick], rtol=0, atol=1e-5)
+    torch.testing.assert_close(got["logprobs_no_replay"], unreplayed[pick], rtol=0, atol=1e-5)
+    assert torch.equal(got["router_agreement"], replayed_agreement[pick])
+    assert torch.equal(got["router_agreement_no_replay"], agreement[pick])
