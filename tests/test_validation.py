@@ -190,6 +190,9 @@ CASES = {
                                                  "divide the 3 ranks"),
     "torch backend_args key misspelt": (lambda t: ["train.backend_args={devcie='cpu'}"],
                                         "train.backend = 'torch': [train] backend_args"),
+    "torch backend_args value out of its choices": (lambda t: ["train.backend_args={dist_backend='mpi'}"],
+                                                    "[train] backend_args: 'dist_backend' must be in ('auto', "
+                                                    "'gloo', 'nccl') (got 'mpi')"),
     "torch on CUDA without a trainer GPU": (lambda t: ["train.backend_args={device='cuda'}"],
                                             "backend_args.device = 'cuda', but [placement] trainer_gpus = 0"),
     "torch on a device torch cannot parse": (lambda t: ["train.backend_args={device='gpu0'}"],

@@ -166,7 +166,7 @@ def structure_job(raw: Mapping[str, Any], source: str | None = None) -> JobConfi
             msg += "'"
         raise ConfigError(msg.replace("async_", "async")) from None
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
+        raise ConfigError(f"{where}: {validator_message(exc)}") from None
     job.source_path = source
     return job
 
@@ -184,7 +184,15 @@ def structure_args(cls: type[A], args: Mapping[str, Any], key: str, owner: str) 
     try:
         return cls(**args)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"{key}: {exc}") from None
+        raise ValueError(f"{key}: {validator_message(exc)}") from None
+
+
+def validator_message(exc: BaseException) -> str:
+    """The sentence of a validation error. attrs' validators raise with ``(message, attribute,
+    expected, value)`` as arguments, whose ``str`` is the whole tuple; their message alone says
+    the field, what it must be and what it got."""
+    first = exc.args[0] if exc.args else None
+    return first if len(exc.args) > 1 and isinstance(first, str) else str(exc)
 
 
 # --------------------------------------------------------------------------------------------
