@@ -37,14 +37,14 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 class BackendOptions:
     """The validated ``[train] backend_args`` of the torch backend (see the module docstring)."""
 
-    device: str = "auto"
+    device: str = attrs.field(default="auto", validator=attrs.validators.instance_of(str))
     master_weights: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "model")))
     forward_micro_batch_size: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.ge(1)))
     dist_backend: str = attrs.field(default="auto", validator=attrs.validators.in_(("auto", "gloo", "nccl")))
-    grad_sync_bucket_mb: float = 64.0
-    rollback_overflow: bool = True
-    share_prompts: bool = True
+    grad_sync_bucket_mb: float = attrs.field(default=64.0, converter=float, validator=attrs.validators.gt(0.0))
+    rollback_overflow: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
+    share_prompts: bool = attrs.field(default=True, validator=attrs.validators.instance_of(bool))
 
     @classmethod
     def from_args(cls, args: dict[str, Any]) -> "BackendOptions":
