@@ -324,3 +324,27 @@ def test_bfloat16_under_tensor_pipeline_data_and_expert_parallel_2_matches_one_r
                 assert metrics["train/loss"] == pytest.approx(want[layout]["train/loss"], rel=LOSS_RTOL), layout
             assert (rank[f"{layout}_after"] - after_one[index]).abs().max() < LOGPROB_ATOL, layout
             assert (rank[f"{layout}_after"] - rank[f"{layout}_before"]).abs().max() > 1e-3, layout  # it trained
+
+
+def test_bfloat16_with_full_recomputation_gives_the_same_step(hf_dir, host, fp32_step):
+    """Activation recomputation in 16-bit: the recomputed forward is the same bfloat16 arithmetic,
+    so the step (loss, gradient norm, trained log-probs) equals the one without."""
+    from megatron.core.utils import get_model_config
+
+    batch = fp32_step["batch"]
+    runs = []
+    for backend_args in ({}, {"recompute_granularity": "full", "recompute_method": "uniform",
+                              "recompute_num_layers": 1}):
+        worker = _bf16_worker(hf_dir, host, **backend_args)
+        try:
+            config = get_model_config(worker.modules[0])
+            assert config.recompute_granularity == backend_args.get("recompute_granularity")
+            assert config.bf16 and config.params_dtype == torch.bfloat16
+            metrics = worker.train_mini_batch(batch, compute_norm(batch))
+            runs.append((metrics, worker.forward(batch)["logprobs"]))
+        finally:
+            worker.close()
+    (plain, plain_after), (recomputed, recomputed_after) = runs
+    assert recomputed["train/loss"] == pytest.approx(plain["train/loss"], rel=1e-6)
+    assert recomputed["train/grad_norm"] == pytest.approx(plain["train/grad_norm"], rel=1e-5)
+    torch.testing.assert_close(recomputed_after, plain_after, rtol=0, atol=1e-5)
