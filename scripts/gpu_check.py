@@ -39,6 +39,14 @@ JOB = ROOT / "plugins" / "loongsage-plugin-sglang" / "gpu_check.toml"
 TOKENIZER = ROOT / "tests" / "data" / "tokenizer"
 DRY_RUN_TRANSPORT = {"sglang_disk": "shm", "sglang_tensor": "inprocess", "sglang_nccl": "broadcast", "auto": "auto"}
 """The embedded engine's transport standing in for each SGLang one in ``--cpu-dry-run``."""
+BUCKET = {"bucket_bytes": 64 << 20}
+TRANSPORT_ARGS: dict[str, dict[str, Any]] = {
+    "sglang_disk": {},  # safetensors shards in a temporary directory on this node
+    "sglang_tensor": BUCKET,
+    "sglang_nccl": BUCKET,
+    "auto": {"sglang_tensor": BUCKET, "sglang_nccl": BUCKET},  # one table per transport it may choose
+}
+"""Each GPU case's ``[rollout] weight_transport_args``: what that transport's sender takes."""
 AUTO_CHOICE = {False: "sglang_tensor", True: "inprocess"}
 """What ``auto`` must choose in its case (colocated, trainer on the GPU), on a GPU and in the dry run."""
 TARGETS = "perf/weight_sync_perf/weight_targets_"
@@ -66,12 +74,20 @@ def build_model(out: Path, dtype: str) -> Path:
 def gpu_overrides(backend: str, transport: str, *, gpus: int, model: Path, steps: int, run_dir: Path) -> list[str]:
     """The ``key=value`` overrides of one GPU case (the same for ``validate`` and ``run``)."""
     out = [f"model.path={model}", f"train.backend={backend}", f"train.total_steps={steps}",
-           f"rollout.weight_transport={transport}", f"rollout.engine_args.log_dir={run_dir / 'logs'}"]
+           f"rollout.weight_transport={transport}",
+           f"rollout.weight_transport_args={toml_table(TRANSPORT_ARGS[transport])}",
+           f"rollout.engine_args.log_dir={run_dir / 'logs'}"]
     if transport in ("sglang_tensor", "auto"):  # CUDA IPC handles: trainer and engine share one GPU
         out += ["placement.colocate=true", "placement.offload=true", "placement.trainer_gpus=1"]
     elif gpus < 2:  # trainer and engine share the only GPU
         out += ["placement.trainer_gpus=0.5", "placement.engine_gpus=0.5"]
     return out
+
+
+def toml_table(table: dict[str, Any]) -> str:
+    """``table`` as an inline TOML table (an override's value)."""
+    parts = [f"{k} = {toml_table(v) if isinstance(v, dict) else json.dumps(v)}" for k, v in table.items()]
+    return "{" + ", ".join(parts) + "}"
 
 
 def cpu_job(backend: str, transport: str, *, model: Path, steps: int, out: Path) -> Path:

@@ -37,3 +37,38 @@ def test_unknown_arguments_are_refused():
     done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), "--gpu"], capture_output=True, text=True,
                           cwd=REPO)
     assert done.returncode == 2 and "unknown argument '--gpu'" in done.stderr
+
+
+def _gpu_check_module():
+    """``scripts/gpu_check.py`` as a module (the script the shell wrapper runs)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check_script", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_each_gpu_cases_weight_transport_args_build_its_sender(tmp_path):
+    """The GPU cases' ``weight_transport_args`` (which the dry run replaces with the embedded
+    engine's transports) are what each real sender takes: every case's sender, and for ``auto``
+    the sender of every table, is built from the job the GPU run loads."""
+    from loongsage_core.config import load_job
+    from loongsage_core.plugins import PluginHost
+    from loongsage_hookspecs import WeightTransportContext
+
+    gpu_check = _gpu_check_module()
+    host = PluginHost.create(["torch", "sglang"])
+    assert set(gpu_check.TRANSPORT_ARGS) == {"sglang_disk", "sglang_tensor", "sglang_nccl", "auto"}
+    for transport in gpu_check.TRANSPORT_ARGS:
+        job = load_job(gpu_check.JOB, gpu_check.gpu_overrides("torch", transport, gpus=2, model=tmp_path, steps=2,
+                                                              run_dir=tmp_path))
+        args = dict(job.rollout.weight_transport_args)
+        assert args == gpu_check.TRANSPORT_ARGS[transport], transport  # nothing merged in from the job file
+        ctx = WeightTransportContext(role="sender", job=job, components=host)
+        sender = host.build("weight_transport", transport, ctx, using="sender", **args)
+        try:
+            for name in args if transport == "auto" else ():
+                sender._sender(name)
+        finally:
+            sender.close()
