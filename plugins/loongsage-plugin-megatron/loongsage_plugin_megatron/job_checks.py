@@ -6,7 +6,7 @@ layout the model or the trainer's devices cannot run is refused there with the r
 minutes later when Megatron-Core starts on the cluster. It reads only the job and the model's
 ``config.json``: the devices come from ``[placement] trainer_gpus`` (a rank that reserves no GPU
 sees no CUDA device), never from the validating machine's hardware. Each worker runs the same
-checks (:func:`check_model_settings`) against its own devices when it starts.
+checks (:func:`job_layout`) against its own devices when it starts.
 """
 
 from __future__ import annotations
@@ -14,25 +14,52 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from . import layout
 from .layout import BackendOptions
+
+
+@attrs.define(frozen=True)
+class JobLayout:
+    """A job's megatron layout on its ranks, checked: the options, the model's ``config.json``,
+    its routed experts and the ``(tp, pp, dp, ep)`` sizes."""
+
+    options: BackendOptions
+    hf_config: dict[str, Any]
+    num_experts: int | None
+    tp: int
+    pp: int
+    dp: int
+    ep: int
+
+
+def job_layout(job: Any, model_path: str, world_size: int, role: str, *, cuda: bool) -> JobLayout:
+    """The layout of ``job`` on ``world_size`` ranks of a model in ``model_path``, for ``role``
+    on ranks with (``cuda``) or without CUDA devices; ValueError naming the key at fault. What
+    :func:`check_job` runs at validation and each worker again at start."""
+    options = BackendOptions.from_args(dict(job.train.backend_args))
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"[model] path: no config.json in model directory '{model_path}'")
+    hf_config = layout.read_hf_config(config_file)
+    num_experts = layout.hf_num_experts(hf_config)
+    tp, pp, dp, ep = layout.parallel_sizes(options, world_size, num_experts)
+    layout.check_layout(options, role, tp, pp, hf_config, num_experts, cuda=cuda)
+    check_model_settings(job, num_experts, model_path)
+    return JobLayout(options, hf_config, num_experts, tp, pp, dp, ep)
 
 
 def check_job(job: Any) -> None:
     """Raise ValueError naming the ``[train] backend_args`` key (or the job key) this job cannot
     run with on ``[train] num_workers`` ranks of the devices ``[placement]`` reserves."""
-    options = BackendOptions.from_args(dict(job.train.backend_args))
+    BackendOptions.from_args(dict(job.train.backend_args))  # its keys, whatever the model
     if not job.model.path:
         raise ValueError("[model] path must name a Hugging Face directory (Megatron-Bridge converts it)")
-    config_file = Path(job.resolve_path(job.model.path)) / "config.json"
-    if not config_file.is_file():
+    model_path = job.resolve_path(job.model.path)
+    if not (Path(model_path) / "config.json").is_file():
         return  # the job's model checks name the missing file
-    hf_config = layout.read_hf_config(config_file)
-    num_experts = layout.hf_num_experts(hf_config)
-    tp, pp, _, _ = layout.parallel_sizes(options, int(job.train.num_workers), num_experts)
-    cuda = float(job.placement.trainer_gpus) > 0
-    layout.check_layout(options, "actor", tp, pp, hf_config, num_experts, cuda=cuda)
-    check_model_settings(job, num_experts, str(config_file.parent))
+    job_layout(job, model_path, int(job.train.num_workers), "actor", cuda=float(job.placement.trainer_gpus) > 0)
 
 
 def check_model_settings(job: Any, num_experts: int | None, model_path: str) -> None:

@@ -78,7 +78,6 @@ the model of the ``megatron`` distillation teacher (:mod:`.teacher`), which read
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -88,8 +87,7 @@ from loongsage_hookspecs import AggregationNorm, Batch
 
 from . import bridge_compat, checkpoint, cpu_compat, layout, parallel
 from . import lora as lora_lib
-from .job_checks import check_model_settings
-from .layout import BackendOptions
+from .job_checks import job_layout
 from .model import aux_loss_scale, build_model, model_dtype
 from .offload import HostOffload
 from .optimizer import build_optimizer, optimizer_step, wrap_ddp
@@ -116,22 +114,15 @@ class MegatronTrainWorker:
             if dist.is_available() and dist.is_initialized():
                 # built beside the policy in its actor: the same ranks, sharded the same way
                 self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.options = BackendOptions.from_args(dict(job.train.backend_args))
         self.model_path = job.resolve_path(job.model.path) if hasattr(job, "resolve_path") else job.model.path
-        config_file = Path(self.model_path) / "config.json"
-        if not config_file.is_file():
-            raise ValueError(f"[model] path: no config.json in model directory '{self.model_path}'")
-        hf_config = layout.read_hf_config(config_file)
-        self.num_experts = layout.hf_num_experts(hf_config)
-        self.tp, self.pp, self.dp, self.ep = layout.parallel_sizes(self.options, self.world_size, self.num_experts)
+        found = job_layout(job, self.model_path, self.world_size, self.role, cuda=not cpu_compat.cuda_missing())
+        self.options, hf_config, self.num_experts = found.options, found.hf_config, found.num_experts
+        self.tp, self.pp, self.dp, self.ep = found.tp, found.pp, found.dp, found.ep
         self.micro_batch_size = job.train.micro_batch_size
-        layout.check_layout(self.options, self.role, self.tp, self.pp, hf_config, self.num_experts,
-                            cuda=not cpu_compat.cuda_missing())
         self.sequence_parallel = layout.sequence_parallel(self.options, self.tp, self.num_experts)
         # [algorithm] router_replay: every forward of a mixture-of-experts model replays the
         # engine's routing (.router_replay); the actor's scoring pass also compares without it
         replay = bool(getattr(job.algorithm, "router_replay", False))
-        check_model_settings(job, self.num_experts, self.model_path)
         self.router_replay_compare = (replay and self.role == "actor"
                                       and bool(getattr(job.algorithm, "router_replay_compare", True)))
 
