@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .optimizer import grad_buffers
+from .schedule import megatron_optimizers
 
 
 class HostOffload:
@@ -74,7 +75,7 @@ class HostOffload:
             return
         # bfloat16 / float16: the mixed-precision optimizer's float32 master weights (optimizer
         # tensors with no backward hooks: their ``.data`` moves)
-        for sub in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+        for sub in megatron_optimizers(self.optimizer):
             for name in ("fp32_from_float16_groups", "shard_fp32_from_float16_groups"):
                 for group in getattr(sub, name, None) or []:
                     for main_param in group:

@@ -7,14 +7,17 @@ from typing import Any
 from loongsage_core.backend_api import make_scheduler
 
 
-def torch_optimizers(megatron_optimizer: Any) -> list[Any]:
-    """The ``torch.optim`` optimizers inside a Megatron-Core optimizer (none on a rank without parameters).
+def megatron_optimizers(megatron_optimizer: Any) -> list[Any]:
+    """The Megatron optimizers of a Megatron-Core optimizer: ``get_megatron_optimizer`` returns a
+    ``ChainedOptimizer`` of one per parameter kind (dense, expert-parallel), or a single one."""
+    return list(getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer]))
 
-    ``get_megatron_optimizer`` returns a ``ChainedOptimizer`` of one Megatron optimizer per
-    parameter kind (dense, expert-parallel), each wrapping a torch optimizer in ``.optimizer``.
-    """
-    chained = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
-    return [inner.optimizer for inner in chained if getattr(inner, "optimizer", None) is not None]
+
+def torch_optimizers(megatron_optimizer: Any) -> list[Any]:
+    """The ``torch.optim`` optimizers inside a Megatron-Core optimizer (none on a rank without
+    parameters): each Megatron optimizer wraps one in ``.optimizer``."""
+    return [inner.optimizer for inner in megatron_optimizers(megatron_optimizer)
+            if getattr(inner, "optimizer", None) is not None]
 
 
 class MegatronScheduler:

@@ -32,6 +32,7 @@ import megatron_test_support as support
 from loongsage_plugin_megatron import plugin
 from loongsage_plugin_megatron.checkpoint import STATE_FILE
 from loongsage_plugin_megatron.model import MODEL_DTYPES, model_dtype
+from loongsage_plugin_megatron.schedule import megatron_optimizers
 
 from loongsage_core.algorithms import compute_norm
 from loongsage_core.config import JobConfig
@@ -64,7 +65,7 @@ def mixed_precision_optimizer(worker):
     """The ``Float16OptimizerWithFloat16Params`` inside the worker's (chained) Megatron optimizer."""
     from megatron.core.optimizer import Float16OptimizerWithFloat16Params
 
-    subs = getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
+    subs = megatron_optimizers(worker.optimizer)
     assert len(subs) == 1 and isinstance(subs[0], Float16OptimizerWithFloat16Params)
     return subs[0]
 
@@ -270,7 +271,7 @@ def _bf16_two_rank_job(rank: int, out: str, path: str, moe_path: str, batch: Bat
         worker = _bf16_worker(model_path, host, rank, 2, port, **backend_args)
         try:
             # under EP the optimizer chains one 16-bit optimizer for the dense and one for the expert parameters
-            subs = getattr(worker.optimizer, "chained_optimizers", [worker.optimizer])
+            subs = megatron_optimizers(worker.optimizer)
             result[f"{layout}_dtypes"] = ({p.dtype for p in model(worker).parameters()},
                                           {m.dtype for opt in subs for group in opt.fp32_from_float16_groups
                                            for m in group})
