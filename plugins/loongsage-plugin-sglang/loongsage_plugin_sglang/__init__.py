@@ -10,7 +10,7 @@ modules when called.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from loongsage_hookspecs import EngineContext, EngineRouterContext, WeightTarget, WeightTransportContext
 
@@ -60,31 +60,32 @@ NCCL_RANK = 60
 DISK_RANK = 10
 
 
-def is_sglang_server(info: Any) -> bool:
+def is_sglang_server(info: Mapping[str, Any]) -> bool:
     """Whether a ``/get_server_info`` answer is an SGLang server's: its server arguments
     (``model_path``, ``tp_size``) and no ``weight_load_formats`` (the embedded engine's list)."""
-    return (isinstance(info, dict) and "weight_load_formats" not in info
-            and "model_path" in info and "tp_size" in info)
+    return "weight_load_formats" not in info and "model_path" in info and "tp_size" in info
+
+
+def _sglang_target(target: WeightTarget) -> bool:
+    """Whether ``target`` is an SGLang server reached over HTTP."""
+    return target.url is not None and is_sglang_server(target.server_info)
 
 
 def tensor_rank(target: WeightTarget) -> int | None:
     """CUDA IPC handles reach an SGLang server on the trainer's own GPU: a colocated run whose
     trainer holds its weights on a GPU (each engine shares its trainer rank's device)."""
-    sglang = target.url is not None and is_sglang_server(dict(target.server_info))
-    return TENSOR_RANK if sglang and target.colocated and target.trainer_on_gpu else None
+    return TENSOR_RANK if _sglang_target(target) and target.colocated and target.trainer_on_gpu else None
 
 
 def nccl_rank(target: WeightTarget) -> int | None:
     """An NCCL group reaches an SGLang server on any GPU, when the trainer's weights are on one."""
-    sglang = target.url is not None and is_sglang_server(dict(target.server_info))
-    return NCCL_RANK if sglang and target.trainer_on_gpu else None
+    return NCCL_RANK if _sglang_target(target) and target.trainer_on_gpu else None
 
 
 def disk_rank(target: WeightTarget) -> int | None:
     """Safetensors on a shared directory reach any SGLang server: the path left when the trainer
     has no GPU (and so no NCCL to the server's)."""
-    sglang = target.url is not None and is_sglang_server(dict(target.server_info))
-    return DISK_RANK if sglang else None
+    return DISK_RANK if _sglang_target(target) else None
 
 
 __all__ = ["create_server", "disk_rank", "disk_sender", "is_sglang_server", "nccl_rank", "nccl_sender",
