@@ -57,6 +57,7 @@ def test_generation_goes_through_the_sglang_router(ray_cluster, tmp_path):
         controller.start()
         router_url = controller.engine_router.base_url
         assert controller.rollout.generate_urls == [router_url]
+        assert controller.rollout.one_request_per_sample  # the router takes one sampling_params per request
         engines = controller.actors.engine_urls
         assert router_url not in engines and len(engines) == 2
         # the engines and the router in front of them need the run secret; the run holds it
@@ -114,3 +115,32 @@ def test_an_engine_that_died_behind_the_sglang_router_is_replaced_there(ray_clus
     assert [m["rollout/num_rows"] for m in history] == [16.0, 16.0, 16.0]  # every prompt of every step
     assert finished_on_new > 0  # round robin: the new engine generated
     assert all(m["train/is_approx_k3_kl"] < 1e-6 for m in history)  # it serves the current weights
+
+
+def test_without_a_router_each_group_is_one_request_to_its_engine(ray_cluster, tmp_path):
+    """With no load balancer in front, the fast path sends a group's samples in one ``/generate``
+    (the engine prefills the shared prompt once and batches the samples from the first step); one
+    request per sample is only for a router that takes one sampling_params per request."""
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.replace('engine_router = "sglang_router"', "")
+                    .replace('engine_router_args = { policy = "round_robin" }', "")
+                    .replace("num_engines = 2", "num_engines = 1").replace("total_steps = 2", "total_steps = 1"))
+    controller = RLController(resolve_job(load_job(path)), tmp_path / "run")
+    try:
+        controller.start()
+        assert controller.engine_router is None
+        client = controller.rollout.generate_clients[0]
+        assert controller.rollout.generate_urls == controller.actors.engine_urls
+        batches: list[int] = []
+        real_generate = client.generate
+
+        async def counting_generate(input_ids, *args, **kwargs):  # a spy: the real client answers
+            batches.append(len(input_ids))
+            return await real_generate(input_ids, *args, **kwargs)
+
+        client.generate = counting_generate
+        metrics = controller.run_step(0)
+        assert metrics["rollout/num_rows"] == 16.0
+        assert batches == [4, 4, 4, 4]  # four prompts, each with its four samples in one request
+    finally:
+        controller.close()

@@ -83,7 +83,9 @@ class RunLifecycle(RunState):
                                             self.actors.teacher_bundle)
         self.engine_router, generate_urls = start_engine_router(self.job, self.host, self.actors.engine_urls,
                                                                    secret=self.secret)
-        self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls, generate_urls,
+        # without a load balancer generation goes to the engines themselves, a group per request
+        self.rollout = RolloutManager(self.job, self.host, self.tokenizer, self.actors.engine_urls,
+                                      generate_urls if self.engine_router is not None else None,
                                       secret=self.secret)
         self.faults.attach(self.rollout)  # router turns whose engine died go to its replacement
         self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
