@@ -437,6 +437,20 @@ def test_an_update_that_makes_weights_infinite_is_rolled_back():
         assert_same_bits(after, before)
 
 
+def test_nonfinite_count_counts_parameters_holding_inf_or_nan_and_not_huge_finite_ones():
+    from loongsage_plugin_torch.trainer.rollback import nonfinite_count
+
+    params = [torch.ones(3, 4), torch.ones(5), torch.full((2, 2), 1.0, dtype=torch.bfloat16)]
+    assert nonfinite_count(params) == 0 and nonfinite_count([]) == 0
+    huge = [torch.full((4,), 3e38), torch.full((3,), -3e38), torch.full((2,), 3e38)]
+    assert nonfinite_count(huge) == 0  # finite weights whose sum overflows: none is counted
+    params[0][1, 2] = float("nan")
+    params[2][0, 0] = float("-inf")
+    assert nonfinite_count(params) == 2
+    params[1][4] = float("inf")
+    assert nonfinite_count(params) == 3
+
+
 def test_a_first_step_that_overflows_leaves_no_optimizer_state():
     worker = make_worker(make_job(train={"lr": 1e39}))
     params = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
