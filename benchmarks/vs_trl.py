@@ -15,8 +15,9 @@ The first step of each framework is a warm-up and is not counted. The frameworks
 ``--rounds`` alternating rounds (TRL first in odd rounds, LoongSage first in even ones), so a
 drift of the host's speed over the minutes of a run weighs on both alike; the seconds per step
 are the mean over every round's measured steps, and ``speedup_per_round`` shows the spread.
-LoongSage runs as users run it (a local Ray cluster, the AgentFlow router, the embedded engine
-colocated with the trainer); its per-phase MFU (``perf/mfu_*``, against the probed matmul rate) is
+TRL runs in a fresh child process each round (its model and optimizer state do not stay in
+memory while LoongSage runs). LoongSage runs as users run it (a local Ray cluster, the embedded
+engine colocated with the trainer); its per-phase MFU (``perf/mfu_*``, against the probed matmul rate) is
 reported too. Prints JSON with, per workload, ``trl_s_per_step``, ``loongsage_s_per_step``,
 ``speedup_vs_trl`` and the MFU.
 
@@ -171,6 +172,22 @@ name = "jsonl"
 """
 
 
+def quiet(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with its progress prints on stderr: stdout is the JSON."""
+    with contextlib.redirect_stdout(sys.stderr):
+        return fn(*args)
+
+
+def run_trl_in_child(*args: Any) -> dict[str, Any]:
+    """:func:`run_trl` in a fresh process that exits afterwards, so TRL's model, optimizer and
+    threads (gigabytes on ``135m``) are gone before LoongSage runs, and LoongSage's before TRL's."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(quiet, run_trl, *args).result()
+
+
 def run_loongsage(model_dir: Path, prompts: Path, new_tokens: int, steps: int, threads: int, micro: int,
                   pack_tokens: int | None, workdir: Path, name: str) -> dict[str, Any]:
     """Seconds per step of LoongSage (steps after the first) and its per-phase MFU."""
@@ -241,12 +258,13 @@ def main() -> None:
                 rounds: list[dict[str, Any]] = []
                 for index in range(args.rounds):
                     res: dict[str, Any] = {}
-                    runs = [functools.partial(run_trl, model_dir, prompts, new_tokens, args.steps, args.threads, work),
-                            functools.partial(run_loongsage, model_dir, prompts, new_tokens, args.steps, args.threads,
-                                              args.micro_batch_size, args.pack_tokens, work, f"{name}_{index}")]
-                    with contextlib.redirect_stdout(sys.stderr):  # their progress logs: stdout is the JSON
-                        for run in runs if index % 2 == 0 else runs[::-1]:
-                            res.update(run())
+                    runs = [functools.partial(run_trl_in_child, model_dir, prompts, new_tokens, args.steps,
+                                              args.threads, work),
+                            functools.partial(quiet, run_loongsage, model_dir, prompts, new_tokens, args.steps,
+                                              args.threads, args.micro_batch_size, args.pack_tokens, work,
+                                              f"{name}_{index}")]
+                    for run in runs if index % 2 == 0 else runs[::-1]:
+                        res.update(run())
                     rounds.append(res)
                 results[name] = combine_rounds(rounds)
         finally:
