@@ -297,3 +297,96 @@ def test_the_same_rows_in_another_order_give_bit_identical_log_probs(max_tokens)
     assert plan == [[perm[r] for r in rows] for rows in shuffled_plan]  # the same micro-batches
     assert any(set(rows) >= {0, 1, 2} or set(rows) >= {3, 4, 5} for rows in plan)  # a prompt's rows together
     assert torch.equal(worker.forward(shuffled)["logprobs"], worker.forward(batch)["logprobs"][perm])
+
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "max_position_embeddings": 256, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("layout", ["groups", "groups_token_budget", "token_budget"])
+@pytest.mark.parametrize("model", [TINY_QWEN3, SLIDING, TINY_LLAMA], ids=["qwen3", "sliding_window", "llama"])
+def test_the_prompt_tree_attention_gives_the_masked_attention_outputs_and_gradients(model, layout, monkeypatch):
+    """Rows packed into one sequence (a group sharing its prompt, or a whole padding-free
+    micro-batch) attend per row (shared prompt + own tokens) instead of over the whole packed
+    sequence: the same log-probs, entropies and gradients as the masked path."""
+    from loongsage_plugin_torch.trainer import packing, prompt_tree
+
+    max_tokens = None if layout == "groups" else 40
+    worker = make_worker(max_tokens, model)
+    micro = worker._to_device(make_group_batch(seed=4).select(list(range(7))))
+    ids, attention, scored = micro["input_ids"], micro["attention_mask"], micro["loss_mask"] > 0
+    groups = None
+    if layout != "token_budget":
+        groups = worker._prompt_groups(ids, attention, scored, one_row=bool(max_tokens))
+        assert groups is not None
+    masks_built: list[int | None] = []
+    real_mask = prompt_tree.PromptTreeLayout.mask
+
+    def spy_mask(self, window):  # calls through: counts the layers the tree attention served
+        masks_built.append(window)
+        return real_mask(self, window)
+
+    monkeypatch.setattr(prompt_tree.PromptTreeLayout, "mask", spy_mask)
+    outputs, grads = {}, {}
+    for tree in (True, False):
+        worker.model.zero_grad(set_to_none=True)
+        lp, ent = packing.packed_token_outputs(worker.model, ids, attention, compute_dtype=torch.float32,
+                                               fp32_lm_head=False, entropy_grad=True, scored=scored, groups=groups,
+                                               one_row=bool(max_tokens), tree_attention=tree)
+        (lp.sum() + ent.sum()).backward()
+        outputs[tree] = (lp.detach(), ent.detach())
+        grads[tree] = {n: p.grad.clone() for n, p in worker.model.named_parameters() if p.grad is not None}
+        assert worker.model.config._attn_implementation == "sdpa"  # switched back after the forward
+    layers = worker.model.config.num_hidden_layers
+    assert len(masks_built) == layers  # every layer of the first forward, none of the second
+    if model is SLIDING:
+        assert None in masks_built and 6 in masks_built
+    assert float(outputs[False][0].abs().sum()) > 0
+    torch.testing.assert_close(outputs[True][0], outputs[False][0], rtol=1e-5, atol=2e-5)
+    torch.testing.assert_close(outputs[True][1], outputs[False][1], rtol=1e-5, atol=2e-5)
+    assert grads[True].keys() == grads[False].keys()
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_prompt_tree_layout_lists_each_row_with_its_prompt_keys():
+    from loongsage_plugin_torch.trainer.prompt_tree import PromptTreeLayout, Segment
+
+    # one packed row of 9 columns: an anchor of 4 tokens (prompt of 2), then a row keeping 3 tokens after it
+    layout = PromptTreeLayout.build([Segment(0, 0, 4, 0, 0), Segment(0, 4, 3, 0, 2)], cols=9)
+    assert layout.q_index.tolist() == [[0, 1, 2, 3], [4, 5, 6, 0]]
+    assert layout.q_valid.tolist() == [[True] * 4, [True, True, True, False]]
+    assert layout.k_index.tolist() == [[0, 1, 2, 3, 0], [0, 1, 4, 5, 6]]
+    mask = layout.mask(None)[:, 0]
+    assert mask[1].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
+    assert mask[0, 3].int().tolist() == [1, 1, 1, 1, 0]  # the anchor's last token: its 4 keys, not the padding
+    assert layout.mask(2)[1, 0, 2].int().tolist() == [0, 0, 0, 1, 1]  # window 2: positions 3 and 4 only
+
+
+def test_rows_attend_per_row_where_the_masked_attention_wastes_the_most_pairs():
+    """A GRPO group (8 rows of 24 new tokens after a 14-token prompt) packed alone keeps its mask;
+    four groups in one padding-free sequence attend per row (:data:`TREE_PAIRS_PER_TOKEN`)."""
+    from loongsage_plugin_torch.trainer.packing import TREE_PAIRS_PER_TOKEN
+
+    g = torch.Generator().manual_seed(0)
+    rows, prompt, new = 32, 14, 24
+    ids = torch.randint(1, 512, (rows, prompt + new), generator=g)
+    for r in range(rows):
+        ids[r, :prompt] = ids[r - r % 8, :prompt]
+    attention = torch.ones_like(ids)
+    groups = [[(r, 0 if r % 8 == 0 else prompt) for r in range(k, k + 8)] for k in range(0, rows, 8)]
+    alone, together = PackedRows(ids, attention, groups, one_row=False), PackedRows(ids, attention, groups)
+    assert alone.packed_lengths == [prompt + 8 * new] * 4 and together.packed_lengths == [4 * (prompt + 8 * new)]
+    assert not alone.tree_saves() and together.tree_saves()
+    config = SimpleNamespace(_attn_implementation="sdpa")
+    with alone.attention(config) as (mask, kwargs):
+        assert mask is not None and kwargs == {}
+    with together.attention(config) as (mask, kwargs):
+        assert mask is None and set(kwargs) == {"prompt_tree"}
+        assert config._attn_implementation == "loongsage_prompt_tree"
+    assert config._attn_implementation == "sdpa"
+    with alone.attention(config, tree=True) as (mask, kwargs):
+        assert mask is None
+    saved_per_token = (206 ** 2 - (8 * 24 * 38 + 14 * 14)) / 206
+    assert saved_per_token < TREE_PAIRS_PER_TOKEN < 4 * saved_per_token

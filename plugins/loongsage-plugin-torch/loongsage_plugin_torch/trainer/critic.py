@@ -81,15 +81,17 @@ class ValueModel(torch.nn.Module):
         return torch.nn.functional.pad(self.head(hidden[:, :-1]), (1, 0))
 
     def hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | dict[str, torch.Tensor] | None, *,
-               compute_dtype: torch.dtype, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """The backbone's last hidden states ``[B, T, H]`` (under autocast, see :meth:`forward`)."""
+               compute_dtype: torch.dtype, position_ids: torch.Tensor | None = None,
+               **attention_kwargs: Any) -> torch.Tensor:
+        """The backbone's last hidden states ``[B, T, H]`` (under autocast, see :meth:`forward`);
+        ``attention_kwargs`` reach every layer's attention (:meth:`.packing.PackedRows.attention`)."""
         param_dtype = self.value_head.weight.dtype
         autocast = (torch.autocast(device_type=input_ids.device.type, dtype=compute_dtype)
                     if compute_dtype != param_dtype else contextlib.nullcontext())
         with autocast:
             extra = {} if position_ids is None else {"position_ids": position_ids}  # packed rows
             return self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                                 use_cache=False, **extra).last_hidden_state
+                                 use_cache=False, **extra, **attention_kwargs).last_hidden_state
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The value head in float32 over ``hidden`` ``[..., H]``: values ``[...]``."""
@@ -166,8 +168,9 @@ class TorchCriticWorker(TorchTrainWorker):
             groups = self._prompt_groups(ids, attention, loss_mask > 0, one_row=one_row)
         if groups is not None or (one_row and bool(attention.any())):  # shared prompts, padding-free (.packing)
             packed = PackedRows(ids, attention, groups, one_row=one_row)
-            hidden = self.model.hidden(packed.input_ids, packed.attention_mask(self._model_config()),
-                                       compute_dtype=self.compute_dtype, position_ids=packed.position_ids)
+            with packed.attention(self._model_config()) as (mask, attention_kwargs):
+                hidden = self.model.hidden(packed.input_ids, mask, compute_dtype=self.compute_dtype,
+                                           position_ids=packed.position_ids, **attention_kwargs)
             wanted = (attention > 0) if groups is None else (loss_mask > 0) & (attention > 0)
             states, rows, cols = packed.predicting_states(hidden, wanted)
             values = torch.zeros(ids.shape, dtype=torch.float32, device=ids.device)

@@ -55,9 +55,11 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor",
 
 def decoder_hidden(model: Any, input_ids: "torch.Tensor",
                    attention_mask: "torch.Tensor | dict[str, torch.Tensor] | None", *,
-                   compute_dtype: "torch.dtype", position_ids: "torch.Tensor | None" = None) -> "torch.Tensor":
+                   compute_dtype: "torch.dtype", position_ids: "torch.Tensor | None" = None,
+                   **attention_kwargs: Any) -> "torch.Tensor":
     """The decoder's last hidden states ``[B, T, H]`` (see :func:`next_token_logits` for the
-    masks and positions it takes, and the autocast it runs under)."""
+    masks and positions it takes, and the autocast it runs under); ``attention_kwargs`` reach the
+    attention function of every layer (the ``prompt_tree`` layout of :mod:`.prompt_tree`)."""
     import torch
 
     param_dtype = model.get_output_embeddings().weight.dtype
@@ -69,9 +71,10 @@ def decoder_hidden(model: Any, input_ids: "torch.Tensor",
         elif isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
             # explicit packed mask(s), one per layer type for a model with sliding windows
             out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False)
+                                    use_cache=False, **attention_kwargs)
         else:
-            out = decoder_of(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            out = decoder_of(model)(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                    **attention_kwargs)
     return out.last_hidden_state
 
 
