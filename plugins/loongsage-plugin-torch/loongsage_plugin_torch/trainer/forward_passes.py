@@ -24,7 +24,6 @@ from loongsage_hookspecs import Batch
 
 from .logits import logprobs_and_entropy, next_token_logits
 from .packing import PackedRows, canonical_order, packed_token_outputs, plan_micro_batches, prompt_groups
-from .prompt_tree import uses_tree
 from .router_replay import RouterReplay
 
 
@@ -167,11 +166,8 @@ class ForwardPassMixin:
         config = self._model_config()
         if "flash" in str(getattr(config, "_attn_implementation", None) or ""):
             return None
-        # the attention a group adds limits sharing only where the group attends as one masked
-        # sequence; per row (.prompt_tree) a sharing row attends over no more keys than alone
-        weigh = not one_row and not uses_tree(config)
         groups = prompt_groups(ids, (attention > 0).sum(dim=1).tolist(), scored & (attention > 0),
-                               getattr(config, "hidden_size", None) if weigh else None, routes=routes)
+                               None if one_row else getattr(config, "hidden_size", None), routes=routes)
         return groups if any(shared for group in groups for _, shared in group) else None
 
     @torch.no_grad()

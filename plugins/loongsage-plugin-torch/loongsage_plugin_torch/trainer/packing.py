@@ -104,8 +104,8 @@ def prompt_groups(input_ids: "torch.Tensor", lengths: Sequence[int], wanted: "to
     A row's prompt is its tokens before the first ``wanted`` one (the first token scored), so a
     shared token is never scored and every scored token still has its own position; rows with
     nothing wanted, or a prompt under :data:`MIN_SHARED_TOKENS`, stay alone. With ``hidden_size``
-    (the groups become rows of their own, each attending over all of its tokens through a mask,
-    not per row as :mod:`.prompt_tree` attends) a group is kept
+    (the groups become rows of their own, each attending over all of its tokens through a mask;
+    attending per row, :mod:`.prompt_tree`, costs less still) a group is kept
     only when the attention it adds (``L**2 - sum(n**2)`` for its packed length ``L`` and its
     rows' lengths ``n``) is below the projections it saves (about ``6 * hidden_size`` per shared
     token, the ratio of a token's matrix-product FLOPs to a query-key pair's); without it (one
