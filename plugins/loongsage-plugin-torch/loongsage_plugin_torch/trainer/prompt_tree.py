@@ -5,19 +5,20 @@ padding-free micro-batch, or a GRPO group whose rows run their shared prompt onc
 then every row's kept tokens). A masked attention over that sequence costs its length squared (a
 group of 8 rows of 24 new tokens after a 14-token prompt: 206 x 206 query-key pairs; a micro-batch
 of 16,384 packed tokens: 16,384 x 16,384), although each token only sees its own row and, when
-shared, the prompt (14 + 24 keys at most in the example). :class:`PromptTreeLayout` lists every row as a *segment*:
-its packed tokens as queries, the prompt's packed tokens and its own as keys. The attention
-function registered here (:data:`PROMPT_TREE_ATTENTION`, a transformers ``AttentionInterface``)
-gathers each segment's queries, keys and values, runs one batched, causally masked SDPA over the
-segments (``[segments, heads, 24, 38]`` in the example: about 6x fewer pairs) and scatters the
-outputs back, so every token gets exactly the attention output of the masked path (tested).
+shared, the prompt (14 + 24 keys at most in the example).
 
-The layout travels to the attention of every layer as the keyword argument ``prompt_tree`` of the
+:class:`PromptTreeLayout` lists every row as a *segment*: its packed tokens as queries, the
+prompt's packed tokens and its own as keys. The attention function registered here
+(:data:`PROMPT_TREE_ATTENTION`, a transformers ``AttentionInterface``) gathers each segment's
+queries, keys and values, runs one batched, causally masked SDPA over the segments
+(``[segments, heads, 24, 38]`` in the example: about 6x fewer pairs) and scatters the outputs
+back, so every token gets the attention output of the masked path (tested).
+
+The layout reaches the attention of every layer as the keyword argument ``prompt_tree`` of the
 decoder's forward (transformers passes extra keyword arguments down to the attention function);
 :func:`prompt_tree_attention` switches the model to this attention for one forward
-(:meth:`.packing.PackedRows.attention` does both). A layer with
-a sliding window (``sliding_window`` from the model's attention module) also masks keys older
-than its window.
+(:meth:`.packing.PackedRows.attention` does both). A layer with a sliding window
+(``sliding_window`` from the model's attention module) also masks keys older than its window.
 """
 
 from __future__ import annotations
@@ -139,15 +140,15 @@ def tree_attention(module: Any, query: "torch.Tensor", key: "torch.Tensor", valu
 
 
 def register() -> None:
-    """Register :func:`tree_attention` with transformers (once)."""
+    """Register :func:`tree_attention` with transformers under :data:`PROMPT_TREE_ATTENTION`
+    (again is harmless: the same name, the same function)."""
     from transformers import AttentionInterface
 
-    if PROMPT_TREE_ATTENTION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(PROMPT_TREE_ATTENTION, tree_attention)
+    AttentionInterface.register(PROMPT_TREE_ATTENTION, tree_attention)
 
 
 def uses_tree(config: Any) -> bool:
-    """Whether a model with ``config`` can run shared prompts through the tree attention."""
+    """Whether a model with ``config`` can attend per row (:data:`TREE_BASES`)."""
     return str(getattr(config, "_attn_implementation", None) or "eager") in TREE_BASES
 
 
