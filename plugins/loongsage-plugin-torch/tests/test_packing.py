@@ -390,3 +390,34 @@ def test_rows_attend_per_row_where_the_masked_attention_wastes_the_most_pairs():
         assert mask is None
     saved_per_token = (206 ** 2 - (8 * 24 * 38 + 14 * 14)) / 206
     assert saved_per_token < TREE_PAIRS_PER_TOKEN < 4 * saved_per_token
+
+
+def test_a_packed_critic_attends_per_row_with_the_padded_values_and_gradients(monkeypatch):
+    """40 rows in one padding-free micro-batch: the rule picks per-row attention for the critic's
+    forward too (counted by a spy on the real layout), and its values and value-loss gradients
+    equal the padded critic's."""
+    from loongsage_plugin_torch.trainer import prompt_tree
+
+    built: list[int] = []
+    real_build = prompt_tree.PromptTreeLayout.build.__func__
+
+    def spy_build(cls, segments, cols, device=None):  # calls through: counts the packed forwards
+        built.append(len(segments))
+        return real_build(cls, segments, cols, device)
+
+    monkeypatch.setattr(prompt_tree.PromptTreeLayout, "build", classmethod(spy_build))
+    batch = make_batch(rows=40, width=30, seed=5)
+    reference, packed = make_critic(None), make_critic(4096)
+    va, vb = reference.forward(batch)["values"], packed.forward(batch)["values"]
+    assert built == [40] and float(va.abs().sum()) > 0  # one packed forward of the 40 rows, per row
+    torch.testing.assert_close(vb, va, rtol=1e-5, atol=2e-5)
+    batch.tensors["loss_mask"] = batch["loss_mask"].float()
+    batch.tensors["values"] = va * batch["loss_mask"]
+    batch.tensors["returns"] = batch["values"] + torch.randn(va.shape, generator=torch.Generator().manual_seed(6))
+    norm = compute_norm(batch)
+    ma, mb = reference.accumulate_gradients(batch, norm), packed.accumulate_gradients(batch, norm)
+    assert mb["train/critic_loss"] == pytest.approx(ma["train/critic_loss"], rel=1e-5)
+    ga = {n: p.grad for n, p in reference.model.named_parameters()}
+    for n, p in packed.model.named_parameters():
+        scale = max(float(ga[n].abs().max()), 1.0)
+        torch.testing.assert_close(p.grad, ga[n], rtol=1e-4, atol=1e-6 * scale)
