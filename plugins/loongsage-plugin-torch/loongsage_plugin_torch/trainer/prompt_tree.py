@@ -132,7 +132,7 @@ def tree_attention(module: Any, query: "torch.Tensor", key: "torch.Tensor", valu
     v = flat_v[layout.k_index].transpose(1, 2)
     window = kwargs.get("sliding_window")
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask(window), scale=scaling,
-                                         dropout_p=dropout if module.training else 0.0,
+                                         dropout_p=dropout,
                                          enable_gqa=kv_heads != H)
     picked = out.transpose(1, 2)[layout.q_valid]  # [N, H, D] of the real queries
     result = flat_q.new_zeros(R * L, H, D).index_put((layout.q_index[layout.q_valid],), picked)
