@@ -13,6 +13,7 @@ from pathlib import Path
 
 import attrs
 
+from .evaluation import EvalConfig
 from .fields import Args, at_least_one, component, custom_resources, in_range, non_negative, valid_seed
 from .rollout import AgentFlowConfig, AsyncConfig, DataConfig, RolloutConfig
 from .training import AlgorithmConfig, CriticConfig, ModelConfig, SftConfig, TeacherConfig, TrainConfig
@@ -115,6 +116,7 @@ class JobConfig:
     async_: AsyncConfig = attrs.field(factory=AsyncConfig, alias="async_")
     loggers: list[LoggerConfig] = attrs.field(factory=lambda: [LoggerConfig(name="console")])
     teachers: list[TeacherConfig] = attrs.field(factory=list)
+    eval: EvalConfig = attrs.field(factory=EvalConfig)
     critic: CriticConfig = attrs.field(factory=CriticConfig)
     run: RunConfig = attrs.field(factory=RunConfig)
     sft: SftConfig | None = None  # set by an [sft] table: a supervised job for ``loongsage sft``

@@ -41,8 +41,8 @@ def host():
 
 def repair(host, router, provider, mode: str, extra: list[str] = (), tid: str = "swe-1") -> tuple[Trajectory, list]:
     """One trajectory of the scripted agent in ``mode``; also the sandbox directories seen meanwhile."""
-    rewards = SourceRewards.bind(JobConfig(data=[DataConfig(name="swe", reward=["swe_tests"], sandbox="local")]), 0,
-                                 host)
+    source = DataConfig(name="swe", reward=["swe_tests"], sandbox="local")
+    rewards = SourceRewards.bind(JobConfig(data=[source]), source, "data[0]", host)
     seen: list[str] = []
 
     async def score(traj: Trajectory, sandbox) -> None:

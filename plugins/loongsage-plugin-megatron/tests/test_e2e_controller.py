@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loongsage_core.config import load_job
-from loongsage_core.controller.entry import run_job
+from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
 
 REPO = Path(__file__).resolve().parents[3]
