@@ -95,7 +95,7 @@ class RunConfig:
     ray_num_cpus: int | None = attrs.field(default=None, validator=in_range(ge=1, optional=True))
     ray_object_store_mb: int = attrs.field(default=256, validator=at_least_one)
     ray_dashboard: bool = False  # the Ray dashboard (loopback only) of a local cluster
-    # rollout records (docs/records.md): -1 every trajectory of each step, 0 none, N a sample of N
+    # rollout records (docs/reference/records.md): -1 every trajectory of each step, 0 none, N a sample of N
     rollout_records: int = attrs.field(default=-1, validator=in_range(ge=-1))
 
 
