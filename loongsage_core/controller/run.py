@@ -1,4 +1,4 @@
-"""``loongsage run``: the synchronous RL loop of DESIGN.md section 4 on a Ray cluster.
+"""``loongsage run``: the synchronous RL loop on a Ray cluster (docs/guide/training.md).
 
 The controller is three parts, each a module of its own:
 
@@ -59,7 +59,7 @@ class RLController(RunLifecycle, StepRunner):
         alg = self.job.algorithm
         self.needs_reference = uses_reference_model(self.job, self.host)
         self.teachers: Teachers | None = None  # the teacher actor, started with the other actors
-        # the step's algorithm, in one place (DESIGN.md section 6)
+        # the step's algorithm, in one place (docs/guide/algorithms.md)
         self.algorithm = StepAlgorithm(self.job, self.host, distill=distill_setup(self.job, self.host))
         self.advantage = self.algorithm.advantage
         self.filters = [self.host.get("filter", n) for n in alg.filters]
