@@ -73,6 +73,7 @@ def contract_module(kind: str) -> str:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_plugin_for_every_hook_is_discovered_listed_and_selected(kind, install_plugin, tmp_path):
     install_plugin(f"loongsage-plugin-contract-{kind.replace('_', '-')}", f"contract_{kind}",

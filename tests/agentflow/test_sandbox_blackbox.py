@@ -20,7 +20,8 @@ from loongsage_plugin_agents.sandbox_procs import with_argument
 from loongsage_core.agentflow import run_agent_trajectory
 from loongsage_hookspecs import Trajectory, TrajectoryStatus
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox user needs a root host")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox user needs a root host"),
+              pytest.mark.slow]  # programs in sandboxes (and, with kill and resume, whole runs)
 
 # the program's own packages (openai), readable by the sandbox's user
 SITE = sysconfig.get_paths()["purelib"]

@@ -61,7 +61,7 @@ def repair(host, router, provider, mode: str, extra: list[str] = (), tid: str = 
 
 
 @pytest.fixture
-def setup(host, engine_url, router_factory):
+def setup(slow_fixture, host, engine_url, router_factory):
     provider = host.get("sandbox", "local").factory(BuildContext(), base_dir=str(SWE), default_timeout_s=60)
     yield host, router_factory([engine_url]), provider
     asyncio.run(provider.close())
