@@ -8,10 +8,10 @@ Hypothesis's own randomness follows that seed, so a failing run replays with
 
 The fast lane: ``pytest -m "not slow"`` leaves out every test marked ``slow``. A test is marked at
 collection (:func:`pytest_collection_modifyitems`) when any fixture it uses, directly or through
-other fixtures, requests :func:`slow_fixture`: the fixtures that start a Ray cluster, run the
-CLI or the controller in a subprocess, drive a browser or start an agent CLI request it. A test
-that starts such a process itself, without a fixture, carries ``@pytest.mark.slow`` (or its
-module a ``pytestmark``) by hand.
+other fixtures, requests :func:`slow_fixture`: the fixtures that start a Ray cluster, run the CLI,
+the controller or a script in a subprocess, spawn trainer ranks, run programs in a sandbox, drive a
+browser or start an agent CLI request it. A test that starts such a process itself, without a
+fixture, carries ``@pytest.mark.slow`` (or its module a ``pytestmark``) by hand.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def no_run_secret_from_an_earlier_test():
 
 @pytest.fixture(scope="session")
 def slow_fixture() -> None:
-    """Requested by a fixture that starts something expensive (a Ray cluster, a process running the
-    CLI or the controller, a browser, an agent CLI): every test whose fixture closure contains it is
-    marked ``slow``, so the fast lane (``pytest -m "not slow"``) leaves it out. Provides nothing."""
+    """Requested by a fixture that starts something expensive (a Ray cluster, a subprocess running
+    the CLI, the controller or a script, spawned trainer ranks, programs in a sandbox, a browser, an
+    agent CLI): every test whose fixture closure contains it is marked ``slow``, so the fast lane
+    (``pytest -m "not slow"``) leaves it out. Provides nothing."""
 
 
 @pytest.hookimpl(tryfirst=True)
