@@ -188,7 +188,9 @@ LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def doc_pages() -> list[Path]:
-    return [README, *sorted((REPO / "docs").rglob("*.md"))]
+    """The README, docs/, and the package and recipe READMEs."""
+    return [README, *sorted((REPO / "docs").rglob("*.md")), REPO / "hookspecs" / "README.md",
+            *sorted(REPO.glob("plugins/*/README.md")), *sorted(REPO.glob("configs/recipes/*/README.md"))]
 
 
 def slug(heading: str) -> str:
