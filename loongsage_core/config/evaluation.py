@@ -29,13 +29,21 @@ class EvalConfig:
     so every evaluation sees the same prompts)."""
 
     data: list[DataConfig] = attrs.field(factory=list)
+    """The held-out sources, one ``[[eval.data]]`` table each, shaped like ``[[data]]`` (no ``teacher``)."""
     every: int = attrs.field(default=0, validator=in_range(ge=0))
+    """Evaluate before every ``every``-th step (0: not during the run)."""
     at_start: bool = True
+    """Evaluate the starting weights, before step 0."""
     at_end: bool = True
+    """Evaluate after the last step (logged as step ``train.total_steps``)."""
     samples: int = attrs.field(default=1, validator=at_least_one)
+    """Answers per prompt; ``pass@k`` is reported for k = 1, 2, 4, ... up to it."""
     greedy: bool = False
+    """Sample at temperature 0."""
     max_prompts: int = attrs.field(default=0, validator=in_range(ge=0))
+    """The first N prompts of each source (0: all)."""
     success_threshold: float = attrs.field(default=1.0, validator=in_range())
+    """The reward at or above which an answer counts as a success for ``pass@k``."""
 
     @property
     def enabled(self) -> bool:

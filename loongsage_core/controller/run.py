@@ -1,4 +1,4 @@
-"""``loongsage run``: a run and the loop that drives it (DESIGN section 4).
+"""``loongsage run``: a run and the loop that drives it (docs/guide/training.md).
 
 :func:`run_job` is the whole of ``loongsage run``: it builds the :class:`.runtime.Run` (actors,
 engines, data, checkpoints, loggers), picks the loop, starts, trains, exports and closes.

@@ -104,7 +104,7 @@ class Run:
         self.tokenizer = load_tokenizer(self.job)
         self.mixer = DataMixer(self.job, self.host)
         self.needs_reference = uses_reference_model(self.job, self.host)
-        # the step's algorithm, in one place (DESIGN section 6), and the group filters of both loops
+        # the step's algorithm, in one place (docs/guide/algorithms.md), and the group filters of both loops
         self.algorithm = StepAlgorithm.from_job(self.job, self.host, distill=distill_setup(self.job, self.host))
         self.filters = GroupFilters.from_job(self.job, self.host)
         self.health = StepHealth(self.job.train.max_bad_steps)  # bad steps: skipped, counted, bounded

@@ -3,7 +3,7 @@
 :func:`build_records` turns a step's trajectory groups and its training batch into records. Every
 per-token list of a segment has the segment's length; the tensors of the batch row that trained
 the segment (``loss_mask``, ``old_logprobs``, ``advantages``, ...) are copied as they were trained,
-so a record shows exactly what the trainer saw. docs/records.md documents every field; a change
+so a record shows exactly what the trainer saw. docs/reference/records.md documents every field; a change
 that breaks a reader raises :data:`FORMAT_VERSION`.
 """
 

@@ -63,7 +63,7 @@ def repair(host, router, provider, mode: str, extra: list[str] = (), tid: str = 
 
 
 @pytest.fixture
-def setup(host, engine_url, router_factory):
+def setup(slow_fixture, host, engine_url, router_factory):
     provider = host.bind(ComponentRef("sandbox", "local", {"base_dir": str(SWE), "default_timeout_s": 60}),
                          BuildContext(components=host))
     yield host, router_factory([engine_url]), provider

@@ -191,7 +191,7 @@ class ConsoleLogger:
         self._get_console().print(self.format_sample(record), markup=False, highlight=False, soft_wrap=True)
 
     def format_sample(self, record: Mapping[str, Any]) -> str:
-        """A trajectory record as a few lines of text (docs/records.md describes the fields)."""
+        """A trajectory record as a few lines of text (docs/reference/records.md describes the fields)."""
         reward = record.get("reward") or {}
         score = reward.get("score")
         why = reward.get("reason") or reward.get("error") or ""

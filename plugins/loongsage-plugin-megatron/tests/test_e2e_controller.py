@@ -57,7 +57,7 @@ name = "jsonl"
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(slow_fixture):
     """The session's Ray cluster when one is up (the whole suite), else a small local one for
     this module (the plugin's own test environment)."""
     import ray
