@@ -241,8 +241,12 @@ def _stop_reason(choice: Mapping[str, Any]) -> tuple[str, str | None]:
 
 
 def _usage(chat: Mapping[str, Any]) -> dict[str, Any]:
-    return {"input_tokens": chat["usage"]["prompt_tokens"], "output_tokens": chat["usage"]["completion_tokens"],
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    """Anthropic's ``usage``: ``input_tokens`` counts the prompt tokens *not* read from the cache,
+    ``cache_read_input_tokens`` those the engine's prefix cache served (their sum is the prompt)."""
+    u = chat["usage"]
+    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _tool_input(arguments: Any) -> dict[str, Any]:
@@ -303,8 +307,6 @@ class MessagesStream(BlockStream):
         await self.event("ping")
 
     async def _open(self, kind: str) -> None:
-        if self.open_kind == kind:
-            return
         await self._close()
         self.index += 1
         self.open_kind = kind
@@ -337,7 +339,7 @@ class MessagesStream(BlockStream):
             await self.event("content_block_stop", index=self.index)
         reason, sequence = _stop_reason(chat["choices"][0])
         await self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                         usage={"output_tokens": chat["usage"]["completion_tokens"]})
+                         usage=_usage(chat))  # totals: they replace message_start's
         await self.event("message_stop")
         return await self.close()
 

@@ -77,6 +77,11 @@ class ChatRequest:
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
 
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt offers the model: none with ``tool_choice`` ``"none"``."""
+        return None if self.tool_choice == "none" else self.tools
+
 
 def _number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: float | None = None,
             integer: bool = False) -> Any:
@@ -302,8 +307,10 @@ def new_completion_id() -> str:
 
 def completion_body(*, completion_id: str, model: str, message: dict[str, Any], finish_reason: str,
                     prompt_tokens: int, completion_tokens: int, logprobs: dict[str, Any] | None = None,
-                    extra: dict[str, Any] | None = None, created: int | None = None) -> dict[str, Any]:
-    """A ``chat.completion`` object with one choice and ``usage``."""
+                    extra: dict[str, Any] | None = None, created: int | None = None,
+                    cached_tokens: int = 0) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice and ``usage`` (``cached_tokens``: prompt tokens
+    the engine's prefix cache served, ``usage.prompt_tokens_details.cached_tokens``)."""
     body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion",
@@ -311,7 +318,8 @@ def completion_body(*, completion_id: str, model: str, message: dict[str, Any], 
         "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+                  "total_tokens": prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}},
     }
     if extra:
         body.update(extra)
@@ -376,14 +384,32 @@ async def handle_chat(turns: Any, request: Any) -> Any:
     return await serve_turn(turns, request, body, stream, lambda answer: answer)
 
 
+def model_object(request: Any, model_id: str) -> dict[str, Any]:
+    """One model as the protocol of ``request`` lists it: Anthropic's shape when the request
+    carries an ``anthropic-version`` header, else OpenAI's."""
+    if "anthropic-version" in request.headers:
+        return {"type": "model", "id": model_id, "display_name": model_id, "created_at": "1970-01-01T00:00:00Z"}
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "loongsage"}
+
+
 async def handle_models(turns: Any, request: Any) -> Any:
     """``GET /{trajectory}/{attempt}/v1/models``: the one model the router serves."""
     turns.lookup(request)
-    return json_response({"object": "list", "data": [
-        {"id": turns.model_name, "object": "model", "created": 0, "owned_by": "loongsage"}]})
+    model = model_object(request, turns.model_name)
+    if "anthropic-version" in request.headers:
+        return json_response({"data": [model], "has_more": False, "first_id": model["id"], "last_id": model["id"]})
+    return json_response({"object": "list", "data": [model]})
+
+
+async def handle_model(turns: Any, request: Any) -> Any:
+    """``GET /{trajectory}/{attempt}/v1/models/{model}``: the router serves every model name
+    with the policy (requests may name any model), so any name is answered."""
+    turns.lookup(request)
+    return json_response(model_object(request, request.match_info["model"]))
 
 
 def add_routes(app: Any, turns: Any) -> None:
     """Serve OpenAI's Chat Completions API (and the model list) on every trajectory's base URL."""
     app.router.add_post("/{tid}/{attempt}/v1/chat/completions", functools.partial(handle_chat, turns))
     app.router.add_get("/{tid}/{attempt}/v1/models", functools.partial(handle_models, turns))
+    app.router.add_get("/{tid}/{attempt}/v1/models/{model:.+}", functools.partial(handle_model, turns))

@@ -54,6 +54,8 @@ class Generation:
     top_logprobs: list[list[tuple[float, int]]] | None = None
     content: str | None = None
     cached_tokens: int = 0
+    #: prompt tokens the prefix cache served to the turn's first engine call (its input was the turn's prompt)
+    prompt_cached_tokens: int = 0
     #: the latest engine call's routed experts (its input held every earlier token of the segment)
     routed_experts: RoutedExperts | None = None
 
@@ -119,7 +121,7 @@ class TurnRunner:
         """Tokens the chat-completions ``body`` would send to the engine (nothing is recorded)."""
         entry = self.lookup(request)
         req = parse_chat_request(body)
-        return len((await self._plan(entry, req.messages, req.tools, req.chat_template_kwargs)).context)
+        return len((await self._plan(entry, req.messages, req.offered_tools, req.chat_template_kwargs)).context)
 
     async def run_turn(self, request: Any, body: Any, stream: Any = None) -> tuple[ChatRequest, dict[str, Any]]:
         """Serve one model turn of the trajectory that ``request``'s URL names; any protocol.
@@ -166,7 +168,7 @@ class TurnRunner:
         """Plan, generate, run response middleware, commit: one turn."""
         rec = entry.record
         started = time.perf_counter()
-        plan = await self._plan(entry, req.messages, req.tools, req.chat_template_kwargs)
+        plan = await self._plan(entry, req.messages, req.offered_tools, req.chat_template_kwargs)
         engine_ctx = await self._engine_context(self.balancer.pick(rec.trajectory_id))
         # planning awaited: an abort that landed meanwhile must not be overwritten by GENERATING below
         refuse_if_aborted(entry)
@@ -195,7 +197,8 @@ class TurnRunner:
             completion_id=new_completion_id(), model=req.model or self.model_name,
             message={"role": "assistant", "content": gen.content}, finish_reason=gen.finish_reason,
             prompt_tokens=len(plan.context), completion_tokens=len(gen.ids),
-            logprobs=self._logprobs_body(gen) if req.logprobs else None)
+            logprobs=self._logprobs_body(gen) if req.logprobs else None,
+            cached_tokens=max(0, min(gen.prompt_cached_tokens, len(plan.context))))
         if matched_stop is not None:
             response["choices"][0]["matched_stop"] = matched_stop  # as SGLang reports it
         for mw in self.middlewares:
@@ -302,6 +305,8 @@ class TurnRunner:
     @staticmethod
     def _extend(gen: Generation, out: EngineOutput) -> None:
         """Append one engine call's tokens, log-probs and versions to the turn."""
+        if not gen.ids and gen.continuations == 0:
+            gen.prompt_cached_tokens = out.cached_tokens
         gen.ids += out.output_ids
         gen.logprobs += out.logprobs
         gen.versions += out.weight_versions

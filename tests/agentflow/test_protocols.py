@@ -277,7 +277,7 @@ def test_reasoning_comes_out_as_reasoning_items_and_thinking_blocks(engine_url, 
     final = events[-1].response
     assert [o.type for o in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text + final.output_text == text
-    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text[:len(text) // 2]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning.delta") == text[:len(text) // 2]
     url = router.blocking.register("think-a", sampling=sampling)
     msg = anthropic_client(url).messages.create(model="p", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     text = renderer.content_of(generated(router.blocking.pop("think-a")))
