@@ -25,6 +25,7 @@ import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, anthropic_error_body, bad_request
+from .openai_api import MAX_TOKENS_LIMIT
 from .protocol import json_response, read_json, serve_turn
 from .streaming import BlockStream
 
@@ -201,8 +202,9 @@ def chat_request(body: Any, *, counting: bool = False) -> dict[str, Any]:
         raise bad_request("model: Field required", param="model")
     if not counting:
         mt = body.get("max_tokens")
-        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-            raise bad_request("max_tokens: Field required (an integer >= 1)", param="max_tokens")
+        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= MAX_TOKENS_LIMIT:
+            raise bad_request(f"max_tokens: Field required (an integer in [1, {MAX_TOKENS_LIMIT}])",
+                              param="max_tokens")
     system = _system(body.get("system"))
     chat: dict[str, Any] = {"model": body["model"], "messages": ([{"role": "system", "content": system}]
                                                                  if system else []) + chat_messages(body["messages"])

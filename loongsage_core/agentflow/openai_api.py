@@ -83,6 +83,17 @@ class ChatRequest:
         return None if self.tool_choice == "none" else self.tools
 
 
+MAX_TOKENS_LIMIT = 2**31 - 1
+"""The largest token limit a request may ask for (a smaller one beyond what the trajectory may still
+generate is lowered to that: see :func:`~.sampling.max_new_tokens`)."""
+
+
+def shown(value: Any) -> str:
+    """A request value in an error message: JSON, a huge number by its first digits."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
+
+
 def _number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: float | None = None,
             integer: bool = False) -> Any:
     value = body.get(key)
@@ -92,10 +103,10 @@ def _number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: floa
     bad_float = isinstance(value, float) and not math.isfinite(value)
     if isinstance(value, bool) or not isinstance(value, ok_types) or bad_float:
         kind = "an integer" if integer else "a number"
-        raise bad_request(f"'{key}' must be {kind}, got {json.dumps(value)}", param=key, code="invalid_type")
+        raise bad_request(f"'{key}' must be {kind}, got {shown(value)}", param=key, code="invalid_type")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise bad_request(f"'{key}' must be in {bounds}, got {value}", param=key, code="invalid_value")
+        raise bad_request(f"'{key}' must be in {bounds}, got {shown(value)}", param=key, code="invalid_value")
     return value
 
 
@@ -256,9 +267,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise bad_request("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
     if any(not s for s in stops):
         raise bad_request("'stop' strings must be non-empty", param="stop", code="invalid_value")
-    max_tokens = _number(body, "max_completion_tokens", lo=1, integer=True)
+    max_tokens = _number(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS_LIMIT, integer=True)
     if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", lo=1, integer=True)
+        max_tokens = _number(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT, integer=True)
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, Mapping):
         raise bad_request("'stream_options' must be an object", param="stream_options", code="invalid_type")

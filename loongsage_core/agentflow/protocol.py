@@ -72,4 +72,13 @@ async def serve_turn(turns: Any, request: Any, chat: Any, stream: Any, render: C
         on_answer(answer)
     if stream is not None:
         return await stream.finish(answer)
-    return json_response(render(answer))
+    return json_response(render(answer), headers=turn_headers(request))
+
+
+def turn_headers(request: Any) -> dict[str, str]:
+    """Headers of a turn's answer: how many tokens it was allowed to generate (a request's limit
+    above what the trajectory may still generate is lowered to that, and said so here)."""
+    from ._request_keys import MAX_NEW_TOKENS, MAX_NEW_TOKENS_HEADER
+
+    allowed = request.get(MAX_NEW_TOKENS)
+    return {} if allowed is None else {MAX_NEW_TOKENS_HEADER: str(allowed)}

@@ -22,7 +22,7 @@ import json
 from typing import Any, Mapping
 
 from .errors import bad_request
-from .openai_api import parse_chat_request, parse_tools
+from .openai_api import MAX_TOKENS_LIMIT, parse_chat_request, parse_tools, shown
 from .protocol import read_json, serve_turn
 from .responses_answer import ResponseBuilder, ResponsesStream
 from .sampling import sampling_used
@@ -190,8 +190,12 @@ def chat_request(body: Any, history: list[dict[str, Any]]) -> tuple[dict[str, An
     for key in ("model", "temperature", "top_p", "presence_penalty", "frequency_penalty", "stream"):
         if body.get(key) is not None:
             chat[key] = body[key]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_TOKENS_LIMIT:
+            raise bad_request(f"'max_output_tokens' must be an integer in [1, {MAX_TOKENS_LIMIT}], got {shown(limit)}",
+                              param="max_output_tokens", code="invalid_value")
+        chat["max_tokens"] = limit
     if body.get("top_logprobs"):
         chat["logprobs"], chat["top_logprobs"] = True, body["top_logprobs"]
     tools = parse_tools(body.get("tools"), function_of)

@@ -150,8 +150,11 @@ class SSEStream:
     async def open(self) -> None:
         from aiohttp import web
 
+        from .protocol import turn_headers
+
         self.response = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+            **turn_headers(self.request)})
         await self.response.prepare(self.request)
         self.started = True
 

@@ -23,6 +23,7 @@ import attrs
 
 from loongsage_hookspecs import RoutedExperts, TrajectoryStatus
 
+from ._request_keys import MAX_NEW_TOKENS
 from .conversation import TurnPlan
 from .engines import EngineBalancer, EngineOutput, EnginePool
 from .errors import RouterError, bad_request, not_found
@@ -39,6 +40,15 @@ def refuse_if_aborted(entry: LiveTrajectory) -> None:
     if entry.aborted:
         raise RouterError(409, f"trajectory '{entry.record.trajectory_id}' was aborted",
                           code="trajectory_aborted", retry=False)
+
+
+def refuse_if_failed(entry: LiveTrajectory) -> None:
+    """A trajectory that failed (its prompt overflowed the context) takes no more turns: its record
+    stays ``failed`` with the reason, and every later request gets the same 400."""
+    rec = entry.record
+    if rec.status is TrajectoryStatus.FAILED:
+        raise bad_request(f"trajectory '{rec.trajectory_id}' failed and takes no more turns: {rec.error}",
+                          param="messages", code=rec.finish_reason or "trajectory_failed")
 
 
 @attrs.define
@@ -147,9 +157,10 @@ class TurnRunner:
         req = parse_chat_request(body)
         async with entry.lock:
             refuse_if_aborted(entry)
+            refuse_if_failed(entry)
             if not self.registry.is_live(entry):
                 raise not_found(f"unknown trajectory '{tid}'", code="trajectory_not_found")
-            response = await self._complete(entry, req, body, stream)
+            response = await self._complete(entry, req, body, stream, request)
         return req, response
 
     # ------------------------------------------------------------------------ one turn
@@ -164,8 +175,10 @@ class TurnRunner:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
 
     async def _complete(self, entry: LiveTrajectory, req: ChatRequest, body: dict[str, Any],
-                        stream: Any = None) -> dict[str, Any]:
-        """Plan, generate, run response middleware, commit: one turn."""
+                        stream: Any = None, request: Any = None) -> dict[str, Any]:
+        """Plan, generate, run response middleware, commit: one turn. The tokens the turn may
+        generate (a request's limit lowered to what the trajectory may still generate) are kept
+        on ``request`` for the answer's ``x-loongsage-max-new-tokens`` header."""
         rec = entry.record
         started = time.perf_counter()
         plan = await self._plan(entry, req.messages, req.offered_tools, req.chat_template_kwargs)
@@ -174,6 +187,8 @@ class TurnRunner:
         refuse_if_aborted(entry)
         check_context_room(rec, len(plan.context), engine_ctx)
         max_new = max_new_tokens(entry.sampling, rec, req, len(plan.context), engine_ctx)
+        if request is not None:
+            request[MAX_NEW_TOKENS] = max_new
         streamer = None
         if stream is not None:
             await stream.start(prompt_tokens=len(plan.context), model=req.model or self.model_name)

@@ -291,3 +291,26 @@ def test_a_turn_cut_at_its_token_limit_is_an_incomplete_response(engine_url, rou
         assert response["incomplete_details"] == {"reason": "max_output_tokens"}
         assert response["output"][-1]["status"] == "incomplete"
         assert response["temperature"] == 1.0 and response["top_p"] == 1.0 and response["max_output_tokens"] == 3
+
+
+@pytest.mark.parametrize("protocol", ["chat", "responses", "anthropic"])
+def test_absurd_token_limits_are_refused_and_large_ones_lowered_and_said(engine_url, router_factory, protocol):
+    """A token limit beyond any integer an engine takes is a 400 (its message short); one beyond
+    the context is lowered to the room left, and the answer's header says to what."""
+    context = httpx.get(engine_url + "/get_model_info", timeout=10).json()["max_context_length"]
+    router = router_factory([engine_url])
+    url = router.blocking.register(f"big-{protocol}", sampling={"seed": 1, "max_new_tokens": 10**6})
+    key = {"chat": "max_tokens", "responses": "max_output_tokens", "anthropic": "max_tokens"}[protocol]
+    path, body = request_body(protocol, False, False, None)
+    resp = httpx.post(url + path, content=json.dumps({**body, key: 10**400}),
+                      headers={"content-type": "application/json"}, timeout=60)
+    assert resp.status_code == 400 and len(resp.text) < 400 and "2147483647" in resp.text, resp.text
+    for stream in (False, True):
+        path, body = request_body(protocol, stream, False, None)
+        with httpx.stream("POST", url + path, json={**body, key: 10**6}, timeout=60) as resp:
+            assert resp.status_code == 200
+            resp.read()
+            allowed = int(resp.headers["x-loongsage-max-new-tokens"])
+        record = router.blocking.get(f"big-{protocol}")
+        assert allowed == context - record.turns[-1].prompt_tokens - 1  # the engine needs one more position
+        assert record.turns[-1].completion_tokens <= allowed
