@@ -25,7 +25,7 @@ import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, anthropic_error_body, bad_request
-from .openai_api import MAX_TOKENS_LIMIT
+from .openai_api import MAX_TOKENS_LIMIT, STRUCTURED_OUTPUT_REFUSED
 from .protocol import json_response, read_json, serve_turn
 from .streaming import BlockStream
 
@@ -224,8 +224,12 @@ def chat_request(body: Any, *, counting: bool = False) -> dict[str, Any]:
     if tools:
         chat["tools"] = tools
     choice = chat_tool_choice(body.get("tool_choice"))
-    if choice is not None and tools:
+    if choice is not None and (tools or choice != "none"):  # any / tool: refused when the chat request is read
         chat["tool_choice"] = choice
+    output_config = body.get("output_config")
+    if isinstance(output_config, Mapping) and output_config.get("format") is not None:
+        raise bad_request(f"output_config.format: not supported: {STRUCTURED_OUTPUT_REFUSED}",
+                          param="output_config.format")
     return chat
 
 

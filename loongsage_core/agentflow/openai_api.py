@@ -220,20 +220,29 @@ def parse_tools(tools: Any, function_of: Callable[[Any, str], dict[str, Any]] = 
         or None
 
 
+FORCED_CALLS_REFUSED = ("the router does not constrain decoding, so it cannot make the model call a tool; "
+                        "send tool_choice 'auto' (or 'none') and check the answer for tool calls")
+"""Why ``tool_choice`` ``required`` / a named function is refused (see :func:`_tool_choice`)."""
+STRUCTURED_OUTPUT_REFUSED = ("the router does not constrain decoding, so it cannot make the answer follow a "
+                             "JSON schema; ask for JSON in the prompt and validate the answer")
+"""Why structured output (``response_format``, ``text.format``, ``output_config.format``) is refused."""
+
+
 def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
+    """``none`` / ``auto``; ``required`` and a named function are refused with a 400 rather than
+    silently ignored: only constrained decoding could enforce them, and the engines sample freely."""
     if value is None or value in ("auto", "none"):
         return value
-    if value == "required":
-        if not tools:
+    if value == "required" or (isinstance(value, Mapping) and isinstance(value.get("function"), Mapping)):
+        if value != "required":
+            name = value["function"].get("name")
+            if name not in {t["function"]["name"] for t in tools or []}:
+                raise bad_request(f"tool_choice names function {shown(name)}, which is not in 'tools'",
+                                  param="tool_choice", code="invalid_value")
+        elif not tools:
             raise bad_request("tool_choice 'required' needs 'tools'", param="tool_choice", code="invalid_value")
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("function"), Mapping):
-        name = value["function"].get("name")
-        names = {t["function"]["name"] for t in tools or []}
-        if name not in names:
-            raise bad_request(f"tool_choice names function {json.dumps(name)}, which is not in 'tools'",
-                              param="tool_choice", code="invalid_value")
-        return dict(value)
+        raise bad_request(f"tool_choice {shown(value)} is not supported: {FORCED_CALLS_REFUSED}",
+                          param="tool_choice", code="unsupported_value")
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", ...}",
                       param="tool_choice", code="invalid_value")
 
@@ -248,7 +257,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
                               code="unknown_parameter")
     for key, neutral in _NEUTRAL.items():
         if key in body and not neutral(body[key]):
-            raise bad_request(f"'{key}' is not supported by this endpoint", param=key, code="unsupported_parameter")
+            why = f": {STRUCTURED_OUTPUT_REFUSED}" if key == "response_format" else ""
+            raise bad_request(f"'{key}' is not supported by this endpoint{why}", param=key,
+                              code="unsupported_parameter")
     n = _number(body, "n", lo=1, integer=True)
     if n not in (None, 1):
         raise bad_request("only n=1 is supported; sample several trajectories instead", param="n",

@@ -22,7 +22,7 @@ import json
 from typing import Any, Mapping
 
 from .errors import bad_request
-from .openai_api import MAX_TOKENS_LIMIT, parse_chat_request, parse_tools, shown
+from .openai_api import MAX_TOKENS_LIMIT, STRUCTURED_OUTPUT_REFUSED, parse_chat_request, parse_tools, shown
 from .protocol import read_json, serve_turn
 from .responses_answer import ResponseBuilder, ResponsesStream
 from .sampling import sampling_used
@@ -174,8 +174,8 @@ def chat_request(body: Any, history: list[dict[str, Any]]) -> tuple[dict[str, An
     fmt = text.get("format") if isinstance(text, Mapping) else None
     if text is not None and (not isinstance(text, Mapping) or (fmt is not None and (
             not isinstance(fmt, Mapping) or fmt.get("type") != "text"))):
-        raise bad_request("only text.format {\"type\": \"text\"} is supported", param="text.format",
-                          code="unsupported_value")
+        raise bad_request(f"only text.format {{\"type\": \"text\"}} is supported: {STRUCTURED_OUTPUT_REFUSED}",
+                          param="text.format", code="unsupported_value")
     reasoning = body.get("reasoning")
     if reasoning is not None and (not isinstance(reasoning, Mapping) or any(
             reasoning.get(key) is not None and not isinstance(reasoning[key], str) for key in ("effort", "summary"))):
@@ -202,7 +202,7 @@ def chat_request(body: Any, history: list[dict[str, Any]]) -> tuple[dict[str, An
     if tools:
         chat["tools"] = tools
     choice = chat_tool_choice(body.get("tool_choice"))
-    if choice is not None and (tools or choice in ("auto", "none")):
+    if choice is not None:  # required / a named function: refused when the chat request is read
         chat["tool_choice"] = choice
     return chat, conversation
 
