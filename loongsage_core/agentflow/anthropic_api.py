@@ -220,6 +220,16 @@ def chat_request(body: Any, *, counting: bool = False) -> dict[str, Any]:
                 raise bad_request("stop_sequences: Input should be a list of non-empty strings", param="stop_sequences")
             if stops:
                 chat["stop"] = stops
+    last = chat["messages"][-1]
+    if last["role"] == "assistant" and (last.get("content") or last.get("tool_calls")):  # a prefill: continued
+        where = f"messages.{len(body['messages']) - 1}"
+        if last.get("tool_calls") or last.get("reasoning_content"):
+            raise bad_request(f"{where}: a final assistant message (a prefill) may hold text blocks only",
+                              param="messages")
+        if last["content"] != last["content"].rstrip():
+            raise bad_request(f"{where}: final assistant content cannot end with trailing whitespace",
+                              param="messages")
+        chat["continue_final_message"] = True
     tools = chat_tools(body.get("tools"))
     if tools:
         chat["tools"] = tools

@@ -45,7 +45,7 @@ _NEUTRAL = {
     "function_call": lambda v: v is None,
 }
 # Extensions common to SGLang / vLLM OpenAI servers.
-_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"}
+_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "continue_final_message"}
 
 KNOWN_FIELDS = frozenset(_SUPPORTED | _IGNORED | set(_NEUTRAL) | _EXTENSIONS)
 """Every request field the router accepts; anything else is rejected with a 400."""
@@ -76,6 +76,9 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    continue_final_message: bool = False
+    """The last message is an assistant prefill the model continues (vLLM's extension; what an
+    Anthropic request ending with an assistant message means)."""
 
     @property
     def offered_tools(self) -> list[dict[str, Any]] | None:
@@ -295,8 +298,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs",
                           code="invalid_type")
     tools = parse_tools(body.get("tools"))
+    messages = parse_messages(body.get("messages"))
+    continue_final = bool(_bool(body, "continue_final_message"))
+    if continue_final and (messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls")):
+        raise bad_request("'continue_final_message' needs a final assistant message with text only (a prefill)",
+                          param="continue_final_message", code="invalid_value")
     return ChatRequest(
-        messages=parse_messages(body.get("messages")),
+        messages=messages,
         model=model,
         temperature=_number(body, "temperature", lo=0, hi=2),
         top_p=_number(body, "top_p", lo=0, hi=1),
@@ -315,6 +323,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
         chat_template_kwargs=dict(kwargs or {}),
+        continue_final_message=continue_final,
     )
 
 

@@ -17,7 +17,7 @@ import concurrent.futures
 import functools
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import attrs
 
@@ -131,7 +131,7 @@ class TurnRunner:
         """Tokens the chat-completions ``body`` would send to the engine (nothing is recorded)."""
         entry = self.lookup(request)
         req = parse_chat_request(body)
-        return len((await self._plan(entry, req.messages, req.offered_tools, req.chat_template_kwargs)).context)
+        return len((await self._plan(entry, req)).context)
 
     async def run_turn(self, request: Any, body: Any, stream: Any = None) -> tuple[ChatRequest, dict[str, Any]]:
         """Serve one model turn of the trajectory that ``request``'s URL names; any protocol.
@@ -164,11 +164,11 @@ class TurnRunner:
         return req, response
 
     # ------------------------------------------------------------------------ one turn
-    async def _plan(self, entry: LiveTrajectory, messages: Sequence[Mapping[str, Any]], tools: Any,
-                    template_kwargs: Mapping[str, Any] | None) -> TurnPlan:
+    async def _plan(self, entry: LiveTrajectory, req: ChatRequest) -> TurnPlan:
         """The turn plan, rendered and tokenized on a worker thread after the size check."""
-        check_prompt_size(messages, tools, self.limits.max_prompt_chars)
-        work = functools.partial(entry.tracker.plan, messages, tools, template_kwargs)
+        check_prompt_size(req.messages, req.offered_tools, self.limits.max_prompt_chars)
+        work = functools.partial(entry.tracker.plan, req.messages, req.offered_tools, req.chat_template_kwargs,
+                                 req.continue_final_message)
         try:
             return await asyncio.get_running_loop().run_in_executor(self.render_pool, work)
         except TemplateError as exc:
@@ -181,7 +181,7 @@ class TurnRunner:
         on ``request`` for the answer's ``x-loongsage-max-new-tokens`` header."""
         rec = entry.record
         started = time.perf_counter()
-        plan = await self._plan(entry, req.messages, req.offered_tools, req.chat_template_kwargs)
+        plan = await self._plan(entry, req)
         engine_ctx = await self._engine_context(self.balancer.pick(rec.trajectory_id))
         # planning awaited: an abort that landed meanwhile must not be overwritten by GENERATING below
         refuse_if_aborted(entry)
@@ -232,7 +232,7 @@ class TurnRunner:
                                       continuations=gen.continuations, new_segment=plan.new_segment,
                                       cached_tokens=gen.cached_tokens))
             self.stats["completion_tokens"] += len(gen.ids)
-        rec.messages = plan.messages + [dict(message)]
+        rec.messages = plan.answered(message)
         rec.finish_reason = response["choices"][0]["finish_reason"]
         if streamer is not None:
             rest = streamer.finish(message)  # what the stream has not shown yet of the final message

@@ -352,3 +352,33 @@ def test_tool_choice_none_offers_no_tools_and_forcing_a_call_is_refused(tool_eng
     resp = httpx.post(url + path, json={**body, **STRUCTURED[protocol]}, timeout=60)
     assert resp.status_code == 400 and "does not constrain decoding" in resp.text, resp.text
     assert router.blocking.pop(f"force-{protocol}").turns == []
+
+
+def test_an_anthropic_prefill_continues_the_assistant_turn(markov_engine_url, router_factory, renderer, tokenizer,
+                                                           shapes):
+    """A request ending with an assistant message continues that message: its text is the end of
+    the prompt (loss mask 0, the turn not closed), the model's tokens follow it (mask 1) and the
+    answer holds only the continuation; the next turn extends the same segment."""
+    router = router_factory([markov_engine_url])
+    prefill = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    prompt = renderer.prompt_tokens(prefill, continue_final=True)
+    assert renderer.decode(prompt).endswith("<|im_start|>assistant\nThe answer is")
+    firsts = set()
+    for seed, stream in ((1, False), (2, True), (3, False), (4, True)):
+        url = router.blocking.register(f"prefill-{seed}", sampling={"seed": seed, "max_new_tokens": 12})
+        answer = run_turn(shapes, url, "anthropic", stream, messages=prefill)
+        record = router.blocking.get(f"prefill-{seed}")
+        seg = record.segments[0]
+        n = len(prompt)
+        assert seg.tokens[:n] == prompt and seg.loss_mask == [0] * n + [1] * (len(seg.tokens) - n)
+        generated_ids = seg.tokens[n:]
+        assert answer["text"] == renderer.content_of(generated_ids)
+        firsts.add(renderer.decode(generated_ids[:1]))
+        assert record.messages[-1]["content"] == "The answer is" + answer["text"]
+        # the agent sends the whole answer back with a new question: the same segment goes on
+        messages = [prefill[0], {"role": "assistant", "content": "The answer is" + answer["text"]},
+                    {"role": "user", "content": "more"}]
+        run_turn(shapes, url, "anthropic", stream, messages=messages)
+        record = router.blocking.pop(f"prefill-{seed}")
+        assert len(record.segments) == 1 and len(record.turns) == 2
+    assert firsts == {" ok", " "}  # the model went on from " is" (after a new turn's "\n" it writes other tokens)
