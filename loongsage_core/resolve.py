@@ -187,12 +187,18 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
         host.get(kind, name, where=f"{where}: {key}")
         resolved.components[key] = (kind, name, host.provider(kind, name))
     for i, src in enumerate(job.data):
-        check = host.get("agent", src.agent, where=f"{where}: data[{i}].agent").check_args
+        agent_spec = host.get("agent", src.agent, where=f"{where}: data[{i}].agent")
+        check = agent_spec.check_args
         if check is not None:
             try:
                 check(**dict(src.agent_args))
             except (ValueError, TypeError, OSError) as exc:
                 raise ConfigError(f"{where}: data[{i}].agent_args: {exc}") from None
+        if agent_spec.preflight is not None:  # the agent's program starts where it will run (its sandbox)
+            try:
+                agent_spec.preflight(dict(src.agent_args), src.sandbox, dict(src.sandbox_args))
+            except (ValueError, TypeError, OSError) as exc:
+                raise ConfigError(f"{where}: data[{i}].agent: {exc}") from None
     from .controller.teachers import distill_setup  # light: torch is imported only when teachers run
 
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run

@@ -72,10 +72,12 @@ def served():
 
 
 def hanging_cli(tmp_path: Path) -> tuple[Path, Path]:
-    """An executable that starts a detached grandchild (in its own session) and never returns."""
+    """An executable that prints a version (validate's trial) but otherwise starts a detached
+    grandchild (in its own session) and never returns."""
     pids = tmp_path / "pids"
     script = tmp_path / "hang-cli"
-    script.write_text(f"#!/bin/sh\nsetsid sleep 600 & echo $! >> {pids}\necho $$ >> {pids}\nexec sleep 600\n")
+    script.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo 0.0.1 && exit 0\n"
+                      f"setsid sleep 600 & echo $! >> {pids}\necho $$ >> {pids}\nexec sleep 600\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script, pids
 
@@ -176,6 +178,36 @@ reward = ["exact_match"]
         resolve_job(load_job(job))
     message = str(err.value)
     assert "data[0].agent_args" in message and "scripts/install_agent_clis.sh" in message
+    assert "\n" not in message
+
+
+def test_a_cli_that_cannot_start_in_the_sources_sandbox_is_a_validate_error(tmp_path):
+    """validate starts the CLI where its trajectories will (the source's local sandbox): one that
+    cannot start there is a one-line error naming the source, not a run of failed trajectories."""
+    from loongsage_core.config import ConfigError, load_job
+    from loongsage_core.resolve import resolve_job
+
+    job = tmp_path / "job.toml"
+    body = f"""
+[plugins]
+enable = ["torch", "rl", "rewards", "loggers", "agents"]
+[model]
+path = "{MODEL}"
+[[data]]
+name = "cli"
+generator = "arithmetic"
+agent = "opencode"
+sandbox = "local"
+sandbox_args = {{ memory_mb = MEMORY }}
+reward = ["exact_match"]
+"""
+    job.write_text(body.replace("MEMORY", "0"))  # node reserves much address space: no limit
+    resolve_job(load_job(job))
+    job.write_text(body.replace("MEMORY", "16"))
+    with pytest.raises(ConfigError) as err:
+        resolve_job(load_job(job))
+    message = str(err.value)
+    assert "data[0].agent: the opencode agent's CLI does not start in the data source's local sandbox" in message
     assert "\n" not in message
 
 
