@@ -12,9 +12,10 @@ Translation: ``system`` (a string or text blocks) becomes the system message. Us
 ``text``, ``tool_use`` (its ``input`` as JSON arguments) and ``thinking`` (``reasoning_content``)
 become one assistant message. ``tools`` (``input_schema``) become function tools,
 ``tool_choice`` ``auto``/``any``/``tool``/``none`` the chat equivalents, ``stop_sequences`` stop
-strings. The answer's reasoning, text and tool calls become ``thinking``, ``text`` and
-``tool_use`` blocks; ``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` or
-``tool_use``.
+strings. A final assistant message is a prefill: the model continues it (``continue_final_message``).
+The answer's reasoning, text and tool calls become ``thinking``, ``text`` and ``tool_use`` blocks;
+``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; ``usage``
+counts the prompt tokens the engine's prefix cache served as ``cache_read_input_tokens``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,9 @@ the next assistant message's ``reasoning_content``. ``previous_response_id`` pre
 and output of a response this trajectory produced earlier (kept per trajectory). Function tools
 map to chat tools; other tool types and other input items are a clear 400. The answer's
 ``reasoning_content``, ``content`` and ``tool_calls`` become ``reasoning``, ``message`` and
-``function_call`` output items.
+``function_call`` output items, in the ``response`` object and event stream of
+:mod:`.responses_answer` (the OpenResponses specification). ``tool_choice`` ``required`` or a named
+function and a ``text.format`` other than text are a 400: only constrained decoding could honour them.
 """
 
 from __future__ import annotations
