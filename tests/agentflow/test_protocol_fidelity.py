@@ -170,7 +170,7 @@ def routers(markov_engine_url, router_factory):
     return {name: router_factory([markov_engine_url], chain(names)) for name, names in CHAINS.items()}
 
 
-@settings(max_examples=36, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=24, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), protocol=st.sampled_from(["chat", "responses", "anthropic"]),
        chain_name=st.sampled_from(sorted(CHAINS)), tools=st.booleans(), choice=st.sampled_from([None, "auto", "none"]))
 def test_streamed_answers_are_the_non_streamed_answers(routers, shapes, seed, protocol, chain_name, tools, choice):
