@@ -167,12 +167,18 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     resolved = ResolvedJob(job=job, host=host)
     record_components(resolved, component_refs(job))
     for i, src in enumerate(job.data):
-        check = host.get("agent", src.agent, where=f"{where}: data[{i}].agent").check_args
+        agent_spec = host.get("agent", src.agent, where=f"{where}: data[{i}].agent")
+        check = agent_spec.check_args
         if check is not None:
             try:
                 check(**dict(src.agent_args))
             except (ValueError, TypeError, OSError) as exc:
                 raise ConfigError(f"{where}: data[{i}].agent_args: {exc}") from None
+        if agent_spec.preflight is not None:  # the agent's program starts where it will run (its sandbox)
+            try:
+                agent_spec.preflight(dict(src.agent_args), src.sandbox, dict(src.sandbox_args))
+            except (ValueError, TypeError, OSError) as exc:
+                raise ConfigError(f"{where}: data[{i}].agent: {exc}") from None
 
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
     check_lora_support(job, host)

@@ -1,10 +1,10 @@
-"""Build the agent fixture model (tests/data/agent_model/): a tiny Qwen3 with a 32K context that
+"""Build the agent fixture model (tests/data/agent_model/): a tiny Qwen3 with a 64K context that
 drives real agent CLIs (Codex, Claude Code, OpenCode) through one tool round trip.
 
 Agent CLIs send prompts of 10-20K tokens (system prompt, tool schemas) and expect the protocol's
 format back. A random model answers with noise and never calls a tool, so the CLI tests could not
 see a tool round trip. This script warm-starts a tiny Qwen3 (2 layers, hidden 64, vocabulary 512
-of tests/data/tokenizer, ``max_position_embeddings`` 32768) on two rules of the chat template:
+of tests/data/tokenizer, ``max_position_embeddings`` 65536) on two rules of the chat template:
 
 * a turn that follows a user message answers with one hermes-style tool call,
   ``<tool_call>{"name": "bash", "arguments": {"command": "echo hello > hello.txt", ...}}</tool_call>``
@@ -72,7 +72,7 @@ WINDOW = 256
 MODEL_CONFIG: dict[str, Any] = {
     "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-    "max_position_embeddings": 32768, "tie_word_embeddings": True, "rope_theta": 1000000.0,
+    "max_position_embeddings": 65536, "tie_word_embeddings": True, "rope_theta": 1000000.0,
     # every layer sliding: a query sees the WINDOW tokens up to itself
     "use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 0,
 }
@@ -90,8 +90,7 @@ TOOLS_FOOTER = ("\n</tools>\n\nFor each function call, return a json object with
 
 # what the CLI tests (tests/test_agent_clis.py) run: the task, and each CLI's flags
 CLI_TASK = "Create the file hello.txt with the word hello in it."
-CLI_ARGS: dict[str, dict[str, Any]] = {"codex": {}, "claude_code": {"args": ["--tools", "Bash,Read,Write,Edit"]},
-                                       "opencode": {}}
+CLI_ARGS: dict[str, dict[str, Any]] = {"codex": {}, "claude_code": {}, "opencode": {}}
 TEMP_NAME = re.compile(r"(loongsage-[a-z_]+-work-)[a-z0-9_]{8}")  # the agents plugin's working directories
 NAME_CHARS = "abcdefghijklmnopqrstuvwxyz0123456789_"
 DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
@@ -316,9 +315,9 @@ def save(model: Any, tok: PreTrainedTokenizerBase, out: Path, cli_prompts: int =
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     (out / "README.md").write_text(
-        "# Agent fixture model (tiny Qwen3, 32K context)\n\n"
+        "# Agent fixture model (tiny Qwen3, 64K context)\n\n"
         f"Written by `{command}` (seeded; rerun it to regenerate). "
-        "2 layers, hidden 64, vocabulary 512 (tests/data/tokenizer), `max_position_embeddings` 32768, "
+        "2 layers, hidden 64, vocabulary 512 (tests/data/tokenizer), `max_position_embeddings` 65536, "
         f"sliding-window attention in every layer (window {WINDOW}: an answer depends on the last "
         f"{RECEPTIVE_FIELD} tokens, however long the prompt).\n"
         "After a user message it answers with one hermes tool call\n\n"

@@ -3,15 +3,14 @@
 The CLIs come from ``scripts/install_agent_clis.sh`` (run by ``scripts/setup.sh``) at pinned
 versions; a missing one fails these tests with the install command. The policy is the agent
 fixture model (tests/data/agent_model, made by scripts/make_agent_model.py): a tiny Qwen3 with a
-32K context and sliding-window attention that answers a user turn with one hermes tool call
+64K context and sliding-window attention that answers a user turn with one hermes tool call
 (``bash`` writing hello.txt) and a tool result with ``Done.``. Each CLI sends its real
 10-20K-token prompt; the engine's prefix cache makes the second turn prefill only the tool result.
 OpenCode runs the call; Codex and Claude Code have no tool called ``bash`` and send back their
 error as the tool result, which is a round trip all the same.
 
-Claude Code runs with ``--tools Bash,Read,Write,Edit`` (passed through ``agent_args.args``):
-its default tool set renders to about 34K tokens with the test tokenizer's 512-token vocabulary,
-more than the fixture's context.
+Claude Code runs with its default tool set, which renders to about 34K tokens with the test
+tokenizer's 512-token vocabulary: the fixture's 64K context holds it.
 """
 
 from __future__ import annotations
@@ -31,11 +30,11 @@ from loongsage_hookspecs import BuildContext, ComponentRef, Trajectory, Trajecto
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "tests" / "data" / "agent_model"
-CONTEXT = 32768
+CONTEXT = 65536
 ENGINE_ARGS = {"max_prefill_tokens": 4096, "prefix_cache_tokens": 131072}
 CLI_ARGS: dict[str, dict[str, Any]] = {
     "codex": {},
-    "claude_code": {"args": ["--tools", "Bash,Read,Write,Edit"]},
+    "claude_code": {},
     "opencode": {},
 }
 PROMPT = "Create the file hello.txt with the word hello in it."
@@ -74,10 +73,12 @@ def served(slow_fixture):
 
 
 def hanging_cli(tmp_path: Path) -> tuple[Path, Path]:
-    """An executable that starts a detached grandchild (in its own session) and never returns."""
+    """An executable that prints a version (validate's trial) but otherwise starts a detached
+    grandchild (in its own session) and never returns."""
     pids = tmp_path / "pids"
     script = tmp_path / "hang-cli"
-    script.write_text(f"#!/bin/sh\nsetsid sleep 600 & echo $! >> {pids}\necho $$ >> {pids}\nexec sleep 600\n")
+    script.write_text(f"#!/bin/sh\n[ \"$1\" = --version ] && echo 0.0.1 && exit 0\n"
+                      f"setsid sleep 600 & echo $! >> {pids}\necho $$ >> {pids}\nexec sleep 600\n")
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script, pids
 
@@ -178,6 +179,36 @@ reward = ["exact_match"]
         resolve_job(load_job(job))
     message = str(err.value)
     assert "data[0].agent_args" in message and "scripts/install_agent_clis.sh" in message
+    assert "\n" not in message
+
+
+def test_a_cli_that_cannot_start_in_the_sources_sandbox_is_a_validate_error(tmp_path):
+    """validate starts the CLI where its trajectories will (the source's local sandbox): one that
+    cannot start there is a one-line error naming the source, not a run of failed trajectories."""
+    from loongsage_core.config import ConfigError, load_job
+    from loongsage_core.resolve import resolve_job
+
+    job = tmp_path / "job.toml"
+    body = f"""
+[plugins]
+enable = ["torch", "rl", "rewards", "loggers", "agents"]
+[model]
+path = "{MODEL}"
+[[data]]
+name = "cli"
+generator = "arithmetic"
+agent = "opencode"
+sandbox = "local"
+sandbox_args = {{ memory_mb = MEMORY }}
+reward = ["exact_match"]
+"""
+    job.write_text(body.replace("MEMORY", "0"))  # node reserves much address space: no limit
+    resolve_job(load_job(job))
+    job.write_text(body.replace("MEMORY", "16"))
+    with pytest.raises(ConfigError) as err:
+        resolve_job(load_job(job))
+    message = str(err.value)
+    assert "data[0].agent: the opencode agent's CLI does not start in the data source's local sandbox" in message
     assert "\n" not in message
 
 

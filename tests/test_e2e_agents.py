@@ -72,7 +72,8 @@ def test_black_box_agent_trains_through_the_router(ray_cluster, tmp_path):
 
 def test_serve_exposes_the_policy_to_any_openai_client(ray_cluster, tmp_path):
     path = tmp_path / "job.toml"
-    path.write_text(JOB)
+    access = tmp_path / "access.jsonl"
+    path.write_text(JOB.replace("agent_timeout_s = 120", f'agent_timeout_s = 120\naccess_log = "{access}"'))
     serving = start_serving(resolve_job(load_job(path)), output_dir=tmp_path / "serve")
     try:
         client = OpenAI(base_url=serving.trajectory_url, api_key=serving.trajectory_key)
@@ -85,5 +86,8 @@ def test_serve_exposes_the_policy_to_any_openai_client(ray_cluster, tmp_path):
         (segment,) = record["segments"]
         generated = sum(segment["loss_mask"])
         assert generated == reply.usage.completion_tokens
+        # [agentflow] access_log: one JSON line per request, as in a training run
+        lines = [json.loads(line) for line in access.read_text().splitlines()]
+        assert [(x["method"], x["status"]) for x in lines if x["path"].endswith("/chat/completions")] == [("POST", 200)]
     finally:
         serving.close()

@@ -251,6 +251,19 @@ def test_non_utf8_data_file(capsys, tmp_path):
     assert f"data[0]: {data}:2: not UTF-8 text" in err
 
 
+def test_data_file_nested_too_deep(capsys, tmp_path):
+    """A row whose metadata nests 100k levels deep is an error naming the file and line (the parser
+    would otherwise run out of recursion)."""
+    data = tmp_path / "rows.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    data.write_text('{"prompt": "1+1", "label": "2"}\n{"prompt": "x", "metadata": ' + deep + "}\n")
+    path = tmp_path / "job.toml"
+    path.write_text(BASE.replace('generator = "arithmetic"', f'path = "{data}"'))
+    rc, err = validate(capsys, path)
+    assert rc == 2 and "Traceback" not in err
+    assert f"data[0]: {data}:2: the JSON nests deeper than 64 levels" in err
+
+
 def test_table_override_merges_into_the_table(job):
     loaded = load_job(job, ["train={total_steps=3}", "train={mini_batch_size=8, micro_batch_size=2}"])
     assert loaded.train.lr == 1e-5  # from the file: the override did not replace [train]

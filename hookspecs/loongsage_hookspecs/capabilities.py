@@ -139,7 +139,8 @@ class RunsPrograms(Protocol):
     """A sandbox (what a provider's ``create`` returns) that runs an agent's program inside itself:
     its isolation, limits and user, with the router reachable through ``bridge`` where the sandbox
     has no network. ``arun_program(argv, *, env, stdin, timeout_s, bridge, max_output_bytes,
-    budgeted)`` returns the finished program's exit code, output and ``timed_out``. Agents that
+    budgeted, read_only)`` returns the finished program's exit code, output and ``timed_out``
+    (``read_only``: host paths the program needs, visible read-only inside). Agents that
     run programs (``command``, the CLI agents) use it; without it they run the program on the host
     in a scratch directory."""
 

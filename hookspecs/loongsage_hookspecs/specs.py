@@ -179,11 +179,16 @@ class AgentSpec(ComponentSpec):
     ``check_args(**args)``, when given, is what ``loongsage validate`` runs on the data source's
     ``agent_args`` before anything starts (unknown arguments, a program that is not installed):
     it raises ``ValueError`` with a one-line reason, which the host reports with the job-file key.
+    ``preflight(agent_args, sandbox, sandbox_args)``, when given, runs next: a quick trial start
+    of the agent's program where its trajectories will run it (``sandbox``: the data source's
+    ``[[data]] sandbox`` name or ``None``, ``sandbox_args`` its arguments), so a broken setup (a
+    program the sandbox cannot see or run) is a ``ValueError`` with a one-line reason too.
     """
 
     factory: "Callable[..., Any]"
     needs_sandbox: bool = False
     check_args: "Callable[..., None] | None" = None
+    preflight: "Callable[[dict[str, Any], str | None, dict[str, Any]], None] | None" = None
     fast_path: bool = False
 
 

@@ -12,9 +12,10 @@ Translation: ``system`` (a string or text blocks) becomes the system message. Us
 ``text``, ``tool_use`` (its ``input`` as JSON arguments) and ``thinking`` (``reasoning_content``)
 become one assistant message. ``tools`` (``input_schema``) become function tools,
 ``tool_choice`` ``auto``/``any``/``tool``/``none`` the chat equivalents, ``stop_sequences`` stop
-strings. The answer's reasoning, text and tool calls become ``thinking``, ``text`` and
-``tool_use`` blocks; ``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` or
-``tool_use``.
+strings. A final assistant message is a prefill: the model continues it (``continue_final_message``).
+The answer's reasoning, text and tool calls become ``thinking``, ``text`` and ``tool_use`` blocks;
+``stop_reason`` is ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; ``usage``
+counts the prompt tokens the engine's prefix cache served as ``cache_read_input_tokens``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, anthropic_error_body, bad_request
+from .openai_api import MAX_TOKENS_LIMIT, STRUCTURED_OUTPUT_REFUSED
 from .protocol import json_response, read_json, serve_turn
 from .streaming import BlockStream
 
@@ -201,8 +203,9 @@ def chat_request(body: Any, *, counting: bool = False) -> dict[str, Any]:
         raise bad_request("model: Field required", param="model")
     if not counting:
         mt = body.get("max_tokens")
-        if not isinstance(mt, int) or isinstance(mt, bool) or mt < 1:
-            raise bad_request("max_tokens: Field required (an integer >= 1)", param="max_tokens")
+        if not isinstance(mt, int) or isinstance(mt, bool) or not 1 <= mt <= MAX_TOKENS_LIMIT:
+            raise bad_request(f"max_tokens: Field required (an integer in [1, {MAX_TOKENS_LIMIT}])",
+                              param="max_tokens")
     system = _system(body.get("system"))
     chat: dict[str, Any] = {"model": body["model"], "messages": ([{"role": "system", "content": system}]
                                                                  if system else []) + chat_messages(body["messages"])
@@ -218,12 +221,26 @@ def chat_request(body: Any, *, counting: bool = False) -> dict[str, Any]:
                 raise bad_request("stop_sequences: Input should be a list of non-empty strings", param="stop_sequences")
             if stops:
                 chat["stop"] = stops
+    last = chat["messages"][-1]
+    if last["role"] == "assistant" and (last.get("content") or last.get("tool_calls")):  # a prefill: continued
+        where = f"messages.{len(body['messages']) - 1}"
+        if last.get("tool_calls") or last.get("reasoning_content"):
+            raise bad_request(f"{where}: a final assistant message (a prefill) may hold text blocks only",
+                              param="messages")
+        if last["content"] != last["content"].rstrip():
+            raise bad_request(f"{where}: final assistant content cannot end with trailing whitespace",
+                              param="messages")
+        chat["continue_final_message"] = True
     tools = chat_tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
     choice = chat_tool_choice(body.get("tool_choice"))
-    if choice is not None and tools:
+    if choice is not None and (tools or choice != "none"):  # any / tool: refused when the chat request is read
         chat["tool_choice"] = choice
+    output_config = body.get("output_config")
+    if isinstance(output_config, Mapping) and output_config.get("format") is not None:
+        raise bad_request(f"output_config.format: not supported: {STRUCTURED_OUTPUT_REFUSED}",
+                          param="output_config.format")
     return chat
 
 
@@ -241,8 +258,12 @@ def _stop_reason(choice: Mapping[str, Any]) -> tuple[str, str | None]:
 
 
 def _usage(chat: Mapping[str, Any]) -> dict[str, Any]:
-    return {"input_tokens": chat["usage"]["prompt_tokens"], "output_tokens": chat["usage"]["completion_tokens"],
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    """Anthropic's ``usage``: ``input_tokens`` counts the prompt tokens *not* read from the cache,
+    ``cache_read_input_tokens`` those the engine's prefix cache served (their sum is the prompt)."""
+    u = chat["usage"]
+    cached = int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return {"input_tokens": u["prompt_tokens"] - cached, "output_tokens": u["completion_tokens"],
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
 def _tool_input(arguments: Any) -> dict[str, Any]:
@@ -303,8 +324,6 @@ class MessagesStream(BlockStream):
         await self.event("ping")
 
     async def _open(self, kind: str) -> None:
-        if self.open_kind == kind:
-            return
         await self._close()
         self.index += 1
         self.open_kind = kind
@@ -337,7 +356,7 @@ class MessagesStream(BlockStream):
             await self.event("content_block_stop", index=self.index)
         reason, sequence = _stop_reason(chat["choices"][0])
         await self.event("message_delta", delta={"stop_reason": reason, "stop_sequence": sequence},
-                         usage={"output_tokens": chat["usage"]["completion_tokens"]})
+                         usage=_usage(chat))  # totals: they replace message_start's
         await self.event("message_stop")
         return await self.close()
 

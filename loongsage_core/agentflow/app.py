@@ -49,6 +49,23 @@ class ServedRouter(Protocol):
     def stats_now(self) -> dict[str, Any]: ...
 
 
+def trajectory_of(request: Any) -> tuple[str, str] | None:
+    """``(trajectory id, attempt)`` of a request under a trajectory's base URL
+    (``/{trajectory_id}/{attempt}/...``), whether or not a route serves its path, so a valid key
+    on a path the router does not serve is a 404, not an authentication error; ``None`` for
+    ``/admin`` and paths with fewer segments."""
+    info = request.match_info
+    tid, attempt = info.get("tid"), info.get("attempt")
+    if tid is None or attempt is None:
+        parts = request.path.split("/")
+        if len(parts) < 3 or not parts[1] or not parts[2]:
+            return None
+        tid, attempt = parts[1], parts[2]
+    if tid == "admin":
+        return None
+    return tid, attempt
+
+
 def build_app(router: ServedRouter) -> Any:
     """The aiohttp application of ``router`` (served by its :class:`~loongsage_core.http_server.ThreadedServer`)."""
     from aiohttp import web
@@ -56,23 +73,19 @@ def build_app(router: ServedRouter) -> Any:
     turns, registry = router.turns, router.registry
 
     def refuse(request: Any, token: str | None) -> Any:
-        info = request.match_info
-        tid, attempt = info.get("tid"), info.get("attempt")
-        own_endpoint = tid is not None and attempt is not None and not request.path.startswith("/admin/")
         if token is None:
             raise RouterError(401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
                               retry=False)
-        if own_endpoint:
-            raise RouterError(401, f"invalid API key for trajectory '{tid}' attempt {attempt}",
+        named = trajectory_of(request)
+        if named is not None:
+            raise RouterError(401, f"invalid API key for trajectory '{named[0]}' attempt {named[1]}",
                               code="invalid_api_key", retry=False)
         raise RouterError(403, f"{request.method} {request.path} needs the run secret", code="forbidden",
                           retry=False)
 
     def own_key(request: Any, token: str) -> bool:
-        info = request.match_info
-        tid, attempt = info.get("tid"), info.get("attempt")
-        return (tid is not None and attempt is not None and not request.path.startswith("/admin/")
-                and registry.key_opens(token, tid, attempt))
+        named = trajectory_of(request)
+        return named is not None and registry.key_opens(token, *named)
 
     @web.middleware
     async def errors(request: Any, handler: Any) -> Any:
@@ -83,7 +96,7 @@ def build_app(router: ServedRouter) -> Any:
             return web.Response(status=499, reason="Client Closed Request")
         except RouterError as exc:
             turns.stats["errors"] += 1
-            return json_response(error_response_body(request.path, exc), exc.status, exc.headers())
+            return json_response(error_response_body(request.path, exc, request.headers), exc.status, exc.headers())
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -93,13 +106,14 @@ def build_app(router: ServedRouter) -> Any:
                            "([agentflow] max_request_bytes)")
             http_err = RouterError(exc.status, message, code={404: "not_found", 413: "request_too_large"}
                                    .get(exc.status), retry=False)
-            return json_response(error_response_body(request.path, http_err), http_err.status, http_err.headers())
+            return json_response(error_response_body(request.path, http_err, request.headers), http_err.status,
+                                 http_err.headers())
         except Exception as exc:  # a bug or a failing middleware: answer instead of dropping
             log.exception("AgentFlow router: unhandled error on %s", request.path)
             turns.stats["errors"] += 1
             bug = RouterError(500, f"internal router error: {type(exc).__name__}: {exc}", type="server_error",
                               retry=False)
-            return json_response(error_response_body(request.path, bug), 500, bug.headers())
+            return json_response(error_response_body(request.path, bug, request.headers), 500, bug.headers())
 
     async def health(request: Any) -> Any:
         return json_response({"status": "ok"})

@@ -43,6 +43,18 @@ class TurnPlan:
     tools: list[dict[str, Any]] | None
     template_kwargs: dict[str, Any]
     reason: str = ""
+    continue_final: bool = False
+    """The last message is an open assistant message (a prefill) the model continues."""
+
+    def answered(self, assistant_message: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The conversation once the model answered: the answer appended, or, continuing a
+        prefill, joined to it (its text first)."""
+        if not self.continue_final:
+            return self.messages + [dict(assistant_message)]
+        prefill = self.messages[-1]
+        joined = {**dict(assistant_message), "content": (prefill.get("content") or "")
+                  + (assistant_message.get("content") or "")}
+        return self.messages[:-1] + [joined]
 
 
 class ConversationTracker:
@@ -70,21 +82,25 @@ class ConversationTracker:
         return ""
 
     def plan(self, messages: Sequence[Mapping[str, Any]], tools: list[dict[str, Any]] | None = None,
-             template_kwargs: Mapping[str, Any] | None = None) -> TurnPlan:
-        """Decide how ``messages`` continue the record; nothing is changed until :meth:`commit`."""
+             template_kwargs: Mapping[str, Any] | None = None, continue_final: bool = False) -> TurnPlan:
+        """Decide how ``messages`` continue the record; nothing is changed until :meth:`commit`.
+        ``continue_final``: the last message is an assistant prefill the model continues (its
+        text is rendered with loss mask 0, and the turn stays open)."""
         kwargs = dict(template_kwargs or {})
         msgs = [dict(m) for m in messages]
         reason = self._extends(msgs, tools, kwargs)
         if not reason:
             st = self.state
             assert st is not None
-            delta = self.renderer.delta_tokens(st.messages, msgs[len(st.messages):], tools, st.last_generated, kwargs)
+            delta = self.renderer.delta_tokens(st.messages, msgs[len(st.messages):], tools, st.last_generated, kwargs,
+                                               continue_final)
             if delta is not None:
                 seg = self.segments[-1]
-                return TurnPlan(len(self.segments) - 1, False, delta, seg.tokens + delta, msgs, tools, kwargs)
+                return TurnPlan(len(self.segments) - 1, False, delta, seg.tokens + delta, msgs, tools, kwargs,
+                                continue_final=continue_final)
             reason = "chat template renders the conversation inconsistently"
-        tokens = self.renderer.prompt_tokens(msgs, tools, kwargs)
-        return TurnPlan(len(self.segments), True, tokens, list(tokens), msgs, tools, kwargs, reason)
+        tokens = self.renderer.prompt_tokens(msgs, tools, kwargs, continue_final)
+        return TurnPlan(len(self.segments), True, tokens, list(tokens), msgs, tools, kwargs, reason, continue_final)
 
     def commit(self, plan: TurnPlan, generated: Sequence[int], logprobs: Sequence[float],
                weight_versions: Sequence[int], assistant_message: Mapping[str, Any],
@@ -106,6 +122,6 @@ class ConversationTracker:
             seg.append(list(generated), generated=True, logprobs=list(logprobs), weight_version=list(weight_versions))
         seg.record_routes(routed_experts)
         last = int(generated[-1]) if generated else None
-        self.state = SegmentState(messages=plan.messages + [dict(assistant_message)], tools=plan.tools,
+        self.state = SegmentState(messages=plan.answered(assistant_message), tools=plan.tools,
                                   template_kwargs=plan.template_kwargs, last_generated=last)
         return seg

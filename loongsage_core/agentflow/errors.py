@@ -64,10 +64,14 @@ def anthropic_error_body(exc: RouterError) -> dict[str, Any]:
 
 
 def is_anthropic_path(path: str) -> bool:
-    """Whether ``path`` is an Anthropic Messages endpoint (``.../v1/messages[/count_tokens]``)."""
-    return path.rstrip("/").endswith(("/v1/messages", "/v1/messages/count_tokens"))
+    """Whether ``path`` is under Anthropic's Messages endpoint (``.../v1/messages[/...]``)."""
+    path = path.rstrip("/")
+    return path.endswith("/v1/messages") or "/v1/messages/" in path
 
 
-def error_response_body(path: str, exc: RouterError) -> dict[str, Any]:
-    """The error body in the shape of the protocol that ``path`` speaks (Anthropic or OpenAI)."""
-    return anthropic_error_body(exc) if is_anthropic_path(path) else exc.body()
+def error_response_body(path: str, exc: RouterError, headers: Any = None) -> dict[str, Any]:
+    """The error body in the shape of the protocol the request speaks: Anthropic's for its
+    endpoints and for requests that carry an ``anthropic-version`` header (the ``anthropic``
+    SDK and Claude Code send it), else OpenAI's."""
+    anthropic = is_anthropic_path(path) or (headers is not None and "anthropic-version" in headers)
+    return anthropic_error_body(exc) if anthropic else exc.body()

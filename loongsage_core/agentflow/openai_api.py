@@ -45,7 +45,7 @@ _NEUTRAL = {
     "function_call": lambda v: v is None,
 }
 # Extensions common to SGLang / vLLM OpenAI servers.
-_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs"}
+_EXTENSIONS = {"top_k", "min_p", "repetition_penalty", "chat_template_kwargs", "continue_final_message"}
 
 KNOWN_FIELDS = frozenset(_SUPPORTED | _IGNORED | set(_NEUTRAL) | _EXTENSIONS)
 """Every request field the router accepts; anything else is rejected with a 400."""
@@ -76,6 +76,25 @@ class ChatRequest:
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
+    continue_final_message: bool = False
+    """The last message is an assistant prefill the model continues (vLLM's extension; what an
+    Anthropic request ending with an assistant message means)."""
+
+    @property
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the prompt offers the model: none with ``tool_choice`` ``"none"``."""
+        return None if self.tool_choice == "none" else self.tools
+
+
+MAX_TOKENS_LIMIT = 2**31 - 1
+"""The largest token limit a request may ask for (a smaller one beyond what the trajectory may still
+generate is lowered to that: see :func:`~.sampling.max_new_tokens`)."""
+
+
+def shown(value: Any) -> str:
+    """A request value in an error message: JSON, a huge number by its first digits."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} characters)"
 
 
 def _number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: float | None = None,
@@ -87,10 +106,10 @@ def _number(body: Mapping[str, Any], key: str, lo: float | None = None, hi: floa
     bad_float = isinstance(value, float) and not math.isfinite(value)
     if isinstance(value, bool) or not isinstance(value, ok_types) or bad_float:
         kind = "an integer" if integer else "a number"
-        raise bad_request(f"'{key}' must be {kind}, got {json.dumps(value)}", param=key, code="invalid_type")
+        raise bad_request(f"'{key}' must be {kind}, got {shown(value)}", param=key, code="invalid_type")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         bounds = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise bad_request(f"'{key}' must be in {bounds}, got {value}", param=key, code="invalid_value")
+        raise bad_request(f"'{key}' must be in {bounds}, got {shown(value)}", param=key, code="invalid_value")
     return value
 
 
@@ -204,20 +223,29 @@ def parse_tools(tools: Any, function_of: Callable[[Any, str], dict[str, Any]] = 
         or None
 
 
+FORCED_CALLS_REFUSED = ("the router does not constrain decoding, so it cannot make the model call a tool; "
+                        "send tool_choice 'auto' (or 'none') and check the answer for tool calls")
+"""Why ``tool_choice`` ``required`` / a named function is refused (see :func:`_tool_choice`)."""
+STRUCTURED_OUTPUT_REFUSED = ("the router does not constrain decoding, so it cannot make the answer follow a "
+                             "JSON schema; ask for JSON in the prompt and validate the answer")
+"""Why structured output (``response_format``, ``text.format``, ``output_config.format``) is refused."""
+
+
 def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
+    """``none`` / ``auto``; ``required`` and a named function are refused with a 400 rather than
+    silently ignored: only constrained decoding could enforce them, and the engines sample freely."""
     if value is None or value in ("auto", "none"):
         return value
-    if value == "required":
-        if not tools:
+    if value == "required" or (isinstance(value, Mapping) and isinstance(value.get("function"), Mapping)):
+        if value != "required":
+            name = value["function"].get("name")
+            if name not in {t["function"]["name"] for t in tools or []}:
+                raise bad_request(f"tool_choice names function {shown(name)}, which is not in 'tools'",
+                                  param="tool_choice", code="invalid_value")
+        elif not tools:
             raise bad_request("tool_choice 'required' needs 'tools'", param="tool_choice", code="invalid_value")
-        return value
-    if isinstance(value, Mapping) and isinstance(value.get("function"), Mapping):
-        name = value["function"].get("name")
-        names = {t["function"]["name"] for t in tools or []}
-        if name not in names:
-            raise bad_request(f"tool_choice names function {json.dumps(name)}, which is not in 'tools'",
-                              param="tool_choice", code="invalid_value")
-        return dict(value)
+        raise bad_request(f"tool_choice {shown(value)} is not supported: {FORCED_CALLS_REFUSED}",
+                          param="tool_choice", code="unsupported_value")
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", ...}",
                       param="tool_choice", code="invalid_value")
 
@@ -232,7 +260,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
                               code="unknown_parameter")
     for key, neutral in _NEUTRAL.items():
         if key in body and not neutral(body[key]):
-            raise bad_request(f"'{key}' is not supported by this endpoint", param=key, code="unsupported_parameter")
+            why = f": {STRUCTURED_OUTPUT_REFUSED}" if key == "response_format" else ""
+            raise bad_request(f"'{key}' is not supported by this endpoint{why}", param=key,
+                              code="unsupported_parameter")
     n = _number(body, "n", lo=1, integer=True)
     if n not in (None, 1):
         raise bad_request("only n=1 is supported; sample several trajectories instead", param="n",
@@ -251,9 +281,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise bad_request("'stop' must be a string or a list of strings", param="stop", code="invalid_type")
     if any(not s for s in stops):
         raise bad_request("'stop' strings must be non-empty", param="stop", code="invalid_value")
-    max_tokens = _number(body, "max_completion_tokens", lo=1, integer=True)
+    max_tokens = _number(body, "max_completion_tokens", lo=1, hi=MAX_TOKENS_LIMIT, integer=True)
     if max_tokens is None:
-        max_tokens = _number(body, "max_tokens", lo=1, integer=True)
+        max_tokens = _number(body, "max_tokens", lo=1, hi=MAX_TOKENS_LIMIT, integer=True)
     stream_options = body.get("stream_options")
     if stream_options is not None and not isinstance(stream_options, Mapping):
         raise bad_request("'stream_options' must be an object", param="stream_options", code="invalid_type")
@@ -268,8 +298,13 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise bad_request("'chat_template_kwargs' must be an object", param="chat_template_kwargs",
                           code="invalid_type")
     tools = parse_tools(body.get("tools"))
+    messages = parse_messages(body.get("messages"))
+    continue_final = bool(_bool(body, "continue_final_message"))
+    if continue_final and (messages[-1]["role"] != "assistant" or messages[-1].get("tool_calls")):
+        raise bad_request("'continue_final_message' needs a final assistant message with text only (a prefill)",
+                          param="continue_final_message", code="invalid_value")
     return ChatRequest(
-        messages=parse_messages(body.get("messages")),
+        messages=messages,
         model=model,
         temperature=_number(body, "temperature", lo=0, hi=2),
         top_p=_number(body, "top_p", lo=0, hi=1),
@@ -288,6 +323,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
         chat_template_kwargs=dict(kwargs or {}),
+        continue_final_message=continue_final,
     )
 
 
@@ -302,8 +338,10 @@ def new_completion_id() -> str:
 
 def completion_body(*, completion_id: str, model: str, message: dict[str, Any], finish_reason: str,
                     prompt_tokens: int, completion_tokens: int, logprobs: dict[str, Any] | None = None,
-                    extra: dict[str, Any] | None = None, created: int | None = None) -> dict[str, Any]:
-    """A ``chat.completion`` object with one choice and ``usage``."""
+                    extra: dict[str, Any] | None = None, created: int | None = None,
+                    cached_tokens: int = 0) -> dict[str, Any]:
+    """A ``chat.completion`` object with one choice and ``usage`` (``cached_tokens``: prompt tokens
+    the engine's prefix cache served, ``usage.prompt_tokens_details.cached_tokens``)."""
     body: dict[str, Any] = {
         "id": completion_id,
         "object": "chat.completion",
@@ -311,7 +349,8 @@ def completion_body(*, completion_id: str, model: str, message: dict[str, Any], 
         "model": model,
         "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}],
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                  "total_tokens": prompt_tokens + completion_tokens},
+                  "total_tokens": prompt_tokens + completion_tokens,
+                  "prompt_tokens_details": {"cached_tokens": cached_tokens}},
     }
     if extra:
         body.update(extra)
@@ -376,14 +415,32 @@ async def handle_chat(turns: Any, request: Any) -> Any:
     return await serve_turn(turns, request, body, stream, lambda answer: answer)
 
 
+def model_object(request: Any, model_id: str) -> dict[str, Any]:
+    """One model as the protocol of ``request`` lists it: Anthropic's shape when the request
+    carries an ``anthropic-version`` header, else OpenAI's."""
+    if "anthropic-version" in request.headers:
+        return {"type": "model", "id": model_id, "display_name": model_id, "created_at": "1970-01-01T00:00:00Z"}
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "loongsage"}
+
+
 async def handle_models(turns: Any, request: Any) -> Any:
     """``GET /{trajectory}/{attempt}/v1/models``: the one model the router serves."""
     turns.lookup(request)
-    return json_response({"object": "list", "data": [
-        {"id": turns.model_name, "object": "model", "created": 0, "owned_by": "loongsage"}]})
+    model = model_object(request, turns.model_name)
+    if "anthropic-version" in request.headers:
+        return json_response({"data": [model], "has_more": False, "first_id": model["id"], "last_id": model["id"]})
+    return json_response({"object": "list", "data": [model]})
+
+
+async def handle_model(turns: Any, request: Any) -> Any:
+    """``GET /{trajectory}/{attempt}/v1/models/{model}``: the router serves every model name
+    with the policy (requests may name any model), so any name is answered."""
+    turns.lookup(request)
+    return json_response(model_object(request, request.match_info["model"]))
 
 
 def add_routes(app: Any, turns: Any) -> None:
     """Serve OpenAI's Chat Completions API (and the model list) on every trajectory's base URL."""
     app.router.add_post("/{tid}/{attempt}/v1/chat/completions", functools.partial(handle_chat, turns))
     app.router.add_get("/{tid}/{attempt}/v1/models", functools.partial(handle_models, turns))
+    app.router.add_get("/{tid}/{attempt}/v1/models/{model:.+}", functools.partial(handle_model, turns))

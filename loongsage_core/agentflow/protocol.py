@@ -10,9 +10,12 @@ own rendering of the ``chat.completion`` answer. ``turns`` is the router's
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import json
 from typing import Any, Callable, Mapping
 
+from .. import safe_json
 from .errors import bad_request
 from .streaming import as_router_error
 
@@ -25,11 +28,26 @@ def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | Non
                         headers=headers)
 
 
+MAX_JSON_DEPTH = 64
+"""Nesting levels a request body may have (real requests use a few dozen at most)."""
+MAX_JSON_ITEMS = 200_000
+"""Values (array elements, object members) a request body may hold."""
+_PARSE_ON_LOOP_BYTES = 256 * 1024  # larger bodies are measured and parsed on a worker thread
+
+
 async def read_json(request: Any) -> Any:
-    """The request's JSON body; anything else is a 400 ``invalid_json``."""
+    """The request's JSON body; invalid JSON is a 400 ``invalid_json``, a body nested deeper than
+    :data:`MAX_JSON_DEPTH` levels or holding more than :data:`MAX_JSON_ITEMS` values (measured
+    before it is parsed, :mod:`loongsage_core.safe_json`) a 400 ``json_too_complex``."""
     raw = await request.read()
+    parse = functools.partial(safe_json.loads, raw, max_depth=MAX_JSON_DEPTH, max_items=MAX_JSON_ITEMS)
     try:
-        return json.loads(raw)
+        if len(raw) <= _PARSE_ON_LOOP_BYTES:
+            return parse()
+        return await asyncio.get_running_loop().run_in_executor(None, parse)
+    except safe_json.JsonLimitError as exc:
+        raise bad_request(f"We could not accept the JSON body of your request: {exc}.",
+                          code="json_too_complex") from None
     except (ValueError, UnicodeDecodeError):
         raise bad_request("We could not parse the JSON body of your request: it is not valid JSON.",
                           code="invalid_json") from None
@@ -54,4 +72,13 @@ async def serve_turn(turns: Any, request: Any, chat: Any, stream: Any, render: C
         on_answer(answer)
     if stream is not None:
         return await stream.finish(answer)
-    return json_response(render(answer))
+    return json_response(render(answer), headers=turn_headers(request))
+
+
+def turn_headers(request: Any) -> dict[str, str]:
+    """Headers of a turn's answer: how many tokens it was allowed to generate (a request's limit
+    above what the trajectory may still generate is lowered to that, and said so here)."""
+    from ._request_keys import MAX_NEW_TOKENS, MAX_NEW_TOKENS_HEADER
+
+    allowed = request.get(MAX_NEW_TOKENS)
+    return {} if allowed is None else {MAX_NEW_TOKENS_HEADER: str(allowed)}

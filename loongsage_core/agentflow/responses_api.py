@@ -12,27 +12,29 @@ the next assistant message's ``reasoning_content``. ``previous_response_id`` pre
 and output of a response this trajectory produced earlier (kept per trajectory). Function tools
 map to chat tools; other tool types and other input items are a clear 400. The answer's
 ``reasoning_content``, ``content`` and ``tool_calls`` become ``reasoning``, ``message`` and
-``function_call`` output items.
+``function_call`` output items, in the ``response`` object and event stream of
+:mod:`.responses_answer` (the OpenResponses specification). ``tool_choice`` ``required`` or a named
+function and a ``text.format`` other than text are a 400: only constrained decoding could honour them.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import time
-import uuid
 from typing import Any, Mapping
 
-from .errors import RouterError, bad_request
-from .openai_api import parse_tools
+from .errors import bad_request
+from .openai_api import MAX_TOKENS_LIMIT, STRUCTURED_OUTPUT_REFUSED, parse_chat_request, parse_tools, shown
 from .protocol import read_json, serve_turn
-from .streaming import BlockStream
+from .responses_answer import ResponseBuilder, ResponsesStream
+from .sampling import sampling_used
 
 PROTOCOL = "responses"
 
 # Request fields the adapter translates.
 _SUPPORTED = {"input", "instructions", "model", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p",
-              "top_logprobs", "previous_response_id", "stream", "text", "reasoning"}
+              "presence_penalty", "frequency_penalty", "top_logprobs", "previous_response_id", "stream", "text",
+              "reasoning"}
 # Accepted without effect on generation (provider bookkeeping; Codex sends several).
 _IGNORED = {"include", "metadata", "parallel_tool_calls", "prompt_cache_key", "prompt_cache_retention",
             "prompt_cache_options", "safety_identifier", "service_tier", "store", "user", "stream_options",
@@ -41,10 +43,6 @@ _IGNORED = {"include", "metadata", "parallel_tool_calls", "prompt_cache_key", "p
 _NEUTRAL = {"background": lambda v: v in (None, False), "conversation": lambda v: v is None,
             "prompt": lambda v: v is None, "context_management": lambda v: v is None}
 _MESSAGE_ROLES = ("user", "system", "developer", "assistant")
-
-
-def _id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
 
 
 def _text(content: Any, param: str, kinds: tuple[str, ...]) -> str:
@@ -178,187 +176,37 @@ def chat_request(body: Any, history: list[dict[str, Any]]) -> tuple[dict[str, An
     fmt = text.get("format") if isinstance(text, Mapping) else None
     if text is not None and (not isinstance(text, Mapping) or (fmt is not None and (
             not isinstance(fmt, Mapping) or fmt.get("type") != "text"))):
-        raise bad_request("only text.format {\"type\": \"text\"} is supported", param="text.format",
-                          code="unsupported_value")
+        raise bad_request(f"only text.format {{\"type\": \"text\"}} is supported: {STRUCTURED_OUTPUT_REFUSED}",
+                          param="text.format", code="unsupported_value")
+    reasoning = body.get("reasoning")
+    if reasoning is not None and (not isinstance(reasoning, Mapping) or any(
+            reasoning.get(key) is not None and not isinstance(reasoning[key], str) for key in ("effort", "summary"))):
+        raise bad_request("'reasoning' must be an object with string 'effort' and 'summary'", param="reasoning",
+                          code="invalid_type")
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise bad_request("'instructions' must be a string", param="instructions", code="invalid_type")
     conversation = history + input_messages(body["input"])
     chat: dict[str, Any] = {"messages": ([{"role": "system", "content": instructions}] if instructions else [])
                             + conversation}
-    for key in ("model", "temperature", "top_p", "stream"):
+    for key in ("model", "temperature", "top_p", "presence_penalty", "frequency_penalty", "stream"):
         if body.get(key) is not None:
             chat[key] = body[key]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_TOKENS_LIMIT:
+            raise bad_request(f"'max_output_tokens' must be an integer in [1, {MAX_TOKENS_LIMIT}], got {shown(limit)}",
+                              param="max_output_tokens", code="invalid_value")
+        chat["max_tokens"] = limit
     if body.get("top_logprobs"):
         chat["logprobs"], chat["top_logprobs"] = True, body["top_logprobs"]
     tools = parse_tools(body.get("tools"), function_of)
     if tools:
         chat["tools"] = tools
     choice = chat_tool_choice(body.get("tool_choice"))
-    if choice is not None and (tools or choice in ("auto", "none")):
+    if choice is not None:  # required / a named function: refused when the chat request is read
         chat["tool_choice"] = choice
     return chat, conversation
-
-
-# ------------------------------------------------------------------------------------------ answers
-def _usage(chat: Mapping[str, Any]) -> dict[str, Any]:
-    u = chat["usage"]
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": u["total_tokens"]}
-
-
-class ResponseBuilder:
-    """Builds the ``response`` object (and its items, with stable ids) for one turn."""
-
-    def __init__(self, body: Mapping[str, Any], model: str) -> None:
-        self.id = _id("resp")
-        self.created_at = int(time.time())
-        self.body = body
-        self.model = model
-        self.ids = {"reasoning": _id("rs"), "message": _id("msg")}
-
-    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
-        return {"type": "reasoning", "id": self.ids["reasoning"], "summary": [], "status": status,
-                "content": [{"type": "reasoning_text", "text": text}] if text else [], "encrypted_content": None}
-
-    def message_item(self, text: str, status: str = "completed", logprobs: list[Any] | None = None) -> dict[str, Any]:
-        content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]
-        return {"type": "message", "id": self.ids["message"], "role": "assistant", "status": status,
-                "content": content if status == "completed" else []}
-
-    @staticmethod
-    def call_item(call: Mapping[str, Any], status: str = "completed") -> dict[str, Any]:
-        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
-                "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
-
-    def output(self, chat: Mapping[str, Any]) -> list[dict[str, Any]]:
-        message = chat["choices"][0]["message"]
-        out = []
-        if message.get("reasoning_content"):
-            out.append(self.reasoning_item(message["reasoning_content"]))
-        if message.get("content"):
-            logprobs = (chat["choices"][0].get("logprobs") or {}).get("content")
-            out.append(self.message_item(message["content"], logprobs=logprobs))
-        out += [self.call_item(c) for c in message.get("tool_calls") or []]
-        return out
-
-    def response(self, chat: Mapping[str, Any] | None = None, status: str | None = None,
-                 error: dict[str, Any] | None = None) -> dict[str, Any]:
-        body = self.body
-        incomplete = None
-        if chat is not None and status is None:
-            status = "completed"
-            if chat["choices"][0]["finish_reason"] == "length":
-                status, incomplete = "incomplete", {"reason": "max_output_tokens"}
-        return {
-            "id": self.id, "object": "response", "created_at": self.created_at, "status": status or "in_progress",
-            "model": self.model, "output": self.output(chat) if chat is not None else [],
-            "usage": _usage(chat) if chat is not None else None, "error": error, "incomplete_details": incomplete,
-            "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-            "previous_response_id": body.get("previous_response_id"), "parallel_tool_calls":
-                bool(body.get("parallel_tool_calls", True)), "tool_choice": body.get("tool_choice", "auto"),
-            "tools": body.get("tools") or [], "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "text": {"format": {"type": "text"}}, "reasoning": body.get("reasoning"), "truncation": "disabled",
-            "metadata": body.get("metadata") or {}, "store": body.get("store", True), "background": False,
-        }
-
-
-class ResponsesStream(BlockStream):
-    """The Responses event stream of one turn, sent as the engine generates.
-
-    ``response.created``, ``response.in_progress``; for reasoning and text, as they arrive:
-    ``response.output_item.added``, ``response.content_part.added``, ``response.reasoning_text.delta``
-    / ``response.output_text.delta``, closed by their ``.done`` events, ``response.content_part.done``
-    and ``response.output_item.done``; after the turn, per tool call ``response.output_item.added``,
-    ``response.function_call_arguments.delta`` / ``.done``, ``response.output_item.done``; and
-    ``response.completed`` (whose ``status`` is ``incomplete`` when the turn hit its token limit).
-    """
-
-    REASONING, TEXT = "reasoning", "message"  # the output item types
-
-    def __init__(self, request: Any, builder: ResponseBuilder) -> None:
-        super().__init__(request)
-        self.builder = builder
-        self.seq = 0
-        self.index = 0
-        self.open_item: str | None = None  # "reasoning" | "message"
-
-    async def event(self, kind: str, **fields: Any) -> None:
-        await self.send({"type": kind, "sequence_number": self.seq, **fields}, event=kind)
-        self.seq += 1
-
-    async def start(self, *, prompt_tokens: int, model: str) -> None:
-        await self.open()
-        await self.event("response.created", response=self.builder.response())
-        await self.event("response.in_progress", response=self.builder.response())
-
-    def _part(self, kind: str, text: str) -> dict[str, Any]:
-        if kind == "reasoning":
-            return {"type": "reasoning_text", "text": text}
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-
-    def _item(self, kind: str, status: str) -> dict[str, Any]:
-        b = self.builder
-        text = self.texts[kind]
-        return b.reasoning_item(text, status) if kind == "reasoning" else b.message_item(text, status)
-
-    async def _open(self, kind: str) -> None:
-        if self.open_item == kind:
-            return
-        await self._close()
-        self.open_item = kind
-        await self.event("response.output_item.added", output_index=self.index, item=self._item(kind, "in_progress"))
-        await self.event("response.content_part.added", item_id=self.builder.ids[kind], output_index=self.index,
-                         content_index=0, part=self._part(kind, ""))
-
-    async def _close(self) -> None:
-        kind = self.open_item
-        if kind is None:
-            return
-        ids = {"item_id": self.builder.ids[kind], "output_index": self.index, "content_index": 0}
-        text = self.texts[kind]
-        if kind == "reasoning":
-            await self.event("response.reasoning_text.done", text=text, **ids)
-        else:
-            await self.event("response.output_text.done", text=text, logprobs=[], **ids)
-        await self.event("response.content_part.done", part=self._part(kind, text), **ids)
-        await self.event("response.output_item.done", output_index=self.index, item=self._item(kind, "completed"))
-        self.open_item = None
-        self.index += 1
-
-    async def _piece(self, kind: str, piece: str) -> None:
-        ids = {"item_id": self.builder.ids[kind], "output_index": self.index, "content_index": 0}
-        if kind == "reasoning":
-            await self.event("response.reasoning_text.delta", delta=piece, **ids)
-        else:
-            await self.event("response.output_text.delta", delta=piece, logprobs=[], **ids)
-
-    async def finish(self, chat: Mapping[str, Any]) -> Any:
-        await self._close()
-        for call in chat["choices"][0]["message"].get("tool_calls") or []:
-            item = ResponseBuilder.call_item(call)
-            ids = {"item_id": item["id"], "output_index": self.index}
-            await self.event("response.output_item.added", output_index=self.index,
-                             item={**item, "arguments": "", "status": "in_progress"})
-            await self.event("response.function_call_arguments.delta", delta=item["arguments"], **ids)
-            await self.event("response.function_call_arguments.done", arguments=item["arguments"], name=item["name"],
-                             **ids)
-            await self.event("response.output_item.done", output_index=self.index, item=item)
-            self.index += 1
-        # a turn cut at its token limit still ends with response.completed (its status says
-        # "incomplete"): Codex and the SDK's stream helper treat any other end as a failed turn
-        await self.event("response.completed", response=self.builder.response(chat))
-        return await self.close()
-
-    async def fail(self, exc: RouterError) -> Any:
-        self.mark_failed(exc.status)
-        await self._close()
-        error = {"code": exc.code or exc.type, "message": exc.message}
-        await self.event("response.failed", response=self.builder.response(status="failed", error=error))
-        return await self.close()
 
 
 async def handle_responses(turns: Any, request: Any) -> Any:
@@ -377,7 +225,8 @@ async def handle_responses(turns: Any, request: Any) -> Any:
                               code="previous_response_not_found")
         history = [dict(m) for m in store[previous]]
     chat, conversation = chat_request(body, history)
-    builder = ResponseBuilder(body, chat.get("model") or turns.model_name)
+    used = sampling_used(turns.lookup(request).sampling, parse_chat_request(chat))
+    builder = ResponseBuilder(body, chat.get("model") or turns.model_name, used)
     stream = ResponsesStream(request, builder) if chat.get("stream") else None
 
     def remember(answer: dict[str, Any]) -> None:

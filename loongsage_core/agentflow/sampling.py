@@ -57,6 +57,20 @@ def engine_sampling(defaults: SamplingDefaults, req: ChatRequest, turn: int, tur
     return params
 
 
+def sampling_used(defaults: SamplingDefaults, req: ChatRequest) -> dict[str, float]:
+    """The values of ``temperature``, ``top_p``, ``presence_penalty`` and ``frequency_penalty``
+    a turn is sampled with (what :func:`engine_sampling` sends; an engine's neutral 0 for a
+    penalty nobody set), for protocols that report them (the Responses API)."""
+    d = defaults
+
+    def pick(value: Any, default: Any) -> float:
+        return float(default if value is None or d.locked else value)
+
+    return {"temperature": pick(req.temperature, d.temperature), "top_p": pick(req.top_p, d.top_p),
+            "presence_penalty": pick(req.presence_penalty, d.extra.get("presence_penalty", 0.0)),
+            "frequency_penalty": pick(req.frequency_penalty, d.extra.get("frequency_penalty", 0.0))}
+
+
 def max_new_tokens(defaults: SamplingDefaults, record: TrajectoryRecord, req: ChatRequest, context_tokens: int,
                    engine_ctx: int | None) -> int:
     """How many tokens this turn may generate (0: a budget is spent, the turn ends at once)."""

@@ -15,10 +15,12 @@ with ``changes_response = False`` (the ``ObservingMiddleware`` capability) and i
 partial views. While any other middleware lacks ``stream_holdback``, nothing is streamed before
 the turn ends (the safe default).
 
-Increments are append-only: if a later view no longer extends what was sent (a middleware changed
-its mind), that field stops streaming and the rest of it is never resent. With middleware, white
-space at either end of a partial view waits for what follows (parsers strip around what they take
-out), and leading white space of the final text is dropped if the stream already went past it.
+Increments are append-only, so every middleware that streams must be *prefix-stable*: the
+message it makes of a longer text extends the one it made of a shorter text, but for trailing
+white space (parsers strip around what they take out, so white space at the end of a partial
+view waits for what follows). The parsers of loongsage-plugin-agents are; if a middleware is not
+(a later view no longer extends what was sent), that field stops streaming with a warning and the
+rest of it is never resent.
 """
 
 from __future__ import annotations
@@ -90,12 +92,9 @@ class TextStreamer:
             value = message.get(field)
             if not isinstance(value, str) or field in self.broken:
                 continue
+            if self.middlewares and not final:  # white space at the end may still be taken out
+                value = value.rstrip()
             sent = self.sent[field]
-            if self.middlewares:  # parsers strip the text around what they take out: whitespace waits
-                if not final:
-                    value = value.rstrip() if sent else value.strip()
-                elif not value.startswith(sent) and value.lstrip().startswith(sent):
-                    value = value.lstrip()
             if not value.startswith(sent):
                 log.warning("AgentFlow streaming: %s of trajectory %s changed after it was streamed; the rest "
                             "of it is not streamed", field, self.trajectory_id)
@@ -151,8 +150,11 @@ class SSEStream:
     async def open(self) -> None:
         from aiohttp import web
 
+        from .protocol import turn_headers
+
         self.response = web.StreamResponse(status=200, headers={
-            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no",
+            **turn_headers(self.request)})
         await self.response.prepare(self.request)
         self.started = True
 
@@ -176,12 +178,13 @@ class SSEStream:
 
 
 class BlockStream(SSEStream):
-    """A stream that shows a turn as a reasoning block, then a text block, as they are generated
+    """A stream that shows a turn as blocks of reasoning and of text, as they are generated
     (Anthropic's content blocks, the Responses API's output items).
 
+    A new block opens whenever the kind of text changes, so reasoning that comes after the answer
+    started opens a reasoning block of its own and the text of each kind adds up to the turn's.
     Subclasses name the two kinds (:attr:`REASONING`, :attr:`TEXT`) and say how a block opens
-    (``_open(kind)``, which closes the other) and how a piece of one is sent (``_piece``).
-    Reasoning that arrives after the answer started is not shown.
+    (``_open(kind)``, which closes the open one) and how a piece of one is sent (``_piece``).
     """
 
     REASONING = "reasoning"
@@ -189,7 +192,12 @@ class BlockStream(SSEStream):
 
     def __init__(self, request: Any) -> None:
         super().__init__(request)
-        self.texts = {self.REASONING: "", self.TEXT: ""}  # what each block has shown
+        self.blocks: list[list[str]] = []  # [kind, text] of every block shown, in order
+
+    @property
+    def block_text(self) -> str:
+        """The text the open (last) block has shown."""
+        return self.blocks[-1][1] if self.blocks else ""
 
     async def _open(self, kind: str) -> None:
         raise NotImplementedError
@@ -200,8 +208,10 @@ class BlockStream(SSEStream):
     async def delta(self, increments: Mapping[str, str]) -> None:
         for field, kind in (("reasoning_content", self.REASONING), ("content", self.TEXT)):
             piece = increments.get(field)
-            if not piece or (kind == self.REASONING and self.texts[self.TEXT]):
+            if not piece:
                 continue
-            await self._open(kind)
-            self.texts[kind] += piece
+            if not self.blocks or self.blocks[-1][0] != kind:
+                await self._open(kind)
+                self.blocks.append([kind, ""])
+            self.blocks[-1][1] += piece
             await self._piece(kind, piece)

@@ -81,13 +81,16 @@ class ChatRenderer:
 
     # ---------------------------------------------------------------------------------------
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None, *,
-               add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None = None) -> str:
-        """The chat template's text for ``messages`` (and ``tools``)."""
+               add_generation_prompt: bool, template_kwargs: Mapping[str, Any] | None = None,
+               continue_final: bool = False) -> str:
+        """The chat template's text for ``messages`` (and ``tools``). ``continue_final``: the last
+        (assistant) message is left open, for the model to continue (a prefill)."""
         try:
             text = self.tokenizer.apply_chat_template(
                 [template_message(m) for m in messages], tools=list(tools) if tools else None,
-                add_generation_prompt=add_generation_prompt, tokenize=False,
-                chat_template=self.chat_template, **dict(template_kwargs or {}))
+                add_generation_prompt=add_generation_prompt and not continue_final, tokenize=False,
+                chat_template=self.chat_template, **dict(template_kwargs or {}),
+                **({"continue_final_message": True} if continue_final else {}))
         except Exception as exc:  # jinja raises many types; report them uniformly
             raise TemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
         if not isinstance(text, str):
@@ -103,9 +106,11 @@ class ChatRenderer:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 
     def prompt_tokens(self, messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]] | None = None,
-                      template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        """Tokens of a fresh segment: the whole conversation plus the generation prompt."""
-        return self.encode(self.render(messages, tools, add_generation_prompt=True, template_kwargs=template_kwargs))
+                      template_kwargs: Mapping[str, Any] | None = None, continue_final: bool = False) -> list[int]:
+        """Tokens of a fresh segment: the whole conversation plus the generation prompt (or, with
+        ``continue_final``, up to the open final assistant message)."""
+        return self.encode(self.render(messages, tools, add_generation_prompt=True, template_kwargs=template_kwargs,
+                                       continue_final=continue_final))
 
     # ---------------------------------------------------------------------------------------
     def closing_text(self, prev: str, last_generated: int | None) -> str:
@@ -134,21 +139,24 @@ class ChatRenderer:
 
     def delta_text(self, recorded: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]],
                    tools: Sequence[Mapping[str, Any]] | None, last_generated: int | None,
-                   template_kwargs: Mapping[str, Any] | None = None) -> str | None:
-        """Text to append after the recorded tokens so that they continue as ``recorded + new``.
+                   template_kwargs: Mapping[str, Any] | None = None, continue_final: bool = False) -> str | None:
+        """Text to append after the recorded tokens so that they continue as ``recorded + new``
+        (``continue_final``: the last new message is an open assistant message, a prefill).
 
         Returns ``None`` when no delta can be derived (the caller then starts a new segment).
         """
         kw = template_kwargs
         prev = self.render(recorded, tools, add_generation_prompt=False, template_kwargs=kw)
-        full = self.render(list(recorded) + list(new), tools, add_generation_prompt=True, template_kwargs=kw)
+        full = self.render(list(recorded) + list(new), tools, add_generation_prompt=True, template_kwargs=kw,
+                           continue_final=continue_final)
         if full.startswith(prev):
             body = full[len(prev):]
         else:
             has_system = bool(recorded) and recorded[0].get("role") in ("system", "developer")
             anchor = ([dict(recorded[0])] if has_system else []) + _ANCHOR
             a_prev = self.render(anchor, tools, add_generation_prompt=False, template_kwargs=kw)
-            a_full = self.render(anchor + list(new), tools, add_generation_prompt=True, template_kwargs=kw)
+            a_full = self.render(anchor + list(new), tools, add_generation_prompt=True, template_kwargs=kw,
+                                 continue_final=continue_final)
             if not a_full.startswith(a_prev):
                 return None
             body = a_full[len(a_prev):]
@@ -156,9 +164,10 @@ class ChatRenderer:
 
     def delta_tokens(self, recorded: Sequence[Mapping[str, Any]], new: Sequence[Mapping[str, Any]],
                      tools: Sequence[Mapping[str, Any]] | None, last_generated: int | None,
-                     template_kwargs: Mapping[str, Any] | None = None) -> list[int] | None:
+                     template_kwargs: Mapping[str, Any] | None = None, continue_final: bool = False
+                     ) -> list[int] | None:
         """:meth:`delta_text` tokenized (``None`` when there is no delta)."""
-        text = self.delta_text(recorded, new, tools, last_generated, template_kwargs)
+        text = self.delta_text(recorded, new, tools, last_generated, template_kwargs, continue_final)
         return None if text is None else self.encode(text)
 
     def content_of(self, ids: Sequence[int]) -> str:

@@ -17,12 +17,13 @@ import concurrent.futures
 import functools
 import time
 import uuid
-from typing import Any, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 import attrs
 
 from loongsage_hookspecs import RoutedExperts, TrajectoryStatus
 
+from ._request_keys import MAX_NEW_TOKENS
 from .conversation import TurnPlan
 from .engines import EngineBalancer, EngineOutput, EnginePool
 from .errors import RouterError, bad_request, not_found
@@ -41,6 +42,15 @@ def refuse_if_aborted(entry: LiveTrajectory) -> None:
                           code="trajectory_aborted", retry=False)
 
 
+def refuse_if_failed(entry: LiveTrajectory) -> None:
+    """A trajectory that failed (its prompt overflowed the context) takes no more turns: its record
+    stays ``failed`` with the reason, and every later request gets the same 400."""
+    rec = entry.record
+    if rec.status is TrajectoryStatus.FAILED:
+        raise bad_request(f"trajectory '{rec.trajectory_id}' failed and takes no more turns: {rec.error}",
+                          param="messages", code=rec.finish_reason or "trajectory_failed")
+
+
 @attrs.define
 class Generation:
     """What the engine generated for one turn (over every resumed call)."""
@@ -54,6 +64,8 @@ class Generation:
     top_logprobs: list[list[tuple[float, int]]] | None = None
     content: str | None = None
     cached_tokens: int = 0
+    #: prompt tokens the prefix cache served to the turn's first engine call (its input was the turn's prompt)
+    prompt_cached_tokens: int = 0
     #: the latest engine call's routed experts (its input held every earlier token of the segment)
     routed_experts: RoutedExperts | None = None
 
@@ -119,7 +131,7 @@ class TurnRunner:
         """Tokens the chat-completions ``body`` would send to the engine (nothing is recorded)."""
         entry = self.lookup(request)
         req = parse_chat_request(body)
-        return len((await self._plan(entry, req.messages, req.tools, req.chat_template_kwargs)).context)
+        return len((await self._plan(entry, req)).context)
 
     async def run_turn(self, request: Any, body: Any, stream: Any = None) -> tuple[ChatRequest, dict[str, Any]]:
         """Serve one model turn of the trajectory that ``request``'s URL names; any protocol.
@@ -145,33 +157,38 @@ class TurnRunner:
         req = parse_chat_request(body)
         async with entry.lock:
             refuse_if_aborted(entry)
+            refuse_if_failed(entry)
             if not self.registry.is_live(entry):
                 raise not_found(f"unknown trajectory '{tid}'", code="trajectory_not_found")
-            response = await self._complete(entry, req, body, stream)
+            response = await self._complete(entry, req, body, stream, request)
         return req, response
 
     # ------------------------------------------------------------------------ one turn
-    async def _plan(self, entry: LiveTrajectory, messages: Sequence[Mapping[str, Any]], tools: Any,
-                    template_kwargs: Mapping[str, Any] | None) -> TurnPlan:
+    async def _plan(self, entry: LiveTrajectory, req: ChatRequest) -> TurnPlan:
         """The turn plan, rendered and tokenized on a worker thread after the size check."""
-        check_prompt_size(messages, tools, self.limits.max_prompt_chars)
-        work = functools.partial(entry.tracker.plan, messages, tools, template_kwargs)
+        check_prompt_size(req.messages, req.offered_tools, self.limits.max_prompt_chars)
+        work = functools.partial(entry.tracker.plan, req.messages, req.offered_tools, req.chat_template_kwargs,
+                                 req.continue_final_message)
         try:
             return await asyncio.get_running_loop().run_in_executor(self.render_pool, work)
         except TemplateError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
 
     async def _complete(self, entry: LiveTrajectory, req: ChatRequest, body: dict[str, Any],
-                        stream: Any = None) -> dict[str, Any]:
-        """Plan, generate, run response middleware, commit: one turn."""
+                        stream: Any = None, request: Any = None) -> dict[str, Any]:
+        """Plan, generate, run response middleware, commit: one turn. The tokens the turn may
+        generate (a request's limit lowered to what the trajectory may still generate) are kept
+        on ``request`` for the answer's ``x-loongsage-max-new-tokens`` header."""
         rec = entry.record
         started = time.perf_counter()
-        plan = await self._plan(entry, req.messages, req.tools, req.chat_template_kwargs)
+        plan = await self._plan(entry, req)
         engine_ctx = await self._engine_context(self.balancer.pick(rec.trajectory_id))
         # planning awaited: an abort that landed meanwhile must not be overwritten by GENERATING below
         refuse_if_aborted(entry)
         check_context_room(rec, len(plan.context), engine_ctx)
         max_new = max_new_tokens(entry.sampling, rec, req, len(plan.context), engine_ctx)
+        if request is not None:
+            request[MAX_NEW_TOKENS] = max_new
         streamer = None
         if stream is not None:
             await stream.start(prompt_tokens=len(plan.context), model=req.model or self.model_name)
@@ -195,7 +212,8 @@ class TurnRunner:
             completion_id=new_completion_id(), model=req.model or self.model_name,
             message={"role": "assistant", "content": gen.content}, finish_reason=gen.finish_reason,
             prompt_tokens=len(plan.context), completion_tokens=len(gen.ids),
-            logprobs=self._logprobs_body(gen) if req.logprobs else None)
+            logprobs=self._logprobs_body(gen) if req.logprobs else None,
+            cached_tokens=max(0, min(gen.prompt_cached_tokens, len(plan.context))))
         if matched_stop is not None:
             response["choices"][0]["matched_stop"] = matched_stop  # as SGLang reports it
         for mw in self.middlewares:
@@ -214,7 +232,7 @@ class TurnRunner:
                                       continuations=gen.continuations, new_segment=plan.new_segment,
                                       cached_tokens=gen.cached_tokens))
             self.stats["completion_tokens"] += len(gen.ids)
-        rec.messages = plan.messages + [dict(message)]
+        rec.messages = plan.answered(message)
         rec.finish_reason = response["choices"][0]["finish_reason"]
         if streamer is not None:
             rest = streamer.finish(message)  # what the stream has not shown yet of the final message
@@ -302,6 +320,8 @@ class TurnRunner:
     @staticmethod
     def _extend(gen: Generation, out: EngineOutput) -> None:
         """Append one engine call's tokens, log-probs and versions to the turn."""
+        if not gen.ids and gen.continuations == 0:
+            gen.prompt_cached_tokens = out.cached_tokens
         gen.ids += out.output_ids
         gen.logprobs += out.logprobs
         gen.versions += out.weight_versions

@@ -33,6 +33,7 @@ import attrs
 
 from loongsage_hookspecs import BuildContext
 
+from .. import safe_json
 from ..config import ConfigError, DataConfig, JobConfig, section_refs
 from .mixing import integer_weights, interleave_by_source, quota_sequence, round_shares
 
@@ -73,9 +74,11 @@ def read_jsonl_file(path: Path, where: str) -> Iterator[tuple[str, dict[str, Any
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = safe_json.loads(line)  # bounded: a row nested 100k deep is an error, not a RecursionError
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{where}: {loc}: invalid JSON: {exc.msg}") from None
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {loc}: {exc}") from None
             if not isinstance(row, dict):
                 raise ConfigError(f"{where}: {loc}: each line must be a JSON object")
             yield loc, row

@@ -64,7 +64,7 @@ def start_serving(resolved: ResolvedJob, port: int = 0, output_dir: str | Path |
     router = AgentFlowRouter(tokenizer, generate_urls, middlewares,
                              port=port or af.port, max_context_length=job.rollout.max_context_length,
                              secret=secret, max_request_bytes=af.max_request_bytes,
-                             max_prompt_chars=af.max_prompt_chars)
+                             max_prompt_chars=af.max_prompt_chars, access_log_path=af.access_log or None)
     router.start()
     tid = f"debug-{uuid.uuid4().hex[:8]}"
     url = router.blocking.register(tid, max_response_tokens=af.max_response_tokens or None)

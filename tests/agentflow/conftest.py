@@ -159,6 +159,64 @@ def router_factory(tokenizer):
         r.shutdown()
 
 
+MARKOV_TRANSITIONS: dict[str, list[str]] = {
+    "\n": ["The", " ", "<think>", "<tool_call>", "\t", "<|im_end|>"],
+    "The": [" answer", "\n", "<tool_call>"],
+    " answer": [" is", "\n", "<|im_end|>", " "],
+    " is": [" ok", " "],
+    " ok": [".", "\n", "<tool_call>", "<|im_end|>"],
+    ".": ["\n", "<|im_end|>", " "],
+    " ": ["The", "\n", "<tool_call>", "<|im_end|>"],
+    "\t": ["The", "<think>"],
+    "<think>": [" think", "</think>"],
+    " think": [" step", "</think>"],
+    " step": ["</think>", " think"],
+    "</think>": ["\n", "The"],
+    "<tool_call>": ['{"'], '{"': ["name"], "name": ['":'], '":': [' "'], ' "': ["ad"], "ad": ["d"], "d": ['"'],
+    '"': ["}"], "}": ["</tool_call>"], "</tool_call>": ["\n", "<|im_end|>", " "],
+}
+"""What the ``markov_engine_url`` model may write after each token (one token each): answers
+that start with white space or not, reasoning blocks, hermes tool calls, in any order."""
+
+
+def markov_model(tokenizer: Any, transitions: dict[str, list[str]]) -> Any:
+    """A tiny Qwen3 whose next token depends on the current one only, drawn evenly from
+    ``transitions[current]`` (greedy decoding takes the first); the prompt's last token is the
+    ``"\n"`` of the generation prompt."""
+    import torch
+    from loongsage_plugin_torch.modeling import TINY_QWEN3
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    vocab = {tokenizer.decode([i]): i for i in range(len(tokenizer))}
+    newline = tokenizer.encode("\n", add_special_tokens=False)[-1]
+    ids = {piece: (newline if piece == "\n" else vocab[piece]) for piece in transitions}
+    conf = dict(TINY_QWEN3)
+    model_type = conf.pop("model_type")
+    conf["tie_word_embeddings"] = False
+    assert len(transitions) <= conf["hidden_size"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **conf), dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb, head = model.model.embed_tokens.weight, model.lm_head.weight
+        head.zero_()
+        for i, (piece, following) in enumerate(transitions.items()):
+            emb[ids[piece]] = 0.0
+            emb[ids[piece], i] = 1.0
+            for rank, nxt in enumerate(following):
+                head[vocab[nxt] if nxt != "\n" else newline, i] = 4.0 + (0.01 if rank == 0 else 0.0)
+    return model
+
+
+@pytest.fixture(scope="session")
+def markov_engine_url(tokenizer) -> Iterator[str]:
+    """A real embedded engine whose model writes random walks over :data:`MARKOV_TRANSITIONS`."""
+    yield from _serve(markov_model(tokenizer, MARKOV_TRANSITIONS))
+
+
 EOT_PIECES = ["4", "<|endoftext|>", "7", "<|im_end|>"]
 
 
@@ -169,3 +227,17 @@ def eot_engine(tokenizer) -> Iterator[dict[str, Any]]:
     (``<|im_end|>``), and would go on writing after it. ``{"url", "pieces"}``."""
     for url in _serve(chain_model(tokenizer, EOT_PIECES)):
         yield {"url": url, "pieces": list(EOT_PIECES)}
+
+
+@pytest.fixture(scope="session")
+def shapes() -> Any:
+    """``protocol_shapes`` (next to this file): checks of the router's answers against the
+    OpenResponses schema and the official SDKs' types."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("agentflow_protocol_shapes",
+                                                  Path(__file__).parent / "protocol_shapes.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

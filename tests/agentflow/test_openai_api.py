@@ -27,8 +27,7 @@ def test_full_request_maps_to_fields():
                                    {"role": "tool", "tool_call_id": "c1", "content": "r"}],
         "temperature": 0.5, "top_p": 0.9, "max_completion_tokens": 7, "max_tokens": 99, "stop": "END",
         "seed": 3, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2,
-        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
-                                                                                "function": {"name": "f"}},
+        "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
         "user": "u", "parallel_tool_calls": True, "top_k": 20, "chat_template_kwargs": {"enable_thinking": False}})
     assert req.messages[0] == {"role": "developer", "content": "sys"}
     assert req.messages[2]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
@@ -49,6 +48,10 @@ def test_full_request_maps_to_fields():
     ({"messages": MSGS, "response_format": {"type": "json_object"}}, "response_format"),
     ({"messages": MSGS, "top_logprobs": 3}, "top_logprobs"),
     ({"messages": MSGS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
+     "tool_choice"),
+    ({"messages": MSGS, "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
     ({"messages": MSGS, "tools": [{"type": "retrieval"}]}, "tools[0]"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),

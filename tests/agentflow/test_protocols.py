@@ -277,7 +277,7 @@ def test_reasoning_comes_out_as_reasoning_items_and_thinking_blocks(engine_url, 
     final = events[-1].response
     assert [o.type for o in final.output] == ["reasoning", "message"]
     assert final.output[0].content[0].text + final.output_text == text
-    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text[:len(text) // 2]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning.delta") == text[:len(text) // 2]
     url = router.blocking.register("think-a", sampling=sampling)
     msg = anthropic_client(url).messages.create(model="p", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
     text = renderer.content_of(generated(router.blocking.pop("think-a")))
@@ -307,9 +307,13 @@ def test_over_context_prompt_is_a_400_and_marks_the_trajectory(engine_url, route
             assert err["error"]["type"] == "invalid_request_error" and "context length" in err["error"]["message"]
         else:
             assert err["error"]["code"] == "context_length_exceeded"
+    # the trajectory is over: a prompt that would fit is refused too, and the record stays failed
+    path, short = over_context_request(protocol, "hi")
+    resp = httpx.post(url + path, json=short, timeout=30)
+    assert resp.status_code == 400 and "takes no more turns" in resp.text, resp.text
     record = router.blocking.pop(f"ctx-{protocol}")
     assert record.status.value == "failed" and record.error.startswith("context_length_exceeded")
-    assert record.segments == []
+    assert record.segments == [] and record.turns == [] and record.finish_reason == "context_length_exceeded"
     # at the boundary: a prompt that fills the limit is refused, one token of room generates one token
     path, body = over_context_request(protocol, "hello")
     url = router.blocking.register(f"edge-{protocol}", max_context_length=10**6, sampling={"max_new_tokens": 1})

@@ -197,6 +197,7 @@ class Route:
 ROUTES = [
     Route("chat.completions", "POST", "/{tid}/{attempt}/v1/chat/completions", "trajectory", chat_bodies, 120),
     Route("models", "GET", "/{tid}/{attempt}/v1/models", "trajectory"),
+    Route("models.one", "GET", "/{tid}/{attempt}/v1/models/{model}", "trajectory"),
     Route("responses", "POST", "/{tid}/{attempt}/v1/responses", "trajectory", responses_bodies, 100),
     Route("messages", "POST", "/{tid}/{attempt}/v1/messages", "trajectory", messages_bodies, 100),
     Route("messages.beta", "POST", "/{tid}/{attempt}/v1/messages?beta=true", "trajectory", messages_bodies, 25),
@@ -219,7 +220,29 @@ by listing it here."""
 tids = st.sampled_from([TID] * 6 + ["other", "..", "%2e%2e", "a" * 300, "ü", "%00"])
 attempts = st.sampled_from(["0"] * 6 + ["1", "-1", "x", "99999999999999999999"])
 CREDENTIALS = ["none", "wrong", "other-trajectory", "x-api-key", "own", "secret"]
-raw_bodies = st.binary(max_size=64) | st.sampled_from([b"{", b"\xff\xfe", b"null", b"[]", b'{"messages": NaN}'])
+
+
+def deep_body(depth: int, where: str, opener: str) -> bytes:
+    """A body whose ``where`` nests ``depth`` levels (``opener``: an array or object level)."""
+    close = "]" if opener == "[" else "}"
+    nest = opener * depth + ("" if opener == "[" else "1") + close * depth
+    shapes = {"metadata": '{"model": "m", "max_tokens": 1, "input": "x", "metadata": %s, '
+                          '"messages": [{"role": "user", "content": "x"}]}',
+              "content": '{"model": "m", "max_tokens": 1, "input": [{"role": "user", "content": %s}], '
+                         '"messages": [{"role": "user", "content": %s}]}',
+              "root": "%s"}
+    template = shapes[where]
+    return (template % ((nest,) * template.count("%s"))).encode()
+
+
+# nesting 50k-120k levels deep (within the fuzz router's 256 KiB body limit) in metadata, content or the root
+deep_bodies = st.builds(deep_body, depth=st.integers(50_000, 120_000), where=st.sampled_from(["metadata", "content",
+                                                                                                 "root"]),
+                        opener=st.just("[")) | st.builds(deep_body, depth=st.integers(65, 40_000),
+                                                         where=st.sampled_from(["metadata", "content", "root"]),
+                                                         opener=st.sampled_from(["[", '{"a":']))
+raw_bodies = st.binary(max_size=64) | st.sampled_from([b"{", b"\xff\xfe", b"null", b"[]", b'{"messages": NaN}',
+                                                        b'{"messages": [1e999]}']) | deep_bodies
 
 COUNTS: collections.Counter[tuple[str, int]] = collections.Counter()
 
@@ -280,7 +303,7 @@ def test_fuzz_route(route, fuzz_router, run_secret, http, caplog, capfd):
     @given(body=body_strategy, raw=st.none() | st.none() | raw_bodies, tid=tids, attempt=attempts, cred=credentials)
     def one(body: Any, raw: bytes | None, tid: str, attempt: str, cred: str) -> None:
         router.blocking.register(TID, sampling={"max_new_tokens": 3, "seed": 1}, max_response_tokens=6)
-        url = router.base_url + route.path.format(tid=tid, attempt=attempt)
+        url = router.base_url + route.path.format(tid=tid, attempt=attempt, model=tid)
         headers = _headers(cred, run_secret, tid, attempt)
         if raw is not None and route.bodies is not None:
             resp = http.request(route.method, url, content=raw, headers={**headers, "Content-Type": "application/json"})
@@ -304,6 +327,24 @@ def test_every_router_route_is_fuzzed(fuzz_router):
     served = {(r.method, r.resource.canonical) for r in fuzz_router.app.router.routes()
               if r.method != "HEAD" and r.resource is not None}
     fuzzed = {(r.method, r.path.split("?")[0].rstrip("/")) for r in ROUTES}
+    served = {(m, p.replace("{model:.+}", "{model}")) for m, p in served}
     missing = {(m, p) for m, p in served if (m, p.rstrip("/")) not in fuzzed and p not in ("/health",)}
     missing -= {("GET", "/{tid}/{attempt}"), ("GET", "/{tid}/{attempt}/")}  # the same handler as ".../v1"
     assert not missing, f"routes without a fuzz entry in ROUTES: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("route", [r for r in ROUTES if r.bodies is not None and r.name != "admin.abort"],
+                         ids=lambda r: r.name)  # abort reads no body
+def test_bodies_nested_100k_deep_are_a_clear_400(route, fuzz_router, run_secret, http):
+    """JSON nested far deeper than the parser could recurse (in metadata, in content, at the root)
+    is measured before it is parsed: a 400 naming the limit, never a 500."""
+    cred = "own" if route.auth == "trajectory" else "secret"
+    fuzz_router.blocking.register(TID, sampling={"max_new_tokens": 3, "seed": 1})
+    url = fuzz_router.base_url + route.path.format(tid=TID, attempt="0", model=TID)
+    for where, depth in (("metadata", 100_000), ("content", 60_000), ("root", 120_000)):  # within 256 KiB
+        resp = http.request(route.method, url, content=deep_body(depth, where, "["),
+                            headers={**_headers(cred, run_secret, TID, "0"), "Content-Type": "application/json"})
+        assert resp.status_code == 400, (where, resp.text[:300])
+        error = resp.json()["error"]
+        assert error["code"] == "json_too_complex" if "code" in error else error["type"] == "invalid_request_error"
+        assert "nests deeper than 64 levels" in error["message"]

@@ -11,6 +11,7 @@ import io
 from pathlib import Path
 from typing import Any, Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -126,6 +127,35 @@ def test_agent_key_opens_its_own_endpoint_only(router):
     assert httpx.get(url_b + "/models").status_code == 401
     assert httpx.get(url_b + "/models", headers={"x-api-key": key_a}).status_code == 401
     assert httpx.get(url_b + "/models", headers={"x-api-key": router.trajectory_key("b")}).status_code == 200
+
+
+def test_a_valid_key_on_a_path_the_router_does_not_serve_is_a_404_not_an_auth_error(router):
+    """Only authentication failures are authentication errors: the trajectory's own key on a path
+    no route serves gets a 404 in the protocol's error shape; the model endpoints work."""
+    url = router.blocking.register("r404")
+    key = router.trajectory_key("r404")
+    own = {"Authorization": f"Bearer {key}"}
+    for path in ("/v1/bogus", "/v1/chat/completions/extra", "/nothing/here", "/v1/responses/resp_1/cancel"):
+        resp = httpx.post(url.removesuffix("/v1") + path, json={}, headers=own)
+        assert resp.status_code == 404, (path, resp.text)
+        assert resp.json()["error"]["code"] == "not_found" and resp.json()["error"]["type"] == "invalid_request_error"
+    # Anthropic's shape for the anthropic SDK (its version header) and under /v1/messages
+    for path, headers in (("/v1/bogus", {"x-api-key": key, "anthropic-version": "2023-06-01"}),
+                          ("/v1/messages/batches/x", {"x-api-key": key})):
+        resp = httpx.post(url.removesuffix("/v1") + path, json={}, headers=headers)
+        assert resp.status_code == 404 and resp.json()["type"] == "error", resp.text
+        assert resp.json()["error"]["type"] == "not_found_error"
+    assert httpx.put(url + "/chat/completions", json={}, headers=own).status_code == 405
+    # a wrong key there is still an authentication error, and /admin still needs the secret
+    assert httpx.post(url + "/bogus", json={}, headers={"Authorization": "Bearer guess"}).status_code == 401
+    assert httpx.get(router.base_url + "/admin/bogus", headers=own).status_code == 403
+    # the model list and one model, through the SDKs
+    client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+    assert [m.id for m in client.models.list()] == [router.model_name]
+    assert client.models.retrieve("any-name").id == "any-name"
+    claude = anthropic.Anthropic(base_url=url.removesuffix("/v1"), api_key=key, max_retries=0)
+    assert [m.id for m in claude.models.list()] == [router.model_name]
+    assert claude.models.retrieve("claude-x").id == "claude-x"
 
 
 def test_registering_over_http_returns_the_trajectory_key(router):

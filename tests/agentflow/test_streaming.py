@@ -18,13 +18,28 @@ from loongsage_hookspecs import ObservingMiddleware
 REQUEST = {"messages": [{"role": "user", "content": "q"}],
            "tools": [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]}
 PLAIN = st.text(alphabet=st.sampled_from(list("ab <>/{}\"\n_")), max_size=8)
+SPACE = st.sampled_from(["\n", " ", "\n\n", "\t "])
 CALL = st.builds(lambda a: f'<tool_call>{{"name": "add", "arguments": {{"a": {a}}}}}</tool_call>', st.integers(0, 9))
+BAD_CALL = st.just("<tool_call>{oops}</tool_call>")
+OTHER_CALLS = st.sampled_from(['[TOOL_CALLS][{"name": "add", "arguments": {}}]', '{"name": "add", "parameters": {}}',
+                               '<|python_tag|>{"name": "add", "parameters": {"a": 1}}', '<tool_call>{"name": "rm"}'
+                               '</tool_call>'])
 THINK = st.builds(lambda t: f"<think>{t}</think>", PLAIN)
+MARKERS = st.sampled_from(["<think>", "</think>", "<tool_call>", "</tool_call>", "[TOOL_CALLS]"])
+TEXTS = st.lists(st.one_of(PLAIN, SPACE, CALL, BAD_CALL, OTHER_CALLS, THINK, MARKERS), max_size=6).map("".join)
 
 
-def run_stream(text: str, cuts: list[int], middlewares: list, stops: list[str]) -> tuple[dict, dict]:
+def middleware_chain(reasoning: bool, tool_format: str | None, known_only: bool) -> list:
+    chain: list = [ReasoningParser()] if reasoning else []
+    if tool_format is not None:
+        chain.append(ToolCallParser(tool_format, known_tools_only=known_only))
+    return chain
+
+
+def run_stream(text: str, cuts: list[int], middlewares: list, stops: list[str],
+               request: dict = REQUEST) -> tuple[dict, dict]:
     """Feed ``text`` in pieces (one "token" per character, cut into chunks at ``cuts``)."""
-    streamer = TextStreamer(lambda ids: text[:len(ids)], middlewares, "t", REQUEST, stops)
+    streamer = TextStreamer(lambda ids: text[:len(ids)], middlewares, "t", request, stops)
     sent = {"content": "", "reasoning_content": ""}
     for end in sorted(set(cuts)) + [len(text)]:
         for field, piece in streamer.update(list(range(end))).items():
@@ -34,27 +49,46 @@ def run_stream(text: str, cuts: list[int], middlewares: list, stops: list[str]) 
     response = {"choices": [{"index": 0, "message": {"role": "assistant", "content": content},
                              "finish_reason": "stop"}]}
     for mw in middlewares:
-        response = mw.on_response("t", copy.deepcopy(REQUEST), response)
+        response = mw.on_response("t", copy.deepcopy(request), response)
     message = response["choices"][0]["message"]
     for field, piece in streamer.finish(message).items():
         sent[field] += piece
+    assert not streamer.broken
     return sent, message
 
 
-@settings(max_examples=300, deadline=None)
-@given(parts=st.lists(st.one_of(PLAIN, CALL, THINK), max_size=5), cuts=st.lists(st.integers(0, 120), max_size=30),
-       stops=st.lists(st.sampled_from(["STOP", "b_", "\n\n"]), max_size=2))
-def test_streamed_text_adds_up_to_the_final_message(parts, cuts, stops):
-    text = "".join(parts)
-    middlewares = [ReasoningParser(), ToolCallParser("hermes")]
-    sent, message = run_stream(text, cuts, middlewares, stops)
-    final = message.get("content") or ""
-    # streamed text is the final text (leading white space may have been passed by already)
-    assert sent["content"] in (final, final.lstrip())
+@settings(max_examples=400, deadline=None)
+@given(text=TEXTS, cuts=st.lists(st.integers(0, 160), max_size=30),
+       stops=st.lists(st.sampled_from(["STOP", "b_", "\n\n"]), max_size=2),
+       reasoning=st.booleans(), tool_format=st.sampled_from([None, "hermes", "llama3_json", "mistral"]),
+       known_only=st.booleans(), choice=st.sampled_from([None, "auto", "none"]), tools=st.booleans())
+def test_streamed_text_is_exactly_the_final_message(text, cuts, stops, reasoning, tool_format, known_only, choice,
+                                                    tools):
+    """Whatever the text, its cuts into engine updates and the middleware chain, what is streamed
+    adds up to the final message, white space included, and nothing is ever taken back."""
+    request = {**REQUEST, **({"tool_choice": choice} if choice else {})}
+    if not tools:
+        request.pop("tools")
+    sent, message = run_stream(text, cuts, middleware_chain(reasoning, tool_format, known_only), stops, request)
+    assert sent["content"] == (message.get("content") or "")
+    assert sent["reasoning_content"] == (message.get("reasoning_content") or "")
     if message.get("tool_calls"):
         assert "<tool_call>" not in sent["content"] or "<tool_call>" in (message.get("content") or "")
-    reasoning = message.get("reasoning_content") or ""
-    assert sent["reasoning_content"] in (reasoning, reasoning.lstrip())
+
+
+def test_an_answer_that_starts_with_white_space_streams_whole():
+    """An answer starting with a newline, through the tool-call parser, streams every word."""
+    pieces = ["\n", "Hello", " world"]
+    streamer = TextStreamer(lambda ids: "".join(pieces[:len(ids)]), [ToolCallParser("hermes")], "t", REQUEST, [])
+    sent = [streamer.update([0, 1]), streamer.update([0, 1, 2])]
+    assert sent == [{"content": "Hello"}, {"content": " world"}] and not streamer.broken
+
+
+def test_tool_choice_none_never_shows_call_markup():
+    text = 'Sure. <tool_call>{"name": "add", "arguments": {}}</tool_call> Done. <tool_call>{"na'
+    sent, message = run_stream(text, list(range(len(text))), [ToolCallParser("hermes")], [],
+                               {**REQUEST, "tool_choice": "none"})
+    assert sent["content"] == message["content"] == "Sure.  Done." and "tool_calls" not in message
 
 
 def test_text_streams_token_by_token_and_calls_are_held_back(tmp_path):

@@ -39,6 +39,7 @@ import attrs
 
 from loongsage_hookspecs import AgentContext, AgentResult, RunsPrograms
 
+from .sandbox_mounts import tool_paths
 from .sandbox_procs import kill_tree
 
 INSTALL_SCRIPT = "scripts/install_agent_clis.sh"
@@ -239,7 +240,8 @@ class CliAgent:
         before = snapshot(workdir)
         timeout = self.timeout_s or ctx.timeout_s or 600.0
         done = await box.arun_program(argv, env=env, timeout_s=timeout, bridge=bridge,
-                                      max_output_bytes=self.max_output_bytes, budgeted=True)
+                                      max_output_bytes=self.max_output_bytes, budgeted=True,
+                                      read_only=tool_paths(self.executable, env.get("PATH")))
         if done.timed_out:
             raise TimeoutError(f"{self.name} agent: {self.binary_name} did not finish within {timeout:g}s "
                                "(its process tree was killed)")

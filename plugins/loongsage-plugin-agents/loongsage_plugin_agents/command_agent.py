@@ -36,6 +36,7 @@ from typing import Any
 
 from loongsage_hookspecs import AgentContext, AgentResult, RunsPrograms
 
+from .sandbox_mounts import program_paths
 from .sandbox_procs import Launch, await_launch
 
 
@@ -124,7 +125,7 @@ class CommandAgent:
         env = self._endpoint_env(ctx, base_url, prompt_text, prompt_file, result_file)
         done = await box.arun_program(argv, env=env, stdin=prompt_text.encode() if self.stdin else None,
                                       timeout_s=timeout, bridge=bridge, max_output_bytes=self.max_output_bytes,
-                                      budgeted=True)
+                                      budgeted=True, read_only=program_paths(argv))
         if done.timed_out:
             raise TimeoutError(f"command agent: {argv[0]} did not finish within {timeout:g}s (or the trajectory's "
                                "sandbox time budget); its process tree was killed")

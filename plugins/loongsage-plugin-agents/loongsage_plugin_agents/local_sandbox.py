@@ -58,13 +58,22 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from loongsage_hookspecs import sandbox_request
 
 from .sandbox_box import SHELL, LocalSandbox
 from .sandbox_errors import SandboxError
-from .sandbox_isolation import ISOLATIONS, LAUNCHER, command_line, detect_isolation, launcher_python, unshare_flags
+from .sandbox_isolation import (
+    ISOLATIONS,
+    LAUNCHER,
+    bwrap_problem,
+    command_line,
+    detect_isolation,
+    launcher_python,
+    unshare_flags,
+)
+from .sandbox_mounts import program_paths
 from .sandbox_prepare import SnapshotError, chown_tree, materialize
 from .sandbox_registry import Registry, UidPool, force_rmtree
 
@@ -130,15 +139,16 @@ class LocalSandboxProvider:
             probe_uid = self.user.pw_uid
         probe_gid = self.user.pw_gid if self.user else probe_uid
         found = detect_isolation(probe_uid, probe_gid)
+        self._bwrap_problem = bwrap_problem(probe_uid, probe_gid)
         if isolation == "auto":
             isolation = found
         elif isolation == "bwrap" and found != "bwrap":
-            raise SandboxError("local sandbox: isolation='bwrap' but bubblewrap does not work here "
-                               "(install it: apt-get install -y bubblewrap)")
+            raise SandboxError(f"local sandbox: isolation='bwrap' but {self._bwrap_problem}")
         elif isolation == "netns" and found == "none":
             raise SandboxError("local sandbox: isolation='netns' but 'unshare -n' is not permitted here")
         self.isolation = isolation
         self.python = launcher_python(probe_uid, probe_gid)
+        self.launcher_paths = program_paths([self.python])  # the launcher's interpreter, wherever it lives
         self.network = bool(network)
         self._unshare = unshare_flags(probe_uid, probe_gid) if isolation == "netns" else None
         self.root = os.path.abspath(root) if root else DEFAULT_ROOT
@@ -174,10 +184,10 @@ class LocalSandboxProvider:
     def _weaknesses(self) -> list[str]:
         out = []
         if self.isolation != "bwrap":
-            out.append(f"bubblewrap is not available, running with the weaker isolation '{self.isolation}': the file "
+            why = self._bwrap_problem or f"isolation = '{self.isolation}' was asked for"
+            out.append(f"{why}; running with the weaker isolation '{self.isolation}': the file "
                        "system outside the sandbox is protected by user permissions only"
-                       + ("" if self.isolation == "netns" else ", and the network is open")
-                       + " (apt-get install -y bubblewrap)")
+                       + ("" if self.isolation == "netns" else ", and the network is open"))
         if os.geteuid() != 0:
             out.append("the host is not root, so programs run as the host's own user (no per-sandbox user; "
                        "the host's files are as exposed as the user's permissions allow)")
@@ -209,12 +219,14 @@ class LocalSandboxProvider:
 
     # ------------------------------------------------------------------ pieces used by programs
     def argv(self, box: LocalSandbox, argv: list[str], *, bridge: dict[str, Any] | None = None,
-             network: bool | None = None) -> list[str]:
-        """The full command line of ``argv`` in ``box``: isolation, then the launcher, then ``argv``."""
+             network: bool | None = None, read_only: Sequence[str] = ()) -> list[str]:
+        """The full command line of ``argv`` in ``box``: isolation, then the launcher, then ``argv``
+        (``read_only``: host paths the program needs, visible read-only in the sandbox)."""
         return command_line(argv, isolation=self.isolation, python=self.python, launcher=self.launcher,
                             unshare=self._unshare, rlimits=self.rlimits, nproc=self.max_processes,
                             sandbox_dir=box.path, workdir=box.workdir, home=box.home,
-                            network=self.network if network is None else network, bridge=bridge)
+                            network=self.network if network is None else network, bridge=bridge,
+                            read_only=[*self.launcher_paths, *read_only])
 
     def base_env(self, box: LocalSandbox) -> dict[str, str]:
         tmp = "/tmp" if self.isolation == "bwrap" else os.path.join(box.home, "tmp")

@@ -68,6 +68,15 @@ def _cli_check(cls_name: str) -> Any:
     return check
 
 
+def _cli_preflight(cls_name: str) -> Any:
+    def preflight(agent_args: dict[str, Any], sandbox: str | None, sandbox_args: dict[str, Any]) -> None:
+        from .cli_preflight import preflight_cli
+
+        preflight_cli(_cli_agent(cls_name), agent_args, sandbox, sandbox_args)
+
+    return preflight
+
+
 def _local_sandbox(ctx: BuildContext, **args: Any) -> Any:
     from .local_sandbox import LocalSandboxProvider
 
@@ -102,10 +111,13 @@ def loongsage_agents() -> Iterator[AgentSpec]:
                     description="black-box program run as a subprocess with OPENAI_BASE_URL set; "
                                 "stdout is the response")
     yield AgentSpec(name="codex", factory=_codex, check_args=_cli_check("CodexAgent"),
+                    preflight=_cli_preflight("CodexAgent"),
                     description="OpenAI Codex CLI (codex exec) over the Responses API, in a throwaway home")
     yield AgentSpec(name="claude_code", factory=_claude_code, check_args=_cli_check("ClaudeCodeAgent"),
+                    preflight=_cli_preflight("ClaudeCodeAgent"),
                     description="Anthropic Claude Code (claude -p) over the Messages API, in a throwaway home")
     yield AgentSpec(name="opencode", factory=_opencode, check_args=_cli_check("OpenCodeAgent"),
+                    preflight=_cli_preflight("OpenCodeAgent"),
                     description="OpenCode (opencode run) over chat completions, in a throwaway home")
 
 

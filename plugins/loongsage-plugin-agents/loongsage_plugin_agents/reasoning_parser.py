@@ -45,13 +45,17 @@ class ReasoningParser:
     def stream_holdback(self, request: dict[str, Any], text: str) -> int:
         """While streaming: hold back everything until the model wrote a delimiter (text before
         one may be reasoning whose opening tag was in the prompt), then a tail that may be the
-        start of one."""
+        start of one (a proper prefix: a whole delimiter stays in view, so the view is split
+        the way the final text will be)."""
         if self.start not in text and self.end not in text:
             return len(text)
-        for n in range(min(max(len(self.start), len(self.end)) - 1, len(text)), 0, -1):
-            if self.start.startswith(text[-n:]) or self.end.startswith(text[-n:]):
-                return n
-        return 0
+        hold = 0
+        for delimiter in (self.start, self.end):
+            for n in range(min(len(delimiter) - 1, len(text)), hold, -1):
+                if delimiter.startswith(text[-n:]):
+                    hold = n
+                    break
+        return hold
 
     def on_response(self, trajectory_id: str, request: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
         message = response["choices"][0]["message"]

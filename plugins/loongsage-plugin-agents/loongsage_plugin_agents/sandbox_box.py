@@ -21,7 +21,7 @@ import socket
 import threading
 import time
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from loongsage_hookspecs import ExecResult
@@ -45,7 +45,7 @@ class SandboxHost(Protocol):
     def netns_for_programs(self) -> bool: ...
 
     def argv(self, box: "LocalSandbox", argv: list[str], *, bridge: dict[str, Any] | None = None,
-             network: bool | None = None) -> list[str]: ...
+             network: bool | None = None, read_only: Sequence[str] = ()) -> list[str]: ...
 
     def base_env(self, box: "LocalSandbox") -> dict[str, str]: ...
 
@@ -129,14 +129,16 @@ class LocalSandbox:
         return None if self.deadline is None else self.deadline - time.monotonic()
 
     def _launch(self, argv: list[str], *, env: Mapping[str, str] | None, stdin: bytes | None,
-                bridge: dict[str, Any] | None, network: bool | None, max_output_bytes: int | None) -> Launch:
+                bridge: dict[str, Any] | None, network: bool | None, max_output_bytes: int | None,
+                read_only: Sequence[str] = ()) -> Launch:
         self._check_alive()
         p = self.provider
         with self._lock:
             self._count += 1
             marker = f"{self.marker}:{self._count}"
         full_env = {**p.base_env(self), **self.env, **(env or {})}
-        launch = Launch(p.argv(self, argv, bridge=bridge, network=network), env=full_env, cwd=self.workdir,
+        launch = Launch(p.argv(self, argv, bridge=bridge, network=network, read_only=read_only), env=full_env,
+                        cwd=self.workdir,
                         marker=marker, stdin=stdin,
                         max_output_bytes=p.max_output_bytes if max_output_bytes is None else int(max_output_bytes),
                         user_kwargs=p.user_kwargs(self))
@@ -165,23 +167,26 @@ class LocalSandbox:
     def run_program(self, argv: list[str], *, env: Mapping[str, str] | None = None, stdin: bytes | None = None,
                     timeout_s: float | None = None, bridge: dict[str, Any] | None = None,
                     network: bool | None = None, max_output_bytes: int | None = None,
-                    budgeted: bool = False) -> Completed:
+                    budgeted: bool = False, read_only: Sequence[str] = ()) -> Completed:
         """Run ``argv`` in the sandbox (synchronously) with everything the module docstring lists.
 
         ``budgeted``: the call also counts against the trajectory's wall-clock budget.
         ``bridge``: what :meth:`bridge` returned, for a program that must reach the router.
+        ``read_only``: host paths the program needs (a CLI's install, its interpreter), visible
+        read-only in the sandbox wherever they are (a private ``/tmp`` hides them otherwise).
         """
         timeout = self._timeout(timeout_s, budgeted)
         if isinstance(timeout, Completed):
             return timeout
         launch = self._launch(argv, env=env, stdin=stdin, bridge=bridge, network=network,
-                              max_output_bytes=max_output_bytes)
+                              max_output_bytes=max_output_bytes, read_only=read_only)
         return self._finish(launch, timeout)
 
     async def arun_program(self, argv: list[str], *, env: Mapping[str, str] | None = None,
                            stdin: bytes | None = None, timeout_s: float | None = None,
                            bridge: dict[str, Any] | None = None, network: bool | None = None,
-                           max_output_bytes: int | None = None, budgeted: bool = False) -> Completed:
+                           max_output_bytes: int | None = None, budgeted: bool = False,
+                           read_only: Sequence[str] = ()) -> Completed:
         """:meth:`run_program` from the event loop: it waits in a thread, and cancelling the
         awaiting task kills the program's whole tree."""
         timeout = self._timeout(timeout_s, budgeted)
@@ -190,7 +195,7 @@ class LocalSandbox:
 
         def start() -> Launch:
             return self._launch(argv, env=env, stdin=stdin, bridge=bridge, network=network,
-                                max_output_bytes=max_output_bytes)
+                                max_output_bytes=max_output_bytes, read_only=read_only)
 
         def finish(launch: Launch) -> None:
             with self._lock:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from .sandbox_errors import SandboxError
 
@@ -27,21 +27,43 @@ LAUNCHER = str(Path(__file__).with_name("sandbox_launch.py"))
 
 
 @cache
-def _works(argv: tuple[str, ...], uid: int | None = None, gid: int | None = None) -> bool:
-    """Whether ``argv`` runs and exits 0 here as ``uid`` (cached: used to detect isolation support)."""
+def _probe(argv: tuple[str, ...], uid: int | None = None, gid: int | None = None) -> str | None:
+    """``None`` when ``argv`` runs and exits 0 here as ``uid``, else why not (the end of its error
+    output); cached: used to detect isolation support."""
     kwargs: dict[str, Any] = {} if uid is None else {"user": uid, "group": gid, "extra_groups": []}
     try:
-        return subprocess.run(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd="/",
-                              stderr=subprocess.DEVNULL, timeout=20, **kwargs).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+        done = subprocess.run(list(argv), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, cwd="/",
+                              stderr=subprocess.PIPE, timeout=20, **kwargs)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if done.returncode == 0:
+        return None
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    return f"exit status {done.returncode}" + (f": {said[-1][:300]}" if said else "")
+
+
+def _works(argv: tuple[str, ...], uid: int | None = None, gid: int | None = None) -> bool:
+    """Whether ``argv`` runs and exits 0 here as ``uid``."""
+    return _probe(argv, uid, gid) is None
+
+
+def bwrap_problem(uid: int | None = None, gid: int | None = None) -> str | None:
+    """Why bubblewrap cannot isolate commands run as ``uid`` here, ``None`` when it can: not
+    installed, or installed but failing (e.g. no user namespaces in a container), with its error."""
+    bwrap = shutil.which("bwrap")
+    if not bwrap:
+        return "bubblewrap is not installed (apt-get install -y bubblewrap)"
+    failed = _probe((bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-net", "--cap-drop", "ALL",
+                     "--die-with-parent", "true"), uid, gid)
+    if failed is None:
+        return None
+    who = "" if uid is None else f" as uid {uid}"
+    return f"bubblewrap ({bwrap}) is installed but does not work here{who}: {failed}"
 
 
 def detect_isolation(uid: int | None = None, gid: int | None = None) -> str:
     """The strongest isolation that works here for commands run as ``uid``: ``bwrap``, ``netns`` or ``none``."""
-    bwrap = shutil.which("bwrap")
-    if bwrap and _works((bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--unshare-net", "--cap-drop", "ALL",
-                         "--die-with-parent", "true"), uid, gid):
+    if bwrap_problem(uid, gid) is None:
         return "bwrap"
     if unshare_flags(uid, gid) is not None:
         return "netns"
@@ -74,19 +96,24 @@ def launcher_python(uid: int | None, gid: int | None) -> str:
 
 def command_line(argv: list[str], *, isolation: str, python: str, launcher: str, unshare: list[str] | None,
                  rlimits: dict[str, int], nproc: int, sandbox_dir: str, workdir: str, home: str, network: bool,
-                 bridge: dict[str, Any] | None) -> list[str]:
+                 bridge: dict[str, Any] | None, read_only: Sequence[str] = ()) -> list[str]:
     """The full command line of ``argv``: the isolation's prefix, then the launcher (with its
     limits and bridge settings as JSON), then ``argv``.
 
     ``bwrap`` sees the host read-only but for ``workdir`` and ``home`` (``sandbox_dir`` read-only),
     a private ``/tmp``, its own PID, IPC, UTS (and, without ``network``, network) namespaces and no
     capabilities; ``netns`` runs under ``unshare`` with the ``unshare`` flags probed for it.
+    ``read_only``: host paths the program needs (the launcher's Python, a CLI's install, node),
+    mounted read-only where they are, so they are there even under the private ``/tmp`` (a
+    checkout, a virtual environment or a CLI install under ``/tmp``).
     """
     config: dict[str, Any] = {"rlimits": rlimits, "nproc": nproc or None}
     prefix: list[str] = []
     if isolation == "bwrap":
+        mounts = [arg for path in dict.fromkeys([python, *read_only]) if os.path.exists(path)
+                  for arg in ("--ro-bind", path, path)]
         prefix = [shutil.which("bwrap") or "bwrap", "--ro-bind", "/", "/", "--tmpfs", "/tmp",
-                  "--ro-bind", launcher, launcher, "--ro-bind", sandbox_dir, sandbox_dir,
+                  "--ro-bind", launcher, launcher, *mounts, "--ro-bind", sandbox_dir, sandbox_dir,
                   "--bind", workdir, workdir,
                   "--bind", home, home, "--dev", "/dev", "--proc", "/proc",
                   "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--new-session",

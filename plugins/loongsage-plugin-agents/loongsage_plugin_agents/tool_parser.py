@@ -7,6 +7,11 @@ middleware parses one of these formats and rewrites the response message the Ope
 ``finish_reason`` becomes ``"tool_calls"``. A block that is not valid JSON stays in the content,
 so the agent (and the reward) sees exactly what the model wrote.
 
+White space: the content is always stripped at both ends while the parser is active, whether or
+not a call was found. Parsers strip around the calls they take out; stripping every answer the
+same way makes the content of a text a pure function of it that only grows as the text grows
+(trailing white space aside), so a streamed answer adds up to exactly the non-streamed one.
+
 Formats:
 
 * ``hermes`` (Qwen 2.5/3, Hermes, the test tokenizer): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
@@ -15,7 +20,9 @@ Formats:
   ``{"name": ..., "parameters": {...}}`` (or several separated by ``;``), optionally after ``<|python_tag|>``.
 * ``mistral``: text, then ``[TOOL_CALLS]`` and a JSON list ``[{"name": ..., "arguments": {...}}, ...]``.
 
-Parsing is skipped when the request has no ``tools`` or sets ``tool_choice`` to ``"none"``.
+Parsing is skipped when the request has no ``tools``. With ``tool_choice`` ``"none"`` (the router
+then renders the prompt without tools) no call is returned, and any call markup the model wrote
+anyway is taken out of the content.
 """
 
 from __future__ import annotations
@@ -119,6 +126,22 @@ def parse_mistral(text: str) -> tuple[str, list[dict[str, Any]]]:
 PARSERS: dict[str, Callable[[str], tuple[str, list[dict[str, Any]]]]] = {
     "hermes": parse_hermes, "llama3_json": parse_llama3_json, "mistral": parse_mistral}
 
+_HERMES_BLOCK = re.compile(r"<tool_call>.*?</tool_call>", re.DOTALL)
+
+
+def without_markup(text: str, format: str) -> str:
+    """``text`` with every tool call of ``format`` taken out, valid or not (an unclosed one at the
+    end too): what a turn that may not call tools shows."""
+    if format == "hermes":
+        text = _HERMES_BLOCK.sub("", text)
+        at = text.find("<tool_call>")
+        return text if at < 0 else text[:at]
+    if format == "mistral":
+        at = text.find("[TOOL_CALLS]")
+        return text if at < 0 else text[:at]
+    rest, calls = parse_llama3_json(text)
+    return rest if calls else text
+
 
 class ToolCallParser:
     """Router middleware: parse tool calls out of the model's text (see the module docstring).
@@ -141,7 +164,7 @@ class ToolCallParser:
     def stream_holdback(self, request: dict[str, Any], text: str) -> int:
         """While streaming: hold back a tool call being written (from its marker on) and a tail
         that may be the start of a marker, so no call text reaches the agent as content."""
-        if not request.get("tools") or request.get("tool_choice") == "none":
+        if not request.get("tools"):
             return 0
         if self.format == "llama3_json":
             body = text.lstrip()
@@ -158,19 +181,24 @@ class ToolCallParser:
         return 0
 
     def on_response(self, trajectory_id: str, request: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]:
-        if not request.get("tools") or request.get("tool_choice") == "none":
+        if not request.get("tools"):
             return response
         choice = response["choices"][0]
         message = choice["message"]
         content = message.get("content")
-        if not isinstance(content, str) or not content:
+        if not isinstance(content, str):
+            return response
+        if request.get("tool_choice") == "none":  # no calls: markup the model wrote anyway is dropped
+            message["content"] = without_markup(content, self.format).strip()
             return response
         rest, calls = self.parse(content)
         if self.known_tools_only:
             names = {t.get("function", {}).get("name") for t in request["tools"]}
             if any(c["function"]["name"] not in names for c in calls):
-                return response
+                rest, calls = content, []
+        rest = rest.strip()
         if not calls:
+            message["content"] = rest
             return response
         message["content"] = rest or None
         message["tool_calls"] = calls

@@ -63,12 +63,25 @@ def test_hermes_invalid_blocks_stay_in_the_content():
     assert out["choices"][0]["message"]["content"] is None and calls_of(out) == [("add", {})]
 
 
-def test_no_parsing_without_tools_or_with_tool_choice_none():
+def test_no_parsing_without_tools_and_no_calls_with_tool_choice_none():
     text = '<tool_call>{"name": "add", "arguments": {}}</tool_call>'
     out = ToolCallParser().on_response("t", request(tools=None), response(text))
     assert out["choices"][0]["message"]["content"] == text
-    out = ToolCallParser().on_response("t", request(tool_choice="none"), response(text))
-    assert out["choices"][0]["message"]["content"] == text
+    # tool_choice "none": no call, and the markup the model wrote anyway is not shown as text
+    for fmt, written in (("hermes", f"I will not call.\n{text}\n<tool_call>{{bad"),
+                         ("mistral", 'I will not call. [TOOL_CALLS][{"name": "add"}]'),
+                         ("llama3_json", '{"name": "add", "parameters": {}}')):
+        out = ToolCallParser(fmt).on_response("t", request(tool_choice="none"), response(written))
+        message = out["choices"][0]["message"]
+        assert "tool_calls" not in message and out["choices"][0]["finish_reason"] == "stop"
+        assert message["content"] == ("" if fmt == "llama3_json" else "I will not call."), fmt
+
+
+def test_content_is_stripped_whether_or_not_a_call_was_found():
+    """The same white-space rule for every answer, so streamed text adds up to the final text."""
+    for text in ("\n\nHello world \n", '\nHello <tool_call>{"name": "add"}</tool_call>\n'):
+        out = ToolCallParser().on_response("t", request(), response(text))
+        assert out["choices"][0]["message"]["content"] == "Hello" + (" world" if "world" in text else "")
     # a truncated turn keeps finish_reason "length" even when a call parsed
     out = ToolCallParser().on_response("t", request(), response(text, finish="length"))
     assert out["choices"][0]["finish_reason"] == "length" and calls_of(out) == [("add", {})]
