@@ -19,7 +19,8 @@ What it offers:
 * **HTTP serving** from a background thread (:class:`ThreadedServer`) behind the run secret
   (:func:`secret_middleware`), as the router and the embedded engine serve;
 * **rendezvous** for ``torch.distributed`` groups across processes (:func:`host_rendezvous`,
-  :func:`reachable_address`, :func:`free_port`, :func:`retry_on_port_collision`);
+  :func:`reachable_address`, :func:`free_port`, :func:`retry_on_port_collision`; Gloo groups kept
+  on the node's address with :func:`pin_gloo_to_this_node`);
 * **weight-update groups** between trainers and engines (:func:`init_weight_update_group`,
   :func:`join_with_engines`, :func:`destroy_weight_update_group`, :func:`resolve_backend`,
   :func:`node_id`);
@@ -40,7 +41,7 @@ from .controller.run_dir import truncate_jsonl
 from .hf_models import ModelLoadError, load_causal_lm
 from .http_server import ThreadedServer, secret_middleware
 from .lr_schedule import lr_factor, make_scheduler
-from .rendezvous import free_port, host_rendezvous, reachable_address, retry_on_port_collision
+from .rendezvous import free_port, host_rendezvous, pin_gloo_to_this_node, reachable_address, retry_on_port_collision
 from .security import (
     OPEN_PATHS,
     check_listen_address,
@@ -102,6 +103,7 @@ __all__ = [
     "make_scheduler",
     "node_id",
     "old_from_training_forward",
+    "pin_gloo_to_this_node",
     "presented_token",
     "process_secret",
     "reachable_address",
