@@ -18,6 +18,7 @@ from loongsage_hookspecs import LoadsWeights, SchedulerSpec, SourcePicker
 from .component_args import check_component_args, check_effective_settings
 from .config import ConfigError, JobConfig
 from .plugins import PluginHost
+from .signal_checks import check_training_signal
 from .validation import check_job
 
 
@@ -204,6 +205,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     if job.async_.enable:
         check_async_scheduler(job, host)
     check_effective_settings(job)
+    check_training_signal(job, host)  # zero-signal settings refused, misfit ones warned of
     check_component_args(job, host)  # a misspelt *_args key is a config error, not a run of failures
     return resolved
 
