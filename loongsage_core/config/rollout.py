@@ -12,6 +12,9 @@ import attrs
 
 from .fields import Args, at_least_one, in_range, non_negative, positive
 
+DEFAULT_MAX_LINE_BYTES = 16 * 2**20
+"""The longest JSONL data line (bytes, newline excluded) read by default (``[[data]] max_line_bytes``)."""
+
 
 @attrs.define
 class RolloutConfig:
@@ -48,7 +51,8 @@ class DataConfig:
     """One data source. Either ``path`` (a JSONL file, a parquet file, or a directory written by
     ``datasets``' ``save_to_disk``; ``split`` picks one split of a saved ``DatasetDict``) or
     ``generator`` (a procedural task from a plugin) gives the prompts; ``agent``, ``reward`` and
-    sampling are per source."""
+    sampling are per source. ``max_line_bytes`` (default 16 MiB) is the longest JSONL line read:
+    a longer one is refused, naming the file and line, before it is held in memory."""
 
     name: str = "default"
     path: str | None = None
@@ -70,6 +74,7 @@ class DataConfig:
     teacher: str | None = None
     sampling: Args = attrs.field(factory=dict)
     shuffle: bool = True
+    max_line_bytes: int = attrs.field(default=DEFAULT_MAX_LINE_BYTES, validator=at_least_one)
 
 
 @attrs.define
