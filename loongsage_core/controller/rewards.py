@@ -16,7 +16,7 @@ import logging
 import threading
 from typing import Any
 
-from loongsage_hookspecs import Reward, Trajectory, TrajectoryStatus
+from loongsage_hookspecs import FailureClass, Reward, Trajectory, TrajectoryStatus
 
 from ..config import DataConfig
 from .reward_values import checked_reward, reward_failure
@@ -55,6 +55,7 @@ def _apply(traj: Trajectory, reward: Reward, error: str | None) -> None:
         log.warning("trajectory %s: %s", traj.id, error)
         traj.status = TrajectoryStatus.FAILED
         traj.error = error
+        traj.failure = FailureClass.INFRA  # the reward broke, not the policy
         traj.metadata["failed_in"] = "reward"
 
 

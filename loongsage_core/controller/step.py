@@ -32,7 +32,7 @@ from ..algorithms.old_logprobs import (
 )
 from ..algorithms.step import ROUTER_REPLAY_OUTPUTS, router_replay_metrics
 from ..flops import ModelShape, generation_flops, mfu, scoring_flops
-from .batching import build_batch
+from .batching import build_batch, credit_options
 from .metrics import rollout_metrics
 from .mixing import interleave_by_source
 from .remote import gather, own_time, waited_s
@@ -131,7 +131,8 @@ class StepRunner(RunState):
         assert self.actors is not None
         t0 = time.perf_counter()
         batch = build_batch(groups, pad_id=self.tokenizer.pad_token_id or 0,
-                            mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale)
+                            mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale,
+                            **credit_options(self.job, self.host))  # which failures count, and how small a group
         self.last_batch = batch
         metrics: dict[str, float] = {"rollout/num_rows": float(len(batch))}
         if not len(batch):
