@@ -27,7 +27,9 @@ What it offers:
 * **security**: the run secret on control endpoints (:func:`engine_headers`,
   :func:`presented_token`, :func:`token_matches`, :func:`process_secret`, :data:`OPEN_PATHS`) and
   the rule that anything listening beyond loopback needs it (:func:`check_listen_address`);
-* **per-step JSONL files** cut back to a resumed step (:func:`truncate_jsonl`).
+* **per-step JSONL files** cut back to a resumed step (:func:`truncate_jsonl`);
+* **checkpoint files** written atomically, a full disk raised as an ``OSError`` naming the file
+  (:func:`save_torch_atomically`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from .algorithms import LossPipeline, LossPipelineError, MetricAccumulator, comp
 from .algorithms.old_logprobs import old_from_training_forward
 from .config import JobConfig, ModelConfig, RunConfig, TrainConfig, structure_args
 from .controller.run_dir import truncate_jsonl
+from .disk_space import save_torch_atomically
 from .hf_models import ModelLoadError, load_causal_lm
 from .http_server import ThreadedServer, secret_middleware
 from .lr_schedule import lr_factor, make_scheduler
@@ -109,6 +112,7 @@ __all__ = [
     "reachable_address",
     "resolve_backend",
     "retry_on_port_collision",
+    "save_torch_atomically",
     "secret_middleware",
     "structure_args",
     "token_matches",
