@@ -154,3 +154,18 @@ def test_build_batch_credit_rule():
     zero = build_batch([a, b], infra_failures="zero_reward", min_group_samples=2)
     assert zero.meta["trajectory_id"] == ["a0", "a1", "a2", "a3", "b0", "b1"]
     assert zero["sample_index"].tolist() == list(range(6)) and zero["group_index"].tolist() == [0, 0, 0, 0, 1, 1]
+
+
+def test_a_step_of_nothing_but_failures_is_a_bad_step_even_when_some_were_trained():
+    from loongsage_core.controller.health import diagnose
+
+    failed = TrajectoryStatus.FAILED
+    group = TrajectoryGroup(group_id="a", prompt_id="p", trajectories=[
+        trajectory("a0", failed, FailureClass.AGENT), trajectory("a1", failed, FailureClass.AGENT)])
+    for t in group.trajectories:
+        t.error = "AgentFailure: the tool call could not be parsed"
+    trained = {"rollout/num_rows": 2.0, "train/loss": 0.1, "train/grad_norm": 0.5, "train/num_mini_batches": 1.0}
+    assert diagnose(trained, [group]) == ("every trajectory failed: 2 of 2 trajectories failed, 2 with: "
+                                          "AgentFailure: the tool call could not be parsed")
+    group.trajectories.append(trajectory("a2", TrajectoryStatus.COMPLETED))
+    assert diagnose(trained, [group]) is None
