@@ -91,14 +91,15 @@ def start_engine() -> tuple[Any, str]:
 async def rollouts(host: Any, provider: Any, router: Any, tasks: list[dict[str, Any]], n: int,
                    concurrency: int) -> dict[str, Any]:
     from loongsage_core.agentflow import run_agent_trajectory
-    from loongsage_core.config import DataConfig
-    from loongsage_core.controller.rewards import score_trajectory_async
-    from loongsage_hookspecs import Trajectory, TrajectoryStatus
+    from loongsage_core.config import DataConfig, JobConfig
+    from loongsage_core.controller.rewards import SourceRewards, score_trajectory_async
+    from loongsage_hookspecs import BuildContext, ComponentRef, Trajectory, TrajectoryStatus
 
-    source = DataConfig(name="swe", reward=["swe_tests"], sandbox="local")
-    agent = host.get("agent", "command")
+    rewards = SourceRewards.bind(JobConfig(data=[DataConfig(name="swe", reward=["swe_tests"], sandbox="local")]), 0,
+                                 host)
     args = {"command": [provider.python, str(AGENT), "--mode", "fix"], "timeout_s": 300,
             "env": {"PYTHONPATH": sysconfig.get_paths()["purelib"]}}
+    agent_ref = ComponentRef("agent", "command", args)
     slots = asyncio.Semaphore(concurrency)
     phases: dict[str, list[float]] = {"sandbox_create_s": [], "agent_s": [], "reward_s": [], "sandbox_teardown_s": []}
 
@@ -111,12 +112,13 @@ async def rollouts(host: Any, provider: Any, router: Any, tasks: list[dict[str, 
 
         async def score(t: Any, sandbox: Any) -> None:
             marks["agent_done"] = time.perf_counter()
-            await score_trajectory_async(t, source, host, sandbox)
+            await score_trajectory_async(t, rewards, sandbox)
             marks["reward_done"] = time.perf_counter()
 
         async with slots:
             start = time.perf_counter()
-            traj = await run_agent_trajectory(router, agent, args, provider, trajectory=traj, score=score,
+            agent = host.bind(agent_ref, BuildContext(components=host))
+            traj = await run_agent_trajectory(router, agent, provider, trajectory=traj, score=score,
                                               sampling={"max_new_tokens": 4, "seed": i}, timeout_s=600,
                                               max_context_length=2048)
         timing = traj.metadata.get("sandbox", {})
@@ -153,16 +155,21 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     from loongsage_core.agentflow import AgentFlowRouter
+    from loongsage_core.errors import RunError
     from loongsage_core.plugins import PluginHost
+    from loongsage_hookspecs import BuildContext, ComponentRef
 
     host = PluginHost.create(["agents", "rewards"])
-    factory = host.get("sandbox", "local").factory
+
+    def factory(**sandbox_args: Any) -> Any:
+        """The ``local`` sandbox provider with ``sandbox_args``, built as a run builds it."""
+        return host.bind(ComponentRef("sandbox", "local", sandbox_args), BuildContext(components=host))
     tasks = rows(args.tasks)
     out: dict[str, Any] = {"tasks": len(tasks), "latency": {}}
     for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
         try:
             provider = factory(isolation=mode, base_dir=str(SWE), default_timeout_s=60)
-        except SandboxError as exc:
+        except (SandboxError, RunError) as exc:  # an isolation this machine lacks
             out["latency"][mode] = {"skipped": str(exc)}
             continue
         try:

@@ -22,7 +22,6 @@ Selection rules (``[plugins] enable``):
 from __future__ import annotations
 
 import difflib
-import inspect
 import types
 import warnings
 from pathlib import Path
@@ -32,19 +31,18 @@ import attrs
 import pluggy
 
 from loongsage_hookspecs import (
-    BUILD_CONTEXTS,
-    BUILT_PROTOCOLS,
     KINDS,
     PROJECT_NAME,
+    ComponentRef,
     ComponentSpec,
     hookimpl,
     hookspecs,
-    missing_members,
+    kind_of,
     normalize_name,
 )
 
-from .config import ConfigError
-from .errors import ComponentBuildError, ConflictError, PluginError, UnknownComponentError
+from . import binding
+from .errors import ConflictError, PluginError, UnknownComponentError
 from .plugin_sources import (
     DISABLE_ENV,
     aliases_of,
@@ -177,10 +175,7 @@ class PluginHost:
         """
         by_hook: dict[str, list[ComponentSpec]] = {}
         for spec in specs:
-            kind = next((k for k in KINDS.values() if type(spec) is k.spec), None)
-            if kind is None:
-                raise TypeError(f"register_specs: {spec!r} is not a spec of any component kind")
-            by_hook.setdefault(kind.hook, []).append(spec)
+            by_hook.setdefault(kind_of(spec).hook, []).append(spec)
         plugin = types.SimpleNamespace(**{hook: hookimpl(_returning(listed)) for hook, listed in by_hook.items()})
         self.register_module(plugin, name=name, source="register_specs")
         if self._active is not None:
@@ -275,79 +270,16 @@ class PluginHost:
             raise UnknownComponentError(f"{prefix}unknown {kind} '{name}'{hint}; choose one of: {listing}")
         return provided.spec
 
-    def build(self, kind: str, name: str, ctx: Any, *, where: str | None = None, args_key: str | None = None,
-              using: str = "factory", **args: Any) -> Any:
-        """Build the component ``kind`` ``name``: ``spec.<using>(ctx, **args)`` (``using`` names
-        the spec's factory: ``factory``, or a weight transport's ``sender`` / ``receiver``).
+    def bind(self, ref: ComponentRef, ctx: Any = None, *, using: str | None = None) -> Any:
+        """The component ``ref`` names, bound: a checked callable for a function kind, the object
+        its factory builds for a factory kind (:func:`loongsage_core.binding.bind`, the one way
+        anything a job names becomes callable or built)."""
+        return binding.bind(self, ref, ctx, using=using)
 
-        ``ctx`` is the kind's context (:data:`loongsage_hookspecs.BUILD_CONTEXTS`: what the host
-        knows about where the component runs); ``args`` the job's ``*_args`` table. A ``ctx`` of
-        another class is the host's own bug: a ``TypeError`` naming the kind and the class expected.
-        ``where`` defaults to ``ctx.where``.
-
-        The one place the host builds what a job names, so every kind fails the same way:
-
-        * an unknown name: :class:`UnknownComponentError` listing the choices (``where``: the
-          job-file key that names it);
-        * arguments the factory does not take (checked against its signature before the call, and,
-          for a factory that passes ``**kwargs`` on, a ``TypeError`` naming one of them as an
-          unexpected keyword; any other ``TypeError`` raised inside the factory is its own bug): a
-          :class:`~loongsage_core.config.ConfigError` naming ``args_key`` (the ``*_args`` table;
-          ``where`` by default);
-        * a factory that rejects a value with ``ValueError``: a ``ConfigError`` naming ``args_key``
-          (``where`` by default);
-        * anything else the factory raises: :class:`ComponentBuildError` (a run error) naming the
-          key, the component and its plugin, chained to the original exception.
-        """
-        expected = BUILD_CONTEXTS.get((kind, using))
-        if expected is None:
-            raise TypeError(f"build: {kind} '{name}' has no factory field '{using}' the host builds with")
-        if not isinstance(ctx, expected):
-            raise TypeError(f"build: {kind} '{name}' needs a {expected.__name__} as its context, got "
-                            f"{type(ctx).__name__}")
-        where = ctx.where if where is None else where  # the job key that named it, as the context says
-        spec = self.get(kind, name, where=where)
-        factory = getattr(spec, using)
-        refused = f"{args_key or where}: {kind} '{name}' does not take these arguments"
-        try:
-            inspect.signature(factory).bind(ctx, **args)
-        except TypeError as exc:
-            raise ConfigError(f"{refused}: {exc}") from None
-        except ValueError:  # a callable without a signature (a builtin): let the call decide
-            pass
-        try:
-            built = factory(ctx, **args)
-        except (ConfigError, PluginError):
-            raise
-        except ValueError as exc:  # a value the factory refuses: the arguments' table is at fault
-            raise ConfigError(f"{args_key or where}: {exc}") from exc
-        except Exception as exc:
-            # a factory that passes ``**kwargs`` on (to a class, say) meets the argument it does not
-            # take one call deeper: still the job's argument, when the error names one it passed
-            if isinstance(exc, TypeError) and any(f"unexpected keyword argument '{key}'" in str(exc) for key in args):
-                raise ConfigError(f"{refused}: {exc}") from None
-            raise ComponentBuildError(f"{where}: building {kind} '{name}' (plugin "
-                                      f"{self.provider(kind, name)}) failed: {type(exc).__name__}: {exc}") from exc
-        self._check_built(kind, name, spec, using, built, where)
-        return built
-
-    def _check_built(self, kind: str, name: str, spec: Any, using: str, built: Any, where: str) -> None:
-        """The built object implements its kind's protocol and every capability its spec declares
-        (:mod:`loongsage_hookspecs.capabilities`), else a :class:`ComponentBuildError` naming
-        what it lacks: a plugin's mistake shows when the component is built, not mid-run."""
-        wanted: list[tuple[type, str]] = []
-        protocol = BUILT_PROTOCOLS.get((kind, using))
-        if protocol is not None:
-            wanted.append((protocol, f"the {kind} protocol {protocol.__name__}"))
-        if using != "receiver":  # a weight transport's capabilities are its sender's
-            wanted += [(cap, f"the capability {cap.__name__} its spec declares")
-                       for cap in spec.declared_capabilities()]
-        for proto, what in wanted:
-            missing = missing_members(built, proto)
-            if missing:
-                raise ComponentBuildError(
-                    f"{where}: {kind} '{name}' (plugin {self.provider(kind, name)}) built a "
-                    f"{type(built).__name__} that lacks {', '.join(missing)} of {what}")
+    def check_arguments(self, ref: ComponentRef, *, using: str | None = None) -> None:
+        """Whether ``ref``'s name resolves and its arguments bind, without building anything
+        (what ``loongsage validate`` runs for every component)."""
+        binding.check_arguments(self, ref, using=using)
 
     def provider(self, kind: str, name: str) -> str:
         """Name of the plugin providing ``kind`` ``name``."""

@@ -9,14 +9,14 @@ settings that would do nothing, and on component arguments the component does no
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import attrs
 
-from loongsage_hookspecs import LoadsWeights, SchedulerSpec, SourcePicker
+from loongsage_hookspecs import ComponentRef, LoadsWeights, SchedulerSpec, SourcePicker
 
 from .component_args import check_component_args, check_effective_settings
-from .config import ConfigError, JobConfig
+from .config import ConfigError, JobConfig, component_refs
 from .plugins import PluginHost
 from .signal_checks import check_training_signal
 from .validation import check_job
@@ -35,39 +35,14 @@ class ResolvedJob:
                 for key, (kind, name, plugin) in self.components.items()}
 
 
-def named_components(job: JobConfig) -> list[tuple[str, str, str]]:
-    """``(job-file key, kind, name)`` for every component the job names, in file order."""
-    items: list[tuple[str, str, str]] = [
-        ("train.backend", "train_backend", job.train.backend),
-        ("rollout.engine", "rollout_engine", job.rollout.engine),
-        ("rollout.weight_transport", "weight_transport", job.rollout.weight_transport),
-        ("algorithm.advantage", "advantage", job.algorithm.advantage),
-        ("algorithm.policy_loss", "policy_loss", job.algorithm.policy_loss),
-        ("algorithm.loss_agg", "loss_aggregation", job.algorithm.loss_agg),
-    ]
-    if job.rollout.engine_router:
-        items.append(("rollout.engine_router", "engine_router", job.rollout.engine_router))
-    if job.algorithm.kl:
-        items.append(("algorithm.kl", "kl", job.algorithm.kl))
-    if job.algorithm.distill_kl:
-        items.append(("algorithm.distill_kl", "kl", job.algorithm.distill_kl))
-    items += [(f"algorithm.corrections[{i}]", "correction", n) for i, n in enumerate(job.algorithm.corrections)]
-    items += [(f"algorithm.filters[{i}]", "filter", n) for i, n in enumerate(job.algorithm.filters)]
-    for i, src in enumerate(job.data):
-        items.append((f"data[{i}].agent", "agent", src.agent))
-        items += [(f"data[{i}].reward[{j}]", "reward", r) for j, r in enumerate(src.reward)]
-        if src.generator:
-            items.append((f"data[{i}].generator", "data_source", src.generator))
-        if src.sandbox:
-            items.append((f"data[{i}].sandbox", "sandbox", src.sandbox))
-    items += [(f"agentflow.middleware[{i}]", "router_middleware", n) for i, n in enumerate(job.agentflow.middleware)]
-    if job.async_.enable:
-        items.append(("async.scheduler", "scheduler", job.async_.scheduler))
-    items += [(f"loggers[{i}].name", "logger", lg.name) for i, lg in enumerate(job.loggers)]
-    items += [(f"teachers[{i}].backend", "teacher", t.backend) for i, t in enumerate(job.teachers)]
-    if job.teachers:
-        items.append(("placement.teacher_manager", "teacher_manager", job.placement.teacher_manager))
-    return items
+def record_components(resolved: ResolvedJob, refs: Iterable[ComponentRef]) -> None:
+    """Look every component of ``refs`` up (an unknown name fails with its job-file key and the
+    choices) and note it in ``resolved.components`` under its key."""
+    where = resolved.job.source_path or "<job>"
+    for ref in refs:
+        resolved.host.get(ref.kind, ref.name, where=ref.where)
+        key = ref.where.removeprefix(f"{where}: ")
+        resolved.components[key] = (ref.kind, ref.name, resolved.host.provider(ref.kind, ref.name))
 
 
 def check_sources(job: JobConfig, where: str, hint: str) -> None:
@@ -184,9 +159,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     host = host or PluginHost.from_job(job)
     where = job.source_path or "<job>"
     resolved = ResolvedJob(job=job, host=host)
-    for key, kind, name in named_components(job):
-        host.get(kind, name, where=f"{where}: {key}")
-        resolved.components[key] = (kind, name, host.provider(kind, name))
+    record_components(resolved, component_refs(job))
     for i, src in enumerate(job.data):
         check = host.get("agent", src.agent, where=f"{where}: data[{i}].agent").check_args
         if check is not None:
@@ -210,12 +183,8 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     return resolved
 
 
-def sft_components(job: JobConfig) -> list[tuple[str, str, str]]:
-    """``(job-file key, kind, name)`` of every component a supervised job uses."""
-    return ([("train.backend", "train_backend", job.train.backend)]
-            + [(f"loggers[{i}].name", "logger", lg.name) for i, lg in enumerate(job.loggers)]
-            + [(f"data[{i}].generator", "data_source", src.generator)
-               for i, src in enumerate(job.data) if src.generator])
+SFT_KINDS = ("train_backend", "logger", "data_source")
+"""The kinds of component a supervised job uses (the rest of an RL job's tables are ignored)."""
 
 
 def resolve_sft_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
@@ -235,9 +204,7 @@ def resolve_sft_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJ
     check_data_files(job)
     host = host or PluginHost.from_job(job)
     resolved = ResolvedJob(job=job, host=host)
-    for key, kind, name in sft_components(job):
-        host.get(kind, name, where=f"{where}: {key}")
-        resolved.components[key] = (kind, name, host.provider(kind, name))
+    record_components(resolved, component_refs(job, kinds=SFT_KINDS))
     check_model_dtype(job, host)
     check_backend_job(job, host)
     if job.train.lora is not None and not host.get("train_backend", job.train.backend).supports_lora:

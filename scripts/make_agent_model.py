@@ -111,15 +111,15 @@ def capture_cli_prompts(model_dir: Path) -> list[CliPrompt]:
     the prompt of each model turn it asked for (what the router rendered, exactly as recorded)."""
     import asyncio
 
-    from loongsage_plugin_agents import plugin as agents_plugin
     from loongsage_plugin_agents.tool_parser import ToolCallParser
     from loongsage_plugin_torch.engine.engine import EmbeddedEngine
 
     from loongsage_core.agentflow import AgentFlowRouter, run_agent_trajectory
     from loongsage_core.config import structure_job
-    from loongsage_hookspecs import EngineContext, Trajectory
+    from loongsage_core.plugins import PluginHost
+    from loongsage_hookspecs import BuildContext, ComponentRef, EngineContext, Trajectory
 
-    agents = {spec.name: spec for spec in agents_plugin.loongsage_agents() if spec.name in CLI_ARGS}
+    host = PluginHost.create(["agents"])
     job = structure_job({"model": {"path": str(model_dir)},
                          "rollout": {"max_context_length": MODEL_CONFIG["max_position_embeddings"],
                                      "engine_args": {"max_prefill_tokens": 4096, "prefix_cache_tokens": 131072}}})
@@ -130,10 +130,12 @@ def capture_cli_prompts(model_dir: Path) -> list[CliPrompt]:
     router.start()
     prompts: list[CliPrompt] = []
     try:
-        for name, spec in agents.items():
+        for name in CLI_ARGS:
+            agent = host.bind(ComponentRef("agent", name, {**CLI_ARGS[name], "timeout_s": 600}),
+                              BuildContext(components=host))
             traj = Trajectory(id=f"capture-{name}", prompt_id="p0", group_id="g0", prompt=CLI_TASK)
             traj = asyncio.run(run_agent_trajectory(
-                router, spec, {**CLI_ARGS[name], "timeout_s": 600}, None, trajectory=traj,
+                router, agent, None, trajectory=traj,
                 sampling={"max_new_tokens": 96, "temperature": 0.0}, timeout_s=660))
             answers = []
             for seg in traj.segments:

@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from loongsage_core.agentflow import run_agent_trajectory
-from loongsage_hookspecs import Trajectory, TrajectoryStatus
+from loongsage_core.plugins import PluginHost
+from loongsage_hookspecs import BuildContext, ComponentRef, Trajectory, TrajectoryStatus
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = REPO / "tests" / "data" / "agent_model"
@@ -41,10 +42,11 @@ PROMPT = "Create the file hello.txt with the word hello in it."
 
 
 @pytest.fixture(scope="module")
-def agents() -> dict[str, Any]:
-    from loongsage_plugin_agents import plugin
-
-    return {s.name: s for s in plugin.loongsage_agents()}
+def agents():
+    """``agents(name, args)``: an agent built as a run builds it (the real host binds the agents
+    plugin's spec with the job's arguments)."""
+    host = PluginHost.create(["agents"])
+    return lambda name, args=None: host.bind(ComponentRef("agent", name, args or {}), BuildContext(components=host))
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +99,7 @@ def run_cli(router: Any, agent: Any, name: str, tid: str) -> tuple[Trajectory, l
     """One trajectory of CLI ``name``; the trajectory and the router's access-log lines for it."""
     started = len(router.access_log.entries())
     traj = Trajectory(id=tid, prompt_id="p0", group_id="g0", prompt=PROMPT, label="Done.")
-    traj = asyncio.run(run_agent_trajectory(router, agent, {**CLI_ARGS[name], "timeout_s": 600}, None,
+    traj = asyncio.run(run_agent_trajectory(router, agent, None,
                                             trajectory=traj, sampling={"max_new_tokens": 96, "temperature": 0.0},
                                             timeout_s=660))
     calls = [e for e in router.access_log.entries()[started:] if e["path"].startswith(f"/{tid}/")]
@@ -106,7 +108,7 @@ def run_cli(router: Any, agent: Any, name: str, tid: str) -> tuple[Trajectory, l
 
 @pytest.mark.parametrize("name", ["codex", "claude_code", "opencode"])
 def test_cli_finishes_and_every_request_is_served(served, agents, name):
-    traj, calls = run_cli(served, agents[name], name, f"cli-run-{name}")
+    traj, calls = run_cli(served, agents(name, {**CLI_ARGS[name], "timeout_s": 600}), name, f"cli-run-{name}")
     assert traj.status == TrajectoryStatus.COMPLETED, traj.error
     assert calls and all(e["status"] < 400 for e in calls), calls
     assert traj.metadata["agentflow"]["turns"] >= 1
@@ -119,7 +121,7 @@ def test_cli_finishes_and_every_request_is_served(served, agents, name):
 @pytest.mark.parametrize("name", ["codex", "claude_code", "opencode"])
 def test_cli_does_a_tool_round_trip_through_the_router(served, agents, name):
     tid = f"cli-{name}"
-    traj, calls = run_cli(served, agents[name], name, tid)
+    traj, calls = run_cli(served, agents(name, {**CLI_ARGS[name], "timeout_s": 600}), name, tid)
     assert traj.status == TrajectoryStatus.COMPLETED, traj.error
     # every request the CLI made was served, and it made two model calls: the tool call, then the answer
     assert calls and all(e["status"] < 400 for e in calls), calls
@@ -143,7 +145,7 @@ def test_a_hanging_cli_is_killed_at_its_timeout_and_its_trajectory_fails(served,
     script, pids = hanging_cli(tmp_path)
     traj = Trajectory(id="cli-hang", prompt_id="p0", group_id="g0", prompt=PROMPT)
     t0 = time.monotonic()
-    traj = asyncio.run(run_agent_trajectory(served, agents["codex"], {"binary": str(script), "timeout_s": 3}, None,
+    traj = asyncio.run(run_agent_trajectory(served, agents("codex", {"binary": str(script), "timeout_s": 3}), None,
                                             trajectory=traj, sampling={"max_new_tokens": 8}, timeout_s=120))
     assert time.monotonic() - t0 < 60
     assert traj.status == TrajectoryStatus.FAILED

@@ -1,11 +1,15 @@
-"""Component arguments checked at validate time against each component's signature or schema."""
+"""Component arguments checked at validate time against each component's signature or schema, the
+way the binder binds them at run time (keys, required arguments, types and ranges)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import attrs
 import pytest
 
-from loongsage_core.component_args import accepted_args, check_component_args, check_effective_settings
+from loongsage_core.binding import Parameter, signature_parameters
+from loongsage_core.component_args import check_component_args, check_effective_settings
 from loongsage_core.config import ConfigError, structure_job
 from loongsage_core.plugins import PluginHost
 
@@ -27,18 +31,26 @@ def host():
     return PluginHost.from_job(job())
 
 
-def test_signature_gives_accepted_and_required_keywords():
-    def reward(trajectory, *, pattern, mode="search"):
+def test_signature_gives_the_keywords_a_job_may_set_with_their_types():
+    from loongsage_hookspecs import KINDS
+
+    def reward(trajectory, *, pattern: str, mode="search", sandbox=None):
         return 0.0
 
     def loose(trajectory, **kwargs):
         return 0.0
 
-    assert accepted_args(reward, 1) == (["pattern", "mode"], ["pattern"])
-    assert accepted_args(loose, 1) is None  # takes any keyword
-    assert accepted_args(lambda loss, mask, norm, scale=1.0: loss, 3) == (["scale"], [])
-    assert accepted_args(lambda batch_size, stale_steps, window=2: None, 0, ("batch_size", "stale_steps")) == (
-        ["window"], [])
+    def aggregation(loss, mask, norm, scale: float = 1.0):
+        return loss
+
+    def factory(ctx, window: int = 2):
+        return None
+
+    assert signature_parameters(reward, KINDS["reward"].call()) == [
+        Parameter("pattern", str, True), Parameter("mode", Any, False)]  # sandbox: the host's own keyword
+    assert signature_parameters(loose, KINDS["reward"].call()) is None  # takes any keyword
+    assert signature_parameters(aggregation, KINDS["loss_aggregation"].call()) == [Parameter("scale", float, False)]
+    assert signature_parameters(factory, KINDS["scheduler"].call()) == [Parameter("window", int, False)]
 
 
 @pytest.mark.parametrize("tables, message", [
@@ -62,6 +74,11 @@ def test_signature_gives_accepted_and_required_keywords():
      "data[0].generator_args.num_sample: unknown argument of data source 'arithmetic'"),
     ({"async": {"enable": True, "scheduler_args": {"batch_size": 3}}},
      "async.scheduler_args.batch_size: unknown argument of scheduler"),  # the host sets it from the job
+    # values are typed by the component's annotations, with the job file's strict rules
+    ({"algorithm": {"advantage": "grpo", "advantage_args": {"norm_std": "maybe"}}},
+     "algorithm.advantage_args.norm_std: expected bool, got str 'maybe' (an argument of advantage 'grpo')"),
+    ({"data": [{"name": "a", "generator": "arithmetic", "generator_args": {"num_samples": "3"}}]},
+     "data[0].generator_args.num_samples: expected int, got str '3' (an argument of data source 'arithmetic')"),
 ])
 def test_bad_component_args_name_the_key(host, tables, message):
     with pytest.raises(ConfigError) as err:

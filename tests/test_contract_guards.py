@@ -122,43 +122,96 @@ def test_every_capability_is_documented_and_declared_by_a_shipped_component():
         assert cap in declared or cap in per_trajectory, f"no shipped component declares {cap.__name__}"
 
 
-FACTORY_FIELDS = ("factory", "sender", "receiver")
-"""The spec fields of object-style kinds that hold what the host builds with."""
+CALLABLE_FIELDS = ("fn", "factory", "sender", "receiver")
+"""The spec fields that hold what the host calls: a function kind's ``fn``, a factory kind's
+``factory`` (a weight transport's ``sender`` and ``receiver``)."""
 
 
-def test_every_object_style_kind_has_a_build_context():
-    """``BUILD_CONTEXTS`` names the context of every ``(kind, factory field)`` the host builds:
-    every key of ``BUILT_PROTOCOLS`` and every factory field of an object-style spec class, each a
-    ``BuildContext`` (so every context carries ``where``, ``job`` and ``components``)."""
-    from loongsage_hookspecs import BUILD_CONTEXTS, BUILT_PROTOCOLS, BuildContext
+def test_every_kind_record_says_how_each_callable_of_its_spec_is_called():
+    """A kind's :class:`~loongsage_hookspecs.Call` records are exactly its spec class's callable
+    fields; a factory's context is a ``BuildContext`` (so every context carries ``where``, ``job``
+    and ``components``) and a function has no context; both the spec's class and the hook agree."""
+    from loongsage_hookspecs import BuildContext, kind_of
 
-    assert set(BUILT_PROTOCOLS) <= set(BUILD_CONTEXTS), set(BUILT_PROTOCOLS) - set(BUILD_CONTEXTS)
-    fields = {(kind, f.name) for kind, k in KINDS.items() for f in attrs.fields(k.spec) if f.name in FACTORY_FIELDS}
-    assert fields == set(BUILD_CONTEXTS)
-    for key, ctx in BUILD_CONTEXTS.items():
-        assert isinstance(ctx, type) and issubclass(ctx, BuildContext), key
-        assert attrs.has(ctx) and {"where", "job", "components"} <= {f.name for f in attrs.fields(ctx)}, key
+    for kind, record in KINDS.items():
+        fields = {f.name for f in attrs.fields(record.spec) if f.name in CALLABLE_FIELDS}
+        assert {c.field for c in record.calls} == fields, kind
+        for call in record.calls:
+            if call.field == "fn":
+                assert call.context is None and call.protocol is None and call.inputs >= 1, kind
+            else:
+                assert isinstance(call.context, type) and issubclass(call.context, BuildContext), kind
+                assert attrs.has(call.context) and {"where", "job", "components"} <= {
+                    f.name for f in attrs.fields(call.context)}, kind
+        assert hasattr(hookspecs, record.hook), kind
+        probe = record.spec(name="probe", **{f: (lambda *a, **k: None) for f in fields if f != "receiver"})
+        assert kind_of(probe) is record
 
 
-def test_every_shipped_factory_takes_its_context_first():
-    """One way to build a component: every shipped object-style spec's factory (all plugins
-    enabled) is ``factory(ctx, **args)``, its first parameter a positional one, the context."""
+def test_every_shipped_callable_takes_what_its_kind_passes_first():
+    """One way to call a component: every shipped spec's callables (all plugins enabled) take the
+    kind's leading positional inputs, the context for a factory (``factory(ctx, **args)``) and
+    the inputs for a function (``fn(*inputs, **args)``)."""
     host = PluginHost.create()
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    checked = []
-    for kind in KINDS:
+    checked = set()
+    for kind, record in KINDS.items():
         for name, spec in host.components(kind).items():
-            for field in FACTORY_FIELDS:
-                factory = getattr(spec, field, None)
-                if factory is None:
+            for call in record.calls:
+                target = getattr(spec, call.field)
+                if target is None:
                     continue
-                params = list(inspect.signature(factory).parameters.values())
-                first = params[0] if params else None
-                assert first is not None and first.kind in positional, (
-                    f"{kind} '{name}' ({host.provider(kind, name)}): {field}{inspect.signature(factory)} does not "
-                    "take the context as its first positional parameter")
-                checked.append((kind, field))
-    # the shipped plugins build every object-style kind, so each one was looked at
-    from loongsage_hookspecs import BUILD_CONTEXTS
+                params = list(inspect.signature(target).parameters.values())
+                leading = [p for p in params if p.kind in positional][:call.positional]
+                star = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+                assert len(leading) == call.positional or star, (
+                    f"{kind} '{name}' ({host.provider(kind, name)}): {call.field}{inspect.signature(target)} does "
+                    f"not take the {call.positional} leading positional input(s) the host passes")
+                checked.add((kind, call.field))
+    # the shipped plugins provide every kind, so each call of each was looked at
+    assert checked == {(k, c.field) for k, r in KINDS.items() for c in r.calls}
 
-    assert set(checked) == set(BUILD_CONTEXTS), set(BUILD_CONTEXTS) - set(checked)
+
+LIBRARY_DIRS = ("loongsage_core", "hookspecs/loongsage_hookspecs", *(
+    str(p.relative_to(REPO)) for p in sorted((REPO / "plugins").glob("loongsage-plugin-*/loongsage_plugin_*"))))
+BINDER = REPO / "loongsage_core" / "binding.py"
+
+
+def spec_calls(path: Path) -> list[str]:
+    """The places in ``path`` that call a spec's callable field directly (``x.fn(...)``,
+    ``x.factory(...)``, ``x.sender(...)``, ``x.receiver(...)``, or ``getattr(x, "fn")(...)``)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if isinstance(func, ast.Attribute) and func.attr in CALLABLE_FIELDS:
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: .{func.attr}(...)")
+        elif (isinstance(func, ast.Call) and isinstance(func.func, ast.Name) and func.func.id == "getattr"
+              and len(func.args) >= 2 and isinstance(func.args[1], ast.Constant)
+              and func.args[1].value in CALLABLE_FIELDS):
+            found.append(f"{path.relative_to(REPO)}:{node.lineno}: getattr(..., {func.args[1].value!r})(...)")
+    return found
+
+
+def test_no_spec_callable_is_called_outside_the_binder():
+    """Everything a job names becomes callable or built through ``loongsage_core.binding`` alone:
+    no library module of the host, the contract or a plugin calls a spec's ``fn``, ``factory``,
+    ``sender`` or ``receiver`` itself (the binder's argument binding, error mapping and protocol
+    checks would be skipped)."""
+    offenders = [hit for d in LIBRARY_DIRS for path in sorted((REPO / d).rglob("*.py")) if path != BINDER
+                 for hit in spec_calls(path)]
+    assert offenders == []
+
+
+def test_the_guard_sees_a_direct_call(tmp_path):
+    """The guard above would fail on a module that calls a spec's callable (so its silence means
+    something)."""
+    planted = REPO / "loongsage_core" / "_planted_spec_call_probe.py"
+    planted.write_text("def use(spec, ctx, inputs):\n    spec.factory(ctx)\n    return getattr(spec, 'fn')(inputs)\n")
+    try:
+        assert len(spec_calls(planted)) == 2
+    finally:
+        planted.unlink()

@@ -55,7 +55,7 @@ def test_each_gpu_cases_weight_transport_args_build_its_sender(tmp_path):
     the sender of every table, is built from the job the GPU run loads."""
     from loongsage_core.config import load_job
     from loongsage_core.plugins import PluginHost
-    from loongsage_hookspecs import WeightTransportContext
+    from loongsage_hookspecs import ComponentRef, WeightTransportContext
 
     gpu_check = _gpu_check_module()
     host = PluginHost.create(["torch", "sglang"])
@@ -66,7 +66,7 @@ def test_each_gpu_cases_weight_transport_args_build_its_sender(tmp_path):
         args = dict(job.rollout.weight_transport_args)
         assert args == gpu_check.TRANSPORT_ARGS[transport], transport  # nothing merged in from the job file
         ctx = WeightTransportContext(role="sender", job=job, components=host)
-        sender = host.build("weight_transport", transport, ctx, using="sender", **args)
+        sender = host.bind(ComponentRef("weight_transport", transport, args), ctx, using="sender")
         try:
             for name in args if transport == "auto" else ():
                 sender._sender(name)

@@ -9,7 +9,7 @@ import pytest
 
 from loongsage_core.errors import ConflictError, PluginError, UnknownComponentError
 from loongsage_core.plugins import DISABLE_ENV, PluginHost, PluginWarning
-from loongsage_hookspecs import LoggerContext
+from loongsage_hookspecs import ComponentRef, LoggerContext
 
 GOOD = '''
 from loongsage_hookspecs import hookimpl, RewardSpec, AdvantageSpec
@@ -211,8 +211,8 @@ def loongsage_loggers():
 '''
 
 
-def test_build_is_the_one_way_components_are_made_and_fail(tmp_path):
-    """``PluginHost.build``: arguments the factory does not take and refused values are job errors
+def test_bind_is_the_one_way_components_are_made_and_fail(tmp_path):
+    """``PluginHost.bind``: arguments the factory does not take and refused values are job errors
     naming the arguments' key; a factory's own failure (even a ``TypeError`` inside it) is a run
     error naming the key, the component and its plugin, chained to the cause."""
     from loongsage_core.config import ConfigError
@@ -221,25 +221,29 @@ def test_build_is_the_one_way_components_are_made_and_fail(tmp_path):
     (tmp_path / "builders.py").write_text(BUILDERS)
     host = PluginHost.create(enable=[], modules=["builders.py"], base_dir=tmp_path)
     where, args_key = "job.toml: loggers[0].name", "job.toml: loggers[0].args"
-    made = host.build("logger", "fine", OUT, where=where, args_key=args_key, every=3)
+
+    def ref(name, **args):
+        return ComponentRef("logger", name, args, where=where, args_where=args_key)
+
+    made = host.bind(ref("fine", every=3), OUT)
     assert (made.output_dir, made.every) == ("out", 3)
     with pytest.raises(UnknownComponentError, match=r"job.toml: loggers\[0\].name: unknown logger 'fin' "
                                                     r"\(did you mean 'fine'\?\)"):
-        host.build("logger", "fin", OUT, where=where)
-    with pytest.raises(ConfigError, match=r"^job.toml: loggers\[0\].args: logger 'fine' does not take these "
-                                          r"arguments: .*'evry'"):
-        host.build("logger", "fine", OUT, where=where, args_key=args_key, evry=3)
+        host.bind(ref("fin"), OUT)
+    with pytest.raises(ConfigError, match=r"^job.toml: loggers\[0\].args.evry: unknown argument of logger 'fine'; "
+                                          r"it takes: every$"):
+        host.bind(ref("fine", evry=3), OUT)
     with pytest.raises(ConfigError, match=r"^job.toml: loggers\[0\].args: every = 0 must be positive$"):
-        host.build("logger", "refuses", OUT, where=where, args_key=args_key, every=0)
+        host.bind(ref("refuses", every=0), OUT)
     with pytest.raises(ComponentBuildError, match=r"^job.toml: loggers\[0\].name: building logger 'buggy' \(plugin "
                                                   r"module:builders\) failed: TypeError: ") as bug:
-        host.build("logger", "buggy", OUT, where=where)
+        host.bind(ref("buggy"), OUT)
     assert isinstance(bug.value, RunError) and isinstance(bug.value.__cause__, TypeError)
     with pytest.raises(ComponentBuildError, match="building logger 'broken' .* failed: OSError: disk full"):
-        host.build("logger", "broken", OUT, where=where)
+        host.bind(ref("broken"), OUT)
 
 
-def test_build_passes_the_kinds_context_and_refuses_another(tmp_path):
+def test_bind_passes_the_kinds_context_and_refuses_another(tmp_path):
     """``factory(ctx, **args)``: the host's context goes first; a context of another class (or
     none) is the host's own bug, a ``TypeError`` naming the kind and the class it needs, before
     the factory runs."""
@@ -247,12 +251,13 @@ def test_build_passes_the_kinds_context_and_refuses_another(tmp_path):
 
     (tmp_path / "builders.py").write_text(BUILDERS)
     host = PluginHost.create(enable=[], modules=["builders.py"], base_dir=tmp_path)
-    assert host.build("logger", "fine", OUT, where="w").output_dir == "out"
+    fine = ComponentRef("logger", "fine", where="w")
+    assert host.bind(fine, OUT).output_dir == "out"
     for bad in ("out", BuildContext(), None):
-        with pytest.raises(TypeError, match=r"^build: logger 'fine' needs a LoggerContext as its context, got "):
-            host.build("logger", "fine", bad, where="w")
+        with pytest.raises(TypeError, match=r"^bind: logger 'fine' needs a LoggerContext as its context, got "):
+            host.bind(fine, bad)
     with pytest.raises(TypeError):  # one positional input: the context
-        host.build("logger", "fine", OUT, "extra", where="w")  # type: ignore[misc]
+        host.bind(fine, OUT, "extra")  # type: ignore[misc]
 
 
 CAPABLE = BUILDERS + '''
@@ -279,7 +284,7 @@ def loongsage_loggers():  # replaces the BUILDERS hook above: only these three a
 '''
 
 
-def test_build_checks_the_kinds_protocol_and_the_declared_capabilities(tmp_path):
+def test_bind_checks_the_kinds_protocol_and_the_declared_capabilities(tmp_path):
     """What a factory builds implements its kind's protocol and every capability its spec
     declares, or the build fails naming the missing members (not an AttributeError mid-run)."""
     from loongsage_core.errors import ComponentBuildError
@@ -289,11 +294,11 @@ def test_build_checks_the_kinds_protocol_and_the_declared_capabilities(tmp_path)
     host = PluginHost.create(enable=[], modules=["capable.py"], base_dir=tmp_path)
     with pytest.raises(ComponentBuildError, match=r"^w: logger 'silent' \(plugin module:capable\) built a Silent "
                                                   r"that lacks close of the logger protocol MetricsLogger$"):
-        host.build("logger", "silent", OUT, where="w")
+        host.bind(ComponentRef("logger", "silent", where="w"), OUT)
     with pytest.raises(ComponentBuildError, match=r"built a Fine that lacks truncate_after of the capability "
                                                   r"StepTruncation its spec declares$"):
-        host.build("logger", "claims", OUT, where="w")
-    made = host.build("logger", "truncating", OUT, where="w")
+        host.bind(ComponentRef("logger", "claims", where="w"), OUT)
+    made = host.bind(ComponentRef("logger", "truncating", where="w"), OUT)
     spec = host.get("logger", "truncating")
     assert spec.capabilities == (StepTruncation,) and spec.declares(StepTruncation) and not spec.declares(Offloadable)
     assert isinstance(made, StepTruncation)
@@ -332,7 +337,7 @@ def test_shipped_components_declare_what_their_objects_do():
     assert not host.get("train_backend", "megatron").declares(SharesPrompts)
 
 
-def test_build_names_an_argument_a_factory_passed_on_as_the_jobs(tmp_path):
+def test_bind_names_an_argument_a_factory_passed_on_as_the_jobs(tmp_path):
     """A factory taking ``**args`` and passing them on meets an unknown one a call deeper: that
     ``TypeError`` is still the job's argument (an unexpected keyword it passed)."""
     from loongsage_core.config import ConfigError
@@ -341,9 +346,9 @@ def test_build_names_an_argument_a_factory_passed_on_as_the_jobs(tmp_path):
     passing = BUILDERS.replace('(("fine", Fine),', passes_on)
     (tmp_path / "passing.py").write_text(passing)
     host = PluginHost.create(enable=[], modules=["passing.py"], base_dir=tmp_path)
-    assert host.build("logger", "passes_on", OUT, where="w", every=2).every == 2
+    assert host.bind(ComponentRef("logger", "passes_on", {"every": 2}, where="w"), OUT).every == 2
     with pytest.raises(ConfigError, match=r"^a: logger 'passes_on' does not take these arguments: .*'evry'"):
-        host.build("logger", "passes_on", OUT, where="w", args_key="a", evry=2)
+        host.bind(ComponentRef("logger", "passes_on", {"evry": 2}, where="w", args_where="a"), OUT)
 
 
 def test_register_specs_adds_selectable_components_to_a_real_host():

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from loongsage_core.config import DataConfig
+from loongsage_core.config import DataConfig, JobConfig
 from loongsage_core.controller.reward_values import MAX_ABS_REWARD, checked_score
-from loongsage_core.controller.rewards import score_trajectory
+from loongsage_core.controller.rewards import SourceRewards, score_trajectory
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Trajectory, TrajectoryStatus
 
@@ -56,6 +56,11 @@ def host(tmp_path: Path) -> PluginHost:
     return PluginHost.create(modules=[str(tmp_path / "odd_rewards.py")], entry_points=False)
 
 
+def score(t: Trajectory, components: PluginHost, source: DataConfig) -> None:
+    """Score ``t`` with ``source``'s rewards, bound as a run binds them."""
+    score_trajectory(t, SourceRewards.bind(JobConfig(data=[source]), 0, components))
+
+
 def completed(tid: str = "0-0-0") -> Trajectory:
     t = Trajectory(id=tid, prompt_id="p", group_id="g", prompt="x", response_text="12")
     t.status = TrajectoryStatus.COMPLETED
@@ -66,8 +71,7 @@ def completed(tid: str = "0-0-0") -> Trajectory:
 def test_an_unusable_score_fails_the_trajectory_naming_reward_and_value(tmp_path, value):
     components = host(tmp_path)
     t = completed()
-    score_trajectory(t, DataConfig(name="s", reward=["returns"], reward_args={"returns": {"value": value}}),
-                     components)
+    score(t, components, DataConfig(name="s", reward=["returns"], reward_args={"returns": {"value": value}}))
     assert t.status == TrajectoryStatus.FAILED and t.metadata["failed_in"] == "reward"
     assert t.error.startswith("reward 'returns' ") and BAD[value] in t.error, t.error
     assert t.reward.score == 0.0 and t.reward.error == t.error
@@ -77,7 +81,7 @@ def test_an_unusable_score_fails_the_trajectory_naming_reward_and_value(tmp_path
 def test_an_unusable_detail_fails_the_trajectory_naming_it(tmp_path, value):
     components = host(tmp_path)
     t = completed()
-    score_trajectory(t, DataConfig(name="s", reward=["detail"], reward_args={"detail": {"value": value}}), components)
+    score(t, components, DataConfig(name="s", reward=["detail"], reward_args={"detail": {"value": value}}))
     assert t.status == TrajectoryStatus.FAILED
     assert t.error.startswith("reward 'detail/judge_prob' ") and BAD[value] in t.error, t.error
 

@@ -7,8 +7,8 @@ import asyncio
 import time
 from pathlib import Path
 
-from loongsage_core.config import DataConfig
-from loongsage_core.controller.rewards import score_trajectory_async
+from loongsage_core.config import DataConfig, JobConfig
+from loongsage_core.controller.rewards import SourceRewards, score_trajectory_async
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import Trajectory, TrajectoryStatus
 
@@ -40,6 +40,11 @@ def host(tmp_path: Path) -> PluginHost:
     return PluginHost.create(modules=[str(module)], entry_points=False)
 
 
+def rewards(components: PluginHost, source: DataConfig) -> SourceRewards:
+    """The source's rewards bound as a run binds them."""
+    return SourceRewards.bind(JobConfig(data=[source]), 0, components)
+
+
 def traj(tid: str) -> Trajectory:
     t = Trajectory(id=tid, prompt_id="p", group_id="g", prompt="x")
     t.status = TrajectoryStatus.COMPLETED
@@ -47,8 +52,7 @@ def traj(tid: str) -> Trajectory:
 
 
 def test_a_hanging_reward_fails_its_trajectory_and_leaves_the_loop_free(tmp_path):
-    components = host(tmp_path)
-    source = DataConfig(name="s", reward=["hang"], reward_timeout_s=0.5)
+    scoring = rewards(host(tmp_path), DataConfig(name="s", reward=["hang"], reward_timeout_s=0.5))
 
     async def scenario():
         ticks = 0
@@ -62,7 +66,7 @@ def test_a_hanging_reward_fails_its_trajectory_and_leaves_the_loop_free(tmp_path
         task = asyncio.create_task(ticker())
         t0 = time.monotonic()
         t = traj("h")
-        await score_trajectory_async(t, source, components)
+        await score_trajectory_async(t, scoring)
         task.cancel()
         return t, time.monotonic() - t0, ticks
 
@@ -75,18 +79,17 @@ def test_a_hanging_reward_fails_its_trajectory_and_leaves_the_loop_free(tmp_path
 def test_a_sandbox_reward_runs_in_the_trajectory_sandbox(tmp_path):
     from loongsage_plugin_agents.local_sandbox import LocalSandboxProvider
 
-    components = host(tmp_path)
-    source = DataConfig(name="s", reward=["in_sandbox"])
+    scoring = rewards(host(tmp_path), DataConfig(name="s", reward=["in_sandbox"]))
     provider = LocalSandboxProvider(default_timeout_s=30)
 
     async def scenario():
         box = await provider.create("r")
         await box.exec("echo 42 > answer.txt")
         right = traj("right")
-        await score_trajectory_async(right, source, components, box)
+        await score_trajectory_async(right, scoring, box)
         await box.exec("echo 41 > answer.txt")
         wrong = traj("wrong")
-        await score_trajectory_async(wrong, source, components, box)
+        await score_trajectory_async(wrong, scoring, box)
         await provider.close()
         return right, wrong
 

@@ -51,7 +51,7 @@ def test_a_trajectory_in_three_segments_counts_once_and_every_segment_gets_its_a
                                                       trajectory("w2", 0.0, 1)])]
     b_split, b_whole = step_rows(build_batch(split)), step_rows(build_batch(whole))
     assert b_split["sample_index"].tolist() == [0, 0, 0, 1, 2]
-    algo = StepAlgorithm(job(advantage=advantage), host)
+    algo = StepAlgorithm.from_job(job(advantage=advantage), host)
     algo.prepare(b_split)
     algo.prepare(b_whole)
     adv_split = [row[row != 0].unique().tolist() for row in b_split["advantages"]]
@@ -73,8 +73,9 @@ def test_kl_in_the_reward_changes_the_advantages_of_every_estimator(host, advant
     plain.tensors["ref_logprobs"] = plain["old_logprobs"] - 0.3 * torch.arange(4.0)[:, None] * plain["loss_mask"]
     folded = build_batch(groups)
     folded.tensors.update({k: plain[k].clone() for k in ("old_logprobs", "ref_logprobs")})
-    StepAlgorithm(job(advantage=advantage), host).prepare(plain)
-    metrics = StepAlgorithm(job(advantage=advantage, kl="k1", kl_coef=0.5, kl_in_reward=True), host).prepare(folded)
+    StepAlgorithm.from_job(job(advantage=advantage), host).prepare(plain)
+    folding = StepAlgorithm.from_job(job(advantage=advantage, kl="k1", kl_coef=0.5, kl_in_reward=True), host)
+    metrics = folding.prepare(folded)
     assert metrics["train/reward_kl"] == pytest.approx(0.45)  # k1 = old - ref = 0.3 * row, mean over rows
     assert not torch.allclose(plain["advantages"], folded["advantages"])
 
@@ -83,7 +84,7 @@ def test_mini_batches_carry_the_one_norm_and_skip_rows_without_tokens(host):
     groups = [TrajectoryGroup("g0", "p", trajectories=[trajectory(f"t{i}", float(i % 2), 1 + i % 2) for i in range(4)])]
     batch = step_rows(build_batch(groups))
     batch.tensors["loss_mask"][0] = 0  # a row with nothing to train
-    algo = StepAlgorithm(job(), host)
+    algo = StepAlgorithm.from_job(job(), host)
     minis = list(algo.mini_batches(batch, [0, 1, 2, 3, 4, 5], 2))
     assert [len(m) for m, _ in minis] == [2, 2, 2]
     for mini, norm in minis:
@@ -96,10 +97,11 @@ def test_pre_advantage_correction_metrics_and_missing_inputs_are_clear(host):
     groups = [TrajectoryGroup("g0", "p", trajectories=[trajectory(f"t{i}", float(i % 2), 1) for i in range(4)])]
     batch = step_rows(build_batch(groups))
     batch.tensors["old_logprobs"] = batch["old_logprobs"] + 0.5 * batch["loss_mask"] * torch.arange(4.0)[:, None]
-    metrics = StepAlgorithm(job(corrections=["tis"], correction_args={"tis": {"upper": 1.2}}), host).prepare(batch)
+    tis = StepAlgorithm.from_job(job(corrections=["tis"], correction_args={"tis": {"upper": 1.2}}), host)
+    metrics = tis.prepare(batch)
     assert metrics["train/is_clip_ratio"] > 0 and "correction_weights" in batch
     assert float(batch["correction_weights"].max()) <= 1.2 + 1e-6
     assert metrics["train/is_approx_k3_kl"] > 0
     no_ref = step_rows(build_batch(groups))
     with pytest.raises(ValueError, match="ref_logprobs"):
-        StepAlgorithm(job(kl="k1", kl_coef=0.1, kl_in_reward=True), host).prepare(no_ref)
+        StepAlgorithm.from_job(job(kl="k1", kl_coef=0.1, kl_in_reward=True), host).prepare(no_ref)

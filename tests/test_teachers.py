@@ -205,13 +205,13 @@ def test_reward_penalty_is_masked_to_distilled_tokens(teacher_dirs, host, batch)
     assert teachers is not None
     work = Batch(tensors=dict(batch.tensors), meta=dict(batch.meta))
     teachers.apply(work)
-    penalty, metrics = StepAlgorithm(job, host, distill=teachers.setup).token_penalties(work)
+    penalty, metrics = StepAlgorithm.from_job(job, host, distill=teachers.setup).token_penalties(work)
     mask = work["loss_mask"] * work[TEACHER_MASK_KEY]
     torch.testing.assert_close(penalty, -0.5 * (work["old_logprobs"] - work["ref_logprobs"]) * mask)
     assert not bool(penalty[[2, 5]].any())
     assert "train/reward_distill" in metrics and "train/reward_kl" not in metrics  # the teachers feed kl
     in_loss = make_job(teacher_dirs)
-    assert StepAlgorithm(in_loss, host, distill=distill_setup(in_loss, host)).token_penalties(work)[0] is None
+    assert StepAlgorithm.from_job(in_loss, host, distill=distill_setup(in_loss, host)).token_penalties(work)[0] is None
 
 
 def make_setup(dirs, host):
@@ -233,7 +233,7 @@ def test_setup_errors_name_the_key(teacher_dirs, host):
     group = TeacherGroup.from_job(job, host)
     assert group is not None
     rows = Batch(tensors={"input_ids": torch.ones(1, 4, dtype=torch.long)}, meta={"source": ["math"]})
-    with pytest.raises(ConfigError, match=r"teachers\[0\] \('big'\)\.args"):
+    with pytest.raises(ConfigError, match=r"teachers\[0\]\.args"):
         group.forward(rows)
 
 
@@ -287,7 +287,7 @@ def norm_of(mask):
 def test_teacher_fed_kl_only_counts_teacher_rows(host):
     b, logp, student, log_s, log_q, mask, tmask = pipeline_micro()
     job = JobConfig(algorithm=AlgorithmConfig(kl="opd_full_kl", kl_coef=1.0))
-    pipe = LossPipeline(job, host)
+    pipe = LossPipeline.from_job(job, host)
     loss, metrics = pipe.loss(b, logp, None, norm_of(mask), logits=student)
     kl = (log_s.exp() * (log_s - log_q)).sum(-1)
     torch.testing.assert_close(loss, (kl * mask * tmask).sum() / mask.sum())
@@ -299,7 +299,7 @@ def test_separate_distill_term_beside_a_reference_kl(host):
     b, logp, student, log_s, log_q, mask, tmask = pipeline_micro(prefix="teacher_", extra=extra)
     b.tensors["ref_logprobs"] = logp.detach() - 0.1  # reference KL k1 = 0.1 per token
     job = JobConfig(algorithm=AlgorithmConfig(kl="k1", kl_coef=2.0, distill_kl="opd_full_kl", distill_coef=0.5))
-    pipe = LossPipeline(job, host)
+    pipe = LossPipeline.from_job(job, host)
     assert pipe.needs_logits
     loss, metrics = pipe.loss(b, logp, None, norm_of(mask), logits=student)
     kl = (log_s.exp() * (log_s - log_q)).sum(-1)
@@ -312,7 +312,7 @@ def test_micro_batch_without_teacher_rows_skips_the_term(host):
     b, logp, student, *_ = pipeline_micro(prefix="teacher_", teacher_rows=(0.0, 0.0))
     b.tensors["teacher_logits"] = torch.zeros(2, 6, 0)  # vocabulary unknown: no teacher ran
     job = JobConfig(algorithm=AlgorithmConfig(distill_kl="opd_full_kl", distill_coef=1.0))
-    loss, metrics = LossPipeline(job, host).loss(b, logp, None, norm_of(b["loss_mask"]), logits=student)
+    loss, metrics = LossPipeline.from_job(job, host).loss(b, logp, None, norm_of(b["loss_mask"]), logits=student)
     assert float(metrics["distill_loss"]) == 0.0 and float(loss.detach()) == 0.0
 
 
@@ -321,7 +321,7 @@ def test_distill_kl_without_teacher_mask_is_an_error(host):
     del b.tensors["teacher_mask"]
     job = JobConfig(algorithm=AlgorithmConfig(distill_kl="opd_k3"))
     with pytest.raises(LossPipelineError, match="teacher_mask"):
-        LossPipeline(job, host).loss(b, logp, None, norm_of(b["loss_mask"]), logits=student)
+        LossPipeline.from_job(job, host).loss(b, logp, None, norm_of(b["loss_mask"]), logits=student)
 
 
 def test_teachers_run_in_an_actor_of_their_own(teacher_dirs, host, batch, ray_cluster):

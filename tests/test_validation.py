@@ -194,8 +194,8 @@ CASES = {
                                                     "[train] backend_args: 'dist_backend' must be in ('auto', "
                                                     "'gloo', 'nccl') (got 'mpi')"),
     "torch backend_args flag that is not a boolean": (lambda t: ["train.backend_args={share_prompts=3}"],
-                                                      "[train] backend_args: 'share_prompts' must be <class 'bool'> "
-                                                      "(got 3 that is a <class 'int'>)"),
+                                                      "[train] backend_args: expected bool, got int 3 at key "
+                                                      "'share_prompts'"),
     "torch on CUDA without a trainer GPU": (lambda t: ["train.backend_args={device='cuda'}"],
                                             "backend_args.device = 'cuda', but [placement] trainer_gpus = 0"),
     "torch on a device torch cannot parse": (lambda t: ["train.backend_args={device='gpu0'}"],

@@ -46,12 +46,10 @@ from .contexts import (
     TeacherManagerContext,
     WeightTransportContext,
 )
-from .kinds import KINDS, Kind
+from .kinds import KINDS, Call, Kind, kind_of
 from .lora import LORA_ADAPTER_NAME, LORA_ALL_LINEAR, LORA_PEFT_PREFIX, LORA_TENSOR_SUFFIXES, is_lora_tensor
 from .markers import PROJECT_NAME, hookimpl, hookspec
 from .protocols import (
-    BUILD_CONTEXTS,
-    BUILT_PROTOCOLS,
     Agent,
     CheckpointableScheduler,
     EngineContext,
@@ -98,9 +96,11 @@ from .records import (
     WeightTarget,
     teacher_inputs,
 )
+from .refs import ComponentRef
 from .registry import ComponentRegistry
 from .sandbox_request import SandboxRequest, sandbox_request
 from .settings import (
+    AlgorithmSettings,
     CriticSettings,
     JobSettings,
     LoraSettings,

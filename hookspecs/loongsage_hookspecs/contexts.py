@@ -8,9 +8,10 @@ One way to build every kind: what the host supplies never travels as a keyword a
 also set, so a user's ``*_args`` and the host's inputs cannot collide, and a factory's signature
 (after ``ctx``) is exactly the arguments a job may give it.
 
-Which kind gets which context: :data:`~loongsage_hookspecs.protocols.BUILD_CONTEXTS`. Agents, data
-sources, sandboxes and router middleware get :class:`BuildContext` itself; the train backend and
-rollout engine contexts (:class:`~loongsage_hookspecs.protocols.TrainWorkerContext`,
+Which kind gets which context: each kind's :class:`~loongsage_hookspecs.kinds.Call` in
+:data:`~loongsage_hookspecs.KINDS`. Agents, data sources, sandboxes and router middleware get
+:class:`BuildContext` itself; the train backend and rollout engine contexts
+(:class:`~loongsage_hookspecs.protocols.TrainWorkerContext`,
 :class:`~loongsage_hookspecs.protocols.EngineContext`) subclass it too.
 
 ``where`` is the job-file key that named the component (``"job.toml: data[0].agent"``): a

@@ -12,12 +12,6 @@ import attrs
 
 from .contexts import (
     BuildContext,
-    EngineRouterContext,
-    LoggerContext,
-    SchedulerContext,
-    TeacherContext,
-    TeacherManagerContext,
-    WeightTransportContext,
 )
 from .registry import ComponentRegistry
 from .settings import JobSettings
@@ -363,40 +357,3 @@ class RolloutEngine(Protocol):
         ...
 
     def shutdown(self) -> None: ...
-
-
-BUILT_PROTOCOLS: dict[tuple[str, str], type] = {
-    ("train_backend", "factory"): TrainWorker,
-    ("rollout_engine", "factory"): RolloutEngine,
-    ("logger", "factory"): MetricsLogger,
-    ("sandbox", "factory"): SandboxProvider,
-    ("router_middleware", "factory"): RouterMiddleware,
-    ("scheduler", "factory"): Scheduler,
-    ("teacher", "factory"): Teacher,
-    ("teacher_manager", "factory"): TeacherRouter,
-    ("engine_router", "factory"): EngineRouter,
-    ("weight_transport", "sender"): WeightSender,
-    ("weight_transport", "receiver"): WeightReceiver,
-}
-"""The protocol the object a spec's factory builds must implement, by ``(kind, factory field)``;
-the host checks it when it builds the component (kinds not listed build functions or data)."""
-
-BUILD_CONTEXTS: dict[tuple[str, str], type[BuildContext]] = {
-    ("agent", "factory"): BuildContext,
-    ("data_source", "factory"): BuildContext,
-    ("sandbox", "factory"): BuildContext,
-    ("router_middleware", "factory"): BuildContext,
-    ("scheduler", "factory"): SchedulerContext,
-    ("teacher", "factory"): TeacherContext,
-    ("teacher_manager", "factory"): TeacherManagerContext,
-    ("weight_transport", "sender"): WeightTransportContext,
-    ("weight_transport", "receiver"): WeightTransportContext,
-    ("engine_router", "factory"): EngineRouterContext,
-    ("logger", "factory"): LoggerContext,
-    ("train_backend", "factory"): TrainWorkerContext,
-    ("rollout_engine", "factory"): EngineContext,
-}
-"""The context class every object-style spec's factory receives first, ``factory(ctx, **args)``,
-by ``(kind, factory field)``: every kind the host builds (every key of :data:`BUILT_PROTOCOLS`, plus
-agents and data sources, whose objects and rows no protocol there describes). The host refuses to call
-a factory with anything else (:meth:`~loongsage_hookspecs.registry.ComponentRegistry.build`)."""

@@ -1,10 +1,12 @@
-"""What a component may ask of the host's plugin registry (``TrainWorkerContext.components``,
-``EngineContext.components``): look a spec up by kind and name, build a component from it, list
-the specs of a kind."""
+"""What a component may ask of the host's plugin registry (``BuildContext.components``): look a
+spec up by kind and name, bind a component from a :class:`~.refs.ComponentRef`, list the specs of
+a kind."""
 
 from __future__ import annotations
 
 from typing import Any, Protocol, runtime_checkable
+
+from .refs import ComponentRef
 
 
 @runtime_checkable
@@ -13,16 +15,17 @@ class ComponentRegistry(Protocol):
 
     def get(self, kind: str, name: str, where: str | None = None) -> Any:
         """The spec of ``kind`` called ``name``; an unknown name raises an error listing the choices
-        (prefixed with ``where``, the job-file key at fault, when given)."""
+        (prefixed with ``where``, the job-file key at fault, when given). For reading a spec's
+        declarations (``needs_sandbox``, ``auto_rank``, ...), never for calling its callables."""
         ...
 
-    def build(self, kind: str, name: str, ctx: Any, *, where: str | None = None, args_key: str | None = None,
-              using: str = "factory", **args: Any) -> Any:
-        """Build ``kind`` ``name``: ``spec.<using>(ctx, **args)`` (``using``: the factory attribute,
-        ``ctx``: an instance of the kind's context class,
-        :data:`~loongsage_hookspecs.protocols.BUILD_CONTEXTS`; anything else is a ``TypeError``);
-        arguments it does not take and ``ValueError`` become job errors naming ``args_key`` /
-        ``where`` (default ``ctx.where``), anything else it raises a run error naming the component and its plugin."""
+    def bind(self, ref: ComponentRef, ctx: Any = None, *, using: str | None = None) -> Any:
+        """The component ``ref`` names, ready to use: for a function kind a callable with the
+        ref's arguments bound (call it with the kind's inputs), for a factory kind the object its
+        factory builds (``ctx``: an instance of the kind's context class; ``using``: the factory
+        field, for a kind with several, like a weight transport's ``receiver``). Arguments the
+        component does not take and values it refuses are job errors naming ``ref.args_key``;
+        anything else a factory raises is a run error naming the component and its plugin."""
         ...
 
     def components(self, kind: str) -> dict[str, Any]:

@@ -3,8 +3,9 @@
 
 The host passes its resolved job (``loongsage_core``'s ``JobConfig``, which satisfies these
 structurally); a backend relies on the fields listed here and on nothing else of the host's
-schema, so the schema can change behind them. The ``[algorithm]`` table is read by the host's
-loss pipeline (``loongsage_core.backend_api.LossPipeline``), not by backends, and stays opaque.
+schema, so the schema can change behind them. The loss itself is the host's
+(``loongsage_core.backend_api.LossPipeline``, built from ``[algorithm]``); a backend reads of
+``[algorithm]`` only what :class:`AlgorithmSettings` lists.
 """
 
 from __future__ import annotations
@@ -119,6 +120,23 @@ class PlacementSettings(Protocol):
     def trainer_gpus(self) -> float: ...
 
 
+class AlgorithmSettings(Protocol):
+    """``[algorithm]`` as a backend reads it: the loss aggregation (a critic aggregates its value
+    loss like the policy loss) and Router Replay for mixture-of-experts policies
+    (``router_replay``: every policy forward replays the engine's expert choices;
+    ``router_replay_compare``: the old-log-prob pass also scores without replay, for the
+    agreement metrics)."""
+
+    @property
+    def loss_agg(self) -> str: ...
+    @property
+    def loss_agg_args(self) -> dict[str, Any]: ...
+    @property
+    def router_replay(self) -> bool: ...
+    @property
+    def router_replay_compare(self) -> bool: ...
+
+
 class JobSettings(Protocol):
     """The job as a backend sees it; relative paths resolve against the job file's folder."""
 
@@ -135,7 +153,7 @@ class JobSettings(Protocol):
     @property
     def placement(self) -> PlacementSettings: ...
     @property
-    def algorithm(self) -> Any: ...
+    def algorithm(self) -> AlgorithmSettings: ...
     @property
     def source_path(self) -> str | None: ...
 

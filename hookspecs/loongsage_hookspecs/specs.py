@@ -6,8 +6,10 @@ host invokes. Function-style kinds (reward, advantage, policy loss, KL, filter, 
 correction) carry the function itself; object-style kinds carry a ``factory`` that builds an
 object implementing the matching protocol of :mod:`loongsage_hookspecs.protocols`. Every factory
 is called one way, ``factory(ctx, **args)``: ``ctx`` the kind's context
-(:mod:`loongsage_hookspecs.contexts`; which class: ``BUILD_CONTEXTS``), ``args`` the job's
-``*_args`` table.
+(:mod:`loongsage_hookspecs.contexts`; which class: the kind's record in
+:data:`~loongsage_hookspecs.KINDS`), ``args`` the job's ``*_args`` table. The host calls none of
+them directly: every component a job names is bound through one function
+(``ComponentRegistry.bind``), which checks and passes the arguments the same way for every kind.
 
 Names are normalised (lower case, ``-`` becomes ``_``) so ``"Dr-GRPO"`` and ``"dr_grpo"`` are
 the same component.
@@ -58,8 +60,11 @@ class ComponentSpec:
     ``capabilities`` its objects implement (protocols of :mod:`loongsage_hookspecs.capabilities`,
     checked when an object is built; only object-style kinds have any) and an optional
     ``args_schema``: an attrs class whose fields are the ``*_args`` the component takes (those
-    without a default required); ``loongsage validate`` checks the job's table against it, keys
-    and values (the fields' validators), instead of reading the callable's signature."""
+    without a default required). The host structures the job's table into it (keys, types and
+    the fields' validators; ``loongsage validate`` does the same) and calls the component with
+    every field of the result as a keyword. Without one, the callable's own signature is the
+    schema: its keyword parameters (after the inputs or the context) are what a job may set, with
+    their annotations as types and their defaults."""
 
     name: str = attrs.field(converter=normalize_name)
     description: str = ""
@@ -288,8 +293,13 @@ class LoggerSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class TrainBackendSpec(ComponentSpec):
-    """``factory(ctx: TrainWorkerContext) -> TrainWorker``, called inside each trainer actor (no
-    keyword arguments: a backend reads its ``[train] backend_args`` from ``ctx.job``).
+    """``factory(ctx: TrainWorkerContext) -> TrainWorker``, called inside each trainer actor.
+
+    A backend's settings are ``[train] backend_args``, read from ``ctx.job`` (the contract's
+    :class:`~loongsage_hookspecs.TrainSettings`) rather than passed as keywords: they are checked
+    as a whole with the job they must fit (the parallel layout against ``num_workers``, the
+    model's ``config.json``, the devices of ``[placement]``) by ``check_job`` below, which
+    ``loongsage validate`` runs.
 
     ``supports_lora``: the backend trains ``[train] lora`` adapters (its workers then yield the
     adapter alone from ``named_weights`` and score the KL reference with it disabled); a job with
@@ -319,8 +329,9 @@ class TrainBackendSpec(ComponentSpec):
 
 @attrs.define(frozen=True, kw_only=True)
 class RolloutEngineSpec(ComponentSpec):
-    """``factory(ctx: EngineContext) -> RolloutEngine``, called inside each engine actor (no
-    keyword arguments: an engine reads its ``[rollout] engine_args`` from ``ctx.job``).
+    """``factory(ctx: EngineContext) -> RolloutEngine``, called inside each engine actor; an
+    engine reads its ``[rollout] engine_args`` from ``ctx.job`` (the contract's
+    :class:`~loongsage_hookspecs.RolloutSettings`), as a backend reads its ``backend_args``.
 
     The engine serves SGLang's native HTTP API. ``supports_lora``: the engine applies LoRA adapter
     updates (:mod:`loongsage_hookspecs.lora`) and serves ``lora_path`` = ``LORA_ADAPTER_NAME``.

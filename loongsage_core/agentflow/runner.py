@@ -25,8 +25,6 @@ from loongsage_hookspecs import (
     AgentContext,
     AgentFailure,
     AgentResult,
-    AgentSpec,
-    BuildContext,
     FailureClass,
     ReportsIsolation,
     Trajectory,
@@ -36,31 +34,16 @@ from loongsage_hookspecs import (
 log = logging.getLogger(__name__)
 
 
-def build_agent(agent: Any, agent_args: Mapping[str, Any] | None,
-                build_ctx: BuildContext | None = None) -> tuple[Any, bool]:
-    """``(agent object, needs_sandbox)`` from an :class:`AgentSpec` (built ``factory(build_ctx,
-    **agent_args)``; a bare :class:`BuildContext` by default) or a built agent."""
-    if isinstance(agent, AgentSpec):
-        ctx = build_ctx if build_ctx is not None else BuildContext(where=f"agent '{agent.name}'")
-        obj, needs, name = agent.factory(ctx, **dict(agent_args or {})), agent.needs_sandbox, agent.name
-    else:
-        obj, needs, name = agent, False, type(agent).__name__
-    if not isinstance(obj, Agent):
-        raise TypeError(f"agent {name!r} has no async run(ctx) method")
-    return obj, needs
-
-
 ScoreFn = Callable[[Trajectory, Any], Awaitable[None]]
 """``await score(trajectory, sandbox)``: sets the trajectory's reward; called before teardown."""
 
 
-async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str, Any] | None = None,
-                               sandbox_provider: Any = None, *, trajectory: Trajectory, attempt: int = 0,
-                               sampling: Mapping[str, Any] | None = None, max_response_tokens: int | None = None,
-                               max_context_length: int | None = None, timeout_s: float | None = None,
-                               api_key: str | None = None, needs_sandbox: bool | None = None,
-                               row: Mapping[str, Any] | None = None, score: ScoreFn | None = None,
-                               build_ctx: BuildContext | None = None) -> Trajectory:
+async def run_agent_trajectory(router: Any, agent: Agent, sandbox_provider: Any = None, *, trajectory: Trajectory,
+                               attempt: int = 0, sampling: Mapping[str, Any] | None = None,
+                               max_response_tokens: int | None = None, max_context_length: int | None = None,
+                               timeout_s: float | None = None, api_key: str | None = None,
+                               needs_sandbox: bool = False, row: Mapping[str, Any] | None = None,
+                               score: ScoreFn | None = None) -> Trajectory:
     """Run ``agent`` for ``trajectory`` through ``router`` and fill in what happened.
 
     This is the one place of a trajectory's life: register with the router -> create the sandbox
@@ -70,23 +53,24 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
 
     Args:
         router: an :class:`~.router.AgentFlowRouter` (started) or a :class:`~.client.RouterClient`.
-        agent: an ``AgentSpec`` (built with ``agent_args``) or an agent object with ``async run(ctx)``.
+        agent: the agent, built (an object with ``async run(ctx)``: what binding the job's
+            ``agent`` reference gives, ``ComponentRegistry.bind``).
         sandbox_provider: a ``SandboxProvider``; when given, every trajectory gets a sandbox (the
             agent works in it, and rewards may run in it); required when the agent needs one.
         trajectory: the record to fill (``id``, ``prompt``, ``label``, ``metadata`` are read).
         attempt: retry number, part of the trajectory's URL (stale attempts get 404).
         sampling, max_response_tokens, max_context_length: registered with the router.
         timeout_s: wall-clock limit of the agent run (also given to the agent as ``ctx.timeout_s``).
-        needs_sandbox: override the spec's ``needs_sandbox``.
+        needs_sandbox: the agent needs a sandbox (its spec's ``needs_sandbox``).
         api_key: what the agent sends as its API key; default: the router's key for this trajectory
             attempt (:meth:`~.router.AgentFlowRouter.trajectory_key`), which opens its endpoint only.
         row: the data row the sandbox is prepared from (default: the trajectory's prompt, label
             and metadata).
         score: called for a completed trajectory, before the sandbox is destroyed.
-        build_ctx: the context an ``AgentSpec``'s factory receives (where the job names the agent).
     """
-    obj, spec_needs = build_agent(agent, agent_args, build_ctx)
-    wants_sandbox = (spec_needs if needs_sandbox is None else needs_sandbox) or sandbox_provider is not None
+    if not isinstance(agent, Agent):
+        raise TypeError(f"agent {type(agent).__name__!r} has no async run(ctx) method")
+    wants_sandbox = needs_sandbox or sandbox_provider is not None
     tid = trajectory.id
     base_url = await router.aregister(tid, attempt=attempt, sampling=sampling, max_response_tokens=max_response_tokens,
                                       max_context_length=max_context_length, metadata={"source": trajectory.source})
@@ -102,8 +86,8 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
         try:
             if wants_sandbox:
                 if sandbox_provider is None:
-                    raise ValueError(f"agent {getattr(agent, 'name', type(obj).__name__)!r} needs a sandbox but no "
-                                     "sandbox provider is configured")
+                    raise ValueError(f"agent {type(agent).__name__!r} needs a sandbox but no sandbox provider is "
+                                     "configured")
                 t0 = time.perf_counter()
                 sandbox = await sandbox_provider.create(tid, dict(row) if row is not None else {
                     "prompt": trajectory.prompt, "label": trajectory.label, "metadata": dict(trajectory.metadata)})
@@ -111,7 +95,7 @@ async def run_agent_trajectory(router: Any, agent: Any, agent_args: Mapping[str,
             ctx = AgentContext(trajectory_id=tid, base_url=base_url, api_key=api_key, prompt=trajectory.prompt,
                                label=trajectory.label, metadata=dict(trajectory.metadata),
                                sampling=dict(sampling or {}), sandbox=sandbox, timeout_s=timeout_s)
-            result = await _run_with_timeout(obj.run(ctx), timeout_s)
+            result = await _run_with_timeout(agent.run(ctx), timeout_s)
             if result is None:
                 error = f"agent timed out after {timeout_s:g}s"
             elif not isinstance(result, AgentResult):

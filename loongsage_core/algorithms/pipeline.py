@@ -12,17 +12,19 @@ micro-batch, after the trainer's forward pass)::
     + distill_coef * aggregated distillation term (when [algorithm] distill_kl is set, not in the reward)
     - entropy_coef * aggregated entropy
 
-Components come from ``components.get(kind, name)`` (the host's plugin registry or any object
-with that method); their arguments from the ``*_args`` tables of ``[algorithm]``.
+Components are bound from the job's ``[algorithm]`` table (names and ``*_args``) through the
+backend's component registry (:meth:`LossPipeline.from_job`), the one way anything a job names
+becomes callable (:mod:`loongsage_core.binding`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from loongsage_hookspecs import (
     AggregationNorm,
     Batch,
+    ComponentRegistry,
     CorrectionInputs,
     CorrectionOutput,
     KLInputs,
@@ -30,6 +32,7 @@ from loongsage_hookspecs import (
     PolicyLossOutput,
 )
 
+from ..config import refs_by_field
 from .metrics import Maximum
 from .old_logprobs import old_from_training_forward
 
@@ -53,38 +56,47 @@ class LossPipelineError(ValueError):
 
 
 class LossPipeline:
-    """Per-micro-batch loss of one job, built from its ``[algorithm]`` table.
+    """Per-micro-batch loss of one job, from its ``[algorithm]`` components, bound.
 
     ``loss(micro, logprobs, entropy, norm)`` returns the scalar micro-batch loss (already divided by the global
     ``norm``, so the sum over micro-batches and ranks is the mini-batch loss) and its metrics.
+    Build it for a job with :meth:`from_job`; the constructor takes the bound components
+    themselves (``BoundFunction`` values of :mod:`loongsage_core.binding`): ``policy_loss`` and
+    ``aggregation``; ``corrections`` in job-file order (each runs at its spec's ``stage``);
+    ``kl`` the KL to the reference in the loss (``None``: none), weighed by ``kl_coef``;
+    ``distill`` the distillation term in the loss, weighed by ``distill_coef``; ``entropy_coef``
+    the entropy bonus.
     """
 
-    def __init__(self, job: Any, components: Any) -> None:
+    def __init__(self, *, policy_loss: Any, aggregation: Any, corrections: Sequence[Any] = (), kl: Any = None,
+                 kl_coef: float = 0.0, distill: Any = None, distill_coef: float = 0.0,
+                 entropy_coef: float = 0.0) -> None:
+        self.policy_loss = policy_loss
+        self.aggregation = aggregation
+        self.kl = kl
+        self.kl_coef = float(kl_coef)
+        self.distill = distill
+        self.distill_coef = float(distill_coef)
+        self.entropy_coef = float(entropy_coef)
+        self.corrections = list(corrections)
+        self.pre_corrections = [c for c in self.corrections if c.spec.stage == "pre_advantage"]
+        self.post_corrections = [c for c in self.corrections if c.spec.stage == "post_forward"]
+
+    @classmethod
+    def from_job(cls, job: Any, components: ComponentRegistry) -> "LossPipeline":
+        """The loss of ``job``'s ``[algorithm]`` table, its components bound through
+        ``components`` (a backend passes its context's registry)."""
         alg = job.algorithm
-        self.policy_loss = components.get("policy_loss", alg.policy_loss)
-        self.policy_loss_args = dict(alg.policy_loss_args)
-        self.aggregation = components.get("loss_aggregation", alg.loss_agg)
-        self.aggregation_args = dict(alg.loss_agg_args)
+        refs = refs_by_field(alg, "algorithm", job)
         # a KL term in the loss; with kl_coef = 0 there is none (and no reference model runs)
-        in_loss = alg.kl and not alg.kl_in_reward and float(alg.kl_coef) != 0.0
-        self.kl = components.get("kl", alg.kl) if in_loss else None
-        self.kl_args = dict(alg.kl_args)
-        self.kl_coef = float(alg.kl_coef)
-        distill = getattr(alg, "distill_kl", None)
-        self.distill = components.get("kl", distill) if distill and not alg.distill_in_reward else None
-        self.distill_args = dict(getattr(alg, "distill_kl_args", {}))
-        self.distill_coef = float(getattr(alg, "distill_coef", 0.0))
-        self.entropy_coef = float(alg.entropy_coef)
-        unknown_args = set(alg.correction_args) - set(alg.corrections)
-        if unknown_args:
-            raise LossPipelineError(f"[algorithm] correction_args names {sorted(unknown_args)} which are not in "
-                                    f"[algorithm] corrections {alg.corrections}")
-        self.corrections: list[tuple[str, Any, dict[str, Any]]] = []
-        for name in alg.corrections:
-            spec = components.get("correction", name)
-            self.corrections.append((name, spec, dict(alg.correction_args.get(name, {}))))
-        self.pre_corrections = [c for c in self.corrections if c[1].stage == "pre_advantage"]
-        self.post_corrections = [c for c in self.corrections if c[1].stage == "post_forward"]
+        in_loss = "kl" in refs and not alg.kl_in_reward and float(alg.kl_coef) != 0.0
+        distill = "distill_kl" in refs and not alg.distill_in_reward
+        return cls(policy_loss=components.bind(refs["policy_loss"][0]),
+                   aggregation=components.bind(refs["loss_agg"][0]),
+                   corrections=[components.bind(r) for r in refs.get("corrections", [])],
+                   kl=components.bind(refs["kl"][0]) if in_loss else None, kl_coef=alg.kl_coef,
+                   distill=components.bind(refs["distill_kl"][0]) if distill else None,
+                   distill_coef=alg.distill_coef, entropy_coef=alg.entropy_coef)
 
     # -- properties the trainer asks -------------------------------------------------------------
 
@@ -96,7 +108,7 @@ class LossPipeline:
     @property
     def needs_logits(self) -> bool:
         """Whether :meth:`loss` needs the full logits (a vocabulary-level KL estimator)."""
-        return any(t is not None and t.requires != "logprobs" for t in (self.kl, self.distill))
+        return any(t is not None and t.spec.requires != "logprobs" for t in (self.kl, self.distill))
 
     # -- per micro-batch -------------------------------------------------------------------------
 
@@ -138,7 +150,7 @@ class LossPipeline:
         keep = torch.ones_like(mask)
         if self.pre_corrections:
             if CORRECTION_WEIGHTS_KEY not in micro or CORRECTION_MASK_KEY not in micro:
-                names = [c[0] for c in self.pre_corrections]
+                names = [c.name for c in self.pre_corrections]
                 raise LossPipelineError(f"pre-advantage corrections {names} are configured but the batch has no "
                                         f"'{CORRECTION_WEIGHTS_KEY}'; StepAlgorithm.prepare(batch) computes it "
                                         "on the step's rows before training")
@@ -149,19 +161,18 @@ class LossPipeline:
         if self.post_corrections:
             if rollout is None:
                 raise LossPipelineError("post-forward corrections need 'rollout_logprobs' in the batch")
-            for name, spec, args in self.post_corrections:
+            for correction in self.post_corrections:
                 inputs = CorrectionInputs(old_logprobs=old, rollout_logprobs=rollout, response_mask=mask * keep,
                                           advantages=advantages, logprobs=logprobs.detach())
-                out = check_correction(name, spec.fn(inputs, **args), mask.shape)
+                out = check_correction(correction.name, correction(inputs), mask.shape)
                 weights, keep = combine_corrections(weights, keep, out)
                 for key, value in out.metrics.items():
                     metrics[key] = _per_token_metric(value, mask)
         weights = weights.detach()
         train_mask = mask * keep.detach()
 
-        out = self.policy_loss.fn(PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages,
-                                                   response_mask=train_mask, rollout_logprobs=rollout,
-                                                   weights=weights), **self.policy_loss_args)
+        out = self.policy_loss(PolicyLossInputs(logprobs=logprobs, old_logprobs=old, advantages=advantages,
+                                                response_mask=train_mask, rollout_logprobs=rollout, weights=weights))
         if not isinstance(out, PolicyLossOutput):
             raise LossPipelineError(f"policy loss {self.policy_loss.name!r} returned {type(out).__name__}, "
                                     "expected PolicyLossOutput")
@@ -180,7 +191,7 @@ class LossPipeline:
         if self.kl is not None:
             # without distill_kl, teacher rows feed the kl term: only they are compared
             kl_mask = teacher_mask if teacher_mask is not None and self.distill is None else None
-            kl_tok, kl_loss = self._term(self.kl, self.kl_args, "ref_", micro, logprobs, mask, logits,
+            kl_tok, kl_loss = self._term(self.kl, "ref_", micro, logprobs, mask, logits,
                                          train_mask if kl_mask is None else kl_mask, norm,
                                          teacher_fed=kl_mask is not None)
             total = total + self.kl_coef * kl_loss
@@ -191,7 +202,7 @@ class LossPipeline:
             if teacher_mask is None:
                 raise LossPipelineError(f"[algorithm] distill_kl = {self.distill.name!r} is set but the batch has no "
                                         f"'{TEACHER_MASK_KEY}'; the controller's teacher pass fills it")
-            d_tok, d_loss = self._term(self.distill, self.distill_args, "teacher_", micro, logprobs, mask, logits,
+            d_tok, d_loss = self._term(self.distill, "teacher_", micro, logprobs, mask, logits,
                                        teacher_mask, norm, teacher_fed=True)
             total = total + self.distill_coef * d_loss
             metrics["distill"] = d_tok
@@ -214,13 +225,13 @@ class LossPipeline:
     # -- pieces ----------------------------------------------------------------------------------
 
     def _aggregate(self, values: "torch.Tensor", mask: "torch.Tensor", norm: AggregationNorm) -> "torch.Tensor":
-        out = self.aggregation.fn(values, mask, norm, **self.aggregation_args)
+        out = self.aggregation(values, mask, norm)
         if out.dim() != 0:
             raise LossPipelineError(f"loss aggregation {self.aggregation.name!r} returned shape {tuple(out.shape)}, "
                                     "expected a scalar")
         return out
 
-    def _term(self, spec: Any, args: dict[str, Any], prefix: str, micro: Batch, logprobs: "torch.Tensor",
+    def _term(self, kl: Any, prefix: str, micro: Batch, logprobs: "torch.Tensor",
               mask: "torch.Tensor", logits: "torch.Tensor | None", term_mask: "torch.Tensor",
               norm: AggregationNorm, *, teacher_fed: bool) -> "tuple[torch.Tensor, torch.Tensor]":
         """A KL-style term against the ``<prefix>*`` tensors: its detached per-token values for the
@@ -230,28 +241,28 @@ class LossPipeline:
 
         if teacher_fed and not bool((term_mask > 0).any()):
             return torch.zeros_like(mask), logprobs.sum() * 0.0
-        tok = self._kl(spec, args, prefix, micro, logprobs, mask, logits)
+        tok = self._kl(kl, prefix, micro, logprobs, mask, logits)
         loss = self._aggregate(_masked(tok, term_mask), term_mask, norm)
         return (_masked(tok, term_mask) if teacher_fed else tok).detach(), loss
 
-    def _kl(self, spec: Any, args: dict[str, Any], prefix: str, micro: Batch, logprobs: "torch.Tensor",
-            mask: "torch.Tensor", logits: "torch.Tensor | None") -> "torch.Tensor":
+    def _kl(self, kl: Any, prefix: str, micro: Batch, logprobs: "torch.Tensor", mask: "torch.Tensor",
+            logits: "torch.Tensor | None") -> "torch.Tensor":
         what = "the reference" if prefix == "ref_" else "the teacher"
-        ref = require(micro, f"{prefix}logprobs", f"KL {spec.name!r} compares against {what}")
+        ref = require(micro, f"{prefix}logprobs", f"KL {kl.name!r} compares against {what}")
         inputs = KLInputs(logprobs=logprobs, ref_logprobs=_on(ref, logprobs), response_mask=mask)
-        if spec.requires in ("topk", "logits"):
+        if kl.spec.requires in ("topk", "logits"):
             if logits is None:
-                raise LossPipelineError(f"KL {spec.name!r} needs the full logits; pass logits= to loss()")
+                raise LossPipelineError(f"KL {kl.name!r} needs the full logits; pass logits= to loss()")
             inputs.logits = logits
-            if spec.requires == "topk":
-                inputs.ref_topk_ids = require(micro, f"{prefix}topk_ids", f"KL {spec.name!r} uses {what}'s top-k")
+            if kl.spec.requires == "topk":
+                inputs.ref_topk_ids = require(micro, f"{prefix}topk_ids", f"KL {kl.name!r} uses {what}'s top-k")
                 inputs.ref_topk_logprobs = require(micro, f"{prefix}topk_logprobs",
-                                                    f"KL {spec.name!r} uses {what}'s top-k")
+                                                    f"KL {kl.name!r} uses {what}'s top-k")
             else:
-                inputs.ref_logits = require(micro, f"{prefix}logits", f"KL {spec.name!r} uses {what}'s logits")
-        kl_tok = spec.fn(inputs, **args)
+                inputs.ref_logits = require(micro, f"{prefix}logits", f"KL {kl.name!r} uses {what}'s logits")
+        kl_tok = kl(inputs)
         if tuple(kl_tok.shape) != tuple(mask.shape):
-            raise LossPipelineError(f"KL {spec.name!r} returned shape {tuple(kl_tok.shape)}, expected per-token "
+            raise LossPipelineError(f"KL {kl.name!r} returned shape {tuple(kl_tok.shape)}, expected per-token "
                                     f"{tuple(mask.shape)}")
         return kl_tok
 

@@ -32,8 +32,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Iterator, Mapping, Sequence
 
-from loongsage_hookspecs import AdvantageInputs, AdvantageOutput, AggregationNorm, Batch, KLInputs
+from loongsage_hookspecs import (
+    AdvantageInputs,
+    AdvantageOutput,
+    AggregationNorm,
+    Batch,
+    ComponentRegistry,
+    CorrectionInputs,
+    KLInputs,
+)
 
+from ..config import refs_by_field
 from .norm import compute_norm
 from .pipeline import (
     CORRECTION_MASK_KEY,
@@ -53,30 +62,41 @@ if TYPE_CHECKING:  # pragma: no cover
 class StepAlgorithm:
     """Everything of the loss pipeline that runs once per step, on all of the step's rows.
 
-    ``components`` is the plugin host (or anything with ``get(kind, name)``). ``distill`` is the
-    job's distillation setup (``loongsage_core.controller.teachers.DistillSetup``: ``kl_name``,
-    ``kl_args``, ``coef``, ``in_reward``, ``separate``, ``key(field)``) or ``None``.
+    Build it for a job with :meth:`from_job`; the constructor takes the bound components
+    themselves (``BoundFunction`` values of :mod:`loongsage_core.binding`): the ``advantage``
+    estimator, the ``pre_corrections`` (job-file order), ``kl`` the KL to the reference folded
+    into the token rewards with ``kl_coef`` (``None``: none), and ``distill_term`` the
+    distillation term folded into them, with ``distill`` the job's setup
+    (``loongsage_core.controller.teachers.DistillSetup``: ``coef``, ``key(field)``).
     """
 
-    def __init__(self, job: Any, components: Any, *, distill: Any = None) -> None:
+    def __init__(self, *, advantage: Any, pre_corrections: Sequence[Any] = (), kl: Any = None,
+                 kl_coef: float = 0.0, distill: Any = None, distill_term: Any = None) -> None:
+        self.advantage = advantage
+        self.pre_corrections = list(pre_corrections)
+        self.kl = kl
+        self.kl_coef = float(kl_coef)
+        if (distill is None) != (distill_term is None):
+            raise ValueError("StepAlgorithm: distill and distill_term come together")
+        self.distill = distill
+        self.distill_term = distill_term
+
+    @classmethod
+    def from_job(cls, job: Any, components: ComponentRegistry, *, distill: Any = None) -> "StepAlgorithm":
+        """The step algorithm of ``job``'s ``[algorithm]`` table, its components bound through
+        ``components``; ``distill``: the job's distillation setup (``DistillSetup``) or ``None``."""
         alg = job.algorithm
-        self.advantage = components.get("advantage", alg.advantage)
-        self.advantage_args = dict(alg.advantage_args)
-        self.pre_corrections: list[tuple[str, Any, dict[str, Any]]] = []
-        for name in alg.corrections:
-            spec = components.get("correction", name)
-            if spec.stage == "pre_advantage":
-                self.pre_corrections.append((name, spec, dict(alg.correction_args.get(name, {}))))
+        refs = refs_by_field(alg, "algorithm", job)
+        corrections = [components.bind(r) for r in refs.get("corrections", [])]
         teachers_feed_kl = distill is not None and not distill.separate
         # KL to the frozen reference model in the reward (the teachers feed it when they stand in
         # for the reference: that is the distillation penalty below)
-        self.kl = None
-        if alg.kl and alg.kl_in_reward and alg.kl_coef != 0.0 and not teachers_feed_kl:
-            self.kl = components.get("kl", alg.kl)
-        self.kl_args = dict(alg.kl_args)
-        self.kl_coef = float(alg.kl_coef)
-        self.distill = distill if distill is not None and distill.in_reward else None
-        self.distill_spec = components.get("kl", distill.kl_name) if self.distill is not None else None
+        in_reward = "kl" in refs and alg.kl_in_reward and alg.kl_coef != 0.0 and not teachers_feed_kl
+        folded = distill if distill is not None and distill.in_reward else None
+        return cls(advantage=components.bind(refs["advantage"][0]),
+                   pre_corrections=[c for c in corrections if c.spec.stage == "pre_advantage"],
+                   kl=components.bind(refs["kl"][0]) if in_reward else None, kl_coef=alg.kl_coef,
+                   distill=folded, distill_term=components.bind(folded.ref) if folded is not None else None)
 
     @property
     def needs_old_logprobs_before_training(self) -> bool:
@@ -116,11 +136,9 @@ class StepAlgorithm:
         weights = torch.ones_like(mask)
         keep = torch.ones_like(mask)
         metrics: dict[str, float] = {}
-        for name, spec, args in self.pre_corrections:
-            from loongsage_hookspecs import CorrectionInputs
-
+        for correction in self.pre_corrections:
             inputs = CorrectionInputs(old_logprobs=old, rollout_logprobs=rollout, response_mask=mask * keep)
-            out = check_correction(name, spec.fn(inputs, **args), mask.shape)
+            out = check_correction(correction.name, correction(inputs), mask.shape)
             weights, keep = combine_corrections(weights, keep, out)
             for key, value in out.metrics.items():
                 metrics[f"train/{key}"] = mean_metric(value, mask)
@@ -139,17 +157,15 @@ class StepAlgorithm:
             inputs = KLInputs(logprobs=require(batch, "old_logprobs", "the KL in the reward is of the policy").float(),
                               ref_logprobs=require(batch, "ref_logprobs", "the KL in the reward compares against "
                                                    "the reference model").float(), response_mask=mask)
-            kl = self._per_token("kl", self.kl, self.kl.fn(inputs, **self.kl_args), mask)
+            kl = self._per_token("kl", self.kl, self.kl(inputs), mask)
             total = -self.kl_coef * kl
             metrics["train/reward_kl"] = mean_metric(kl, mask)
         if self.distill is not None:
-            assert self.distill_spec is not None
             term_mask = mask * require(batch, TEACHER_MASK_KEY, "the teachers' pass fills it").float()
             inputs = KLInputs(logprobs=require(batch, "old_logprobs").float(),
                               ref_logprobs=require(batch, self.distill.key("logprobs")).float(),
                               response_mask=term_mask)
-            term = self._per_token("distillation term", self.distill_spec,
-                                   self.distill_spec.fn(inputs, **dict(self.distill.kl_args)), term_mask)
+            term = self._per_token("distillation term", self.distill_term, self.distill_term(inputs), term_mask)
             penalty = float(self.distill.coef) * term
             total = -penalty if total is None else total - penalty
             if bool((term_mask > 0).any()):
@@ -163,11 +179,10 @@ class StepAlgorithm:
         mask = require(batch, "loss_mask")
         if CORRECTION_MASK_KEY in batch:
             mask = mask * batch[CORRECTION_MASK_KEY].to(mask.dtype)
-        out = self.advantage.fn(AdvantageInputs(rewards=require(batch, "rewards"), response_mask=mask,
-                                                group_index=require(batch, "group_index"),
-                                                sample_index=batch.get("sample_index"),
-                                                token_rewards=token_rewards, values=batch.get("values")),
-                                **self.advantage_args)
+        out = self.advantage(AdvantageInputs(rewards=require(batch, "rewards"), response_mask=mask,
+                                             group_index=require(batch, "group_index"),
+                                             sample_index=batch.get("sample_index"),
+                                             token_rewards=token_rewards, values=batch.get("values")))
         if not isinstance(out, AdvantageOutput):
             raise LossPipelineError(f"advantage {self.advantage.name!r} returned {type(out).__name__}, "
                                     "expected AdvantageOutput")
@@ -197,11 +212,11 @@ class StepAlgorithm:
             yield rows, compute_norm(mini)  # the global denominators, before the mini-batch is sharded
 
     @staticmethod
-    def _per_token(what: str, spec: Any, value: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":
+    def _per_token(what: str, term: Any, value: "torch.Tensor", mask: "torch.Tensor") -> "torch.Tensor":
         import torch
 
         if tuple(value.shape) != tuple(mask.shape):
-            raise LossPipelineError(f"{what} {spec.name!r} returned shape {tuple(value.shape)}, expected per-token "
+            raise LossPipelineError(f"{what} {term.name!r} returned shape {tuple(value.shape)}, expected per-token "
                                     f"{tuple(mask.shape)}")
         return torch.where(mask > 0, value.detach().float(), torch.zeros_like(mask, dtype=torch.float32))
 

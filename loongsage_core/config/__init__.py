@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from loongsage_hookspecs import LORA_ALL_LINEAR
 
-from .fields import SEED_MAX, Args, RangeError
+from .components import component_ref, component_refs, refs_by_field, section_refs
+from .fields import SEED_MAX, Args, ComponentField, RangeError, component
 from .job import TOML_RENAMES, JobConfig, LoggerConfig, PlacementConfig, PluginsConfig, RunConfig
 from .loading import apply_override, load_job, merge_tables
 from .rollout import AgentFlowConfig, AsyncConfig, DataConfig, RolloutConfig
-from .structuring import A, ConfigError, dump_job_toml, job_to_dict, structure_args, structure_job
+from .structuring import A, ConfigError, dump_job_toml, job_to_dict, structure_args, structure_job, structure_value
 from .training import (
     AlgorithmConfig,
     CriticConfig,
@@ -70,4 +71,11 @@ __all__ = [
     "merge_tables",
     "structure_args",
     "structure_job",
+    "structure_value",
+    "component_ref",
+    "component_refs",
+    "section_refs",
+    "refs_by_field",
+    "ComponentField",
+    "component",
 ]

@@ -10,7 +10,7 @@ raises :class:`RangeError` with the attribute's name, and the structuring step
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 
@@ -97,3 +97,32 @@ valid_seed = in_range(ge=0, le=SEED_MAX)
 """A seed in ``[0, SEED_MAX]``."""
 optional_at_least_one = attrs.validators.optional(attrs.validators.ge(1))
 """Unset (``None``: falls back to another table's value) or >= 1 (attrs' own ``ge`` message)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Fields that name a component
+# --------------------------------------------------------------------------------------------
+
+
+@attrs.define(frozen=True)
+class ComponentField:
+    """What a schema field that names a component says about it (its attrs ``metadata``).
+
+    ``kind``: the component kind (a word of ``loongsage_hookspecs.KINDS``); ``args``: the sibling
+    field holding its arguments (a table, or one table per name when the field is a list of
+    names); ``active(section, job)``: whether the job uses the component at all (a scheduler only
+    in asynchronous runs), ``None``: whenever a name is set. The schema walker
+    (:func:`~loongsage_core.config.components.component_refs`) reads every job's component
+    references from these, so the schema is the one place that says which key names what."""
+
+    kind: str
+    args: str | None = None
+    active: Callable[[Any, Any], bool] | None = None
+
+
+def component(kind: str, *, args: str | None = None, active: Callable[[Any, Any], bool] | None = None,
+              **field: Any) -> Any:
+    """An attrs field that names a component of ``kind`` (see :class:`ComponentField`)."""
+    metadata = dict(field.pop("metadata", {}))
+    metadata["component"] = ComponentField(kind=kind, args=args, active=active)
+    return attrs.field(metadata=metadata, **field)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import attrs
 
-from .fields import Args, at_least_one, custom_resources, in_range, non_negative, valid_seed
+from .fields import Args, at_least_one, component, custom_resources, in_range, non_negative, valid_seed
 from .rollout import AgentFlowConfig, AsyncConfig, DataConfig, RolloutConfig
 from .training import AlgorithmConfig, CriticConfig, ModelConfig, SftConfig, TeacherConfig, TrainConfig
 
@@ -63,7 +63,8 @@ class PlacementConfig:
     engine_resources: dict[str, float] = attrs.field(factory=dict, validator=custom_resources)
     max_resident_teachers: int = attrs.field(default=1, validator=attrs.validators.ge(0))
     teacher_offload: str = attrs.field(default="cpu", validator=attrs.validators.in_(("cpu", "release")))
-    teacher_manager: str = "per_source"
+    teacher_manager: str = component("teacher_manager", active=lambda section, job: bool(job.teachers),
+                                     default="per_source")
     teacher_cpus: float = attrs.field(default=1.0, validator=non_negative)
     teacher_gpus: float = attrs.field(default=0.0, validator=non_negative)
     teacher_resources: dict[str, float] = attrs.field(factory=dict, validator=custom_resources)
@@ -73,7 +74,7 @@ class PlacementConfig:
 class LoggerConfig:
     """One metrics logger, by component name, with its arguments."""
 
-    name: str
+    name: str = component("logger", args="args")
     args: Args = attrs.field(factory=dict)
 
 

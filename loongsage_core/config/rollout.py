@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from .fields import Args, at_least_one, in_range, non_negative, positive
+from .fields import Args, at_least_one, component, in_range, non_negative, positive
 
 DEFAULT_MAX_LINE_BYTES = 16 * 2**20
 """The longest JSONL data line (bytes, newline excluded) read by default (``[[data]] max_line_bytes``)."""
@@ -28,7 +28,7 @@ class RolloutConfig:
     sglang plugin's ``sglang_router``); generation goes through it, weight updates and other
     control calls go to each engine."""
 
-    engine: str = "torch"
+    engine: str = component("rollout_engine", default="torch")
     num_engines: int = attrs.field(default=1, validator=at_least_one)
     prompts_per_step: int = attrs.field(default=8, validator=at_least_one)
     samples_per_prompt: int = attrs.field(default=4, validator=at_least_one)
@@ -39,10 +39,10 @@ class RolloutConfig:
     max_context_length: int = attrs.field(default=2048, validator=in_range(ge=2))
     partial: bool = False
     partial_mask_stale: bool = False
-    weight_transport: str = "auto"
+    weight_transport: str = component("weight_transport", args="weight_transport_args", default="auto")
     weight_transport_args: Args = attrs.field(factory=dict)
     engine_args: Args = attrs.field(factory=dict)
-    engine_router: str = ""
+    engine_router: str = component("engine_router", args="engine_router_args", default="")
     engine_router_args: Args = attrs.field(factory=dict)
 
 
@@ -56,7 +56,7 @@ class DataConfig:
 
     name: str = "default"
     path: str | None = None
-    generator: str | None = None
+    generator: str | None = component("data_source", args="generator_args", default=None)
     generator_args: Args = attrs.field(factory=dict)
     weight: float = attrs.field(default=1.0, validator=positive)
     split: str | None = None
@@ -64,11 +64,11 @@ class DataConfig:
     label_key: str = "label"
     metadata_key: str | None = None
     system_prompt: str | None = None
-    agent: str = "single_turn"
+    agent: str = component("agent", args="agent_args", default="single_turn")
     agent_args: Args = attrs.field(factory=dict)
-    sandbox: str | None = None
+    sandbox: str | None = component("sandbox", args="sandbox_args", default=None)
     sandbox_args: Args = attrs.field(factory=dict)
-    reward: list[str] = attrs.field(factory=lambda: ["exact_match"])
+    reward: list[str] = component("reward", args="reward_args", factory=lambda: ["exact_match"])
     reward_args: dict[str, Args] = attrs.field(factory=dict)
     reward_timeout_s: float = attrs.field(default=300.0, validator=positive)
     teacher: str | None = None
@@ -85,7 +85,7 @@ class AgentFlowConfig:
     status, milliseconds); empty: the log is kept in memory only (``GET /admin/access_log``).
     """
 
-    middleware: list[str] = attrs.field(factory=list)
+    middleware: list[str] = component("router_middleware", args="middleware_args", factory=list)
     middleware_args: dict[str, Args] = attrs.field(factory=dict)
     max_response_tokens: int = attrs.field(default=0, validator=in_range(ge=0))
     agent_timeout_s: float = attrs.field(default=600.0, validator=positive)
@@ -102,6 +102,7 @@ class AsyncConfig:
     """Asynchronous training: a scheduler bounds staleness to ``stale_steps`` policy versions."""
 
     enable: bool = False
-    scheduler: str = "windowed_fifo"
+    scheduler: str = component("scheduler", args="scheduler_args", active=lambda section, job: section.enable,
+                               default="windowed_fifo")
     scheduler_args: Args = attrs.field(factory=dict)
     stale_steps: int = attrs.field(default=1, validator=in_range(ge=0))

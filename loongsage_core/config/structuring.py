@@ -182,9 +182,26 @@ def structure_args(cls: type[A], args: Mapping[str, Any], key: str, owner: str) 
     if unknown:
         raise ValueError(f"{key}: unknown keys {unknown} for the {owner}; valid keys: {', '.join(valid)}")
     try:
-        return cls(**args)
+        return _CONVERTER.structure(dict(args), cls)
+    except (ClassValidationError, IterableValidationError) as exc:
+        message = _tidy_path(str(_describe_errors(exc, key)))
+        raise ValueError(message + ("'" if "at key '" in message else "")) from None
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{key}: {validator_message(exc)}") from None
+
+
+def structure_value(value: Any, tp: Any) -> Any:
+    """``value`` as type ``tp`` by the job file's strict rules (``"1"`` is no ``int``, ``1`` no
+    ``bool``; an ``int`` is a ``float``). Raises ``TypeError`` / ``ValueError`` saying what was
+    expected; a type the rules do not cover (a union of plain types, a callable) passes ``value``
+    through unchecked."""
+    try:
+        return _CONVERTER.structure(value, tp)
+    except cattrs.errors.StructureHandlerNotFoundError:
+        return value
+    except (ClassValidationError, IterableValidationError) as exc:
+        messages = cattrs.transform_error(exc, path="$", format_exception=_format_exception)
+        raise TypeError(_tidy_path(messages[0] if messages else str(exc))) from None
 
 
 def validator_message(exc: BaseException) -> str:

@@ -18,6 +18,7 @@ from .fields import (
     Args,
     RangeError,
     at_least_one,
+    component,
     in_range,
     non_negative,
     optional_at_least_one,
@@ -95,7 +96,7 @@ class TrainConfig:
     ``lora`` (a :class:`LoraConfig` table, unset by default): train a LoRA adapter instead of
     every weight."""
 
-    backend: str = "torch"
+    backend: str = component("train_backend", default="torch")
     num_workers: int = attrs.field(default=1, validator=at_least_one)
     lr: float = attrs.field(default=1e-5, validator=positive)
     lr_schedule: str = attrs.field(default="constant", validator=attrs.validators.in_(("constant", "linear", "cosine")))
@@ -144,13 +145,13 @@ class AlgorithmConfig:
     their group's statistics and of the loss, ``"zero_reward"`` trains them with reward 0. A
     group-relative estimator's group left with fewer than two samples is not trained."""
 
-    advantage: str = "grpo"
+    advantage: str = component("advantage", args="advantage_args", default="grpo")
     advantage_args: Args = attrs.field(factory=dict)
-    policy_loss: str = "ppo_clip"
+    policy_loss: str = component("policy_loss", args="policy_loss_args", default="ppo_clip")
     policy_loss_args: Args = attrs.field(factory=dict)
-    loss_agg: str = "token_mean"
+    loss_agg: str = component("loss_aggregation", args="loss_agg_args", default="token_mean")
     loss_agg_args: Args = attrs.field(factory=dict)
-    kl: str | None = None
+    kl: str | None = component("kl", args="kl_args", default=None)
     kl_args: Args = attrs.field(factory=dict)
     kl_coef: float = attrs.field(default=0.0, validator=non_negative)
     kl_in_reward: bool = False
@@ -158,12 +159,12 @@ class AlgorithmConfig:
     entropy_coef: float = attrs.field(default=0.0, validator=in_range())
     recompute_old_logprobs: bool = True
     force_old_logprob_pass: bool = False
-    corrections: list[str] = attrs.field(factory=list)
+    corrections: list[str] = component("correction", args="correction_args", factory=list)
     correction_args: dict[str, Args] = attrs.field(factory=dict)
-    filters: list[str] = attrs.field(factory=list)
+    filters: list[str] = component("filter", args="filter_args", factory=list)
     filter_args: dict[str, Args] = attrs.field(factory=dict)
     max_filter_retries: int = attrs.field(default=0, validator=in_range(ge=0))
-    distill_kl: str | None = None
+    distill_kl: str | None = component("kl", args="distill_kl_args", default=None)
     distill_kl_args: Args = attrs.field(factory=dict)
     distill_coef: float = attrs.field(default=1.0, validator=non_negative)
     distill_in_reward: bool = False
@@ -205,7 +206,7 @@ class TeacherConfig:
 
     name: str
     path: str | None = None
-    backend: str = "torch"
+    backend: str = component("teacher", args="args", default="torch")
     args: Args = attrs.field(factory=dict)
 
 

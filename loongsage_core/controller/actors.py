@@ -34,7 +34,7 @@ from loongsage_hookspecs import (
     WeightTransportContext,
 )
 
-from ..config import JobConfig
+from ..config import JobConfig, component_ref
 from ..plugins import PluginHost
 from ..rendezvous import Rendezvous, host_rendezvous, reachable_address
 from ..security import set_process_secret
@@ -80,23 +80,24 @@ class ModelActor:
         """Build the trainer worker (joining the group at ``master_addr:master_port``), the
         reference worker and the engine this actor holds."""
         job = self.job
-        where = job.source_path or "<job>"
         if self.rank is not None:
-            ctx = TrainWorkerContext(where=f"{where}: train.backend", job=job, components=self.host, rank=self.rank,
+            backend = component_ref(job, "train.backend")
+            ctx = TrainWorkerContext(where=backend.where, job=job, components=self.host, rank=self.rank,
                                      world_size=self.world_size, master_addr=master_addr, master_port=master_port,
                                      role="actor")
-            self.worker = self.host.build("train_backend", job.train.backend, ctx)
+            self.worker = self.host.bind(backend, ctx)
             serves_reference = isinstance(self.worker, LoraTrainer) and self.worker.serves_reference
             if self.needs_reference and not serves_reference:
-                ref_ctx = TrainWorkerContext(where=f"{where}: train.backend (reference)", job=job, components=self.host,
+                ref_ctx = TrainWorkerContext(where=f"{backend.where} (reference)", job=job, components=self.host,
                                              rank=0, world_size=1, role="reference")
-                self.reference = self.host.build("train_backend", job.train.backend, ref_ctx)
+                self.reference = self.host.bind(backend, ref_ctx)
         if self.engine_index is not None:
             # listen on this node's address (loopback on a local cluster) and advertise it: the
             # driver, the router and trainers on other nodes reach the engine there
-            engine_ctx = EngineContext(where=f"{where}: rollout.engine", job=job, components=self.host,
+            engine = component_ref(job, "rollout.engine")
+            engine_ctx = EngineContext(where=engine.where, job=job, components=self.host,
                                        engine_index=self.engine_index, api_key=self.secret, host=reachable_address())
-            self.engine = self.host.build("rollout_engine", job.rollout.engine, engine_ctx)
+            self.engine = self.host.bind(engine, engine_ctx)
             self.engine_url = self.engine.start()
 
     def ready(self) -> dict[str, Any]:
@@ -174,12 +175,9 @@ class ModelActor:
                 pass
             return {}
         if self._sender is None:
-            where = f"{self.job.source_path or '<job>'}: rollout"
-            ctx = WeightTransportContext(where=f"{where}.weight_transport", job=self.job, components=self.host,
-                                         role="sender")
-            sender = self.host.build("weight_transport", self.job.rollout.weight_transport, ctx, using="sender",
-                                     args_key=f"{where}.weight_transport_args",
-                                     **self.job.rollout.weight_transport_args)
+            ref = component_ref(self.job, "rollout.weight_transport")
+            ctx = WeightTransportContext(where=ref.where, job=self.job, components=self.host, role="sender")
+            sender = self.host.bind(ref, ctx, using="sender")
             if self.job.train.lora is not None and isinstance(sender, LoraAwareSender):
                 sender.configure_lora(self.job.train.lora)  # a sender writing adapter files needs rank/alpha
             self._sender = sender

@@ -39,7 +39,7 @@ from loongsage_hookspecs import (
     TrajectoryStatus,
 )
 
-from ..config import ConfigError
+from ..config import ConfigError, component_ref
 from ..resolve import check_async_scheduler
 from .data import Prompt
 from .metrics import rollout_metrics
@@ -95,11 +95,11 @@ class AsyncRLController(RLController):
 
             def quota(version: int) -> dict[str, int]:
                 return dict(zip(names, quotas(version)))
-        ctx = SchedulerContext(where=f"{where}: async.scheduler", job=job, components=self.host,
+        ref = component_ref(job, "async.scheduler")
+        ctx = SchedulerContext(where=ref.where, job=job, components=self.host,
                                batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
                                quota=quota)
-        self.scheduler = self.host.build("scheduler", job.async_.scheduler, ctx,
-                                         args_key=f"{where}: async.scheduler_args", **job.async_.scheduler_args)
+        self.scheduler = self.host.bind(ref, ctx)
         self.quota_mode = quota is not None  # the scheduler names the source of every dispatch
         self.requeue: collections.deque[Prompt] = collections.deque()
         self.inflight: dict[str, tuple[asyncio.Task[TrajectoryGroup], Prompt]] = {}
@@ -187,10 +187,7 @@ class AsyncRLController(RLController):
             self.scheduler.on_discard(group_id)
             self.requeue.append(prompt)
             return
-        kept = [group]
-        for f, name in zip(self.filters, self.job.algorithm.filters):
-            kept = list(f.fn(kept, **self.job.algorithm.filter_args.get(name, {})))
-        if not kept:
+        if not self.filters.accept([group]):
             self.discarded += 1
             self.scheduler.on_discard(group_id)
             return

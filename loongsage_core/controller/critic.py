@@ -30,7 +30,7 @@ import torch
 
 from loongsage_hookspecs import Batch, Closeable, TrainWorkerContext
 
-from ..config import ConfigError, JobConfig
+from ..config import ConfigError, JobConfig, component_ref
 from ..plugins import PluginHost
 from ..rendezvous import Rendezvous, host_rendezvous
 from . import checkpoint as ckpt
@@ -84,10 +84,11 @@ class CriticActor:
 
     def start(self, master_addr: str, master_port: int) -> None:
         """Build the critic worker, joining the critic group at ``master_addr:master_port``."""
-        ctx = TrainWorkerContext(where=f"{self.job.source_path or '<job>'}: train.backend (critic)", job=self.job,
-                                 components=self.host, rank=self.rank, world_size=self.world_size,
-                                 master_addr=master_addr, master_port=master_port, role="critic")
-        self.worker = self.host.build("train_backend", self.job.train.backend, ctx)
+        ref = component_ref(self.job, "train.backend")
+        ctx = TrainWorkerContext(where=f"{ref.where} (critic)", job=self.job, components=self.host, rank=self.rank,
+                                 world_size=self.world_size, master_addr=master_addr, master_port=master_port,
+                                 role="critic")
+        self.worker = self.host.bind(ref, ctx)
 
     def ready(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "rank": self.rank}

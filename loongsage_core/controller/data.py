@@ -34,7 +34,7 @@ import attrs
 
 from loongsage_hookspecs import BuildContext
 
-from ..config import ConfigError, DataConfig, JobConfig
+from ..config import ConfigError, DataConfig, JobConfig, section_refs
 from ..config.rollout import DEFAULT_MAX_LINE_BYTES
 from .mixing import integer_weights, interleave_by_source, quota_sequence, round_shares
 
@@ -162,10 +162,10 @@ def read_source(job: JobConfig, index: int, components: Any) -> Iterator[tuple[s
     where = job.data_where(index)
     raw: Iterator[tuple[str, dict[str, Any]]]
     if src.generator:
-        args = {"seed": job.run.seed, **src.generator_args}
-        ctx = BuildContext(where=f"{where}.generator", job=job, components=components)
-        produced = list(components.build("data_source", src.generator, ctx,
-                                         args_key=f"{where}.generator_args", **args))
+        (ref,) = [r for r in section_refs(src, f"data[{index}]", job) if r.kind == "data_source"]
+        ctx = BuildContext(where=ref.where, job=job, components=components)
+        # the run's seed, unless the job gives the generator its own
+        produced = list(components.bind(attrs.evolve(ref, args={"seed": job.run.seed, **ref.args}), ctx))
         raw = ((f"generator '{src.generator}' row {i}", r) for i, r in enumerate(produced))
     else:
         assert src.path is not None

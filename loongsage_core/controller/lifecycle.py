@@ -16,7 +16,7 @@ from typing import Any
 
 from loongsage_hookspecs import LoggerContext, StepTruncation
 
-from ..config import ConfigError, JobConfig, dump_job_toml
+from ..config import ConfigError, JobConfig, component_refs, dump_job_toml
 from ..records.writer import recorder_for_run
 from ..security import set_process_secret, write_secret_file
 from . import checkpoint as ckpt
@@ -72,7 +72,7 @@ class RunLifecycle(RunState):
         init_ray(self.job)
         # from here on Ctrl-C and SIGTERM end the run through close() (after Ray's own handlers)
         self.stop_signals = stop_on_signals()
-        with_critic = self.advantage.needs_critic
+        with_critic = self.advantage.spec.needs_critic
         if with_critic:
             Critic.check_resources(self.job)
         self.actors = create_actors(self.job, self.needs_reference, self.secret, with_critic=with_critic)
@@ -102,13 +102,11 @@ class RunLifecycle(RunState):
 
     def _start_loggers(self) -> None:
         """The job's ``[[loggers]]``, each told to forget the steps a resumed run redoes."""
-        for i, lg in enumerate(self.job.loggers):
-            where = f"{self.job.source_path or '<job>'}: loggers[{i}]"
-            ctx = LoggerContext(where=f"{where}.name", job=self.job, components=self.host,
+        for ref in component_refs(self.job, kinds=("logger",)):
+            ctx = LoggerContext(where=ref.where, job=self.job, components=self.host,
                                 output_dir=str(self.output_dir), total_steps=self.job.train.total_steps,
                                 start_step=self.step)
-            logger = self.host.build("logger", lg.name, ctx, args_key=f"{where}.args",
-                                     **lg.args)
+            logger = self.host.bind(ref, ctx)
             if isinstance(logger, StepTruncation):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)

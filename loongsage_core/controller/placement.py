@@ -16,7 +16,7 @@ import attrs
 
 from loongsage_hookspecs import EngineRouterContext
 
-from ..config import ConfigError, JobConfig
+from ..config import ConfigError, JobConfig, component_ref
 from .actors import ModelActor
 from .resource_errors import ray_start_error
 from .teachers import runs_teachers
@@ -292,11 +292,10 @@ def start_engine_router(job: JobConfig, host: Any, engine_urls: list[str],
     ``secret``: the run secret the engines require (the router's context's ``api_key``)."""
     if not job.rollout.engine_router:
         return None, list(engine_urls)
-    where = f"{job.source_path or '<job>'}: rollout"
-    ctx = EngineRouterContext(where=f"{where}.engine_router", job=job, components=host,
-                              engine_urls=tuple(engine_urls), api_key=secret)
-    router = host.build("engine_router", job.rollout.engine_router, ctx,
-                        args_key=f"{where}.engine_router_args", **dict(job.rollout.engine_router_args))
+    ref = component_ref(job, "rollout.engine_router")
+    ctx = EngineRouterContext(where=ref.where, job=job, components=host, engine_urls=tuple(engine_urls),
+                              api_key=secret)
+    router = host.bind(ref, ctx)
     try:
         url = router.start()
     except BaseException:

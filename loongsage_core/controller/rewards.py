@@ -14,29 +14,46 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from typing import Any, Sequence
 
-from loongsage_hookspecs import FailureClass, Reward, Trajectory, TrajectoryStatus
+import attrs
 
-from ..config import DataConfig
+from loongsage_hookspecs import ComponentRegistry, FailureClass, Reward, Trajectory, TrajectoryStatus
+
+from ..config import JobConfig, section_refs
 from .reward_values import checked_reward, reward_failure
 
 log = logging.getLogger(__name__)
 
 
-def compute_reward(traj: Trajectory, source: DataConfig, components: Any,
-                   sandbox: Any = None) -> tuple[Reward, str | None]:
+@attrs.define(frozen=True)
+class SourceRewards:
+    """One data source's rewards, bound (job-file order), and its time limit for scoring."""
+
+    functions: Sequence[Any]
+    timeout_s: float
+
+    @classmethod
+    def bind(cls, job: JobConfig, index: int, components: ComponentRegistry) -> "SourceRewards":
+        """The rewards ``[[data]]`` entry ``index`` lists, bound through ``components``."""
+        source = job.data[index]
+        refs = [r for r in section_refs(source, f"data[{index}]", job) if r.kind == "reward"]
+        return cls(functions=[components.bind(ref) for ref in refs], timeout_s=source.reward_timeout_s)
+
+    @property
+    def names(self) -> list[str]:
+        return [fn.name for fn in self.functions]
+
+
+def compute_reward(traj: Trajectory, rewards: SourceRewards, sandbox: Any = None) -> tuple[Reward, str | None]:
     """``(reward, error)`` of ``traj`` (``error``: the first reward that raised); touches nothing."""
     total = 0.0
     details: dict[str, float] = {}
     parts: dict[str, Reward] = {}
-    for name in source.reward:
-        spec = components.get("reward", name)
-        args = dict(source.reward_args.get(name, {}))
-        if spec.needs_sandbox:
-            args["sandbox"] = sandbox
+    for fn in rewards.functions:
+        name = fn.name
         try:
-            reward = checked_reward(name, spec.fn(traj, **args))
+            reward = checked_reward(name, fn(traj, sandbox=sandbox) if fn.spec.needs_sandbox else fn(traj))
         except Exception as exc:  # user reward code may raise anything; record it, keep running
             message = reward_failure(name, exc)
             parts[name] = Reward(score=0.0, error=message, reason=message)
@@ -59,18 +76,18 @@ def _apply(traj: Trajectory, reward: Reward, error: str | None) -> None:
         traj.metadata["failed_in"] = "reward"
 
 
-def score_trajectory(traj: Trajectory, source: DataConfig, components: Any, sandbox: Any = None) -> None:
+def score_trajectory(traj: Trajectory, rewards: SourceRewards, sandbox: Any = None) -> None:
     """Set ``traj.reward`` here and now (and mark it failed if a reward function raises)."""
-    _apply(traj, *compute_reward(traj, source, components, sandbox))
+    _apply(traj, *compute_reward(traj, rewards, sandbox))
 
 
-async def score_trajectory_async(traj: Trajectory, source: DataConfig, components: Any, sandbox: Any = None,
+async def score_trajectory_async(traj: Trajectory, rewards: SourceRewards, sandbox: Any = None,
                                  timeout_s: float | None = None) -> None:
     """:func:`score_trajectory` in a worker thread, waiting at most ``timeout_s`` (default: the
     source's ``reward_timeout_s``). Past it the trajectory is failed; the thread is left to finish
     on its own and what it computes is dropped (a reward stuck in a sandbox command ends when the
     caller destroys the sandbox)."""
-    timeout = source.reward_timeout_s if timeout_s is None else timeout_s
+    timeout = rewards.timeout_s if timeout_s is None else timeout_s
     loop = asyncio.get_running_loop()
     future: asyncio.Future[tuple[Reward, str | None]] = loop.create_future()
 
@@ -84,7 +101,7 @@ async def score_trajectory_async(traj: Trajectory, source: DataConfig, component
     def work() -> None:
         value, error = None, None
         try:
-            value = compute_reward(traj, source, components, sandbox)
+            value = compute_reward(traj, rewards, sandbox)
         except BaseException as exc:  # handed to the waiting task
             error = exc
         try:
@@ -96,6 +113,6 @@ async def score_trajectory_async(traj: Trajectory, source: DataConfig, component
     try:
         reward, error = await asyncio.wait_for(asyncio.shield(future), timeout)
     except asyncio.TimeoutError:
-        message = f"rewards {', '.join(source.reward)} did not finish within {timeout:g}s (reward_timeout_s)"
+        message = f"rewards {', '.join(rewards.names)} did not finish within {timeout:g}s (reward_timeout_s)"
         reward, error = Reward(score=0.0, error=message, reason=message), message
     _apply(traj, reward, error)

@@ -24,6 +24,8 @@ import logging
 import time
 from typing import Any, Awaitable, Callable, Sequence
 
+import attrs
+
 from loongsage_hookspecs import (
     LORA_ADAPTER_NAME,
     BuildContext,
@@ -37,10 +39,10 @@ from loongsage_hookspecs import (
 )
 
 from ..agentflow.tito import ChatRenderer
-from ..config import ConfigError, DataConfig, JobConfig
+from ..config import ConfigError, DataConfig, JobConfig, section_refs
 from ..engine_client import EngineClient
 from .data import Prompt
-from .rewards import score_trajectory_async
+from .rewards import SourceRewards, score_trajectory_async
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ class RolloutManager:
         # a LoRA run's generations name its adapter (SGLang serves the base model without it)
         self.lora_path = LORA_ADAPTER_NAME if job.train.lora is not None else None
         # a mixture-of-experts policy trained with Router Replay needs the experts the engine chose
-        self.return_routed_experts = bool(getattr(job.algorithm, "router_replay", False))
+        self.return_routed_experts = job.algorithm.router_replay
         self.clients = [self.engine_client(url) for url in engine_urls]
         self.generate_urls = list(generate_urls) if generate_urls else list(engine_urls)
         self.generate_clients = self.clients if not generate_urls else [
@@ -124,6 +126,10 @@ class RolloutManager:
         # a load balancer takes one sampling_params per request (and routes each sample itself)
         self.one_request_per_sample = bool(generate_urls)
         self.sources = {src.name: src for src in job.data}
+        self.rewards = {src.name: SourceRewards.bind(job, i, components) for i, src in enumerate(job.data)}
+        # every source's agent and sandbox, as the job names them (bound per trajectory / once)
+        self.refs = {src.name: {ref.kind: ref for ref in section_refs(src, f"data[{i}]", job)
+                                if ref.kind in ("agent", "sandbox")} for i, src in enumerate(job.data)}
         # the router's renderer and stop rule, for the fast path too
         self.renderer = ChatRenderer(tokenizer)
         self.router: Any = None
@@ -143,10 +149,8 @@ class RolloutManager:
             from ..agentflow import AgentFlowRouter, build_middlewares
 
             af = self.job.agentflow
-            entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
-            self.router = AgentFlowRouter(self.tokenizer, self.generate_urls,
-                                          build_middlewares(self.components, entries,
-                                                            f"{self.job.source_path or '<job>'}: agentflow"),
+            middleware = build_middlewares(self.components, list(section_refs(af, "agentflow", self.job)), self.job)
+            self.router = AgentFlowRouter(self.tokenizer, self.generate_urls, middleware,
                                           port=af.port, max_context_length=self.job.rollout.max_context_length,
                                           secret=self.secret, max_request_bytes=af.max_request_bytes,
                                           max_prompt_chars=af.max_prompt_chars,
@@ -168,11 +172,10 @@ class RolloutManager:
         if not source.sandbox:
             return None
         if source.name not in self._sandboxes:
-            where = self.job.data_where(self.job.data.index(source))
-            ctx = BuildContext(where=f"{where}.sandbox", job=self.job, components=self.components)
-            self._sandboxes[source.name] = self.components.build(
-                "sandbox", source.sandbox, ctx, args_key=f"{where}.sandbox_args",
-                **sandbox_args(self.job, source))
+            ref = self.refs[source.name]["sandbox"]
+            ctx = BuildContext(where=ref.where, job=self.job, components=self.components)
+            self._sandboxes[source.name] = self.components.bind(
+                attrs.evolve(ref, args=sandbox_args(self.job, source)), ctx)
         return self._sandboxes[source.name]
 
     async def _agent_group(self, prompt: Prompt, index: int, step: int) -> TrajectoryGroup:
@@ -180,9 +183,10 @@ class RolloutManager:
 
         self.start_router()
         source = self.sources[prompt.source]
-        spec = self.components.get("agent", source.agent)
-        agent_ctx = BuildContext(where=f"{self.job.data_where(self.job.data.index(source))}.agent", job=self.job,
-                                 components=self.components)
+        agent_ref = self.refs[source.name]["agent"]
+        needs_sandbox = self.components.get("agent", source.agent).needs_sandbox
+        agent_ctx = BuildContext(where=agent_ref.where, job=self.job, components=self.components)
+        rewards = self.rewards[source.name]
         af = self.job.agentflow
         if self._agent_slots is None:
             self._agent_slots = asyncio.Semaphore(max(1, af.max_concurrent_agents))
@@ -202,19 +206,20 @@ class RolloutManager:
             async def score(t: Trajectory, sandbox: Any) -> None:
                 t1 = time.perf_counter()
                 timing["agent_s"] = t1 - t0
-                await score_trajectory_async(t, source, self.components, sandbox)
+                await score_trajectory_async(t, rewards, sandbox)
                 timing["reward_s"] = time.perf_counter() - t1
 
             assert self._agent_slots is not None
             async with self._agent_slots:
                 t0 = time.perf_counter()
                 # create sandbox -> agent -> rewards (in the sandbox) -> destroy: all in run_agent_trajectory
+                agent = self.components.bind(agent_ref, agent_ctx)  # a fresh agent object per trajectory
                 traj = await run_agent_trajectory(
-                    self.router, spec, source.agent_args, self._sandbox_provider(source), trajectory=traj,
+                    self.router, agent, self._sandbox_provider(source), needs_sandbox=needs_sandbox, trajectory=traj,
                     sampling=params, max_response_tokens=af.max_response_tokens or None,
                     max_context_length=self.job.rollout.max_context_length, timeout_s=af.agent_timeout_s,
                     row={"prompt": prompt.prompt, "label": prompt.label, "metadata": dict(prompt.metadata)},
-                    score=score, build_ctx=agent_ctx)
+                    score=score)
             timing.setdefault("agent_s", time.perf_counter() - t0)
             traj.metadata["timing"] = {"reward_s": 0.0, **timing}
             return traj
@@ -279,7 +284,7 @@ class RolloutManager:
             traj.status = TrajectoryStatus.ABORTED if res.finish_reason == "abort" else TrajectoryStatus.COMPLETED
             t1 = time.perf_counter()
             if traj.status == TrajectoryStatus.COMPLETED:
-                await score_trajectory_async(traj, source, self.components)
+                await score_trajectory_async(traj, self.rewards[source.name])
             # the group is generated in one batched call: each sample reports the group's time
             traj.metadata["timing"] = {"generate_s": generate_s, "reward_s": time.perf_counter() - t1}
             group.trajectories.append(traj)

@@ -34,6 +34,7 @@ from .colocation import PhaseSwitch
 from .critic import Critic
 from .data import DataMixer
 from .faults import FaultSupervisor
+from .filters import GroupFilters
 from .health import StepHealth
 from .lifecycle import RunLifecycle, load_tokenizer, remote_cause
 from .placement import Actors
@@ -56,13 +57,12 @@ class RLController(RunLifecycle, StepRunner):
         self.output_dir = output_dir
         self.tokenizer = load_tokenizer(self.job)
         self.mixer = DataMixer(self.job, self.host)
-        alg = self.job.algorithm
         self.needs_reference = uses_reference_model(self.job, self.host)
         self.teachers: Teachers | None = None  # the teacher actor, started with the other actors
         # the step's algorithm, in one place (DESIGN.md section 6)
-        self.algorithm = StepAlgorithm(self.job, self.host, distill=distill_setup(self.job, self.host))
+        self.algorithm = StepAlgorithm.from_job(self.job, self.host, distill=distill_setup(self.job, self.host))
         self.advantage = self.algorithm.advantage
-        self.filters = [self.host.get("filter", n) for n in alg.filters]
+        self.filters = GroupFilters.from_job(self.job, self.host)
         self.loggers: list[Any] = []
         self.step = 0
         self.version = 0

@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 
 from ..agentflow import AgentFlowRouter, build_middlewares
+from ..config import section_refs
 from ..resolve import ResolvedJob
 from ..security import new_secret, set_process_secret, write_secret_file
 from .lifecycle import load_tokenizer
@@ -59,8 +60,7 @@ def start_serving(resolved: ResolvedJob, port: int = 0, output_dir: str | Path |
     actors = create_actors(job, needs_reference=False, secret=secret)
     engine_router, generate_urls = start_engine_router(job, resolved.host, actors.engine_urls, secret=secret)
     af = job.agentflow
-    entries = [{"name": n, "args": af.middleware_args.get(n, {})} for n in af.middleware]
-    middlewares = build_middlewares(resolved.host, entries, f"{job.source_path or '<job>'}: agentflow")
+    middlewares = build_middlewares(resolved.host, list(section_refs(af, "agentflow", job)), job)
     router = AgentFlowRouter(tokenizer, generate_urls, middlewares,
                              port=port or af.port, max_context_length=job.rollout.max_context_length,
                              secret=secret, max_request_bytes=af.max_request_bytes,

@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from .critic import Critic
     from .data import DataMixer
     from .faults import FaultSupervisor
+    from .filters import GroupFilters
     from .health import StepHealth
     from .placement import Actors
     from .rollout import RolloutManager
@@ -41,7 +42,7 @@ class RunState:
     teachers: Teachers | None
     algorithm: StepAlgorithm
     advantage: Any
-    filters: list[Any]
+    filters: GroupFilters
     loggers: list[Any]
     step: int
     version: int

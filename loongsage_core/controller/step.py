@@ -70,11 +70,9 @@ class StepRunner(RunState):
             groups = self.loop.run_until_complete(self.faults.generate(prompts, step, offset=offset))
             offset += len(prompts)
             sampled.extend(groups)
-            for f, name in zip(self.filters, self.job.algorithm.filters):
-                before = len(groups)
-                groups = list(f.fn(groups, **self.job.algorithm.filter_args.get(name, {})))
-                dropped += before - len(groups)
-            kept.extend(groups)
+            before = self.filters.dropped
+            kept.extend(self.filters.accept(groups))
+            dropped += self.filters.dropped - before
             attempts += 1
             if attempts > self.job.algorithm.max_filter_retries:
                 break

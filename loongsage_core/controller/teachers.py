@@ -34,6 +34,7 @@ import attrs
 
 from loongsage_hookspecs import (
     Batch,
+    ComponentRef,
     KLInputs,
     ResidentTeacher,
     TeacherContext,
@@ -43,7 +44,7 @@ from loongsage_hookspecs import (
 )
 
 from ..algorithms.pipeline import TEACHER_MASK_KEY
-from ..config import ConfigError, JobConfig
+from ..config import ConfigError, JobConfig, component_ref
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -58,13 +59,15 @@ class DistillSetup:
     ``separate`` is true when the term comes from ``[algorithm] distill_kl`` (tensors prefixed
     ``teacher_``) and false when the teachers feed ``[algorithm] kl`` (prefix ``ref_``).
     ``topk`` is the number of teacher top-k entries computed per token (0 unless the term
-    requires ``"topk"``); ``in_reward`` puts the term into the token rewards instead of the loss.
+    requires ``"topk"``); ``in_reward`` puts the term into the token rewards instead of the loss;
+    ``ref`` names the term's ``kl`` component as the job does (to bind it).
     """
 
     kl_name: str
     requires: str
     kl_args: dict[str, Any]
     coef: float
+    ref: ComponentRef
     in_reward: bool
     separate: bool
     topk: int
@@ -122,6 +125,7 @@ def distill_setup(job: JobConfig, host: Any) -> DistillSetup | None:
         raise ConfigError(f"{where}: {key}_args asks for k = {wanted} teacher top-k entries but "
                           f"algorithm.distill_topk = {topk} are computed; raise distill_topk")
     return DistillSetup(kl_name=name, requires=requires, kl_args=dict(args), coef=float(coef),
+                        ref=component_ref(job, key),
                         in_reward=bool(in_reward), separate=separate, topk=topk)
 
 
@@ -185,14 +189,13 @@ class LazyTeacher:
 
 def _teacher_builder(job: JobConfig, host: Any, index: int) -> Callable[[], Any]:
     t = job.teachers[index]
-    where = f"{job.source_path or '<job>'}: teachers[{index}] ('{t.name}')"
-    host.get("teacher", t.backend, where=f"{where}.backend")  # an unknown backend fails now, not on first use
-    ctx = TeacherContext(where=f"{where}.backend", job=job, components=host, name=t.name,
+    ref = component_ref(job, f"teachers[{index}].backend")
+    host.get("teacher", t.backend, where=ref.where)  # an unknown backend fails now, not on first use
+    ctx = TeacherContext(where=ref.where, job=job, components=host, name=t.name,
                          path=job.resolve_path(t.path) if t.path else None)
-    args = dict(t.args)
 
     def build() -> Any:
-        return host.build("teacher", t.backend, ctx, args_key=f"{where}.args", **args)
+        return host.bind(ref, ctx)
 
     return build
 
@@ -217,7 +220,8 @@ class TeacherGroup:
         setup = distill_setup(job, host)
         if setup is None:
             return None
-        where = f"{job.source_path or '<job>'}: placement.teacher_manager"
+        ref = component_ref(job, "placement.teacher_manager")
+        where = ref.where
         spec: TeacherManagerSpec = host.get("teacher_manager", job.placement.teacher_manager, where=where)
         release = job.placement.teacher_offload == "release"
         teachers = {t.name: LazyTeacher(t.name, _teacher_builder(job, host, i), release=release)
@@ -225,7 +229,7 @@ class TeacherGroup:
         routes = {src.name: src.teacher for src in job.data}
         ctx = TeacherManagerContext(where=where, job=job, components=host, teachers=teachers, routes=routes,
                                     max_resident=job.placement.max_resident_teachers, source_key="source")
-        manager = host.build("teacher_manager", job.placement.teacher_manager, ctx, where=where)
+        manager = host.bind(ref, ctx)
         return cls(teachers, setup, manager, spec.metrics)
 
     # -- routing -----------------------------------------------------------------------------

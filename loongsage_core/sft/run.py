@@ -31,12 +31,12 @@ import attrs
 
 from loongsage_hookspecs import Closeable, LoggerContext, StepTruncation
 
-from ..config import AlgorithmConfig, JobConfig, SftConfig, dump_job_toml
+from ..config import AlgorithmConfig, JobConfig, SftConfig, component_ref, component_refs, dump_job_toml
 from ..controller import checkpoint as ckpt
 from ..controller.run_dir import prepare_run_dir
 from ..validation import check_output_dir
 from .data import SftData, load_examples, split_eval, step_batch, step_examples
-from .loss import NLL_LOSS, TOKEN_MEAN, SftComponents
+from .loss import NLL_LOSS, TOKEN_MEAN, provide_sft_losses
 
 log = logging.getLogger("loongsage")
 
@@ -90,10 +90,11 @@ class SftRun:
         """Build the worker, restore a checkpoint when resuming, start the loggers."""
         from loongsage_hookspecs import TrainWorkerContext
 
-        where = self.job.source_path or "<job>"
-        ctx = TrainWorkerContext(where=f"{where}: train.backend", job=trainer_job(self.job, self.total_steps),
-                                 components=SftComponents(self.host))
-        self.worker = self.host.build("train_backend", self.job.train.backend, ctx)
+        provide_sft_losses(self.host)
+        backend = component_ref(self.job, "train.backend")
+        ctx = TrainWorkerContext(where=backend.where, job=trainer_job(self.job, self.total_steps),
+                                 components=self.host)
+        self.worker = self.host.bind(backend, ctx)
         if self.job.run.resume:
             point, skipped = ckpt.find_resumable(self.output_dir)
             ckpt.warn_skipped(skipped, point.directory if point else None)
@@ -103,12 +104,11 @@ class SftRun:
                 log.info("resumed SFT from %s (step %d)", point.directory, point.step)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
-        for i, lg in enumerate(self.job.loggers):
-            log_ctx = LoggerContext(where=f"{where}: loggers[{i}].name", job=self.job, components=self.host,
+        for ref in component_refs(self.job, kinds=("logger",)):
+            log_ctx = LoggerContext(where=ref.where, job=self.job, components=self.host,
                                     output_dir=str(self.output_dir), total_steps=self.total_steps,
                                     start_step=self.step)
-            logger = self.host.build("logger", lg.name, log_ctx,
-                                     args_key=f"{where}: loggers[{i}].args", **lg.args)
+            logger = self.host.bind(ref, log_ctx)
             if isinstance(logger, StepTruncation):
                 logger.truncate_after(self.step)
             self.loggers.append(logger)

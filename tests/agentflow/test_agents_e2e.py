@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from loongsage_core.agentflow import run_agent_trajectory
-from loongsage_hookspecs import BuildContext, Trajectory, TrajectoryStatus
+from loongsage_core.plugins import PluginHost
+from loongsage_hookspecs import BuildContext, ComponentRef, Trajectory, TrajectoryStatus
 
 REPO = Path(__file__).resolve().parents[2]
 BLACKBOX = REPO / "examples" / "blackbox_agent.py"
@@ -24,9 +25,10 @@ AGENT_TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def agents():
-    from loongsage_plugin_agents import plugin
-
-    return {s.name: s for s in plugin.loongsage_agents()}
+    """``agents(name, args)``: an agent built as a run builds it (the real host binds the agents
+    plugin's spec with the job's arguments)."""
+    host = PluginHost.create(["agents"])
+    return lambda name, args=None: host.bind(ComponentRef("agent", name, args or {}), BuildContext(components=host))
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,7 @@ def run(coro):
 
 def test_single_turn_agent(engine_url, router_factory, agents, renderer):
     router = router_factory([engine_url])
-    traj = run(run_agent_trajectory(router, agents["single_turn"], {"system_prompt": "Be brief."}, None,
+    traj = run(run_agent_trajectory(router, agents("single_turn", {"system_prompt": "Be brief."}), None,
                                     trajectory=trajectory("st-1", "What is 1+2?"),
                                     sampling={"max_new_tokens": 10, "seed": 3}, timeout_s=AGENT_TIMEOUT_S))
     assert traj.status == TrajectoryStatus.COMPLETED and traj.error is None
@@ -83,7 +85,7 @@ def test_tool_agent_calls_python_tools_and_destroys_its_sandbox(tool_engine_url,
     '''))
     provider = LocalSandboxProvider()
     router = router_factory([tool_engine_url], [ToolCallParser()])
-    traj = run(run_agent_trajectory(router, agents["tool_agent"], {"tools": [f"{tools}:add"], "max_turns": 3},
+    traj = run(run_agent_trajectory(router, agents("tool_agent", {"tools": [f"{tools}:add"], "max_turns": 3}),
                                     provider, trajectory=trajectory("ta-1", "What is 1+2?"),
                                     sampling={"max_new_tokens": 32}, timeout_s=AGENT_TIMEOUT_S))
     assert traj.status == TrajectoryStatus.COMPLETED, traj.error
@@ -104,7 +106,7 @@ def test_tool_agent_calls_python_tools_and_destroys_its_sandbox(tool_engine_url,
 def test_command_agent_runs_the_blackbox_example(engine_url, router_factory, agents):
     router = router_factory([engine_url])
     args = {"command": [sys.executable, str(BLACKBOX), "--turns", "2", "--max-tokens", "8"]}
-    traj = run(run_agent_trajectory(router, agents["command"], args, None,
+    traj = run(run_agent_trajectory(router, agents("command", args), None,
                                     trajectory=trajectory("cmd-1", "What is 1+2?"),
                                     sampling={"seed": 9}, timeout_s=AGENT_TIMEOUT_S))
     assert traj.status == TrajectoryStatus.COMPLETED, traj.error
@@ -119,7 +121,7 @@ def test_crashing_command_agent_marks_the_trajectory_failed(engine_url, router_f
     router = router_factory([engine_url])
     # in the sandbox: an interpreter its unprivileged user may run
     crash = [local_sandbox.python, "-c", "import sys; print('oops', file=sys.stderr); sys.exit(3)"]
-    traj = run(run_agent_trajectory(router, agents["command"], {"command": crash}, local_sandbox,
+    traj = run(run_agent_trajectory(router, agents("command", {"command": crash}), local_sandbox,
                                     trajectory=trajectory("crash-1", "x"), needs_sandbox=True, timeout_s=30))
     assert traj.status == TrajectoryStatus.FAILED
     assert "exited with status 3" in traj.error and "oops" in traj.error
@@ -137,7 +139,7 @@ def test_agent_that_outgrows_the_context_is_marked_failed(engine_url, router_fac
               "                             {'Content-Type': 'application/json'})\n"
               "try:\n    urllib.request.urlopen(req)\nexcept urllib.error.HTTPError as exc:\n"
               "    print(exc.code, json.load(exc)['error']['code'])\n")
-    traj = run(run_agent_trajectory(router, agents["command"], {"command": [sys.executable, "-c", script]}, None,
+    traj = run(run_agent_trajectory(router, agents("command", {"command": [sys.executable, "-c", script]}), None,
                                     trajectory=trajectory("ctx-1", "x"), timeout_s=AGENT_TIMEOUT_S))
     assert traj.status == TrajectoryStatus.FAILED
     assert traj.error.startswith("context_length_exceeded") and "1024 tokens" in traj.error
@@ -153,7 +155,7 @@ def test_hanging_command_agent_times_out_and_is_killed(engine_url, router_factor
     for label, agent_args, runner_timeout in (("agent", {"command": hang, "timeout_s": 3.0}, 30),
                                               ("runner", {"command": hang}, 3.0)):
         started = time.monotonic()
-        traj = run(run_agent_trajectory(router, agents["command"], agent_args, None,
+        traj = run(run_agent_trajectory(router, agents("command", agent_args), None,
                                         trajectory=trajectory(f"hang-{label}", "x"), timeout_s=runner_timeout))
         assert time.monotonic() - started < 20  # not the program's 60 s
         assert traj.status == TrajectoryStatus.FAILED
@@ -183,7 +185,7 @@ def test_host_abort_marks_the_trajectory_aborted(engine_url, router_factory, age
 
     async def scenario():
         task = asyncio.create_task(run_agent_trajectory(
-            router, agents["command"], args, None, trajectory=trajectory("abort-1", "x"), timeout_s=AGENT_TIMEOUT_S))
+            router, agents("command", args), None, trajectory=trajectory("abort-1", "x"), timeout_s=AGENT_TIMEOUT_S))
         while True:  # wait until the agent has made its first call
             await asyncio.sleep(0.02)
             try:

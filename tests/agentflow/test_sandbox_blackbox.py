@@ -18,7 +18,8 @@ import pytest
 from loongsage_plugin_agents.sandbox_procs import with_argument
 
 from loongsage_core.agentflow import run_agent_trajectory
-from loongsage_hookspecs import Trajectory, TrajectoryStatus
+from loongsage_core.plugins import PluginHost
+from loongsage_hookspecs import BuildContext, ComponentRef, Trajectory, TrajectoryStatus
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox user needs a root host")
 
@@ -61,9 +62,10 @@ POOL = {"uid_base": 2_000_000 + (os.getpid() % 5000) * 128, "uid_count": 128}
 
 @pytest.fixture(scope="module")
 def agents():
-    from loongsage_plugin_agents import plugin
-
-    return {s.name: s for s in plugin.loongsage_agents()}
+    """``agents(name, args)``: an agent built as a run builds it (the real host binds the agents
+    plugin's spec with the job's arguments)."""
+    host = PluginHost.create(["agents"])
+    return lambda name, args=None: host.bind(ComponentRef("agent", name, args or {}), BuildContext(components=host))
 
 
 @pytest.mark.parametrize("isolation", MODES)
@@ -98,7 +100,7 @@ def test_blackbox_program_reaches_the_router_only_and_leaves_nothing(isolation, 
     traj = Trajectory(id=f"bb-{isolation}", prompt_id="p0", group_id="g0", prompt="hi",
                       metadata={"sandbox": {"snapshot": str(repo)}})
     try:
-        traj = asyncio.run(run_agent_trajectory(router, agents["command"], args, provider, trajectory=traj,
+        traj = asyncio.run(run_agent_trajectory(router, agents("command", args), provider, trajectory=traj,
                                                 sampling={"max_new_tokens": 4}, timeout_s=120))
         asyncio.run(provider.close())
     finally:
@@ -155,7 +157,7 @@ def test_sixteen_trajectories_never_hold_more_than_four_sandboxes(engine_url, ro
     async def scenario():
         args = {"command": ["sh", "-c", "sleep 0.4; echo $LOONGSAGE_TRAJECTORY_ID > answer.txt; echo done"]}
         return await asyncio.gather(*(
-            run_agent_trajectory(router, agents["command"], args, provider,
+            run_agent_trajectory(router, agents("command", args), provider,
                                  trajectory=Trajectory(id=f"c-{i}", prompt_id="p", group_id="g", prompt="x"),
                                  timeout_s=120, score=score) for i in range(16)))
 

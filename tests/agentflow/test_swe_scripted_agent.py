@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 
 from loongsage_core.agentflow import run_agent_trajectory
-from loongsage_core.config import DataConfig
-from loongsage_core.controller.rewards import score_trajectory_async
+from loongsage_core.config import DataConfig, JobConfig
+from loongsage_core.controller.rewards import SourceRewards, score_trajectory_async
 from loongsage_core.plugins import PluginHost
-from loongsage_hookspecs import BuildContext, Trajectory, TrajectoryStatus
+from loongsage_hookspecs import BuildContext, ComponentRef, Trajectory, TrajectoryStatus
 
 REPO = Path(__file__).resolve().parents[2]
 SWE = REPO / "configs" / "recipes" / "swe"
@@ -41,20 +41,22 @@ def host():
 
 def repair(host, router, provider, mode: str, extra: list[str] = (), tid: str = "swe-1") -> tuple[Trajectory, list]:
     """One trajectory of the scripted agent in ``mode``; also the sandbox directories seen meanwhile."""
-    source = DataConfig(name="swe", reward=["swe_tests"], sandbox="local")
+    rewards = SourceRewards.bind(JobConfig(data=[DataConfig(name="swe", reward=["swe_tests"], sandbox="local")]), 0,
+                                 host)
     seen: list[str] = []
 
     async def score(traj: Trajectory, sandbox) -> None:
         seen.append(sandbox.workdir)
         assert os.path.isdir(sandbox.workdir)  # scored while the sandbox still exists
-        await score_trajectory_async(traj, source, host, sandbox)
+        await score_trajectory_async(traj, rewards, sandbox)
 
     meta = {k: v for k, v in PAGER.items() if k != "problem_statement"}
     traj = Trajectory(id=tid, prompt_id="p0", group_id="g0", prompt=PAGER["problem_statement"], metadata=meta)
     # the program runs in the sandbox as its user: an interpreter and packages (openai) it can read
     args = {"command": [provider.python, str(AGENT), "--mode", mode, *extra], "timeout_s": 120,
             "env": {"PYTHONPATH": sysconfig.get_paths()["purelib"]}}
-    traj = asyncio.run(run_agent_trajectory(router, host.get("agent", "command"), args, provider, trajectory=traj,
+    agent = host.bind(ComponentRef("agent", "command", args), BuildContext(components=host))
+    traj = asyncio.run(run_agent_trajectory(router, agent, provider, trajectory=traj,
                                             sampling={"max_new_tokens": 4, "seed": 1}, timeout_s=180, score=score,
                                             max_context_length=1024))
     return traj, seen
@@ -62,7 +64,8 @@ def repair(host, router, provider, mode: str, extra: list[str] = (), tid: str = 
 
 @pytest.fixture
 def setup(host, engine_url, router_factory):
-    provider = host.get("sandbox", "local").factory(BuildContext(), base_dir=str(SWE), default_timeout_s=60)
+    provider = host.bind(ComponentRef("sandbox", "local", {"base_dir": str(SWE), "default_timeout_s": 60}),
+                         BuildContext(components=host))
     yield host, router_factory([engine_url]), provider
     asyncio.run(provider.close())
 

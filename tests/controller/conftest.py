@@ -198,7 +198,7 @@ def build_controller(tmp_path: Path, overrides: dict[str, Any] | None = None, *,
     from loongsage_core.controller.teacher_actor import Teachers
 
     controller.teachers = Teachers.local(job, controller.host)  # the teacher actor's code, in this process
-    if controller.advantage.needs_critic:
+    if controller.advantage.spec.needs_critic:
         from loongsage_core.controller.critic import Critic, CriticActor
 
         critic = CriticActor(job, 0, 1)

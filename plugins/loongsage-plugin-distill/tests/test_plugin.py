@@ -58,7 +58,7 @@ def test_host_selects_components_by_name_and_the_loss_pipeline_runs_them():
                            "rollout_logprobs": logprobs.detach(), "ref_logprobs": ref, "ref_logits": teacher})
     job = JobConfig(algorithm=AlgorithmConfig(policy_loss="ppo_clip", loss_agg="token_mean", kl="opd_full_kl",
                                               kl_args={"direction": "reverse"}, kl_coef=1.0))
-    pipeline = LossPipeline(job, host)
+    pipeline = LossPipeline.from_job(job, host)
     assert pipeline.needs_logits
     norm = AggregationNorm(num_tokens=float(mask.sum()), num_sequences=2.0, max_response_length=3.0)
     loss, _ = pipeline.loss(micro, logprobs, None, norm, logits=student)

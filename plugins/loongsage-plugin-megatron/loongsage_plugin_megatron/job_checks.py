@@ -65,7 +65,7 @@ def check_job(job: Any) -> None:
 def check_model_settings(job: Any, num_experts: int | None, model_path: str) -> None:
     """The job's algorithm settings this model cannot run: Router Replay (``[algorithm]
     router_replay``) needs routed experts."""
-    if getattr(job.algorithm, "router_replay", False) and not num_experts:
+    if job.algorithm.router_replay and not num_experts:
         raise ValueError("[algorithm] router_replay = true, but the model has no mixture-of-experts layers "
                          f"(the config.json of '{model_path}' names no routed experts): there is no "
                          "routing to replay")

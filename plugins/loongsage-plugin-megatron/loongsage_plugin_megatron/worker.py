@@ -122,9 +122,9 @@ class MegatronTrainWorker:
         self.sequence_parallel = layout.sequence_parallel(self.options, self.tp, self.num_experts)
         # [algorithm] router_replay: every forward of a mixture-of-experts model replays the
         # engine's routing (.router_replay); the actor's scoring pass also compares without it
-        replay = bool(getattr(job.algorithm, "router_replay", False))
+        replay = bool(job.algorithm.router_replay)
         self.router_replay_compare = (replay and self.role == "actor"
-                                      and bool(getattr(job.algorithm, "router_replay_compare", True)))
+                                      and bool(job.algorithm.router_replay_compare))
 
         auto_bridge = cpu_compat.import_bridge()
         bridge_compat.apply()
@@ -159,7 +159,7 @@ class MegatronTrainWorker:
             self.scheduler: Any = None
             self.pipeline: LossPipeline | None = None
             if self.role == "actor":
-                self.pipeline = LossPipeline(job, ctx.components)
+                self.pipeline = LossPipeline.from_job(job, ctx.components)
                 self.chunks: list[Any] = wrap_ddp(self.modules, self.options)
                 self.model = self.chunks[0]
                 self.optimizer, self.scheduler = build_optimizer(self.chunks, job.train, self.options, self.dtype)

@@ -86,7 +86,7 @@ def train_batch(ref, seed: int) -> Batch:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_vocabulary_terms_step_matches_torch_backend(hf_dir, host, case):
     job = vocab_job(hf_dir, case)
-    assert LossPipeline(job, host).needs_logits  # the step must hand the loss the full logits
+    assert LossPipeline.from_job(job, host).needs_logits  # the step must hand the loss the full logits
     meg = plugin.create_train_worker(TrainWorkerContext(job=job, components=host))
     try:
         ref = create_torch_worker(TrainWorkerContext(job=vocab_job(hf_dir, case), components=host))

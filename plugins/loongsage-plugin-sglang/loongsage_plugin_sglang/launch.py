@@ -166,7 +166,7 @@ def build_launch_command(job: JobSettings, *, host: str = "127.0.0.1", port: int
     if getattr(job.model, "fp32_lm_head", False):
         _require_flag(args, "enable_fp32_lm_head", where, "[model] fp32_lm_head = true computes the trainer's logits "
                       "in float32", "model.fp32_lm_head = false")
-    if getattr(getattr(job, "algorithm", None), "router_replay", False):
+    if job.algorithm.router_replay:
         _require_flag(args, "enable_return_routed_experts", where, "[algorithm] router_replay = true replays the "
                       "experts the engine returns", "algorithm.router_replay = false")
     argv = [python or sys.executable, "-m", "sglang.launch_server",

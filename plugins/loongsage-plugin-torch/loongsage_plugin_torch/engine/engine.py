@@ -18,7 +18,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
 from loongsage_core.backend_api import check_listen_address
-from loongsage_hookspecs import EngineContext, WeightTransportContext
+from loongsage_hookspecs import ComponentRef, EngineContext, WeightTransportContext
 
 from ..lora import lora_scaling
 from ..modeling import ModelLoadError, load_model, load_tokenizer, torch_dtype
@@ -178,8 +178,8 @@ class EmbeddedEngine:
                                      "of its own (its sender uses other transports' formats)", "load_format")
             ctx = WeightTransportContext(where=f"weight update with load_format {load_format!r}", job=self.ctx.job,
                                          components=components, role="receiver")
-            receiver = self._receivers[load_format] = components.build(
-                "weight_transport", load_format, ctx, using="receiver")
+            receiver = self._receivers[load_format] = components.bind(
+                ComponentRef("weight_transport", load_format, where=ctx.where), ctx, using="receiver")
         return iter(receiver.receive(payload))
 
     # ------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from loongsage_core.backend_api import MetricAccumulator
-from loongsage_hookspecs import AggregationNorm, Batch, TrainWorkerContext
+from loongsage_hookspecs import AggregationNorm, Batch, ComponentRef, TrainWorkerContext
 
 from ..modeling import load_model
 from . import distributed
@@ -135,8 +135,9 @@ class TorchCriticWorker(TorchTrainWorker):
         if ctx.components is None:
             raise ValueError("TorchCriticWorker: the context has no component registry to find the "
                              f"loss aggregation '{alg.loss_agg}' in")
-        self.aggregation = ctx.components.get("loss_aggregation", alg.loss_agg)
-        self.aggregation_args = dict(alg.loss_agg_args)
+        self.aggregation = ctx.components.bind(ComponentRef("loss_aggregation", alg.loss_agg, alg.loss_agg_args,
+                                                            where=f"{ctx.where}: algorithm.loss_agg",
+                                                            args_where=f"{ctx.where}: algorithm.loss_agg_args"))
         self._init_optimizer(self.model.parameters(), lr=crit.lr or train.lr)
         self.pipeline = None
         self.training_forward_logprobs = None  # a critic computes no log-probs to reuse
@@ -200,7 +201,7 @@ class TorchCriticWorker(TorchTrainWorker):
         return self.optimizer, None
 
     def _aggregate(self, loss: torch.Tensor, mask: torch.Tensor, norm: AggregationNorm) -> torch.Tensor:
-        return self.aggregation.fn(loss, mask, norm, **self.aggregation_args)
+        return self.aggregation(loss, mask, norm)
 
     def accumulate_gradients(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
         """Forward and backward of ``loss_coef * clipped value loss`` over ``batch`` in micro-batches.

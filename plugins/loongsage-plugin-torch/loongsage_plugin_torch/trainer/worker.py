@@ -84,9 +84,8 @@ class TorchTrainWorker(TrainingStepMixin, WeightIOMixin, CheckpointMixin, Placem
         self.model: Any = model
         # a mixture-of-experts policy replays the engine's routing ([algorithm] router_replay)
         algorithm = job.algorithm
-        self.router_replay = RouterReplay(model) if getattr(algorithm, "router_replay", False) else None
-        self.router_replay_compare = (trainable and self.router_replay is not None
-                                      and bool(getattr(algorithm, "router_replay_compare", True)))
+        self.router_replay = RouterReplay(model) if algorithm.router_replay else None
+        self.router_replay_compare = trainable and self.router_replay is not None and algorithm.router_replay_compare
         self.global_step = 0
         self.training_forward_logprobs: torch.Tensor | None = None  # of the last mini-batch, when they are old ones
         self.optimizer: torch.optim.Optimizer | None = None
@@ -102,7 +101,10 @@ class TorchTrainWorker(TrainingStepMixin, WeightIOMixin, CheckpointMixin, Placem
             enable_gradient_checkpointing(self.model)
         if distributed.is_distributed():
             distributed.broadcast_parameters(self.model.state_dict().values())
-        self.pipeline = LossPipeline(job, ctx.components)
+        if ctx.components is None:
+            raise ValueError("torch train backend: the context has no component registry to bind the job's loss "
+                             "components with")
+        self.pipeline = LossPipeline.from_job(job, ctx.components)
         self._init_optimizer([p for p in self.model.parameters() if p.requires_grad], lr=job.train.lr)
         self.model.train()
 

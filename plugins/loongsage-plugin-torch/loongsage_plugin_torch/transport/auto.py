@@ -44,7 +44,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from loongsage_core.backend_api import engine_headers, node_id
-from loongsage_hookspecs import LoraSettings, WeightTarget, WeightTransportContext
+from loongsage_hookspecs import ComponentRef, LoraSettings, WeightTarget, WeightTransportContext
 
 from .shm import WeightTransferError
 
@@ -142,11 +142,12 @@ class AutoSender:
 
     def _sender(self, name: str) -> Any:
         if name not in self._senders:
-            where = f"{self.ctx.where}: weight_transport_args.{name}"
-            try:
-                sender = self.candidates[name].sender(self.ctx, **self.args.get(name, {}))
-            except TypeError as exc:
-                raise ValueError(f"{where}: {exc}") from None
+            if self.ctx.components is None:
+                raise WeightTransferError("auto weight transport: its context has no plugin registry "
+                                          "(components) to build the chosen transport's sender with")
+            ref = ComponentRef("weight_transport", name, self.args.get(name, {}), where=self.ctx.where,
+                               args_where=f"{self.ctx.where}_args.{name}")
+            sender = self.ctx.components.bind(ref, self.ctx, using="sender")
             if self._lora is not None and callable(getattr(sender, "configure_lora", None)):
                 sender.configure_lora(self._lora)
             self._senders[name] = sender
