@@ -62,6 +62,8 @@ CASES = [
          "rollout.samples_per_prompt = 1"),
     Case("rloo with one sample", {"data.jsonl": GOOD}, ("rollout.samples_per_prompt=1", "algorithm.advantage=rloo"),
          "rollout.samples_per_prompt = 1"),
+    Case("a component argument of the wrong type", {"data.jsonl": GOOD}, ("algorithm.advantage_args.norm_std=maybe",),
+         "algorithm.advantage_args.norm_std: expected bool"),
     Case("data directory that is no dataset", {"sub/readme.txt": b"hi"}, ("data.0.path=sub",),
          "is a directory but not a dataset"),
 ]
