@@ -81,7 +81,7 @@ def job_text(steps: int, scheduler: str | None) -> str:
 
 def run_mode(steps: int, scheduler: str | None, workdir: Path) -> dict[str, float]:
     from loongsage_core.config import load_job
-    from loongsage_core.controller.entry import run_job
+    from loongsage_core.controller.run import run_job
     from loongsage_core.resolve import resolve_job
 
     path = workdir / f"{scheduler or 'sync'}.toml"

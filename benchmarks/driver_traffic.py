@@ -9,7 +9,7 @@ colocated trainer and engine) for a few steps on a local Ray cluster, in two sha
   each policy epoch, critic training).
 
 What is counted: the pickled size of every argument of every actor-method call the driver makes
-while :meth:`RLController.fit` runs (an ``ObjectRef`` argument counts as its id), plus the
+while :meth:`SyncLoop.fit` runs (an ``ObjectRef`` argument counts as its id), plus the
 pickled size of every ``ray.put``. Setup (actor construction, model loading) is not counted.
 Prints JSON: per job, bytes per step in total and per actor method.
 
@@ -101,17 +101,16 @@ class TrafficMeter:
 
 def measure(name: str, steps: int, meter: TrafficMeter) -> dict[str, Any]:
     from loongsage_core.config import load_job
-    from loongsage_core.controller.entry import run_job
-    from loongsage_core.controller.run import RLController
+    from loongsage_core.controller.run import SyncLoop, run_job
     from loongsage_core.resolve import resolve_job
 
     path, overrides = JOBS[name]
     job = load_job(REPO / path, [*overrides, f"train.total_steps={steps}", "run.checkpoint_every=0",
                                  "run.save_hf_at_end=false"])
     job.loggers = []
-    fit = RLController.fit
+    fit = SyncLoop.fit
 
-    def counted_fit(self: RLController) -> Any:
+    def counted_fit(self: SyncLoop) -> Any:
         meter.on = True
         try:
             return fit(self)
@@ -120,12 +119,12 @@ def measure(name: str, steps: int, meter: TrafficMeter) -> dict[str, Any]:
 
     meter.by_method.clear()
     meter.calls.clear()
-    RLController.fit = counted_fit  # type: ignore[method-assign]
+    SyncLoop.fit = counted_fit  # type: ignore[method-assign]
     try:
         with tempfile.TemporaryDirectory() as out:
             history = run_job(resolve_job(job), output_dir=out)
     finally:
-        RLController.fit = fit  # type: ignore[method-assign]
+        SyncLoop.fit = fit  # type: ignore[method-assign]
     total = sum(meter.by_method.values())
     return {
         "steps": steps,

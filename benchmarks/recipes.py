@@ -48,7 +48,7 @@ def steps_to_threshold(series: list[float], threshold: float, window: int = WIND
 
 def run_recipe(name: str, seed: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from loongsage_core.config import LoggerConfig, load_job
-    from loongsage_core.controller.entry import run_job
+    from loongsage_core.controller.run import run_job
     from loongsage_core.resolve import resolve_job
 
     overrides = [f"train.total_steps={args.steps}", f"rollout.prompts_per_step={args.prompts}",

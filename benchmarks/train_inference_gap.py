@@ -58,7 +58,7 @@ def main() -> None:
     import ray
 
     from loongsage_core.config import load_job
-    from loongsage_core.controller.entry import run_job
+    from loongsage_core.controller.run import run_job
     from loongsage_core.resolve import resolve_job
 
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, log_to_driver=False,

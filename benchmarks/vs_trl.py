@@ -192,7 +192,7 @@ def run_loongsage(model_dir: Path, prompts: Path, new_tokens: int, steps: int, t
                   pack_tokens: int | None, workdir: Path, name: str) -> dict[str, Any]:
     """Seconds per step of LoongSage (steps after the first) and its per-phase MFU."""
     from loongsage_core.config import load_job
-    from loongsage_core.controller.entry import run_job
+    from loongsage_core.controller.run import run_job
     from loongsage_core.resolve import resolve_job
 
     job = workdir / f"loongsage_{name}.toml"

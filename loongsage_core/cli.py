@@ -128,7 +128,7 @@ def cmd_recipes(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     resolved = _load(args)  # a broken job file fails before torch and Ray are imported
-    from .controller.entry import run_job
+    from .controller.run import run_job
 
     run_job(resolved, output_dir=args.output_dir, overwrite=args.overwrite)
     return 0

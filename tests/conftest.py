@@ -115,7 +115,7 @@ class TinyJob:
 
     def run(self, job_dir: Path, out: Path, *overrides: str, overwrite: bool = False) -> list[dict]:
         from loongsage_core.config import load_job
-        from loongsage_core.controller.entry import run_job
+        from loongsage_core.controller.run import run_job
         from loongsage_core.resolve import resolve_job
 
         job = load_job(self.write(job_dir), list(overrides))

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from loongsage_core.config import load_job
-from loongsage_core.controller.async_run import AsyncRLController
 from loongsage_core.controller.faults import ActorDeathError
-from loongsage_core.controller.run import RLController
+from loongsage_core.controller.run import make_loop
+from loongsage_core.controller.runtime import Run
 from loongsage_core.resolve import resolve_job
 
 
@@ -34,12 +34,12 @@ def kill(actor) -> None:
 class KillAt:
     """A logger that kills an actor right after step ``step`` is logged (mid-run, between steps)."""
 
-    def __init__(self, controller: RLController, step: int, pick) -> None:
-        self.controller, self.step, self.pick = controller, step, pick
+    def __init__(self, run: Run, step: int, pick) -> None:
+        self.run, self.step, self.pick = run, step, pick
 
     def log(self, step: int, metrics: dict) -> None:
         if step == self.step:
-            kill(self.pick(self.controller.actors))
+            kill(self.pick(self.run.actors))
 
     def close(self) -> None:
         pass
@@ -50,26 +50,26 @@ def run_with_kill(tiny_job, tmp_path: Path, out: Path, step: int, pick, *overrid
     """What ``run_job`` does, with the killer logger added; ``kill_while_training = (step, engine)``
     also kills that engine while the trainer trains on that step (its weight push then fails)."""
     job = load_job(tiny_job.write(tmp_path), list(overrides))
-    cls = AsyncRLController if job.async_.enable else RLController
-    controller = cls(resolve_job(job), out)
+    run = Run(resolve_job(job), out)
+    loop = make_loop(run)
     if kill_while_training is not None:
-        original = controller.train
+        original = run.learner.train
 
         def train(batch, step):
             out = original(batch, step)
             if step == kill_while_training[0]:
-                kill(controller.actors.engine_actors[kill_while_training[1]])
+                kill(run.actors.engine_actors[kill_while_training[1]])
             return out
 
-        controller.train = train
+        run.learner.train = train
     try:
-        controller.start()
-        controller.loggers.append(KillAt(controller, step, pick))
-        return controller.fit()
+        run.start()
+        run.loggers.append(KillAt(run, step, pick))
+        return loop.fit()
     except Exception as exc:
-        raise controller.faults.explain(exc) from None
+        raise run.faults.explain(exc) from None
     finally:
-        controller.close()
+        run.close()
 
 
 def trained(out: Path) -> list[dict]:

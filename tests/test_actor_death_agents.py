@@ -9,7 +9,8 @@ import time
 from pathlib import Path
 
 from loongsage_core.config import load_job
-from loongsage_core.controller.run import RLController
+from loongsage_core.controller.run import SyncLoop
+from loongsage_core.controller.runtime import Run
 from loongsage_core.resolve import resolve_job
 
 
@@ -39,7 +40,7 @@ def test_engine_killed_under_agent_turns_is_replaced_and_no_trajectory_fails(ray
     job = load_job(path, ["placement.colocate=false", "rollout.num_engines=2", "rollout.weight_transport=shm",
                           "rollout.max_new_tokens=24", "train.total_steps=3"])
     out = tmp_path / "run"
-    controller = RLController(resolve_job(job), out)
+    controller = Run(resolve_job(job), out)
     killed: list[str] = []
     try:
         controller.start()
@@ -69,7 +70,7 @@ def test_engine_killed_under_agent_turns_is_replaced_and_no_trajectory_fails(ray
                 pass
 
         controller.loggers.append(Arm())
-        history = controller.fit()
+        history = SyncLoop(controller).fit()
         stats = controller.rollout.router.stats_now()
         urls = list(controller.rollout.router.balancer.urls)
         new_url = controller.actors.engine_urls[1]

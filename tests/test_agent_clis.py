@@ -186,7 +186,7 @@ def test_two_training_steps_with_each_cli_as_the_agent(ray_cluster, tmp_path):
     hangs (OpenCode trains in the ``opencode`` recipe's 2-step run, tests/test_swe_recipe.py:
     its 20K-token prompt makes each of its trajectories cost seconds of training on 2 cores)."""
     from loongsage_core.config import load_job
-    from loongsage_core.controller.entry import run_job
+    from loongsage_core.controller.run import run_job
     from loongsage_core.resolve import resolve_job
 
     script, _ = hanging_cli(tmp_path)

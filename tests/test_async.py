@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from loongsage_core.config import ConfigError, load_job
-from loongsage_core.controller.entry import run_job
+from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
 
 REPO = Path(__file__).resolve().parent.parent
@@ -77,7 +77,8 @@ def test_async_run_bounds_staleness(ray_cluster, tmp_path, scheduler):
 
 def test_async_needs_separate_actors(tmp_path):
     job = load_job(write_job(tmp_path), ["placement.colocate=true", "rollout.weight_transport=inprocess"])
-    from loongsage_core.controller.async_run import AsyncRLController
+    from loongsage_core.controller.async_loop import AsyncLoop
+    from loongsage_core.controller.runtime import Run
 
     with pytest.raises(ConfigError, match="async.enable = true needs placement.colocate = false"):
-        AsyncRLController(resolve_job(job), tmp_path / "o")
+        AsyncLoop(Run(resolve_job(job), tmp_path / "o"))

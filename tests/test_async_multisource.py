@@ -259,7 +259,8 @@ def loongsage_schedulers():
 
 def test_several_sources_need_a_scheduler_that_picks_sources(tmp_path):
     from loongsage_core.config import ConfigError, load_job
-    from loongsage_core.controller.async_run import AsyncRLController
+    from loongsage_core.controller.async_loop import AsyncLoop
+    from loongsage_core.controller.runtime import Run
     from loongsage_core.resolve import resolve_job
 
     (tmp_path / "my_sched.py").write_text(USER_SCHEDULER)
@@ -267,6 +268,6 @@ def test_several_sources_need_a_scheduler_that_picks_sources(tmp_path):
     text = job.read_text().replace('enable = ["torch"', 'modules = ["my_sched.py"]\nenable = ["torch"')
     job.write_text(text)
     with pytest.raises(ConfigError, match="'oldest_first' does not declare the SourcePicker.* 3 data sources"):
-        AsyncRLController(resolve_job(load_job(job, ["async.scheduler=oldest_first"])), tmp_path / "o")
+        AsyncLoop(Run(resolve_job(load_job(job, ["async.scheduler=oldest_first"])), tmp_path / "o"))
     with pytest.raises(ConfigError, match="async.scheduler_args.quota: the quotas come from the"):
-        AsyncRLController(resolve_job(load_job(job, ["async.scheduler_args={quota=1}"])), tmp_path / "o")
+        AsyncLoop(Run(resolve_job(load_job(job, ["async.scheduler_args={quota=1}"])), tmp_path / "o"))

@@ -121,7 +121,7 @@ def test_resumed_mixer_draws_what_an_uninterrupted_one_draws(tmp_path):
 
 
 def cut(order: list[int], mini_batch_size: int, world_size: int) -> list[list[list[int]]]:
-    """The rows of each rank of each mini-batch, cut as RLController.train cuts them."""
+    """The rows of each rank of each mini-batch, cut as the learner cuts them."""
     out = []
     for start in range(0, len(order), mini_batch_size):
         mini = order[start:start + mini_batch_size]

@@ -10,7 +10,7 @@ import httpx
 from openai import OpenAI
 
 from loongsage_core.config import load_job
-from loongsage_core.controller.entry import run_job
+from loongsage_core.controller.run import run_job
 from loongsage_core.controller.serve import start_serving
 from loongsage_core.resolve import resolve_job
 from loongsage_core.security import read_secret_file

@@ -7,7 +7,8 @@ from pathlib import Path
 import httpx
 
 from loongsage_core.config import load_job
-from loongsage_core.controller.run import RLController
+from loongsage_core.controller.run import SyncLoop
+from loongsage_core.controller.runtime import Run
 from loongsage_core.resolve import resolve_job
 from loongsage_core.security import read_secret_file
 
@@ -52,7 +53,8 @@ def generated_tokens(url: str, auth: dict[str, str]) -> int:
 def test_generation_goes_through_the_sglang_router(ray_cluster, tmp_path):
     path = tmp_path / "job.toml"
     path.write_text(JOB)
-    controller = RLController(resolve_job(load_job(path)), tmp_path / "run")
+    controller = Run(resolve_job(load_job(path)), tmp_path / "run")
+    loop = SyncLoop(controller)
     try:
         controller.start()
         router_url = controller.engine_router.base_url
@@ -65,7 +67,7 @@ def test_generation_goes_through_the_sglang_router(ray_cluster, tmp_path):
         assert httpx.post(router_url + "/generate", json={"input_ids": [1, 2], "sampling_params": {}},
                           trust_env=False).status_code == 401
         for step in range(2):
-            metrics = controller.run_step(step)
+            metrics = loop.run_step(step)
             controller.step = step + 1
             assert metrics["rollout/num_rows"] == 16.0
             # weights still go to each engine directly
@@ -85,12 +87,13 @@ def test_an_engine_that_died_behind_the_sglang_router_is_replaced_there(ray_clus
 
     path = tmp_path / "job.toml"
     path.write_text(JOB.replace("total_steps = 2", "total_steps = 3"))
-    controller = RLController(resolve_job(load_job(path)), tmp_path / "run")
+    controller = Run(resolve_job(load_job(path)), tmp_path / "run")
+    loop = SyncLoop(controller)
     try:
         controller.start()
         router = controller.engine_router
         assert sorted(router.worker_urls_now()) == sorted(controller.actors.engine_urls)
-        history = [controller.run_step(0)]
+        history = [loop.run_step(0)]
         controller.step = 1
         dead_url = controller.actors.engine_urls[1]
         victim = controller.actors.engine_actors[1]
@@ -101,7 +104,7 @@ def test_an_engine_that_died_behind_the_sglang_router_is_replaced_there(ray_clus
             except ray.exceptions.RayActorError:
                 break
         for step in (1, 2):
-            history.append(controller.run_step(step))
+            history.append(loop.run_step(step))
             controller.step = step + 1
         engines = list(controller.actors.engine_urls)
         routed = router.worker_urls_now()
@@ -125,7 +128,8 @@ def test_without_a_router_each_group_is_one_request_to_its_engine(ray_cluster, t
     path.write_text(JOB.replace('engine_router = "sglang_router"', "")
                     .replace('engine_router_args = { policy = "round_robin" }', "")
                     .replace("num_engines = 2", "num_engines = 1").replace("total_steps = 2", "total_steps = 1"))
-    controller = RLController(resolve_job(load_job(path)), tmp_path / "run")
+    controller = Run(resolve_job(load_job(path)), tmp_path / "run")
+    loop = SyncLoop(controller)
     try:
         controller.start()
         assert controller.engine_router is None
@@ -139,7 +143,7 @@ def test_without_a_router_each_group_is_one_request_to_its_engine(ray_cluster, t
             return await real_generate(input_ids, *args, **kwargs)
 
         client.generate = counting_generate
-        metrics = controller.run_step(0)
+        metrics = loop.run_step(0)
         assert metrics["rollout/num_rows"] == 16.0
         assert batches == [4, 4, 4, 4]  # four prompts, each with its four samples in one request
     finally:

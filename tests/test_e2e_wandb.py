@@ -8,7 +8,7 @@ from pathlib import Path
 from loongsage_plugin_loggers.wandb_logger import read_offline_history
 
 from loongsage_core.config import load_job
-from loongsage_core.controller.entry import run_job
+from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
 
 REPO = Path(__file__).resolve().parent.parent

@@ -127,7 +127,8 @@ def test_a_step_whose_update_overflows_is_rolled_back_and_later_steps_train(ray_
     import ray
 
     from loongsage_core.config import load_job
-    from loongsage_core.controller.run import RLController
+    from loongsage_core.controller.run import SyncLoop
+    from loongsage_core.controller.runtime import Run
     from loongsage_core.resolve import resolve_job
 
     def trainer_state(actor):  # runs in the trainer actor: its parameters and AdamW state
@@ -142,12 +143,12 @@ def test_a_step_whose_update_overflows_is_rolled_back_and_later_steps_train(ray_
 
     out = tmp_path / "run"
     job = load_job(tiny_job.write(tmp_path), ["train.total_steps=4", "run.checkpoint_every=0"])
-    controller = RLController(resolve_job(job), out)
+    run = Run(resolve_job(job), out)
     seen = {}
-    original = controller.train
+    original = run.learner.train
 
     def train(batch, step):
-        trainer = controller.actors.trainers[0]
+        trainer = run.actors.trainers[0]
         if step == 1:
             seen["before"] = ray.get(trainer.__ray_call__.remote(trainer_state))
             ray.get(trainer.__ray_call__.remote(spike_lr))
@@ -156,12 +157,12 @@ def test_a_step_whose_update_overflows_is_rolled_back_and_later_steps_train(ray_
             seen["after"] = ray.get(trainer.__ray_call__.remote(trainer_state))
         return metrics
 
-    controller.train = train
+    run.learner.train = train
     try:
-        controller.start()
-        history = controller.fit()
+        run.start()
+        history = SyncLoop(run).fit()
     finally:
-        controller.close()
+        run.close()
     assert [m["step"] for m in history] == [0, 1, 2, 3]
     assert [m["fault/bad_step"] for m in history] == [0.0, 1.0, 0.0, 0.0]
     assert [m["train/rolled_back_step"] for m in history] == [0.0, 1.0, 0.0, 0.0]

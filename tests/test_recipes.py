@@ -13,7 +13,7 @@ import pytest
 
 from loongsage_core.config import ConfigError, load_job
 from loongsage_core.controller.critic import check_critic_resources
-from loongsage_core.controller.entry import run_job
+from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
 
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from loongsage_core.config import load_job
-from loongsage_core.controller.entry import run_job
+from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
 
 REPO = Path(__file__).resolve().parent.parent

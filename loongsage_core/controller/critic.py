@@ -8,7 +8,7 @@ backend's worker built with ``TrainWorkerContext.role = "critic"``: a value mode
 estimates the return from token ``t`` onwards) and whose ``train_mini_batch`` minimises the
 clipped value loss on ``values`` (rollout-time) and ``returns`` (targets).
 
-In one step of the loop (:class:`loongsage_core.controller.run.RLController`)::
+In one step of the loop (:class:`loongsage_core.controller.run.SyncLoop`)::
 
     rows -> Critic.values(batch) -> batch["values"] -> advantage (values=..., gives returns)
          -> policy update -> Critic.train(batch, step, algorithm, order) -> weights to engines

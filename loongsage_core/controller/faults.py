@@ -87,8 +87,8 @@ def is_actor_death(exc: BaseException) -> bool:
 
 
 class SupervisedRun(Protocol):
-    """What the supervisor needs of the run it watches (the controller of
-    :mod:`loongsage_core.controller.run` is one): its actors, clients and a way to push weights."""
+    """What the supervisor needs of the run it watches (:class:`.runtime.Run` is one): its
+    actors, clients and a way to push weights."""
 
     job: JobConfig
     output_dir: Path
@@ -98,15 +98,15 @@ class SupervisedRun(Protocol):
     engine_router: Any  # the [rollout] engine_router in front of the engines, or None
     loop: asyncio.AbstractEventLoop  # the run's event loop (its engine clients belong to it)
 
-    def _push_weights(self, version: int | None = None) -> dict[str, float]: ...
+    def push_weights(self, version: int | None = None) -> dict[str, float]: ...
 
 
 class FaultSupervisor:
     """Detects dead actors for one run (a :class:`SupervisedRun`), replaces dead engines and
     explains fatal deaths."""
 
-    def __init__(self, controller: SupervisedRun) -> None:
-        self.ctrl = controller
+    def __init__(self, run: SupervisedRun) -> None:
+        self.ctrl = run
         self.engine_restarts = 0
         self.retired: list[EngineClient] = []  # clients of replaced engines, to close
         self.suspect = False  # asynchronous runs: a group failed in transport; check the actors
@@ -170,7 +170,7 @@ class FaultSupervisor:
                             self.describe(exc), index)
                 self._restart_engine(index)
             if dead:
-                self.ctrl._push_weights()  # the new engines serve the current version, like the others
+                self.ctrl.push_weights()  # the new engines serve the current version, like the others
             return len(dead)
 
     def locked(self, fn: Callable[..., Any], *args: Any) -> Any:

@@ -1,102 +1,156 @@
-"""``loongsage run``: the synchronous RL loop of DESIGN.md section 4 on a Ray cluster.
+"""``loongsage run``: a run and the loop that drives it (DESIGN section 4).
 
-The controller is three parts, each a module of its own:
+:func:`run_job` is the whole of ``loongsage run``: it builds the :class:`.runtime.Run` (actors,
+engines, data, checkpoints, loggers), picks the loop, starts, trains, exports and closes.
+:class:`SyncLoop` is the synchronous loop; one step, as :meth:`SyncLoop.run_step` reads::
 
-* :class:`.step.StepRunner`: one step (collect, learn, weights to the engines), calling the
-  step's algorithm (:class:`loongsage_core.algorithms.StepAlgorithm`) and reaching the actors
-  through :class:`.worker_group.WorkerGroup` (one sharding rule for policy, reference and critic;
-  the step's rows shipped once per stage);
-* :class:`.lifecycle.RunLifecycle`: start (actors and critic in one placement group, engine
-  router, loggers), resume, checkpoints, close;
-* :class:`RLController` (here): the run's state and the loop over the steps (:meth:`fit`).
+    prompts -> agents / engines (tokens, log-probs, weight versions) -> rewards -> filters
+            -> [devices to the trainer] -> learn: rows, old log-probs, advantages, train
+            -> records, step health -> weights to the engines (version += 1)
+            -> [devices back to the engines] -> metrics to the loggers, checkpoint
 
-Actor calls go through :func:`.remote.gather` (Ray handles in a run, :class:`.remote.LocalActor`
-in-process in the controller tests). :mod:`.async_run` overlaps rollout and training instead.
-
-Outputs in the run directory: ``metrics.jsonl`` (one object per step), ``checkpoints/``,
-``config.resolved.toml``, ``run_secret`` (the run secret, mode 0600: engines and the router's admin
-API require it) and, at the end, ``final_hf/`` (a Hugging Face directory).
+:class:`.async_loop.AsyncLoop` overlaps rollout and training instead. Both loops reach the run
+through its public methods only; both filter groups with the run's one :class:`.filters.GroupFilters`.
 """
 
 from __future__ import annotations
 
-import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
-from loongsage_hookspecs import Batch, TrajectoryGroup
+from loongsage_hookspecs import TrajectoryGroup
 
-from ..algorithms import StepAlgorithm
-from ..records.writer import RolloutRecorder
 from ..resolve import ResolvedJob
-from ..security import new_secret
-from .colocation import PhaseSwitch
-from .critic import Critic
-from .data import DataMixer
-from .faults import FaultSupervisor
-from .filters import GroupFilters
-from .health import StepHealth
-from .lifecycle import RunLifecycle, load_tokenizer, remote_cause
-from .placement import Actors
-from .rollout import RolloutManager
-from .run_dir import truncate_jsonl
-from .step import TRAINED_PROMPTS, StepRunner
-from .teacher_actor import Teachers
-from .teachers import distill_setup, uses_reference_model
-from .worker_group import mean_metrics
-
-__all__ = ["RLController", "TRAINED_PROMPTS", "load_tokenizer", "mean_metrics", "remote_cause", "truncate_jsonl"]
+from ..validation import check_output_dir
+from .learner import CONTROLLER_OVERHEAD
+from .metrics import rollout_metrics
+from .remote import waited_s
+from .run_dir import prepare_run_dir
+from .runtime import Run
 
 
-class RLController(RunLifecycle, StepRunner):
-    """Owns the actors, the data and the loop of one run."""
+def run_job(resolved: ResolvedJob, output_dir: str | None = None, *, overwrite: bool = False,
+            ) -> list[dict[str, float]]:
+    """Train the resolved job; returns the metrics of every step run.
 
-    def __init__(self, resolved: ResolvedJob, output_dir: Path) -> None:
-        self.job = resolved.job
-        self.host = resolved.host
-        self.output_dir = output_dir
-        self.tokenizer = load_tokenizer(self.job)
-        self.mixer = DataMixer(self.job, self.host)
-        self.needs_reference = uses_reference_model(self.job, self.host)
-        self.teachers: Teachers | None = None  # the teacher actor, started with the other actors
-        # the step's algorithm, in one place (DESIGN.md section 6)
-        self.algorithm = StepAlgorithm.from_job(self.job, self.host, distill=distill_setup(self.job, self.host))
-        self.advantage = self.algorithm.advantage
-        self.filters = GroupFilters.from_job(self.job, self.host)
-        self.loggers: list[Any] = []
-        self.step = 0
-        self.version = 0
-        self.actors: Actors | None = None
-        self.engine_router: Any = None  # a load balancer in front of the engines ([rollout] engine_router)
-        self.phases: PhaseSwitch | None = None
-        self.rollout: RolloutManager | None = None
-        self.critic: Critic | None = None  # the value model, when the advantage needs_critic (controller/critic.py)
-        self.resumed_state: dict[str, Any] | None = None  # controller.json of the checkpoint resumed from
-        self.health = StepHealth(self.job.train.max_bad_steps)  # bad steps: skipped, counted, bounded
-        self.faults = FaultSupervisor(self)  # dead engines replaced, dead trainers explained
-        self.records: RolloutRecorder | None = None  # rollout records writer (loongsage_core/records)
-        self.last_batch: Batch | None = None  # the batch of the last learn() (for the rollout records)
-        self.sampled_groups: list[TrajectoryGroup] = []  # every group the last collect() sampled
-        # one event loop for the whole run: the engine clients' connections belong to it
-        self.loop = asyncio.new_event_loop()
-        self.secret = new_secret()  # the run secret: engines and the router's control endpoints need it
-        self.stop_signals: dict[int, Any] = {}  # the SIGINT / SIGTERM handlers start() replaced
+    A directory that already holds a run is continued (``run.resume = true``), moved aside
+    (``overwrite``) or refused: see :mod:`loongsage_core.controller.run_dir`.
+    """
+    job = resolved.job
+    out = Path(output_dir or job.resolve_path(job.run.output_dir))
+    check_output_dir(out, "--output-dir" if output_dir else f"{job.source_path or '<job>'}: run.output_dir")
+    prepare_run_dir(out, resume=job.run.resume, overwrite=overwrite, where=job.source_path or "<job>")
+    run = Run(resolved, out)
+    loop = make_loop(run)
+    try:
+        run.start()
+        history = loop.fit()
+        run.export_final()
+        return history
+    except Exception as exc:
+        explained = run.faults.explain(exc)  # a dead actor: say which, where and why
+        if explained is exc:
+            raise
+        raise explained from None
+    finally:
+        run.close()
 
-    # ------------------------------------------------------------------ the loop
+
+def make_loop(run: Run) -> Any:
+    """The loop the job asks for: :class:`.async_loop.AsyncLoop` with ``[async] enable``, else
+    :class:`SyncLoop` (built before the run starts: a loop refuses a job it cannot run)."""
+    if run.job.async_.enable:
+        from .async_loop import AsyncLoop
+
+        return AsyncLoop(run)
+    return SyncLoop(run)
+
+
+class SyncLoop:
+    """Generation and training take turns: each step collects its groups, learns on them, and
+    moves the new weights to the idle engines."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.job = run.job
 
     def fit(self) -> list[dict[str, float]]:
-        """Run from the current step to ``train.total_steps``; returns every step's metrics."""
-        history = []
+        """Run from the run's current step to ``train.total_steps``; returns every step's metrics."""
+        run, history = self.run, []
         every = self.job.run.checkpoint_every
-        while self.step < self.job.train.total_steps:
-            step = self.step
+        while run.step < self.job.train.total_steps:
+            step = run.step
             metrics = self.run_step(step)
             metrics["step"] = step
             history.append(metrics)
-            for lg in self.loggers:
-                lg.log(step, metrics)
-            self.step = step + 1
-            if every > 0 and self.step % every == 0:
-                self.save(self.step)
-        self._export_final()
+            run.log(step, metrics)
+            run.step = step + 1
+            if every > 0 and run.step % every == 0:
+                run.save(run.step)
         return history
+
+    def run_step(self, step: int) -> dict[str, float]:
+        """One synchronous step: collect, learn, then move the weights to the idle engines."""
+        run = self.run
+        assert run.phases is not None
+        t0 = time.perf_counter()
+        groups, sampled, metrics = self.collect(step)
+        t_rollout, waited = time.perf_counter(), waited_s()
+        metrics.update(run.phases.to_training())
+        train_metrics, tokens = run.learner.learn(groups, step)
+        run.record(step, groups, run.learner.last_batch, sampled)
+        metrics.update(train_metrics)
+        metrics.update(run.health.observe(step, metrics, groups))  # raises after train.max_bad_steps
+        t_train = time.perf_counter()
+        if tokens and run.health.last_problem is None:
+            run.version += 1
+            metrics.update(run.phases.to_weight_sync())
+            metrics.update(run.faults.push_weights(run.push_weights))  # replaces an engine that died
+        metrics.update(run.phases.to_generation())
+        t_update = time.perf_counter()
+        run.record_trained(step, groups)
+        metrics.update(run.learner.rollout_mfu(t_rollout - t0))
+        end = time.perf_counter()
+        # everything after the rollout that was not waiting on actors or engines: it holds learn()'s
+        # own part (which asynchronous runs report alone) and replaces it in the metrics
+        overhead = end - t_rollout - (waited_s() - waited)
+        metrics.update({
+            "timing/rollout": t_rollout - t0,
+            "timing/train": t_train - t_rollout,
+            "timing/update_weights": t_update - t_train,
+            "timing/step": end - t0,
+            CONTROLLER_OVERHEAD: overhead,
+            "perf/controller_overhead_ratio": overhead / max(end - t0, 1e-9),
+            "perf/generated_tokens": tokens,
+            "perf/weight_version": float(run.version),
+            "perf/tokens_per_s": tokens / max(t_rollout - t0, 1e-9),
+            "fault/engine_restarts": float(run.faults.engine_restarts),
+        })
+        return metrics
+
+    def collect(self, step: int) -> tuple[list[TrajectoryGroup], list[TrajectoryGroup], dict[str, float]]:
+        """Generate, score and filter this step's groups (refilling dropped ones when allowed):
+        the kept groups, every sampled group (the records keep the filtered-out ones too) and
+        the ``rollout/*`` metrics."""
+        run = self.run
+        want = self.job.rollout.prompts_per_step
+        kept: list[TrajectoryGroup] = []
+        sampled: list[TrajectoryGroup] = []
+        dropped_before = run.filters.dropped
+        attempts = 0
+        offset = 0
+        while len(kept) < want:
+            prompts = run.mixer.next_prompts(want - len(kept))
+            groups = run.loop.run_until_complete(run.faults.generate(prompts, step, offset=offset))
+            offset += len(prompts)
+            sampled.extend(groups)
+            kept.extend(run.filters.accept(groups))
+            attempts += 1
+            if attempts > self.job.algorithm.max_filter_retries:
+                break
+        metrics = rollout_metrics(sampled)
+        metrics["rollout/filter_drop"] = float(run.filters.dropped - dropped_before)
+        metrics["rollout/filter_attempts"] = float(attempts)
+        metrics["rollout/groups_trained"] = float(len(kept))
+        return kept, sampled, metrics

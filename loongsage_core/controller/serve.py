@@ -20,8 +20,8 @@ from ..agentflow import AgentFlowRouter, build_middlewares
 from ..config import section_refs
 from ..resolve import ResolvedJob
 from ..security import new_secret, set_process_secret, write_secret_file
-from .lifecycle import load_tokenizer
 from .placement import Actors, create_actors, init_ray, start_engine_router
+from .runtime import load_tokenizer
 from .signals import stop_on_signals
 
 

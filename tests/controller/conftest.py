@@ -1,4 +1,4 @@
-"""A controller in one process, without Ray: the real loop, algorithm, rollout manager, rewards,
+"""A run in one process, without Ray: the real loop, algorithm, rollout manager, rewards,
 filters and torch trainer on a tiny model; only the engines and the actor transport are fakes.
 
 * :class:`FakeEngine` has the face of :class:`loongsage_core.engine_client.EngineClient` (the
@@ -163,56 +163,53 @@ def make_job(overrides: dict[str, Any] | None = None, dotted: tuple[str, ...] = 
 
 def build_controller(tmp_path: Path, overrides: dict[str, Any] | None = None, *, dotted: tuple[str, ...] = (),
                      responder: Callable[[str, int], tuple[str, str]] = arithmetic_responder) -> Any:
-    """A started controller (sync, or async with ``async.enable``) whose engines are fakes."""
-    from loongsage_core.controller.run import RLController
+    """The job's loop (sync, or async with ``async.enable``) over a started run (``loop.run``)
+    whose engines are fakes; the loop also carries ``events``, ``trainer`` and ``engine``."""
+    from loongsage_core.controller.run import make_loop
+    from loongsage_core.controller.runtime import Run
 
     job = make_job(overrides, dotted)
-    resolved = resolve_job(job)
-    if job.async_.enable:
-        from loongsage_core.controller.async_run import AsyncRLController
-
-        controller: Any = AsyncRLController(resolved, tmp_path / "run")
-    else:
-        controller = RLController(resolved, tmp_path / "run")
-    controller.output_dir.mkdir(parents=True, exist_ok=True)
+    run = Run(resolve_job(job), tmp_path / "run")
+    loop = make_loop(run)
+    run.output_dir.mkdir(parents=True, exist_ok=True)
     events: list[str] = []
-    trainer = RecordingTrainer(job, 0, 1, None, controller.needs_reference)
+    trainer = RecordingTrainer(job, 0, 1, None, run.needs_reference)
     trainer.start("127.0.0.1", 0)  # one rank: no group to join
     trainer.events = events
     trainer.norms = []
-    controller.actors = Actors(trainers=[LocalActor(trainer)], engine_actors=[], engine_urls=["http://fake-engine"],
-                               colocated=job.placement.colocate, dp_ranks=[0], dp_size=1)
-    controller.rollout = RolloutManager(job, controller.host, controller.tokenizer, ["http://fake-engine"])
-    engine = FakeEngine(controller.tokenizer, events, responder)
-    controller.rollout.clients = [engine]
-    controller.rollout.generate_clients = [engine]
-    start_router = controller.rollout.start_router
+    run.actors = Actors(trainers=[LocalActor(trainer)], engine_actors=[], engine_urls=["http://fake-engine"],
+                        colocated=job.placement.colocate, dp_ranks=[0], dp_size=1)
+    run.rollout = RolloutManager(job, run.host, run.tokenizer, ["http://fake-engine"])
+    engine = FakeEngine(run.tokenizer, events, responder)
+    run.rollout.clients = [engine]
+    run.rollout.generate_clients = [engine]
+    start_router = run.rollout.start_router
 
     def start_router_on_the_fake() -> str:  # agents other than the fast path's talk to the router
         url = start_router()
-        controller.rollout.router.engines._clients["http://fake-engine"] = engine
+        run.rollout.router.engines._clients["http://fake-engine"] = engine
         return url
 
-    controller.rollout.start_router = start_router_on_the_fake
-    controller.phases = PhaseSwitch(job, controller.actors.trainers, controller.rollout.clients, controller.loop)
+    run.rollout.start_router = start_router_on_the_fake
+    run.phases = PhaseSwitch(job, run.actors.trainers, run.rollout.clients, run.loop)
     from loongsage_core.controller.teacher_actor import Teachers
 
-    controller.teachers = Teachers.local(job, controller.host)  # the teacher actor's code, in this process
-    if controller.advantage.spec.needs_critic:
+    run.teachers = Teachers.local(job, run.host)  # the teacher actor's code, in this process
+    if run.needs_critic:
         from loongsage_core.controller.critic import Critic, CriticActor
 
         critic = CriticActor(job, 0, 1)
         critic.start("127.0.0.1", 0)  # one rank: no group to join
-        controller.critic = Critic(job, [LocalActor(critic)])
-    controller.events = events
-    controller.trainer = trainer
-    controller.engine = engine
-    return controller
+        run.critic = Critic(job, [LocalActor(critic)])
+    loop.events = events
+    loop.trainer = trainer
+    loop.engine = engine
+    return loop
 
 
 @pytest.fixture
 def controller_factory(tmp_path: Path):
-    """``make(overrides, dotted=..., responder=...)`` -> a controller; closed after the test."""
+    """``make(overrides, dotted=..., responder=...)`` -> a loop over its run; closed after the test."""
     made: list[Any] = []
 
     def make(overrides: dict[str, Any] | None = None, **kw: Any) -> Any:
@@ -222,5 +219,5 @@ def controller_factory(tmp_path: Path):
 
     yield make
     for c in made:
-        c.actors = c.critic = None  # in-process: nothing to kill
-        c.close()
+        c.run.actors = c.run.critic = None  # in-process: nothing to kill
+        c.run.close()

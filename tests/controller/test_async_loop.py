@@ -32,12 +32,12 @@ def test_async_steps_filter_requeue_and_update_weights(controller_factory):
         assert m["train/num_mini_batches"] == 1.0 and m["train/adv_abs_mean"] > 0
         assert m["rollout/reward_mean"] == pytest.approx(0.5)  # only groups with a signal were trained
     assert history[-1]["rollout/filter_drop"] == 2  # the two groups without a signal
-    assert c.version == 2
+    assert c.run.version == 2
     # each update: engines paused, weights pushed, engines resumed, in that order
     updates = [e for e in c.events if e.startswith(("engine0.pause", "trainer.push", "engine0.resume"))]
     assert updates[:6] == ["engine0.pause:abort", "trainer.push:1", "engine0.resume",
                            "engine0.pause:abort", "trainer.push:2", "engine0.resume"]
-    lines = [json.loads(x) for x in (c.output_dir / "trained_prompts.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (c.run.output_dir / "trained_prompts.jsonl").read_text().splitlines()]
     trained = [p for line in lines for p in line["prompt_ids"]]
     assert len(trained) == 4 and len(set(trained)) == 4
 
@@ -58,7 +58,7 @@ def test_failed_and_aborted_groups_go_back_to_the_queue(controller_factory):
             await c.changed.wait()
         return dispatched
 
-    dispatched = c.loop.run_until_complete(scenario())
+    dispatched = c.run.loop.run_until_complete(scenario())
     assert dispatched == 2  # capacity: prompts_per_step * (1 + stale_steps)
     assert c.buffer == [] and len(c.requeue) == 2  # aborted samples: the prompts are generated again
     assert c.scheduler.metrics()["rollout/discarded_total"] == 2.0
@@ -78,18 +78,18 @@ def test_surplus_groups_are_evicted_and_their_prompts_requeued(controller_factor
             c.changed.clear()
             await c.changed.wait()
         assert len(c.buffer) == 4
-        chosen = c.scheduler.select(c.buffer, c.version, 2)
+        chosen = c.scheduler.select(c.buffer, c.run.version, 2)
         for g in chosen:
             c.buffer.remove(g)
         await c._abort_unusable()
         return chosen
 
-    chosen = c.loop.run_until_complete(scenario())
+    chosen = c.run.loop.run_until_complete(scenario())
     assert len(chosen) == 2 and c.buffer == []
     assert len(c.requeue) == 2
     requeued = {p.prompt_id for p in c.requeue}
     assert requeued.isdisjoint({g.prompt_id for g in chosen})
     assert set(c.group_prompts) == {g.group_id for g in chosen}  # evicted groups forgotten, chosen kept
     # the chosen groups train as a normal step
-    metrics, tokens = c.learn(chosen, 0)
+    metrics, tokens = c.run.learner.learn(chosen, 0)
     assert tokens > 0 and metrics["train/num_mini_batches"] == 1.0

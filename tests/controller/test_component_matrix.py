@@ -128,7 +128,7 @@ def grouped_abs(value: float) -> Callable[..., None]:
 
 
 def status_check(ms: list[dict[str, float]], base: list[dict[str, float]], c: Any) -> None:
-    groups, _ = c.collect(2)
+    groups, _, _ = c.collect(2)
     assert groups and all(len(g.trajectories) == 3 and all(t.status.value == "completed" for t in g.trajectories)
                           for g in groups)
     assert all(m["rollout/aborted_ratio"] == 0.25 for m in ms)
@@ -303,5 +303,5 @@ def test_component_in_two_training_steps(controller_factory, key):
     base = baseline(controller_factory)
     entry = MATRIX[key]
     metrics, c = run_entry(controller_factory, entry)
-    assert len(metrics) == 2 and c.version == 2
+    assert len(metrics) == 2 and c.run.version == 2
     entry.check(metrics, base, c)

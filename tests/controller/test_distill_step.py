@@ -20,10 +20,10 @@ def distilling_job(tutor_for_add: bool = True) -> dict:
 
 def test_a_step_scores_rows_with_the_teacher_actor_and_trains_on_the_gap(controller_factory):
     c = controller_factory(distilling_job())
-    assert c.teachers is not None and c.teachers.setup.kl_name == "opd_k3"
-    groups, _ = c.collect(0)
-    metrics, _ = c.learn(groups, 0)
-    batch = c.last_batch
+    assert c.run.teachers is not None and c.run.teachers.setup.kl_name == "opd_k3"
+    groups, _, _ = c.collect(0)
+    metrics, _ = c.run.learner.learn(groups, 0)
+    batch = c.run.learner.last_batch
     assert batch is not None and "teacher_logprobs" in batch and "teacher_mask" in batch
     assert metrics["train/teacher_row_ratio"] == 1.0 and metrics["perf/teacher_builds"] == 1.0
     # the k3 gap the manager reports is the one between the rows' old log-probs and the teacher's
@@ -37,5 +37,5 @@ def test_a_step_scores_rows_with_the_teacher_actor_and_trains_on_the_gap(control
 
 def test_a_job_whose_sources_name_no_teacher_starts_no_teacher_actor(controller_factory):
     c = controller_factory({"teachers": TEACHER["teachers"], "data": distilling_job(tutor_for_add=False)["data"]})
-    assert c.teachers is None
+    assert c.run.teachers is None
     assert "train/teacher_row_ratio" not in c.run_step(0)

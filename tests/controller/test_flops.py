@@ -58,7 +58,7 @@ def test_the_step_reports_mfu_per_phase_from_its_flops(controller_factory):
     c = controller_factory({"train": {"peak_tflops": 0.001}, "algorithm": {"force_old_logprob_pass": True}})
     m = c.run_step(0)
     shape = ModelShape.from_config(TINY)
-    batch = c.last_batch
+    batch = c.run.learner.last_batch
     lengths = batch["attention_mask"].sum(1).tolist()
     prompts = (batch["loss_mask"] > 0).float().argmax(dim=1).tolist()
 

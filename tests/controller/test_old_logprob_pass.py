@@ -22,15 +22,15 @@ def test_skipping_the_pass_gives_the_same_update_and_gap(controller_factory):
     forced = controller_factory({"algorithm": {"force_old_logprob_pass": True}})
     before = _weights(skipped)
     assert all(torch.equal(before[k], v) for k, v in _weights(forced).items())  # the same start
-    groups, _ = skipped.collect(0)
-    a, _ = skipped.learn(groups, 0)
-    b, _ = forced.learn(groups, 0)
+    groups, _, _ = skipped.collect(0)
+    a, _ = skipped.run.learner.learn(groups, 0)
+    b, _ = forced.run.learner.learn(groups, 0)
     assert a["perf/old_logprob_pass_skipped"] == 1.0 and b["perf/old_logprob_pass_skipped"] == 0.0
     # the training forward's log-probs are kept as the step's old log-probs (the records carry them)
-    torch.testing.assert_close(skipped.last_batch["old_logprobs"], forced.last_batch["old_logprobs"],
-                               rtol=1e-5, atol=1e-6)
-    assert float(skipped.last_batch["old_logprobs"].abs().sum()) > 0
-    assert torch.equal(skipped.last_batch["old_logprobs"] != 0, skipped.last_batch["loss_mask"] > 0)
+    kept, scored = skipped.run.learner.last_batch, forced.run.learner.last_batch
+    torch.testing.assert_close(kept["old_logprobs"], scored["old_logprobs"], rtol=1e-5, atol=1e-6)
+    assert float(kept["old_logprobs"].abs().sum()) > 0
+    assert torch.equal(kept["old_logprobs"] != 0, kept["loss_mask"] > 0)
     for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/is_approx_k3_kl",
                 "train/logprob_abs_diff_mean", "train/logprob_abs_diff_max", "train/adv_abs_mean"):
         assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
@@ -52,20 +52,20 @@ def test_the_pass_runs_when_the_rule_says_so(controller_factory, overrides):
     c = controller_factory(overrides)
     metrics = c.run_step(0)
     assert metrics["perf/old_logprob_pass_skipped"] == 0.0
-    assert "old_logprobs" in c.last_batch
+    assert "old_logprobs" in c.run.learner.last_batch
 
 
 def test_recompute_off_uses_rollout_logprobs_and_no_pass(controller_factory):
     c = controller_factory({"algorithm": {"recompute_old_logprobs": False}})
     metrics = c.run_step(0)
     assert metrics["perf/old_logprob_pass_skipped"] == 0.0
-    assert torch.equal(c.last_batch["old_logprobs"], c.last_batch["rollout_logprobs"])
+    assert torch.equal(c.run.learner.last_batch["old_logprobs"], c.run.learner.last_batch["rollout_logprobs"])
 
 
 def test_stale_samples_need_the_pass(controller_factory):
     # the async loop trains on samples of older weights: their log-probs are not this forward's
     c = controller_factory()
-    groups, _ = c.collect(0)
+    groups, _, _ = c.collect(0)
     batch = build_batch(groups)
     job = make_job()
     assert old_logprob_pass(job, batch, version=0, needed_before_training=False)[0] is False
@@ -76,14 +76,14 @@ def test_stale_samples_need_the_pass(controller_factory):
     row, col = (mixed["loss_mask"] > 0).nonzero()[0].tolist()
     mixed.tensors["weight_versions"][row, col] = 5
     assert old_logprob_pass(job, mixed, version=0, needed_before_training=False)[0] is True
-    c.version = 1  # the controller's own check: the samples above came from version 0
-    metrics, _ = c.learn(groups, 0)
+    c.run.version = 1  # the controller's own check: the samples above came from version 0
+    metrics, _ = c.run.learner.learn(groups, 0)
     assert metrics["perf/old_logprob_pass_skipped"] == 0.0
 
 
 def test_needed_before_training_keeps_the_pass(controller_factory):
     c = controller_factory()
-    groups, _ = c.collect(0)
+    groups, _, _ = c.collect(0)
     batch = build_batch(groups)
     run, why = old_logprob_pass(make_job(), batch, version=0, needed_before_training=True)
     assert run and "before training" in why
@@ -93,7 +93,7 @@ def test_router_replay_comparison_keeps_the_pass_and_reports_on_the_rows(control
     from loongsage_core.algorithms import router_replay_metrics
 
     c = controller_factory()
-    groups, _ = c.collect(0)
+    groups, _, _ = c.collect(0)
     batch = build_batch(groups)
     replay = make_job({"algorithm": {"router_replay": True}})
     assert old_logprob_pass(replay, batch, version=0, needed_before_training=False)[0] is False  # no routes

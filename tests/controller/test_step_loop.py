@@ -19,7 +19,7 @@ def test_two_steps_train_and_report_the_step_metrics(controller_factory):
         assert m["rollout/reward_mean"] == pytest.approx(0.5)  # even samples right, odd ones wrong
         assert m["train/num_mini_batches"] == 1.0 and m["train/adv_abs_mean"] > 0
         assert m["train/is_approx_k3_kl"] > 1e-4  # the fake engine's log-probs are not the trainer's
-    assert c.version == 2
+    assert c.run.version == 2
     assert c.events.count("trainer.train") == 2
     assert [e for e in c.events if e.startswith("trainer.push")] == ["trainer.push:1", "trainer.push:2"]
     norm = c.trainer.norms[0]
@@ -32,9 +32,9 @@ def test_pre_advantage_corrections_run_in_a_real_step_and_change_the_loss(contro
     args = {"tis": {"upper": 1.5}, "m2po": {"tau": 0.002}}[correction]
     plain = controller_factory({"algorithm": {"force_old_logprob_pass": True}})  # the gap from the same pass
     corrected = controller_factory({"algorithm": {"corrections": [correction], "correction_args": {correction: args}}})
-    groups, _ = plain.collect(0)
-    base, _ = plain.learn(groups, 0)
-    fixed, _ = corrected.learn(groups, 0)
+    groups, _, _ = plain.collect(0)
+    base, _ = plain.run.learner.learn(groups, 0)
+    fixed, _ = corrected.run.learner.learn(groups, 0)
     if correction == "m2po":  # the largest (old - rollout)^2 tokens are masked
         assert 0.0 < fixed["train/correction_kept_ratio"] < 1.0
     else:  # the per-step IS metrics are reported
@@ -50,17 +50,17 @@ def test_kl_in_the_reward_changes_the_advantages_of_grpo(controller_factory):
     kl = {"kl": "k1", "kl_coef": 0.5}
     in_reward = controller_factory({"algorithm": {**kl, "kl_in_reward": True}})
     in_loss_free = controller_factory({"algorithm": {**kl, "kl_coef": 0.0}})  # a KL with no weight: none
-    assert in_reward.needs_reference and in_reward.algorithm.kl is not None
-    groups0, _ = in_reward.collect(0)
-    first, _ = in_reward.learn(groups0, 0)
-    same, _ = in_loss_free.learn(groups0, 0)
+    assert in_reward.run.needs_reference and in_reward.run.algorithm.kl is not None
+    groups0, _, _ = in_reward.collect(0)
+    first, _ = in_reward.run.learner.learn(groups0, 0)
+    same, _ = in_loss_free.run.learner.learn(groups0, 0)
     # the reference starts as the policy: no penalty yet, the same update
     assert first["train/reward_kl"] == pytest.approx(0.0, abs=1e-6)
     assert first["train/adv_abs_mean"] == pytest.approx(same["train/adv_abs_mean"], rel=1e-6)
-    groups1, _ = in_reward.collect(1)
+    groups1, _, _ = in_reward.collect(1)
     batch = build_batch(groups1)
-    second, _ = in_reward.learn(groups1, 1)
-    other, _ = in_loss_free.learn(groups1, 1)
+    second, _ = in_reward.run.learner.learn(groups1, 1)
+    other, _ = in_loss_free.run.learner.learn(groups1, 1)
     assert abs(second["train/reward_kl"]) > 1e-4
     assert second["train/adv_abs_mean"] != pytest.approx(other["train/adv_abs_mean"], rel=1e-5)
     assert len(batch) == 8
@@ -77,7 +77,7 @@ def test_filters_drop_groups_and_the_loop_refills_them(controller_factory):
 
     c = controller_factory({"algorithm": {"filters": ["dynamic_sampling"], "max_filter_retries": 3}},
                            responder=responder)
-    groups, metrics = c.collect(0)
+    groups, _, metrics = c.collect(0)
     assert len(groups) == 2 and all(len(set(g.scores)) > 1 for g in groups)
     assert metrics["rollout/filter_drop"] == 2.0 and metrics["rollout/filter_attempts"] == 2.0
     assert metrics["rollout/num_trajectories"] == 16.0  # every sampled trajectory is in the rollout metrics
@@ -93,9 +93,9 @@ def _right(prompt_text: str) -> str:
 def test_filters_give_up_after_max_retries(controller_factory):
     c = controller_factory({"algorithm": {"filters": ["dynamic_sampling"], "max_filter_retries": 1}},
                            responder=lambda text, sample: ("The answer is 1000", "stop"))
-    groups, metrics = c.collect(0)
+    groups, _, metrics = c.collect(0)
     assert groups == [] and metrics["rollout/filter_attempts"] == 2.0 and metrics["rollout/filter_drop"] == 4.0
-    train, tokens = c.learn(groups, 0)
+    train, tokens = c.run.learner.learn(groups, 0)
     assert tokens == 0.0 and train["rollout/num_rows"] == 0.0
     assert set(train) == {"rollout/num_rows", "timing/controller_overhead"}  # nothing was trained
 
@@ -118,9 +118,9 @@ def test_weight_targets(controller_factory, colocated):
     log = []
     ranks = [LocalActor(TargetRecorder(log)) for _ in range(3)]
     engines = ranks[:2] if colocated else [object(), object()]
-    c.actors = Actors(trainers=ranks, engine_actors=engines, engine_urls=["http://e0", "http://e1"],
+    c.run.actors = Actors(trainers=ranks, engine_actors=engines, engine_urls=["http://e0", "http://e1"],
                       colocated=colocated, dp_ranks=[0, 1, 2], dp_size=3)
-    c._push_weights(4)
+    c.run.push_weights(4)
     if colocated:  # rank i feeds its own engine i in-process; rank 2 has none but still joins
         assert log == [(4, None), (4, None), (4, [])]
     else:  # rank 0 feeds every engine; the others join the collective read
@@ -130,7 +130,7 @@ def test_weight_targets(controller_factory, colocated):
 def test_colocated_phases_hand_over_the_devices_in_order(controller_factory):
     c = controller_factory({"placement": {"colocate": True, "offload": True},
                             "rollout": {"weight_transport": "inprocess"}})
-    c.phases.to_generation()
+    c.run.phases.to_generation()
     c.events.clear()
     c.run_step(0)
     order = [e for e in c.events if not e.startswith("trainer.train")]
@@ -142,7 +142,7 @@ def test_colocated_phases_hand_over_the_devices_in_order(controller_factory):
 
 def test_the_controller_overhead_leaves_out_the_time_spent_waiting_on_actors(controller_factory):
     c = controller_factory()
-    trainer = c.actors.trainers[0].obj
+    trainer = c.run.actors.trainers[0].obj
     train_mini_batch = trainer.train_mini_batch
 
     def slow_train_mini_batch(batch, norm):  # one second of the actor's work, which the controller waits for

@@ -157,22 +157,22 @@ def recorded_run(ray_cluster, tmp_path_factory) -> dict[str, Any]:
     import copy
 
     from loongsage_core.config import load_job
-    from loongsage_core.controller.entry import run_job
-    from loongsage_core.controller.run import RLController
+    from loongsage_core.controller.run import run_job
+    from loongsage_core.controller.runtime import Run
     from loongsage_core.resolve import resolve_job
 
     root = tmp_path_factory.mktemp("recorded")
     job = write_job(root)
     batches: dict[int, Any] = {}
-    original = RLController.record_rollouts
+    original = Run.record
 
-    def keep_batch(self: RLController, step: int, groups: Any) -> None:
-        batches[step] = copy.deepcopy(self.last_batch)
-        original(self, step, groups)
+    def keep_batch(self: Run, step: int, groups: Any, batch: Any, sampled: Any = ()) -> None:
+        batches[step] = copy.deepcopy(batch)
+        original(self, step, groups, batch, sampled)
 
-    RLController.record_rollouts = keep_batch  # type: ignore[method-assign]
+    Run.record = keep_batch  # type: ignore[method-assign]
     try:
         history = run_job(resolve_job(load_job(job)), output_dir=str(root / "run"))
     finally:
-        RLController.record_rollouts = original  # type: ignore[method-assign]
+        Run.record = original  # type: ignore[method-assign]
     return {"dir": root / "run", "job": job, "batches": batches, "history": history}

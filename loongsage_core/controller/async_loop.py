@@ -44,7 +44,7 @@ from ..resolve import check_async_scheduler
 from .data import Prompt
 from .metrics import rollout_metrics
 from .mixing import StepQuotas
-from .run import RLController
+from .runtime import Run
 
 log = logging.getLogger("loongsage")
 
@@ -77,17 +77,18 @@ def per_source_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str,
     return out
 
 
-class AsyncRLController(RLController):
-    """The RL loop with rollout and training overlapped (``[async] enable = true``)."""
+class AsyncLoop:
+    """The RL loop with rollout and training overlapped (``[async] enable = true``) over a
+    :class:`.runtime.Run`, which it reaches through its public methods."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        job = self.job
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.job = job = run.job
         where = job.source_path or "<job>"
         if job.placement.colocate:
             raise ConfigError(f"{where}: async.enable = true needs placement.colocate = false (the trainer and "
                               "the engines must run at the same time on separate actors)")
-        spec = check_async_scheduler(job, self.host)
+        spec = check_async_scheduler(job, self.run.host)
         quota: Callable[[int], dict[str, int]] | None = None
         if spec.declares(SourcePicker):  # the per-source quotas go to a scheduler that keeps them
             names = [src.name for src in job.data]
@@ -96,10 +97,10 @@ class AsyncRLController(RLController):
             def quota(version: int) -> dict[str, int]:
                 return dict(zip(names, quotas(version)))
         ref = component_ref(job, "async.scheduler")
-        ctx = SchedulerContext(where=ref.where, job=job, components=self.host,
+        ctx = SchedulerContext(where=ref.where, job=job, components=self.run.host,
                                batch_size=job.rollout.prompts_per_step, stale_steps=job.async_.stale_steps,
                                quota=quota)
-        self.scheduler = self.host.bind(ref, ctx)
+        self.scheduler = self.run.host.bind(ref, ctx)
         self.quota_mode = quota is not None  # the scheduler names the source of every dispatch
         self.requeue: collections.deque[Prompt] = collections.deque()
         self.inflight: dict[str, tuple[asyncio.Task[TrajectoryGroup], Prompt]] = {}
@@ -111,18 +112,19 @@ class AsyncRLController(RLController):
         self.stopping = False
         self.updating = False
 
-    # ------------------------------------------------------------------ resume
+    # ------------------------------------------------------------------ checkpoints
 
-    def _maybe_resume(self) -> bool:
-        resumed = super()._maybe_resume()
-        if resumed:
-            assert self.resumed_state is not None
-            for p in self.resumed_state.get("pending_prompts", []):
-                self.requeue.append(Prompt(**p))
-            saved = self.resumed_state.get("scheduler")
-            if saved is not None and isinstance(self.scheduler, CheckpointableScheduler):
-                self.scheduler.load_state_dict(saved)
-        return resumed
+    def restore(self) -> None:
+        """After the run resumed from a checkpoint: its prompts drawn but not trained yet go first,
+        and the scheduler continues its schedule."""
+        state = self.run.resumed_state
+        if state is None:
+            return
+        for p in state.get("pending_prompts", []):
+            self.requeue.append(Prompt(**p))
+        saved = state.get("scheduler")
+        if saved is not None and isinstance(self.scheduler, CheckpointableScheduler):
+            self.scheduler.load_state_dict(saved)
 
     def pending_prompts(self) -> list[Prompt]:
         """Prompts drawn from the data but not trained yet: re-queued, generating, buffered."""
@@ -131,9 +133,10 @@ class AsyncRLController(RLController):
         pending += [self.group_prompts[g.group_id] for g in self.buffer]
         return pending
 
-    def controller_state(self, step: int) -> dict[str, Any]:
-        state = super().controller_state(step)
-        state["pending_prompts"] = [attrs.asdict(p) for p in self.pending_prompts()]
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of this loop (besides the run's): the pending prompts and the
+        scheduler's state."""
+        state: dict[str, Any] = {"pending_prompts": [attrs.asdict(p) for p in self.pending_prompts()]}
         if isinstance(self.scheduler, CheckpointableScheduler):
             state["scheduler"] = dict(self.scheduler.state_dict())
         return state
@@ -143,29 +146,29 @@ class AsyncRLController(RLController):
     def _next_prompt(self, source: str | None = None) -> Prompt:
         """A re-queued prompt first (of ``source``, when the scheduler names one), else a new one."""
         if source is None:
-            return self.requeue.popleft() if self.requeue else self.mixer.next_prompts(1)[0]
+            return self.requeue.popleft() if self.requeue else self.run.mixer.next_prompts(1)[0]
         for i, p in enumerate(self.requeue):
             if p.source == source:
                 del self.requeue[i]
                 return p
-        return self.mixer.next_from(source)
+        return self.run.mixer.next_from(source)
 
     def _dispatch(self) -> None:
-        assert self.rollout is not None
+        assert self.run.rollout is not None
         picker = self.scheduler if self.quota_mode and isinstance(self.scheduler, SourcePicker) else None
-        while self.scheduler.can_dispatch(len(self.inflight), len(self.buffer), self.version):
-            source = picker.next_source(self.version) if picker is not None else None
+        while self.scheduler.can_dispatch(len(self.inflight), len(self.buffer), self.run.version):
+            source = picker.next_source(self.run.version) if picker is not None else None
             if source is None and self.quota_mode:
                 break  # pragma: no cover - can_dispatch and next_source agree for the shipped schedulers
             prompt = self._next_prompt(source)
             index = self.dispatched
             self.dispatched += 1
-            group_id = f"{self.version}:{index}"
+            group_id = f"{self.run.version}:{index}"
             if source is None:
-                self.scheduler.on_dispatch(group_id, self.version)
+                self.scheduler.on_dispatch(group_id, self.run.version)
             else:
-                self.scheduler.on_dispatch(group_id, self.version, source=source)
-            task = asyncio.ensure_future(self.rollout.group(prompt, index, self.version))
+                self.scheduler.on_dispatch(group_id, self.run.version, source=source)
+            task = asyncio.ensure_future(self.run.rollout.group(prompt, index, self.run.version))
             self.inflight[group_id] = (task, prompt)
             task.add_done_callback(functools.partial(self._on_done, group_id))
 
@@ -176,7 +179,7 @@ class AsyncRLController(RLController):
         if task.cancelled() or task.exception() is not None:
             if not task.cancelled():
                 log.warning("group %s failed: %r; its prompt is dispatched again", group_id, task.exception())
-                self.faults.suspect = True  # a dead engine? _run asks Ray before dispatching again
+                self.run.faults.suspect = True  # a dead engine? _run asks Ray before dispatching again
             self.scheduler.on_discard(group_id)
             self.requeue.append(prompt)
             return
@@ -187,7 +190,7 @@ class AsyncRLController(RLController):
             self.scheduler.on_discard(group_id)
             self.requeue.append(prompt)
             return
-        if not self.filters.accept([group]):
+        if not self.run.filters.accept([group]):
             self.discarded += 1
             self.scheduler.on_discard(group_id)
             return
@@ -197,16 +200,16 @@ class AsyncRLController(RLController):
 
     def _on_done(self, group_id: str, task: asyncio.Task[TrajectoryGroup]) -> None:
         self._collect(group_id, task)
-        if not (self.stopping or self.updating or self.faults.suspect):
+        if not (self.stopping or self.updating or self.run.faults.suspect):
             self._dispatch()  # a finished group frees a place: keep the engines busy
 
     async def _abort_unusable(self) -> None:
-        assert self.rollout is not None
-        for gid in self.scheduler.to_abort(self.version):
+        assert self.run.rollout is not None
+        for gid in self.scheduler.to_abort(self.run.version):
             entry = self.inflight.get(gid)
             if entry is not None:
                 entry[0].cancel()
-        for group in self.scheduler.evict(self.buffer, self.version):
+        for group in self.scheduler.evict(self.buffer, self.run.version):
             self.buffer.remove(group)
             self.requeue.append(self.group_prompts.pop(group.group_id))
 
@@ -218,54 +221,54 @@ class AsyncRLController(RLController):
         Nothing is dispatched meanwhile: the scheduler learns the new version only once the
         engines serve it.
         """
-        assert self.rollout is not None
+        assert self.run.rollout is not None
         mode = "in_place" if self.job.rollout.partial else "abort"
         t0 = time.perf_counter()
         self.updating = True
-        await asyncio.gather(*(c.pause(mode) for c in self.rollout.clients))
+        await asyncio.gather(*(c.pause(mode) for c in self.run.rollout.clients))
         loop = asyncio.get_running_loop()
         try:
-            stats = await loop.run_in_executor(None, self.faults.locked, self._push_weights, version)
+            stats = await loop.run_in_executor(None, self.run.faults.locked, self.run.push_weights, version)
         finally:
-            await asyncio.gather(*(c.resume() for c in self.rollout.clients))
+            await asyncio.gather(*(c.resume() for c in self.run.rollout.clients))
             self.updating = False
         stats["timing/update_weights"] = time.perf_counter() - t0
         return stats
 
     async def _train_step(self, groups: list[TrajectoryGroup], waited: float, t0: float) -> dict[str, float]:
         loop = asyncio.get_running_loop()
-        step = self.step
+        step = self.run.step
         metrics = rollout_metrics(groups)
         metrics["rollout/partial_ratio"] = partial_ratio(groups)
-        metrics.update(per_source_metrics(groups, self.version))
+        metrics.update(per_source_metrics(groups, self.run.version))
         t_train = time.perf_counter()
-        train_metrics, tokens = await loop.run_in_executor(None, self.learn, groups, step)
-        self.record_rollouts(step, groups)
+        train_metrics, tokens = await loop.run_in_executor(None, self.run.learner.learn, groups, step)
+        self.run.record(step, groups, self.run.learner.last_batch)
         metrics.update(train_metrics)
-        metrics.update(self.health.observe(step, metrics, groups))  # raises after train.max_bad_steps
+        metrics.update(self.run.health.observe(step, metrics, groups))  # raises after train.max_bad_steps
         metrics["timing/train"] = time.perf_counter() - t_train
-        if tokens and self.health.last_problem is None:
-            if self.faults.suspect:
-                await self.faults.recover_async()  # the weights must reach a live engine set
+        if tokens and self.run.health.last_problem is None:
+            if self.run.faults.suspect:
+                await self.run.faults.recover_async()  # the weights must reach a live engine set
             try:
-                update = await self._update_weights(self.version + 1)
+                update = await self._update_weights(self.run.version + 1)
             except Exception:
                 self.updating = False
-                if await self.faults.recover_async() == 0:  # no engine died: a real failure
+                if await self.run.faults.recover_async() == 0:  # no engine died: a real failure
                     raise
-                update = await self._update_weights(self.version + 1)
+                update = await self._update_weights(self.run.version + 1)
             metrics.update(update)
         else:
             # A skipped (bad) step still ends with a new version, the only way the scheduler closes
             # the step's batch. No weights move (the trainer's equal the engines': rolled back or
             # never changed); the engines only tag what they generate from now on with it.
-            assert self.rollout is not None
-            await asyncio.gather(*(c.update_weight_version(self.version + 1) for c in self.rollout.clients))
-        self.version += 1
-        self.scheduler.on_train_step(self.version)
+            assert self.run.rollout is not None
+            await asyncio.gather(*(c.update_weight_version(self.run.version + 1) for c in self.run.rollout.clients))
+        self.run.version += 1
+        self.scheduler.on_train_step(self.run.version)
         for g in groups:
             self.group_prompts.pop(g.group_id, None)
-        self.record_trained(step, groups)
+        self.run.record_trained(step, groups)
         metrics.update(self.scheduler.metrics())
         step_time = time.perf_counter() - t0
         metrics.update({
@@ -278,8 +281,8 @@ class AsyncRLController(RLController):
             # the learn phase's own work (the event loop's thread runs rollouts beside the rest)
             "perf/controller_overhead_ratio": metrics.get("timing/controller_overhead", 0.0) / max(step_time, 1e-9),
             "perf/generated_tokens": tokens,
-            "perf/weight_version": float(self.version),
-            "fault/engine_restarts": float(self.faults.engine_restarts),
+            "perf/weight_version": float(self.run.version),
+            "fault/engine_restarts": float(self.run.faults.engine_restarts),
         })
         return metrics
 
@@ -288,20 +291,20 @@ class AsyncRLController(RLController):
         every = self.job.run.checkpoint_every
         t0 = time.perf_counter()
         waited = 0.0
-        while self.step < self.job.train.total_steps:
-            self.faults.check()  # a replacement the router asked for failed: the run cannot go on
-            if self.faults.suspect:
-                await self.faults.recover_async()  # replace dead engines, then dispatch again
+        while self.run.step < self.job.train.total_steps:
+            self.run.faults.check()  # a replacement the router asked for failed: the run cannot go on
+            if self.run.faults.suspect:
+                await self.run.faults.recover_async()  # replace dead engines, then dispatch again
             await self._abort_unusable()
-            groups = self.scheduler.select(self.buffer, self.version, self.job.rollout.prompts_per_step)
+            groups = self.scheduler.select(self.buffer, self.run.version, self.job.rollout.prompts_per_step)
             if groups is None:
-                if not self.faults.suspect:
+                if not self.run.faults.suspect:
                     self._dispatch()
-                if not self.inflight and not self.buffer and not self.faults.suspect:
+                if not self.inflight and not self.buffer and not self.run.faults.suspect:
                     raise RuntimeError("async loop stalled: nothing in flight and nothing buffered")
                 self.changed.clear()
                 t_wait = time.perf_counter()
-                if not self.faults.suspect:
+                if not self.run.faults.suspect:
                     await self.changed.wait()
                 waited += time.perf_counter() - t_wait
                 continue
@@ -309,13 +312,12 @@ class AsyncRLController(RLController):
                 self.buffer.remove(g)
             self._dispatch()  # keep the engines busy while the trainer works
             metrics = await self._train_step(list(groups), waited, t0)
-            metrics["step"] = self.step
+            metrics["step"] = self.run.step
             history.append(metrics)
-            for lg in self.loggers:
-                lg.log(self.step, metrics)
-            self.step += 1
-            if every > 0 and self.step % every == 0:
-                self.save(self.step)
+            self.run.log(self.run.step, metrics)
+            self.run.step += 1
+            if every > 0 and self.run.step % every == 0:
+                self.run.save(self.run.step, self.checkpoint_state())
             t0 = time.perf_counter()
             waited = 0.0
         self.stopping = True
@@ -325,6 +327,6 @@ class AsyncRLController(RLController):
         return history
 
     def fit(self) -> list[dict[str, float]]:
-        history = self.loop.run_until_complete(self._run())
-        self._export_final()
-        return history
+        """Train from the run's current step to ``train.total_steps``; every step's metrics."""
+        self.restore()
+        return self.run.loop.run_until_complete(self._run())
