@@ -95,8 +95,8 @@ async def rollouts(host: Any, provider: Any, router: Any, tasks: list[dict[str, 
     from loongsage_core.controller.rewards import SourceRewards, score_trajectory_async
     from loongsage_hookspecs import BuildContext, ComponentRef, Trajectory, TrajectoryStatus
 
-    rewards = SourceRewards.bind(JobConfig(data=[DataConfig(name="swe", reward=["swe_tests"], sandbox="local")]), 0,
-                                 host)
+    source = DataConfig(name="swe", reward=["swe_tests"], sandbox="local")
+    rewards = SourceRewards.bind(JobConfig(data=[source]), source, "data[0]", host)
     args = {"command": [provider.python, str(AGENT), "--mode", "fix"], "timeout_s": 300,
             "env": {"PYTHONPATH": sysconfig.get_paths()["purelib"]}}
     agent_ref = ComponentRef("agent", "command", args)

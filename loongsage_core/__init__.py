@@ -2,7 +2,7 @@
 
 Importing this package is cheap: torch, ray and transformers are imported only by the modules
 that need them, when they are used. The public reading API of a run's rollout records
-(docs/records.md) is re-exported here: :func:`read_rollouts`, :func:`rollout_steps`.
+(docs/reference/records.md) is re-exported here: :func:`read_rollouts`, :func:`rollout_steps`.
 """
 
 __version__ = "0.1.0"

@@ -1,4 +1,5 @@
-"""The ``loongsage`` command line: ``run``, ``sft``, ``validate``, ``plugins``, ``recipes``, ``serve``, ``view``.
+"""The ``loongsage`` command line: ``run``, ``eval``, ``sft``, ``validate``, ``plugins``, ``recipes``,
+``serve``, ``view``.
 
 Imports stay lazy so ``loongsage --help`` answers instantly; bad input is reported as one line
 naming the file and key at fault, with exit code 2 and no traceback.
@@ -31,6 +32,16 @@ def build_parser() -> argparse.ArgumentParser:
                                         "(default: the job's run.output_dir)")
     p.add_argument("--overwrite", action="store_true",
                    help="start fresh in a directory that holds a run: the old run is moved to <dir>.old-<time>")
+
+    p = sub.add_parser("eval", help="the job's [eval] on a checkpoint or a model directory: a table and JSON")
+    _add_job_args(p)
+    p.add_argument("--checkpoint", metavar="latest|final|DIR",
+                   help="what to evaluate: the run's newest checkpoint, its final_hf/, a checkpoint directory "
+                        "(checkpoints/step_N) or a Hugging Face model directory (default: the job's [model])")
+    p.add_argument("--run-dir", help="the run directory latest and final refer to (default: the job's run.output_dir)")
+    p.add_argument("--step", type=int, help="the step a model directory stands for (its sampling seeds; default 0, "
+                                            "train.total_steps for final)")
+    p.add_argument("--output", default="eval_results.json", help="where the JSON goes (default: %(default)s)")
 
     p = sub.add_parser("sft", help="supervised fine-tuning on chat data: a job file with an [sft] table")
     _add_job_args(p)
@@ -72,7 +83,7 @@ def _load(args: argparse.Namespace) -> Any:
     if args.command == "sft" and job.sft is None:
         job.sft = SftConfig()
     if job.sft is not None:
-        if args.command in ("run", "serve"):
+        if args.command in ("run", "serve", "eval"):
             from .config import ConfigError
 
             raise ConfigError(f"{job.source_path}: this job has an [sft] table: train it with "
@@ -134,6 +145,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    resolved = _load(args)  # a broken job file fails before torch and Ray are imported
+    from pathlib import Path
+
+    from .controller.eval_job import evaluate_job, format_table, write_result
+
+    result = evaluate_job(resolved, checkpoint=args.checkpoint, run_dir=args.run_dir, step=args.step)
+    write_result(result, Path(args.output))
+    print(format_table(result))
+    print(f"wrote {args.output}")
+    return 0
+
+
 def cmd_sft(args: argparse.Namespace) -> int:
     resolved = _load(args)  # a broken job file fails before torch and Ray are imported
     from .sft.run import run_sft
@@ -162,8 +186,8 @@ def cmd_view(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "sft": cmd_sft, "validate": cmd_validate, "plugins": cmd_plugins, "recipes": cmd_recipes,
-            "serve": cmd_serve, "view": cmd_view}
+COMMANDS = {"run": cmd_run, "eval": cmd_eval, "sft": cmd_sft, "validate": cmd_validate, "plugins": cmd_plugins,
+            "recipes": cmd_recipes, "serve": cmd_serve, "view": cmd_view}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

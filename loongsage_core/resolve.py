@@ -47,16 +47,22 @@ def record_components(resolved: ResolvedJob, refs: Iterable[ComponentRef]) -> No
 
 def check_sources(job: JobConfig, where: str, hint: str) -> None:
     """At least one ``[[data]]`` source; each with exactly one of path / generator and its own name.
-    ``hint`` says in the error what a source needs (RL and SFT jobs differ)."""
+    ``hint`` says in the error what a source needs (RL and SFT jobs differ). The ``[[eval.data]]``
+    sources likewise (none is needed), and they distil nothing."""
     if not job.data:
         raise ConfigError(f"{where}: no [[data]] source: add at least one {hint}")
-    names: set[str] = set()
-    for i, src in enumerate(job.data):
-        if bool(src.path) == bool(src.generator):
-            raise ConfigError(f"{where}: data[{i}] ('{src.name}'): set exactly one of 'path' or 'generator'")
-        if src.name in names:
-            raise ConfigError(f"{where}: data[{i}].name: duplicate data source name '{src.name}'")
-        names.add(src.name)
+    for key, sources in (("data", job.data), ("eval.data", job.eval.data)):
+        names: set[str] = set()
+        for i, src in enumerate(sources):
+            if bool(src.path) == bool(src.generator):
+                raise ConfigError(f"{where}: {key}[{i}] ('{src.name}'): set exactly one of 'path' or 'generator'")
+            if src.name in names:
+                raise ConfigError(f"{where}: {key}[{i}].name: duplicate data source name '{src.name}'")
+            names.add(src.name)
+    for i, src in enumerate(job.eval.data):
+        if src.teacher:
+            raise ConfigError(f"{where}: eval.data[{i}].teacher: an evaluation trains nothing, so it distils from "
+                              "no teacher; remove the key")
 
 
 def check_references(job: JobConfig) -> None:

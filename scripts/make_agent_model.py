@@ -155,7 +155,7 @@ def capture_cli_prompts(model_dir: Path) -> list[CliPrompt]:
 
 def corpus_ids(tok: PreTrainedTokenizerBase) -> list[int]:
     """Token ids of this repository's Markdown: real text to build prompts from."""
-    paths = sorted([*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("plugins/*/README.md")])
+    paths = sorted([*ROOT.glob("*.md"), *ROOT.glob("docs/**/*.md"), *ROOT.glob("plugins/*/README.md")])
     text = "\n\n".join(p.read_text(encoding="utf-8") for p in paths)
     return tok(text, add_special_tokens=False)["input_ids"]
 

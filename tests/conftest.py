@@ -46,7 +46,7 @@ def install_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[
 
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(slow_fixture):
     """One local Ray cluster for the whole test session: loopback, small object store, no dashboard."""
     import ray
 
@@ -123,7 +123,7 @@ class TinyJob:
 
 
 @pytest.fixture
-def tiny_job() -> TinyJob:
+def tiny_job(slow_fixture) -> TinyJob:
     """The tiny embedded job of :data:`TINY_JOB` (use with ``ray_cluster``)."""
     return TinyJob()
 

@@ -50,7 +50,7 @@ def agents():
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(slow_fixture):
     """A real embedded engine with the agent fixture model and a router with the hermes parser."""
     from loongsage_plugin_agents.tool_parser import ToolCallParser
     from loongsage_plugin_torch.engine.engine import EmbeddedEngine

@@ -164,6 +164,7 @@ def write_job(root: Path, out: Path) -> Path:
     return job
 
 
+@pytest.mark.slow
 def test_three_sources_keep_their_shares_and_the_bound_through_kill_and_resume(tmp_path):
     out = tmp_path / "run"
     job = write_job(tmp_path, out)

@@ -11,6 +11,8 @@ import pytest
 
 from loongsage_hookspecs import KINDS
 
+pytestmark = pytest.mark.slow  # a CLI subprocess per test
+
 REPO = Path(__file__).resolve().parent.parent
 PLUGINS = sorted(p.name for p in (REPO / "plugins").iterdir() if (p / "pyproject.toml").exists())
 

@@ -18,7 +18,7 @@ from loongsage_core.resolve import resolve_job
 from loongsage_hookspecs import KINDS, hookspecs
 
 REPO = Path(__file__).resolve().parent.parent
-DOCS = (REPO / "docs" / "hooks.md").read_text()
+DOCS = (REPO / "docs" / "reference" / "hooks.md").read_text()
 
 # the job-file key (override) that selects a component of each kind, and the resolved key it shows as
 KIND_SELECTORS: dict[str, tuple[str, str]] = {
@@ -56,7 +56,7 @@ def test_hook_is_documented(kind):
     fn = getattr(hookspecs, hook)
     doc = inspect.getdoc(fn) or ""
     assert "Example" in doc and len(doc) > 80, f"{hook} needs a docstring with an example"
-    assert f"## `{hook}` — {kind}" in DOCS, f"docs/hooks.md has no section for {hook}"
+    assert f"## `{hook}` — {kind}" in DOCS, f"docs/reference/hooks.md has no section for {hook}"
     assert f"| `{kind}` | `{hook}` |" in DOCS
 
 
@@ -73,6 +73,7 @@ def contract_module(kind: str) -> str:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_plugin_for_every_hook_is_discovered_listed_and_selected(kind, install_plugin, tmp_path):
     install_plugin(f"loongsage-plugin-contract-{kind.replace('_', '-')}", f"contract_{kind}",
@@ -105,7 +106,7 @@ def test_plugin_for_every_hook_is_discovered_listed_and_selected(kind, install_p
 
 
 def test_every_capability_is_documented_and_declared_by_a_shipped_component():
-    """Each protocol of ``loongsage_hookspecs.capabilities`` has a row in docs/hooks.md's table and
+    """Each protocol of ``loongsage_hookspecs.capabilities`` has a row in docs/reference/hooks.md's table and
     is declared by at least one shipped spec (a capability nobody has is dead contract)."""
     from loongsage_core.plugins import PluginHost
     from loongsage_hookspecs import CheckpointableScheduler, capabilities, is_capability
@@ -118,7 +119,7 @@ def test_every_capability_is_documented_and_declared_by_a_shipped_component():
     # a sandbox's, checked where agents use it: providers create sandboxes per trajectory, no spec builds one
     per_trajectory = {capabilities.RunsPrograms}
     for cap in caps:
-        assert f"| `{cap.__name__}` |" in DOCS, f"docs/hooks.md has no row for the capability {cap.__name__}"
+        assert f"| `{cap.__name__}` |" in DOCS, f"docs/reference/hooks.md has no row for the capability {cap.__name__}"
         assert cap in declared or cap in per_trajectory, f"no shipped component declares {cap.__name__}"
 
 

@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
+def wheel(slow_fixture, tmp_path_factory) -> Path:
     """The ``loongsage`` wheel, built from a copy of the sources the package needs."""
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"

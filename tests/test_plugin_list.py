@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import configparser
 import re
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 PLUGIN_DIRS = sorted(p.name for p in (REPO / "plugins").iterdir() if (p / "pyproject.toml").is_file())

@@ -27,6 +27,7 @@ def read_metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_every_recipe_validates_with_the_cli():
     names = {p.stem for p in RECIPES.glob("*.toml")}
     assert EXPECTED <= names, f"missing recipes: {sorted(EXPECTED - names)}"
@@ -136,6 +137,7 @@ def test_critic_resources_are_checked_before_starting(tmp_path):
 FOLDER_RECIPES = ("math_dapo", "mopd", "swe", "opencode", "moe_r3")
 
 
+@pytest.mark.slow
 def test_folder_recipes_validate_by_name_and_ship_their_files():
     for name in FOLDER_RECIPES:
         folder = RECIPES / name

@@ -50,6 +50,7 @@ TWO_RANKS = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_rank_0_group_shares_the_listener_it_opened_first(tmp_path):
     # rank 0's own init_process_group on the reported port must reuse its listener, not bind again
     script = tmp_path / "two_ranks.py"

@@ -58,7 +58,7 @@ def host(tmp_path: Path) -> PluginHost:
 
 def score(t: Trajectory, components: PluginHost, source: DataConfig) -> None:
     """Score ``t`` with ``source``'s rewards, bound as a run binds them."""
-    score_trajectory(t, SourceRewards.bind(JobConfig(data=[source]), 0, components))
+    score_trajectory(t, SourceRewards.bind(JobConfig(data=[source]), source, "data[0]", components))
 
 
 def completed(tid: str = "0-0-0") -> Trajectory:

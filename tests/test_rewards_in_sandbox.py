@@ -42,7 +42,7 @@ def host(tmp_path: Path) -> PluginHost:
 
 def rewards(components: PluginHost, source: DataConfig) -> SourceRewards:
     """The source's rewards bound as a run binds them."""
-    return SourceRewards.bind(JobConfig(data=[source]), 0, components)
+    return SourceRewards.bind(JobConfig(data=[source]), source, "data[0]", components)
 
 
 def traj(tid: str) -> Trajectory:

@@ -18,7 +18,8 @@ from loongsage_plugin_agents.sandbox_procs import with_argument
 
 REPO = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox user needs a root host")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox user needs a root host"),
+              pytest.mark.slow]  # programs in sandboxes (and, with kill and resume, whole runs)
 
 # an agent that calls its endpoint once, leaves a detached process behind, and from the second
 # step on (trajectory ids are "<step>-<prompt>-<sample>") hangs while FLAG exists

@@ -85,7 +85,7 @@ RAY_PROBE = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def ray_probe(tmp_path_factory) -> dict:
+def ray_probe(slow_fixture, tmp_path_factory) -> dict:
     """What a process that started the run's local Ray cluster (``init_ray``) saw of it."""
     proc = subprocess.run([sys.executable, "-c", RAY_PROBE], capture_output=True, text=True, timeout=300,
                           cwd=tmp_path_factory.mktemp("ray_probe"))
@@ -163,6 +163,7 @@ def test_served_trajectory_opens_with_its_key_only(serving):
             model="policy", max_tokens=4, messages=messages)
 
 
+@pytest.mark.slow
 def test_loongsage_serve_prints_the_agent_url_its_key_and_where_the_secret_is(tmp_path):
     import os
     import signal

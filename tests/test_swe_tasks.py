@@ -51,6 +51,7 @@ def _outcomes(row: dict, cwd: Path) -> dict[str, str]:
     return parse_test_log(proc.stdout + proc.stderr)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("row", ROWS, ids=[r["instance_id"] for r in ROWS])
 def test_task_fails_before_and_passes_after_the_reference_patch(row, tmp_path):
     snapshot = _checkout({**row, "test_files": {}}, tmp_path / "snapshot")
@@ -70,6 +71,7 @@ def test_task_fails_before_and_passes_after_the_reference_patch(row, tmp_path):
         assert after.get(test) == "passed", f"{test}: {after.get(test)} with the reference patch"
 
 
+@pytest.mark.slow
 def test_generator_rewrites_the_shipped_files(tmp_path):
     subprocess.run([sys.executable, str(REPO / "scripts" / "make_swe_tasks.py"), "--out", str(tmp_path)],
                    check=True, capture_output=True, timeout=600)

@@ -269,6 +269,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_run_reports_user_module_exit_and_bad_values(tmp_path, job):
     """The real CLI, ``run`` included: nothing starts, one line, exit 2."""
     module = _module(tmp_path, "import sys\nsys.exit(3)\n")
@@ -282,6 +283,7 @@ def test_cli_run_reports_user_module_exit_and_bad_values(tmp_path, job):
     assert not (tmp_path / "out").exists()  # refused before the run directory was touched
 
 
+@pytest.mark.slow
 def test_unwritable_output_dir_is_one_line(tmp_path, job):
     blocker = tmp_path / "a_file"
     blocker.write_text("")

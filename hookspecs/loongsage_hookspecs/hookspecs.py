@@ -353,7 +353,7 @@ def loongsage_loggers() -> Iterable[LoggerSpec]:
     capabilities, declared in the spec: ``StepTruncation`` (``truncate_after(step)``, called when
     a run resumes at ``step``) and ``TrajectoryLogger`` (``log_trajectories(step, records)`` with
     ``wants_trajectories``: while it is true, each step's rollout records, dicts of the format in
-    docs/records.md, arrive from the records writer's thread).
+    docs/reference/records.md, arrive from the records writer's thread).
 
     Example::
 

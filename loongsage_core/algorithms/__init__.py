@@ -1,4 +1,4 @@
-"""The host-side loss pipeline (DESIGN.md section 6).
+"""The host-side loss pipeline (docs/guide/algorithms.md).
 
 The controller runs :class:`StepAlgorithm` once per step on all of its rows (pre-advantage
 corrections, token rewards, advantages and returns, mini-batches with their global aggregation

@@ -1,4 +1,4 @@
-"""The per-micro-batch loss of DESIGN.md section 6, composed from named components.
+"""The per-micro-batch loss (docs/guide/algorithms.md), composed from named components.
 
 What runs once per step on all of its rows (pre-advantage corrections, token rewards, advantages,
 the aggregation denominators, the train-inference gap) is

@@ -1,4 +1,4 @@
-"""The step's algorithm (DESIGN.md section 6), once per step and in one place.
+"""The step's algorithm (docs/guide/algorithms.md), once per step and in one place.
 
 After the controller has put a step's rows into one :class:`Batch` with the log-probs the loss
 needs (``rollout_logprobs``, ``old_logprobs``, ``ref_logprobs`` when a reference model runs,
@@ -225,7 +225,7 @@ def train_inference_gap(batch: Batch) -> dict[str, float]:
     """Gap between the trainer's old log-probs and the engine's rollout log-probs on the same tokens.
 
     ``train/is_approx_k3_kl`` is the masked mean of ``exp(r) - r - 1`` with
-    ``r = logp_old - logp_rollout`` (DESIGN.md section 6), in float64 with ``expm1`` (in fp32,
+    ``r = logp_old - logp_rollout`` (docs/reference/metrics.md), in float64 with ``expm1`` (in fp32,
     ``exp(r) - r - 1`` cancels catastrophically for the tiny ``r`` of a consistent trainer and
     engine).
     """

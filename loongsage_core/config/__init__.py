@@ -25,6 +25,7 @@ from __future__ import annotations
 from loongsage_hookspecs import LORA_ALL_LINEAR
 
 from .components import component_ref, component_refs, refs_by_field, section_refs
+from .evaluation import EvalConfig
 from .fields import SEED_MAX, Args, ComponentField, RangeError, component
 from .job import TOML_RENAMES, JobConfig, LoggerConfig, PlacementConfig, PluginsConfig, RunConfig
 from .loading import apply_override, load_job, merge_tables
@@ -49,6 +50,7 @@ __all__ = [
     "ConfigError",
     "CriticConfig",
     "DataConfig",
+    "EvalConfig",
     "JobConfig",
     "LORA_ALL_LINEAR",
     "LoggerConfig",

@@ -39,11 +39,17 @@ class ModelConfig:
     directory or tokenizer.json file."""
 
     path: str | None = None
+    """A local Hugging Face model directory (relative to the job file)."""
     config: Args = attrs.field(factory=dict)
+    """An inline transformers config (with ``model_type``) for a randomly initialised model, used without ``path``."""
     tokenizer: str | None = None
+    """A tokenizer directory or ``tokenizer.json`` file (default: the one in ``path``)."""
     dtype: str = attrs.field(default="float32", validator=attrs.validators.in_(("float32", "bfloat16", "float16")))
+    """Parameter dtype: ``float32``, ``bfloat16`` or ``float16`` (16-bit training keeps float32 master weights)."""
     fp32_lm_head: bool = False
+    """Compute the output layer in float32 under a 16-bit ``dtype``."""
     seed: int = attrs.field(default=0, validator=valid_seed)
+    """Seed of the weights of a model built from ``config``."""
 
 
 def _target_modules(_: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -67,9 +73,14 @@ class LoraConfig:
     sent to the engines; the KL reference is the base model with the adapter disabled."""
 
     rank: int = attrs.field(default=8, validator=at_least_one)
+    """The adapter's rank r."""
     alpha: float = attrs.field(default=16.0, validator=positive)
+    """The adapter's scale: the update is ``alpha / rank * B @ A``."""
     dropout: float = attrs.field(default=0.0, validator=in_range(ge=0, lt=1))
+    """Dropout on the adapter's input while training."""
     target_modules: list[str] = attrs.field(factory=lambda: [LORA_ALL_LINEAR], validator=_target_modules)
+    """Linear layers that get an adapter: module names (``["q_proj", "v_proj"]``) or ``"all-linear"`` (every linear
+    layer but the output layer)."""
 
     @property
     def all_linear(self) -> bool:
@@ -97,32 +108,54 @@ class TrainConfig:
     every weight."""
 
     backend: str = component("train_backend", default="torch")
+    """The train backend component (``torch``, ``megatron``)."""
     num_workers: int = attrs.field(default=1, validator=at_least_one)
+    """Trainer ranks (data parallel; with model parallelism, every rank of the layout)."""
     lr: float = attrs.field(default=1e-5, validator=positive)
+    """Learning rate (AdamW)."""
     lr_schedule: str = attrs.field(default="constant", validator=attrs.validators.in_(("constant", "linear", "cosine")))
+    """``constant``, ``linear`` or ``cosine``, after ``lr_warmup_steps`` of linear warmup."""
     lr_warmup_steps: int = attrs.field(default=0, validator=in_range(ge=0))
+    """Optimizer steps of linear warmup."""
     min_lr_ratio: float = attrs.field(default=0.0, validator=unit_interval)
+    """Where ``linear`` and ``cosine`` schedules end, as a fraction of ``lr``."""
     weight_decay: float = attrs.field(default=0.0, validator=non_negative)
+    """AdamW weight decay."""
     betas: list[float] = attrs.field(factory=lambda: [0.9, 0.999], validator=two_betas)
+    """AdamW betas, two numbers in [0, 1)."""
     eps: float = attrs.field(default=1e-8, validator=positive)
+    """AdamW epsilon."""
     grad_clip: float = attrs.field(default=1.0, validator=non_negative)
+    """Gradient-norm clipping (0: none)."""
     total_steps: int = attrs.field(default=50, validator=in_range(ge=0))
+    """Training steps of the run."""
     mini_batch_size: int = attrs.field(default=16, validator=at_least_one)
+    """Rows per optimizer step (the loss denominator is global to it)."""
     micro_batch_size: int = attrs.field(default=4, validator=at_least_one)
+    """Rows per forward/backward pass."""
     max_tokens_per_micro_batch: int | None = attrs.field(default=None,
                                                          validator=attrs.validators.optional(at_least_one))
+    """Padding-free micro-batches of at most this many tokens instead of ``micro_batch_size`` rows (backends without
+    packing ignore it)."""
     ppo_epochs: int = attrs.field(default=1, validator=at_least_one)
+    """Passes over each step's rows."""
     max_bad_steps: int = attrs.field(default=3, validator=at_least_one)
+    """Bad steps in a row (non-finite loss, gradients or weights, or nothing trained) that end the run."""
     gradient_checkpointing: bool = False
+    """Recompute activations in the backward pass to save memory."""
     peak_tflops: float | None = attrs.field(default=None, validator=attrs.validators.optional(positive))
+    """One trainer device's peak TFLOP/s for the ``perf/mfu_*`` metrics (default: a table of accelerators, or a
+    matmul probe on a CPU)."""
     backend_args: Args = attrs.field(factory=dict)
+    """Arguments of the train backend (see its plugin's README)."""
     lora: LoraConfig | None = None
+    """Train a LoRA adapter instead of every weight (unset: full fine-tuning)."""
 
 
 @attrs.define
 class AlgorithmConfig:
-    """Loss pipeline choices (DESIGN.md section 6). Each ``*_args`` table is passed as keyword
-    arguments to the named component.
+    """Loss pipeline choices (corrections, advantages, policy loss, aggregation, KL). Each ``*_args``
+    table is passed as keyword arguments to the named component.
 
     Distillation (rows of sources with a ``teacher``): with ``distill_kl`` unset the teachers
     stand in for the reference model and feed ``kl`` / ``kl_coef`` / ``kl_in_reward``; with
@@ -146,32 +179,67 @@ class AlgorithmConfig:
     group-relative estimator's group left with fewer than two samples is not trained."""
 
     advantage: str = component("advantage", args="advantage_args", default="grpo")
+    """The advantage estimator (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``,
+    ``gae``, ...)."""
     advantage_args: Args = attrs.field(factory=dict)
+    """Arguments of the advantage estimator."""
     policy_loss: str = component("policy_loss", args="policy_loss_args", default="ppo_clip")
+    """The policy loss (``ppo_clip``, ``gspo``, ``cispo``, ``reinforce``, ...)."""
     policy_loss_args: Args = attrs.field(factory=dict)
+    """Arguments of the policy loss."""
     loss_agg: str = component("loss_aggregation", args="loss_agg_args", default="token_mean")
+    """How token losses become one number (``token_mean``, ``seq_mean_token_sum``, ``seq_mean_token_mean``,
+    ``seq_mean_token_sum_norm``)."""
     loss_agg_args: Args = attrs.field(factory=dict)
+    """Arguments of the loss aggregation."""
     kl: str | None = component("kl", args="kl_args", default=None)
+    """A KL term against the reference model (``k1``, ``k2``, ``k3``, ``low_var_kl``); unset: none."""
     kl_args: Args = attrs.field(factory=dict)
+    """Arguments of the KL term."""
     kl_coef: float = attrs.field(default=0.0, validator=non_negative)
+    """Weight of the KL term (in the loss, or in the reward with ``kl_in_reward``)."""
     kl_in_reward: bool = False
+    """Subtract ``kl_coef * KL`` from the token rewards instead of adding it to the loss."""
     ref_update_every: int = attrs.field(default=0, validator=in_range(ge=0))
+    """Steps between copies of the policy into the reference model (0: the reference stays the starting model)."""
     entropy_coef: float = attrs.field(default=0.0, validator=in_range())
+    """Weight of an entropy term in the loss."""
     recompute_old_logprobs: bool = True
+    """Score the rows with the trainer's weights for the old log-probs (``false``: use the engine's rollout
+    log-probs)."""
     force_old_logprob_pass: bool = False
+    """Always run the separate old-log-prob pass, even where the training forward's own log-probs would do."""
     corrections: list[str] = component("correction", args="correction_args", factory=list)
+    """Train-inference corrections (``tis``, ``m2po``, ``opsm``), applied in list order."""
     correction_args: dict[str, Args] = attrs.field(factory=dict)
+    """Arguments per correction: ``{ tis = { ... } }``."""
     filters: list[str] = component("filter", args="filter_args", factory=list)
+    """Group filters (``dynamic_sampling``, ``overlong``, ``status``), applied in list order."""
     filter_args: dict[str, Args] = attrs.field(factory=dict)
+    """Arguments per filter."""
     max_filter_retries: int = attrs.field(default=0, validator=in_range(ge=0))
+    """Times a step draws fresh prompts to refill the groups its filters dropped."""
     distill_kl: str | None = component("kl", args="distill_kl_args", default=None)
+    """A distillation term of its own (a ``kl`` component, e.g. ``opd_topk_kl``); unset: the teachers stand in for
+    the reference model."""
     distill_kl_args: Args = attrs.field(factory=dict)
+    """Arguments of the distillation term."""
     distill_coef: float = attrs.field(default=1.0, validator=non_negative)
+    """Weight of the distillation term."""
     distill_in_reward: bool = False
+    """Subtract ``distill_coef * term`` from the token rewards instead of adding it to the loss (``"logprobs"``
+    terms only)."""
     distill_topk: int = attrs.field(default=20, validator=attrs.validators.ge(1))
+    """Teacher top-k entries per token computed for terms that require ``"topk"``."""
     router_replay: bool = False
+    """Mixture-of-experts policies: the engines return each token's experts and every policy forward uses them
+    (Router Replay)."""
     router_replay_compare: bool = True
+    """With ``router_replay``: also score the rows without replay, for ``train/router_agreement_no_replay`` and
+    ``train/is_approx_k3_kl_no_replay``."""
     infra_failures: str = attrs.field(default="exclude", validator=attrs.validators.in_(INFRA_FAILURE_MODES))
+    """Trajectories the infrastructure failed (a sandbox, an agent CLI, an engine, a reward): ``"exclude"`` leaves
+    them out of their group's statistics and the loss, ``"zero_reward"`` trains them with reward 0."""
 
 
 @attrs.define
@@ -189,15 +257,25 @@ class CriticConfig:
     critic ignore this table."""
 
     path: str | None = None
+    """The critic's starting model (default: ``[model] path``, or the inline ``[model] config``)."""
     lr: float | None = attrs.field(default=None, validator=in_range(gt=0, optional=True))
+    """The critic's learning rate (default: ``[train] lr``)."""
     value_clip: float = attrs.field(default=0.2, validator=non_negative)
+    """How far a value may move from its rollout-time value before the clipped term takes over (0: no clipping)."""
     loss_coef: float = attrs.field(default=1.0, validator=positive)
+    """Scale of the value loss."""
     mini_batch_size: int | None = attrs.field(default=None, validator=optional_at_least_one)
+    """Rows per critic optimizer step (default: ``[train]``'s)."""
     micro_batch_size: int | None = attrs.field(default=None, validator=optional_at_least_one)
+    """Rows per critic forward/backward (default: ``[train]``'s)."""
     ppo_epochs: int | None = attrs.field(default=None, validator=optional_at_least_one)
+    """Critic passes over each step's rows (default: ``[train]``'s)."""
     num_workers: int = attrs.field(default=1, validator=attrs.validators.ge(1))
+    """Data-parallel critic ranks."""
     cpus: float = attrs.field(default=1.0, validator=non_negative)
+    """CPUs each critic rank reserves."""
     gpus: float = attrs.field(default=0.0, validator=non_negative)
+    """GPUs each critic rank reserves."""
 
 
 @attrs.define
@@ -205,9 +283,13 @@ class TeacherConfig:
     """A distillation teacher: a name data sources refer to, a model and a teacher backend."""
 
     name: str
+    """The name ``[[data]] teacher`` refers to."""
     path: str | None = None
+    """The teacher's Hugging Face model directory (relative to the job file)."""
     backend: str = component("teacher", args="args", default="torch")
+    """The teacher component (``torch``, ``megatron``)."""
     args: Args = attrs.field(factory=dict)
+    """Arguments of the teacher component."""
 
 
 @attrs.define
@@ -227,13 +309,24 @@ class SftConfig:
     earlier); ``[train] total_steps`` is not used."""
 
     epochs: int = attrs.field(default=1, validator=at_least_one)
+    """Passes over the training rows."""
     max_steps: int = attrs.field(default=0, validator=in_range(ge=0))
+    """Stop after this many steps (0: after ``epochs``)."""
     packing: bool = True
+    """Lay several conversations into one row, each attending only to itself."""
     max_seq_len: int = attrs.field(default=2048, validator=in_range(ge=2))
+    """Row length in tokens; longer conversations are cut to it."""
     loss_on: str = attrs.field(default="assistant", validator=attrs.validators.in_(("assistant", "all")))
+    """``"assistant"``: loss on the assistant turns only; ``"all"``: on every token but the first."""
     messages_key: str = "messages"
+    """The column holding each row's chat (OpenAI-style messages)."""
     tools_key: str | None = None
+    """A column of tool schemas rendered with the chat (unset: none)."""
     eval_rows: int = attrs.field(default=0, validator=in_range(ge=0))
+    """Rows held back for ``sft/eval_loss`` (a count; when set, ``eval_fraction`` is not used)."""
     eval_fraction: float = attrs.field(default=0.0, validator=in_range(ge=0, lt=1))
+    """Share of the rows held back for ``sft/eval_loss``."""
     eval_every: int = attrs.field(default=0, validator=in_range(ge=0))
+    """Steps between evaluations (0: after the last step only)."""
     shuffle: bool = True
+    """Shuffle the rows each epoch."""

@@ -44,7 +44,7 @@ from ..resolve import check_async_scheduler
 from .data import Prompt
 from .metrics import rollout_metrics
 from .mixing import StepQuotas
-from .runtime import Run
+from .runtime import Run, final_evaluation
 
 log = logging.getLogger("loongsage")
 
@@ -311,8 +311,11 @@ class AsyncLoop:
             for g in groups:
                 self.buffer.remove(g)
             self._dispatch()  # keep the engines busy while the trainer works
+            step = self.run.step
+            evaluated = await self.run.evaluate_async(step) if self.run.evaluation_due(step) else {}
             metrics = await self._train_step(list(groups), waited, t0)
-            metrics["step"] = self.run.step
+            metrics.update(evaluated)
+            metrics["step"] = step
             history.append(metrics)
             self.run.log(self.run.step, metrics)
             self.run.step += 1
@@ -324,6 +327,8 @@ class AsyncLoop:
         for task, _ in list(self.inflight.values()):
             task.cancel()
         await asyncio.gather(*(t for t, _ in list(self.inflight.values())), return_exceptions=True)
+        if self.run.evaluation_due(self.run.step):  # after the last step, on engines that train no more
+            history.append(final_evaluation(self.run, await self.run.evaluate_async(self.run.step)))
         return history
 
     def fit(self) -> list[dict[str, float]]:

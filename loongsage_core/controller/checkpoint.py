@@ -204,23 +204,31 @@ class ResumePoint:
     skipped: list[tuple[Path, str]] = attrs.field(factory=list)
 
 
+def read_point(d: Path, step: int) -> tuple[ResumePoint | None, str | None]:
+    """Checkpoint directory ``d`` of ``step`` as a :class:`ResumePoint`, or why it cannot be used."""
+    reason = verify(d)
+    if reason is not None:
+        return None, reason
+    path = d / CONTROLLER_FILE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+        if int(state["step"]) != step:
+            return None, f"'{path}' says step {state['step']}, its directory step {step}"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"'{path}' is unreadable ({type(exc).__name__}: {exc})"
+    return ResumePoint(step=step, directory=d, state=state), None
+
+
 def find_resumable(output_dir: Path) -> tuple[ResumePoint | None, list[tuple[Path, str]]]:
     """The newest intact checkpoint (``None`` if there is none) and the newer ones skipped."""
     skipped: list[tuple[Path, str]] = []
     for step, d in step_dirs(output_dir):
-        reason = verify(d)
-        if reason is None:
-            path = d / CONTROLLER_FILE
-            try:
-                state = json.loads(path.read_text(encoding="utf-8"))
-                if int(state["step"]) != step:
-                    reason = f"'{path}' says step {state['step']}, its directory step {step}"
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                reason = f"'{path}' is unreadable ({type(exc).__name__}: {exc})"
-        if reason is not None:
-            skipped.append((d, reason))
+        point, reason = read_point(d, step)
+        if point is None:
+            skipped.append((d, reason or "unusable"))
             continue
-        return ResumePoint(step=step, directory=d, state=state, skipped=list(skipped)), skipped
+        point.skipped = list(skipped)
+        return point, skipped
     return None, skipped
 
 

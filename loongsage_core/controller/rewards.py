@@ -20,7 +20,7 @@ import attrs
 
 from loongsage_hookspecs import ComponentRegistry, FailureClass, Reward, Trajectory, TrajectoryStatus
 
-from ..config import JobConfig, section_refs
+from ..config import DataConfig, JobConfig, section_refs
 from .reward_values import checked_reward, reward_failure
 
 log = logging.getLogger(__name__)
@@ -34,10 +34,10 @@ class SourceRewards:
     timeout_s: float
 
     @classmethod
-    def bind(cls, job: JobConfig, index: int, components: ComponentRegistry) -> "SourceRewards":
-        """The rewards ``[[data]]`` entry ``index`` lists, bound through ``components``."""
-        source = job.data[index]
-        refs = [r for r in section_refs(source, f"data[{index}]", job) if r.kind == "reward"]
+    def bind(cls, job: JobConfig, source: DataConfig, key: str, components: ComponentRegistry) -> "SourceRewards":
+        """The rewards of ``source`` (the ``[[data]]``-shaped table of ``job`` at job-file ``key``,
+        e.g. ``data[0]``), bound through ``components``."""
+        refs = [r for r in section_refs(source, key, job) if r.kind == "reward"]
         return cls(functions=[components.bind(ref) for ref in refs], timeout_s=source.reward_timeout_s)
 
     @property

@@ -30,6 +30,7 @@ from loongsage_hookspecs import (
     LORA_ADAPTER_NAME,
     BuildContext,
     Closeable,
+    ComponentRef,
     ComponentRegistry,
     Segment,
     Trajectory,
@@ -47,7 +48,7 @@ from .rewards import SourceRewards, score_trajectory_async
 log = logging.getLogger(__name__)
 
 
-def sample_seed(run_seed: int, step: int, prompt_index: int, sample_index: int) -> int:
+def sample_seed(run_seed: int, step: int | str, prompt_index: int, sample_index: int) -> int:
     """A per-sample sampling seed, stable across restarts (so resumed runs sample the same)."""
     digest = hashlib.blake2b(f"{run_seed}:{step}:{prompt_index}:{sample_index}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
@@ -125,11 +126,13 @@ class RolloutManager:
             self.engine_client(u) for u in self.generate_urls]
         # a load balancer takes one sampling_params per request (and routes each sample itself)
         self.one_request_per_sample = bool(generate_urls)
-        self.sources = {src.name: src for src in job.data}
-        self.rewards = {src.name: SourceRewards.bind(job, i, components) for i, src in enumerate(job.data)}
-        # every source's agent and sandbox, as the job names them (bound per trajectory / once)
-        self.refs = {src.name: {ref.kind: ref for ref in section_refs(src, f"data[{i}]", job)
-                                if ref.kind in ("agent", "sandbox")} for i, src in enumerate(job.data)}
+        # each source's config, rewards (bound) and agent and sandbox references (bound per
+        # trajectory / once), by the name prompts carry
+        self.sources: dict[str, DataConfig] = {}
+        self.rewards: dict[str, SourceRewards] = {}
+        self.refs: dict[str, dict[str, ComponentRef]] = {}
+        for i, src in enumerate(job.data):
+            self.add_source(src, f"data[{i}]")
         # the router's renderer and stop rule, for the fast path too
         self.renderer = ChatRenderer(tokenizer)
         self.router: Any = None
@@ -140,6 +143,16 @@ class RolloutManager:
         self.engine_wait_s = 0.0
         self._sandboxes: dict[str, Any] = {}
         self._agent_slots: asyncio.Semaphore | None = None
+
+    def add_source(self, source: DataConfig, key: str, *, job: JobConfig | None = None) -> None:
+        """Make ``source`` (the ``[[data]]``-shaped table at job-file ``key``, of ``job``: default
+        the run's) generatable for prompts that name it: its rewards bound, its agent and sandbox
+        as the job names them (the held-out evaluation adds its sources this way)."""
+        job = job or self.job
+        self.sources[source.name] = source
+        self.rewards[source.name] = SourceRewards.bind(job, source, key, self.components)
+        self.refs[source.name] = {ref.kind: ref for ref in section_refs(source, key, job)
+                                  if ref.kind in ("agent", "sandbox")}
 
     # ------------------------------------------------------------------ AgentFlow path
 
@@ -178,7 +191,7 @@ class RolloutManager:
                 attrs.evolve(ref, args=sandbox_args(self.job, source)), ctx)
         return self._sandboxes[source.name]
 
-    async def _agent_group(self, prompt: Prompt, index: int, step: int) -> TrajectoryGroup:
+    async def _agent_group(self, prompt: Prompt, index: int, step: int | str, n: int) -> TrajectoryGroup:
         from ..agentflow import run_agent_trajectory
 
         self.start_router()
@@ -224,7 +237,7 @@ class RolloutManager:
             traj.metadata["timing"] = {"reward_s": 0.0, **timing}
             return traj
 
-        group.trajectories = list(await asyncio.gather(*(one(j) for j in range(self.job.rollout.samples_per_prompt))))
+        group.trajectories = list(await asyncio.gather(*(one(j) for j in range(n))))
         return group
 
     def fast_path_messages(self, prompt: Prompt) -> list[dict[str, Any]]:
@@ -243,9 +256,9 @@ class RolloutManager:
                               f"leaves after max_new_tokens")
         return tokens
 
-    async def _group(self, client: EngineClient, prompt: Prompt, index: int, step: int) -> TrajectoryGroup:
+    async def _group(self, client: EngineClient, prompt: Prompt, index: int, step: int | str,
+                     n: int) -> TrajectoryGroup:
         source = self.sources[prompt.source]
-        n = self.job.rollout.samples_per_prompt
         base = sampling_params(self.job, source)
         tokens = self.encode_prompt(prompt, base["max_new_tokens"])
         params = []
@@ -290,20 +303,23 @@ class RolloutManager:
             group.trajectories.append(traj)
         return group
 
-    def group(self, prompt: Prompt, index: int, step: int, *, via_router: bool | None = None
-              ) -> Awaitable[TrajectoryGroup]:
-        """The coroutine producing group ``index`` of ``step``: the single-turn fast path on engine
-        ``index`` (round robin), or the source's agent through the router.
+    def group(self, prompt: Prompt, index: int, step: int | str, *, via_router: bool | None = None,
+              samples: int | None = None) -> Awaitable[TrajectoryGroup]:
+        """The coroutine producing group ``index`` of ``step`` (a step number, or a name such as an
+        evaluation's: it keys the trajectory ids and sampling seeds), ``samples`` answers (default
+        ``[rollout] samples_per_prompt``): the single-turn fast path on engine ``index`` (round
+        robin), or the source's agent through the router.
 
         ``via_router`` forces one path (``True``: the router, ``False``: the fast path, which then
         ignores the source's agent); ``None`` picks by :func:`takes_fast_path`.
         """
+        n = self.job.rollout.samples_per_prompt if samples is None else int(samples)
         fast = (takes_fast_path(self.job, self.sources[prompt.source], self.components) if via_router is None
                 else not via_router)
         if fast:
             clients = self.generate_clients
-            return self._group(clients[index % len(clients)], prompt, index, step)
-        return self._agent_group(prompt, index, step)
+            return self._group(clients[index % len(clients)], prompt, index, step, n)
+        return self._agent_group(prompt, index, step, n)
 
     async def generate(self, prompts: Sequence[Prompt], step: int, offset: int = 0) -> list[TrajectoryGroup]:
         """All groups for ``prompts``; groups are spread round-robin over the engines."""

@@ -1,4 +1,4 @@
-"""``loongsage run``: a run and the loop that drives it (DESIGN section 4).
+"""``loongsage run``: a run and the loop that drives it (docs/guide/training.md).
 
 :func:`run_job` is the whole of ``loongsage run``: it builds the :class:`.runtime.Run` (actors,
 engines, data, checkpoints, loggers), picks the loop, starts, trains, exports and closes.
@@ -27,7 +27,7 @@ from .learner import CONTROLLER_OVERHEAD
 from .metrics import rollout_metrics
 from .remote import waited_s
 from .run_dir import prepare_run_dir
-from .runtime import Run
+from .runtime import Run, final_evaluation
 
 
 def run_job(resolved: ResolvedJob, output_dir: str | None = None, *, overwrite: bool = False,
@@ -81,13 +81,16 @@ class SyncLoop:
         every = self.job.run.checkpoint_every
         while run.step < self.job.train.total_steps:
             step = run.step
-            metrics = self.run_step(step)
+            metrics = run.evaluate(step) if run.evaluation_due(step) else {}
+            metrics.update(self.run_step(step))
             metrics["step"] = step
             history.append(metrics)
             run.log(step, metrics)
             run.step = step + 1
             if every > 0 and run.step % every == 0:
                 run.save(run.step)
+        if run.evaluation_due(run.step):  # after the last step, logged as step train.total_steps
+            history.append(final_evaluation(run, run.evaluate(run.step)))
         return history
 
     def run_step(self, step: int) -> dict[str, float]:

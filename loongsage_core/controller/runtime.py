@@ -40,6 +40,7 @@ from . import checkpoint as ckpt
 from .colocation import PhaseSwitch
 from .critic import Critic
 from .data import DataMixer
+from .evaluation import Evaluator
 from .faults import FaultSupervisor
 from .filters import GroupFilters
 from .health import StepHealth
@@ -84,6 +85,14 @@ def remote_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
 
 
+def final_evaluation(run: "Run", metrics: dict[str, float]) -> dict[str, float]:
+    """The evaluation after the last step, logged (and recorded) as a step of its own."""
+    metrics["step"] = run.step
+    run.log(run.step, metrics)
+    run.record(run.step, [], None)
+    return metrics
+
+
 class Run:
     """One run's parts and progress (``step``: the next step to run; ``version``: the weight
     version the engines serve). Built from a resolved job; :meth:`start` brings the actors up."""
@@ -95,12 +104,15 @@ class Run:
         self.tokenizer = load_tokenizer(self.job)
         self.mixer = DataMixer(self.job, self.host)
         self.needs_reference = uses_reference_model(self.job, self.host)
-        # the step's algorithm, in one place (DESIGN section 6), and the group filters of both loops
+        # the step's algorithm, in one place (docs/guide/algorithms.md), and the group filters of both loops
         self.algorithm = StepAlgorithm.from_job(self.job, self.host, distill=distill_setup(self.job, self.host))
         self.filters = GroupFilters.from_job(self.job, self.host)
         self.health = StepHealth(self.job.train.max_bad_steps)  # bad steps: skipped, counted, bounded
         self.faults = FaultSupervisor(self)  # dead engines replaced, dead trainers explained
         self.learner = Learner(self)
+        # the held-out evaluation ([eval]); its last groups wait for the step's rollout records
+        self.evaluator = Evaluator(self.job, self.host) if self.job.eval.enabled else None
+        self.evaluated: list[TrajectoryGroup] = []
         self.step = 0
         self.version = 0
         self.actors: Actors | None = None
@@ -127,6 +139,19 @@ class Run:
     def start(self) -> None:
         """The run directory's files, the Ray cluster, the model actors, the critic and the
         teachers in one placement group, the engine router, the rollout manager, resume, the loggers."""
+        self.start_actors()
+        if not self.resume() and self.job.train.lora is not None:
+            # the engines load the (still no-op) adapter before the first generation names it:
+            # SGLang serves a request's lora_path only once that adapter is loaded
+            self.push_weights()
+        assert self.phases is not None
+        self.phases.to_generation()  # a colocated trainer gives the devices to the engines first
+        self.start_outputs()
+
+    def start_actors(self) -> None:
+        """Everything that holds a model or serves one: the Ray cluster, the model actors, the
+        critic and the teachers in one placement group, the engine router and the rollout manager
+        (with the secret and resolved job written into the output directory)."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         (self.output_dir / "config.resolved.toml").write_text(dump_job_toml(self.job))
         write_secret_file(self.output_dir, self.secret)
@@ -149,13 +174,9 @@ class Run:
                                       generate_urls if self.engine_router is not None else None,
                                       secret=self.secret)
         self.faults.attach(self.rollout)  # router turns whose engine died go to its replacement
+        if self.evaluator is not None:
+            self.evaluator.register(self.rollout)
         self.phases = PhaseSwitch(self.job, self.actors.trainers, self.rollout.clients, self.loop)
-        if not self.resume() and self.job.train.lora is not None:
-            # the engines load the (still no-op) adapter before the first generation names it:
-            # SGLang serves a request's lora_path only once that adapter is loaded
-            self.push_weights()
-        self.phases.to_generation()  # a colocated trainer gives the devices to the engines first
-        self.start_outputs()
 
     def start_outputs(self) -> None:
         """The per-step outputs: files cut back to the steps before this run's first one (all of
@@ -183,23 +204,27 @@ class Run:
         if point is None:
             log.info("resume requested but no checkpoint in %s; starting fresh", self.output_dir)
             return False
-        step, state = point.step, point.state
-        self.resumed_state = state
+        self.load_checkpoint(point)
+        self.resumed_state = state = point.state
+        self.mixer.load_state_dict(state["data"])
+        self.step = point.step
+        log.info("resumed from step %d", point.step)
+        return True
+
+    def load_checkpoint(self, point: ckpt.ResumePoint) -> None:
+        """Load an intact checkpoint (of any run directory: its ``checkpoints/step_N``) into the
+        trainer ranks and the critic, take its weight version and push the weights to the engines."""
         assert self.actors is not None
+        run_dir = point.directory.parent.parent
         try:
-            gather([a.load_checkpoint.remote(str(ckpt.trainer_dir(self.output_dir, step)))
+            gather([a.load_checkpoint.remote(str(ckpt.trainer_dir(run_dir, point.step)))
                     for a in self.actors.trainers])
             if self.critic is not None:
-                self.critic.load(self.output_dir, step)
+                self.critic.load(run_dir, point.step)
         except Exception as exc:  # the backend's own error (naming its file) is what the user needs
-            raise ckpt.CheckpointError(f"cannot load checkpoint '{point.directory}': "
-                                       f"{remote_cause(exc)}") from None
-        self.mixer.load_state_dict(state["data"])
-        self.step = step
-        self.version = int(state["version"])
+            raise ckpt.CheckpointError(f"cannot load checkpoint '{point.directory}': {remote_cause(exc)}") from None
+        self.version = int(point.state["version"])
         self.push_weights()
-        log.info("resumed from step %d", step)
-        return True
 
     # ------------------------------------------------------------------ during the run
 
@@ -218,6 +243,21 @@ class Run:
                                     for a, t in zip(self.actors.trainers, targets)]) if s]
         return {f"perf/weight_sync_{k}": v for k, v in mean_metrics(stats).items()}
 
+    def evaluation_due(self, step: int) -> bool:
+        """Whether the job's ``[eval]`` runs before ``step`` (``train.total_steps``: after the last)."""
+        return self.evaluator is not None and self.evaluator.due(step, self.job.train.total_steps)
+
+    async def evaluate_async(self, step: int) -> dict[str, float]:
+        """The held-out evaluation of the weights the engines serve, before ``step``: its ``eval/*``
+        metrics; its groups go into the step's rollout records (:meth:`record`)."""
+        assert self.evaluator is not None and self.rollout is not None
+        metrics, self.evaluated = await self.evaluator.evaluate(self.rollout, step)
+        return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """:meth:`evaluate_async` from outside the run's event loop."""
+        return self.loop.run_until_complete(self.evaluate_async(step))
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """Hand a step's metrics to every logger."""
         for logger in self.loggers:
@@ -227,9 +267,10 @@ class Run:
                sampled: Sequence[TrajectoryGroup] = ()) -> None:
         """Hand the step's trajectories and the batch that trained them to the records writer
         (right after learning, before the weight version moves on); ``sampled``: every group the
-        step generated, the filtered-out ones too."""
+        step generated, the filtered-out ones too; the evaluation run before the step goes with them."""
+        evaluated, self.evaluated = self.evaluated, []
         if self.records is not None:
-            self.records.add(step, groups, batch, policy_version=self.version, filtered=sampled)
+            self.records.add(step, groups, batch, policy_version=self.version, filtered=sampled, evaluated=evaluated)
 
     def record_trained(self, step: int, groups: Sequence[TrajectoryGroup]) -> None:
         """Append the prompt ids trained at ``step`` to ``trained_prompts.jsonl`` (an audit trail:

@@ -1,4 +1,4 @@
-"""Rollout records: every step's trajectories on disk, token by token (format in docs/records.md).
+"""Rollout records: every step's trajectories on disk, token by token (format in docs/reference/records.md).
 
 A run writes ``<run>/rollouts/step_NNNNNN.jsonl.gz``, one JSON object per trajectory, from a
 writer thread (:class:`~.writer.RolloutRecorder`), so the training loop never waits on it.

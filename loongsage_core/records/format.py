@@ -3,7 +3,7 @@
 :func:`build_records` turns a step's trajectory groups and its training batch into records. Every
 per-token list of a segment has the segment's length; the tensors of the batch row that trained
 the segment (``loss_mask``, ``old_logprobs``, ``advantages``, ...) are copied as they were trained,
-so a record shows exactly what the trainer saw. docs/records.md documents every field; a change
+so a record shows exactly what the trainer saw. docs/reference/records.md documents every field; a change
 that breaks a reader raises :data:`FORMAT_VERSION`.
 """
 
@@ -160,16 +160,21 @@ def _turns(segments: Sequence[Any], calls: Sequence[dict[str, Any]],
 def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_version: int,
                   agents: Mapping[str, str], token_text: Callable[[list[int]], list[str]],
                   decode: Callable[[list[int]], str], keep: int = -1, seed: Any = 0,
-                  filtered: Sequence[Any] = ()) -> list[dict[str, Any]]:
+                  filtered: Sequence[Any] = (), evaluated: Sequence[Any] = ()) -> list[dict[str, Any]]:
     """The records of one step: every trajectory of ``groups``, then those of ``filtered`` (the groups
     as sampled, before filters) not in ``groups``, or ``keep`` of all these, with the batch rows
-    that trained them. ``policy_version`` is the
+    that trained them; then every trajectory of ``evaluated`` (the held-out evaluation run before
+    the step, never trained), marked ``"eval": true``. ``policy_version`` is the
     weight version the step trained from, so a trajectory's staleness is ``policy_version`` minus
     the oldest version among its tokens."""
     trajs = [t for g in groups for t in g.trajectories]
     n_kept = len(trajs)
     kept = {id(t) for t in trajs}  # a filter may keep a group's object or a copy with fewer trajectories
     trajs += [t for g in filtered for t in g.trajectories if id(t) not in kept]
+    n_trained = len(trajs)
+    chosen = keep_indices(n_trained, keep, seed, step)
+    trajs += [t for g in evaluated for t in g.trajectories]
+    chosen += list(range(n_trained, len(trajs)))
     rows = _row_index(batch)
     row_lists: dict[str, Any] = {}
     if rows:
@@ -178,7 +183,7 @@ def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_versio
             if tensor is not None and tensor.dim() == 2:
                 row_lists[name] = tensor.detach().float().cpu().tolist()
     records = []
-    for index in keep_indices(len(trajs), keep, seed, step):
+    for index in chosen:
         traj = trajs[index]
         segments = [_segment_record(seg, rows.get((traj.id, s)), token_text, row_lists)
                     for s, seg in enumerate(traj.segments)]
@@ -210,7 +215,8 @@ def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_versio
             "tool_calls": calls,
             "reward": reward_record(traj.reward),
             "trained": any(s["row"] is not None for s in segments),
-            "filtered": index >= n_kept,
+            "filtered": n_kept <= index < n_trained,
+            "eval": index >= n_trained,
             "policy_version": int(policy_version),
             "weight_versions": [min(versions), max(versions)] if versions else None,
             "staleness": int(policy_version) - min(versions) if versions else None,

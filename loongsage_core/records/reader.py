@@ -61,7 +61,7 @@ def read_rollouts_partial(run_dir: str | Path, step: int) -> tuple[list[dict[str
 
 
 def read_rollouts(run_dir: str | Path, step: int) -> list[dict[str, Any]]:
-    """The rollout records of ``step`` in ``run_dir`` (one dict per trajectory, docs/records.md).
+    """The rollout records of ``step`` in ``run_dir`` (one dict per trajectory, docs/reference/records.md).
 
     Raises :class:`RolloutRecordsError` naming the file when it is missing, truncated or corrupt.
     """

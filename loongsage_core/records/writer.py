@@ -99,10 +99,11 @@ class RolloutRecorder:
         return sorted(dropped)
 
     def add(self, step: int, groups: Sequence[Any], batch: Any, policy_version: int,
-            filtered: Sequence[Any] = ()) -> None:
+            filtered: Sequence[Any] = (), evaluated: Sequence[Any] = ()) -> None:
         """Queue ``step``'s trajectory groups with the batch that trained them (returns at once);
         ``filtered``: every group the step sampled; the trajectories a filter dropped from them are
-        recorded after the others (those also in ``groups`` are recorded once).
+        recorded after the others (those also in ``groups`` are recorded once); ``evaluated``: the
+        held-out evaluation's groups of the step, recorded last, marked as such.
 
         Neither the groups nor ``batch`` may change afterwards (the loop builds new ones per step).
         """
@@ -111,7 +112,7 @@ class RolloutRecorder:
         if self._thread is None:
             self._thread = threading.Thread(target=self._work, name="rollout-records", daemon=True)
             self._thread.start()
-        self._queue.put((step, list(groups), batch, policy_version, list(filtered)))
+        self._queue.put((step, list(groups), batch, policy_version, list(filtered), list(evaluated)))
 
     def flush(self) -> None:
         """Wait until every queued step is written (before a checkpoint completes, and at the end)."""
@@ -147,8 +148,10 @@ class RolloutRecorder:
             finally:
                 self._queue.task_done()
 
-    def _write(self, step: int, groups: list[Any], batch: Any, policy_version: int, filtered: list[Any]) -> None:
+    def _write(self, step: int, groups: list[Any], batch: Any, policy_version: int, filtered: list[Any],
+               evaluated: list[Any]) -> None:
         records = build_records(step, groups, batch, policy_version=policy_version, filtered=filtered,
+                                evaluated=evaluated,
                                 agents=self.agents,
                                 token_text=self.text.pieces, decode=self.text.decode,
                                 keep=self.keep if self.keep != 0 else 1, seed=self.seed)
@@ -179,6 +182,8 @@ def recorder_for_run(job: Any, output_dir: str | Path, tokenizer: Any, loggers: 
     to redo after a resume, or left by an earlier run) deleted."""
     listeners = [lg.log_trajectories for lg in loggers if isinstance(lg, TrajectoryLogger) and lg.wants_trajectories]
     recorder = RolloutRecorder(output_dir, tokenizer, keep=job.run.rollout_records,
-                               agents={d.name: d.agent for d in job.data}, seed=job.run.seed, listeners=listeners)
+                               agents={**{d.name: d.agent for d in job.data},
+                                       **{f"eval:{d.name}": d.agent for d in job.eval.data}},
+                               seed=job.run.seed, listeners=listeners)
     recorder.truncate_after(first_step)
     return recorder

@@ -10,6 +10,7 @@ import sys
 import textwrap
 
 import httpx
+import pytest
 
 from loongsage_core.agentflow import run_agent_trajectory
 from loongsage_hookspecs import Trajectory, TrajectoryStatus
@@ -41,6 +42,7 @@ HOSTILE = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.slow
 def test_a_hostile_command_agent_reaches_its_own_endpoint_only(secure_engine_url, run_secret, router_factory,
                                                                tmp_path):
     from loongsage_plugin_agents.command_agent import CommandAgent

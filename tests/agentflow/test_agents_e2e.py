@@ -32,7 +32,7 @@ def agents():
 
 
 @pytest.fixture(scope="module")
-def local_sandbox():
+def local_sandbox(slow_fixture):
     from loongsage_plugin_agents import plugin
 
     return {s.name: s for s in plugin.loongsage_sandboxes()}["local"].factory(BuildContext())
@@ -103,6 +103,7 @@ def test_tool_agent_calls_python_tools_and_destroys_its_sandbox(tool_engine_url,
     assert existed == "True" and not os.path.exists(workdir)  # it existed during the run, and is gone
 
 
+@pytest.mark.slow
 def test_command_agent_runs_the_blackbox_example(engine_url, router_factory, agents):
     router = router_factory([engine_url])
     args = {"command": [sys.executable, str(BLACKBOX), "--turns", "2", "--max-tokens", "8"]}
@@ -146,6 +147,7 @@ def test_agent_that_outgrows_the_context_is_marked_failed(engine_url, router_fac
     assert traj.segments == []
 
 
+@pytest.mark.slow
 def test_hanging_command_agent_times_out_and_is_killed(engine_url, router_factory, agents, tmp_path):
     router = router_factory([engine_url])
     pid_file = tmp_path / "pid"
@@ -179,6 +181,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_host_abort_marks_the_trajectory_aborted(engine_url, router_factory, agents):
     router = router_factory([engine_url])
     args = {"command": [sys.executable, str(BLACKBOX), "--turns", "50", "--max-tokens", "4"]}

@@ -18,7 +18,7 @@ CONTEXT = 8192  # mini-swe-agent's system prompt alone is a few thousand tokens 
 
 
 @pytest.fixture(scope="module")
-def long_context_engine_url():
+def long_context_engine_url(slow_fixture):
     from loongsage_plugin_torch.engine.engine import EmbeddedEngine
     from loongsage_plugin_torch.modeling import TINY_QWEN3
 

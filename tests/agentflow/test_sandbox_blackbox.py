@@ -21,7 +21,8 @@ from loongsage_core.agentflow import run_agent_trajectory
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import BuildContext, ComponentRef, Trajectory, TrajectoryStatus
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox user needs a root host")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="the per-sandbox user needs a root host"),
+              pytest.mark.slow]  # programs in sandboxes (and, with kill and resume, whole runs)
 
 # the program's own packages (openai), readable by the sandbox's user
 SITE = sysconfig.get_paths()["purelib"]

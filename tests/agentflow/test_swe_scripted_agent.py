@@ -41,8 +41,8 @@ def host():
 
 def repair(host, router, provider, mode: str, extra: list[str] = (), tid: str = "swe-1") -> tuple[Trajectory, list]:
     """One trajectory of the scripted agent in ``mode``; also the sandbox directories seen meanwhile."""
-    rewards = SourceRewards.bind(JobConfig(data=[DataConfig(name="swe", reward=["swe_tests"], sandbox="local")]), 0,
-                                 host)
+    source = DataConfig(name="swe", reward=["swe_tests"], sandbox="local")
+    rewards = SourceRewards.bind(JobConfig(data=[source]), source, "data[0]", host)
     seen: list[str] = []
 
     async def score(traj: Trajectory, sandbox) -> None:
@@ -63,7 +63,7 @@ def repair(host, router, provider, mode: str, extra: list[str] = (), tid: str = 
 
 
 @pytest.fixture
-def setup(host, engine_url, router_factory):
+def setup(slow_fixture, host, engine_url, router_factory):
     provider = host.bind(ComponentRef("sandbox", "local", {"base_dir": str(SWE), "default_timeout_s": 60}),
                          BuildContext(components=host))
     yield host, router_factory([engine_url]), provider

@@ -191,6 +191,8 @@ def build_controller(tmp_path: Path, overrides: dict[str, Any] | None = None, *,
         return url
 
     run.rollout.start_router = start_router_on_the_fake
+    if run.evaluator is not None:
+        run.evaluator.register(run.rollout)
     run.phases = PhaseSwitch(job, run.actors.trainers, run.rollout.clients, run.loop)
     from loongsage_core.controller.teacher_actor import Teachers
 

@@ -298,6 +298,7 @@ def test_every_listed_component_has_a_matrix_entry():
     assert len(MATRIX) >= 40
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(MATRIX), ids=lambda k: f"{k[0]}-{k[1]}")
 def test_component_in_two_training_steps(controller_factory, key):
     base = baseline(controller_factory)

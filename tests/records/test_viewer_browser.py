@@ -22,7 +22,7 @@ CHROMEDRIVER = shutil.which("chromedriver")
 
 
 @pytest.fixture(scope="module")
-def browser():
+def browser(slow_fixture):
     if not (CHROMIUM and CHROMEDRIVER):
         pytest.fail("chromium and chromium-driver are needed (scripts/setup.sh installs them with apt)")
     from selenium import webdriver

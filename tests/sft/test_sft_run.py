@@ -114,6 +114,7 @@ def cli(*args):
     return subprocess.run([sys.executable, "-m", "loongsage_core", *args], cwd=REPO, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 def test_cli_trains_and_reports_bad_sft_keys_in_one_line(make_job, tmp_path):
     job = make_job(rows=12, sft={"max_steps": 2, "eval_rows": 2}, run={"save_hf_at_end": True})
     out = cli("sft", str(job), "--output-dir", str(tmp_path / "out"))

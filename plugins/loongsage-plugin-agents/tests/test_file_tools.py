@@ -11,7 +11,7 @@ from loongsage_plugin_agents.python_tools import function_schema
 
 
 @pytest.fixture
-def box():
+def box(slow_fixture):
     provider = LocalSandboxProvider(default_timeout_s=30)
     sandbox = asyncio.run(provider.create("files-1"))
     yield sandbox

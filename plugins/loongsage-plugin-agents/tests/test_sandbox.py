@@ -27,7 +27,7 @@ def run(coro):
 
 
 @pytest.fixture
-def provider():
+def provider(slow_fixture):
     # the default root (the system temp directory): commands run as 'nobody' when tests run as root,
     # and that user must be able to enter the sandbox's parent directories
     return LocalSandboxProvider(default_timeout_s=20)
@@ -162,6 +162,7 @@ def test_timeout_kills_the_whole_process_tree(provider):
     assert _processes_with(marker) == []
 
 
+@pytest.mark.slow
 def test_resource_limits():
     provider = LocalSandboxProvider(cpu_time_s=1, memory_mb=256, file_size_mb=1)
 
@@ -227,6 +228,7 @@ def _marked_sleeps(marker: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run_as_user", ["auto", None])
 def test_a_killed_owner_is_swept_by_the_next_provider(tmp_path, run_as_user):
     """``kill -9`` of the process holding sandboxes: the next provider on the same root removes the
@@ -278,6 +280,7 @@ asyncio.run(main())
         subprocess.run(["rm", "-rf", str(root)], check=False)
 
 
+@pytest.mark.slow
 def test_without_a_sandbox_user_the_marker_takes_the_tree_down():
     marker = f"46.{os.getpid():07d}{time.monotonic_ns() % 1000:03d}"
     provider = LocalSandboxProvider(isolation="none", run_as_user=None)

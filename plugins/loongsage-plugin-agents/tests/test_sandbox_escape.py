@@ -54,7 +54,7 @@ def _unique(prefix: str) -> str:
 
 
 @pytest.fixture(params=AVAILABLE)
-def provider(request):
+def provider(slow_fixture, request):
     # the default root (under the system temp directory, which the sandbox users can enter)
     p = LocalSandboxProvider(isolation=request.param, **POOL, default_timeout_s=30, max_processes=64,
                              memory_mb=512, cpu_time_s=20)

@@ -17,7 +17,7 @@ def run(coro):
 
 
 @pytest.fixture
-def repo(tmp_path):
+def repo(slow_fixture, tmp_path):
     """A small git repository with two commits: v1 (buggy) then v2 (fixed)."""
     path = tmp_path / "calc"
     path.mkdir()

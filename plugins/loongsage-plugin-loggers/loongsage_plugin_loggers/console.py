@@ -118,6 +118,8 @@ class ConsoleLogger:
         names = [k for k in metrics if k != "step"]
         if self.keys is None:
             chosen = [k for k in DEFAULT_KEYS if k in metrics][:MAX_DEFAULT_KEYS]
+            # a held-out evaluation's headline, per source ([eval]: eval/<source>/pass@1)
+            chosen += sorted(k for k in names if k.startswith("eval/") and k.endswith("/pass@1"))
             return chosen or sorted(names)[:MAX_DEFAULT_KEYS]
         chosen = []
         for key in self.keys:
@@ -159,6 +161,10 @@ class ConsoleLogger:
         now = time.perf_counter()
         done = int(step) + 1
         text = self.format_metrics(metrics)
+        if all(k.startswith("eval/") or k == "step" for k in metrics):  # the evaluation after the last step
+            self._get_console().print(f"eval after step {int(step)}  {text}", markup=False, highlight=False,
+                                      soft_wrap=True)
+            return
         if self.live:
             if self._progress is None:
                 self._start_progress()
@@ -185,7 +191,7 @@ class ConsoleLogger:
         self._get_console().print(self.format_sample(record), markup=False, highlight=False, soft_wrap=True)
 
     def format_sample(self, record: Mapping[str, Any]) -> str:
-        """A trajectory record as a few lines of text (docs/records.md describes the fields)."""
+        """A trajectory record as a few lines of text (docs/reference/records.md describes the fields)."""
         reward = record.get("reward") or {}
         score = reward.get("score")
         why = reward.get("reason") or reward.get("error") or ""

@@ -176,7 +176,7 @@ class WandbLogger:
 
 
 def completion_row(record: Mapping[str, Any]) -> list[Any]:
-    """One rollout record (docs/records.md) as a row of the completions table."""
+    """One rollout record (docs/reference/records.md) as a row of the completions table."""
     reward = record.get("reward") or {}
     prompt = record.get("prompt")
     if isinstance(prompt, list):  # chat messages: the last user message

@@ -76,7 +76,7 @@ def test_total_steps_comes_from_the_context(tmp_path):
 
 
 def _record(step: int, index: int) -> dict:
-    """A rollout record (docs/records.md) with the fields the console shows."""
+    """A rollout record (docs/reference/records.md) with the fields the console shows."""
     return {"format": 1, "step": step, "index": index, "source": "tools", "agent": "tool_agent", "status": "ok",
             "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 1+2?"}],
             "reward": {"score": 1.0, "reason": "numeric_match: answer 3 matches the label", "error": None},

@@ -49,7 +49,7 @@ def test_log_after_close_is_an_error(tmp_path):
 
 
 def _record(step: int, index: int) -> dict:
-    """A rollout record (docs/records.md) with the fields the completions table shows."""
+    """A rollout record (docs/reference/records.md) with the fields the completions table shows."""
     return {"format": 1, "step": step, "index": index, "source": "math", "agent": "single_turn",
             "status": "failed" if index == 1 else "ok", "prompt": [{"role": "user", "content": f"q{index}"}],
             "reward": {"score": float(index), "reason": f"reason {index}", "error": None},

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loongsage_core.config import load_job
-from loongsage_core.controller.entry import run_job
+from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
 
 REPO = Path(__file__).resolve().parents[3]
@@ -57,7 +57,7 @@ name = "jsonl"
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(slow_fixture):
     """The session's Ray cluster when one is up (the whole suite), else a small local one for
     this module (the plugin's own test environment)."""
     import ray

@@ -254,7 +254,7 @@ def _multi_rank_job(rank: int, out: str, hf_dir: str, batches: list[Batch], moe:
 
 
 @pytest.fixture(scope="module")
-def multi_rank(hf_dir, moe_model, host, tmp_path_factory):
+def multi_rank(slow_fixture, hf_dir, moe_model, host, tmp_path_factory):
     """Run :func:`_multi_rank_job` on four spawned ranks; returns (rank results, torch reference results,
     output directory)."""
     # A fresh torch worker (the module's workers may have trained already) gives the batches'

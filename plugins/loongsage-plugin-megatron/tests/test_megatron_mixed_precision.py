@@ -298,6 +298,7 @@ def _one_rank_bf16(path: str, host: PluginHost, batch: Batch) -> tuple[dict, tor
         worker.close()
 
 
+@pytest.mark.slow
 def test_bfloat16_under_tensor_pipeline_data_and_expert_parallel_2_matches_one_rank(hf_dir, host, fp32_step,
                                                                                     tmp_path):
     """16-bit training sharded and replicated: the same float32 masters beside bfloat16 parameters

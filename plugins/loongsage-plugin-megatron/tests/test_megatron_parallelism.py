@@ -172,7 +172,7 @@ def _two_rank_job(rank: int, out: str, paths: dict, data: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tiny_qwen3_writer, tmp_path_factory):
+def two_ranks(slow_fixture, tiny_qwen3_writer, tmp_path_factory):
     """Run :func:`_two_rank_job` on two spawned ranks; returns both ranks' results."""
     from transformers import AutoModelForCausalLM
 

@@ -201,7 +201,7 @@ def _two_rank_job(rank: int, out: str, path: str, batch: Batch) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(moe, tmp_path_factory):
+def two_ranks(slow_fixture, moe, tmp_path_factory):
     path, hf = moe
     batch = grpo_batch(hf)
     out = tmp_path_factory.mktemp("router_replay_ranks")

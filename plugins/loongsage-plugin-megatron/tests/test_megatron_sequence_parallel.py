@@ -66,7 +66,7 @@ def _two_rank_job(rank: int, out: str, dense_dir: str, moe_dir: str, batches: di
 
 
 @pytest.fixture(scope="module")
-def two_ranks(hf_dir, tmp_path_factory):
+def two_ranks(slow_fixture, hf_dir, tmp_path_factory):
     host = PluginHost.create([])
     moe_dir = str(tmp_path_factory.mktemp("tiny_qwen3_moe_sp"))
     moe_hf = support.save_tiny_moe(moe_dir)

@@ -158,7 +158,7 @@ def _two_rank_job(rank: int, out: str, hf_dir: str, batch: Batch) -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(hf_dir, host, tmp_path_factory):
+def two_ranks(slow_fixture, hf_dir, host, tmp_path_factory):
     """Run :func:`_two_rank_job` on two spawned ranks; returns (rank results, the training batch)."""
     ref = create_torch_worker(TrainWorkerContext(job=vocab_job(hf_dir, "full_kl_and_topk"), components=host))
     batch = train_batch(ref, seed=6)

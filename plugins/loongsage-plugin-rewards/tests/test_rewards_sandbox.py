@@ -89,7 +89,7 @@ def test_parse_pytest_reads_real_output(tmp_path):
 
 
 @pytest.fixture
-def sandbox_for() -> Iterator[Any]:
+def sandbox_for(slow_fixture) -> Iterator[Any]:
     """``sandbox_for(row)``: a ``local`` sandbox prepared from ``row``, destroyed after the test."""
     provider = PluginHost.create().get("sandbox", "local").factory(BuildContext(), base_dir=str(SWE),
                                                                    default_timeout_s=60)

@@ -30,7 +30,7 @@ def standin() -> Iterator[StandIn]:
 
 
 @pytest.fixture
-def standin_process(tmp_path: Path) -> Iterator[str]:
+def standin_process(slow_fixture, tmp_path: Path) -> Iterator[str]:
     """A stand-in server in a subprocess that joins weight groups (gloo); yields its URL."""
     port_file = tmp_path / "url"
     proc = subprocess.Popen([sys.executable, str(HERE / "standin_sglang.py"), str(port_file)],
@@ -63,7 +63,7 @@ threading.Event().wait()
 
 
 @pytest.fixture
-def embedded_engine_process(tmp_path: Path) -> Iterator[str]:
+def embedded_engine_process(slow_fixture, tmp_path: Path) -> Iterator[str]:
     """The torch plugin's embedded engine (tiny Qwen3, seed-1 weights) in a subprocess; yields its URL."""
     url_file = tmp_path / "engine_url"
     log = tmp_path / "engine.log"

@@ -20,7 +20,7 @@ TOKENIZER = REPO / "tests" / "data" / "tokenizer"
 
 
 @pytest.fixture(scope="module")
-def routed():
+def routed(slow_fixture):
     job = structure_job({"model": {"config": dict(TINY_QWEN3), "tokenizer": str(TOKENIZER)},
                          "rollout": {"max_context_length": 128,
                                      "engine_args": {"num_threads": 1, "max_batch_size": 4}}},

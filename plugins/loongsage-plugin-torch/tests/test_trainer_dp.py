@@ -92,6 +92,7 @@ def train_once(rank: int, world: int, port: int, variant: str = "full") -> dict:
     return {"grads": grads, "metrics": metrics, "weights": weights, "norm_ok": shard_norm == global_norm}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["full", "lora"])
 def test_two_ranks_with_half_the_rows_equal_one_rank_with_all(tmp_path, variant):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

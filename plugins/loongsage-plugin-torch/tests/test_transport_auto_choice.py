@@ -56,7 +56,7 @@ def test_an_engine_without_shm_or_broadcast_is_an_error_naming_it():
 
 
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local(slow_fixture):
     """The session's Ray cluster when one is up, else a small local one for this module."""
     import ray
 

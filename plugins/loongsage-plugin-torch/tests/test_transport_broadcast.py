@@ -40,7 +40,7 @@ def digest(t: torch.Tensor) -> list:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
+def ray_local(slow_fixture):
     """The session's Ray cluster when one is up, else a small local one for this module."""
     import ray
 

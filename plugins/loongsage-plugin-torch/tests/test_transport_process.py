@@ -18,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing import shared_memory
 
 import httpx
+import pytest
 import torch
 
 from loongsage_hookspecs import WeightTransportContext
@@ -94,6 +95,7 @@ def start_child(count: int) -> tuple[subprocess.Popen, list[str]]:
     return proc, [f"http://127.0.0.1:{int(port)}" for port in line.split()]
 
 
+@pytest.mark.slow
 def test_shm_transport_into_two_engine_processes_is_bit_exact():
     g = torch.Generator().manual_seed(0)
     first = [("embed", torch.randn(300, 64, generator=g)),                        # 76800 B: split across buckets
