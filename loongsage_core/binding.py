@@ -22,7 +22,7 @@ plugin. Nothing else in the host or the plugins calls a spec's callables (a guar
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Protocol
 
 import attrs
 
@@ -31,11 +31,16 @@ from loongsage_hookspecs import KINDS, Call, ComponentRef, ComponentSpec, Kind, 
 from .config import ConfigError, structure_args, structure_value
 from .errors import ComponentBuildError, PluginError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .plugins import PluginHost
-
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _KEYWORD = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+class SpecSource(Protocol):
+    """Where the binder finds specs: the plugin host (:class:`loongsage_core.plugins.PluginHost`)."""
+
+    def get(self, kind: str, name: str, where: str | None = None) -> Any: ...
+
+    def provider(self, kind: str, name: str) -> str: ...
 
 
 class BoundFunction:
@@ -168,14 +173,14 @@ def kind_record(kind: str) -> Kind:
     return record
 
 
-def check_arguments(host: "PluginHost", ref: ComponentRef, *, using: str | None = None) -> None:
+def check_arguments(host: SpecSource, ref: ComponentRef, *, using: str | None = None) -> None:
     """What ``loongsage validate`` runs for every component: the name resolves and the arguments
     bind (:func:`bind_arguments`), without calling or building anything."""
     call = kind_record(ref.kind).call(using)
     bind_arguments(host.get(ref.kind, ref.name, where=ref.where), call, ref)
 
 
-def bind(host: "PluginHost", ref: ComponentRef, ctx: Any = None, *, using: str | None = None) -> Any:
+def bind(host: SpecSource, ref: ComponentRef, ctx: Any = None, *, using: str | None = None) -> Any:
     """The component ``ref`` names: a :class:`BoundFunction` for a function kind, the object its
     factory builds for a factory kind (``ctx``: an instance of the kind's context class;
     ``using``: which factory of a kind with several). See the module docstring for the errors."""

@@ -1,4 +1,5 @@
-"""Building a Hugging Face causal LM from a local directory or an inline config, for every backend.
+"""Building a Hugging Face causal LM (and the policy's tokenizer) from a local directory or an
+inline config, for every backend.
 
 A model comes either from a local Hugging Face directory (``config.json`` + safetensors) or, for
 tests and tiny models, from an inline config table with a ``model_type``; both go through the
@@ -11,8 +12,28 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .config import ConfigError, JobConfig
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
+
+
+def load_tokenizer(job: JobConfig) -> Any:
+    """The policy tokenizer (``[model] tokenizer`` or the model directory), with a clear error."""
+    from transformers import AutoTokenizer
+
+    where = job.source_path or "<job>"
+    source = job.model.tokenizer or job.model.path
+    if not source:
+        raise ConfigError(f"{where}: model: set 'tokenizer' or 'path' so prompts can be tokenized")
+    path = Path(job.resolve_path(source))
+    if not path.exists():
+        key = "model.tokenizer" if job.model.tokenizer else "model.path"
+        raise ConfigError(f"{where}: {key}: '{path}' does not exist")
+    if job.model.path and not (Path(job.resolve_path(job.model.path)) / "config.json").is_file():
+        raise ConfigError(f"{where}: model.path: no config.json in model directory "
+                          f"'{job.resolve_path(job.model.path)}'")
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 class ModelLoadError(ValueError):

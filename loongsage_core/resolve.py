@@ -15,6 +15,7 @@ import attrs
 
 from loongsage_hookspecs import ComponentRef, LoadsWeights, SchedulerSpec, SourcePicker
 
+from .algorithms.distill import distill_setup
 from .component_args import check_component_args, check_effective_settings
 from .config import ConfigError, JobConfig, component_refs
 from .plugins import PluginHost
@@ -173,7 +174,6 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
                 check(**dict(src.agent_args))
             except (ValueError, TypeError, OSError) as exc:
                 raise ConfigError(f"{where}: data[{i}].agent_args: {exc}") from None
-    from .controller.teachers import distill_setup  # light: torch is imported only when teachers run
 
     distill_setup(job, host)  # distillation settings that do not fit together fail here, not mid-run
     check_lora_support(job, host)

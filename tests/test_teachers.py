@@ -9,14 +9,11 @@ import pytest
 import torch
 
 from loongsage_core.algorithms import LossPipeline, LossPipelineError, StepAlgorithm
+from loongsage_core.algorithms.distill import distill_setup, uses_reference_model
 from loongsage_core.algorithms.pipeline import TEACHER_MASK_KEY
 from loongsage_core.config import AlgorithmConfig, ConfigError, DataConfig, JobConfig, PlacementConfig, TeacherConfig
 from loongsage_core.controller.teacher_actor import Teachers
-from loongsage_core.controller.teachers import (
-    TeacherGroup,
-    distill_setup,
-    uses_reference_model,
-)
+from loongsage_core.controller.teachers import TeacherGroup
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import AggregationNorm, Batch
 

@@ -67,7 +67,7 @@ class StepAlgorithm:
     estimator, the ``pre_corrections`` (job-file order), ``kl`` the KL to the reference folded
     into the token rewards with ``kl_coef`` (``None``: none), and ``distill_term`` the
     distillation term folded into them, with ``distill`` the job's setup
-    (``loongsage_core.controller.teachers.DistillSetup``: ``coef``, ``key(field)``).
+    (:class:`.distill.DistillSetup`: ``coef``, ``key(field)``).
     """
 
     def __init__(self, *, advantage: Any, pre_corrections: Sequence[Any] = (), kl: Any = None,

@@ -16,10 +16,10 @@ import attrs
 
 from loongsage_hookspecs import EngineRouterContext
 
+from ..algorithms.distill import runs_teachers
 from ..config import ConfigError, JobConfig, component_ref
 from .actors import ModelActor
 from .resource_errors import ray_start_error
-from .teachers import runs_teachers
 
 log = logging.getLogger("loongsage")
 

@@ -32,7 +32,9 @@ from typing import Any, Mapping, Sequence
 from loongsage_hookspecs import Batch, LoggerContext, StepTruncation, TrajectoryGroup
 
 from ..algorithms import StepAlgorithm
-from ..config import ConfigError, JobConfig, component_refs, dump_job_toml
+from ..algorithms.distill import distill_setup, uses_reference_model
+from ..config import component_refs, dump_job_toml
+from ..hf_models import load_tokenizer
 from ..records.writer import RolloutRecorder, recorder_for_run
 from ..resolve import ResolvedJob
 from ..security import new_secret, set_process_secret, write_secret_file
@@ -51,30 +53,11 @@ from .rollout import RolloutManager
 from .run_dir import truncate_jsonl
 from .signals import restore_signals, stop_on_signals
 from .teacher_actor import Teachers
-from .teachers import distill_setup, uses_reference_model
 from .worker_group import mean_metrics
 
 log = logging.getLogger("loongsage")
 
 TRAINED_PROMPTS = "trained_prompts.jsonl"
-
-
-def load_tokenizer(job: JobConfig) -> Any:
-    """The policy tokenizer (``[model] tokenizer`` or the model directory), with a clear error."""
-    from transformers import AutoTokenizer
-
-    where = job.source_path or "<job>"
-    source = job.model.tokenizer or job.model.path
-    if not source:
-        raise ConfigError(f"{where}: model: set 'tokenizer' or 'path' so prompts can be tokenized")
-    path = Path(job.resolve_path(source))
-    if not path.exists():
-        key = "model.tokenizer" if job.model.tokenizer else "model.path"
-        raise ConfigError(f"{where}: {key}: '{path}' does not exist")
-    if job.model.path and not (Path(job.resolve_path(job.model.path)) / "config.json").is_file():
-        raise ConfigError(f"{where}: model.path: no config.json in model directory "
-                          f"'{job.resolve_path(job.model.path)}'")
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 def remote_cause(exc: BaseException) -> str:

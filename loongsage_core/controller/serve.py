@@ -18,10 +18,10 @@ import attrs
 
 from ..agentflow import AgentFlowRouter, build_middlewares
 from ..config import section_refs
+from ..hf_models import load_tokenizer
 from ..resolve import ResolvedJob
 from ..security import new_secret, set_process_secret, write_secret_file
 from .placement import Actors, create_actors, init_ray, start_engine_router
-from .runtime import load_tokenizer
 from .signals import stop_on_signals
 
 

@@ -25,10 +25,11 @@ from typing import Any, Callable
 
 from loongsage_hookspecs import Batch
 
+from ..algorithms.distill import DistillSetup, distill_setup
 from ..config import JobConfig
 from ..plugins import PluginHost
 from .remote import LocalActor, gather
-from .teachers import DistillSetup, TeacherGroup, TeacherScores, distill_setup, score_rows, teacher_metrics
+from .teachers import TeacherGroup, TeacherScores, score_rows, teacher_metrics
 
 
 class TeacherActor:
@@ -62,9 +63,9 @@ class TeacherActor:
 class Teachers:
     """The controller's handle on the teacher actor: scoring a step's rows, and closing.
 
-    ``setup`` is the run's :class:`.teachers.DistillSetup` and ``manager_metrics`` the teacher
-    manager spec's metrics function; both are read in the driver, where the step's metrics are
-    computed.
+    ``setup`` is the run's :class:`~loongsage_core.algorithms.distill.DistillSetup` and
+    ``manager_metrics`` the teacher manager spec's metrics function; both are read in the driver,
+    where the step's metrics are computed.
     """
 
     def __init__(self, actor: Any, setup: DistillSetup,

@@ -67,7 +67,7 @@ class SftRun:
 
     def __init__(self, job: JobConfig, host: Any, output_dir: Path) -> None:
         from ..agentflow.tito import ChatRenderer
-        from ..controller.runtime import load_tokenizer
+        from ..hf_models import load_tokenizer
 
         self.job = job
         self.host = host

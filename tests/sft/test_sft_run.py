@@ -96,7 +96,7 @@ def test_parquet_and_saved_datasets_render_like_jsonl(make_job, tmp_path):
     import datasets
 
     from loongsage_core.agentflow import ChatRenderer
-    from loongsage_core.controller.runtime import load_tokenizer
+    from loongsage_core.hf_models import load_tokenizer
     from loongsage_core.sft.data import load_examples
 
     job = load_job(make_job(rows=6))

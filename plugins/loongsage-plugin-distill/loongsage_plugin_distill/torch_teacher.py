@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from loongsage_core.backend_api import ModelLoadError, load_causal_lm
+from loongsage_core.backend_api.models import ModelLoadError, load_causal_lm
 from loongsage_hookspecs import Batch, TeacherContext, TeacherOutputs, teacher_inputs
 
 if TYPE_CHECKING:  # pragma: no cover - typing only

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 if TYPE_CHECKING:  # pragma: no cover - typing only
     from loongsage_hookspecs import LoggerContext
 
-from loongsage_core.backend_api import truncate_jsonl
+from loongsage_core.backend_api.files import truncate_jsonl
 
 DEFAULT_FILENAME = "metrics.jsonl"
 

@@ -21,7 +21,7 @@ from typing import Any, Iterator
 
 import torch
 
-from loongsage_core.backend_api import save_torch_atomically
+from loongsage_core.backend_api.files import save_torch_atomically
 
 from . import lora as lora_lib
 from .parallel import model_parallel_rank

@@ -58,7 +58,7 @@ from typing import Any
 
 import attrs
 
-from loongsage_core.backend_api import structure_args
+from loongsage_core.backend_api.schema import structure_args
 
 from . import cpu_compat
 

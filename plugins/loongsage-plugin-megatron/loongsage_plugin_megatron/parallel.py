@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from loongsage_core.backend_api import pin_gloo_to_this_node
+from loongsage_core.backend_api.distributed import pin_gloo_to_this_node
 
 from . import cpu_compat
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from loongsage_core.backend_api import make_scheduler
+from loongsage_core.backend_api.training import make_scheduler
 
 
 def megatron_optimizers(megatron_optimizer: Any) -> list[Any]:

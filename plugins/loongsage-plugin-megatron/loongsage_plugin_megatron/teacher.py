@@ -164,7 +164,7 @@ class MegatronTeacher:
         """The forward-only megatron worker on ``self.path``, built without touching the caller's RNG."""
         import torch
 
-        from loongsage_core.backend_api import JobConfig, ModelConfig, RunConfig, TrainConfig
+        from loongsage_core.backend_api.schema import JobConfig, ModelConfig, RunConfig, TrainConfig
         from loongsage_hookspecs import TrainWorkerContext
 
         from .worker import MegatronTrainWorker

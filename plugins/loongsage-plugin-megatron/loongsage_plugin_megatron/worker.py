@@ -82,7 +82,7 @@ from typing import Any, Iterator
 
 import torch
 
-from loongsage_core.backend_api import LossPipeline, MetricAccumulator
+from loongsage_core.backend_api.loss import LossPipeline, MetricAccumulator
 from loongsage_hookspecs import AggregationNorm, Batch
 
 from . import bridge_compat, checkpoint, cpu_compat, layout, parallel

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from loongsage_plugin_rl import aggregation as agg
 from loongsage_plugin_rl import policy_losses as pl
 
-from loongsage_core.backend_api import compute_norm
+from loongsage_core.backend_api.loss import compute_norm
 from loongsage_hookspecs import AggregationNorm, Batch, PolicyLossInputs
 
 NAMES = ["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "seq_mean_token_sum_norm"]

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 
 import httpx
 
-from loongsage_core.backend_api import engine_headers
+from loongsage_core.backend_api.serving import engine_headers
 
 DEFAULT_GROUP = "weight_update_group"
 """SGLang's default weight-update group name."""

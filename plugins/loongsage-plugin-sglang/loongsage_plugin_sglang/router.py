@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from loongsage_core.backend_api import free_port, retry_on_port_collision
+from loongsage_core.backend_api.distributed import free_port, retry_on_port_collision
 
 from .process import ManagedProcess, ServerStartError, secret_args
 
@@ -64,7 +64,7 @@ class SGLangRouterProcess:
     def __init__(self, worker_urls: Sequence[str], policy: str = "cache_aware", *, host: str = "127.0.0.1",
                  port: int = 0, extra_args: Mapping[str, Any] | None = None, startup_timeout_s: float = 120.0,
                  log_path: str | None = None, python: str | None = None, api_key: str | None = None) -> None:
-        from loongsage_core.backend_api import check_listen_address, process_secret
+        from loongsage_core.backend_api.serving import check_listen_address, process_secret
 
         self.worker_urls = [u.rstrip("/") for u in worker_urls]
         self.policy = policy

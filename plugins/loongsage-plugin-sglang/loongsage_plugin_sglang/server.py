@@ -26,7 +26,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, Mapping
 
-from loongsage_core.backend_api import check_listen_address, free_port, retry_on_port_collision
+from loongsage_core.backend_api.distributed import free_port, retry_on_port_collision
+from loongsage_core.backend_api.serving import check_listen_address
 from loongsage_hookspecs import EngineContext, JobSettings
 
 from .launch import LaunchConfigError, build_launch_command

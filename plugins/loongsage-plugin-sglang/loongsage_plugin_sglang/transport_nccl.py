@@ -26,7 +26,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Iterable, Iterator
 
-from loongsage_core.backend_api import (
+from loongsage_core.backend_api.distributed import (
     destroy_weight_update_group,
     host_rendezvous,
     join_with_engines,

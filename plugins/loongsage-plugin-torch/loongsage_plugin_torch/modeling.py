@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from loongsage_core.backend_api import ModelLoadError, load_causal_lm
+from loongsage_core.backend_api.models import ModelLoadError, load_causal_lm
 from loongsage_hookspecs import JobSettings
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -13,7 +13,7 @@ from loongsage_plugin_torch.trainer import TorchTrainWorker, create_train_worker
 from loongsage_plugin_torch.trainer.logits import decoder_of
 
 from loongsage_core.algorithms import compute_norm
-from loongsage_core.backend_api import lr_factor
+from loongsage_core.backend_api.training import lr_factor
 from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
 from loongsage_core.plugins import PluginHost
 from loongsage_hookspecs import (

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping
 
-from loongsage_core.backend_api import check_listen_address
+from loongsage_core.backend_api.serving import check_listen_address
 from loongsage_hookspecs import ComponentRef, EngineContext, WeightTransportContext
 
 from ..lora import lora_scaling
@@ -89,7 +89,7 @@ class EmbeddedEngine:
         """Start the decode loop and the HTTP server; returns ``http://HOST:PORT``."""
         if self.base_url is not None:
             return self.base_url
-        from loongsage_core.backend_api import ThreadedServer
+        from loongsage_core.backend_api.serving import ThreadedServer
 
         from .server import EngineServer
 

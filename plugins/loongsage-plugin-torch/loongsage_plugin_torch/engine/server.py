@@ -64,7 +64,8 @@ from typing import Any
 
 from aiohttp import web
 
-from loongsage_core.backend_api import node_id, secret_middleware
+from loongsage_core.backend_api.distributed import node_id
+from loongsage_core.backend_api.serving import secret_middleware
 
 from .control_protocol import MEMORY_TAGS, parse_abort, parse_memory_tags, parse_pause
 from .http_common import ServedEngine, error_response, read_json_body

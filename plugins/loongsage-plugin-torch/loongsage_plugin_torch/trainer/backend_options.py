@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from loongsage_core.backend_api import structure_args
+from loongsage_core.backend_api.schema import structure_args
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch

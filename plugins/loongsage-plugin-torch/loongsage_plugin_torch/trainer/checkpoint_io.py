@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from loongsage_core.backend_api import save_torch_atomically
+from loongsage_core.backend_api.files import save_torch_atomically
 
 from . import distributed
 from .checkpoint import capture_rng, restore_rng, seed_everything

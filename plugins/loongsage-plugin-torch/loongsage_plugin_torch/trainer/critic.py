@@ -28,7 +28,7 @@ from typing import Any
 import attrs
 import torch
 
-from loongsage_core.backend_api import MetricAccumulator
+from loongsage_core.backend_api.loss import MetricAccumulator
 from loongsage_hookspecs import AggregationNorm, Batch, ComponentRef, TrainWorkerContext
 
 from ..modeling import load_model

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any, Iterable
 
-from loongsage_core.backend_api import pin_gloo_to_this_node
+from loongsage_core.backend_api.distributed import pin_gloo_to_this_node
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

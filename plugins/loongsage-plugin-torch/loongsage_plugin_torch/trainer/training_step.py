@@ -14,12 +14,8 @@ from typing import Any
 
 import torch
 
-from loongsage_core.backend_api import (
-    LossPipeline,
-    MetricAccumulator,
-    make_scheduler,
-    old_from_training_forward,
-)
+from loongsage_core.backend_api.loss import LossPipeline, MetricAccumulator, old_from_training_forward
+from loongsage_core.backend_api.training import make_scheduler
 from loongsage_hookspecs import AggregationNorm, Batch
 
 from . import distributed

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from loongsage_core.backend_api import LossPipeline
+from loongsage_core.backend_api.loss import LossPipeline
 from loongsage_hookspecs import TrainWorkerContext
 
 from .. import lora as lora_lib

@@ -43,7 +43,8 @@ from typing import Any, Iterable, Mapping
 
 import torch
 
-from loongsage_core.backend_api import engine_headers, node_id
+from loongsage_core.backend_api.distributed import node_id
+from loongsage_core.backend_api.serving import engine_headers
 from loongsage_hookspecs import ComponentRef, LoraSettings, WeightTarget, WeightTransportContext
 
 from .shm import WeightTransferError
@@ -145,8 +146,10 @@ class AutoSender:
             if self.ctx.components is None:
                 raise WeightTransferError("auto weight transport: its context has no plugin registry "
                                           "(components) to build the chosen transport's sender with")
-            ref = ComponentRef("weight_transport", name, self.args.get(name, {}), where=self.ctx.where,
-                               args_where=f"{self.ctx.where}_args.{name}")
+            where = self.ctx.where  # the job key of the auto transport: its table for `name` is beside it
+            args_where = (f"{where}_args.{name}" if where.endswith("weight_transport")
+                          else f"{where}: weight_transport_args.{name}")
+            ref = ComponentRef("weight_transport", name, self.args.get(name, {}), where=where, args_where=args_where)
             sender = self.ctx.components.bind(ref, self.ctx, using="sender")
             if self._lora is not None and callable(getattr(sender, "configure_lora", None)):
                 sender.configure_lora(self._lora)

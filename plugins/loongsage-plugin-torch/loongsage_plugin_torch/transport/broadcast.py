@@ -32,15 +32,15 @@ from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
-from loongsage_core.backend_api import (
+from loongsage_core.backend_api.distributed import (
     destroy_weight_update_group,
-    engine_headers,
     host_rendezvous,
     init_weight_update_group,
     join_with_engines,
     reachable_address,
     resolve_backend,
 )
+from loongsage_core.backend_api.serving import engine_headers
 
 from .buckets import (
     BucketAssembler,

@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 import torch
 
-from loongsage_core.backend_api import engine_headers
+from loongsage_core.backend_api.serving import engine_headers
 
 from .buckets import (
     BucketAssembler,
