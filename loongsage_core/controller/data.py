@@ -24,6 +24,7 @@ Mixing has two levels, each with its own documented rounding rule.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from pathlib import Path
@@ -35,10 +36,11 @@ from loongsage_hookspecs import BuildContext
 
 from .. import safe_json
 from ..config import ConfigError, DataConfig, JobConfig, section_refs
+from ..config.rollout import DEFAULT_MAX_LINE_BYTES
 from .mixing import integer_weights, interleave_by_source, quota_sequence, round_shares
 
-__all__ = ["DataMixer", "Prompt", "integer_weights", "interleave_by_source", "load_rows", "quota_sequence",
-           "read_jsonl_file", "read_source", "round_shares"]
+__all__ = ["DataMixer", "Prompt", "integer_weights", "interleave_by_source", "iter_rows", "load_rows",
+           "quota_sequence", "read_jsonl_file", "read_source", "round_shares"]
 
 
 @attrs.define
@@ -60,12 +62,21 @@ DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 """Files that mark a directory written by ``datasets``' ``save_to_disk``."""
 
 
-def read_jsonl_file(path: Path, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(location, row)`` of each non-blank line of a JSONL file; undecodable text, invalid JSON
-    or a non-object line is a :class:`ConfigError` naming the file and line."""
+def read_jsonl_file(path: Path, where: str, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+                    ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(location, row)`` of each non-blank line of a JSONL file; undecodable text, invalid JSON,
+    a non-object line or a line longer than ``max_line_bytes`` is a :class:`ConfigError` naming
+    the file and line. Lines are read with a bounded ``readline``, so a line too long is refused
+    having held at most ``max_line_bytes + 1`` bytes of it."""
     with path.open("rb") as fh:
-        for lineno, raw_line in enumerate(fh, 1):
+        for lineno in itertools.count(1):
+            raw_line = fh.readline(max_line_bytes + 1)
+            if not raw_line:
+                return
             loc = f"{path}:{lineno}"
+            if len(raw_line) > max_line_bytes and not raw_line.endswith(b"\n"):
+                raise ConfigError(f"{where}: {loc}: the line is longer than max_line_bytes ({max_line_bytes} "
+                                  "bytes); shorten the row or raise the source's max_line_bytes")
             try:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as exc:
@@ -130,12 +141,21 @@ def load_rows(job: JobConfig, index: int, components: Any) -> list[dict[str, Any
 
     Field errors name the file and the row (the line for JSONL, the 0-based row otherwise).
     """
+    return list(iter_rows(job, index, components))
+
+
+def iter_rows(job: JobConfig, index: int, components: Any) -> Iterator[dict[str, Any]]:
+    """The rows of :func:`load_rows` one at a time (``loongsage validate`` reads every row of a
+    data file this way without keeping them); an empty source is a :class:`ConfigError` once the
+    end is reached."""
     src = job.data[index]
     where = job.data_where(index)
-    rows = [map_fields(r, src, f"{where}: {loc}") for loc, r in read_source(job, index, components)]
-    if not rows:
+    count = 0
+    for loc, row in read_source(job, index, components):
+        count += 1
+        yield map_fields(row, src, f"{where}: {loc}")
+    if not count:
         raise ConfigError(f"{where}: the data source is empty")
-    return rows
 
 
 def read_source(job: JobConfig, index: int, components: Any) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -164,17 +184,42 @@ def read_source(job: JobConfig, index: int, components: Any) -> Iterator[tuple[s
             if src.split is not None:
                 raise ConfigError(f"{where}.split: only a saved DatasetDict directory has splits; "
                                   f"'{path}' is a file")
-            raw = _read_parquet(path, where) if path.suffix in (".parquet", ".pq") else read_jsonl_file(path, where)
+            raw = (_read_parquet(path, where) if path.suffix in (".parquet", ".pq")
+                   else read_jsonl_file(path, where, src.max_line_bytes))
     return raw
 
 
 def _check_prompt(value: Any, src: DataConfig, where: str) -> None:
+    """A prompt is a non-blank string or a non-empty list of chat messages, and its text is valid
+    Unicode: a lone UTF-16 surrogate (``"\\ud800"`` in JSON) decodes into a Python string that
+    no tokenizer can encode."""
     if isinstance(value, str):
-        return
-    if isinstance(value, list) and value and all(isinstance(m, Mapping) and "role" in m for m in value):
-        return
-    raise ConfigError(f"{where}: field '{src.prompt_key}' must be a string or a non-empty list of chat "
-                      f"messages (objects with a 'role'), got {type(value).__name__} {_short(value)}")
+        if not value.strip():
+            raise ConfigError(f"{where}: prompt field '{src.prompt_key}' is empty: a blank prompt gives the "
+                              "policy nothing to answer; remove the row")
+    elif not (isinstance(value, list) and value and all(isinstance(m, Mapping) and "role" in m for m in value)):
+        raise ConfigError(f"{where}: field '{src.prompt_key}' must be a string or a non-empty list of chat "
+                          f"messages (objects with a 'role'), got {type(value).__name__} {_short(value)}")
+    for text in _strings(value):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ConfigError(f"{where}: prompt field '{src.prompt_key}' holds a lone UTF-16 surrogate "
+                              f"{text[exc.start]!r} at character {exc.start}: not valid Unicode text, which "
+                              "no tokenizer can encode") from None
+
+
+def _strings(value: Any) -> Iterator[str]:
+    """Every string inside ``value`` (nested lists and mappings, keys included)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _strings(key)
+            yield from _strings(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _strings(item)
 
 
 def _short(value: Any, limit: int = 60) -> str:

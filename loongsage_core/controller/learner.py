@@ -28,7 +28,7 @@ from ..algorithms.old_logprobs import (
 )
 from ..algorithms.step import ROUTER_REPLAY_OUTPUTS, router_replay_metrics
 from ..flops import ModelShape, generation_flops, mfu, scoring_flops
-from .batching import build_batch
+from .batching import build_batch, credit_options
 from .mixing import interleave_by_source
 from .remote import gather, own_time
 from .worker_group import WorkerGroup
@@ -104,7 +104,8 @@ class Learner:
         assert self.run.actors is not None
         t0 = time.perf_counter()
         batch = build_batch(groups, pad_id=self.run.tokenizer.pad_token_id or 0,
-                            mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale)
+                            mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale,
+                            **credit_options(self.job, self.run.host))  # which failures count, and how small a group
         self.last_batch = batch
         metrics: dict[str, float] = {"rollout/num_rows": float(len(batch))}
         if not len(batch):
