@@ -136,7 +136,7 @@ def check_data_files(job: JobConfig) -> None:
     saved datasets load; in an RL job every row has its prompt, a non-blank string or chat messages
     of valid Unicode (a supervised job's conversations are checked as it loads them). Errors name
     the file and line (or row). Procedural sources are built at run."""
-    from .controller.data import iter_rows, read_source
+    from .data_sources import iter_rows, read_source
 
     for i, src in enumerate(job.data):
         if src.path:

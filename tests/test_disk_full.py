@@ -14,7 +14,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from loongsage_core.controller.checkpoint import verify
+from loongsage_core.run_files.checkpoint import verify
 
 
 def in_small_tmpfs(size_kib: int, mountpoint: Path, command: str, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -158,7 +158,7 @@ def test_a_line_over_the_limit_is_refused_having_held_no_more_than_the_limit(tmp
     import tracemalloc
 
     from loongsage_core.config import ConfigError
-    from loongsage_core.controller.data import read_jsonl_file
+    from loongsage_core.data_sources import read_jsonl_file
 
     path = tmp_path / "big.jsonl"
     with path.open("wb") as fh:  # a 32 MiB line (no newline in sight) after a good one

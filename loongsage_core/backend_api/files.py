@@ -3,7 +3,7 @@ files written atomically, a full disk raised as an ``OSError`` naming the file."
 
 from __future__ import annotations
 
-from ..controller.run_dir import truncate_jsonl
 from ..disk_space import save_torch_atomically
+from ..run_files.run_dir import truncate_jsonl
 
 __all__ = ["save_torch_atomically", "truncate_jsonl"]

@@ -231,7 +231,7 @@ class FaultSupervisor:
                 self._router_task = None
 
     def _fatal_message(self, exc: BaseException) -> str:
-        from . import checkpoint as ckpt
+        from ..run_files import checkpoint as ckpt
 
         found = ckpt.latest_checkpoint(self.ctrl.output_dir)
         resume = (f"resume from checkpoint step {found[0]} with run.resume=true" if found

@@ -55,7 +55,7 @@ def explain_resource_error(exc: BaseException, output_dir: Path) -> RunError | N
 
 def disk_full(error: OSError, output_dir: Path) -> DiskFullError:
     """The one line of a write that found no room."""
-    from . import checkpoint as ckpt
+    from ..run_files import checkpoint as ckpt
 
     path = error.filename or str(output_dir)
     found = ckpt.latest_checkpoint(output_dir)
