@@ -125,16 +125,6 @@ class TextStreamer:
         return self._increments(message, final=True)
 
 
-def as_router_error(exc: Exception) -> Any:
-    """``exc`` as a :class:`~.errors.RouterError` a stream can report (a bug becomes a 500)."""
-    from .errors import RouterError
-
-    if isinstance(exc, RouterError):
-        return exc
-    log.error("AgentFlow router: a streamed turn failed", exc_info=exc)
-    return RouterError(500, f"internal router error: {type(exc).__name__}: {exc}", type="server_error", retry=False)
-
-
 class SSEStream:
     """A server-sent-events answer that opens only when the turn is accepted.
 
