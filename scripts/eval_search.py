@@ -86,8 +86,9 @@ def as_metrics(result: dict[str, Any], source: str) -> dict[str, float]:
 
 def evaluate(job_path: Path | str, *, model: Path | str | None = None, checkpoint: Path | str | None = None,
              source: int = 0, prompts: int = 64, samples: int = 4, threshold: float = 1.0, seed: int = 0,
-             concurrency: int = 32, overrides: list[str] | None = None) -> dict[str, Any]:
-    """Run ``prompts`` questions of the job's ``source`` ``samples`` times each; see the module docstring."""
+             concurrency: int = 32, overrides: list[str] | None = None, show: int = 0) -> dict[str, Any]:
+    """Run ``prompts`` questions of the job's ``source`` ``samples`` times each; see the module docstring.
+    ``show``: print the conversations of the first sample of that many questions to stderr."""
     from loongsage_plugin_torch.engine.engine import EmbeddedEngine
     from loongsage_plugin_torch.modeling import load_tokenizer
 
@@ -134,6 +135,8 @@ def evaluate(job_path: Path | str, *, model: Path | str | None = None, checkpoin
                 score=score, build_ctx=agent_ctx)
         agent = traj.metadata.get("agentflow", {}).get("agent", {})
         failed = traj.status != TrajectoryStatus.COMPLETED
+        if show and i < show and j == 0:
+            print(json.dumps({"label": row["label"], "messages": traj.messages}, indent=1), file=sys.stderr)
         results.append({"prompt": i, "hops": row["metadata"].get("hops"),
                         "reward": 0.0 if failed or traj.reward is None else float(traj.reward.score),
                         "turns": agent.get("turns", 0), "tool_calls": agent.get("tool_calls", 0),
@@ -170,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pass-at", type=float, default=1.0, dest="threshold", help="reward that counts as a pass")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--show", type=int, default=0, help="print this many conversations to stderr")
     parser.add_argument("--append-to", type=Path, default=None, help="append the metrics to this JSONL file")
     parser.add_argument("--step", type=int, default=0, help="the step of the --append-to line")
     parser.add_argument("overrides", nargs="*", help="key=value overrides of the job")
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     result = evaluate(args.job, model=args.model, checkpoint=args.checkpoint, source=args.source,
                       prompts=args.prompts, samples=args.samples, threshold=args.threshold, seed=args.seed,
-                      concurrency=args.concurrency, overrides=args.overrides)
+                      concurrency=args.concurrency, overrides=args.overrides, show=args.show)
     print(json.dumps(result))
     if args.append_to is not None:
         with args.append_to.open("a") as f:
