@@ -194,11 +194,15 @@ def test_search_recipe_runs_two_steps(ray_cluster, tmp_path):
     history = run_job(resolve_job(load_job(RECIPE / "search.toml", SMALL)), output_dir=str(out))
     assert len(history) == 2
     for m in history:
-        assert m["rollout/num_trajectories"] == 4.0 and m["rollout/agent_failed_ratio"] == 0.0
-        assert m["rollout/tool_calls_mean"] >= 1.0 and m["rollout/turns_mean"] >= 2.0
-        assert any(k.startswith("rollout_per_source/") and "/reward/exact_match/score" in k for k in m)
+        # dynamic sampling draws groups of 2 until one has a signal, 1 + max_filter_retries rounds at most
+        assert m["rollout/num_trajectories"] in (4.0, 8.0, 12.0, 16.0, 20.0)
+        assert m["rollout/agent_failed_ratio"] == 0.0
+        assert m["rollout/tool_calls_mean"] > 0.0 and m["rollout/turns_mean"] > 1.0  # it calls tools, over turns
+        assert "rollout_per_source/one_hop/reward_mean" in m or "rollout_per_source/two_hop/reward_mean" in m
     records = [json.loads(line) for line in gzip.open(out / "rollouts" / "step_000000.jsonl.gz", "rt")]
-    assert len(records) == 4
+    assert records and len(records) % 2 == 0
     for r in records:
         assert r["metadata"]["corpus"]["split"] == "train"
-        assert any(c["name"] == "search" for c in r["tool_calls"])
+    calls = [c for r in records for c in r["tool_calls"]]
+    assert calls and {c["name"] for c in calls} <= {"search", "open"}
+    assert all(c["output"] is not None for c in calls)  # every call ran and its output went back
