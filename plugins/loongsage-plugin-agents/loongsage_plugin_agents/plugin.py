@@ -14,6 +14,7 @@ from loongsage_hookspecs import (
     AgentSpec,
     BuildContext,
     Closeable,
+    DataSourceSpec,
     ObservingMiddleware,
     ReportsIsolation,
     RouterMiddlewareSpec,
@@ -77,6 +78,18 @@ def _cli_preflight(cls_name: str) -> Any:
     return preflight
 
 
+def _fictional_qa(ctx: BuildContext, **args: Any) -> Any:
+    from .fictional_qa import fictional_qa_rows
+
+    return fictional_qa_rows(ctx, **args)
+
+
+def _fictional_qa_sft(ctx: BuildContext, **args: Any) -> Any:
+    from .fictional_transcripts import fictional_qa_transcripts
+
+    return fictional_qa_transcripts(ctx, **args)
+
+
 def _local_sandbox(ctx: BuildContext, **args: Any) -> Any:
     from .local_sandbox import LocalSandboxProvider
 
@@ -105,8 +118,9 @@ def _request_logger(ctx: BuildContext, **args: Any) -> Any:
 def loongsage_agents() -> Iterator[AgentSpec]:
     yield AgentSpec(name="single_turn", factory=_single_turn, fast_path=True,
                     description="one chat completion for the prompt; the answer is the response")
-    yield AgentSpec(name="tool_agent", factory=_tool_agent, needs_sandbox=True,
-                    description="multi-turn tool calling: Python tools by import path plus a bash tool in the sandbox")
+    yield AgentSpec(name="tool_agent", factory=_tool_agent,
+                    description="multi-turn tool calling: Python tools by import path, plus a bash tool when the "
+                                "source has a sandbox")
     yield AgentSpec(name="command", factory=_command,
                     description="black-box program run as a subprocess with OPENAI_BASE_URL set; "
                                 "stdout is the response")
@@ -139,3 +153,13 @@ def loongsage_router_middlewares() -> Iterator[RouterMiddlewareSpec]:
     yield RouterMiddlewareSpec(name="request_logger", factory=_request_logger,
                                description="append every request and response to a JSONL file",
                                capabilities=(ObservingMiddleware,))
+
+
+@hookimpl
+def loongsage_data_sources() -> Iterator[DataSourceSpec]:
+    yield DataSourceSpec(name="fictional_qa", factory=_fictional_qa,
+                         description="one- and two-hop questions about a made-up world, answered with the "
+                                     "search_tools over its corpus (train / heldout splits)")
+    yield DataSourceSpec(name="fictional_qa_sft", factory=_fictional_qa_sft,
+                         description="tool-use transcripts of fictional_qa questions for a loongsage sft warm "
+                                     "start, a share of them wrong (p_correct)")

@@ -13,7 +13,7 @@ from loongsage_hookspecs import DataSourceSpec, RewardSpec, hookimpl
 from .code_reward import code_tests
 from .countdown_reward import countdown_reward
 from .math_reward import math_verify_reward
-from .rewards import exact_match, format_reward, numeric_match
+from .rewards import exact_match, format_reward, numeric_match, token_f1
 from .rgym import reasoning_gym_reward, reasoning_gym_rows
 from .sources.arithmetic import arithmetic_rows
 from .sources.countdown import countdown_rows
@@ -26,6 +26,8 @@ def loongsage_rewards() -> Iterator[RewardSpec]:
                      description="1 when the extracted final answer equals the label (normalised text)")
     yield RewardSpec(name="numeric_match", fn=numeric_match,
                      description="1 when the last number of the answer is within tolerance of the label")
+    yield RewardSpec(name="token_f1", fn=token_f1,
+                     description="token-overlap F1 (SQuAD) of the extracted final answer with the label")
     yield RewardSpec(name="format", fn=format_reward, description="1 when the response matches a regex 'pattern'")
     yield RewardSpec(name="math_verify", fn=math_verify_reward,
                      description="1 when the answer is mathematically equal to the label (math-verify)")

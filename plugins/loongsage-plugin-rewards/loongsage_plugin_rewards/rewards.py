@@ -1,4 +1,4 @@
-"""String and number rewards: ``exact_match``, ``numeric_match`` and ``format``.
+"""String and number rewards: ``exact_match``, ``token_f1``, ``numeric_match`` and ``format``.
 
 Each takes the finished :class:`~loongsage_hookspecs.Trajectory` (its ``response_text`` and
 ``label``) plus keyword arguments from the job file's ``reward_args``, and returns a
@@ -134,3 +134,50 @@ def format_reward(trajectory: Trajectory, *, pattern: str, mode: str = "search",
     matched = getattr(regex, mode)(text) is not None
     reason = f"{'matches' if matched else 'does not match'} {pattern!r} ({mode})"
     return Reward(score=float(score) if matched else 0.0, details={"matched": float(matched)}, reason=reason)
+
+
+_ARTICLES_RE = re.compile(r"\b(a|an|the)\b")
+_PUNCT_RE = re.compile(r"[^\w\s]")
+
+
+def answer_tokens(text: str) -> list[str]:
+    """The words of an answer as SQuAD's F1 counts them: lower-cased, punctuation and the
+    articles ``a``/``an``/``the`` removed, split on whitespace."""
+    text = _PUNCT_RE.sub(" ", str(text).casefold())
+    return _ARTICLES_RE.sub(" ", text).split()
+
+
+def f1_score(prediction: str, reference: str) -> float:
+    """Token-overlap F1 of two answers (SQuAD's definition): the harmonic mean of the share of the
+    prediction's words found in the reference and the share of the reference's words found in
+    the prediction, each word counted as often as it occurs in both. Two empty answers score 1."""
+    pred, ref = answer_tokens(prediction), answer_tokens(reference)
+    if not pred or not ref:
+        return float(pred == ref)
+    common = sum(min(pred.count(w), ref.count(w)) for w in set(pred))
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred), common / len(ref)
+    return 2 * precision * recall / (precision + recall)
+
+
+def token_f1(trajectory: Trajectory, *, extract: bool = True, score: float = 1.0) -> Reward:
+    """``score`` times the best token-overlap F1 between the final answer and the label(s).
+
+    Args:
+        extract: find the final answer first (see :mod:`.extract`); when false, the whole response.
+        score: the reward of a perfect overlap.
+
+    Partial credit for answers that are close but not equal (``"Kazal"`` against
+    ``"Kazal Motors"`` scores 0.67). A list label means "any of these" (the best F1 counts).
+    Details: ``f1`` (the best F1), ``exact`` (1 when the normalised words are equal), ``parsed``.
+    """
+    text = trajectory.response_text or ""
+    answer = extract_final_answer(text) if extract else text.strip()
+    labels = [str(lab) for lab in _labels(trajectory.label)]
+    best = max(f1_score(answer, lab) for lab in labels)
+    exact = any(answer_tokens(answer) == answer_tokens(lab) for lab in labels)
+    reason = (f"answer {answer.strip()!r}: F1 {best:.2f} against " + ", ".join(repr(lab) for lab in labels)
+              if answer.strip() else "no answer found in the response")
+    return Reward(score=float(score) * best, details={"f1": best, "exact": float(exact),
+                                                      "parsed": float(bool(answer.strip()))}, reason=reason)

@@ -10,8 +10,8 @@ from loongsage_hookspecs import DataSourceSpec, RewardSpec
 def test_hooks_provide_the_documented_components():
     rewards = {s.name: s for s in plugin.loongsage_rewards()}
     sources = {s.name: s for s in plugin.loongsage_data_sources()}
-    assert set(rewards) == {"exact_match", "numeric_match", "format", "math_verify", "countdown", "reasoning_gym",
-                            "swe_tests", "code_tests"}
+    assert set(rewards) == {"exact_match", "token_f1", "numeric_match", "format", "math_verify", "countdown",
+                            "reasoning_gym", "swe_tests", "code_tests"}
     assert {n for n, s in rewards.items() if s.needs_sandbox} == {"swe_tests", "code_tests"}
     assert set(sources) == {"arithmetic", "countdown", "reasoning_gym"}
     assert all(isinstance(s, RewardSpec) and s.description for s in rewards.values())

@@ -1,0 +1,205 @@
+"""Build the tokenizer and the warm-started tiny policy of the ``search`` recipe (configs/recipes/search/).
+
+The recipe trains a deep-research agent: the ``tool_agent`` answers questions about a made-up
+world (the ``fictional_qa`` data source) by calling ``search`` over the world's corpus
+(``loongsage_plugin_agents.search_tools``). On a CPU the policy is a tiny Qwen3 built here:
+
+1. **Tokenizer** (``configs/recipes/search/tokenizer/``): a byte-level BPE of ``--vocab-size``
+   tokens, trained on transcripts of *other* made-up worlds (world seeds ``TOKENIZER_WORLDS``), so
+   it splits every invented name, of the training split and of the held-out split alike, into
+   syllable-sized pieces it learned from unrelated names. A space before a capital letter or a
+   digit is a token of its own, so a name is the same tokens wherever it stands (after a space
+   in a document, after a quote in a tool call, at the start of an answer). Its chat template
+   (:data:`CHAT_TEMPLATE`) is ChatML with hermes tool calls, the tools listed one line each
+   (``search(query): Search the documents.``) to keep the prompt short.
+2. **Warm start** (``configs/recipes/search/model/``): two ``loongsage sft`` phases, as for the
+   quickstart model. *Clean*: the recipe's ``warm_start.toml`` as it is, transcripts of the
+   training split that are all right (``fictional_qa_sft`` with ``p_correct = 1``), from a random
+   initialisation of the model in that file: the policy learns the tool-call format, to copy the
+   question's entity into ``search``, the second hop's entity out of the results, and a fact
+   into the answer. *Noisy*: ``--noisy-steps`` more steps from that model on fresh transcripts of
+   which only ``--p-correct`` are right (the rest stop after one search on two-hop questions or
+   answer another fact of the results), at ``--noisy-lr``: the policy keeps the skills but
+   samples the right behaviour only some of the time, which is what RL has to sharpen. The
+   phase is off by default (``--noisy-steps 0``): it is only worth running once the clean phase
+   answers most held-out questions right, which the shipped model does not (see the recipe's
+   README: it calls ``search`` in the right format but has not learned to copy names yet).
+
+Then the recipe's held-out evaluation (``search.toml``'s ``[eval]``: the held-out split through
+the real engine, router and ``tool_agent``) runs on the new model, as ``loongsage eval`` does, and
+is printed.
+
+Usage::
+
+    python scripts/make_search_recipe.py                   # tokenizer + warm start + held-out check
+    python scripts/make_search_recipe.py --tokenizer-only
+
+Seeded and on one CPU thread: the same arguments write the same files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "configs" / "recipes" / "search"
+TEST_TOKENIZER = ROOT / "tests" / "data" / "tokenizer"
+TOKENIZER_WORLDS = (1001, 1002, 1003, 1004)
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+            "</tool_response>"]
+NAME_SPACE = r" (?=[A-Z0-9])"
+"""A space before a capital letter or a digit: split off as a token of its own."""
+
+CHAT_TEMPLATE = (
+    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+    "{%- if system is not none or tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if system is not none %}{{- system }}{%- if tools %}{{- '\\n' }}{%- endif %}{%- endif %}"
+    "{%- if tools %}{{- 'Tools:' }}"
+    "{%- for tool in tools %}{%- set f = tool['function'] if tool['function'] is defined else tool %}"
+    "{{- '\\n' + f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + '): ' + f['description'] }}"
+    "{%- endfor %}"
+    "{{- '\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>' }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] == 'user' %}{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
+    "{%- for tc in message.get('tool_calls') or [] %}"
+    "{%- set f = tc['function'] if tc['function'] is defined else tc %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{%- if f['arguments'] is string %}{{- f['arguments'] }}{%- else %}{{- f['arguments'] | tojson }}{%- endif %}"
+    "{{- '}</tool_call>' }}"
+    "{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""ChatML with hermes tool calls: the tools as ``name(params): description`` lines in the system
+turn, a call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a result as a user
+turn wrapped in ``<tool_response>``."""
+
+
+def tokenizer_corpus() -> list[str]:
+    """Rendered transcripts (every behaviour) and the documents of the tokenizer's own worlds."""
+    from loongsage_plugin_agents.fictional_transcripts import fictional_qa_transcripts
+    from loongsage_plugin_agents.fictional_world import SPLITS, WorldSpec, build_world
+    from transformers import AutoTokenizer
+
+    renderer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER))
+    texts: list[str] = []
+    for seed in TOKENIZER_WORLDS:
+        for split in SPLITS:
+            texts += [d.text for d in build_world(WorldSpec(seed=seed), split).documents]
+            for row in fictional_qa_transcripts(world={"seed": seed}, split=split, p_correct=0.5, seed=seed):
+                texts.append(renderer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=False,
+                                                          chat_template=CHAT_TEMPLATE))
+    return texts
+
+
+def build_tokenizer(out: Path, vocab_size: int) -> None:
+    """Train the recipe's BPE tokenizer and write it (with the chat template) to ``out``."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(NAME_SPACE), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "eos_token": "<|im_end|>",
+              "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
+              "additional_special_tokens": SPECIALS[1:], "chat_template": CHAT_TEMPLATE}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    print(f"wrote {out} (vocabulary {tok.get_vocab_size()})", flush=True)
+
+
+def run_phase(name: str, job: Any, work: Path) -> Path:
+    """Run one ``loongsage sft`` phase of ``job``; prints its loss; returns its ``final_hf`` directory."""
+    from loongsage_core.resolve import resolve_sft_job
+    from loongsage_core.sft.run import run_sft
+
+    out = work / name
+    resolved = resolve_sft_job(job)
+    history = run_sft(resolved.job, resolved.host, str(out))
+    every = max(1, len(history) // 10)
+    for i in range(every - 1, len(history), every):
+        window = history[i + 1 - every:i + 1]
+        evals = [m["sft/eval_loss"] for m in window if "sft/eval_loss" in m]
+        print(f"  {name} step {i + 1}/{len(history)} loss {sum(m['sft/loss'] for m in window) / len(window):.3f}"
+              + (f" eval_loss {evals[-1]:.3f}" if evals else ""), flush=True)
+    return out / "final_hf"
+
+
+def warm_start(args: argparse.Namespace, work: Path) -> Path:
+    """The clean phase (``warm_start.toml``), then the noisy one from its model; returns the latter's model."""
+    from loongsage_core.config import load_job
+
+    clean = args.clean_model or run_phase("clean", load_job(RECIPE / "warm_start.toml", list(args.overrides)), work)
+    if args.noisy_steps == 0:
+        return clean
+    noisy = load_job(RECIPE / "warm_start.toml", list(args.overrides))
+    noisy.model.path, noisy.model.config, noisy.model.tokenizer = str(clean), {}, None
+    noisy.data[0].generator_args.update(p_correct=args.p_correct, seed=noisy.run.seed + 1)
+    noisy.train.lr, noisy.train.lr_warmup_steps = args.noisy_lr, 0
+    noisy.sft.max_steps = args.noisy_steps
+    noisy.sft.eval_every = 0
+    return run_phase("noisy", noisy, work)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--tokenizer-only", action="store_true", help="write the tokenizer and stop")
+    parser.add_argument("--out", type=Path, default=RECIPE / "model", help="where the warm-started model goes")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the SFT runs here (default: a temp dir)")
+    parser.add_argument("--clean-model", type=Path, default=None,
+                        help="skip the clean phase: start the noisy one from this model directory")
+    parser.add_argument("--p-correct", type=float, default=0.3, help="share of right transcripts when noisy")
+    parser.add_argument("--noisy-steps", type=int, default=0, help="steps of the noisy phase (0: none)")
+    parser.add_argument("--noisy-lr", type=float, default=1e-3, help="learning rate of the noisy phase")
+    parser.add_argument("--eval-prompts", type=int, default=64, help="held-out questions of the check (0: none)")
+    parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of warm_start.toml")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    build_tokenizer(RECIPE / "tokenizer", args.vocab_size)
+    if args.tokenizer_only:
+        return 0
+    with tempfile.TemporaryDirectory(prefix="search-sft-") as tmp:
+        work = args.work_dir or Path(tmp)
+        final = warm_start(args, work)
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        shutil.copytree(final, args.out)
+    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f}s", flush=True)
+    if args.eval_prompts:  # the recipe's own [eval] (held-out split) on the new model: `loongsage eval`
+        from loongsage_core.config import load_job
+        from loongsage_core.controller.eval_job import evaluate_job, format_table
+        from loongsage_core.resolve import resolve_job
+
+        job = load_job(RECIPE / "search.toml", [f"eval.max_prompts={args.eval_prompts}",
+                                                f"eval.samples={args.eval_samples}"])
+        print(format_table(evaluate_job(resolve_job(job), checkpoint=str(args.out))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
