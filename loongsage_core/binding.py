@@ -22,6 +22,7 @@ plugin. Nothing else in the host or the plugins calls a spec's callables (a guar
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any, Callable, Mapping, Protocol
 
 import attrs
@@ -112,7 +113,9 @@ def _annotation(fn: Callable[..., Any], annotation: Any) -> Any:
         return Any
     if isinstance(annotation, str):
         target = inspect.unwrap(fn)
-        namespace = dict(getattr(target, "__globals__", {}))
+        module = sys.modules.get(getattr(target, "__module__", "") or "")
+        # a function's own globals, or a class's module (its __init__'s annotations are text there)
+        namespace = dict(getattr(target, "__globals__", None) or (vars(module) if module else {}))
         try:
             return eval(annotation, namespace)  # noqa: S307 - the plugin's own annotation text
         except Exception:
@@ -127,10 +130,29 @@ def schema_parameters(schema: type) -> list[Parameter]:
 
 def accepted_parameters(spec: ComponentSpec, call: Call) -> list[Parameter] | None:
     """What a job may give the component: its ``args_schema``'s fields, else its callable's keyword
-    parameters; ``None``: any keyword (the callable takes ``**kwargs``)."""
+    parameters, or, for a callable that passes ``**kwargs`` on, those of the class its spec names
+    in ``args_from``; ``None``: any keyword."""
     if spec.args_schema is not None:
         return schema_parameters(spec.args_schema)
-    return signature_parameters(getattr(spec, call.field), call)
+    params = signature_parameters(getattr(spec, call.field), call)
+    if params is None and spec.args_from is not None and call.field != "receiver":
+        return signature_parameters(import_target(spec.args_from), Call("args_from"))
+    return params
+
+
+def import_target(path: str) -> Callable[..., Any]:
+    """The object ``"module:Name"`` names (a component's ``args_from``); a path that does not
+    import is the plugin's own bug, reported as such."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    try:
+        target: Any = importlib.import_module(module)
+        for part in name.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError) as exc:
+        raise PluginError(f"args_from {path!r} does not import: {type(exc).__name__}: {exc}") from None
+    return target
 
 
 def bind_arguments(spec: ComponentSpec, call: Call, ref: ComponentRef) -> dict[str, Any]:

@@ -79,6 +79,18 @@ def test_signature_gives_the_keywords_a_job_may_set_with_their_types():
      "algorithm.advantage_args.norm_std: expected bool, got str 'maybe' (an argument of advantage 'grpo')"),
     ({"data": [{"name": "a", "generator": "arithmetic", "generator_args": {"num_samples": "3"}}]},
      "data[0].generator_args.num_samples: expected int, got str '3' (an argument of data source 'arithmetic')"),
+    # factories that pass **args on: the class their spec names in args_from is the schema
+    ({"data": [{"name": "a", "generator": "arithmetic", "agent_args": {"max_retries": "x"}}]},
+     "data[0].agent_args.max_retries: expected int, got str 'x' (an argument of agent 'single_turn')"),
+    ({"data": [{"name": "a", "generator": "arithmetic", "agent": "tool_agent", "agent_args": {"max_turn": 3}}]},
+     "data[0].agent_args.max_turn: unknown argument of agent 'tool_agent'; it takes: tools, shell_tool, max_turns"),
+    ({"agentflow": {"middleware": ["tool_call_parser"], "middleware_args": {"tool_call_parser": {"fmt": "x"}}}},
+     "agentflow.middleware_args.tool_call_parser.fmt: unknown argument of router middleware 'tool_call_parser'"),
+    ({"rollout": {"weight_transport": "shm", "weight_transport_args": {"bucket_bytes": "big"}}},
+     "rollout.weight_transport_args.bucket_bytes: expected int, got str 'big' (an argument of weight transport "
+     "'shm')"),
+    ({"rollout": {"weight_transport": "auto", "weight_transport_args": {"shm": {"num_bufers": 2}}}},
+     "rollout.weight_transport_args.shm.num_bufers: unknown argument of weight transport 'shm'"),
 ])
 def test_bad_component_args_name_the_key(host, tables, message):
     with pytest.raises(ConfigError) as err:
@@ -132,3 +144,40 @@ def test_settings_without_effect_are_refused(algorithm, message):
     with pytest.raises(ConfigError) as err:
         check_effective_settings(job(algorithm=algorithm))
     assert message in str(err.value) and str(err.value).startswith("job.toml: ")
+
+
+def test_every_shipped_args_from_names_what_its_factory_builds():
+    """``args_from`` is for factories that pass ``**args`` on: each shipped one imports, takes
+    keyword arguments only, and its factory indeed takes ``**args``."""
+    import inspect
+
+    from loongsage_core.binding import import_target
+    from loongsage_hookspecs import KINDS
+
+    host = PluginHost.create()
+    seen = 0
+    for kind, record in KINDS.items():
+        for name, spec in host.components(kind).items():
+            if spec.args_from is None:
+                continue
+            seen += 1
+            factory = getattr(spec, record.call().field)
+            assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(factory).parameters.values())
+            target = import_target(spec.args_from)
+            assert all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                       for p in inspect.signature(target).parameters.values()), (kind, name)
+    assert seen >= 13
+
+
+def test_an_args_from_that_does_not_import_is_the_plugins_error():
+    from loongsage_core.errors import PluginError
+    from loongsage_hookspecs import AdvantageSpec
+
+    host = PluginHost.from_job(job())
+    grpo = host.get("advantage", "grpo")
+    host.register_specs(AdvantageSpec(name="lost", fn=lambda inputs, **kw: grpo.fn(inputs, **kw),
+                                      args_from="no_such_module:Thing"))
+    with pytest.raises(PluginError, match="args_from 'no_such_module:Thing' does not import: ModuleNotFoundError"):
+        check_component_args(job(algorithm={"advantage": "lost", "advantage_args": {"x": 1}}), host)
+    with pytest.raises(TypeError, match="args_from: expected 'module:Name'"):
+        AdvantageSpec(name="bad", fn=grpo.fn, args_from="no colon")

@@ -49,6 +49,12 @@ def _capability_list(_spec: Any, attribute: Any, value: tuple[type, ...]) -> Non
                         "(see loongsage_hookspecs.capabilities)")
 
 
+def _import_path(_spec: Any, attribute: Any, value: str) -> None:
+    module, _, name = value.partition(":") if isinstance(value, str) else ("", "", "")
+    if not module or not name:
+        raise TypeError(f"{attribute.name}: expected 'module:Name', got {value!r}")
+
+
 def _attrs_class(_spec: Any, attribute: Any, value: type | None) -> None:
     if value is not None and not (isinstance(value, type) and attrs.has(value)):
         raise TypeError(f"{attribute.name}: expected an attrs class, got {value!r}")
@@ -64,12 +70,18 @@ class ComponentSpec:
     the fields' validators; ``loongsage validate`` does the same) and calls the component with
     every field of the result as a keyword. Without one, the callable's own signature is the
     schema: its keyword parameters (after the inputs or the context) are what a job may set, with
-    their annotations as types and their defaults."""
+    their annotations as types and their defaults.
+
+    ``args_from``: for a factory that passes its ``**args`` on to a class it imports when first
+    called (so that listing components stays light), that class as ``"module:Name"``: its keyword
+    parameters are the component's arguments, read (with their annotations) when a job is
+    validated or bound, without building anything."""
 
     name: str = attrs.field(converter=normalize_name)
     description: str = ""
     capabilities: tuple[type, ...] = attrs.field(default=(), converter=tuple, validator=_capability_list)
     args_schema: type | None = attrs.field(default=None, validator=_attrs_class)
+    args_from: str | None = attrs.field(default=None, validator=attrs.validators.optional(_import_path))
 
     def declared_capabilities(self) -> tuple[type, ...]:
         """Every capability the built object must implement (a kind may add implied ones)."""

@@ -116,12 +116,13 @@ def _request_logger(ctx: BuildContext, **args: Any) -> Any:
 
 @hookimpl
 def loongsage_agents() -> Iterator[AgentSpec]:
-    yield AgentSpec(name="single_turn", factory=_single_turn, fast_path=True,
+    yield AgentSpec(name="single_turn", factory=_single_turn,
+                    args_from="loongsage_plugin_agents.single_turn:SingleTurnAgent", fast_path=True,
                     description="one chat completion for the prompt; the answer is the response")
-    yield AgentSpec(name="tool_agent", factory=_tool_agent,
+    yield AgentSpec(name="tool_agent", factory=_tool_agent, args_from="loongsage_plugin_agents.tool_agent:ToolAgent",
                     description="multi-turn tool calling: Python tools by import path, plus a bash tool when the "
                                 "source has a sandbox")
-    yield AgentSpec(name="command", factory=_command,
+    yield AgentSpec(name="command", factory=_command, args_from="loongsage_plugin_agents.command_agent:CommandAgent",
                     description="black-box program run as a subprocess with OPENAI_BASE_URL set; "
                                 "stdout is the response")
     yield AgentSpec(name="codex", factory=_codex, check_args=_cli_check("CodexAgent"),
@@ -138,6 +139,7 @@ def loongsage_agents() -> Iterator[AgentSpec]:
 @hookimpl
 def loongsage_sandboxes() -> Iterator[SandboxSpec]:
     yield SandboxSpec(name="local", factory=_local_sandbox,
+                      args_from="loongsage_plugin_agents.local_sandbox:LocalSandboxProvider",
                       description="per-trajectory directory; bubblewrap read-only root and no network "
                                   "where available; rlimits", capabilities=(Closeable, ReportsIsolation))
 
@@ -145,12 +147,15 @@ def loongsage_sandboxes() -> Iterator[SandboxSpec]:
 @hookimpl
 def loongsage_router_middlewares() -> Iterator[RouterMiddlewareSpec]:
     yield RouterMiddlewareSpec(name="tool_call_parser", factory=_tool_call_parser,
+                               args_from="loongsage_plugin_agents.tool_parser:ToolCallParser",
                                description="model-written tool calls (hermes, llama3_json, mistral) -> "
                                            "OpenAI tool_calls", capabilities=(StreamingMiddleware,))
     yield RouterMiddlewareSpec(name="reasoning_parser", factory=_reasoning_parser,
+                               args_from="loongsage_plugin_agents.reasoning_parser:ReasoningParser",
                                description="<think>...</think> -> reasoning_content",
                                capabilities=(StreamingMiddleware,))
     yield RouterMiddlewareSpec(name="request_logger", factory=_request_logger,
+                               args_from="loongsage_plugin_agents.request_logger:RequestLogger",
                                description="append every request and response to a JSONL file",
                                capabilities=(ObservingMiddleware,))
 

@@ -45,14 +45,20 @@ def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
 @hookimpl
 def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
     # received by the engine's own endpoints (SGLang's, or the embedded engine's copies of them)
-    yield WeightTransportSpec(name="sglang_disk", sender=disk_sender, receiver=None, capabilities=_SENDER,
+    yield WeightTransportSpec(name="sglang_disk", sender=disk_sender,
+                              args_from="loongsage_plugin_sglang.transport_disk:DiskSender",
+                              receiver=None, capabilities=_SENDER,
                               auto_rank=disk_rank,
                               description="safetensors to a shared directory, then SGLang /update_weights_from_disk")
-    yield WeightTransportSpec(name="sglang_nccl", sender=nccl_sender, receiver=None, capabilities=_SENDER,
+    yield WeightTransportSpec(name="sglang_nccl", sender=nccl_sender,
+                              args_from="loongsage_plugin_sglang.transport_nccl:NcclSender",
+                              receiver=None, capabilities=_SENDER,
                               auto_rank=nccl_rank,
                               description="NCCL broadcast in buckets announced by SGLang "
                                           "/update_weights_from_distributed")
-    yield WeightTransportSpec(name="sglang_tensor", sender=tensor_sender, receiver=None, capabilities=_SENDER,
+    yield WeightTransportSpec(name="sglang_tensor", sender=tensor_sender,
+                              args_from="loongsage_plugin_sglang.transport_tensor:TensorHandleSender",
+                              receiver=None, capabilities=_SENDER,
                               auto_rank=tensor_rank,
                               description="tensor handles (CUDA IPC on GPU, shared memory on CPU) to "
                                           "/update_weights_from_tensor; for engines on the trainer's device")

@@ -58,12 +58,18 @@ def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
 
 @hookimpl
 def loongsage_weight_transports() -> Iterator[WeightTransportSpec]:
-    yield WeightTransportSpec(name="inprocess", sender=inprocess_sender, receiver=inprocess_receiver,
+    yield WeightTransportSpec(name="inprocess", sender=inprocess_sender,
+                              args_from="loongsage_plugin_torch.transport.inprocess:InProcessSender",
+                              receiver=inprocess_receiver,
                               colocated_only=True, auto_rank=inprocess_rank,
                               description="trainer and engine in one process: tensors handed over directly")
-    yield WeightTransportSpec(name="shm", sender=shm_sender, receiver=shm_receiver, auto_rank=shm_rank,
+    yield WeightTransportSpec(name="shm", sender=shm_sender,
+                              args_from="loongsage_plugin_torch.transport.shm:ShmSender",
+                              receiver=shm_receiver, auto_rank=shm_rank,
                               description="bucketed shared memory between processes on one node")
-    yield WeightTransportSpec(name="broadcast", sender=broadcast_sender, receiver=broadcast_receiver,
+    yield WeightTransportSpec(name="broadcast", sender=broadcast_sender,
+                              args_from="loongsage_plugin_torch.transport.broadcast:BroadcastSender",
+                              receiver=broadcast_receiver,
                               auto_rank=broadcast_rank,
                               description="bucketed broadcast over a torch.distributed group (Gloo on CPU, "
                                           "NCCL on GPU) to engines on other devices or nodes")
