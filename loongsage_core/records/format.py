@@ -134,7 +134,8 @@ def _segment_record(seg: Any, row: int | None, token_text: Callable[[list[int]],
     n = len(seg.tokens)
     out: dict[str, Any] = {"row": row, "tokens": list(seg.tokens), "token_text": token_text(list(seg.tokens)),
                            "loss_mask": list(seg.loss_mask), "rollout_logprobs": _floats(seg.logprobs),
-                           "weight_versions": list(seg.weight_versions), "turns": [list(t) for t in seg.turns]}
+                           "weight_versions": list(seg.weight_versions), "turns": [list(t) for t in seg.turns],
+                           "parent": seg.parent, "fork_at": seg.fork_at}
     if row is not None:
         for name, rows in row_lists.items():
             out[name] = _floats(rows[row][:n]) if name != "loss_mask" else [int(x) for x in rows[row][:n]]
