@@ -154,14 +154,15 @@ class TrajectoryRecord:
         """The trajectory's segment tree, one entry per segment: ``parent`` and ``fork_at`` (see
         :class:`~loongsage_hookspecs.Segment`), ``turns`` (the indices of its turns among all
         the trajectory's turns, in the order they were made) and ``reason`` (why it started)."""
-        out = [{"segment": i, "parent": s.parent, "fork_at": s.fork_at, "turns": [], "reason": ""}
-               for i, s in enumerate(self.segments)]
+        turns: list[list[int]] = [[] for _ in self.segments]
+        reasons = [""] * len(self.segments)
         for k, turn in enumerate(self.turns):
-            if 0 <= turn.segment < len(out):
-                out[turn.segment]["turns"].append(k)
+            if 0 <= turn.segment < len(turns):
+                turns[turn.segment].append(k)
                 if turn.new_segment:
-                    out[turn.segment]["reason"] = turn.segment_reason
-        return out
+                    reasons[turn.segment] = turn.segment_reason
+        return [{"segment": i, "parent": s.parent, "fork_at": s.fork_at, "turns": turns[i], "reason": reasons[i]}
+                for i, s in enumerate(self.segments)]
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the admin API's wire format)."""

@@ -36,5 +36,9 @@ def test_every_segment_of_a_tree_is_trained_and_recorded(tree_run):
         advantages = {a for s in segs for a, m in zip(s["advantages"], s["loss_mask"]) if m}
         assert len(advantages) == 1 and advantages != {0.0}
         assert r["response_length"] == sum(sum(s["loss_mask"]) for s in segs)
+        # the turns in the order they were made: main, main, main, compacted main, sub, sub, main
+        assert [t["segment"] for t in r["turns"]] == [0, 0, 0, 1, 2, 2, 1]
+        for t in r["turns"]:
+            assert segs[t["segment"]]["turns"].count([t["start"], t["end"]]) == 1
     assert sorted(rows) == list(range(6))
     assert {r["reward"]["score"] for r in records} == {0.0, 1.0}
