@@ -6,7 +6,8 @@ between and the bind fails with ``EADDRINUSE``. Two ways out, one per situation:
 
 * **A ``torch.distributed`` rendezvous** (trainer ranks, critic ranks, weight-update groups): the
   future rank 0 calls :func:`host_rendezvous` in its own process *before* anyone joins. It opens
-  the TCP store's listener on a port the OS assigns (port 0) and returns ``(address, port)`` for
+  the TCP store's listener on a port the OS assigns (port 0), on the address the run uses alone
+  (loopback on one node), and returns ``(address, port)`` for
   the other ranks; rank 0's own ``init_process_group(init_method="tcp://address:port", rank=0)``
   then shares that listener (torch's TCP stores are multi-tenant per process and port), and a
   caller that builds its group itself passes :attr:`Rendezvous.store`. One rendezvous serves one
@@ -21,6 +22,7 @@ assigned when this process belongs to a Ray cluster, else loopback.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 from datetime import timedelta
@@ -29,6 +31,9 @@ from typing import Any, Callable, TypeVar
 import attrs
 
 LOOPBACK = "127.0.0.1"
+LISTEN_BACKLOG = 512
+"""Pending connections the rendezvous listener queues (every rank of a large group at once)."""
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 T = TypeVar("T")
 
 ADDRESS_IN_USE_MARKERS = ("address already in use", "eaddrinuse", "errno 98", "address in use")
@@ -81,20 +86,58 @@ class Rendezvous:
 def host_rendezvous(address: str | None = None, port: int = 0, *, timeout_s: float = 600.0) -> Rendezvous:
     """Open rank 0's TCP store on ``port`` (0: a port the OS assigns) in this process.
 
-    ``address`` is what the other ranks are told (default :func:`reachable_address`); the store
-    listens on every interface. Call it in the process that will be rank 0, then hand
-    ``(rendezvous.address, rendezvous.port)`` to the other ranks. A port given explicitly that is
-    taken fails here, naming it, instead of in a rank's rendezvous.
+    ``address`` is what the other ranks are told (default :func:`reachable_address`) and the only
+    address the store listens on: torch's ``TCPStore`` would bind every interface and has no
+    authentication, so this process binds the socket itself and hands it over
+    (``master_listen_fd``); on one node the store is then reachable from loopback alone. Gloo
+    groups formed in this process are pinned to the same address (:func:`pin_gloo_to`). Call it in
+    the process that will be rank 0, then hand ``(rendezvous.address, rendezvous.port)`` to the
+    other ranks. A port given explicitly that is taken fails here, naming it, instead of in a
+    rank's rendezvous.
     """
     from torch.distributed import TCPStore
 
     where = address or reachable_address()
     try:
-        store = TCPStore(where, int(port), is_master=True, wait_for_workers=False, multi_tenant=True,
-                         timeout=timedelta(seconds=timeout_s))
-    except Exception as exc:
+        family = socket.AF_INET6 if ":" in where else socket.AF_INET
+        listener = socket.create_server((where, int(port)), family=family, backlog=LISTEN_BACKLOG)
+    except OSError as exc:
         raise RuntimeError(f"rendezvous: could not listen on {where}:{int(port)}: {exc}") from exc
-    return Rendezvous(address=where, port=int(store.port), store=store)
+    bound_port = int(listener.getsockname()[1])
+    try:  # the store owns the socket from here on (it closes it when it stops)
+        store = TCPStore(where, bound_port, is_master=True, wait_for_workers=False, multi_tenant=True,
+                         timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.detach())
+    except Exception as exc:
+        raise RuntimeError(f"rendezvous: could not listen on {where}:{bound_port}: {exc}") from exc
+    pin_gloo_to(where)
+    return Rendezvous(address=where, port=bound_port, store=store)
+
+
+def pin_gloo_to(address: str) -> str | None:
+    """Make the Gloo process groups this process forms listen on ``address``'s interface alone.
+
+    Gloo opens a listening socket per group on the address the host name resolves to (any
+    interface on some hosts) and authenticates nobody; it reads ``GLOO_SOCKET_IFNAME`` when a
+    group is formed. This sets it to the interface that holds ``address`` (``lo`` for
+    ``127.0.0.1``) unless the user set it; returns the interface in force (``None``: no
+    interface holds ``address``, Gloo keeps its own choice).
+    """
+    if os.environ.get(GLOO_IFNAME_ENV):
+        return os.environ[GLOO_IFNAME_ENV]
+    import psutil
+
+    for interface, addresses in psutil.net_if_addrs().items():
+        if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address
+               for a in addresses):
+            os.environ[GLOO_IFNAME_ENV] = interface
+            return interface
+    return None
+
+
+def pin_gloo_to_this_node() -> str | None:
+    """:func:`pin_gloo_to` this process's :func:`reachable_address` (the node IP Ray assigned,
+    loopback on a local cluster): call it before joining a Gloo group as a rank other than 0."""
+    return pin_gloo_to(reachable_address())
 
 
 def free_port(host: str = LOOPBACK) -> int:

@@ -19,6 +19,7 @@ from .algorithms.distill import distill_setup
 from .component_args import check_component_args, check_effective_settings
 from .config import ConfigError, JobConfig, component_refs
 from .plugins import PluginHost
+from .signal_checks import check_training_signal
 from .validation import check_job
 
 
@@ -189,6 +190,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     if job.async_.enable:
         check_async_scheduler(job, host)
     check_effective_settings(job)
+    check_training_signal(job, host)  # zero-signal settings refused, misfit ones warned of
     check_component_args(job, host)  # a misspelt *_args key is a config error, not a run of failures
     return resolved
 

@@ -114,8 +114,13 @@ def check_model_dir(path: Path, key: str, where: str) -> None:
 
 
 def check_models(job: JobConfig) -> None:
-    """The policy's, the teachers' and the critic's model directories, where the job names one."""
+    """The policy's, the teachers' and the critic's model directories, where the job names one
+    (a path that is set is not blank)."""
     where = _where(job)
+    for key, value in (("model.path", job.model.path), ("critic.path", job.critic.path),
+                       *((f"teachers[{i}].path", t.path) for i, t in enumerate(job.teachers))):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{where}: {key} is empty: give a model directory, or remove the key")
     if job.model.path:
         check_model_dir(Path(job.resolve_path(job.model.path)), "model.path", where)
     for i, teacher in enumerate(job.teachers):
@@ -126,16 +131,16 @@ def check_models(job: JobConfig) -> None:
 
 
 def check_data_files(job: JobConfig) -> None:
-    """JSONL data files decode as UTF-8 JSON objects, line by line (other formats load at run)."""
-    from .controller.data import read_jsonl_file
+    """Every data file reads as the run will read it, row by row (nothing is kept): it exists and
+    is not empty; JSONL lines are UTF-8 JSON objects within ``max_line_bytes``; parquet files and
+    saved datasets load; in an RL job every row has its prompt, a non-blank string or chat messages
+    of valid Unicode (a supervised job's conversations are checked as it loads them). Errors name
+    the file and line (or row). Procedural sources are built at run."""
+    from .data_sources import iter_rows, read_source
 
-    where = _where(job)
     for i, src in enumerate(job.data):
-        if not src.path:
-            continue
-        path = Path(job.resolve_path(src.path))
-        if path.is_file() and path.suffix in (".jsonl", ".json"):
-            for _ in read_jsonl_file(path, f"{where}: data[{i}]"):
+        if src.path:
+            for _ in (read_source(job, i, None) if job.sft is not None else iter_rows(job, i, None)):
                 pass
 
 

@@ -75,11 +75,14 @@ def init_weight_update_group(master_address: str, master_port: int, rank: int, w
     """
     from torch.distributed import distributed_c10d as c10d
 
+    from .rendezvous import pin_gloo_to_this_node
+
     if not 0 <= int(rank) < int(world_size):
         raise ValueError(f"weight update group {group_name!r}: rank {rank} is outside world size {world_size}")
     if store is not None and int(rank) != 0:
         raise ValueError(f"weight update group {group_name!r}: only rank 0 hosts the store, got rank {rank}")
     timeout = timedelta(seconds=timeout_s)
+    pin_gloo_to_this_node()  # a Gloo group listens on the node's address alone (loopback on one node)
     if store is None:
         store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{int(master_port)}", int(rank),
                                                        int(world_size), timeout=timeout))

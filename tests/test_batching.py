@@ -68,7 +68,7 @@ def test_shards_are_contiguous_and_balanced():
 
 
 def test_per_step_files_keep_only_steps_before_the_first_one_of_a_run(tmp_path):
-    from loongsage_core.controller.run_dir import truncate_jsonl
+    from loongsage_core.run_files.run_dir import truncate_jsonl
 
     path = tmp_path / "trained_prompts.jsonl"
     path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2}\n{"step": 3, "cut sh')

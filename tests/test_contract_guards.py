@@ -91,6 +91,7 @@ def test_plugin_for_every_hook_is_discovered_listed_and_selected(kind, install_p
     job_path = tmp_path / "job.toml"
     source = "" if kind == "data_source" else 'path = "rows.jsonl"\n'
     job_path.write_text(f'[[data]]\nname = "d"\n{source}[[teachers]]\nname = "t"\n')
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1="}\n')  # validated as the run would read it
     key, shown = KIND_SELECTORS[kind]
     value = f'["contract-{kind}"]' if key in LIST_KEYS else f"contract-{kind}"
     overrides = [f"{key}={value}"]

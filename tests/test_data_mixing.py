@@ -18,10 +18,10 @@ from loongsage_core.controller.data import (
     DataMixer,
     integer_weights,
     interleave_by_source,
-    load_rows,
     quota_sequence,
     round_shares,
 )
+from loongsage_core.data_sources import load_rows
 
 # --------------------------------------------------------------------------------------------
 # helpers

@@ -63,3 +63,24 @@ def test_a_plugin_that_imports_a_private_host_module_or_another_plugin_is_report
     assert "loongsage_plugin_planted.sibling -> loongsage_plugin_rl" in text
     assert "loongsage_plugin_planted.fine" not in text  # the public API is allowed
     assert "The host (loongsage_core) imports no plugin KEPT" in text
+
+
+def test_an_upward_import_inside_the_host_is_reported(tmp_path):
+    """The host's layer contract fires: in a copy of ``loongsage_core`` whose job schema imports the
+    controller (a lower layer reaching up), ``lint-imports`` reports exactly that chain."""
+    import shutil
+
+    copy = tmp_path / "loongsage_core"
+    shutil.copytree(REPO / "loongsage_core", copy, ignore=shutil.ignore_patterns("__pycache__", "configs"))
+    (copy / "config" / "planted.py").write_text("def lazy():\n    from ..controller import run  # upward\n")
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())
+    rules = config["tool"]["importlinter"]
+    rules["contracts"] = [c for c in rules["contracts"] if c["id"] == "host-layers"]
+    rules["root_packages"] = ["loongsage_core"]
+    path = tmp_path / "layers.toml"
+    path.write_text(tomli_w.dumps({"tool": {"importlinter": rules}}))
+
+    out = lint_imports("--config", str(path), cwd=tmp_path, pythonpath=str(tmp_path))
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "The host's own layers" in out.stdout and "BROKEN" in out.stdout
+    assert "loongsage_core.config.planted -> loongsage_core.controller.run" in out.stdout

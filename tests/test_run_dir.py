@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from loongsage_core.config import ConfigError
-from loongsage_core.controller import checkpoint as ckpt
-from loongsage_core.controller.run_dir import prepare_run_dir
+from loongsage_core.run_files import checkpoint as ckpt
+from loongsage_core.run_files.run_dir import prepare_run_dir
 
 # --------------------------------------------------------------------------------------------
 # Manifest, verification, pruning (no Ray)

@@ -248,7 +248,7 @@ def test_non_utf8_data_file(capsys, tmp_path):
     path.write_text(BASE.replace('generator = "arithmetic"', f'path = "{data}"'))
     rc, err = validate(capsys, path)
     assert rc == 2
-    assert f"data[0]: {data}:2: not UTF-8 text" in err
+    assert f"data[0] ('a'): {data}:2: not UTF-8 text" in err
 
 
 def test_data_file_nested_too_deep(capsys, tmp_path):
@@ -261,7 +261,7 @@ def test_data_file_nested_too_deep(capsys, tmp_path):
     path.write_text(BASE.replace('generator = "arithmetic"', f'path = "{data}"'))
     rc, err = validate(capsys, path)
     assert rc == 2 and "Traceback" not in err
-    assert f"data[0]: {data}:2: the JSON nests deeper than 64 levels" in err
+    assert f"data[0] ('a'): {data}:2: the JSON nests deeper than 64 levels" in err
 
 
 def test_table_override_merges_into_the_table(job):

@@ -66,8 +66,9 @@ def loongsage_rewards() -> Iterable[RewardSpec]:
 
     The host calls ``fn(trajectory: Trajectory, **args)`` (``args`` from ``reward_args``) after
     the agent returns, in a worker thread with a time limit; it must return a float or a
-    :class:`Reward`. An exception or a timeout marks the trajectory failed with the error
-    recorded; the run goes on. A spec with ``needs_sandbox=True`` is called
+    :class:`Reward`, whose score and ``details`` are finite numbers with ``|x| <= 1e6``. An
+    exception, a timeout or any other value (``nan``, ``None``, ``'yes'``) marks the trajectory
+    failed with the error recorded; the run goes on. A spec with ``needs_sandbox=True`` is called
     ``fn(trajectory, sandbox=sandbox, **args)`` before the trajectory's sandbox is destroyed and
     runs commands in it with the synchronous ``sandbox.run(command, timeout_s=...)``.
     A :class:`Reward` may say why in ``reason`` (kept in the rollout records, shown by

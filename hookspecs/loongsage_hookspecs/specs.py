@@ -98,10 +98,14 @@ class AdvantageSpec(ComponentSpec):
     """``fn(inputs: AdvantageInputs, **args) -> AdvantageOutput``.
 
     ``needs_critic`` tells the host to train a value model and pass ``inputs.values``.
+    ``group_relative``: the estimator compares the samples of one prompt with each other (GRPO,
+    RLOO), so a group of one sample, or of identical greedy samples, gives no signal; the host
+    refuses ``samples_per_prompt = 1`` and warns of ``temperature = 0`` for it.
     """
 
     fn: "Callable[..., AdvantageOutput]"
     needs_critic: bool = False
+    group_relative: bool = False
 
 
 @attrs.define(frozen=True, kw_only=True)

@@ -8,7 +8,10 @@ turn those into ``BadRequestError``, ``NotFoundError``, ... exceptions.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class RouterError(Exception):
@@ -75,3 +78,11 @@ def error_response_body(path: str, exc: RouterError, headers: Any = None) -> dic
     SDK and Claude Code send it), else OpenAI's."""
     anthropic = is_anthropic_path(path) or (headers is not None and "anthropic-version" in headers)
     return anthropic_error_body(exc) if anthropic else exc.body()
+
+
+def as_router_error(exc: Exception) -> Any:
+    """``exc`` as a :class:`RouterError` a stream can report (a bug becomes a 500, logged)."""
+    if isinstance(exc, RouterError):
+        return exc
+    log.error("AgentFlow router: a streamed turn failed", exc_info=exc)
+    return RouterError(500, f"internal router error: {type(exc).__name__}: {exc}", type="server_error", retry=False)

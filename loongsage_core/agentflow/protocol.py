@@ -16,8 +16,7 @@ import json
 from typing import Any, Callable, Mapping
 
 from .. import safe_json
-from .errors import bad_request
-from .streaming import as_router_error
+from .errors import as_router_error, bad_request
 
 
 def json_response(body: Any, status: int = 200, headers: Mapping[str, str] | None = None) -> Any:

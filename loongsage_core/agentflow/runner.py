@@ -7,7 +7,10 @@ trajectory while the sandbox still exists, always destroys the sandbox, and retu
 :class:`~loongsage_hookspecs.Trajectory` with its segments, messages, response text and status:
 ``completed`` when the agent returned, ``failed`` when it raised or timed out (the error is
 recorded) or when its last request was refused as over-context, ``aborted`` when the host aborted
-it through the router meanwhile.
+it through the router meanwhile. A failure carries its class (``Trajectory.failure``): the
+policy's (``agent``) when the agent raised :class:`~loongsage_hookspecs.AgentFailure` or the
+conversation outgrew the context, else the infrastructure's (``infra``: a sandbox that could not
+be made, an agent or CLI that crashed or timed out, an engine the router could not reach).
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ from typing import Any, Awaitable, Callable, Mapping
 from loongsage_hookspecs import (
     Agent,
     AgentContext,
+    AgentFailure,
     AgentResult,
+    FailureClass,
     ReportsIsolation,
     Trajectory,
     TrajectoryStatus,
@@ -77,6 +82,7 @@ async def run_agent_trajectory(router: Any, agent: Agent, sandbox_provider: Any 
     try:
         result: AgentResult | None = None
         error: str | None = None
+        policy_failed = False  # the agent raised AgentFailure: the policy's doing, not the infrastructure's
         try:
             if wants_sandbox:
                 if sandbox_provider is None:
@@ -99,8 +105,11 @@ async def run_agent_trajectory(router: Any, agent: Agent, sandbox_provider: Any 
             raise
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
+            policy_failed = isinstance(exc, AgentFailure)
         record = await asyncio.shield(_collect(router, tid))
         _fill(trajectory, record, result, error, attempt)
+        if trajectory.status == TrajectoryStatus.FAILED:
+            trajectory.failure = failure_class(record, policy_failed)
         if sandbox is not None:
             trajectory.metadata["sandbox"] = _sandbox_report(sandbox_provider, timing)
         if score is not None and trajectory.status == TrajectoryStatus.COMPLETED:
@@ -141,6 +150,16 @@ def _fill(trajectory: Trajectory, record: Any, result: AgentResult | None, error
         trajectory.error = record.error or "the router marked the trajectory failed"
     else:
         trajectory.status = TrajectoryStatus.COMPLETED
+
+
+def failure_class(record: Any, policy_failed: bool) -> FailureClass:
+    """Whose fault a failed trajectory is: the policy's when the agent said so (it raised
+    :class:`~loongsage_hookspecs.AgentFailure`) or the router failed the trajectory for what the
+    conversation became (over the context: the agent may then also raise on the 400 it got);
+    everything else (a sandbox, an agent or CLI crash or timeout, an unreachable engine) is the
+    infrastructure's."""
+    router_failed = record is not None and record.status == TrajectoryStatus.FAILED
+    return FailureClass.AGENT if policy_failed or router_failed else FailureClass.INFRA
 
 
 def _sandbox_report(provider: Any, timing: Mapping[str, float]) -> dict[str, Any]:

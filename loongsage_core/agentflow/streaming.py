@@ -7,13 +7,14 @@ rewrites the final message. :class:`TextStreamer` computes, after every engine u
 
 Certainty comes from *hold-back*: the trailing characters that a stop string or a middleware may
 still claim are kept until more text arrives. A middleware takes part in streaming by defining
-``stream_holdback(request, text) -> int`` (how many trailing characters of the partial ``text``
-it cannot judge yet); it thereby declares that its ``on_response`` is a pure function of the
-response that may also run on a partial one (``finish_reason`` ``None``): the contract's
-``StreamingMiddleware`` capability. A middleware that never changes responses (a logger) says so
-with ``changes_response = False`` (the ``ObservingMiddleware`` capability) and is left out of
-partial views. While any other middleware lacks ``stream_holdback``, nothing is streamed before
-the turn ends (the safe default).
+``stream_holdback(request, text) -> int`` (how many trailing characters of the partial ``text`` it
+cannot judge yet, in the text as it receives it: the content the middleware before it in the chain
+made of the partial text, which is the tail of that text); it thereby declares that its
+``on_response`` is a pure function of the response that may also run on a partial one
+(``finish_reason`` ``None``): the contract's ``StreamingMiddleware`` capability. A middleware that
+never changes responses (a logger) says so with ``changes_response = False`` (the
+``ObservingMiddleware`` capability) and is left out of partial views. While any other middleware
+lacks ``stream_holdback``, nothing is streamed before the turn ends (the safe default).
 
 Increments are append-only, so every middleware that streams must be *prefix-stable*: the
 message it makes of a longer text extends the one it made of a shorter text, but for trailing
@@ -58,6 +59,14 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, str | None]:
     return (text[:hits[0][0]], hits[0][1]) if hits else (text, None)
 
 
+def held_from(text: str, held: str) -> int:
+    """Where in ``text`` the piece ``held`` of a middleware's view starts (everything from there
+    waits): the view is the tail of the text, less white space a parser stripped around it, so
+    ``held`` is found last in the text; a view that is no substring of it holds the whole text."""
+    at = text.rfind(held)
+    return at if at >= 0 else 0
+
+
 class TextStreamer:
     """Incremental ``content`` / ``reasoning_content`` of one turn (see the module docstring).
 
@@ -79,10 +88,11 @@ class TextStreamer:
         self.sent = {"content": "", "reasoning_content": ""}
         self.broken: set[str] = set()
 
-    def _view(self, text: str) -> dict[str, Any]:
+    def _view(self, text: str, through: int | None = None) -> dict[str, Any]:
+        """The partial message the first ``through`` middlewares (default: all) make of ``text``."""
         message: dict[str, Any] = {"role": "assistant", "content": text}
         response: Any = {"choices": [{"index": 0, "message": message, "finish_reason": None}]}
-        for mw in self.middlewares:
+        for mw in self.middlewares[:through]:
             response = mw.on_response(self.trajectory_id, copy.deepcopy(self.request), response)
         return response["choices"][0]["message"]
 
@@ -113,9 +123,13 @@ class TextStreamer:
         text, stopped = cut_at_stop(self.decode(generated).rstrip("\ufffd"), self.stops)
         if stopped is None:
             text = text[:len(text) - stop_holdback(text, self.stops)]
-        for mw in self.middlewares:
-            hold = int(mw.stream_holdback(self.request, text))
-            text = text[:max(0, len(text) - hold)]
+        for i, mw in enumerate(self.middlewares):
+            # each judges the content the middleware before it made, as its on_response will see it
+            seen = text if i == 0 else self._view(text, i).get("content")
+            seen = seen if isinstance(seen, str) else ""
+            hold = min(int(mw.stream_holdback(self.request, seen)), len(seen))
+            if hold > 0:
+                text = text[:held_from(text, seen[len(seen) - hold:])]
         if not text:
             return {}
         return self._increments(self._view(text), final=False)
@@ -123,16 +137,6 @@ class TextStreamer:
     def finish(self, message: Mapping[str, Any]) -> dict[str, str]:
         """What is left to send of the final ``message`` (after the real ``on_response`` ran)."""
         return self._increments(message, final=True)
-
-
-def as_router_error(exc: Exception) -> Any:
-    """``exc`` as a :class:`~.errors.RouterError` a stream can report (a bug becomes a 500)."""
-    from .errors import RouterError
-
-    if isinstance(exc, RouterError):
-        return exc
-    log.error("AgentFlow router: a streamed turn failed", exc_info=exc)
-    return RouterError(500, f"internal router error: {type(exc).__name__}: {exc}", type="server_error", retry=False)
 
 
 class SSEStream:

@@ -19,10 +19,12 @@ work happens inside the functions):
   :func:`presented_token`, :func:`token_matches`, :func:`process_secret`, :data:`OPEN_PATHS`,
   :func:`check_listen_address`);
 * :mod:`.distributed`: rendezvous of ``torch.distributed`` groups (:func:`host_rendezvous`,
-  :func:`reachable_address`, :func:`free_port`, :func:`retry_on_port_collision`) and weight-update
-  groups between trainers and engines (:func:`init_weight_update_group`, :func:`join_with_engines`,
+  :func:`reachable_address`, :func:`free_port`, :func:`retry_on_port_collision`; Gloo groups kept on
+  the node's address with :func:`pin_gloo_to_this_node`) and weight-update groups between trainers
+  and engines (:func:`init_weight_update_group`, :func:`join_with_engines`,
   :func:`destroy_weight_update_group`, :func:`resolve_backend`, :func:`node_id`);
-* :mod:`.files`: per-step JSONL files cut back to a resumed step (:func:`truncate_jsonl`).
+* :mod:`.files`: per-step JSONL files cut back to a resumed step (:func:`truncate_jsonl`), checkpoint
+  files written atomically with a full disk said plainly (:func:`save_torch_atomically`).
 
 ``from loongsage_core.backend_api import X`` keeps working for every name above (each is loaded
 from its submodule when first asked for), so plugins written against the package stay valid.
@@ -42,8 +44,9 @@ SUBMODULES: dict[str, tuple[str, ...]] = {
     "serving": ("OPEN_PATHS", "ThreadedServer", "check_listen_address", "engine_headers", "presented_token",
                 "process_secret", "secret_middleware", "token_matches"),
     "distributed": ("destroy_weight_update_group", "free_port", "host_rendezvous", "init_weight_update_group",
-                    "join_with_engines", "node_id", "reachable_address", "resolve_backend", "retry_on_port_collision"),
-    "files": ("truncate_jsonl",),
+                    "join_with_engines", "node_id", "pin_gloo_to_this_node", "reachable_address", "resolve_backend",
+                    "retry_on_port_collision"),
+    "files": ("save_torch_atomically", "truncate_jsonl"),
 }
 """Every public name, by the submodule that provides it."""
 

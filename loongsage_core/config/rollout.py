@@ -12,6 +12,9 @@ import attrs
 
 from .fields import Args, at_least_one, component, in_range, non_negative, positive
 
+DEFAULT_MAX_LINE_BYTES = 16 * 2**20
+"""The longest JSONL data line (bytes, newline excluded) read by default (``[[data]] max_line_bytes``)."""
+
 
 @attrs.define
 class RolloutConfig:
@@ -66,7 +69,8 @@ class DataConfig:
     """One data source. Either ``path`` (a JSONL file, a parquet file, or a directory written by
     ``datasets``' ``save_to_disk``; ``split`` picks one split of a saved ``DatasetDict``) or
     ``generator`` (a procedural task from a plugin) gives the prompts; ``agent``, ``reward`` and
-    sampling are per source."""
+    sampling are per source. ``max_line_bytes`` (default 16 MiB) is the longest JSONL line read:
+    a longer one is refused, naming the file and line, before it is held in memory."""
 
     name: str = "default"
     """The source's name (in metrics, records and errors)."""
@@ -111,6 +115,9 @@ class DataConfig:
     ``max_new_tokens``, and what SGLang accepts)."""
     shuffle: bool = True
     """Draw the rows in a shuffled order each epoch."""
+    max_line_bytes: int = attrs.field(default=DEFAULT_MAX_LINE_BYTES, validator=at_least_one)
+    """The longest JSONL line read (bytes, newline excluded, 16 MiB by default): a longer one is refused,
+    naming the file and line, having held at most this many bytes of it."""
 
 
 @attrs.define

@@ -28,6 +28,9 @@ from .fields import (
     valid_seed,
 )
 
+INFRA_FAILURE_MODES = ("exclude", "zero_reward")
+"""What ``[algorithm] infra_failures`` may say to do with trajectories that infrastructure failed."""
+
 
 @attrs.define
 class ModelConfig:
@@ -166,7 +169,14 @@ class AlgorithmConfig:
     LoRA run's reference) use them, gating weights still from the current router. With
     ``router_replay_compare`` (default) the old-log-prob pass (then always run) also scores the
     rows without replay, for ``train/router_agreement[_no_replay]`` and
-    ``train/is_approx_k3_kl_no_replay``."""
+    ``train/is_approx_k3_kl_no_replay``.
+
+    Failed trajectories (``Trajectory.failure``): the policy's own failures (``agent``: over the
+    context, an agent raising ``AgentFailure``) are trained on with reward 0, like a wrong answer.
+    Infrastructure failures (a sandbox, a CLI crash or timeout, an engine, a reward that broke)
+    say nothing about the policy: ``infra_failures = "exclude"`` (default) leaves them out of
+    their group's statistics and of the loss, ``"zero_reward"`` trains them with reward 0. A
+    group-relative estimator's group left with fewer than two samples is not trained."""
 
     advantage: str = component("advantage", args="advantage_args", default="grpo")
     """The advantage estimator (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``, ``reinforce_pp_baseline``,
@@ -227,6 +237,9 @@ class AlgorithmConfig:
     router_replay_compare: bool = True
     """With ``router_replay``: also score the rows without replay, for ``train/router_agreement_no_replay`` and
     ``train/is_approx_k3_kl_no_replay``."""
+    infra_failures: str = attrs.field(default="exclude", validator=attrs.validators.in_(INFRA_FAILURE_MODES))
+    """Trajectories the infrastructure failed (a sandbox, an agent CLI, an engine, a reward): ``"exclude"`` leaves
+    them out of their group's statistics and the loss, ``"zero_reward"`` trains them with reward 0."""
 
 
 @attrs.define

@@ -1,9 +1,17 @@
 """Turning trajectory groups into a padded training :class:`Batch`.
 
-Every trainable segment of a completed trajectory becomes one row; rows of the same prompt share
-a ``group_index`` so group-relative advantage estimators can find their peers, and rows of the same
-trajectory share a ``sample_index`` so a trajectory split into several segments counts once in
-its group's statistics.
+Every trainable segment of a trajectory that is trained on becomes one row; rows of the same
+prompt share a ``group_index`` so group-relative advantage estimators can find their peers, and
+rows of the same trajectory share a ``sample_index`` so a trajectory split into several segments
+counts once in its group's statistics.
+
+Which trajectories are trained on is the credit rule of :func:`is_trained`: completed ones, and
+failed ones by whose fault they failed (``Trajectory.failure``). The policy's own failures
+(``agent``) count, with reward 0, as a wrong answer does; infrastructure failures (``infra``, or
+a failure of unknown class) are left out of the group, so its statistics are those of the
+samples that really ran (``[algorithm] infra_failures = "exclude"``), or count with reward 0
+(``"zero_reward"``). A group left with fewer than ``min_group_samples`` trained samples is
+dropped whole, as a filter would drop it: a group-relative estimator learns nothing from one.
 """
 
 from __future__ import annotations
@@ -12,11 +20,33 @@ from typing import Any, Sequence
 
 import torch
 
-from loongsage_hookspecs import Batch, Segment, TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import Batch, FailureClass, Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 
-def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stale: bool = False) -> Batch:
-    """Rows for every trainable segment of every completed trajectory, right-padded.
+def is_trained(traj: Trajectory, infra_failures: str = "exclude") -> bool:
+    """Whether ``traj`` takes part in its group's statistics and the loss: completed, or failed
+    by the policy (``agent``), or failed by the infrastructure under ``infra_failures =
+    "zero_reward"``. Aborted (and unfinished) trajectories never are."""
+    if traj.status == TrajectoryStatus.COMPLETED:
+        return True
+    if traj.status != TrajectoryStatus.FAILED:
+        return False
+    return traj.failure == FailureClass.AGENT or infra_failures == "zero_reward"
+
+
+def credit_options(job: Any, host: Any) -> dict[str, Any]:
+    """:func:`build_batch`'s credit settings for ``job``: its ``[algorithm] infra_failures`` and,
+    for a group-relative advantage estimator (its spec's ``group_relative``), groups of two
+    trained samples at least."""
+    group_relative = bool(host.get("advantage", job.algorithm.advantage).group_relative)
+    return {"infra_failures": job.algorithm.infra_failures, "min_group_samples": 2 if group_relative else 1}
+
+
+def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stale: bool = False,
+                infra_failures: str = "exclude", min_group_samples: int = 1) -> Batch:
+    """Rows for every trainable segment of every trajectory trained on (:func:`is_trained`),
+    right-padded; a group with fewer than ``min_group_samples`` such trajectories (with a
+    trainable segment) gives no row.
 
     ``mask_stale`` drops from the loss mask every generated token whose weight version is older
     than the newest version in its trajectory (the off-policy prefix of a partial rollout).
@@ -24,12 +54,18 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
     rows: list[tuple[int, int, Any, Any]] = []
     samples = 0
     for g_idx, group in enumerate(groups):
+        group_rows: list[tuple[int, int, Any, Any]] = []
+        first = samples
         for traj in group.trajectories:
-            if traj.status != TrajectoryStatus.COMPLETED:
+            if not is_trained(traj, infra_failures):
                 continue
             trainable = [(s_idx, seg) for s_idx, seg in enumerate(traj.segments) if seg.trainable]
-            rows += [(g_idx, samples, traj, item) for item in trainable]
+            group_rows += [(g_idx, samples, traj, item) for item in trainable]
             samples += bool(trainable)
+        if samples - first < min_group_samples:
+            samples = first  # the group is dropped whole: its sample indices are given again
+            continue
+        rows += group_rows
     if not rows:
         return Batch()
     width = max(len(seg.tokens) for _, _, _, (_, seg) in rows)

@@ -33,7 +33,7 @@ from loongsage_hookspecs import Batch, Closeable, TrainWorkerContext
 from ..config import ConfigError, JobConfig, component_ref
 from ..plugins import PluginHost
 from ..rendezvous import Rendezvous, host_rendezvous
-from . import checkpoint as ckpt
+from ..run_files import checkpoint as ckpt
 from .worker_group import WorkerGroup
 
 CRITIC_RANK_DIR = "critic_rank_{rank}"

@@ -1,8 +1,6 @@
-"""Prompt data: loading sources, deterministic shuffling, multi-source mixing, resumable cursors.
+"""Prompt data: deterministic shuffling, multi-source mixing, resumable cursors.
 
-Each ``[[data]]`` source yields rows ``{"prompt", "label", "metadata"}`` from a JSONL file, a
-parquet file, a directory written by ``datasets``' ``save_to_disk`` (one split of a saved
-``DatasetDict`` is picked with ``split``) or a procedural data source plugin. A source is consumed
+Each ``[[data]]`` source's rows (read by :mod:`loongsage_core.data_sources`) are consumed
 epoch by epoch in a shuffled order fixed by ``(run seed, source name, epoch)``; its cursor is part
 of every checkpoint, so a resumed run continues with exactly the prompts an uninterrupted run
 would have drawn.
@@ -24,21 +22,16 @@ Mixing has two levels, each with its own documented rounding rule.
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import attrs
 
-from loongsage_hookspecs import BuildContext
-
-from .. import safe_json
-from ..config import ConfigError, DataConfig, JobConfig, section_refs
+from ..config import JobConfig
+from ..data_sources import load_rows
 from .mixing import integer_weights, interleave_by_source, quota_sequence, round_shares
 
-__all__ = ["DataMixer", "Prompt", "integer_weights", "interleave_by_source", "load_rows", "quota_sequence",
-           "read_jsonl_file", "read_source", "round_shares"]
+__all__ = ["DataMixer", "Prompt", "integer_weights", "interleave_by_source", "quota_sequence", "round_shares"]
 
 
 @attrs.define
@@ -50,168 +43,6 @@ class Prompt:
     prompt: Any
     label: Any
     metadata: dict[str, Any]
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
-
-DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
-"""Files that mark a directory written by ``datasets``' ``save_to_disk``."""
-
-
-def read_jsonl_file(path: Path, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(location, row)`` of each non-blank line of a JSONL file; undecodable text, invalid JSON
-    or a non-object line is a :class:`ConfigError` naming the file and line."""
-    with path.open("rb") as fh:
-        for lineno, raw_line in enumerate(fh, 1):
-            loc = f"{path}:{lineno}"
-            try:
-                line = raw_line.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ConfigError(f"{where}: {loc}: not UTF-8 text (byte {exc.start} of the line: "
-                                  f"{exc.reason}); data files are UTF-8") from None
-            if not line.strip():
-                continue
-            try:
-                row = safe_json.loads(line)  # bounded: a row nested 100k deep is an error, not a RecursionError
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where}: {loc}: invalid JSON: {exc.msg}") from None
-            except ValueError as exc:
-                raise ConfigError(f"{where}: {loc}: {exc}") from None
-            if not isinstance(row, dict):
-                raise ConfigError(f"{where}: {loc}: each line must be a JSON object")
-            yield loc, row
-
-
-def _read_parquet(path: Path, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    import pyarrow.parquet as pq
-
-    try:
-        rows = pq.read_table(path).to_pylist()
-    except Exception as exc:  # pyarrow raises several error types for bad files
-        raise ConfigError(f"{where}: cannot read parquet file {path}: {exc}") from None
-    for i, row in enumerate(rows):
-        yield f"{path} row {i}", row
-
-
-def is_saved_dataset(path: Path) -> bool:
-    """Whether ``path`` is a directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
-    return path.is_dir() and any((path / marker).is_file() for marker in DATASET_MARKERS)
-
-
-def _read_saved_dataset(path: Path, split: str | None, where: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    import datasets
-
-    try:
-        loaded = datasets.load_from_disk(str(path))
-    except Exception as exc:  # datasets raises several error types for damaged directories
-        raise ConfigError(f"{where}: cannot load the dataset saved in {path}: {exc}") from None
-    if isinstance(loaded, datasets.DatasetDict):
-        splits = list(loaded)
-        if split is None:
-            if len(splits) != 1:
-                raise ConfigError(f"{where}.split: {path} holds the splits {splits}; set 'split' to pick one")
-            split = splits[0]
-        if split not in loaded:
-            raise ConfigError(f"{where}.split: no split '{split}' in {path}; splits: {', '.join(splits)}")
-        table, label = loaded[split], f"{path} [{split}]"
-    else:
-        if split is not None:
-            raise ConfigError(f"{where}.split: '{split}' given, but {path} holds a single dataset, not a "
-                              "DatasetDict; remove 'split'")
-        table, label = loaded, str(path)
-    for i, row in enumerate(table.to_list()):
-        yield f"{label} row {i}", row
-
-
-def load_rows(job: JobConfig, index: int, components: Any) -> list[dict[str, Any]]:
-    """All rows of data source ``index`` as ``{"prompt", "label", "metadata"}`` dicts.
-
-    Field errors name the file and the row (the line for JSONL, the 0-based row otherwise).
-    """
-    src = job.data[index]
-    where = job.data_where(index)
-    rows = [map_fields(r, src, f"{where}: {loc}") for loc, r in read_source(job, index, components)]
-    if not rows:
-        raise ConfigError(f"{where}: the data source is empty")
-    return rows
-
-
-def read_source(job: JobConfig, index: int, components: Any) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(location, raw row)`` of every row of data source ``index``, as stored (no field mapping):
-    a file's rows (JSONL, parquet, a saved ``datasets`` directory) or a data source plugin's."""
-    src = job.data[index]
-    where = job.data_where(index)
-    raw: Iterator[tuple[str, dict[str, Any]]]
-    if src.generator:
-        (ref,) = [r for r in section_refs(src, f"data[{index}]", job) if r.kind == "data_source"]
-        ctx = BuildContext(where=ref.where, job=job, components=components)
-        # the run's seed, unless the job gives the generator its own
-        produced = list(components.bind(attrs.evolve(ref, args={"seed": job.run.seed, **ref.args}), ctx))
-        raw = ((f"generator '{src.generator}' row {i}", r) for i, r in enumerate(produced))
-    else:
-        assert src.path is not None
-        path = Path(job.resolve_path(src.path))
-        if not path.exists():
-            raise ConfigError(f"{where}.path: data file '{path}' does not exist")
-        if path.is_dir():
-            if not is_saved_dataset(path):
-                raise ConfigError(f"{where}.path: '{path}' is a directory but not a dataset saved with "
-                                  f"save_to_disk (none of {', '.join(DATASET_MARKERS)} in it)")
-            raw = _read_saved_dataset(path, src.split, where)
-        else:
-            if src.split is not None:
-                raise ConfigError(f"{where}.split: only a saved DatasetDict directory has splits; "
-                                  f"'{path}' is a file")
-            raw = _read_parquet(path, where) if path.suffix in (".parquet", ".pq") else read_jsonl_file(path, where)
-    return raw
-
-
-def _check_prompt(value: Any, src: DataConfig, where: str) -> None:
-    if isinstance(value, str):
-        return
-    if isinstance(value, list) and value and all(isinstance(m, Mapping) and "role" in m for m in value):
-        return
-    raise ConfigError(f"{where}: field '{src.prompt_key}' must be a string or a non-empty list of chat "
-                      f"messages (objects with a 'role'), got {type(value).__name__} {_short(value)}")
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
-def map_fields(row: Mapping[str, Any], src: DataConfig, where: str) -> dict[str, Any]:
-    """One raw row as ``{"prompt", "label", "metadata"}`` by the source's field mapping.
-
-    ``prompt_key`` must be present (a string or chat messages); ``label_key`` may be absent (the
-    label is then ``None``). With ``metadata_key`` set, that field (an object, or null for none)
-    is the metadata; without it, every field other than the prompt and the label is, with the
-    contents of a ``metadata`` object merged in. ``where`` names the file and row in errors.
-    """
-    if not isinstance(row, Mapping):
-        raise ConfigError(f"{where}: a row must be an object with named fields, got {type(row).__name__}")
-    if src.prompt_key not in row or row[src.prompt_key] is None:
-        state = "is null" if src.prompt_key in row else "is missing"
-        raise ConfigError(f"{where}: prompt field '{src.prompt_key}' {state} (set data.prompt_key); "
-                          f"fields: {', '.join(sorted(map(str, row)))}")
-    _check_prompt(row[src.prompt_key], src, where)
-    if src.metadata_key:
-        if src.metadata_key not in row:
-            raise ConfigError(f"{where}: metadata field '{src.metadata_key}' is missing (data.metadata_key); "
-                              f"fields: {', '.join(sorted(map(str, row)))}")
-        value = row[src.metadata_key]
-        if value is not None and not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: metadata field '{src.metadata_key}' must be an object, got "
-                              f"{type(value).__name__} {_short(value)}")
-        metadata = dict(value or {})
-    else:
-        nested = row.get("metadata")
-        metadata = dict(nested) if isinstance(nested, Mapping) else {}
-        skip = {src.prompt_key, src.label_key} | ({"metadata"} if isinstance(nested, Mapping) else set())
-        metadata.update({k: v for k, v in row.items() if k not in skip})
-    return {"prompt": row[src.prompt_key], "label": row.get(src.label_key), "metadata": metadata}
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import attrs
 
 from ..config import ConfigError, JobConfig
 from ..resolve import ResolvedJob
-from . import checkpoint as ckpt
+from ..run_files import checkpoint as ckpt
 from .runtime import Run
 
 STEP_DIR = re.compile(r"^step_(\d+)$")

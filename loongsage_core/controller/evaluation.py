@@ -31,7 +31,8 @@ import attrs
 from loongsage_hookspecs import TrajectoryGroup, TrajectoryStatus
 
 from ..config import EvalConfig, JobConfig
-from .data import Prompt, load_rows
+from ..data_sources import load_rows
+from .data import Prompt
 
 if TYPE_CHECKING:  # pragma: no cover
     from .rollout import RolloutManager

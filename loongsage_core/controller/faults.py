@@ -39,6 +39,7 @@ from ..engine_client import EngineClient
 from ..errors import RunError
 from .data import Prompt
 from .remote import LocalActor
+from .resource_errors import explain_resource_error
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..config import JobConfig
@@ -230,7 +231,7 @@ class FaultSupervisor:
                 self._router_task = None
 
     def _fatal_message(self, exc: BaseException) -> str:
-        from . import checkpoint as ckpt
+        from ..run_files import checkpoint as ckpt
 
         found = ckpt.latest_checkpoint(self.ctrl.output_dir)
         resume = (f"resume from checkpoint step {found[0]} with run.resume=true" if found
@@ -341,7 +342,11 @@ class FaultSupervisor:
             return self.locked(push)
 
     def explain(self, exc: BaseException) -> BaseException:
-        """A dead actor's error as :class:`ActorDeathError` (other errors unchanged)."""
+        """A dead actor's error as :class:`ActorDeathError`, a full disk or an actor killed for
+        memory as one line saying what to change (:mod:`.resource_errors`); other errors unchanged."""
+        resource = explain_resource_error(exc, self.ctrl.output_dir)
+        if resource is not None:
+            return resource
         if is_actor_death(exc):
             return ActorDeathError(self._fatal_message(exc))
         return exc

@@ -10,7 +10,9 @@ After each step's training the controller asks :class:`StepHealth` whether the s
 * weights that became non-finite and were *not* taken back (a backend that cannot, or
   ``rollback_overflow = false``): the run ends at once, before they reach the engines;
 * zero rows or zero tokens trained although groups were collected (every trajectory failed, every
-  generation was empty), with the cause — e.g. the reward's exception text — in the message.
+  generation was empty), with the cause — e.g. the reward's exception text — in the message;
+* every trajectory failed, even where some were trained on with reward 0 (the policy's own
+  failures, or ``[algorithm] infra_failures = "zero_reward"``): a step of nothing but failures.
 
 A bad step is skipped (no new weight version, nothing sent to the engines), counted
 (``fault/bad_steps``, ``fault/bad_step``) and logged; ``train.max_bad_steps`` bad steps in a row
@@ -76,6 +78,9 @@ def diagnose(metrics: Mapping[str, float], groups: Sequence[TrajectoryGroup]) ->
         if metrics.get("rollout/failed_ratio", 0.0) >= 1.0:
             return "trained zero rows: every trajectory failed (and was filtered out)"
         return None  # the filters dropped every group: nothing to learn, not a fault
+    trajs = [t for g in groups for t in g.trajectories]
+    if trajs and all(t.status == TrajectoryStatus.FAILED for t in trajs):  # trained with reward 0 only
+        return f"every trajectory failed: {failure_causes(groups)}"
     if metrics.get("train/num_mini_batches", 1.0) == 0:
         return f"trained zero tokens: {failure_causes(groups)}"
     return None

@@ -16,7 +16,7 @@ reads the run's parts (:class:`.runtime.Run`: actors, critic, teachers, algorith
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 from loongsage_hookspecs import Batch, TrajectoryGroup
 
@@ -27,25 +27,45 @@ from ..algorithms.old_logprobs import (
     old_logprob_pass,
 )
 from ..algorithms.step import ROUTER_REPLAY_OUTPUTS, router_replay_metrics
+from ..config import JobConfig
 from ..flops import ModelShape, generation_flops, mfu, scoring_flops
-from .batching import build_batch
+from .batching import build_batch, credit_options
 from .mixing import interleave_by_source
 from .remote import gather, own_time
 from .worker_group import WorkerGroup
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .runtime import Run
+    from ..algorithms import StepAlgorithm
+    from ..plugins import PluginHost
+    from .critic import Critic
+    from .placement import Actors
+    from .teacher_actor import Teachers
 
 CONTROLLER_OVERHEAD = "timing/controller_overhead"
 """The controller's own work in a step (seconds): building and padding the batch, advantages,
 shipping rows, bookkeeping; the rollout and the time spent waiting on actors and engines excluded."""
 
 
+class LearningRun(Protocol):
+    """What a learner reads of its run (:class:`.runtime.Run` is one): the job, the actors and
+    parts that train, and the weight version the engines serve."""
+
+    job: JobConfig
+    host: "PluginHost"
+    actors: "Actors | None"
+    algorithm: "StepAlgorithm"
+    tokenizer: Any
+    needs_reference: bool
+    critic: "Critic | None"
+    teachers: "Teachers | None"
+    version: int
+
+
 class Learner:
     """Trains the run's policy (and critic) on a step's groups; ``last_batch`` is the batch of the
     last :meth:`learn` (the rollout records keep it)."""
 
-    def __init__(self, run: "Run") -> None:
+    def __init__(self, run: LearningRun) -> None:
         self.run = run
         self.job = run.job
         self.last_batch: Batch | None = None
@@ -104,7 +124,8 @@ class Learner:
         assert self.run.actors is not None
         t0 = time.perf_counter()
         batch = build_batch(groups, pad_id=self.run.tokenizer.pad_token_id or 0,
-                            mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale)
+                            mask_stale=self.job.rollout.partial and self.job.rollout.partial_mask_stale,
+                            **credit_options(self.job, self.run.host))  # which failures count, and how small a group
         self.last_batch = batch
         metrics: dict[str, float] = {"rollout/num_rows": float(len(batch))}
         if not len(batch):

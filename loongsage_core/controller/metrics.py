@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Sequence
 
-from loongsage_hookspecs import Trajectory, TrajectoryGroup, TrajectoryStatus
+from loongsage_hookspecs import FailureClass, Trajectory, TrajectoryGroup, TrajectoryStatus
 
 
 def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float = 1.0) -> dict[str, float]:
@@ -26,6 +26,9 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float 
         "rollout/response_length_max": float(max(lengths)),
         "rollout/truncated_ratio": sum(t.finish_reason == "length" for t in trajs) / len(trajs),
         "rollout/failed_ratio": sum(t.status == TrajectoryStatus.FAILED for t in trajs) / len(trajs),
+        # failed by the infrastructure (sandbox, agent CLI, engine, reward), not by the policy
+        "rollout/infra_failed_ratio": sum(t.status == TrajectoryStatus.FAILED and t.failure != FailureClass.AGENT
+                                          for t in trajs) / len(trajs),
         "rollout/aborted_ratio": sum(t.status == TrajectoryStatus.ABORTED for t in trajs) / len(trajs),
     }
     cache = [t.metadata["prefix_cache"] for t in trajs if isinstance(t.metadata.get("prefix_cache"), dict)]

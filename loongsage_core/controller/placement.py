@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from typing import Any
 
 import attrs
@@ -18,6 +19,7 @@ from loongsage_hookspecs import EngineRouterContext
 from ..algorithms.distill import runs_teachers
 from ..config import ConfigError, JobConfig, component_ref
 from .actors import ModelActor
+from .resource_errors import ray_start_error
 
 log = logging.getLogger("loongsage")
 
@@ -94,6 +96,10 @@ def init_ray(job: JobConfig) -> None:
 
     A local cluster gets at least as many logical CPUs as the actors reserve: on a small machine
     the trainer and the engines then share the cores instead of waiting for each other.
+
+    A cluster that does not start, or an address where none answers (tried with a plain TCP
+    connection first: Ray itself keeps retrying for minutes), is a one-line
+    :class:`~.resource_errors.RayStartError` saying what to check.
     """
     import ray
 
@@ -101,8 +107,12 @@ def init_ray(job: JobConfig) -> None:
         return
     address = job.run.ray_address or os.environ.get("RAY_ADDRESS")
     if address:  # an existing (possibly multi-node) cluster: its nodes already listen where they do
-        ray.init(address=address, ignore_reinit_error=True, log_to_driver=True,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        try:
+            check_reachable(address)
+            ray.init(address=address, ignore_reinit_error=True, log_to_driver=True,
+                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        except Exception as exc:
+            raise ray_start_error(exc, address) from None
         return
     cpus = job.run.ray_num_cpus or max(os.cpu_count() or 1, int(required_resources(job)["CPU"] + 0.999))
     bind_ray_to_loopback()
@@ -119,7 +129,7 @@ def init_ray(job: JobConfig) -> None:
             # are all busy that can run out ("The current node timed out during startup"). Stop
             # what it started and start again, a few times, before giving up.
             if "timed out during startup" not in str(exc) or attempt == LOCAL_START_ATTEMPTS:
-                raise
+                raise ray_start_error(exc, None) from None
             log.warning("the local Ray cluster did not start in time (attempt %d of %d, the machine is busy); "
                         "starting it again", attempt, LOCAL_START_ATTEMPTS)
             ray.shutdown()
@@ -127,6 +137,20 @@ def init_ray(job: JobConfig) -> None:
 
 LOCAL_START_ATTEMPTS = 3
 """How many times :func:`init_ray` starts a local cluster whose node timed out during start-up."""
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long :func:`check_reachable` waits for a Ray cluster's address to accept a connection."""
+
+
+def check_reachable(address: str) -> None:
+    """Fail at once (``OSError``) when nothing listens at a ``host:port`` Ray address
+    (``ray://host:port`` too); ``auto`` and other forms are left to Ray."""
+    target = address.split("://", 1)[-1]
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return
+    with socket.create_connection((host.strip("[]") or "127.0.0.1", int(port)), timeout=CONNECT_TIMEOUT_S):
+        pass
 
 
 @attrs.define

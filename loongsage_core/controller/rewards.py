@@ -4,8 +4,9 @@ A source may list several rewards; the trajectory's score is their sum and each 
 are kept under ``<reward>/<key>``. Rewards run off the event loop, in a worker thread of their
 own, under the source's ``reward_timeout_s``: a reward that raises or does not return in time
 does not stop the run, the trajectory is marked failed with the error recorded (and is not trained
-on). A reward whose spec has ``needs_sandbox`` gets ``sandbox=`` (the trajectory's sandbox, still
-alive: the caller destroys it after scoring).
+on); so is one that returns no usable number (``nan``, ``None``, ``'yes'``: :mod:`.reward_values`).
+A reward whose spec has ``needs_sandbox`` gets ``sandbox=`` (the trajectory's sandbox, still alive:
+the caller destroys it after scoring).
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any, Sequence
 
 import attrs
 
-from loongsage_hookspecs import ComponentRegistry, Reward, Trajectory, TrajectoryStatus
+from loongsage_hookspecs import ComponentRegistry, FailureClass, Reward, Trajectory, TrajectoryStatus
 
 from ..config import DataConfig, JobConfig, section_refs
+from .reward_values import checked_reward, reward_failure
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +53,11 @@ def compute_reward(traj: Trajectory, rewards: SourceRewards, sandbox: Any = None
     for fn in rewards.functions:
         name = fn.name
         try:
-            out = fn(traj, sandbox=sandbox) if fn.spec.needs_sandbox else fn(traj)
+            reward = checked_reward(name, fn(traj, sandbox=sandbox) if fn.spec.needs_sandbox else fn(traj))
         except Exception as exc:  # user reward code may raise anything; record it, keep running
-            message = f"reward '{name}' raised {type(exc).__name__}: {exc}"
+            message = reward_failure(name, exc)
             parts[name] = Reward(score=0.0, error=message, reason=message)
             return Reward(score=0.0, details=details, error=message, reason=message, components=parts), message
-        reward = out if isinstance(out, Reward) else Reward(score=float(out))
         parts[name] = reward
         total += float(reward.score)
         details[f"{name}/score"] = float(reward.score)
@@ -71,6 +72,7 @@ def _apply(traj: Trajectory, reward: Reward, error: str | None) -> None:
         log.warning("trajectory %s: %s", traj.id, error)
         traj.status = TrajectoryStatus.FAILED
         traj.error = error
+        traj.failure = FailureClass.INFRA  # the reward broke, not the policy
         traj.metadata["failed_in"] = "reward"
 
 

@@ -22,11 +22,11 @@ from typing import Any
 from loongsage_hookspecs import TrajectoryGroup
 
 from ..resolve import ResolvedJob
+from ..run_files.run_dir import prepare_run_dir
 from ..validation import check_output_dir
 from .learner import CONTROLLER_OVERHEAD
 from .metrics import rollout_metrics
 from .remote import waited_s
-from .run_dir import prepare_run_dir
 from .runtime import Run, final_evaluation
 
 

@@ -37,8 +37,9 @@ from ..config import component_refs, dump_job_toml
 from ..hf_models import load_tokenizer
 from ..records.writer import RolloutRecorder, recorder_for_run
 from ..resolve import ResolvedJob
+from ..run_files import checkpoint as ckpt
+from ..run_files.run_dir import truncate_jsonl
 from ..security import new_secret, set_process_secret, write_secret_file
-from . import checkpoint as ckpt
 from .colocation import PhaseSwitch
 from .critic import Critic
 from .data import DataMixer
@@ -50,7 +51,6 @@ from .learner import Learner
 from .placement import Actors, create_actors, init_ray, start_engine_router
 from .remote import gather
 from .rollout import RolloutManager
-from .run_dir import truncate_jsonl
 from .signals import restore_signals, stop_on_signals
 from .teacher_actor import Teachers
 from .worker_group import mean_metrics

@@ -227,6 +227,7 @@ def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_versio
             "label": jsonable(traj.label),
             "status": status_of(traj),
             "error": traj.error,
+            "failure": jsonable(getattr(traj, "failure", None)),
             "finish_reason": traj.finish_reason,
             "response_text": traj.response_text,
             "response_length": int(traj.response_length),

@@ -4,6 +4,9 @@ The training loop only hands over references (:meth:`RolloutRecorder.add`); buil
 (tensors to lists, token text) and compressing them happen on the writer thread. Each file is
 written to a temporary name and renamed into place, so a killed run leaves whole files or none.
 
+A file that cannot be written for lack of room is one logged line naming it and the free space
+(its temporary file removed); training goes on.
+
 Resume keeps records and ``metrics.jsonl`` aligned: :meth:`RolloutRecorder.truncate_after` drops the
 files of the steps the resumed run redoes, and :meth:`RolloutRecorder.flush` (called before a
 checkpoint completes) makes sure every step before the checkpoint is on disk.
@@ -21,6 +24,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from loongsage_hookspecs import TrajectoryLogger
 
+from ..disk_space import disk_full_error, free_space
 from .format import ROLLOUTS_DIR, build_records, dumps, records_path, step_of
 
 log = logging.getLogger("loongsage")
@@ -131,9 +135,16 @@ class RolloutRecorder:
                 if item is None:
                     return
                 self._write(*item)
-            except Exception:  # records must never stop training; say so loudly instead
+            except Exception as exc:  # records must never stop training; say so loudly instead
                 self.errors += 1
-                log.exception("writing the rollout records of step %s failed", item[0] if item else "?")
+                full = disk_full_error(exc)
+                if full is not None:  # one line: which file, how much room; training goes on
+                    where = full.filename or str(self.dir)
+                    log.error("rollout records of step %s not written: cannot write '%s': %s (%s); training "
+                              "goes on", item[0] if item else "?", where, (full.strerror or "").lower(),
+                              free_space(where))
+                else:
+                    log.exception("writing the rollout records of step %s failed", item[0] if item else "?")
             finally:
                 self._queue.task_done()
 
@@ -148,9 +159,13 @@ class RolloutRecorder:
             self.dir.mkdir(parents=True, exist_ok=True)
             path = records_path(self.dir.parent, step)
             tmp = path.with_name(path.name + ".tmp")
-            with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as fh:
-                for record in records:
-                    fh.write(dumps(record) + "\n")
+            try:
+                with gzip.open(tmp, "wt", encoding="utf-8", compresslevel=1) as fh:
+                    for record in records:
+                        fh.write(dumps(record) + "\n")
+            except OSError as exc:  # a full disk: no half-written file is left to take its room
+                tmp.unlink(missing_ok=True)
+                raise OSError(exc.errno, exc.strerror, str(path)) from None
             os.replace(tmp, path)
         for listener in self.listeners:
             try:

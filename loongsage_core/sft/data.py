@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import attrs
 
 from ..config import ConfigError, JobConfig, SftConfig
-from ..controller.data import read_source
+from ..data_sources import read_source
 from .render import ConversationError, Example, render_conversation
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -32,8 +32,8 @@ import attrs
 from loongsage_hookspecs import Closeable, LoggerContext, StepTruncation
 
 from ..config import AlgorithmConfig, JobConfig, SftConfig, component_ref, component_refs, dump_job_toml
-from ..controller import checkpoint as ckpt
-from ..controller.run_dir import prepare_run_dir
+from ..run_files import checkpoint as ckpt
+from ..run_files.run_dir import prepare_run_dir
 from ..validation import check_output_dir
 from .data import SftData, load_examples, split_eval, step_batch, step_examples
 from .loss import NLL_LOSS, TOKEN_MEAN, provide_sft_losses

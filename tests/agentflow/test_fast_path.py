@@ -34,6 +34,8 @@ def manager(engine_url: str, tokenizer: Any, *, samples: int = 4, max_new_tokens
         "rollout": {"samples_per_prompt": samples, "max_new_tokens": max_new_tokens, "temperature": 1.0,
                     "max_context_length": 1024},
         "run": {"seed": 5},
+        # nothing is trained here: an estimator that takes one sample per prompt too
+        "algorithm": {"advantage": "reinforce_pp"},
         "data": [{"name": "math", "generator": "arithmetic", "agent": "single_turn", "reward": ["exact_match"],
                   **(source or {})}],
     }

@@ -8,6 +8,7 @@ import pytest
 
 from loongsage_core.config import structure_job
 from loongsage_core.controller import placement
+from loongsage_core.controller.resource_errors import RayStartError
 
 TIMED_OUT = ("The current node timed out during startup. This could happen because some of the raylet "
              "failed to startup or the GCS has become overloaded.")
@@ -56,6 +57,6 @@ def test_other_start_up_errors_and_the_last_timeout_are_raised(monkeypatch):
 
     attempts.clear()
     monkeypatch.setattr(ray, "init", refused)
-    with pytest.raises(ValueError, match="too small"):
+    with pytest.raises(RayStartError, match="the local Ray cluster did not start: ValueError: .*too small"):
         placement.init_ray(structure_job({}))
     assert len(attempts) == 1

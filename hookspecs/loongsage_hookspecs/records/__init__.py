@@ -40,7 +40,16 @@ from .loss import (
     teacher_inputs,
 )
 from .routing import RoutedExperts
-from .trajectory import Reward, SamplingParams, Segment, Trajectory, TrajectoryGroup, TrajectoryStatus
+from .trajectory import (
+    AgentFailure,
+    FailureClass,
+    Reward,
+    SamplingParams,
+    Segment,
+    Trajectory,
+    TrajectoryGroup,
+    TrajectoryStatus,
+)
 from .weights import TensorMeta, WeightBucket, WeightTarget
 
 __all__ = [
@@ -48,12 +57,14 @@ __all__ = [
     "AdvantageInputs",
     "AdvantageOutput",
     "AgentContext",
+    "AgentFailure",
     "AgentResult",
     "AggregationNorm",
     "Batch",
     "CorrectionInputs",
     "CorrectionOutput",
     "ExecResult",
+    "FailureClass",
     "KLInputs",
     "PolicyLossInputs",
     "PolicyLossOutput",

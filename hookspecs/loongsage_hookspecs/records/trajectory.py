@@ -26,6 +26,28 @@ class TrajectoryStatus(str, enum.Enum):
     ABORTED = "aborted"
 
 
+class FailureClass(str, enum.Enum):
+    """Whose fault a failed trajectory is, which decides what training makes of it.
+
+    ``agent``: the policy's behaviour failed the task (its conversation outgrew the context, or
+    the agent raised :class:`AgentFailure`, e.g. on a tool call it could not recover from): a
+    real outcome, trained on with reward 0 like a wrong answer. ``infra``: something around the
+    policy broke (a sandbox, an agent CLI that crashed or timed out, an engine, a reward that
+    raised, timed out or returned no number): no evidence about the policy, so by default it is
+    left out of its group's statistics and of the loss (``[algorithm] infra_failures``).
+    """
+
+    AGENT = "agent"
+    INFRA = "infra"
+
+
+class AgentFailure(Exception):
+    """Raised by an agent when the policy's own behaviour ended the trajectory (a malformed tool
+    call it could not recover from, a turn budget spent on nonsense): the trajectory fails as
+    :attr:`FailureClass.AGENT` and is trained on with reward 0. Any other exception an agent
+    raises is counted as an infrastructure failure."""
+
+
 @attrs.define
 class Reward:
     """The outcome a reward function assigns to one trajectory.
@@ -144,7 +166,9 @@ class Trajectory:
     ``prompt`` is what the data source gave (a string or a list of chat messages), ``label`` the
     reference answer (any JSON value), ``metadata`` the rest of the data row. ``response_text`` is
     the final model answer as text (for rewards), ``messages`` the full conversation as the agent
-    saw it. ``segments`` hold the token-exact record used for training.
+    saw it. ``segments`` hold the token-exact record used for training. A ``failed`` trajectory
+    says whose fault it was in ``failure`` (:class:`FailureClass`; ``None`` when not failed, or
+    failed by a host that did not say, which counts as infrastructure).
     """
 
     id: str
@@ -161,6 +185,7 @@ class Trajectory:
     finish_reason: str | None = None
     reward: Reward | None = None
     error: str | None = None
+    failure: FailureClass | None = None
 
     @property
     def response_length(self) -> int:

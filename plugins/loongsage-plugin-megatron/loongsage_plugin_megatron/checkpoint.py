@@ -16,11 +16,12 @@ model's dtype (the 16-bit parameters under bfloat16 / float16, not the float32 m
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
+
+from loongsage_core.backend_api.files import save_torch_atomically
 
 from . import lora as lora_lib
 from .parallel import model_parallel_rank
@@ -45,10 +46,7 @@ def save_checkpoint(path: str, *, rank: int, role: str, step: int, modules: list
              "optimizer": optimizer.state_dict() if optimizer is not None else None,
              "scheduler": scheduler.state_dict() if scheduler is not None else None,
              "rng": torch.get_rng_state()}
-    target = out / STATE_FILE.format(rank=rank)
-    tmp = target.with_name(target.name + ".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, target)
+    save_torch_atomically(state, out / STATE_FILE.format(rank=rank))  # a full disk: an OSError naming the file
     if optimizer is not None and distributed_optimizer:
         optimizer.save_parameter_state(str(out / PARAM_STATE_FILE.format(rank=model_parallel_rank())))
     if dist.is_initialized():

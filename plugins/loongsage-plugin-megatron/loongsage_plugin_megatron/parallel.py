@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from loongsage_core.backend_api.distributed import pin_gloo_to_this_node
+
 from . import cpu_compat
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -39,6 +41,7 @@ def init_parallel(options: BackendOptions, ctx: Any, rank: int, world_size: int,
         if world_size > 1 and not port:
             raise ValueError("megatron train backend: several ranks need ctx.master_port")
         init = f"tcp://{ctx.master_addr}:{port}" if port else f"file://{tmp_rendezvous()}"
+        pin_gloo_to_this_node()  # Gloo's listeners on the node's address alone (loopback on one node)
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size)
     if parallel_state.model_parallel_is_initialized():
         if _parallel_state_sizes() == (tp, pp, ep, options.virtual_stages, int(options.cp), options.expert_tp(tp)):

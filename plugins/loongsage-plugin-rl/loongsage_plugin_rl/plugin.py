@@ -24,15 +24,15 @@ from . import advantages, aggregation, corrections, filters, kl, policy_losses, 
 
 @hookimpl
 def loongsage_advantages() -> Iterator[AdvantageSpec]:
-    yield AdvantageSpec(name="grpo", fn=advantages.grpo,
+    yield AdvantageSpec(name="grpo", fn=advantages.grpo, group_relative=True,
                         description="group-relative: (r - group mean) / (group std + eps); args norm_std, eps")
-    yield AdvantageSpec(name="dr_grpo", fn=advantages.dr_grpo,
+    yield AdvantageSpec(name="dr_grpo", fn=advantages.dr_grpo, group_relative=True,
                         description="Dr. GRPO: r - group mean, no std normalisation")
-    yield AdvantageSpec(name="rloo", fn=advantages.rloo,
+    yield AdvantageSpec(name="rloo", fn=advantages.rloo, group_relative=True,
                         description="REINFORCE leave-one-out: r - mean of the other rows of the group")
     yield AdvantageSpec(name="reinforce_pp", fn=advantages.reinforce_pp,
                         description="REINFORCE++: discounted token returns, batch-whitened; args gamma, whiten")
-    yield AdvantageSpec(name="reinforce_pp_baseline", fn=advantages.reinforce_pp_baseline,
+    yield AdvantageSpec(name="reinforce_pp_baseline", fn=advantages.reinforce_pp_baseline, group_relative=True,
                         description="REINFORCE++ with group-mean baseline, batch-whitened; args whiten")
     yield AdvantageSpec(name="gae", fn=advantages.gae, needs_critic=True,
                         description="generalised advantage estimation with a critic; args gamma, lam, whiten")

@@ -9,11 +9,12 @@ share one layout.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from loongsage_core.backend_api.files import save_torch_atomically
 
 from . import distributed
 from .checkpoint import capture_rng, restore_rng, seed_everything
@@ -26,10 +27,9 @@ ADAPTER_ONLY = "adapter"
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary name, then rename over ``path``: a crash leaves no half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    """``torch.save`` to a temporary name, then rename over ``path``: a crash leaves no half-written
+    file, and a full disk is an ``OSError`` (``ENOSPC``) naming ``path`` (:func:`save_torch_atomically`)."""
+    save_torch_atomically(obj, path)
 
 
 def load_checkpoint_file(path: Path) -> Any:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 from typing import TYPE_CHECKING, Any, Iterable
 
+from loongsage_core.backend_api.distributed import pin_gloo_to_this_node
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -28,6 +30,7 @@ def init_process_group(*, rank: int, world_size: int, master_addr: str, master_p
             raise RuntimeError(f"torch.distributed is already initialised as rank {dist.get_rank()} of "
                                f"{dist.get_world_size()}, but this worker is rank {rank} of {world_size}")
         return
+    pin_gloo_to_this_node()  # its Gloo listeners on the node's address (loopback on one node), not every interface
     dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
 
