@@ -105,6 +105,9 @@ class TurnInfo:
     ``weight_versions`` are the first and last policy versions among the generated tokens;
     ``continuations`` counts engine aborts (weight updates) the turn was resumed across;
     ``cached_tokens`` how many prompt tokens the engine's prefix cache served (summed over them).
+    ``new_segment`` says the turn started segment ``segment`` (the request continued no recorded
+    segment), and ``segment_reason`` why (e.g. ``"request does not repeat the recorded
+    conversation"``); the segment's ``parent`` and ``fork_at`` say where it forked.
     """
 
     segment: int
@@ -118,6 +121,7 @@ class TurnInfo:
     continuations: int = 0
     new_segment: bool = False
     cached_tokens: int = 0
+    segment_reason: str = ""
 
 
 @attrs.define
@@ -146,6 +150,20 @@ class TrajectoryRecord:
         """Model-generated tokens across all segments (what the response budget counts)."""
         return sum(s.num_generated for s in self.segments)
 
+    def tree(self) -> list[dict[str, Any]]:
+        """The trajectory's segment tree, one entry per segment: ``parent`` and ``fork_at`` (see
+        :class:`~loongsage_hookspecs.Segment`), ``turns`` (the indices of its turns among all
+        the trajectory's turns, in the order they were made) and ``reason`` (why it started)."""
+        turns: list[list[int]] = [[] for _ in self.segments]
+        reasons = [""] * len(self.segments)
+        for k, turn in enumerate(self.turns):
+            if 0 <= turn.segment < len(turns):
+                turns[turn.segment].append(k)
+                if turn.new_segment:
+                    reasons[turn.segment] = turn.segment_reason
+        return [{"segment": i, "parent": s.parent, "fork_at": s.fork_at, "turns": turns[i], "reason": reasons[i]}
+                for i, s in enumerate(self.segments)]
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the admin API's wire format)."""
         out = attrs.asdict(self, recurse=True)
@@ -165,7 +183,8 @@ class TrajectoryRecord:
         data["segments"] = [Segment(tokens=s["tokens"], loss_mask=s["loss_mask"], logprobs=s["logprobs"],
                                     weight_versions=s["weight_versions"], turns=[tuple(t) for t in s["turns"]],
                                     routed_experts=(None if s.get("routed_experts") is None
-                                                    else RoutedExperts.from_json(s["routed_experts"])))
+                                                    else RoutedExperts.from_json(s["routed_experts"])),
+                                    parent=s.get("parent"), fork_at=s.get("fork_at"))
                             for s in data.get("segments", [])]
         data["turns"] = [TurnInfo(**{**t, "weight_versions": tuple(t["weight_versions"])})
                          for t in data.get("turns", [])]

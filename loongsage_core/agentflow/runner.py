@@ -136,6 +136,7 @@ def _fill(trajectory: Trajectory, record: Any, result: AgentResult | None, error
         "prompt_tokens": sum(t.prompt_tokens for t in turns), "cached_tokens": sum(t.cached_tokens for t in turns)},
         "agentflow": {
         "attempt": attempt, "turns": len(turns), "segments": len(trajectory.segments),
+        "tree": record.tree() if record is not None else [],
         "agent": dict(result.metadata) if result is not None else {}}}
     if record is not None and record.status == TrajectoryStatus.ABORTED:
         trajectory.status = TrajectoryStatus.ABORTED

@@ -230,7 +230,8 @@ class TurnRunner:
                                       finish_reason=gen.finish_reason, weight_versions=(min(versions), max(versions)),
                                       engine=gen.engine, latency_s=time.perf_counter() - started,
                                       continuations=gen.continuations, new_segment=plan.new_segment,
-                                      cached_tokens=gen.cached_tokens))
+                                      cached_tokens=gen.cached_tokens,
+                                      segment_reason=plan.reason if plan.new_segment else ""))
             self.stats["completion_tokens"] += len(gen.ids)
         rec.messages = plan.answered(message)
         rec.finish_reason = response["choices"][0]["finish_reason"]

@@ -134,26 +134,47 @@ def _segment_record(seg: Any, row: int | None, token_text: Callable[[list[int]],
     n = len(seg.tokens)
     out: dict[str, Any] = {"row": row, "tokens": list(seg.tokens), "token_text": token_text(list(seg.tokens)),
                            "loss_mask": list(seg.loss_mask), "rollout_logprobs": _floats(seg.logprobs),
-                           "weight_versions": list(seg.weight_versions), "turns": [list(t) for t in seg.turns]}
+                           "weight_versions": list(seg.weight_versions), "turns": [list(t) for t in seg.turns],
+                           "parent": seg.parent, "fork_at": seg.fork_at}
     if row is not None:
         for name, rows in row_lists.items():
             out[name] = _floats(rows[row][:n]) if name != "loss_mask" else [int(x) for x in rows[row][:n]]
     return out
 
 
-def _turns(segments: Sequence[Any], calls: Sequence[dict[str, Any]],
-           decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
-    """Model turns in order: the text the model read since the previous turn, what it wrote, its calls."""
+def _turn_order(segments: Sequence[Any], metadata: Any) -> list[tuple[int, int]]:
+    """``(segment, turn within it)`` of every model turn in the order the turns were made: the
+    order of the trajectory tree's ``turns`` lists (``metadata["agentflow"]["tree"]``) when they
+    account for every turn, else segment by segment."""
+    spans = [(s, k) for s, seg in enumerate(segments) for k in range(len(seg.turns))]
+    tree = (metadata.get("agentflow") or {}).get("tree") if isinstance(metadata, Mapping) else None
+    if not isinstance(tree, list) or len(tree) != len(segments):
+        return spans
+    made = {}
+    for s, node in enumerate(tree):
+        order = node.get("turns") if isinstance(node, Mapping) else None
+        if not isinstance(order, list) or len(order) != len(segments[s].turns):
+            return spans
+        made.update({(s, k): n for k, n in enumerate(order)})
+    if len(set(made.values())) != len(made):
+        return spans
+    return sorted(spans, key=made.__getitem__)
+
+
+def _turns(segments: Sequence[Any], calls: Sequence[dict[str, Any]], decode: Callable[[list[int]], str],
+           metadata: Any = None) -> list[dict[str, Any]]:
+    """Model turns in the order they were made: the text the model read since the segment's
+    previous turn, what it wrote, its calls."""
     turns: list[dict[str, Any]] = []
-    for s_idx, seg in enumerate(segments):
-        prev = 0
-        for start, end in seg.turns:
-            index = len(turns)
-            turns.append({"segment": s_idx, "start": int(start), "end": int(end),
-                          "prompt_text": decode(list(seg.tokens[prev:start])),
-                          "response_text": decode(list(seg.tokens[start:end])),
-                          "tool_calls": [c for c in calls if c["turn"] == index]})
-            prev = end
+    for s_idx, k in _turn_order(segments, metadata):
+        seg = segments[s_idx]
+        prev = seg.turns[k - 1][1] if k else 0
+        start, end = seg.turns[k]
+        index = len(turns)
+        turns.append({"segment": s_idx, "start": int(start), "end": int(end),
+                      "prompt_text": decode(list(seg.tokens[prev:start])),
+                      "response_text": decode(list(seg.tokens[start:end])),
+                      "tool_calls": [c for c in calls if c["turn"] == index]})
     return turns
 
 
@@ -211,7 +232,7 @@ def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_versio
             "response_text": traj.response_text,
             "response_length": int(traj.response_length),
             "messages": messages,
-            "turns": _turns(traj.segments, calls, decode),
+            "turns": _turns(traj.segments, calls, decode, traj.metadata),
             "tool_calls": calls,
             "reward": reward_record(traj.reward),
             "trained": any(s["row"] is not None for s in segments),

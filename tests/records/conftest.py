@@ -176,3 +176,84 @@ def recorded_run(ray_cluster, tmp_path_factory) -> dict[str, Any]:
     finally:
         Run.record = original  # type: ignore[method-assign]
     return {"dir": root / "run", "job": job, "batches": batches, "history": history}
+
+
+TREE_JOB = """
+[plugins]
+enable = ["torch", "rl", "rewards", "loggers"]
+modules = ["{harness}"]
+
+[model]
+tokenizer = "{tokenizer}"
+
+[model.config]
+model_type = "qwen3"
+vocab_size = 512
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 2
+num_key_value_heads = 1
+head_dim = 16
+max_position_embeddings = 1024
+tie_word_embeddings = true
+
+[train]
+lr = 1e-3
+total_steps = 1
+mini_batch_size = 8
+micro_batch_size = 8
+
+[rollout]
+prompts_per_step = 1
+samples_per_prompt = 2
+max_new_tokens = 8
+max_context_length = 1024
+weight_transport = "inprocess"
+
+[agentflow]
+agent_timeout_s = 120
+
+[[data]]
+name = "tree"
+generator = "arithmetic"
+generator_args = {{ num_samples = 4 }}
+agent = "compacting_harness"
+reward = ["first_sample"]
+
+[[loggers]]
+name = "jsonl"
+"""
+"""One step of a random tiny policy on the scripted harness of tests/agentflow/tree_harness.py
+(a compaction and a sub-agent: three segments per trajectory), two samples of one prompt."""
+
+
+@pytest.fixture(scope="session")
+def tree_run(ray_cluster, tmp_path_factory) -> dict[str, Any]:
+    """Run :data:`TREE_JOB` once, keeping the step's trained batch as the controller held it.
+
+    Returns ``{"dir": run directory, "batch": Batch, "history": metrics}``.
+    """
+    import copy
+
+    from loongsage_core.config import load_job
+    from loongsage_core.controller.run import run_job
+    from loongsage_core.controller.runtime import Run
+    from loongsage_core.resolve import resolve_job
+
+    root = tmp_path_factory.mktemp("tree")
+    job = root / "job.toml"
+    job.write_text(TREE_JOB.format(harness=REPO / "tests" / "agentflow" / "tree_harness.py", tokenizer=TOKENIZER_DIR))
+    batches: dict[int, Any] = {}
+    original = Run.record
+
+    def keep_batch(self: Run, step: int, groups: Any, batch: Any, sampled: Any = ()) -> None:
+        batches[step] = copy.deepcopy(batch)
+        original(self, step, groups, batch, sampled)
+
+    Run.record = keep_batch  # type: ignore[method-assign]
+    try:
+        history = run_job(resolve_job(load_job(job)), output_dir=str(root / "run"))
+    finally:
+        Run.record = original  # type: ignore[method-assign]
+    return {"dir": root / "run", "batch": batches[0], "history": history}

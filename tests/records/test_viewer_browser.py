@@ -209,3 +209,30 @@ def test_view_refuses_what_is_not_a_run(tmp_path):
         assert done.returncode == 2
         assert done.stderr.strip() == f"loongsage: error: {target}: {message}" + (
             " (no metrics.jsonl, rollouts/ or config.resolved.toml)" if "not a" in message else "")
+
+
+def test_a_trajectory_tree_shows_where_each_segment_forked(browser, tree_run, tmp_path):
+    run = tree_run["dir"]
+    record = read_rollouts(run, 0)[0]
+    segs = record["segments"]
+    server = ViewerServer([str(run)])
+    url = server.start()
+    try:
+        browser.get(url + f"#/traj/0/0/{record['index']}")
+        wait_for(browser, "document.querySelectorAll('#traj-tokens .segment').length === 3")
+        shown = browser.execute_script(
+            "return [...document.querySelectorAll('#traj-tokens .segment')].map(s => [s.querySelector('.seg-head')"
+            ".textContent, getComputedStyle(s).marginLeft, s.querySelectorAll('.tok.shared').length])")
+        head, indent, shared = zip(*shown)
+        assert head[0].startswith("segment 0 · ") and "forked" not in head[0]
+        for s in (1, 2):
+            assert head[s].startswith(f"segment {s} · forked from segment 0 at token {segs[s]['fork_at']} "
+                                      "(request does not repeat the recorded conversation) · ")
+        assert indent == ("0px", "24px", "24px")  # the forked segments one level under their parent
+        assert shared == (0, segs[1]["fork_at"], segs[2]["fork_at"])  # their shared tokens are marked
+        browser.save_screenshot(str(tmp_path / "tree.png"))
+        assert console_errors(browser) == []
+    finally:
+        browser.get("about:blank")
+        browser.get_log("browser")
+        server.stop()

@@ -72,8 +72,9 @@ class Segment:
     """One contiguous token sequence of a trajectory; each trainable segment is one training row.
 
     A single-turn trajectory has one segment (prompt tokens then response tokens). A multi-turn
-    trajectory grows one segment turn by turn; when an agent edits or compacts its history, so that
-    a request no longer extends the recorded tokens, a new segment starts.
+    trajectory grows one segment turn by turn; when an agent edits or compacts its history, or runs
+    a sub-agent (a second conversation), so that a request no longer extends a recorded segment, a
+    new segment starts, and the segments form a tree that forks where the prompts diverge.
 
     All lists have the same length. ``logprobs`` holds the rollout engine's log-probability of each
     generated token (0.0 elsewhere); ``weight_versions`` the policy version that produced it (-1 on
@@ -81,6 +82,13 @@ class Segment:
     turn. ``routed_experts`` (a mixture-of-experts engine asked for them, ``[algorithm]
     router_replay``) holds the experts the engine routed every token to, one record per token
     (:meth:`record_routes`).
+
+    ``parent`` and ``fork_at`` place the segment in its trajectory's tree: the segment shares its
+    first ``fork_at`` tokens with ``trajectory.segments[parent]`` (``tokens[:fork_at] ==
+    parent.tokens[:fork_at]``, the longest such prefix among the earlier segments) and differs
+    after them. The shared tokens have loss mask 0 here (the parent trains the ones the model
+    generated), so a token is trained in one segment only. A root segment (the first, or one that
+    shares no token with any earlier segment) has both ``None``.
     """
 
     tokens: list[int] = attrs.field(factory=list)
@@ -89,8 +97,16 @@ class Segment:
     weight_versions: list[int] = attrs.field(factory=list)
     turns: list[tuple[int, int]] = attrs.field(factory=list)
     routed_experts: RoutedExperts | None = None
+    parent: int | None = None
+    fork_at: int | None = None
 
     def __attrs_post_init__(self) -> None:
+        if (self.parent is None) != (self.fork_at is None):
+            raise ValueError(f"Segment parent and fork_at are set together, got parent={self.parent!r} "
+                             f"fork_at={self.fork_at!r}")
+        if self.parent is not None and (self.parent < 0 or self.fork_at is None or self.fork_at < 1):
+            raise ValueError(f"Segment parent must be >= 0 and fork_at >= 1, got parent={self.parent!r} "
+                             f"fork_at={self.fork_at!r}")
         lengths = {len(self.tokens), len(self.loss_mask), len(self.logprobs), len(self.weight_versions)}
         if self.routed_experts is not None:
             lengths.add(len(self.routed_experts))

@@ -33,6 +33,21 @@ const LEGENDS = {
   gap: [["rgba(255,140,0,0.1)", "|old − rollout| ≤ 1e-7"], ["rgba(255,140,0,0.55)", "1e-4"], ["rgba(255,140,0,1)", "≥ 1"]],
 };
 
+// Where each segment sits in the trajectory's tree: its depth (a root is 0) and the line that says
+// where it forked (empty for a root). Records written before segments had a parent show every
+// segment as a root.
+function segmentTree(rec) {
+  const tree = ((rec.metadata || {}).agentflow || {}).tree || [];
+  const depth = [];
+  return rec.segments.map((seg, s) => {
+    const root = seg.parent === null || seg.parent === undefined;
+    depth.push(root || seg.parent >= s ? 0 : depth[seg.parent] + 1);
+    const reason = (tree[s] || {}).reason;
+    return {depth: depth[s], forked: root ? "" :
+      `forked from segment ${seg.parent} at token ${seg.fork_at}` + (reason ? ` (${reason})` : "")};
+  });
+}
+
 function renderTokens() {
   const rec = state.traj;
   if (!rec) return;
@@ -41,18 +56,23 @@ function renderTokens() {
     [el("span", {class: "legend-box", style: `background:${c || "transparent"}`}), t]));
   const advs = rec.segments.flatMap(s => (s.advantages || []).filter((a, i) => s.loss_mask[i] === 1 && a !== null));
   const scale = advs.length ? Math.max(...advs.map(Math.abs)) : 0;
+  const tree = segmentTree(rec);
   $("traj-tokens").replaceChildren(...rec.segments.map((seg, s) => {
     const trained = seg.loss_mask.reduce((a, b) => a + b, 0);
+    const shared = seg.fork_at || 0;  // tokens the segment shares with its parent
     const spans = seg.tokens.map((tok, i) => {
-      const span = el("span", {class: "tok" + (seg.loss_mask[i] === 1 ? " m1" : ""), "data-i": i});
+      const span = el("span", {class: "tok" + (seg.loss_mask[i] === 1 ? " m1" : "") + (i < shared ? " shared" : ""),
+        "data-i": i});
       span.textContent = seg.token_text[i] === "" ? "∅" : seg.token_text[i];
       const bg = tokenColour(mode, seg, i, scale);
       if (bg) span.style.backgroundColor = bg;
       span.addEventListener("mouseenter", () => showToken(seg, i));
       return span;
     });
-    return el("div", {class: "segment"},
-      el("div", {class: "seg-head", text: `segment ${s} · ${seg.tokens.length} tokens, ${trained} trained · ` +
+    const {depth, forked} = tree[s];
+    return el("div", {class: "segment", style: `margin-left:${24 * depth}px`, "data-segment": s},
+      el("div", {class: "seg-head", text: `segment ${s}` + (forked ? ` · ${forked}` : "") +
+        ` · ${seg.tokens.length} tokens, ${trained} trained · ` +
         (seg.row === null ? "not in the training batch" : `batch row ${seg.row}`)}),
       el("div", {class: "tokens"}, ...spans));
   }));
