@@ -146,8 +146,8 @@ def test_the_policy_searches_and_sft_renders_its_trajectories_token_for_token(se
 
     from loongsage_core.agentflow import run_agent_trajectory
     from loongsage_core.plugins import PluginHost
-    from loongsage_hookspecs import BuildContext, ComponentRef
     from loongsage_core.sft.render import render_conversation
+    from loongsage_hookspecs import BuildContext, ComponentRef
 
     router = served_policy
     job = load_job(RECIPE / "heldout.toml")
