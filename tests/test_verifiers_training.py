@@ -6,7 +6,9 @@ run's AgentFlow router and embedded engine."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +20,23 @@ from loongsage_core.resolve import resolve_job
 
 REPO = Path(__file__).resolve().parent.parent
 QUICKSTART_MODEL = REPO / "configs" / "quickstart" / "model"
-AGENT_MODEL = REPO / "tests" / "data" / "agent_model"
+TOKENIZER_DIR = REPO / "tests" / "data" / "tokenizer"
+
+
+def tool_call_model_dir(root: Path) -> Path:
+    """``tool_call_model`` of tests/agentflow/conftest.py (after any generation prompt it writes
+    ``<tool_call>{"name": "add"}</tool_call>``), saved as a model directory under ``root``."""
+    spec = importlib.util.spec_from_file_location("_agentflow_conftest", REPO / "tests" / "agentflow" / "conftest.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    from transformers import AutoTokenizer
+
+    model_dir = root / "tool_model"
+    module.tool_call_model(AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))).save_pretrained(str(model_dir))
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, model_dir / f.name)
+    return model_dir
 
 JOB = """
 [plugins]
@@ -104,27 +122,29 @@ def test_single_turn_environment_trains(ray_cluster, tmp_path):
 
 
 def test_tool_environment_trains_with_tool_results_masked(ray_cluster, tmp_path):
-    history, records = train(tmp_path, "vf_notes", model=AGENT_MODEL, max_new_tokens=96,
-                             env_args="{ agent = { max_turns = 3 } }",
+    # the policy calls `add` every turn; the seat's max_turns = 2 serves two turns: the harness runs
+    # both calls, and the third turn, which would carry the second result, is refused
+    history, records = train(tmp_path, "vf_tally", model=tool_call_model_dir(tmp_path), max_new_tokens=16,
+                             env_args="{ agent = { max_turns = 2 } }",
                              middleware='middleware = ["tool_call_parser"]\n'
                                         'middleware_args = { tool_call_parser = { format = "hermes" } }')
-    check_common(history, records, "vf_notes", 2)
-    calls = [rec for rec in records if rec["tool_calls"]]
-    assert calls, "the agent model calls its tool in some of the episodes"
-    for rec in calls:
-        call = rec["tool_calls"][0]
-        assert call["name"] == "bash" and "echo hello > hello.txt" in call["arguments"]
-        assert call["output"] and call["output"].startswith("wrote ")
-        # the tool's output reached the model as a prompt of the next turn, never trained on
-        (seg,) = rec["segments"]
-        text = "".join(t for t, m in zip(seg["token_text"], seg["loss_mask"]) if m == 0)
-        trained = "".join(t for t, m in zip(seg["token_text"], seg["loss_mask"]) if m == 1)
-        assert "wrote " in text and "wrote " not in trained
+    check_common(history, records, "vf_tally", 2)
+    for m in history:
+        assert m["rollout_per_source/vf_tally/reward/verifiers/tool_calls"] == 1.0
+    for rec in records:
+        assert [c["name"] for c in rec["tool_calls"]] == ["add", "add"]
+        assert [c["output"] for c in rec["tool_calls"]] == ["total: 1", None]
         outcome = rec["metadata"]["agentflow"]["agent"]["verifiers"]
-        assert outcome["metrics"]["tool_calls"] >= 1.0
-        # the tool server wrote the file into the rollout's state, and the reward read it back
-        wanted = (rec["prompt"][0]["content"] == "Write hello into hello.txt.")
-        assert rec["reward"]["details"]["verifiers/wrote_note"] == float(wanted)
+        assert outcome["stop"] == "max_turns" and outcome["turns"] == 2
+        # the tool results reached the model as prompt tokens of the next turn, never trained on
+        (seg,) = rec["segments"]
+        masked = "".join(t for t, m in zip(seg["token_text"], seg["loss_mask"]) if m == 0)
+        trained = "".join(t for t, m in zip(seg["token_text"], seg["loss_mask"]) if m == 1)
+        assert masked.count("total: 1") == 1 and "total" not in trained
+        assert trained.count("<tool_call>") == 2
+        # the tool server kept the tally (2) in the rollout's state, and the reward read it back
+        target = rec["metadata"]["verifiers"]["task"]["target"]
+        assert rec["reward"]["details"]["verifiers/reached"] == float(target == 2)
 
 
 def test_multi_turn_game_trains(ray_cluster, tmp_path):

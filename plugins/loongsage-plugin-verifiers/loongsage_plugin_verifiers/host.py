@@ -3,18 +3,18 @@
 A verifiers environment is *served* while it plays (``Env.serving()``): its interception pool (the
 local OpenAI-compatible servers its harness programs talk to, which relay each model call to the
 trajectory's endpoint and record the trace) and its taskset's shared tool servers live across
-episodes. LoongSage builds an agent per trajectory and drives rollouts from its controller's
-loop, which only runs while a step generates, so the served environments live here instead: a
-daemon thread with its own loop, each environment entered into ``serving()`` on first use and
-left at :func:`shutdown` (registered with ``atexit``, so tool-server processes end with the run).
-Agents submit an episode with :func:`run_episode` and await it from any loop; cancelling the
-awaiting task cancels the episode.
+the episodes played at the same time. LoongSage builds an agent per trajectory and drives
+rollouts from its controller's loop, which only runs while a step generates, so the served
+environments live here instead: a daemon thread with its own loop, where an environment enters
+``serving()`` when an episode starts and none of its episodes is running, and leaves it when its
+last running episode ends (so its servers and tool processes are up while a step's episodes
+play, and never outlive them). Agents submit an episode with :meth:`EnvHost.run_episode` and
+await it from any loop; cancelling the awaiting task cancels the episode.
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import contextlib
 import logging
 import os
@@ -32,6 +32,7 @@ class EnvHost:
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._served: dict[str, contextlib.AsyncExitStack] = {}
+        self._running: dict[str, int] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._thread = threading.Thread(target=self._run, name="loongsage-verifiers", daemon=True)
         self._thread.start()
@@ -40,18 +41,28 @@ class EnvHost:
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
-    async def _ensure_served(self, key: str, environment: Any) -> None:
-        lock = self._locks.setdefault(key, asyncio.Lock())
-        async with lock:
+    async def _enter(self, key: str, environment: Any) -> None:
+        async with self._locks.setdefault(key, asyncio.Lock()):
             if key not in self._served:
                 stack = contextlib.AsyncExitStack()
                 await stack.enter_async_context(environment.serving())
                 self._served[key] = stack
+            self._running[key] = self._running.get(key, 0) + 1
+
+    async def _leave(self, key: str) -> None:
+        async with self._locks[key]:
+            self._running[key] -= 1
+            if self._running[key] == 0:
+                del self._running[key]
+                await self._served.pop(key).aclose()
 
     async def _episode(self, key: str, environment: Any, task: Any, ctx: Any) -> Any:
-        await self._ensure_served(key, environment)
-        (slot,) = environment.slots(task)
-        return await environment.run_slot(slot, ctx)
+        await self._enter(key, environment)
+        try:
+            (slot,) = environment.slots(task)
+            return await environment.run_slot(slot, ctx)
+        finally:
+            await asyncio.shield(self._leave(key))
 
     async def run_episode(self, key: str, environment: Any, task: Any, ctx: Any) -> Any:
         """Play one episode of ``task`` with model context ``ctx`` on the served environment
@@ -97,7 +108,6 @@ def env_host() -> EnvHost:
             if bin_dir not in path.split(os.pathsep):
                 os.environ["PATH"] = os.pathsep.join([bin_dir, path]) if path else bin_dir
             _HOST = EnvHost()
-            atexit.register(shutdown)
         return _HOST
 
 
