@@ -46,11 +46,11 @@ class SourceArgs:
         load_env(self.env, split_args(self.env, self.env_args, self.split))
 
 
-def _source(ctx: BuildContext, **args: Any) -> list[dict[str, Any]]:
+def _source(ctx: BuildContext, *, env: str, env_args: dict[str, Any] | None = None, split: str = "train",
+            select: dict[str, Any] | None = None, num_samples: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
     from .envs import task_rows
 
-    return task_rows(args["env"], args["env_args"], split=args["split"], select=args["select"],
-                     num_samples=args["num_samples"])
+    return task_rows(env, env_args or {}, split=split, select=select, num_samples=num_samples)
 
 
 def _agent(ctx: BuildContext, **args: Any) -> Any:
