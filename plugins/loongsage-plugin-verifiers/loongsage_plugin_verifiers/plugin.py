@@ -39,7 +39,7 @@ class SourceArgs:
     """The run's seed (the host passes it; verifiers' ``select.seed`` orders a shuffle)."""
 
     def __attrs_post_init__(self) -> None:
-        from .envs import split_args, load_env
+        from .envs import load_env, split_args
 
         if self.num_samples is not None and self.num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {self.num_samples}")
@@ -47,7 +47,8 @@ class SourceArgs:
 
 
 def _source(ctx: BuildContext, *, env: str, env_args: dict[str, Any] | None = None, split: str = "train",
-            select: dict[str, Any] | None = None, num_samples: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
+            select: dict[str, Any] | None = None, num_samples: int | None = None,
+            seed: int = 0) -> list[dict[str, Any]]:
     from .envs import task_rows
 
     return task_rows(env, env_args or {}, split=split, select=select, num_samples=num_samples)

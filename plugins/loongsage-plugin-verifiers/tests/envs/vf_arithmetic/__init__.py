@@ -56,8 +56,9 @@ class ArithmeticTaskset(vf.Taskset[ArithmeticTask, ArithmeticConfig]):
         held_out = self.config.split == "eval"
         chosen = [e for i, e in enumerate(expressions) if (i % 5 == 0) == held_out]
         random.Random(self.config.seed).shuffle(chosen)
-        return [ArithmeticTask(ArithmeticData(prompt=f"What is {a} {op} {b}?", answer=str(a + b if op == "+" else a - b)),
-                               self.config.task) for a, op, b in chosen]
+        return [ArithmeticTask(ArithmeticData(prompt=f"What is {a} {op} {b}?",
+                                              answer=str(a + b if op == "+" else a - b)), self.config.task)
+                for a, op, b in chosen]
 
 
 __all__ = ["ArithmeticTaskset", "NullHarness"]
