@@ -134,7 +134,7 @@ def test_critic_resources_are_checked_before_starting(tmp_path):
         check_critic_resources(load_job(RECIPES / "ppo_critic.toml", ["critic.gpus=1"]), {"CPU": 8.0})
 
 
-FOLDER_RECIPES = ("math_dapo", "mopd", "swe", "opencode", "moe_r3")
+FOLDER_RECIPES = ("math_dapo", "mopd", "swe", "opencode", "moe_r3", "verifiers")
 
 
 @pytest.mark.slow
@@ -211,3 +211,25 @@ def test_mopd_recipe_runs_two_steps(ray_cluster, tmp_path):
         for teacher in ("add", "sub"):
             assert m[f"train_per_teacher/{teacher}/opd_kl"] > 0.0, teacher
         assert m["rollout_per_source/addition/count"] == m["rollout_per_source/subtraction/count"] == 8.0
+
+
+def test_verifiers_recipe_runs_two_steps_and_evaluates_the_held_out_split(ray_cluster, tmp_path):
+    """The verifiers recipe: vf_arithmetic's episodes played by verifiers' own harness program and
+    scoring through the run's router, held-out evaluation on the environment's eval split."""
+    out = tmp_path / "verifiers"
+    job = load_job(RECIPES / "verifiers" / "verifiers.toml",
+                   ["train.total_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                    "train.mini_batch_size=4", "train.micro_batch_size=4", "run.checkpoint_every=0",
+                    "run.save_hf_at_end=false", "eval.max_prompts=2", "eval.samples=1"])
+    assert Path(job.resolve_path(job.model.path)) == REPO / "configs" / "quickstart" / "model"
+    assert [(d.generator_args["env"], d.generator_args["split"]) for d in (*job.data, *job.eval.data)] == \
+        [("vf_arithmetic", "train"), ("vf_arithmetic", "eval")]
+    run_job(resolve_job(job), output_dir=str(out))
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [0, 1, 2]  # step 2: the evaluation after the last step
+    for m in metrics[:2]:
+        assert m["rollout/failed_ratio"] == 0.0 and m["rollout/num_trajectories"] == 4.0
+        assert 0.0 <= m["rollout_per_source/vf_arithmetic/reward/verifiers/correct"] <= 1.0
+    for m in (metrics[0], metrics[2]):
+        assert m["eval/vf_arithmetic_eval/prompts"] == 2.0 and m["eval/vf_arithmetic_eval/failed_ratio"] == 0.0
+        assert 0.0 <= m["eval/vf_arithmetic_eval/pass@1"] <= 1.0

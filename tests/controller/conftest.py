@@ -102,6 +102,12 @@ class FakeEngine:
         await asyncio.sleep(0)
         return out
 
+    async def generate_stream(self, input_ids: Any, sampling_params: Any, *, rid: str, return_logprob: bool = True,
+                              **_: Any) -> Any:
+        """A streamed generation (agents that stream their turns): the whole answer as one chunk."""
+        (result,) = await self.generate(input_ids, sampling_params, return_logprob=return_logprob, rids=[rid])
+        yield result
+
     async def model_info(self, timeout: Any = None) -> dict[str, Any]:
         return {"max_context_length": 1 << 20}  # the router asks; the fake has no limit of its own
 

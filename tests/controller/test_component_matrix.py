@@ -163,6 +163,15 @@ def swe_responder(prompt_text: str, sample: int) -> tuple[str, str]:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>", "stop"
 
 
+def verifiers_responder(prompt_text: str, sample: int) -> tuple[str, str]:
+    """vf_arithmetic's questions (``What is 3 - 5?``): even samples answer right, odd ones wrong."""
+    import re
+
+    a, op, b = re.findall(r"What is (\d) ([+-]) (\d)\?", prompt_text)[-1]
+    value = int(a) + int(b) if op == "+" else int(a) - int(b)
+    return (str(value) if sample % 2 == 0 else f"{value + 1}" + " ok" * sample), "stop"
+
+
 def code_responder(prompt_text: str, sample: int) -> tuple[str, str]:
     """Even samples answer with the row's solution in a code block, odd ones with a wrong function."""
     row = next(r for r in jsonl_rows(CODE_TASKS) if r["prompt"] in prompt_text)
@@ -175,6 +184,11 @@ SWE_SOURCE = {**SANDBOXED, "agentflow": {"middleware": ["tool_call_parser"]},
               "data": [{"name": "src", "path": str(SWE / "tasks.jsonl"), "prompt_key": "problem_statement",
                         "agent": "tool_agent", "agent_args": {"max_turns": 2}, "sandbox": "local",
                         "sandbox_args": {"base_dir": str(SWE)}, "reward": ["swe_tests"]}]}
+# a verifiers environment's episodes (its harness program, interception and rubric) through the router
+VERIFIERS_SOURCE = {"plugins": {"enable": ["torch", "rl", "rewards", "agents", "verifiers"]},
+                    "data": [{"name": "src", "generator": "verifiers",
+                              "generator_args": {"env": "vf_arithmetic", "num_samples": 32},
+                              "agent": "verifiers", "reward": ["verifiers"]}]}
 CODE_SOURCE = {**SANDBOXED, "data": [{"name": "src", "path": str(CODE_TASKS), "sandbox": "local",
                                       "reward": ["code_tests"]}]}
 
@@ -258,6 +272,10 @@ MATRIX: dict[tuple[str, str], Entry] = {
         metric("rollout/reward_mean", lambda v: v == 0.5), metric("rollout/tool_calls_mean", lambda v: v == 0.5),
         metric("rollout_per_source/src/reward/swe_tests/p2p_passed", lambda v: v == 1.0)), swe_responder),
     ("reward", "code_tests"): Entry(CODE_SOURCE, metric("rollout/reward_mean", lambda v: v == 0.5), code_responder),
+    ("reward", "verifiers"): Entry(VERIFIERS_SOURCE, both(
+        metric("rollout/reward_mean", lambda v: v == 0.5),
+        metric("rollout_per_source/src/reward/verifiers/correct", lambda v: v == 0.5),
+        metric("rollout_per_source/src/reward/verifiers/answered", lambda v: v == 1.0)), verifiers_responder),
     ("reward", "overlong_penalty"): Entry(
         source(reward=["exact_match", "overlong_penalty"],
                reward_args={"overlong_penalty": {"max_len": 8, "cache_len": 4}}),
