@@ -30,8 +30,9 @@ def test_offline_wandb_run_holds_every_step_and_resume_continues_it(ray_cluster,
     assert ids == {run_id}
     rows = metric_rows(history)
     assert [r["step"] for r in rows] == [0, 1]
-    # each step also logs a completions table from its rollout records (a row of its own)
-    assert sorted(r["step"] for r in history if "rollout/completions/_type" in r) == [0, 1]
+    # each step also logs a completions table from its rollout records (a row of its own); the
+    # quickstart's [eval] after the last step logs the table of its evaluation records at step 2
+    assert sorted(r["step"] for r in history if "rollout/completions/_type" in r) == [0, 1, 2]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     for row, m in zip(rows, metrics):
         assert row["rollout/reward_mean"] == m["rollout/reward_mean"]

@@ -193,8 +193,12 @@ def test_the_policy_searches_and_sft_renders_its_trajectories_token_for_token(se
 def test_search_recipe_runs_two_steps(ray_cluster, tmp_path):
     out = tmp_path / "search"
     history = run_job(resolve_job(load_job(RECIPE / "search.toml", SMALL)), output_dir=str(out))
-    assert len(history) == 2
-    for m in history:
+    steps, final_eval = history[:-1], history[-1]
+    assert len(steps) == 2 and all("train/loss" in m for m in steps)
+    # [eval] runs at step 0 (in the first row) and after the last step (a row of its own)
+    assert "eval/heldout_one_hop/pass@1" in steps[0] and "eval/heldout_two_hop/pass@1" in final_eval
+    assert "train/loss" not in final_eval
+    for m in steps:
         # dynamic sampling draws groups of 2 until one has a signal, 1 + max_filter_retries rounds at most
         assert m["rollout/num_trajectories"] in (4.0, 8.0, 12.0, 16.0, 20.0)
         assert m["rollout/agent_failed_ratio"] == 0.0

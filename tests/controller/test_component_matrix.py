@@ -254,6 +254,9 @@ MATRIX: dict[tuple[str, str], Entry] = {
     ("filter", "status"): Entry(alg(filters=["status"]), status_check, ABORT_LAST),
     # rewards: two right and two wrong answers per group score a mean of 0.5
     ("reward", "exact_match"): Entry(source(reward=["exact_match"]), metric("rollout/reward_mean", lambda v: v == 0.5)),
+    ("reward", "token_f1"): Entry(source(reward=["token_f1"]), both(
+        metric("rollout/reward_mean", lambda v: v == 0.5),
+        metric("rollout_per_source/src/reward/token_f1/exact", lambda v: v == 0.5))),
     ("reward", "numeric_match"): Entry(source(reward=["numeric_match"]),
                                        metric("rollout/reward_mean", lambda v: v == 0.5)),
     ("reward", "format"): Entry(
