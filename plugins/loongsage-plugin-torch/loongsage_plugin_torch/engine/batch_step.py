@@ -17,6 +17,9 @@ and without it apart (their KV differs).
 
 Every generated token records the weight version of the model that produced it; a request that
 stays across an in-place weight update therefore reports a list of versions.
+
+With ``engine_args.speculative`` a decode step drafts tokens by prompt lookup and verifies them in
+the same forward (:mod:`.speculative`): a request may then gain several tokens in one step.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .kv_cache import PrefixCache
 from .request_state import EngineStats, GenerationResult, RequestState, finish_json
 from .sampling import sample
 from .settings import EngineSettings
+from .speculative import PromptLookup, verify_drafts
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -49,6 +53,7 @@ class BatchStepMixin:
     version: int
     stats: EngineStats
     decode: Callable[[list[int]], str] | None
+    drafter: PromptLookup | None
 
     def _admit(self) -> None:
         """Move waiting requests into free slots (one batched prefill that shares work, see the
@@ -148,20 +153,91 @@ class BatchStepMixin:
         return torch.cat(out, 0)
 
     def _decode(self) -> None:
-        """One decode step: the next token of every running request."""
+        """One decode step: the next token of every running request (with speculative decoding,
+        possibly several: :meth:`_speculative_decode`)."""
         torch = self._torch
         t0 = time.perf_counter()
         reqs = self.running
-        ids = torch.tensor([r.tokens[-1] for r in reqs])
-        starts = torch.tensor([r.kv_len for r in reqs])
-        logits = self.runner.forward(ids, 0, starts, torch.ones(len(reqs), dtype=torch.long),
-                                     adapter_rows=self._adapter_rows(reqs))
-        for req in reqs:
-            req.kv_len += 1
-        self._sample_and_append(reqs, logits)
+        drafts = self._drafts(reqs) if self.drafter is not None else None
+        if drafts is not None and any(drafts):
+            self._speculative_decode(reqs, drafts)
+        else:
+            ids = torch.tensor([r.tokens[-1] for r in reqs])
+            starts = torch.tensor([r.kv_len for r in reqs])
+            logits = self.runner.forward(ids, 0, starts, torch.ones(len(reqs), dtype=torch.long),
+                                         adapter_rows=self._adapter_rows(reqs))
+            for req in reqs:
+                req.kv_len += 1
+            if drafts is not None:
+                for req in reqs:
+                    req.speculation.verify_forwards += 1
+                    req.speculation.emitted_tokens += 1
+            self._sample_and_append(reqs, logits)
         self.stats.decode_steps += 1
         self.stats.decode_seconds += time.perf_counter() - t0
         self._retire()
+
+    def _drafts(self, reqs: Sequence[RequestState]) -> list[list[int]]:
+        """Each request's prompt-lookup draft, no longer than its token and context budget leaves
+        room for (the step emits the accepted drafts and one more token)."""
+        assert self.drafter is not None
+        out = []
+        for req in reqs:
+            room = min(req.item.params.max_new_tokens - req.num_output,
+                       self.settings.max_context_length - len(req.tokens)) - 1
+            spec = req.speculation
+            draft, spec.indexed = self.drafter.propose(req.tokens, spec.index, spec.indexed, room)
+            out.append(draft)
+        return out
+
+    def _speculative_decode(self, reqs: list[RequestState], drafts: list[list[int]]) -> None:
+        """One forward over every request's last token and its drafts (KV written for all of
+        them), then per request the drafts accepted by :func:`~.speculative.verify_drafts` and one
+        more token; the KV of rejected drafts stays behind the request's length, masked and later
+        overwritten. Requests without a draft sample as in a plain decode step."""
+        torch = self._torch
+        counts = [1 + len(d) for d in drafts]
+        flat = [t for req, d in zip(reqs, drafts) for t in (req.tokens[-1], *d)]
+        logits = self.runner.forward(torch.tensor(flat), 0, torch.tensor([r.kv_len for r in reqs]),
+                                     torch.tensor(counts), all_logits=True, adapter_rows=self._adapter_rows(reqs))
+        ends = torch.tensor(counts).cumsum(0)
+        plain = [i for i, d in enumerate(drafts) if not d]
+        if plain:
+            rows = (ends - 1)[plain]
+            for i in plain:
+                reqs[i].kv_len += 1
+                reqs[i].speculation.verify_forwards += 1
+                reqs[i].speculation.emitted_tokens += 1
+            self._sample_and_append([reqs[i] for i in plain], logits[rows])
+        logprobs = torch.log_softmax(logits, dim=-1)
+        for i, (req, draft) in enumerate(zip(reqs, drafts)):
+            if not draft:
+                continue
+            first = int(ends[i]) - counts[i]
+            rows = logits[first: first + counts[i]]
+            emitted = verify_drafts(rows, draft, req.item.params, req.generator)
+            spec = req.speculation
+            spec.verify_forwards += 1
+            spec.draft_tokens += len(draft)
+            spec.accepted_tokens += len(emitted) - 1
+            self.stats.spec_draft_tokens += len(draft)
+            self.stats.spec_accepted_tokens += len(emitted) - 1
+            top = self._top_logprobs(req, rows)
+            for j, tok in enumerate(emitted):
+                spec.emitted_tokens += 1
+                self._append_token(req, tok, float(logprobs[first + j, tok]), top[j] if top else None)
+                self.stats.generated_tokens += 1
+                if req.finish is not None:
+                    break
+            req.kv_len = len(req.tokens) - 1  # the last token and the accepted drafts are in the KV
+
+    def _top_logprobs(self, req: RequestState, logits: "torch.Tensor") -> list[list[tuple[float, int]]] | None:
+        """SGLang's ``top_logprobs_num`` most likely tokens under raw ``logits`` rows of ``req``."""
+        n = req.item.top_logprobs_num
+        if not n:
+            return None
+        vals, ids = self._torch.log_softmax(logits.float(), dim=-1).topk(n, dim=-1)
+        return [list(zip(v, t)) for v, t in zip(vals.tolist(), ids.tolist())]
 
     def _remember_prefix(self, req: RequestState, tokens: list[int]) -> None:
         """Copy the KV (and routing) of ``req``'s first ``len(tokens)`` positions into the prefix cache."""
@@ -184,30 +260,38 @@ class BatchStepMixin:
         """Sample one token per request from ``logits``, append it with its log-prob and weight
         version, and set the finish reason of requests that stop (stop token or string, length)."""
         tokens, logprobs = sample(logits, [r.item.params for r in reqs], [r.generator for r in reqs])
-        max_context = self.settings.max_context_length
         top_k = max(r.item.top_logprobs_num for r in reqs)
         top_vals = top_ids = None
         if top_k:  # SGLang's top_logprobs_num: the most likely tokens under the raw logits
             top_vals, top_ids = self._torch.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
             top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
         for i, (req, tok, lp) in enumerate(zip(reqs, tokens.tolist(), logprobs.tolist())):
-            req.tokens.append(tok)
-            req.logprobs.append(lp)
-            req.versions.append(self.version)
             n = req.item.top_logprobs_num
+            top = None
             if n and top_vals is not None and top_ids is not None:
-                req.top_logprobs.append(list(zip(top_vals[i][:n], top_ids[i][:n])))
-            params = req.item.params
-            matched = self._stop_string(req) if params.stop else None
-            if tok in req.stop_ids:
-                req.finish = finish_json("stop", matched=tok)
-            elif matched is not None:
-                req.finish = finish_json("stop", matched=matched)
-            elif req.num_output >= params.max_new_tokens or len(req.tokens) >= max_context:
-                req.finish = finish_json("length", length=req.num_output)
-            if req.progress is not None and req.finish is None:
-                req.progress(self._result(req, {}))
+                top = list(zip(top_vals[i][:n], top_ids[i][:n]))
+            self._append_token(req, tok, lp, top)
         self.stats.generated_tokens += len(reqs)
+
+    def _append_token(self, req: RequestState, tok: int, lp: float, top: list[tuple[float, int]] | None) -> None:
+        """Append one token with its log-prob, weight version (and top log-probs) to ``req`` and set
+        its finish reason when it stops (stop token or string, length)."""
+        max_context = self.settings.max_context_length
+        req.tokens.append(tok)
+        req.logprobs.append(lp)
+        req.versions.append(self.version)
+        if top is not None:
+            req.top_logprobs.append(top)
+        params = req.item.params
+        matched = self._stop_string(req) if params.stop else None
+        if tok in req.stop_ids:
+            req.finish = finish_json("stop", matched=tok)
+        elif matched is not None:
+            req.finish = finish_json("stop", matched=matched)
+        elif req.num_output >= params.max_new_tokens or len(req.tokens) >= max_context:
+            req.finish = finish_json("length", length=req.num_output)
+        if req.progress is not None and req.finish is None:
+            req.progress(self._result(req, {}))
 
     def _stop_string(self, req: RequestState) -> str | None:
         """The stop string the newest token completed, if any (the tail of the output is decoded)."""
@@ -266,4 +350,5 @@ class BatchStepMixin:
             finish_reason=dict(finish),
             cached_tokens=req.cached_tokens, latency_s=time.monotonic() - req.created,
             top_logprobs=[list(row) for row in req.top_logprobs] if req.item.top_logprobs_num else None,
-            routed_experts=req.routed_experts)
+            routed_experts=req.routed_experts,
+            speculative=req.speculation.as_dict() if self.drafter is not None else None)

@@ -54,6 +54,25 @@ class GenerationResult:
     #: ``return_routed_experts``: int32 ``[positions, layers, top_k]`` expert ids of every position
     #: the model ran (prompt and output but the last token; -1 in dense layers)
     routed_experts: Any = None
+    #: with speculative decoding: ``verify_forwards`` (decode forwards), ``draft_tokens``,
+    #: ``accepted_tokens`` and ``emitted_tokens`` (the tokens those forwards produced)
+    speculative: dict[str, int] | None = None
+
+
+@attrs.define
+class SpeculationCounts:
+    """A request's speculative-decoding counters (see :mod:`.speculative`), and its n-gram index."""
+
+    verify_forwards: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0
+    index: dict[tuple[int, ...], int] = attrs.field(factory=dict, repr=False)
+    indexed: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"verify_forwards": self.verify_forwards, "draft_tokens": self.draft_tokens,
+                "accepted_tokens": self.accepted_tokens, "emitted_tokens": self.emitted_tokens}
 
 
 @attrs.define(eq=False)
@@ -76,6 +95,7 @@ class RequestState:
     cached_tokens: int = 0
     finish: dict[str, Any] | None = None
     routed_experts: Any = None
+    speculation: SpeculationCounts = attrs.field(factory=SpeculationCounts)
 
     @property
     def prompt_len(self) -> int:
@@ -101,3 +121,5 @@ class EngineStats:
     aborted_requests: int = 0
     decode_seconds: float = 0.0
     prefill_seconds: float = 0.0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0

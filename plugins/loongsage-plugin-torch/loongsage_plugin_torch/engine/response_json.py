@@ -56,6 +56,11 @@ def response_body(engine: "ServedEngine", item: Any, res: "GenerationResult") ->
         "weight_versions": weight_version_spans(res.weight_versions),
         "output_token_weight_versions": res.weight_versions,
     }
+    if res.speculative is not None:  # SGLang's spec_verify_ct, and what the drafts did
+        meta["spec_verify_ct"] = res.speculative["verify_forwards"]
+        meta["spec_draft_tokens"] = res.speculative["draft_tokens"]
+        meta["spec_accepted_tokens"] = res.speculative["accepted_tokens"]
+        meta["spec_emitted_tokens"] = res.speculative["emitted_tokens"]
     if item.return_logprob:
         texts = None
         if item.return_text_in_logprobs and engine.tokenizer is not None:

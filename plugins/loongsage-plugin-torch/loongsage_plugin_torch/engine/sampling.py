@@ -88,6 +88,22 @@ def _sample_rows(logits: "torch.Tensor", params: Sequence[SamplingParams],
         choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
         return choice.clamp_(max=V - 1)
     sorted_p, order = probs.sort(dim=-1, descending=True)
+    drop = _dropped(sorted_p, params)
+    kept = sorted_p.masked_fill(drop, 0.0).double()
+    cdf = kept.cumsum(dim=-1)
+    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+    # a draw can only land on a kept token; clamp guards float rounding at the top end
+    last_kept = (~drop).sum(dim=-1) - 1
+    choice = torch.minimum(choice, last_kept)
+    return order.gather(-1, choice[:, None])[:, 0]
+
+
+def _dropped(sorted_p: "torch.Tensor", params: Sequence[SamplingParams]) -> "torch.Tensor":
+    """Which entries of the descending-sorted probabilities ``sorted_p`` ``[n, V]`` top-k, top-p
+    and min-p filter out (the most likely token always survives)."""
+    import torch
+
+    V = sorted_p.shape[-1]
     drop = torch.zeros_like(sorted_p, dtype=torch.bool)
     ks = torch.tensor([p.top_k if p.top_k > 0 else V for p in params])
     drop |= torch.arange(V)[None, :] >= ks[:, None]
@@ -96,11 +112,33 @@ def _sample_rows(logits: "torch.Tensor", params: Sequence[SamplingParams],
     drop |= mass_before > top_ps[:, None]
     min_ps = torch.tensor([p.min_p for p in params], dtype=sorted_p.dtype)
     drop |= sorted_p < (min_ps * sorted_p[:, 0])[:, None]
-    drop[:, 0] = False  # the most likely token always survives
-    kept = sorted_p.masked_fill(drop, 0.0).double()
-    cdf = kept.cumsum(dim=-1)
-    choice = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
-    # a draw can only land on a kept token; clamp guards float rounding at the top end
-    last_kept = (~drop).sum(dim=-1) - 1
-    choice = torch.minimum(choice, last_kept)
-    return order.gather(-1, choice[:, None])[:, 0]
+    drop[:, 0] = False
+    return drop
+
+
+def sampling_probs(logits: "torch.Tensor", params: SamplingParams) -> "torch.Tensor":
+    """The distribution :func:`sample` draws from for rows of ``logits`` ``[n, V]`` of one
+    (non-greedy) request: softmax at its temperature, top-k/top-p/min-p filtered, renormalised;
+    float64 ``[n, V]`` in vocabulary order. Speculative decoding accepts drafts against it."""
+    import torch
+
+    probs = torch.softmax(logits if params.temperature == 1.0 else logits / params.temperature, dim=-1)
+    if params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0:
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        kept = sorted_p.masked_fill(_dropped(sorted_p, [params] * logits.shape[0]), 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, kept)
+    probs = probs.double()
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def draw(probs: "torch.Tensor", generator: "torch.Generator") -> int:
+    """One token from the (not necessarily normalised) non-negative weights ``probs`` ``[V]``,
+    by inverting their cumulative sum at one uniform number of ``generator``."""
+    import torch
+
+    cdf = probs.cumsum(-1)
+    u = torch.rand((), generator=generator, dtype=torch.float64)
+    choice = int(torch.searchsorted(cdf, (u * cdf[-1]).reshape(1), right=True)[0])
+    if choice >= probs.shape[0] or probs[choice] <= 0:  # float rounding at the top end
+        choice = int(torch.nonzero(probs > 0)[-1, 0])
+    return choice

@@ -43,6 +43,7 @@ from .request_state import (
     finish_json,
 )
 from .settings import EngineSettings
+from .speculative import PromptLookup
 from .weights import copy_named_tensors
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -77,6 +78,7 @@ class Scheduler(BatchStepMixin):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.decode: Callable[[list[int]], str] | None = None  # for stop strings (set by the engine)
+        self.drafter = PromptLookup(settings.speculative) if settings.speculative is not None else None
 
     # ------------------------------------------------------------------------------------------
     # thread-safe API

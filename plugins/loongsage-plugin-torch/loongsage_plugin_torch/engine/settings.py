@@ -16,8 +16,48 @@ ENGINE_DTYPES = ("float32", "bfloat16")
 """Precisions the embedded engine can run in apart from the trainer (``[rollout] engine_args.dtype``)."""
 
 
+SPECULATIVE_METHODS = ("prompt_lookup",)
+"""How the embedded engine drafts tokens for speculative decoding (``engine_args.speculative.method``)."""
+
+
 class EngineConfigError(ValueError):
     """``[rollout] engine_args`` holds an unknown key or a bad value; the message names it."""
+
+
+@attrs.define(frozen=True)
+class SpeculativeSettings:
+    """Speculative decoding (``[rollout] engine_args.speculative``), see :mod:`.speculative`.
+
+    ``method``: where draft tokens come from; ``"prompt_lookup"`` matches the last ``ngram``
+    tokens of a sequence against its own earlier tokens (prompt and output so far) and drafts
+    the up to ``num_draft`` tokens that followed the latest match. The target model checks all
+    drafts of a step in one forward and accepts them by the speculative-sampling rule, so the
+    tokens follow the policy's distribution exactly and their log-probs are the policy's.
+    """
+
+    method: str = "prompt_lookup"
+    num_draft: int = 4
+    ngram: int = 3
+
+    @classmethod
+    def from_table(cls, table: Any) -> "SpeculativeSettings":
+        """The settings of an ``engine_args.speculative`` table, or an :class:`EngineConfigError`
+        naming the key at fault."""
+        where = "[rollout] engine_args.speculative"
+        if not isinstance(table, Mapping):
+            raise EngineConfigError(f"{where} must be a table such as "
+                                    f"{{ method = \"prompt_lookup\", num_draft = 4, ngram = 3 }}, got {table!r}")
+        valid = [f.name for f in attrs.fields(cls)]
+        for key, value in table.items():
+            if key not in valid:
+                raise EngineConfigError(f"{where}: unknown key '{key}'; valid keys: {', '.join(valid)}")
+            if key == "method":
+                if value not in SPECULATIVE_METHODS:
+                    raise EngineConfigError(f"{where}.method must be one of "
+                                            f"{', '.join(repr(m) for m in SPECULATIVE_METHODS)}, got {value!r}")
+            elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise EngineConfigError(f"{where}.{key} must be an integer >= 1, got {value!r}")
+        return cls(**table)
 
 
 @attrs.define(frozen=True)
@@ -41,6 +81,8 @@ class EngineSettings:
     ``dtype``: the engine's own precision, ``"float32"`` or ``"bfloat16"`` (unset: ``[model]
     dtype``, the trainer's), as a production engine runs in bf16 next to an fp32 trainer; weight
     updates are cast to it.
+    ``speculative`` (unset: off): speculative decoding by prompt lookup, a
+    :class:`SpeculativeSettings` table, e.g. ``{ method = "prompt_lookup", num_draft = 4, ngram = 3 }``.
     ``max_context_length`` comes from ``[rollout] max_context_length``.
     """
 
@@ -54,6 +96,7 @@ class EngineSettings:
     lora_mode: str = "merged"
     packed_weights: bool = True
     dtype: str | None = None
+    speculative: SpeculativeSettings | None = None
 
     @classmethod
     def from_job(cls, job: JobSettings) -> "EngineSettings":
@@ -78,6 +121,9 @@ class EngineSettings:
                     raise EngineConfigError(
                         f"[rollout] engine_args.packed_weights must be true or false, got {value!r}")
                 values[key] = value
+                continue
+            if key == "speculative":
+                values[key] = SpeculativeSettings.from_table(value)
                 continue
             if key == "num_threads" and value is None:
                 values[key] = None
