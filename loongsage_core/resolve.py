@@ -126,6 +126,18 @@ def check_backend_job(job: JobConfig, host: PluginHost) -> None:
         raise ConfigError(f"{job.source_path or '<job>'}: train.backend = '{job.train.backend}': {exc}") from None
 
 
+def check_engine_job(job: JobConfig, host: PluginHost) -> None:
+    """The rollout engine's own checks of ``[rollout] engine_args`` (its spec's ``check_job``),
+    refused here with the key at fault rather than when an engine actor starts."""
+    check = host.get("rollout_engine", job.rollout.engine).check_job
+    if check is None:
+        return
+    try:
+        check(job)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{job.source_path or '<job>'}: rollout.engine = '{job.rollout.engine}': {exc}") from None
+
+
 def check_weight_transport(job: JobConfig, host: PluginHost) -> None:
     """A transport that declares ``colocated_only`` needs ``[placement] colocate = true``."""
     name = job.rollout.weight_transport
@@ -185,6 +197,7 @@ def resolve_job(job: JobConfig, host: PluginHost | None = None) -> ResolvedJob:
     check_lora_support(job, host)
     check_model_dtype(job, host)
     check_backend_job(job, host)
+    check_engine_job(job, host)
     check_reference_updates(job, host)
     check_weight_transport(job, host)
     if job.async_.enable:

@@ -352,7 +352,12 @@ class RolloutEngineSpec(ComponentSpec):
 
     The engine serves SGLang's native HTTP API. ``supports_lora``: the engine applies LoRA adapter
     updates (:mod:`loongsage_hookspecs.lora`) and serves ``lora_path`` = ``LORA_ADAPTER_NAME``.
+
+    ``check_job(job) -> None``: the engine's own checks of its ``[rollout] engine_args`` (unknown
+    keys, bad values), run by ``loongsage validate`` and before ``loongsage run``; it raises
+    ``ValueError`` naming the key at fault, and must stay cheap (no model, no torch import).
     """
 
     factory: "Callable[..., Any]"
     supports_lora: bool = False
+    check_job: "Callable[[Any], None] | None" = None

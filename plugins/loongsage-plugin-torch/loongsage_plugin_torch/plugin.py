@@ -22,7 +22,7 @@ from loongsage_hookspecs import (
     hookimpl,
 )
 
-from .engine import create_engine
+from .engine import check_engine_args, create_engine
 from .trainer import create_train_worker
 from .trainer.backend_options import check_job
 from .transport import (
@@ -53,7 +53,7 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
 def loongsage_rollout_engines() -> Iterator[RolloutEngineSpec]:
     yield RolloutEngineSpec(name="torch", factory=create_engine,
                             description="embedded engine: continuous batching, KV cache, SGLang-native HTTP API",
-                            supports_lora=True)
+                            supports_lora=True, check_job=check_engine_args)
 
 
 @hookimpl

@@ -30,4 +30,12 @@ def create_engine(ctx: EngineContext) -> Any:
     return EmbeddedEngine(ctx)
 
 
-__all__ = ["create_engine"]
+def check_engine_args(job: Any) -> None:
+    """``RolloutEngineSpec.check_job`` of the ``torch`` engine: its ``[rollout] engine_args``
+    (:class:`~.settings.EngineSettings`), checked at validation without building anything."""
+    from .settings import EngineSettings
+
+    EngineSettings.from_job(job)
+
+
+__all__ = ["check_engine_args", "create_engine"]
