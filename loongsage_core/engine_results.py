@@ -147,6 +147,28 @@ class GenerationResult:
                    text=str(obj.get("text") or ""), meta_info=meta, top_logprobs=top_logprobs, routed_experts=routes)
 
 
+SPECULATION_KEYS = {"verify_forwards": "spec_verify_ct", "draft_tokens": "spec_draft_tokens",
+                    "accepted_tokens": "spec_accepted_tokens", "emitted_tokens": "spec_emitted_tokens"}
+"""A speculative-decoding engine's counters in ``meta_info`` (``spec_verify_ct`` is SGLang's name:
+the request's verify forwards) by the names trajectories record them under."""
+
+
+def speculation_counts(meta: Mapping[str, Any]) -> dict[str, int] | None:
+    """What speculative decoding did for one answer: verify forwards, drafted, accepted and emitted
+    tokens (``None`` when the engine reports no speculation; emitted falls back to the completion
+    tokens, accepted/drafted to 0, for an engine that reports the forwards only)."""
+    verify = meta.get("spec_verify_ct")
+    if not isinstance(verify, int) or isinstance(verify, bool):
+        return None
+    out = {}
+    for name, key in SPECULATION_KEYS.items():
+        value = meta.get(key)
+        if not isinstance(value, int) or isinstance(value, bool):
+            value = int(meta.get("completion_tokens") or 0) if name == "emitted_tokens" else 0
+        out[name] = value
+    return out
+
+
 def merge_stream_chunk(prev: GenerationResult | None, data: Any) -> GenerationResult:
     """Fold one streamed ``/generate`` chunk into the generation so far (``prev``).
 

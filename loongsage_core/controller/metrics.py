@@ -35,6 +35,7 @@ def rollout_metrics(groups: Sequence[TrajectoryGroup], correct_threshold: float 
     prompt_tokens = sum(int(c.get("prompt_tokens", 0)) for c in cache)
     if prompt_tokens:  # share of prompt tokens the engines' prefix caches served (SGLang's cached_tokens)
         out["rollout/prefix_cache_hit_ratio"] = sum(int(c.get("cached_tokens", 0)) for c in cache) / prompt_tokens
+    out.update(speculation_metrics(trajs))
     out.update(agent_metrics(trajs))
     groups_scores = [g.scores for g in groups if g.trajectories]
     out["rollout/all_correct_ratio"] = sum(all(s >= correct_threshold for s in gs) for gs in groups_scores) / max(
@@ -82,3 +83,16 @@ def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         if values:
             out[f"rollout/{key}"] = _mean(values)
     return out
+
+
+def speculation_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Speculative decoding over the trajectories whose engine reported it (none without any):
+    ``rollout/spec_acceptance_rate`` (accepted / drafted tokens) and
+    ``rollout/spec_tokens_per_forward`` (tokens emitted per decode forward; 1.0 is plain decoding)."""
+    counts = [t.metadata["speculative"] for t in trajs if isinstance(t.metadata.get("speculative"), dict)]
+    if not counts:
+        return {}
+    total = {key: sum(int(c.get(key, 0)) for c in counts)
+             for key in ("verify_forwards", "draft_tokens", "accepted_tokens", "emitted_tokens")}
+    return {"rollout/spec_acceptance_rate": total["accepted_tokens"] / max(1, total["draft_tokens"]),
+            "rollout/spec_tokens_per_forward": total["emitted_tokens"] / max(1, total["verify_forwards"])}

@@ -42,6 +42,7 @@ from loongsage_hookspecs import (
 from ..agentflow.tito import ChatRenderer
 from ..config import ConfigError, DataConfig, JobConfig, section_refs
 from ..engine_client import EngineClient
+from ..engine_results import speculation_counts
 from .data import Prompt
 from .rewards import SourceRewards, score_trajectory_async
 
@@ -294,6 +295,9 @@ class RolloutManager:
                               segments=[seg], response_text=text,
                               messages=[*messages, {"role": "assistant", "content": text}],
                               finish_reason=res.finish_reason)
+            speculation = speculation_counts(res.meta_info)
+            if speculation is not None:
+                traj.metadata["speculative"] = speculation
             traj.status = TrajectoryStatus.ABORTED if res.finish_reason == "abort" else TrajectoryStatus.COMPLETED
             t1 = time.perf_counter()
             if traj.status == TrajectoryStatus.COMPLETED:
