@@ -2,7 +2,8 @@
 
 Drafting (:class:`PromptLookup`) needs no second model: the last ``ngram`` tokens of a sequence
 are looked up among its own earlier tokens (prompt and output so far), and the up to
-``num_draft`` tokens that followed their latest earlier occurrence are the draft. A request
+``num_draft`` tokens that followed their latest earlier occurrence are the draft (a copy that
+reaches the sequence's end goes on into the draft, as a repeating span would). A request
 that copies from its context (an edited file echoed back, a quoted document, a repeated tool
 call) gets long drafts that the model accepts; text with no match gets none and decodes as usual.
 Each request keeps an index from n-gram to its latest end position, extended by the tokens
@@ -61,7 +62,12 @@ class PromptLookup:
         start = index.get(tuple(tokens[length - n:]))
         if start is None:
             return [], indexed
-        return tokens[start: start + min(self.num_draft, limit)], indexed
+        # the copy continues past the sequence's end into the draft itself, so a repeating span
+        # (period length - start) drafts num_draft tokens however short it is
+        draft: list[int] = []
+        for pos in range(start, start + min(self.num_draft, limit)):
+            draft.append(tokens[pos] if pos < length else draft[pos - length])
+        return draft, indexed
 
 
 def verify_drafts(logits: "torch.Tensor", drafts: list[int], params: SamplingParams,
