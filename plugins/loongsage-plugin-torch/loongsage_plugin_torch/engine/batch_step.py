@@ -186,6 +186,10 @@ class BatchStepMixin:
             room = min(req.item.params.max_new_tokens - req.num_output,
                        self.settings.max_context_length - len(req.tokens)) - 1
             spec = req.speculation
+            if spec.skip > 0:
+                spec.skip -= 1
+                out.append([])
+                continue
             draft, spec.indexed = self.drafter.propose(req.tokens, spec.index, spec.indexed, room)
             out.append(draft)
         return out
@@ -209,7 +213,6 @@ class BatchStepMixin:
                 reqs[i].speculation.verify_forwards += 1
                 reqs[i].speculation.emitted_tokens += 1
             self._sample_and_append([reqs[i] for i in plain], logits[rows])
-        logprobs = torch.log_softmax(logits, dim=-1)
         for i, (req, draft) in enumerate(zip(reqs, drafts)):
             if not draft:
                 continue
@@ -218,14 +221,14 @@ class BatchStepMixin:
             emitted = verify_drafts(rows, draft, req.item.params, req.generator)
             spec = req.speculation
             spec.verify_forwards += 1
-            spec.draft_tokens += len(draft)
-            spec.accepted_tokens += len(emitted) - 1
+            spec.record(len(draft), len(emitted) - 1)
             self.stats.spec_draft_tokens += len(draft)
             self.stats.spec_accepted_tokens += len(emitted) - 1
             top = self._top_logprobs(req, rows)
+            logprobs = torch.log_softmax(rows[: len(emitted)], dim=-1)
             for j, tok in enumerate(emitted):
                 spec.emitted_tokens += 1
-                self._append_token(req, tok, float(logprobs[first + j, tok]), top[j] if top else None)
+                self._append_token(req, tok, float(logprobs[j, tok]), top[j] if top else None)
                 self.stats.generated_tokens += 1
                 if req.finish is not None:
                     break

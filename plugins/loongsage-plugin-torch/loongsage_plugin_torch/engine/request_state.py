@@ -69,6 +69,20 @@ class SpeculationCounts:
     emitted_tokens: int = 0
     index: dict[tuple[int, ...], int] = attrs.field(factory=dict, repr=False)
     indexed: int = 0
+    skip: int = 0  # decode steps left without drafting (after drafts that were all rejected)
+    backoff: int = 0  # the skip set after the latest all-rejected draft (doubles while they keep failing)
+
+    def record(self, drafted: int, accepted: int, max_backoff: int = 32) -> None:
+        """Count one verified draft; after one that was rejected outright the request drafts
+        again only after 1, 2, 4, ... steps (up to ``max_backoff``), so text that does not copy
+        its context costs few wasted draft positions; any acceptance resets the back-off."""
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        if accepted:
+            self.backoff = 0
+        else:
+            self.backoff = min(max_backoff, max(1, 2 * self.backoff))
+            self.skip = self.backoff
 
     def as_dict(self) -> dict[str, int]:
         return {"verify_forwards": self.verify_forwards, "draft_tokens": self.draft_tokens,
