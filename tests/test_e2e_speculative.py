@@ -79,3 +79,49 @@ def test_speculative_run_logs_acceptance_and_keeps_the_train_inference_gap(ray_c
         assert m["rollout/spec_tokens_per_forward"] > 1.5
         # the engine reports the policy's log-probs of what it emitted, as without speculation (fp32)
         assert m["train/is_approx_k3_kl"] < 1e-6
+
+
+def test_agent_turns_through_the_router_record_the_engine_counters(slow_fixture):
+    """An agent's turns through the real AgentFlow router on a speculative embedded engine: the
+    trajectory carries the summed counters that rollout/spec_* are computed from."""
+    import asyncio
+
+    from loongsage_plugin_torch.engine import create_engine
+    from transformers import AutoTokenizer
+
+    from loongsage_core.agentflow import AgentFlowRouter, run_agent_trajectory
+    from loongsage_core.config import structure_job
+    from loongsage_core.controller.metrics import rollout_metrics
+    from loongsage_core.plugins import PluginHost
+    from loongsage_hookspecs import (
+        BuildContext,
+        ComponentRef,
+        EngineContext,
+        Trajectory,
+        TrajectoryGroup,
+        TrajectoryStatus,
+    )
+
+    model = str(REPO / "configs" / "quickstart" / "model")
+    job = structure_job({"model": {"path": model}, "rollout": {"max_context_length": 512, "engine_args": {
+        "num_threads": 1, "speculative": {"num_draft": 4, "ngram": 1}}}})
+    engine = create_engine(EngineContext(job=job, components=None))
+    router = AgentFlowRouter(AutoTokenizer.from_pretrained(model), [engine.start()], [], max_context_length=512)
+    router.start()
+    try:
+        agent = PluginHost.create(["agents"]).bind(ComponentRef("agent", "single_turn", {}),
+                                                   BuildContext(components=None))
+        traj = asyncio.run(run_agent_trajectory(
+            router, agent, None, trajectory=Trajectory(id="t0", prompt_id="p0", group_id="g0",
+                                                       prompt="What is 3 + 4? What is 3 + 4?"),
+            sampling={"temperature": 0.0, "max_new_tokens": 12}, timeout_s=60))
+    finally:
+        router.shutdown()
+        engine.shutdown()
+    assert traj.status == TrajectoryStatus.COMPLETED, traj.error
+    counts = traj.metadata["speculative"]
+    generated = sum(len([m for m in s.loss_mask if m]) for s in traj.segments)
+    assert counts["emitted_tokens"] == generated - 1  # every token but the prefill's came from a decode forward
+    assert 1 <= counts["verify_forwards"] <= counts["emitted_tokens"]
+    metrics = rollout_metrics([TrajectoryGroup(group_id="g0", prompt_id="p0", trajectories=[traj])])
+    assert metrics["rollout/spec_tokens_per_forward"] == counts["emitted_tokens"] / counts["verify_forwards"]

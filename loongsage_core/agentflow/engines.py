@@ -20,7 +20,7 @@ import httpx
 from loongsage_hookspecs import RoutedExperts
 
 from ..engine_client import EngineClient
-from ..engine_results import EngineError, EngineProtocolError, GenerationResult
+from ..engine_results import EngineError, EngineProtocolError, GenerationResult, speculation_counts
 from .errors import RouterError
 
 ABORT_TIMEOUT_S = 5.0
@@ -39,6 +39,7 @@ class EngineOutput:
     top_logprobs: list[list[tuple[float, int]]] | None = None
     cached_tokens: int = 0  # prompt tokens the engine took from its prefix cache (SGLang's meta_info)
     routed_experts: RoutedExperts | None = None  # the experts of every position the engine ran, when asked
+    speculative: dict[str, int] | None = None  # a speculative-decoding engine's counters (speculation_counts)
 
 
 def engine_output(res: GenerationResult, url: str) -> EngineOutput:
@@ -48,7 +49,8 @@ def engine_output(res: GenerationResult, url: str) -> EngineOutput:
     except ValueError as exc:
         raise RouterError(502, f"engine {url}: {exc}", type="api_error", code="engine_error") from None
     return EngineOutput(res.output_ids, logprobs, versions, res.finish_reason, res.finish_detail.get("matched"),
-                        res.top_logprobs, cached_tokens=res.cached_tokens, routed_experts=res.routed_experts)
+                        res.top_logprobs, cached_tokens=res.cached_tokens, routed_experts=res.routed_experts,
+                        speculative=speculation_counts(res.meta_info))
 
 
 def parse_generate_response(data: Any, url: str) -> EngineOutput:

@@ -104,7 +104,9 @@ class TurnInfo:
     those were appended by this request (mask 0), ``completion_tokens`` the generated ones.
     ``weight_versions`` are the first and last policy versions among the generated tokens;
     ``continuations`` counts engine aborts (weight updates) the turn was resumed across;
-    ``cached_tokens`` how many prompt tokens the engine's prefix cache served (summed over them).
+    ``cached_tokens`` how many prompt tokens the engine's prefix cache served (summed over them);
+    ``speculative`` a speculative-decoding engine's counters (verify forwards, drafted, accepted and
+    emitted tokens), ``None`` from an engine that reports none.
     ``new_segment`` says the turn started segment ``segment`` (the request continued no recorded
     segment), and ``segment_reason`` why (e.g. ``"request does not repeat the recorded
     conversation"``); the segment's ``parent`` and ``fork_at`` say where it forked.
@@ -122,6 +124,7 @@ class TurnInfo:
     new_segment: bool = False
     cached_tokens: int = 0
     segment_reason: str = ""
+    speculative: dict[str, int] | None = None
 
 
 @attrs.define

@@ -124,6 +124,15 @@ async def run_agent_trajectory(router: Any, agent: Agent, sandbox_provider: Any 
     return trajectory
 
 
+def speculation_of(turns: list[Any]) -> dict[str, Any]:
+    """``{"speculative": counters}`` summed over the turns whose engine decoded speculatively
+    (read by ``rollout/spec_*``), or nothing when none did."""
+    counts = [t.speculative for t in turns if t.speculative]
+    if not counts:
+        return {}
+    return {"speculative": {k: sum(c.get(k, 0) for c in counts) for k in counts[0]}}
+
+
 def _fill(trajectory: Trajectory, record: Any, result: AgentResult | None, error: str | None, attempt: int) -> None:
     """Copy the router's record and the agent's result into ``trajectory`` and set its status."""
     trajectory.segments = record.segments if record is not None else []
@@ -134,6 +143,7 @@ def _fill(trajectory: Trajectory, record: Any, result: AgentResult | None, error
     turns = record.turns if record is not None else []
     trajectory.metadata = {**trajectory.metadata, "prefix_cache": {
         "prompt_tokens": sum(t.prompt_tokens for t in turns), "cached_tokens": sum(t.cached_tokens for t in turns)},
+        **speculation_of(turns),
         "agentflow": {
         "attempt": attempt, "turns": len(turns), "segments": len(trajectory.segments),
         "tree": record.tree() if record is not None else [],

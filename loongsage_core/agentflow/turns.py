@@ -68,6 +68,8 @@ class Generation:
     prompt_cached_tokens: int = 0
     #: the latest engine call's routed experts (its input held every earlier token of the segment)
     routed_experts: RoutedExperts | None = None
+    #: speculative decoding's counters, summed over the turn's engine calls (None: the engine reports none)
+    speculative: dict[str, int] | None = None
 
 
 @attrs.define
@@ -230,7 +232,7 @@ class TurnRunner:
                                       finish_reason=gen.finish_reason, weight_versions=(min(versions), max(versions)),
                                       engine=gen.engine, latency_s=time.perf_counter() - started,
                                       continuations=gen.continuations, new_segment=plan.new_segment,
-                                      cached_tokens=gen.cached_tokens,
+                                      cached_tokens=gen.cached_tokens, speculative=gen.speculative,
                                       segment_reason=plan.reason if plan.new_segment else ""))
             self.stats["completion_tokens"] += len(gen.ids)
         rec.messages = plan.answered(message)
@@ -327,6 +329,8 @@ class TurnRunner:
         gen.logprobs += out.logprobs
         gen.versions += out.weight_versions
         gen.cached_tokens += out.cached_tokens
+        if out.speculative is not None:
+            gen.speculative = {k: (gen.speculative or {}).get(k, 0) + v for k, v in out.speculative.items()}
         if out.routed_experts is not None:
             gen.routed_experts = out.routed_experts
         if gen.top_logprobs is not None:
