@@ -181,7 +181,7 @@ class BatchStepMixin:
         """Each request's prompt-lookup draft, no longer than its token and context budget leaves
         room for (the step emits the accepted drafts and one more token)."""
         assert self.drafter is not None
-        out = []
+        out: list[list[int]] = []
         for req in reqs:
             room = min(req.item.params.max_new_tokens - req.num_output,
                        self.settings.max_context_length - len(req.tokens)) - 1
