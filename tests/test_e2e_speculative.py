@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from loongsage_core.config import load_job
 from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
@@ -125,3 +127,16 @@ def test_agent_turns_through_the_router_record_the_engine_counters(slow_fixture)
     assert 1 <= counts["verify_forwards"] <= counts["emitted_tokens"]
     metrics = rollout_metrics([TrajectoryGroup(group_id="g0", prompt_id="p0", trajectories=[traj])])
     assert metrics["rollout/spec_tokens_per_forward"] == counts["emitted_tokens"] / counts["verify_forwards"]
+
+
+def test_a_misspelt_engine_argument_is_a_validation_error(tmp_path):
+    from loongsage_core.config import ConfigError
+
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.replace("num_draft = 4", "num_drafts = 4"))
+    with pytest.raises(ConfigError, match=r"rollout.engine = 'torch': \[rollout\] engine_args.speculative: "
+                                          r"unknown key 'num_drafts'"):
+        resolve_job(load_job(path))
+    path.write_text(JOB.replace("num_threads = 1", "num_thread = 1"))
+    with pytest.raises(ConfigError, match="unknown key 'num_thread' for the torch engine"):
+        resolve_job(load_job(path))
