@@ -140,3 +140,26 @@ def test_a_misspelt_engine_argument_is_a_validation_error(tmp_path):
     path.write_text(JOB.replace("num_threads = 1", "num_thread = 1"))
     with pytest.raises(ConfigError, match="unknown key 'num_thread' for the torch engine"):
         resolve_job(load_job(path))
+
+
+def test_speculation_metrics_from_engine_answers():
+    """The counters read from ``meta_info`` (the embedded engine's four, or SGLang's
+    ``spec_verify_ct`` alone) and the rollout metrics made of them."""
+    from loongsage_core.controller.metrics import speculation_metrics
+    from loongsage_core.engine_results import speculation_counts
+    from loongsage_hookspecs import Trajectory
+
+    ours = speculation_counts({"spec_verify_ct": 5, "spec_draft_tokens": 8, "spec_accepted_tokens": 6,
+                               "spec_emitted_tokens": 11, "completion_tokens": 12})
+    assert ours == {"verify_forwards": 5, "draft_tokens": 8, "accepted_tokens": 6, "emitted_tokens": 11}
+    sglang = speculation_counts({"spec_verify_ct": 3, "completion_tokens": 9})
+    assert sglang == {"verify_forwards": 3, "draft_tokens": 0, "accepted_tokens": 0, "emitted_tokens": 9}
+    assert speculation_counts({"completion_tokens": 9}) is None
+
+    def traj(counts):
+        return Trajectory(id="t", prompt_id="p", group_id="g", metadata={"speculative": counts})
+
+    assert speculation_metrics([traj(ours), traj(ours)]) == {"rollout/spec_tokens_per_forward": 11 / 5,
+                                                             "rollout/spec_acceptance_rate": 6 / 8}
+    assert speculation_metrics([traj(sglang)]) == {"rollout/spec_tokens_per_forward": 3.0}  # no drafts: no rate
+    assert speculation_metrics([Trajectory(id="t", prompt_id="p", group_id="g")]) == {}

@@ -87,12 +87,14 @@ def agent_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 def speculation_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Speculative decoding over the trajectories whose engine reported it (none without any):
-    ``rollout/spec_acceptance_rate`` (accepted / drafted tokens) and
+    ``rollout/spec_acceptance_rate`` (accepted / drafted tokens, when any were drafted) and
     ``rollout/spec_tokens_per_forward`` (tokens emitted per decode forward; 1.0 is plain decoding)."""
     counts = [t.metadata["speculative"] for t in trajs if isinstance(t.metadata.get("speculative"), dict)]
     if not counts:
         return {}
     total = {key: sum(int(c.get(key, 0)) for c in counts)
              for key in ("verify_forwards", "draft_tokens", "accepted_tokens", "emitted_tokens")}
-    return {"rollout/spec_acceptance_rate": total["accepted_tokens"] / max(1, total["draft_tokens"]),
-            "rollout/spec_tokens_per_forward": total["emitted_tokens"] / max(1, total["verify_forwards"])}
+    out = {"rollout/spec_tokens_per_forward": total["emitted_tokens"] / max(1, total["verify_forwards"])}
+    if total["draft_tokens"]:  # an engine that reports its verify forwards only (SGLang) gives no rate
+        out["rollout/spec_acceptance_rate"] = total["accepted_tokens"] / total["draft_tokens"]
+    return out
