@@ -120,6 +120,8 @@ class DeltaEncoder:
                 payload, kind = new, "full"
             else:
                 payload, kind = self._delta(previous[0], new, itemsize)
+                if payload.numel() >= new.numel():  # most elements changed: the bytes themselves are smaller
+                    payload, kind = new, "full"
             # a CPU tensor's bytes may be the live parameter itself: keep a copy of them
             stored = new.clone() if tensor.device.type == "cpu" else new
             self.last_sent[name] = (stored, tuple(tensor.shape), tensor.dtype)
