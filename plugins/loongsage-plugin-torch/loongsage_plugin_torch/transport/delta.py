@@ -86,6 +86,8 @@ class DeltaEncoder:
         self.transport = transport
         self.last_sent: dict[str, tuple[torch.Tensor, tuple[int, ...], torch.dtype]] = {}
         self.syncs_since_full = 0
+        self.last_encodings: dict[str, str] = {}
+        """How each tensor travelled in the last sync (``full``, ``same``, ``xor_zstd``, ``sparse``)."""
         self.engine_dtype: torch.dtype | None = None
         """Floating tensors wider than this are cast to it before encoding (the engine's precision,
         ``[rollout] engine_args.dtype``): the engine would cast them on load anyway, with the same
@@ -257,6 +259,7 @@ def send_synced(encoder: DeltaEncoder, weights: Iterable[tuple[str, torch.Tensor
         metrics = send_once(as_stream(encoder.encode(stream, full=True), record), record)
         sent += sum(e.payload.numel() for e in record.values())
         full, fallbacks = True, 1
+    encoder.last_encodings = {name: e.info["encoding"] for name, e in record.items()}
     metrics.update(sync_metrics(sent, sum(e.full_nbytes for e in record.values())))
     metrics["perf/weight_sync_full"] = float(full)
     metrics["perf/weight_sync_fallbacks"] = float(fallbacks)
