@@ -110,9 +110,10 @@ class DeltaEncoder:
         else:
             self.syncs_since_full += 1
         for name, tensor in weights:
+            owned = False  # whether ``tensor`` is a copy made here (else it may be the live parameter)
             if (self.engine_dtype is not None and tensor.is_floating_point() and tensor.dtype != self.engine_dtype
                     and tensor.element_size() > self.engine_dtype.itemsize):
-                tensor = tensor.to(self.engine_dtype)
+                tensor, owned = tensor.to(self.engine_dtype), True
             new = _cpu_bytes(tensor)
             itemsize = tensor.element_size()
             info: dict[str, Any] = {"shape": list(tensor.shape), "dtype": dtype_name(tensor.dtype),
@@ -125,22 +126,22 @@ class DeltaEncoder:
                 if payload.numel() >= new.numel():  # most elements changed: the bytes themselves are smaller
                     payload, kind = new, "full"
             # a CPU tensor's bytes may be the live parameter itself: keep a copy of them
-            stored = new.clone() if tensor.device.type == "cpu" else new
+            stored = new.clone() if tensor.device.type == "cpu" and not owned else new
             self.last_sent[name] = (stored, tuple(tensor.shape), tensor.dtype)
             info["encoding"] = kind
             yield Encoded(name, payload, info, new.numel())
 
     def _delta(self, old: torch.Tensor, new: torch.Tensor, itemsize: int) -> tuple[torch.Tensor, str]:
         xor = torch.bitwise_xor(old, new)
-        changed = torch.nonzero(_elements(xor, itemsize)).reshape(-1).to(torch.int32)
-        if changed.numel() == 0:
+        count = int(torch.count_nonzero(_elements(xor, itemsize)))
+        if count == 0:
             return torch.empty(0, dtype=torch.uint8), "same"
-        sparse_nbytes = changed.numel() * (4 + itemsize)
         packed = self._compressor.compress(memoryview(xor.numpy()))  # type: ignore[arg-type]
-        if len(packed) < sparse_nbytes:
+        if len(packed) < count * (4 + itemsize):  # the indices are listed only when they are smaller
             return torch.frombuffer(bytearray(packed), dtype=torch.uint8), "xor_zstd"
-        values = _elements(new, itemsize)[changed.long()]
-        return torch.cat([changed.view(torch.uint8), values.view(torch.uint8)]), "sparse"
+        changed = torch.nonzero(_elements(xor, itemsize)).reshape(-1)
+        values = _elements(new, itemsize)[changed]
+        return torch.cat([changed.to(torch.int32).view(torch.uint8), values.view(torch.uint8)]), "sparse"
 
     def recorded(self, names: Iterable[str]) -> list[tuple[str, torch.Tensor]]:
         """The tensors ``names`` as last recorded (to resend in full a sync that failed part way)."""
