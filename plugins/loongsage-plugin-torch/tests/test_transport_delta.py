@@ -253,3 +253,26 @@ def test_each_encoding_rebuilds_the_exact_bytes():
             assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     finally:
         tx.close()
+
+
+def test_auto_carries_the_delta_of_the_transport_it_picks(host, engines):
+    """``auto`` (the default transport) with ``{ shm = { delta = true } }``: the engine gets shm, and
+    the step's metrics keep the delta's bytes and ratio."""
+    engine = engines()
+    trainer = Trainer(engine, lr=1e-5)
+    ctx = WeightTransportContext(role="sender", job=JOB, components=host, where="job.toml: rollout.weight_transport")
+    tx = host.get("weight_transport", "auto").sender(ctx, shm={"delta": True, "bucket_bytes": 1 << 16})
+    try:
+        metrics = []
+        for version in (1, 2):
+            trainer.step()
+            metrics.append(tx.send(iter(trainer.weights()), version, [engine.base_url]))
+        assert metrics[1]["perf/weight_targets_shm"] == 1.0
+        assert [m["perf/weight_sync_full"] for m in metrics] == [1.0, 0.0]
+        ratio = metrics[1]["perf/weight_sync_delta_ratio"]
+        assert metrics[0]["perf/weight_sync_delta_ratio"] == 1.0 and 0.0 < ratio < 1.0
+        assert metrics[1]["perf/weight_sync_bytes"] == pytest.approx(ratio * metrics[1]["perf/weight_sync_full_bytes"])
+        got = engine_state(engine)
+        assert all(torch.equal(got[n], t.to(torch.bfloat16)) for n, t in trainer.weights())
+    finally:
+        tx.close()

@@ -62,9 +62,10 @@ class Encoded:
     """One tensor as it travels: ``payload`` (flat ``uint8``) and the ``info`` the receiver needs."""
 
     name: str
-    payload: torch.Tensor
+    payload: torch.Tensor | None
     info: dict[str, Any]
     full_nbytes: int
+    sent_nbytes: int = 0
 
 
 def _cpu_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -129,7 +130,7 @@ class DeltaEncoder:
             stored = new.clone() if tensor.device.type == "cpu" and not owned else new
             self.last_sent[name] = (stored, tuple(tensor.shape), tensor.dtype)
             info["encoding"] = kind
-            yield Encoded(name, payload, info, new.numel())
+            yield Encoded(name, payload, info, new.numel(), payload.numel())
 
     def _delta(self, old: torch.Tensor, new: torch.Tensor, itemsize: int) -> tuple[torch.Tensor, str]:
         xor = torch.bitwise_xor(old, new)
@@ -225,15 +226,19 @@ def delta_infos(encoded: Mapping[str, Encoded], names: Iterable[str]) -> dict[st
 
 
 def as_stream(encoded: Iterable[Encoded], record: dict[str, Encoded]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, payload)`` pairs a bucket packer takes, remembering each encoding in ``record``."""
+    """``(name, payload)`` pairs a bucket packer takes, remembering each encoding (without its
+    bytes, which the packer copies and drops) in ``record``."""
     for item in encoded:
-        record[item.name] = item
+        assert item.payload is not None
+        record[item.name] = attrs.evolve(item, payload=None)
         yield item.name, item.payload
 
 
 def sync_metrics(sent: int, full: int) -> dict[str, float]:
-    """``perf/weight_sync_bytes`` (bytes moved) and ``perf/weight_sync_delta_ratio`` (of a full sync's)."""
-    return {"perf/weight_sync_bytes": float(sent), "perf/weight_sync_delta_ratio": sent / full if full else 1.0}
+    """``perf/weight_sync_bytes`` (bytes moved), ``perf/weight_sync_full_bytes`` (what a full sync
+    moves) and ``perf/weight_sync_delta_ratio`` (the first over the second)."""
+    return {"perf/weight_sync_bytes": float(sent), "perf/weight_sync_full_bytes": float(full),
+            "perf/weight_sync_delta_ratio": sent / full if full else 1.0}
 
 
 def send_synced(encoder: DeltaEncoder, weights: Iterable[tuple[str, torch.Tensor]],
@@ -248,17 +253,17 @@ def send_synced(encoder: DeltaEncoder, weights: Iterable[tuple[str, torch.Tensor
     record: dict[str, Encoded] = {}
     try:
         metrics = send_once(as_stream(encoder.encode(source, full=full), record), record)
-        sent = sum(e.payload.numel() for e in record.values())
+        sent = sum(e.sent_nbytes for e in record.values())
         fallbacks = 0
     except Exception as exc:
         if full or not is_mismatch(exc):
             raise
         log.warning("%s; sending this version in full", str(exc).splitlines()[0][:300])
-        sent = sum(e.payload.numel() for e in record.values())
+        sent = sum(e.sent_nbytes for e in record.values())
         stream = itertools.chain(encoder.recorded(list(record)), source)
         record = {}
         metrics = send_once(as_stream(encoder.encode(stream, full=True), record), record)
-        sent += sum(e.payload.numel() for e in record.values())
+        sent += sum(e.sent_nbytes for e in record.values())
         full, fallbacks = True, 1
     encoder.last_encodings = {name: e.info["encoding"] for name, e in record.items()}
     metrics.update(sync_metrics(sent, sum(e.full_nbytes for e in record.values())))
