@@ -190,15 +190,24 @@ class DeltaDecoder:
         itemsize = dtype_from_name(info["dtype"]).itemsize
         payload = payload.cpu()
         if kind == "xor_zstd":
+            # decompressed straight into a new tensor, then XORed in place: no intermediate copy
+            data = torch.empty(nbytes, dtype=torch.uint8)
+            got = 0
             try:
-                raw = self._decompressor.decompress(memoryview(payload.numpy()), max_output_size=nbytes)  # type: ignore[arg-type]
+                with self._decompressor.stream_reader(memoryview(payload.numpy())) as reader:  # type: ignore[arg-type]
+                    view = memoryview(data.numpy())  # type: ignore[arg-type]
+                    while got < nbytes:
+                        n = reader.readinto(view[got:])
+                        if not n:
+                            break
+                        got += n
             except zstandard.ZstdError as exc:
                 raise DeltaMismatchError(f"{self.transport} weight transport: {MISMATCH_MARK} for {name!r}: "
                                          f"corrupt zstd data ({exc})") from None
-            if len(raw) != nbytes:
+            if got != nbytes:
                 raise DeltaMismatchError(f"{self.transport} weight transport: {MISMATCH_MARK} for {name!r}: "
-                                         f"{len(raw)} bytes decompressed, expected {nbytes}")
-            return torch.bitwise_xor(old, torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+                                         f"{got} bytes decompressed, expected {nbytes}")
+            return torch.bitwise_xor(old, data, out=data)
         if kind == "sparse":
             count = payload.numel() // (4 + itemsize)
             index = payload[:count * 4].clone().view(torch.int32).long()
