@@ -99,10 +99,6 @@ class DeltaEncoder:
         """Whether the next sync must be full: nothing sent yet (first sync, resume) or ``full_every`` reached."""
         return not self.last_sent or (self.full_every > 0 and self.syncs_since_full + 1 >= self.full_every)
 
-    def reset(self) -> None:
-        """Forget what the receivers hold (the next sync is full)."""
-        self.last_sent.clear()
-
     def encode(self, weights: Iterable[tuple[str, torch.Tensor]], *, full: bool) -> Iterator[Encoded]:
         """The encodings of ``weights``, recording each tensor's new bytes as what receivers hold."""
         if full:
