@@ -17,6 +17,15 @@ Prints JSON with bytes/s and the ratio of each transport to the plain copy (abso
 not stable on a shared machine; the ratios are the result). Run::
 
     python benchmarks/weight_transfer.py [--total-mb 128] [--repeats 3] [--buckets-mb 4,16,64]
+
+``--delta`` measures delta sync instead (``shm`` with ``delta = true`` against a full ``shm``
+sync, into another process): a model shaped like SmolLM2-135M (built from its config, random
+init, float32 master weights) takes AdamW steps on random tokens at each learning rate; after
+every step both senders push the weights to a bfloat16 engine. Prints, per learning rate,
+``delta_bytes_ratio`` (bytes a delta sync moved / bytes of a full bfloat16 sync, mean over the
+steps after the first) and the seconds per sync of each::
+
+    python benchmarks/weight_transfer.py --delta [--steps 4] [--lrs 1e-6,1e-5]
 """
 
 from __future__ import annotations
@@ -120,6 +129,77 @@ def serve() -> None:
     server.serve_forever()
 
 
+SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5, rope_theta=100000.0,
+                    tie_word_embeddings=True, initializer_range=0.041666666666666664)
+"""HuggingFaceTB/SmolLM2-135M's ``config.json`` (the shapes; the weights are a random init)."""
+
+
+def unique_weights(model, dtype=None):
+    """The model's tensors once each (tied ones under their first name), cast to ``dtype`` if given:
+    what a trainer's ``named_weights`` yields."""
+    seen: set[int] = set()
+    for name, p in model.state_dict(keep_vars=True).items():
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield name, p.detach() if dtype is None else p.detach().to(dtype)
+
+
+def delta_benchmark(steps: int, lrs: list[float], url: str) -> dict:
+    """Per learning rate: AdamW steps on random tokens, each followed by a full and a delta sync."""
+    import torch
+    from loongsage_plugin_torch.transport import shm_sender
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from loongsage_core.config import JobConfig, RolloutConfig
+    from loongsage_hookspecs import WeightTransportContext
+
+    ctx = WeightTransportContext(role="sender", job=JobConfig(rollout=RolloutConfig(engine_args={"dtype": "bfloat16"})))
+    config = AutoConfig.for_model(**SMOLLM2_135M)
+    results: dict = {"model": "SmolLM2-135M shapes, random init, float32 master, bfloat16 engine",
+                     "steps": steps, "batch": "4 x 128 random tokens"}
+    for lr in lrs:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+        full = shm_sender(ctx)
+        delta = shm_sender(ctx, delta=True, full_every=0)
+        row: dict = {"params": params, "full_bytes": 0, "delta_bytes_ratio_per_step": [], "full_s": [], "delta_s": []}
+        try:
+            full.send(unique_weights(model, torch.bfloat16), 0, [url])
+            first = delta.send(unique_weights(model), 0, [url])  # the first delta sync is full
+            row["first_delta_sync_s"] = first["timing/weight_update_s"]
+            for step in range(1, steps + 1):
+                ids = torch.randint(0, config.vocab_size, (4, 128))
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                start = time.perf_counter()
+                m_full = full.send(unique_weights(model, torch.bfloat16), step, [url])
+                row["full_s"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                m_delta = delta.send(unique_weights(model), step, [url])
+                row["delta_s"].append(time.perf_counter() - start)
+                row["full_bytes"] = int(m_full["perf/weight_sync_bytes"])
+                row["delta_bytes_ratio_per_step"].append(m_delta["perf/weight_sync_delta_ratio"])
+                assert m_delta["perf/weight_sync_full"] == 0.0 and m_delta["perf/weight_sync_fallbacks"] == 0.0
+            row["encodings"] = {k: list(delta.delta.last_encodings.values()).count(k)
+                                for k in ("same", "sparse", "xor_zstd", "full")}
+        finally:
+            full.close()
+            delta.close()
+        ratios = row["delta_bytes_ratio_per_step"]
+        row["delta_bytes_ratio"] = sum(ratios) / len(ratios)
+        row["seconds_per_sync"] = {"full": sum(row["full_s"]) / steps, "delta": sum(row["delta_s"]) / steps}
+        results[f"lr={lr:g}"] = row
+        del model, opt
+    return results
+
+
 def best_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
@@ -134,10 +214,28 @@ def main() -> None:
     parser.add_argument("--total-mb", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--buckets-mb", default="4,16,64")
+    parser.add_argument("--delta", action="store_true", help="delta sync vs full sync on a SmolLM2-135M shape")
+    parser.add_argument("--steps", type=int, default=4, help="--delta: AdamW steps per learning rate")
+    parser.add_argument("--lrs", default="1e-6,1e-5", help="--delta: learning rates")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve()
+        return
+    if args.delta:
+        child = subprocess.Popen([sys.executable, __file__, "--serve"], stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            url = f"http://127.0.0.1:{int(child.stdout.readline())}"
+            results = delta_benchmark(args.steps, [float(x) for x in args.lrs.split(",")], url)
+            import httpx
+
+            httpx.get(url + "/shutdown", trust_env=False)
+            child.wait(timeout=30)
+        finally:
+            if child.poll() is None:
+                child.kill()
+        print(json.dumps(results, indent=2))
         return
 
     import httpx

@@ -58,11 +58,24 @@ def trained(out: Path) -> list[list[str]]:
     return [json.loads(x)["prompt_ids"] for x in (out / "trained_prompts.jsonl").read_text().splitlines()]
 
 
+EVAL = ('eval={data=[{name="held", generator="arithmetic", generator_args={num_samples=4, seed=21}}], '
+        'every=2, samples=2}')
+
+
 @pytest.mark.parametrize("scheduler", ["windowed_fifo", "no_window"])
 def test_async_run_bounds_staleness(ray_cluster, tmp_path, scheduler):
-    job = load_job(write_job(tmp_path), [f"async.scheduler={scheduler}", "train.total_steps=5"])
+    # the windowed_fifo run also evaluates (before steps 0, 2 and 4, and after the last step)
+    evaluates = scheduler == "windowed_fifo"
+    job = load_job(write_job(tmp_path), [f"async.scheduler={scheduler}", "train.total_steps=5",
+                                         *([EVAL] if evaluates else [])])
     out = tmp_path / "run"
     history = run_job(resolve_job(job), output_dir=str(out))
+    if evaluates:
+        final = history.pop()
+        assert final["eval/held/prompts"] == 4.0 and "train/loss" not in final
+        assert [i for i, m in enumerate(history) if "eval/held/pass@1" in m] == [0, 2, 4]
+        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records] == [0, 1, 2, 3, 4, 5]  # the final evaluation: step 5
     assert len(history) == 5
     for m in history:
         assert m["rollout/staleness_max"] <= 1.0
@@ -72,7 +85,7 @@ def test_async_run_bounds_staleness(ray_cluster, tmp_path, scheduler):
     # after the first step the trainer learns from data one version behind while engines generate
     assert max(m["rollout/staleness_max"] for m in history[1:]) == 1.0
     ids = [p for step in trained(out) for p in step]
-    assert len(ids) == len(set(ids)) == 20
+    assert len(ids) == len(set(ids)) == 20  # evaluation takes no training prompt
 
 
 def test_async_needs_separate_actors(tmp_path):

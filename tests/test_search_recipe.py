@@ -36,7 +36,8 @@ RECIPE = REPO / "configs" / "recipes" / "search"
 SMALL_WORLD = {"people": 24, "cities": 10, "countries": 3, "heldout_people": 12, "heldout_cities": 6,
                "heldout_countries": 2}
 SMALL = ("train.total_steps=2", "rollout.prompts_per_step=2", "rollout.samples_per_prompt=2",
-         "train.mini_batch_size=4", "train.micro_batch_size=2", "run.checkpoint_every=0", "run.save_hf_at_end=false")
+         "train.mini_batch_size=4", "train.micro_batch_size=2", "run.checkpoint_every=0", "run.save_hf_at_end=false",
+         "eval.max_prompts=2", "eval.samples=2")
 
 
 def ctx_for(metadata: dict) -> AgentContext:
@@ -194,10 +195,10 @@ def test_search_recipe_runs_two_steps(ray_cluster, tmp_path):
     out = tmp_path / "search"
     history = run_job(resolve_job(load_job(RECIPE / "search.toml", SMALL)), output_dir=str(out))
     steps, final_eval = history[:-1], history[-1]
-    assert len(steps) == 2 and all("train/loss" in m for m in steps)
+    assert len(steps) == 2 and all("rollout/num_trajectories" in m for m in steps)
     # [eval] runs at step 0 (in the first row) and after the last step (a row of its own)
     assert "eval/heldout_one_hop/pass@1" in steps[0] and "eval/heldout_two_hop/pass@1" in final_eval
-    assert "train/loss" not in final_eval
+    assert "rollout/num_trajectories" not in final_eval
     for m in steps:
         # dynamic sampling draws groups of 2 until one has a signal, 1 + max_filter_retries rounds at most
         assert m["rollout/num_trajectories"] in (4.0, 8.0, 12.0, 16.0, 20.0)
@@ -205,9 +206,11 @@ def test_search_recipe_runs_two_steps(ray_cluster, tmp_path):
         assert m["rollout/tool_calls_mean"] > 0.0 and m["rollout/turns_mean"] > 1.0  # it calls tools, over turns
         assert "rollout_per_source/one_hop/reward_mean" in m or "rollout_per_source/two_hop/reward_mean" in m
     records = [json.loads(line) for line in gzip.open(out / "rollouts" / "step_000000.jsonl.gz", "rt")]
-    assert records and len(records) % 2 == 0
-    for r in records:
-        assert r["metadata"]["corpus"]["split"] == "train"
+    trained = [r for r in records if not r["eval"]]
+    assert trained and len(trained) % 2 == 0
+    for r in records:  # training on the train split; step 0's evaluation on the held-out one
+        assert r["metadata"]["corpus"]["split"] == ("heldout" if r["eval"] else "train")
+    assert any(r["eval"] for r in records)
     calls = [c for r in records for c in r["tool_calls"]]
     assert calls and {c["name"] for c in calls} <= {"search", "open"}
     assert all(c["output"] is not None for c in calls)  # every call ran and its output went back

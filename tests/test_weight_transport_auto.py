@@ -144,8 +144,8 @@ def test_weight_transport_args_are_one_table_per_candidate_transport():
     with pytest.raises(ValueError, match="weight_transport_args.shm must be a table"):
         auto_sender(ctx, shm=4)
     sender = auto_sender(ctx, shm={"num_buffers": 3, "nonsense": 1})
-    with pytest.raises(ValueError, match="weight_transport_args.shm.nonsense: unknown argument of weight transport 'shm'; it takes: "
-                                         "bucket_bytes, .*num_buffers"):
+    with pytest.raises(ValueError, match="weight_transport_args.shm.nonsense: unknown argument of weight "
+                                         "transport 'shm'; it takes: bucket_bytes, .*num_buffers"):
         sender._sender("shm")
 
 

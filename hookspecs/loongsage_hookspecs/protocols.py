@@ -253,6 +253,11 @@ class WeightSender(Protocol):
     adapter's settings (to write an adapter directory for its engines) may also have
     ``configure_lora(settings: LoraSettings) -> None``, which the host calls once, before the
     first ``send`` of a LoRA run.
+
+    ``send`` returns metrics of the update; the host logs them as ``perf/weight_sync_<key>``,
+    except keys that already start with ``perf/weight_sync_`` (``perf/weight_sync_bytes``, the
+    bytes this sync moved, and ``perf/weight_sync_delta_ratio``, their share of a full sync's),
+    which keep their names.
     """
 
     def send(self, weights: Iterable[tuple[str, "torch.Tensor"]], version: int,

@@ -224,7 +224,9 @@ class Run:
             targets = [list(self.actors.engine_urls) if i == 0 else [] for i in range(len(self.actors.trainers))]
         stats = [s for s in gather([a.push_weights.remote(version, t)
                                     for a, t in zip(self.actors.trainers, targets)]) if s]
-        return {f"perf/weight_sync_{k}": v for k, v in mean_metrics(stats).items()}
+        # a transport's own perf/weight_sync_* (bytes moved, delta ratio) keep their names
+        return {k if k.startswith("perf/weight_sync_") else f"perf/weight_sync_{k}": v
+                for k, v in mean_metrics(stats).items()}
 
     def evaluation_due(self, step: int) -> bool:
         """Whether the job's ``[eval]`` runs before ``step`` (``train.total_steps``: after the last)."""

@@ -196,6 +196,7 @@ ENGINE_CALLS = [
     ("GET", "/get_server_info", None),
     ("GET", "/get_model_info", None),
     ("GET", "/get_weight_version", None),
+    ("POST", "/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": 4}),
 ]
 
 

@@ -259,7 +259,10 @@ def test_expert_tensor_parallel_1_under_tp_2_equals_tp_1(two_ranks):
         assert got["train/grad_norm"] == pytest.approx(want["train/grad_norm"], rel=1e-5)
         for key in ("train/loss", "train/pg_loss", "train/entropy"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
-        support.assert_weights_equal(rank["etp_weights"], rank0["tp1_weights"], atol=1e-5)
+        # AdamW divides each element's step by the root of its own squared gradient, so an element
+        # with a near-zero gradient turns the split matmuls' different summation order into up to
+        # ~1e-5 of its step (seen: 1 of 512 elements of an expert); a wrong update moves by ~lr (5e-4 in the first step)
+        support.assert_weights_equal(rank["etp_weights"], rank0["tp1_weights"], atol=5e-5)
 
 
 def test_router_replay_under_virtual_pipeline_and_recomputation_equals_pp_1(two_ranks):

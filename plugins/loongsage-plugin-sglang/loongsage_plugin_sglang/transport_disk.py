@@ -100,7 +100,11 @@ class DiskSender(LoraSwitch):
 
     def __init__(self, directory: str | None = None, config_from: str | None = None, load_format: str | None = None,
                  shard_bytes: int = 4 << 30, keep: int = 1, timeout_s: float | None = None,
-                 flush_cache: bool = True, abort_all_requests: bool = False) -> None:
+                 flush_cache: bool = True, abort_all_requests: bool = False, delta: bool = False) -> None:
+        if delta:
+            raise ValueError("sglang_disk weight transport: weight_transport_args.delta = true is not supported: an "
+                             "SGLang server reloads whole safetensors files; delta sync is offered by the torch "
+                             "plugin's shm and broadcast transports")
         if int(shard_bytes) < 1:
             raise ValueError(f"sglang_disk weight transport: shard_bytes must be positive, got {shard_bytes}")
         if int(keep) < 1:

@@ -88,7 +88,11 @@ class NcclSender(LoraSwitch):
     def __init__(self, bucket_bytes: int = 512 << 20, tp_size: int = 1, master_address: str | None = None,
                  master_port: int = 0, group_name: str = "loongsage_weight_sync", backend: str = "nccl",
                  device: str | None = None, init_timeout_s: float = 600.0, timeout_s: float | None = None,
-                 abort_all_requests: bool = False) -> None:
+                 abort_all_requests: bool = False, delta: bool = False) -> None:
+        if delta:
+            raise ValueError("sglang_nccl weight transport: weight_transport_args.delta = true is not supported: an "
+                             "SGLang server receives whole tensors over NCCL and cannot rebuild a delta; delta sync "
+                             "is offered by the torch plugin's shm and broadcast transports")
         if int(bucket_bytes) < 1:
             raise ValueError(f"sglang_nccl weight transport: bucket_bytes must be positive, got {bucket_bytes}")
         if int(tp_size) < 1:

@@ -82,7 +82,11 @@ class TensorHandleSender(LoraSwitch):
     """
 
     def __init__(self, bucket_bytes: int = 512 << 20, num_buffers: int = 2, tp_size: int = 1,
-                 timeout_s: float | None = None, abort_all_requests: bool = False) -> None:
+                 timeout_s: float | None = None, abort_all_requests: bool = False, delta: bool = False) -> None:
+        if delta:
+            raise ValueError("sglang_tensor weight transport: weight_transport_args.delta = true is not supported: an "
+                             "SGLang server opens handles to the trainer's tensors and cannot rebuild a delta; "
+                             "delta sync is offered by the torch plugin's shm and broadcast transports")
         if int(bucket_bytes) < ALIGN:
             raise ValueError(f"sglang_tensor weight transport: bucket_bytes must be >= {ALIGN}, got {bucket_bytes}")
         if int(num_buffers) < 1 or int(tp_size) < 1:

@@ -183,6 +183,19 @@ def parse_memory_tags(body: Any, path: str, known: Sequence[str]) -> list[str]:
     return tags
 
 
+def parse_weights_by_name(body: Any) -> tuple[str, int]:
+    """``/get_weights_by_name`` (SGLang's): ``(name, truncate_size)``; ``truncate_size`` defaults to 100."""
+    body = require_object(body, "/get_weights_by_name")
+    check_unknown(body, {"name", "truncate_size", "rid"}, {})
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise InvalidRequest("'name' must be a parameter name", "name")
+    size = body.get("truncate_size", 100)
+    if not is_int(size) or size < 0:
+        raise InvalidRequest("'truncate_size' must be an integer >= 0", "truncate_size")
+    return name, int(size)
+
+
 def parse_update_version(body: Any) -> tuple[int, bool]:
     """``/update_weight_version``: ``(new_version, abort_all_requests)``."""
     body = require_object(body, "/update_weight_version")

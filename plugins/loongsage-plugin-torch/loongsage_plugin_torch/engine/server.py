@@ -16,6 +16,7 @@ Paths and JSON fields follow SGLang so that one client drives both engines:
 ``POST /continue_generation``
 ``GET|POST /flush_cache``
 ``GET /get_weight_version``    ``{"weight_version"}``
+``POST /get_weights_by_name``  ``{"name", "truncate_size"}``: a parameter's first values (floats)
 ``POST /update_weight_version`` ``{"new_version", "abort_all_requests"}``
 ``POST /update_weights_from_tensor``  ``{"serialized_named_tensors", "load_format",
                                "flush_cache", "weight_version"}``
@@ -95,6 +96,7 @@ class EngineServer(WeightEndpointsMixin):
         r.add_post("/continue_generation", self.continue_generation)
         r.add_route("*", "/flush_cache", self.flush_cache)
         r.add_get("/get_weight_version", self.get_weight_version)
+        r.add_post("/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)

@@ -1,7 +1,7 @@
 """The weight endpoints of the embedded engine: versions, tensor updates and broadcast groups.
 
 :class:`WeightEndpointsMixin` answers what the trainer side sends between rollouts:
-``/get_weight_version``, ``/update_weight_version``, ``/update_weights_from_tensor`` and the
+``/get_weight_version``, ``/get_weights_by_name``, ``/update_weight_version``, ``/update_weights_from_tensor`` and the
 broadcast group's ``/init_weights_update_group``, ``/update_weights_from_distributed`` and
 ``/destroy_weights_update_group`` (see ``transport.broadcast``). Kept apart from generation in
 :mod:`.server`, which mixes it into :class:`~.server.EngineServer` and routes the paths to it.
@@ -20,6 +20,7 @@ from .control_protocol import (
     parse_update_distributed,
     parse_update_version,
     parse_update_weights,
+    parse_weights_by_name,
 )
 from .http_common import EngineEndpoints, read_json_body
 from .request_checks import InvalidRequest
@@ -30,6 +31,21 @@ class WeightEndpointsMixin(EngineEndpoints):
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
         return web.json_response({"weight_version": str(self.engine.scheduler.version)})
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's ``/get_weights_by_name``: the first ``truncate_size`` values of a parameter
+        (flattened, as float32 numbers: exact for the engine's float32 and bfloat16 weights), so a
+        weight update can be checked from outside the engine."""
+        name, size = parse_weights_by_name(await read_json_body(request))
+        runner = self.engine.runner
+
+        def read() -> list[float]:
+            tensor = runner.named_tensors().get(name)
+            if tensor is None:
+                raise InvalidRequest(f"no parameter named {name!r} in the engine's model", "name")
+            return tensor.detach().reshape(-1)[:size].float().tolist()
+
+        return web.json_response(await self._run(read))
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         version, abort_all = parse_update_version(await read_json_body(request))

@@ -50,6 +50,15 @@ def broadcast_rank(target: WeightTarget) -> int | None:
     return BROADCAST_RANK if not target.in_process and "broadcast" in target.load_formats else None
 
 
+def _engine_precision(sender: Any, ctx: WeightTransportContext) -> Any:
+    """A delta sender encodes in the engine's precision (``[rollout] engine_args.dtype``)."""
+    if getattr(sender, "delta", None) is not None:
+        from .delta import engine_dtype
+
+        sender.delta.engine_dtype = engine_dtype(ctx)
+    return sender
+
+
 def inprocess_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` calling ``target.load_weights(named_tensors, version)`` on in-process engines."""
     from .inprocess import InProcessSender
@@ -68,7 +77,7 @@ def shm_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` packing tensors into shared-memory buckets announced over HTTP."""
     from .shm import ShmSender
 
-    return ShmSender(**args)
+    return _engine_precision(ShmSender(**args), ctx)
 
 
 def shm_receiver(ctx: WeightTransportContext, **args: Any) -> Any:
@@ -82,7 +91,7 @@ def broadcast_sender(ctx: WeightTransportContext, **args: Any) -> Any:
     """``WeightSender`` broadcasting flat byte buckets over a weight-update process group."""
     from .broadcast import BroadcastSender
 
-    return BroadcastSender(**args)
+    return _engine_precision(BroadcastSender(**args), ctx)
 
 
 def broadcast_receiver(ctx: WeightTransportContext, **args: Any) -> Any:

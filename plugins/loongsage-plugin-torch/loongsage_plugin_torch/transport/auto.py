@@ -166,6 +166,7 @@ class AutoSender:
         if len(by_path) > 1:
             weights = list(weights)
         out: dict[str, float] = {}
+        full_bytes = 0.0
         for path, group in by_path.items():
             stats = self._sender(path).send(iter(weights) if isinstance(weights, list) else weights, version, group)
             out[f"perf/weight_targets_{path}"] = float(len(group))
@@ -174,6 +175,16 @@ class AutoSender:
                     out[key] = out.get(key, 0.0) + float(stats[key])
             out["perf/weight_update_bytes"] = max(out.get("perf/weight_update_bytes", 0.0),
                                                   float(stats.get("perf/weight_update_bytes", 0.0)))
+            if "perf/weight_sync_bytes" in stats:  # bytes moved (delta sync) add up; the ratio is of the sums
+                out["perf/weight_sync_bytes"] = out.get("perf/weight_sync_bytes", 0.0) + float(
+                    stats["perf/weight_sync_bytes"])
+                full_bytes += float(stats.get("perf/weight_sync_full_bytes", stats["perf/weight_sync_bytes"]))
+                for key in ("perf/weight_sync_full", "perf/weight_sync_fallbacks"):
+                    if key in stats:
+                        out[key] = max(out.get(key, 0.0), float(stats[key]))
+        if "perf/weight_sync_bytes" in out:
+            out["perf/weight_sync_full_bytes"] = full_bytes
+            out["perf/weight_sync_delta_ratio"] = out["perf/weight_sync_bytes"] / full_bytes if full_bytes else 1.0
         seconds = time.perf_counter() - start
         out["timing/weight_update_s"] = seconds
         out["perf/weight_update_gb_per_s"] = out.get("perf/weight_update_bytes", 0.0) * len(targets) / max(

@@ -19,6 +19,12 @@ and the bytes arrive bit-exact. Only the last bucket carries ``weight_version`` 
 clusters, and the tests). The receiver also accepts SGLang's own per-tensor form of the request
 (``names``/``dtypes``/``shapes``, one broadcast per tensor), so the sglang plugin's
 ``sglang_nccl`` sender can feed an embedded engine too.
+
+With ``delta = true`` each tensor travels as its change since the last sync (see :mod:`.delta`):
+the bucket metadata carries a ``delta`` table, the broadcast carries the encoded bytes, and the
+receiver rebuilds and verifies each tensor after the broadcast (so the collective never goes out
+of step); a mismatch answers an error and the sender sends that version again in full. The
+encoding runs on the CPU (tensors on an accelerator are copied to the host first).
 """
 
 from __future__ import annotations
@@ -51,6 +57,16 @@ from .buckets import (
     encode_bucket,
     tensor_bytes,
 )
+from .delta import (
+    MISMATCH_MARK,
+    DeltaDecoder,
+    DeltaEncoder,
+    DeltaMismatchError,
+    Encoded,
+    delta_infos,
+    send_synced,
+    sync_metrics,
+)
 from .shm import WeightTransferError
 
 LOAD_FORMAT = "broadcast"
@@ -79,17 +95,21 @@ class BroadcastSender:
     NCCL, else CPU); ``master_address`` / ``master_port``: the rendezvous the trainer hosts (the
     address must be reachable from the engines, default this node's IP in Ray, else loopback;
     port 0: the port the OS assigns when the trainer starts listening); ``group_name``; ``init_timeout_s``:
-    group set-up limit; ``timeout_s``: per-request HTTP limit.
+    group set-up limit; ``timeout_s``: per-request HTTP limit. ``delta``: send each tensor's change
+    since the last sync (:mod:`.delta`); ``full_every``: with ``delta``, send the whole model
+    every this many versions (0: only on the first sync and after a mismatch).
     """
 
     def __init__(self, bucket_bytes: int = 256 << 20, backend: str = "auto", device: str | None = None,
                  master_address: str | None = None, master_port: int = 0, group_name: str = DEFAULT_GROUP,
-                 init_timeout_s: float = 300.0, timeout_s: float = 600.0) -> None:
+                 init_timeout_s: float = 300.0, timeout_s: float = 600.0, delta: bool = False,
+                 full_every: int = 100) -> None:
         if int(bucket_bytes) < 64:
             raise ValueError(f"broadcast weight transport: bucket_bytes must be >= 64, got {bucket_bytes}")
         if backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"broadcast weight transport: backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
         self.bucket_bytes = int(bucket_bytes)
+        self.delta = DeltaEncoder(full_every, LOAD_FORMAT) if delta else None
         self.backend = resolve_backend(backend, device)
         self.device = torch.device(device or ("cuda" if self.backend == "nccl" else "cpu"))
         self.master_address = master_address or reachable_address()
@@ -159,12 +179,14 @@ class BroadcastSender:
                                                        device=self.device)
         return buffer
 
-    def _broadcast(self, urls: list[Any], packer: BucketPacker, index: int, version: int, last: bool) -> int:
+    def _broadcast(self, urls: list[Any], packer: BucketPacker, index: int, version: int, last: bool,
+                   record: dict[str, Encoded] | None = None) -> int:
         import torch.distributed as dist
 
         assert self._pool is not None
+        extra = {} if record is None else {"delta": delta_infos(record, (e.meta.name for e in packer.buckets[index]))}
         body = {"load_format": LOAD_FORMAT, "group_name": self.group_name,
-                "bucket": encode_bucket(packer, index, version=version, last=last),
+                "bucket": encode_bucket(packer, index, version=version, last=last, **extra),
                 "names": [e.meta.name for e in packer.buckets[index]],
                 "weight_version": str(version) if last else None, "flush_cache": last}
         answers: list[Future[dict[str, Any]]] = [self._pool.submit(self._post, u, "/update_weights_from_distributed",
@@ -187,6 +209,19 @@ class BroadcastSender:
         elif urls != self.urls:
             raise ValueError(f"broadcast weight transport: the group was set up for engines {self.urls}, now asked "
                              f"to send to {urls}; build a new sender for other engines")
+        if self.delta is None:
+            metrics = self._send_once(weights, version, urls, None)
+            total = int(metrics["perf/weight_update_bytes"])
+            metrics = {**metrics, **sync_metrics(total, total)}
+        else:
+            metrics = send_synced(self.delta, weights,
+                                  lambda stream, record: self._send_once(stream, version, urls, record),
+                                  lambda exc: MISMATCH_MARK in str(exc))
+        metrics["timing/weight_group_setup_s"] = setup_s
+        return metrics
+
+    def _send_once(self, weights: Iterable[tuple[str, torch.Tensor]], version: int, urls: list[Any],
+                   record: dict[str, Encoded] | None) -> dict[str, float]:
         start = time.perf_counter()
         packer = BucketPacker(self.bucket_bytes, split_large=True)
         if self._lane is None:  # one thread sends the buckets in order while this one packs the next
@@ -204,7 +239,7 @@ class BroadcastSender:
                     if piece.bucket != open_bucket:
                         if open_bucket >= 0:
                             sending[open_bucket % 2] = self._lane.submit(self._broadcast, urls, packer, open_bucket,
-                                                                         version, False)
+                                                                         version, False, record)
                         open_bucket = piece.bucket
                         if open_bucket % 2 in sending:  # its buffer is free once that bucket went out
                             sending.pop(open_bucket % 2).result()
@@ -213,13 +248,14 @@ class BroadcastSender:
                         buffer[piece.offset:piece.offset + piece.nbytes].copy_(
                             src[piece.start:piece.start + piece.nbytes])
             open_bucket = max(open_bucket, 0)
-            sending[open_bucket % 2] = self._lane.submit(self._broadcast, urls, packer, open_bucket, version, True)
+            sending[open_bucket % 2] = self._lane.submit(self._broadcast, urls, packer, open_bucket, version, True,
+                                                         record)
         finally:
             for fut in sending.values():
                 fut.result()
         seconds = time.perf_counter() - start
         return {"perf/weight_update_bytes": float(total), "perf/weight_update_buckets": float(open_bucket + 1),
-                "timing/weight_update_s": seconds, "timing/weight_group_setup_s": setup_s,
+                "timing/weight_update_s": seconds,
                 "perf/weight_update_gb_per_s": total / max(seconds, 1e-9) / 1e9}
 
     def close(self) -> None:
@@ -264,6 +300,7 @@ class BroadcastReceiver:
         self._devices: dict[str, torch.device] = {}
         self._staging: dict[str, torch.Tensor] = {}
         self._assemblers: dict[str, BucketAssembler] = {}
+        self._deltas: dict[str, DeltaDecoder] = {}
         self._locks: dict[str, threading.Lock] = {}
 
     @property
@@ -283,6 +320,7 @@ class BroadcastReceiver:
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self._devices[group_name] = device
         self._assemblers[group_name] = BucketAssembler(LOAD_FORMAT)
+        self._deltas[group_name] = DeltaDecoder(LOAD_FORMAT)
         self._locks[group_name] = threading.Lock()
 
     def leave(self, group_name: str) -> bool:
@@ -290,6 +328,7 @@ class BroadcastReceiver:
         group = self._groups.pop(group_name, None)
         self._staging.pop(group_name, None)
         self._assemblers.pop(group_name, None)
+        self._deltas.pop(group_name, None)
         self._devices.pop(group_name, None)
         self._locks.pop(group_name, None)
         if group is None:
@@ -326,7 +365,10 @@ class BroadcastReceiver:
                     staging = self._staging[group_name] = torch.empty(decoded.size, dtype=torch.uint8, device=device)
                 data = staging[:decoded.size]
                 dist.broadcast(data, src=0, group=group)
-            return self._assemblers[group_name].tensors(decoded, data)
+            pairs = self._assemblers[group_name].tensors(decoded, data)
+            if "delta" in decoded.fields:
+                return self._rebuilt(group_name, pairs, decoded.fields["delta"])
+            return pairs
         # SGLang's per-tensor form: one broadcast per tensor, in the listed order
         tensors = []
         for name, dtype, shape in zip(payload["names"], payload["dtypes"], payload["shapes"]):
@@ -334,6 +376,16 @@ class BroadcastReceiver:
             dist.broadcast(tensor, src=0, group=group)
             tensors.append((str(name), tensor))
         return iter(tensors)
+
+    def _rebuilt(self, group_name: str, pairs: Iterator[tuple[str, torch.Tensor]],
+                 infos: Mapping[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Delta-encoded tensors rebuilt and checked against this group's copy of the last bytes."""
+        try:
+            for name, tensor in self._deltas[group_name].decode(pairs, infos):
+                yield name, tensor.to(self._devices[group_name])
+        except DeltaMismatchError:
+            self._assemblers[group_name].reset()
+            raise
 
     def close(self) -> None:
         for name in list(self._groups):

@@ -205,6 +205,10 @@ class BucketAssembler:
         self.transport = transport
         self._pending: dict[str, tuple["torch.Tensor", tuple[int, ...], "torch.dtype", int]] = {}
 
+    def reset(self) -> None:
+        """Drop the pieces of an update that will not complete (the sender starts it again)."""
+        self._pending.clear()
+
     def tensors(self, decoded: DecodedBucket, data: "torch.Tensor | None", *,
                 copy: bool = False) -> Iterator[tuple[str, "torch.Tensor"]]:
         import torch
@@ -221,6 +225,8 @@ class BucketAssembler:
                 tensor = chunk.view(dtype).reshape(meta.shape)
                 yield meta.name, tensor.clone() if copy else tensor
                 continue
+            if entry.start == 0:  # a tensor starts again (a resend after a failed update): drop stale pieces
+                self._pending.pop(meta.name, None)
             buffer, shape, _, received = self._pending.get(
                 meta.name, (torch.empty(entry.total_nbytes, dtype=torch.uint8), meta.shape, dtype, 0))
             buffer[entry.start:entry.start + meta.nbytes].copy_(chunk)

@@ -14,7 +14,14 @@ class InProcessSender:
 
     No bytes are copied by the transport: a target receives the same tensor objects (it copies
     them into its parameters). The tensors are listed once so several targets can read them.
+    ``delta = true`` is refused: no bytes move, so there is nothing to shrink.
     """
+
+    def __init__(self, delta: bool = False) -> None:
+        if delta:
+            raise ValueError("inprocess weight transport: weight_transport_args.delta = true is not supported: "
+                             "engines in the trainer's process read its tensors and no bytes move; delta sync is "
+                             "offered by the shm and broadcast transports")
 
     def send(self, weights: Iterable[tuple[str, "torch.Tensor"]], version: int,
              targets: list[Any]) -> dict[str, float]:

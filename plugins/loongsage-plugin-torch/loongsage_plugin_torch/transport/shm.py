@@ -15,6 +15,11 @@ Receiver (engine process): maps the named block (once; mappings are cached until
 retires the block) and yields ``(name, tensor)``; by default tensors are zero-copy views into the
 block, valid until the engine answers the request, so the engine must copy them (as
 ``load_weights`` does). Byte views keep bfloat16 and every other dtype exact.
+
+With ``delta = true`` each tensor travels as its change since the last sync (see :mod:`.delta`):
+the bucket metadata gains a ``delta`` table (encoding and checksum per tensor) and the receiver
+rebuilds and verifies each tensor before yielding it; a mismatch answers an error and the sender
+sends that version again in full.
 """
 
 from __future__ import annotations
@@ -40,6 +45,16 @@ from .buckets import (
     dtype_name,
     encode_bucket,
     tensor_bytes,
+)
+from .delta import (
+    MISMATCH_MARK,
+    DeltaDecoder,
+    DeltaEncoder,
+    DeltaMismatchError,
+    Encoded,
+    delta_infos,
+    send_synced,
+    sync_metrics,
 )
 
 LOAD_FORMAT = "shm"
@@ -112,7 +127,9 @@ class ShmSender:
     ``bucket_bytes``: capacity of one bucket (default 64 MiB). ``split_large``: cut tensors larger
     than a bucket across buckets (default) instead of giving each its own larger bucket.
     ``num_buffers``: shared-memory blocks in rotation (2 lets packing overlap loading).
-    ``timeout_s``: per-request HTTP timeout. ``copy`` is the receiver's option, accepted and
+    ``timeout_s``: per-request HTTP timeout. ``delta``: send each tensor's change since the last
+    sync (:mod:`.delta`); ``full_every``: with ``delta``, send the whole model every this many
+    versions (0: only on the first sync and after a mismatch). ``copy`` is the receiver's option, accepted and
     ignored here so one ``weight_transport_args`` table serves both sides. Blocks left behind by
     senders that were killed (their process is gone) are unlinked when a sender is built.
 
@@ -121,9 +138,11 @@ class ShmSender:
     """
 
     def __init__(self, bucket_bytes: int = 64 << 20, split_large: bool = True, num_buffers: int = 2,
-                 timeout_s: float = 600.0, copy: bool | None = None) -> None:
+                 timeout_s: float = 600.0, copy: bool | None = None, delta: bool = False,
+                 full_every: int = 100) -> None:
         if int(bucket_bytes) < 64:
             raise ValueError(f"shm weight transport: bucket_bytes must be >= 64, got {bucket_bytes}")
+        self.delta = DeltaEncoder(full_every, LOAD_FORMAT) if delta else None
         if int(num_buffers) < 1:
             raise ValueError(f"shm weight transport: num_buffers must be >= 1, got {num_buffers}")
         self.bucket_bytes = int(bucket_bytes)
@@ -190,6 +209,16 @@ class ShmSender:
     def send(self, weights: Iterable[tuple[str, torch.Tensor]], version: int,
              targets: list[Any]) -> dict[str, float]:
         """Push ``weights`` to every target as weight version ``version``; returns timing metrics."""
+        if self.delta is None:
+            metrics = self._send_once(weights, version, targets, None)
+            return {**metrics, **sync_metrics(int(metrics["perf/weight_update_bytes"]),
+                                              int(metrics["perf/weight_update_bytes"]))}
+        return send_synced(self.delta, weights,
+                           lambda stream, record: self._send_once(stream, version, targets, record),
+                           lambda exc: MISMATCH_MARK in str(exc))
+
+    def _send_once(self, weights: Iterable[tuple[str, torch.Tensor]], version: int, targets: list[Any],
+                   record: dict[str, Encoded] | None) -> dict[str, float]:
         start_time = time.perf_counter()
         packer = BucketPacker(self.bucket_bytes, split_large=self.split_large)
         lanes = [ThreadPoolExecutor(max_workers=1, thread_name_prefix="shm-weights") for _ in targets]
@@ -206,9 +235,11 @@ class ShmSender:
         def submit(index: int, last: bool) -> None:
             slot = slot_of[index]
             block = self._blocks[slot]
+            names = (e.meta.name for e in packer.buckets[index])
+            extra = {} if record is None else {"delta": delta_infos(record, names)}
             meta = encode_bucket(packer, index, version=version, last=last,
                                  shm_name=block.name if block is not None else None,
-                                 shm_size=block.size if block is not None else 0, retired=self._retired)
+                                 shm_size=block.size if block is not None else 0, retired=self._retired, **extra)
             self._retired = []
             payload = {"load_format": LOAD_FORMAT, "serialized_named_tensors": meta, "weight_version": version,
                        "flush_cache": last}
@@ -316,8 +347,10 @@ class ShmReceiver:
     """
 
     def __init__(self, copy: bool = False, bucket_bytes: int | None = None, split_large: bool | None = None,
-                 num_buffers: int | None = None, timeout_s: float | None = None) -> None:
+                 num_buffers: int | None = None, timeout_s: float | None = None, delta: bool | None = None,
+                 full_every: int | None = None) -> None:
         self.copy = bool(copy)
+        self._delta = DeltaDecoder(LOAD_FORMAT)
         self._mappings: dict[str, _Mapping] = {}
         self._assembler = BucketAssembler(LOAD_FORMAT)
         self._finalizer = weakref.finalize(self, _close_mappings, self._mappings)
@@ -340,7 +373,15 @@ class ShmReceiver:
             if mapping is not None:
                 mapping.close()
         data = self._mapping(decoded.shm_name, decoded.shm_size).bytes if decoded.shm_name else None
-        yield from self._assembler.tensors(decoded, data, copy=self.copy)
+        pairs = self._assembler.tensors(decoded, data, copy=self.copy and "delta" not in decoded.fields)
+        if "delta" not in decoded.fields:
+            yield from pairs
+            return
+        try:  # tensors are rebuilt from this receiver's own copy of the last bytes and checked
+            yield from self._delta.decode(pairs, decoded.fields["delta"])
+        except DeltaMismatchError:
+            self._assembler.reset()
+            raise
 
     def close(self) -> None:
         """Forget every cached block (each is unmapped once no yielded view refers to it)."""
