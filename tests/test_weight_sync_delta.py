@@ -1,13 +1,14 @@
 """Delta weight sync through a real run: controller -> trainer actor -> transport -> engine actor.
 
-A tiny job trains for four steps with ``delta = true`` on the ``shm`` transport (a float32
-trainer, a bfloat16 engine: the deltas are taken in the engine's precision; ``broadcast`` sends the
-same deltas over a Gloo group into an engine actor in
-``plugins/loongsage-plugin-torch/tests/test_transport_delta_broadcast.py``). After the run the
-engines' weights, read over HTTP (``/get_weights_by_name``), must equal bit for bit those of a fresh engine that received the run's final weights (its ``final_hf``
-export) by a full sync. The run's metrics must show the deltas: the first sync full, the later
-ones smaller than the model. The codec, checksums and the healing of a corrupted delta:
-``plugins/loongsage-plugin-torch/tests/test_transport_delta.py``.
+A tiny job trains for four steps with ``delta = true`` on the ``shm`` transport (a float32 trainer,
+a bfloat16 engine: the deltas are taken in the engine's precision). After the run the engines'
+weights, read over HTTP (``/get_weights_by_name``), must equal bit for bit those of a fresh engine
+that received the run's final weights (its ``final_hf`` export) by a full sync. The run's metrics
+must show the deltas: the first sync full, the later ones smaller than the model.
+
+Elsewhere: ``broadcast`` sending the same deltas over a Gloo group into an engine actor,
+``plugins/loongsage-plugin-torch/tests/test_transport_delta_broadcast.py``; the codec, checksums
+and the healing of a corrupted delta, ``plugins/loongsage-plugin-torch/tests/test_transport_delta.py``.
 """
 
 from __future__ import annotations
