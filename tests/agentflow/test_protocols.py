@@ -362,8 +362,9 @@ def test_stream_arrives_as_it_is_generated(engine_url, router_factory, protocol)
         times = text_event_times(url, path, {**body, "max_tokens": n} if protocol == "anthropic" else body, protocol)
         assert router.blocking.pop(f"s-{protocol}-{n}").turns[0].completion_tokens == n
         assert len(times) >= n // 2, (protocol, n, len(times))
-        if n == 128:  # long enough to time: the first text came well before the last
-            assert times[0] < 0.5 * times[-1], (protocol, times[0], times[-1])
+        if n == 128:  # long enough to time: the first text came well before the last (a buffered
+            # answer arrives at once, ratio ~1; a loaded machine may delay the first token a while)
+            assert times[0] < 0.75 * times[-1], (protocol, times[0], times[-1])
 
 
 def test_client_disconnect_aborts_the_generation(engine_url, router_factory):
