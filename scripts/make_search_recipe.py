@@ -14,16 +14,18 @@ world (the ``fictional_qa`` data source) by calling ``search`` over the world's 
    (``search(query): Search the documents.``) to keep the prompt short.
 2. **Warm start** (``configs/recipes/search/model/``): two ``loongsage sft`` phases, as for the
    quickstart model. *Clean*: the recipe's ``warm_start.toml`` as it is, transcripts of the
-   training split that are all right (``fictional_qa_sft`` with ``p_correct = 1``), from a random
-   initialisation of the model in that file: the policy learns the tool-call format, to copy the
-   question's entity into ``search``, the second hop's entity out of the results, and a fact
-   into the answer. *Noisy*: ``--noisy-steps`` more steps from that model on fresh transcripts of
+   training split of many other worlds that are all right (``fictional_qa_sft`` with
+   ``p_correct = 1``, ``worlds``, ``heldout_of`` the recipe's world), from a random
+   initialisation of the model in that file, or from ``--from-model``: the policy learns the
+   tool-call format, to copy the question's entity into ``search``, the second hop's entity out
+   of the results, and a fact into the answer (names it has not seen: it cannot memorise them).
+   *Noisy*: ``--noisy-steps`` more steps from that model on fresh transcripts of
    which only ``--p-correct`` are right (the rest stop after one search on two-hop questions or
    answer another fact of the results), at ``--noisy-lr``: the policy keeps the skills but
    samples the right behaviour only some of the time, which is what RL has to sharpen. The
    phase is off by default (``--noisy-steps 0``): it is only worth running once the clean phase
    answers most held-out questions right, which the shipped model does not (see the recipe's
-   README: it calls ``search`` in the right format but has not learned to copy names yet).
+   README: it copies names, but exactly in only about half of its turns).
 
 Then the recipe's held-out evaluation (``search.toml``'s ``[eval]``: the held-out split through
 the real engine, router and ``tool_agent``) runs on the new model, as ``loongsage eval`` does, and
@@ -148,7 +150,12 @@ def warm_start(args: argparse.Namespace, work: Path) -> Path:
     """The clean phase (``warm_start.toml``), then the noisy one from its model; returns the latter's model."""
     from loongsage_core.config import load_job
 
-    clean = args.clean_model or run_phase("clean", load_job(RECIPE / "warm_start.toml", list(args.overrides)), work)
+    clean = args.clean_model
+    if clean is None:
+        job = load_job(RECIPE / "warm_start.toml", list(args.overrides))
+        if args.from_model is not None:  # continue that model: its config and tokenizer, not the file's
+            job.model.path, job.model.config, job.model.tokenizer = str(args.from_model), {}, None
+        clean = run_phase("clean", job, work)
     if args.noisy_steps == 0:
         return clean
     noisy = load_job(RECIPE / "warm_start.toml", list(args.overrides))
@@ -166,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-only", action="store_true", help="write the tokenizer and stop")
     parser.add_argument("--out", type=Path, default=RECIPE / "model", help="where the warm-started model goes")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the SFT runs here (default: a temp dir)")
+    parser.add_argument("--from-model", type=Path, default=None,
+                        help="run the clean phase from this model directory instead of a random initialisation")
     parser.add_argument("--clean-model", type=Path, default=None,
                         help="skip the clean phase: start the noisy one from this model directory")
     parser.add_argument("--p-correct", type=float, default=0.3, help="share of right transcripts when noisy")

@@ -17,20 +17,28 @@ policy that never does gives it no signal. So a share of the transcripts is righ
   for where the results have one (where the person lives instead of where they were born, a
   namesake's city, another company's year), else any (the company's city instead of its year).
 
-Each row's ``metadata`` says which (``behaviour``), with the question's ``kind``, ``hops`` and
-``answer``. The draws are seeded: the same arguments give the same rows.
+Each row's ``metadata`` says which (``behaviour``), with the question's ``kind``, ``hops``,
+``answer`` and its world's seed. The draws are seeded: the same arguments give the same rows.
+
+A warm start that must *copy* names (from the question into a search, from the results into the
+answer) rather than recall them learns from many worlds (``worlds``): each name is then seen a few
+times only, too few to memorise. ``heldout_of`` keeps every name of a world's held-out split out
+of the transcripts, so an evaluation on that split stays about entities the model never saw.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
+
+import attrs
 
 from loongsage_hookspecs import BuildContext
 
 from .fictional_qa import fictional_qa_rows
-from .fictional_world import Document, WorldError, build_world, spec_from
+from .fictional_world import COMPANY_SUFFIXES, Document, WorldError, WorldSpec, build_world, spec_from
 from .python_tools import function_schema, load_function
 from .search_tools import corpus_index, search
 
@@ -85,6 +93,8 @@ def fictional_qa_transcripts(
     tools: list[str] | None = None,
     p_correct: float = 1.0,
     p_stop_early: float = 0.5,
+    worlds: int = 1,
+    heldout_of: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Tool-use transcripts of the ``fictional_qa`` questions (see the module docstring).
 
@@ -97,18 +107,63 @@ def fictional_qa_transcripts(
             transcripts call ``search`` only, so one of them must be a ``search`` tool.
         p_correct: share of transcripts that search every hop and answer right.
         p_stop_early: share of the wrong two-hop transcripts that answer after one search.
+        worlds: transcripts of this many worlds: ``world`` and the ones whose seeds follow its seed
+            (the same sizes; ``num_samples`` questions of each). Names of many worlds, each seen a
+            few times, cannot be memorised: a policy trained on them must copy names from the
+            question and the results.
+        heldout_of: a world (:class:`~.fictional_world.WorldSpec` fields) whose held-out split no
+            transcript may name: a transcript in which any word of its entities' names appears is
+            left out, so that split stays unseen by a model trained on these rows.
 
     Returns:
-        Rows ``{"messages", "tools", "metadata": {"behaviour", "kind", "hops", "answer"}}``.
+        Rows ``{"messages", "tools", "metadata": {"behaviour", "kind", "hops", "answer", "world"}}``.
     """
     for name, value in (("p_correct", p_correct), ("p_stop_early", p_stop_early)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
             raise WorldError(f"fictional_qa_sft: '{name}' must be a number in [0, 1], got {value!r}")
+    if isinstance(worlds, bool) or not isinstance(worlds, int) or worlds < 1:
+        raise WorldError(f"fictional_qa_sft: 'worlds' must be an integer >= 1, got {worlds!r}")
     paths = list(tools) if tools is not None else list(DEFAULT_TOOLS)
     schemas = [function_schema(load_function(p)) for p in paths]
     if "search" not in {s["function"]["name"] for s in schemas}:
         raise WorldError(f"fictional_qa_sft: 'tools' must include a tool named search, got {paths}")
-    rows = fictional_qa_rows(ctx, seed=seed, split=split, world=world, hops=hops, kinds=kinds,
+    base = spec_from(world)
+    forbidden: frozenset[str] = frozenset()
+    if heldout_of is not None:
+        try:
+            forbidden = heldout_words(spec_from(heldout_of))
+        except WorldError as exc:
+            raise WorldError(f"fictional_qa_sft: 'heldout_of': {exc}") from None
+    out: list[dict[str, Any]] = []
+    for n in range(worlds):
+        spec = attrs.evolve(base, seed=base.seed + n).as_dict()
+        for row in _world_transcripts(spec, seed=seed + n, split=split, hops=hops, kinds=kinds,
+                                      num_samples=num_samples, top_k=top_k, snippet_chars=snippet_chars,
+                                      schemas=schemas, p_correct=p_correct, p_stop_early=p_stop_early):
+            if forbidden and forbidden & _words(row["messages"]):
+                continue
+            out.append(row)
+    return out
+
+
+def heldout_words(spec: WorldSpec) -> frozenset[str]:
+    """Every word of the names of ``spec``'s held-out entities (a company's suffix aside)."""
+    held = build_world(spec, "heldout")
+    suffixes = set(COMPANY_SUFFIXES)
+    return frozenset(w for d in held.documents for w in d.title.split() if w not in suffixes)
+
+
+def _words(messages: list[dict[str, Any]]) -> set[str]:
+    text = " ".join(str(m.get("content") or "") + json.dumps(m.get("tool_calls") or []) for m in messages)
+    return set(re.findall(r"[A-Za-z]+", text))
+
+
+def _world_transcripts(world: dict[str, Any], *, seed: int, split: str, hops: list[int] | None,
+                       kinds: list[str] | None, num_samples: int, top_k: int, snippet_chars: int,
+                       schemas: list[dict[str, Any]], p_correct: float, p_stop_early: float,
+                       ) -> list[dict[str, Any]]:
+    """The transcripts of one world (see :func:`fictional_qa_transcripts`)."""
+    rows = fictional_qa_rows(None, seed=seed, split=split, world=world, hops=hops, kinds=kinds,
                              num_samples=num_samples, top_k=top_k, snippet_chars=snippet_chars)
     docs = {d.title: d for d in build_world(spec_from(world), split).documents}
     rng = random.Random(f"fictional-qa-sft-{seed}-{split}")
@@ -135,5 +190,5 @@ def fictional_qa_transcripts(
         messages.append({"role": "assistant", "content": answer})
         out.append({"messages": messages, "tools": schemas,
                     "metadata": {"behaviour": behaviour, "kind": meta["kind"], "hops": meta["hops"],
-                                 "answer": row["label"]}})
+                                 "answer": row["label"], "world": world["seed"]}})
     return out

@@ -126,9 +126,39 @@ def test_transcripts_search_every_hop_when_right_and_err_as_configured():
     assert [t["function"]["name"] for t in rows[0]["tools"]] == ["search", "open"]
 
 
+def test_transcripts_of_many_worlds_follow_the_given_seed():
+    one = fictional_qa_transcripts(world={**SMALL, "seed": 7}, seed=3, num_samples=10)
+    many = fictional_qa_transcripts(world={**SMALL, "seed": 7}, seed=3, num_samples=10, worlds=3)
+    assert many[:10] == one  # the first world is the given one, with the given seed
+    assert [r["metadata"]["world"] for r in many] == [7] * 10 + [8] * 10 + [9] * 10
+    asked = [{r["messages"][0]["content"] for r in many if r["metadata"]["world"] == w} for w in (7, 8, 9)]
+    assert not asked[0] & asked[1] and not asked[1] & asked[2]  # other worlds, other names
+    eighth = fictional_qa_transcripts(world={**SMALL, "seed": 8}, seed=4, num_samples=10)
+    assert many[10:20] == [{**r, "metadata": {**r["metadata"], "world": 8}} for r in eighth]
+
+
+def test_transcripts_leave_out_every_name_of_a_heldout_split():
+    heldout = {"seed": 0}  # the default world's held-out split: 60 people, 60 companies, 24 places
+    names = {w for d in build_world(WorldSpec(seed=0), "heldout").documents for w in d.title.split()}
+    words = names - {"Labs", "Works", "Motors", "Foods", "Media", "Textiles"}
+    kept = fictional_qa_transcripts(world={"seed": 100}, num_samples=60, worlds=8, heldout_of=heldout)
+    every = fictional_qa_transcripts(world={"seed": 100}, num_samples=60, worlds=8)
+    assert 0 < len(every) - len(kept) < len(every) // 4  # some transcripts name one, most do not
+    for row in kept:
+        text = json.dumps(row["messages"])
+        assert not words & set(re.findall(r"[A-Za-z]+", text))
+    assert any(words & set(re.findall(r"[A-Za-z]+", json.dumps(r["messages"]))) for r in every)
+    assert kept == [r for r in every if r in kept]  # the same rows, in order, less the left-out ones
+
+
 def test_transcript_argument_errors():
     with pytest.raises(WorldError, match="'p_correct' must be a number in"):
         fictional_qa_transcripts(p_correct=1.5)
+    for worlds in (0, True, 2.0):
+        with pytest.raises(WorldError, match="'worlds' must be an integer >= 1"):
+            fictional_qa_transcripts(worlds=worlds)
+    with pytest.raises(WorldError, match="'heldout_of': fictional world: unknown argument"):
+        fictional_qa_transcripts(heldout_of={"seeds": 0})
     with pytest.raises(WorldError, match="must include a tool named search"):
         fictional_qa_transcripts(tools=["loongsage_plugin_agents.search_tools:open"])
 
