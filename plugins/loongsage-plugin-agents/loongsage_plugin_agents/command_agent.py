@@ -125,7 +125,8 @@ class CommandAgent:
         env = self._endpoint_env(ctx, base_url, prompt_text, prompt_file, result_file)
         done = await box.arun_program(argv, env=env, stdin=prompt_text.encode() if self.stdin else None,
                                       timeout_s=timeout, bridge=bridge, max_output_bytes=self.max_output_bytes,
-                                      budgeted=True, read_only=program_paths(argv))
+                                      budgeted=True,
+                                      read_only=program_paths(argv, python_path=self.env.get("PYTHONPATH")))
         if done.timed_out:
             raise TimeoutError(f"command agent: {argv[0]} did not finish within {timeout:g}s (or the trajectory's "
                                "sandbox time budget); its process tree was killed")

@@ -7,8 +7,9 @@ mounts them read-only where they are (``read_only=`` of ``run_program`` / ``arun
 
 * :func:`tool_paths`: an npm-installed CLI (its whole install: the ``node_modules`` tree holds
   its JavaScript and its platform binaries) and the ``node`` that runs it;
-* :func:`program_paths`: a program (with its virtual environment, for an interpreter in one) and
-  the files its command line names by absolute path (a script run by an interpreter).
+* :func:`program_paths`: a program (with its virtual environment, for an interpreter in one),
+  the files its command line names by absolute path (a script run by an interpreter) and the
+  directories of its ``PYTHONPATH``.
 """
 
 from __future__ import annotations
@@ -36,10 +37,12 @@ def tool_paths(executable: str, search_path: str | None = None) -> list[str]:
     return [p for p in dict.fromkeys(paths) if os.path.exists(p)]
 
 
-def program_paths(argv: list[str], search_path: str | None = None) -> list[str]:
+def program_paths(argv: list[str], search_path: str | None = None, python_path: str | None = None) -> list[str]:
     """The host paths of a command line: its program (found on ``search_path``, and where it
     points; a virtual environment's interpreter brings the environment, whose packages it
-    imports) and every argument that is the absolute path of an existing file."""
+    imports), every argument that is the absolute path of an existing file, and the existing
+    absolute directories of ``python_path`` (the program's ``PYTHONPATH``: a Python program
+    imports from them)."""
     paths: list[str] = []
     program = shutil.which(argv[0], path=search_path) if argv else None
     if program:
@@ -48,4 +51,5 @@ def program_paths(argv: list[str], search_path: str | None = None) -> list[str]:
         if (venv / "pyvenv.cfg").is_file():
             paths.append(str(venv))
     paths += [a for a in argv[1:] if os.path.isabs(a) and os.path.isfile(a)]
+    paths += [d for d in (python_path or "").split(os.pathsep) if os.path.isabs(d) and os.path.isdir(d)]
     return list(dict.fromkeys(paths))

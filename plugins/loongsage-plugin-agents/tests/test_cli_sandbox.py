@@ -64,6 +64,10 @@ def test_tool_paths_name_the_whole_install_and_node(tmp_path):
     script.write_text("print(1)\n")
     paths = program_paths([str(venv_python), str(script), "relative.py", "/no/such/file"])
     assert str(tmp_path / "venv") in paths and str(script) in paths and "/no/such/file" not in paths
+    lib = tmp_path / "lib"  # a PYTHONPATH entry: the program imports from it
+    lib.mkdir()
+    paths = program_paths(["python3"], python_path=os.pathsep.join([str(lib), "relative", "/no/such/dir"]))
+    assert str(lib) in paths and "relative" not in paths and "/no/such/dir" not in paths
 
 
 def test_a_cli_installed_under_tmp_runs_in_a_bubblewrap_sandbox(tmp_path):

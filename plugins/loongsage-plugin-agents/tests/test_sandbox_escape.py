@@ -65,8 +65,10 @@ def provider(slow_fixture, request):
 def test_file_system_home_and_environment(provider, monkeypatch):
     monkeypatch.setenv("LOONGSAGE_TEST_SECRET", "hunter2")  # a host secret commands must not see
     # a directory everyone may write to, where the sandbox's user can reach it (not under /tmp,
-    # which bubblewrap replaces, nor under pytest's private temp directory)
-    open_dir = Path(__file__).resolve().parent / f".open_probe_{os.getpid()}"
+    # which bubblewrap replaces, nor under pytest's private temp directory, nor in the checkout,
+    # which may itself be under /tmp)
+    open_dir = (Path("/var/tmp") if os.access("/var/tmp", os.W_OK) else Path(__file__).resolve().parent) \
+        / f".open_probe_{os.getpid()}"
     open_dir.mkdir(exist_ok=True)
     os.chmod(open_dir, 0o777)
     home_probe = Path.home() / f"loongsage_probe_{os.getpid()}"
