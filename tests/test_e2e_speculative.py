@@ -19,59 +19,26 @@ from loongsage_core.config import load_job
 from loongsage_core.controller.run import run_job
 from loongsage_core.resolve import resolve_job
 
-REPO = Path(__file__).resolve().parent.parent
+from .conftest import TINY_JOB, TOKENIZER_DIR
 
-JOB = f"""
-[plugins]
-enable = ["torch", "rl", "rewards", "loggers", "agents"]
-[model]
-tokenizer = "{REPO / 'tests' / 'data' / 'tokenizer'}"
-dtype = "float32"
-[model.config]
-model_type = "qwen3"
-vocab_size = 512
-hidden_size = 32
-intermediate_size = 64
-num_hidden_layers = 2
-num_attention_heads = 2
-num_key_value_heads = 1
-head_dim = 16
-max_position_embeddings = 512
-tie_word_embeddings = true
-[train]
-lr = 1e-3
-total_steps = 2
-mini_batch_size = 16
-micro_batch_size = 8
-[rollout]
-prompts_per_step = 4
-samples_per_prompt = 4
-max_new_tokens = 24
-max_context_length = 256
-temperature = 0.0
-weight_transport = "inprocess"
-engine_args = {{ num_threads = 1, speculative = {{ method = "prompt_lookup", num_draft = 4, ngram = 1 }} }}
-[placement]
-colocate = true
-[run]
-seed = 7
-checkpoint_every = 0
-save_hf_at_end = false
-[[data]]
-name = "arithmetic"
-generator = "arithmetic"
-generator_args = {{ num_samples = 16 }}
-reward = ["exact_match"]
-[[loggers]]
-name = "jsonl"
-"""
+REPO = Path(__file__).resolve().parent.parent
+ENGINE_ARGS = 'num_threads = 1, speculative = { method = "prompt_lookup", num_draft = 4, ngram = 1 }'
+
+
+def speculative_job(tmp_path: Path, engine_args: str = ENGINE_ARGS) -> tuple[Path, list[str]]:
+    """The tiny embedded job, greedy and colocated, with ``engine_args`` (speculation on)."""
+    path = tmp_path / "job.toml"
+    path.write_text(TINY_JOB.format(tokenizer=TOKENIZER_DIR))
+    return path, ["train.total_steps=2", "train.mini_batch_size=16", "train.micro_batch_size=8",
+                  "rollout.prompts_per_step=4", "rollout.max_new_tokens=24", "rollout.temperature=0.0",
+                  "rollout.weight_transport=inprocess", "placement.colocate=true", "run.checkpoint_every=0",
+                  f"rollout.engine_args={{ {engine_args} }}"]
 
 
 def test_speculative_run_logs_acceptance_and_keeps_the_train_inference_gap(ray_cluster, tmp_path):
-    path = tmp_path / "job.toml"
-    path.write_text(JOB)
+    path, overrides = speculative_job(tmp_path)
     out = tmp_path / "run"
-    run_job(resolve_job(load_job(path)), output_dir=str(out))
+    run_job(resolve_job(load_job(path, overrides)), output_dir=str(out))
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "train/is_approx_k3_kl" in m]
     assert len(steps) == 2
@@ -132,14 +99,13 @@ def test_agent_turns_through_the_router_record_the_engine_counters(slow_fixture)
 def test_a_misspelt_engine_argument_is_a_validation_error(tmp_path):
     from loongsage_core.config import ConfigError
 
-    path = tmp_path / "job.toml"
-    path.write_text(JOB.replace("num_draft = 4", "num_drafts = 4"))
+    path, overrides = speculative_job(tmp_path, ENGINE_ARGS.replace("num_draft = 4", "num_drafts = 4"))
     with pytest.raises(ConfigError, match=r"rollout.engine = 'torch': \[rollout\] engine_args.speculative: "
                                           r"unknown key 'num_drafts'"):
-        resolve_job(load_job(path))
-    path.write_text(JOB.replace("num_threads = 1", "num_thread = 1"))
+        resolve_job(load_job(path, overrides))
+    path, overrides = speculative_job(tmp_path, ENGINE_ARGS.replace("num_threads = 1", "num_thread = 1"))
     with pytest.raises(ConfigError, match="unknown key 'num_thread' for the torch engine"):
-        resolve_job(load_job(path))
+        resolve_job(load_job(path, overrides))
 
 
 def test_speculation_metrics_from_engine_answers():
