@@ -55,20 +55,6 @@ def test_an_engine_without_shm_or_broadcast_is_an_error_naming_it():
         choose_transport(_target({"node_id": "ray:a", "weight_load_formats": ["disk"]}), torch_candidates())
 
 
-@pytest.fixture(scope="module")
-def ray_local(slow_fixture):
-    """The session's Ray cluster when one is up, else a small local one for this module."""
-    import ray
-
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, object_store_memory=96 * 2**20, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 def _ids() -> tuple[str, str]:
     import ray
 

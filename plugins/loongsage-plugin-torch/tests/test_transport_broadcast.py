@@ -39,23 +39,6 @@ def digest(t: torch.Tensor) -> list:
     return [hashlib.sha256(raw).hexdigest(), str(t.dtype).removeprefix("torch."), list(t.shape)]
 
 
-@pytest.fixture(scope="module")
-def ray_local(slow_fixture):
-    """The session's Ray cluster when one is up, else a small local one for this module."""
-    import ray
-
-    from loongsage_core.controller.placement import keep_workers_at_driver_priority
-
-    started = not ray.is_initialized()
-    if started:
-        keep_workers_at_driver_priority()
-        ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
-    yield ray
-    if started:
-        ray.shutdown()
-
-
 class Recorder:
     """An engine-shaped endpoint around a real BroadcastReceiver that records what arrives."""
 
