@@ -16,6 +16,7 @@ from __future__ import annotations
 from . import hookspecs
 from .capabilities import (
     Closeable,
+    ConstrainsToolCalls,
     LoadsWeights,
     LoraAwareSender,
     LoraTrainer,
@@ -80,6 +81,7 @@ from .records import (
     CorrectionOutput,
     ExecResult,
     FailureClass,
+    GrammarSpan,
     KLInputs,
     PolicyLossInputs,
     PolicyLossOutput,

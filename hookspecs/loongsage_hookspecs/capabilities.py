@@ -228,6 +228,21 @@ class ObservingMiddleware(Protocol):
     def changes_response(self) -> bool: ...
 
 
+@runtime_checkable
+class ConstrainsToolCalls(Protocol):
+    """A router middleware that knows how the model writes a tool call, so the router can force
+    one (``tool_choice`` ``required`` or a named function) by grammar-constrained decoding.
+
+    ``tool_call_syntax(request)`` returns ``(begin, end, separator, arguments_key)`` for the
+    request (a chat-completions body): a call is written ``begin + JSON + end`` where the JSON
+    object holds ``"name"`` and ``arguments_key`` (e.g. hermes: ``("<tool_call>\\n",
+    "\\n</tool_call>", "\\n", "arguments")``), several calls are joined by ``separator`` (empty:
+    one call per answer); or
+    ``None`` when it cannot say. Without a middleware that does, a forced call is a 400."""
+
+    def tool_call_syntax(self, request: dict[str, Any]) -> tuple[str, str, str, str] | None: ...
+
+
 def is_capability(obj: Any) -> bool:
     """Whether ``obj`` can be declared in a spec's ``capabilities``: a runtime-checkable protocol."""
     return isinstance(obj, type) and bool(getattr(obj, "_is_runtime_protocol", False))

@@ -24,7 +24,10 @@ work happens inside the functions):
   and engines (:func:`init_weight_update_group`, :func:`join_with_engines`,
   :func:`destroy_weight_update_group`, :func:`resolve_backend`, :func:`node_id`);
 * :mod:`.files`: per-step JSONL files cut back to a resumed step (:func:`truncate_jsonl`), checkpoint
-  files written atomically with a full disk said plainly (:func:`save_torch_atomically`).
+  files written atomically with a full disk said plainly (:func:`save_torch_atomically`);
+* :mod:`.grammar`: grammar-constrained decoding that engines and trainers compute alike
+  (:func:`compile_grammar`, :class:`TokenGrammar`, :func:`token_grammar`, :func:`mask_logits`,
+  :func:`allowed_sets`, :class:`GrammarError`).
 
 ``from loongsage_core.backend_api import X`` keeps working for every name above (each is loaded
 from its submodule when first asked for), so plugins written against the package stay valid.
@@ -47,6 +50,7 @@ SUBMODULES: dict[str, tuple[str, ...]] = {
                     "join_with_engines", "node_id", "pin_gloo_to_this_node", "reachable_address", "resolve_backend",
                     "retry_on_port_collision"),
     "files": ("save_torch_atomically", "truncate_jsonl"),
+    "grammar": ("GrammarError", "TokenGrammar", "allowed_sets", "compile_grammar", "mask_logits", "token_grammar"),
 }
 """Every public name, by the submodule that provides it."""
 

@@ -43,6 +43,7 @@ from .routing import RoutedExperts
 from .trajectory import (
     AgentFailure,
     FailureClass,
+    GrammarSpan,
     Reward,
     SamplingParams,
     Segment,
@@ -65,6 +66,7 @@ __all__ = [
     "CorrectionOutput",
     "ExecResult",
     "FailureClass",
+    "GrammarSpan",
     "KLInputs",
     "PolicyLossInputs",
     "PolicyLossOutput",

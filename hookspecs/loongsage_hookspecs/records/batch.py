@@ -45,7 +45,10 @@ class Batch:
     """A training batch: named tensors with a common leading dimension plus per-row metadata.
 
     ``tensors`` uses the names of :data:`BATCH_FIELDS`; ``meta`` holds per-row Python values
-    (``sample_id``, ``source``, ...), each a list of length ``len(batch)``.
+    (``sample_id``, ``source``, ...), each a list of length ``len(batch)``. ``meta["constraints"]``
+    (present when a row has any) lists each row's spans sampled under a grammar as ``(start, end,
+    grammar, stop_token_ids)`` (a :class:`~loongsage_hookspecs.GrammarSpan`; ``None`` or empty:
+    none): a trainer scores those tokens under the same grammar (``loongsage_core.backend_api.grammar``).
     """
 
     tensors: dict[str, "torch.Tensor"] = attrs.field(factory=dict)
@@ -98,5 +101,6 @@ class Batch:
                 width = max(p.shape[1] for p in parts)
                 parts = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
             tensors[k] = torch.cat(parts, 0)
-        meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
+        names = list(dict.fromkeys(k for b in batches for k in b.meta))
+        meta = {k: [x for b in batches for x in (b.meta[k] if k in b.meta else [None] * len(b))] for k in names}
         return Batch(tensors=tensors, meta=meta)

@@ -9,7 +9,7 @@ are the sampling settings every rollout engine takes.
 from __future__ import annotations
 
 import enum
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import attrs
 
@@ -67,6 +67,32 @@ class Reward:
     components: dict[str, "Reward"] = attrs.field(factory=dict)
 
 
+def _int_tuple(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+@attrs.define(frozen=True)
+class GrammarSpan:
+    """Tokens ``[start, end)`` of a segment that were sampled under a grammar (constrained decoding:
+    a forced tool call, structured output).
+
+    The engine sampled each of them from the policy's distribution restricted to the tokens the
+    grammar allowed at that point, so their log-probs are of that restricted distribution; a
+    trainer scores them the same way by replaying the grammar over the tokens (the grammar starts
+    at ``start``). ``grammar`` is the grammar in llguidance's serialized form; ``stop_token_ids``
+    are the turn's stop tokens, which the grammar allows exactly where it may end (and only there).
+    """
+
+    start: int
+    end: int
+    grammar: str
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_int_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if not 0 <= self.start <= self.end:
+            raise ValueError(f"GrammarSpan needs 0 <= start <= end, got start={self.start} end={self.end}")
+
+
 @attrs.define
 class Segment:
     """One contiguous token sequence of a trajectory; each trainable segment is one training row.
@@ -81,7 +107,9 @@ class Segment:
     tokens the policy did not generate); ``turns`` holds ``(start, end)`` token spans of each model
     turn. ``routed_experts`` (a mixture-of-experts engine asked for them, ``[algorithm]
     router_replay``) holds the experts the engine routed every token to, one record per token
-    (:meth:`record_routes`).
+    (:meth:`record_routes`). ``constraints`` lists the spans sampled under a grammar
+    (:class:`GrammarSpan`); the trainer replays them so it scores the distribution the engine
+    sampled.
 
     ``parent`` and ``fork_at`` place the segment in its trajectory's tree: the segment shares its
     first ``fork_at`` tokens with ``trajectory.segments[parent]`` (``tokens[:fork_at] ==
@@ -99,6 +127,7 @@ class Segment:
     routed_experts: RoutedExperts | None = None
     parent: int | None = None
     fork_at: int | None = None
+    constraints: list[GrammarSpan] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         if (self.parent is None) != (self.fork_at is None):
