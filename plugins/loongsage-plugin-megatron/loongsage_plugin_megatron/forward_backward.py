@@ -52,6 +52,9 @@ class StageInputs:
     input_ids: "torch.Tensor"
     position_ids: "torch.Tensor"
     attention_mask: "torch.Tensor"
+    #: the policy's Hugging Face tokenizer, when ``micro`` holds turns decoded under a grammar
+    #: (``meta["constraints"]``): their logits are masked as the engine's were (:func:`constrained`)
+    grammar_tokenizer: Any = None
 
     @property
     def rows(self) -> int:
@@ -136,7 +139,7 @@ def token_outputs(logits: "torch.Tensor", inputs: StageInputs, *, tp: int,
     logits ``[rows_padded, width, vocab / tp]`` at the tokens of its ``loss_mask`` (0 elsewhere,
     at padding and at position 0; every real token without a loss mask)."""
     # differentiable gather under TP > 1
-    return _scored_token_outputs(_full_vocabulary(logits, tp), inputs, entropy_grad=entropy_grad)
+    return _scored_token_outputs(constrained(_full_vocabulary(logits, tp), inputs), inputs, entropy_grad=entropy_grad)
 
 
 def token_outputs_and_logits(logits: "torch.Tensor", inputs: StageInputs, *, tp: int, vocab: int,
@@ -151,7 +154,7 @@ def token_outputs_and_logits(logits: "torch.Tensor", inputs: StageInputs, *, tp:
     hands each rank the gradient of its own shard); only the first ``vocab`` entries (the Hugging
     Face vocabulary) are kept, Megatron's padding of its output layer dropped.
     """
-    full = _full_vocabulary(logits, tp)
+    full = constrained(_full_vocabulary(logits, tp), inputs)
     logprobs, entropy = _scored_token_outputs(full, inputs, entropy_grad=entropy_grad)
     next_logits = full[:inputs.rows, :-1, :vocab].float()
     return logprobs, entropy, _fit_width(next_logits, inputs.micro["input_ids"].shape[1] - 1)
@@ -202,6 +205,32 @@ def teacher_outputs(logits: "torch.Tensor", inputs: StageInputs, *, tp: int, voc
         out["logits"] = torch.where(keep, F.pad(raw, (0, 0, 1, 0)), 0.0).to(logits_dtype)
     out_width = inputs.micro["input_ids"].shape[1]
     return {key: _fit_width(value, out_width).to(device) for key, value in out.items()}
+
+
+def constrained(logits: "torch.Tensor", inputs: StageInputs) -> "torch.Tensor":
+    """``logits`` ``[rows_padded, width, vocab]`` with the positions that predict a constrained
+    token (``inputs.micro.meta["constraints"]``) masked to the tokens the engine's grammar allowed
+    there (replayed with the engine's code, ``loongsage_core.backend_api.grammar``), so the
+    trainer scores the distribution the engine sampled; unchanged when the rows hold none."""
+    import torch
+
+    spans = inputs.micro.meta.get("constraints")
+    if not spans or not any(spans):
+        return logits
+    if inputs.grammar_tokenizer is None:
+        raise ValueError("megatron train backend: a micro-batch holds constrained turns but no tokenizer to "
+                         "replay their grammars with")
+    from loongsage_core.backend_api.grammar import allowed_sets, mask_logits
+
+    rows, width, vocab = inputs.rows, logits.shape[1], logits.shape[-1]
+    index_rows = torch.arange(rows).repeat_interleave(width - 1)
+    index_cols = torch.arange(1, width).repeat(rows)
+    allowed = allowed_sets(inputs.grammar_tokenizer, vocab, inputs.input_ids[:rows].detach().cpu(), spans,
+                           index_rows, index_cols)
+    if allowed is None:
+        return logits
+    head = mask_logits(logits[:rows, :-1].reshape(-1, vocab), allowed).view(rows, width - 1, vocab)
+    return torch.cat([torch.cat([head, logits[:rows, -1:]], 1), logits[rows:]], 0)
 
 
 def _full_vocabulary(logits: "torch.Tensor", tp: int) -> "torch.Tensor":

@@ -80,6 +80,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator
 
+import attrs
 import torch
 
 from loongsage_core.backend_api.loss import LossPipeline, MetricAccumulator
@@ -95,6 +96,9 @@ from .optimizer import build_optimizer, optimizer_step, wrap_ddp
 
 class MegatronTrainWorker:
     """One rank of the megatron train backend (implements ``loongsage_hookspecs.TrainWorker``)."""
+
+    #: the policy's tokenizer, loaded when a batch holds constrained turns (:meth:`_grammar_tokenizer`)
+    _tokenizer: Any = None
 
     def __init__(self, ctx: Any) -> None:
         job = ctx.job
@@ -185,6 +189,22 @@ class MegatronTrainWorker:
         data-parallel replicas): those ranks agree on one shape and one number of micro-batches
         (the largest of the group), a rank with fewer rows running all-padding micro-batches.
         """
+        inputs = self._stage_inputs_of(batch)
+        if any(batch.meta.get("constraints") or ()):  # turns decoded under a grammar: replayed (forward_backward)
+            tokenizer = self._grammar_tokenizer()
+            inputs = [attrs.evolve(item, grammar_tokenizer=tokenizer) for item in inputs]
+        return inputs
+
+    def _grammar_tokenizer(self) -> Any:
+        """The policy's tokenizer, loaded the first time a batch holds constrained turns."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.job.model.tokenizer or self.model_path)
+        return self._tokenizer
+
+    def _stage_inputs_of(self, batch: Batch) -> list[Any]:
+        """:meth:`_stage_inputs` before the grammar tokenizer is attached."""
         from .forward_backward import real_lengths, stage_inputs
 
         multiple = self.tp if self.sequence_parallel else 1  # Megatron-Core splits the sequence evenly

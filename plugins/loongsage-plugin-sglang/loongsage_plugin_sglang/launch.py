@@ -166,6 +166,9 @@ def build_launch_command(job: JobSettings, *, host: str = "127.0.0.1", port: int
     if getattr(job.model, "fp32_lm_head", False):
         _require_flag(args, "enable_fp32_lm_head", where, "[model] fp32_lm_head = true computes the trainer's logits "
                       "in float32", "model.fp32_lm_head = false")
+    # constrained turns (forced tool calls, structured output): the router sends Lark grammars in
+    # llguidance's syntax and the trainer replays llguidance's masks, so SGLang decodes with it too
+    args.setdefault("grammar_backend", "llguidance")
     if job.algorithm.router_replay:
         _require_flag(args, "enable_return_routed_experts", where, "[algorithm] router_replay = true replays the "
                       "experts the engine returns", "algorithm.router_replay = false")

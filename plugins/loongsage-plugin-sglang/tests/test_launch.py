@@ -158,6 +158,7 @@ class ServerArgs:
         for flag in ("--port", "--context-length", "--random-seed", "--tp-size"):
             parser.add_argument(flag, type=int)
         parser.add_argument("--mem-fraction-static", type=float)
+        parser.add_argument("--grammar-backend", choices=["xgrammar", "outlines", "llguidance", "none"])
         for flag in ("--enable-memory-saver", "--skip-server-warmup", "--disable-cuda-graph"):
             parser.add_argument(flag, action="store_true")
 """
@@ -333,3 +334,12 @@ def test_lora_runs_launch_with_lora_enabled_and_a_weights_backup(tmp_path):
                            port=30000)
     assert "--enable-weights-cpu-backup" not in apart
     assert apart[apart.index("--lora-target-modules") + 1] == "all"  # "all-linear" is SGLang's "all"
+
+
+def test_sglang_decodes_constrained_turns_with_llguidance_unless_told_otherwise(tmp_path):
+    """The router's forced tool calls are Lark grammars in llguidance's syntax, and the trainer
+    replays llguidance's masks: SGLang is launched with the same grammar backend by default."""
+    argv = sglang_command(load_job(write_job(tmp_path)), port=30000)
+    assert argv[argv.index("--grammar-backend") + 1] == "llguidance"
+    argv = sglang_command(load_job(write_job(tmp_path, 'engine_args = { grammar_backend = "xgrammar" }')), port=30000)
+    assert argv[argv.index("--grammar-backend") + 1] == "xgrammar" and argv.count("--grammar-backend") == 1

@@ -20,6 +20,9 @@ stays across an in-place weight update therefore reports a list of versions.
 
 With ``engine_args.speculative`` a decode step drafts tokens by prompt lookup and verifies them in
 the same forward (:mod:`.speculative`): a request may then gain several tokens in one step.
+
+A constrained request (``json_schema``, ``regex``, ``ebnf``) samples from its logits masked to the
+tokens its grammar allows, one token per step (it is never drafted for).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class BatchStepMixin:
     stats: EngineStats
     decode: Callable[[list[int]], str] | None
     drafter: PromptLookup | None
+    token_grammar: Any
 
     def _admit(self) -> None:
         """Move waiting requests into free slots (one batched prefill that shares work, see the
@@ -186,6 +190,9 @@ class BatchStepMixin:
             room = min(req.item.params.max_new_tokens - req.num_output,
                        self.settings.max_context_length - len(req.tokens)) - 1
             spec = req.speculation
+            if req.grammar is not None:  # a constrained request samples one masked token per step
+                out.append([])
+                continue
             if spec.skip > 0:
                 spec.skip -= 1
                 out.append([])
@@ -261,7 +268,19 @@ class BatchStepMixin:
 
     def _sample_and_append(self, reqs: Sequence[RequestState], logits: "torch.Tensor") -> None:
         """Sample one token per request from ``logits``, append it with its log-prob and weight
-        version, and set the finish reason of requests that stop (stop token or string, length)."""
+        version, and set the finish reason of requests that stop (stop token or string, length).
+
+        A constrained request's row is masked to the tokens its grammar allows first, so its token
+        and its log-prob are those of the restricted distribution (what a trainer replaying the
+        grammar scores, :mod:`loongsage_core.backend_api.grammar`)."""
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            from loongsage_core.backend_api.grammar import mask_logits
+
+            logits = logits.clone()
+            for i in constrained:
+                allowed = self.token_grammar.allowed(reqs[i].grammar, reqs[i].grammar_stops)
+                logits[i] = mask_logits(logits[i], allowed)
         tokens, logprobs = sample(logits, [r.item.params for r in reqs], [r.generator for r in reqs])
         top_k = max(r.item.top_logprobs_num for r in reqs)
         top_vals = top_ids = None
@@ -280,6 +299,8 @@ class BatchStepMixin:
         """Append one token with its log-prob, weight version (and top log-probs) to ``req`` and set
         its finish reason when it stops (stop token or string, length)."""
         max_context = self.settings.max_context_length
+        if req.grammar is not None:
+            self.token_grammar.advance(req.grammar, tok, req.grammar_stops)
         req.tokens.append(tok)
         req.logprobs.append(lp)
         req.versions.append(self.version)

@@ -48,6 +48,19 @@ def _eos_ids(model: Any, tokenizer: Any, vocab_size: int) -> set[int]:
     return found
 
 
+class _LazyGrammar:
+    """The engine's tokenizer as llguidance sees it, built on the first constrained request (about
+    a second for a large vocabulary, which runs that never constrain do not pay)."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._args = (tokenizer, vocab_size)
+
+    def __getattr__(self, name: str) -> Any:
+        from loongsage_core.backend_api.grammar import token_grammar
+
+        return getattr(token_grammar(*self._args), name)
+
+
 class EmbeddedEngine:
     """A rollout engine in this process that speaks SGLang's native HTTP API (see :mod:`.server`)."""
 
@@ -75,6 +88,7 @@ class EmbeddedEngine:
         self.scheduler = Scheduler(self.runner, self.settings, _eos_ids(self.model, self.tokenizer, self.vocab_size))
         if self.tokenizer is not None:  # stop strings are matched on decoded text
             self.scheduler.decode = lambda ids: self.decode(ids, skip_special_tokens=False)
+            self.scheduler.token_grammar = _LazyGrammar(self.tokenizer, self.vocab_size)
         lora = getattr(getattr(job, "train", None), "lora", None)
         self.lora_scaling = lora_scaling(lora) if lora is not None else None
         unmerged = self.settings.lora_mode == "unmerged" and self.lora_scaling is not None

@@ -78,7 +78,8 @@ GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
 }
 
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop_token_ids",
-                   "ignore_eos", "sampling_seed", "seed", "skip_special_tokens", "n", "stop", "no_stop_trim"}
+                   "ignore_eos", "sampling_seed", "seed", "skip_special_tokens", "n", "stop", "no_stop_trim",
+                   "json_schema", "regex", "ebnf", "custom_params"}
 SAMPLING_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "spaces_between_special_tokens": lambda v: isinstance(v, bool) or v is None,
     "stream_interval": lambda v: v is None or is_int(v),
@@ -86,8 +87,7 @@ SAMPLING_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "presence_penalty": lambda v: v in (None, 0, 0.0),
     "repetition_penalty": lambda v: v in (None, 1, 1.0),
     "min_new_tokens": lambda v: v in (None, 0),
-    "stop_regex": is_empty, "regex": is_none, "json_schema": is_none, "ebnf": is_none,
-    "structural_tag": is_none, "custom_params": is_none, "logit_bias": is_empty,
+    "stop_regex": is_empty, "structural_tag": is_none, "logit_bias": is_empty,
 }
 
 
@@ -161,11 +161,45 @@ def parse_sampling_params(raw: Any, *, where: str, vocab_size: int, prompt_len: 
             f"'{w}max_new_tokens' = {max_new} does not fit: the prompt has {prompt_len} tokens and the "
             f"context length is {max_context}, so at most {max(room, 0)} new tokens are possible",
             w + "max_new_tokens")
+    grammar, grammar_offset = _read_constraint(raw, w, prompt_len)
     return SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, max_new_tokens=max_new,
         stop_token_ids=tuple(stop_ids), ignore_eos=read_bool(raw, "ignore_eos", False, w), seed=seed,
         skip_special_tokens=read_bool(raw, "skip_special_tokens", True, w), stop=tuple(stops),
-        no_stop_trim=read_bool(raw, "no_stop_trim", False, w))
+        no_stop_trim=read_bool(raw, "no_stop_trim", False, w), grammar=grammar, grammar_offset=grammar_offset)
+
+
+def _read_constraint(raw: Mapping[str, Any], w: str, prompt_len: int) -> tuple[str | None, int]:
+    """The request's grammar (SGLang's ``json_schema``, ``regex`` or ``ebnf``, at most one; see
+    :mod:`loongsage_core.backend_api.grammar`) and ``custom_params.grammar_offset``: how many of
+    the prompt's last tokens were already generated under it (a turn resumed after an abort)."""
+    from loongsage_core.backend_api.grammar import KINDS, GrammarError, compile_grammar
+
+    given = [k for k in KINDS if raw.get(k) is not None]
+    if len(given) > 1:
+        raise InvalidRequest(f"only one of '{w}json_schema', '{w}regex' and '{w}ebnf' may be set, got "
+                             f"{', '.join(repr(w + k) for k in given)}", w + given[1])
+    custom = raw.get("custom_params")
+    if custom is not None and not isinstance(custom, Mapping):
+        raise InvalidRequest(f"'{w}custom_params' must be an object, got {custom!r}", w + "custom_params")
+    unknown = sorted(set(custom or {}) - {"grammar_offset"})
+    if unknown:
+        raise InvalidRequest(f"'{w}custom_params.{unknown[0]}' is not supported (only 'grammar_offset')",
+                             f"{w}custom_params.{unknown[0]}")
+    offset = (custom or {}).get("grammar_offset", 0)
+    if not is_int(offset) or not 0 <= offset < prompt_len:
+        raise InvalidRequest(f"'{w}custom_params.grammar_offset' must be an integer in [0, {prompt_len}), "
+                             f"got {offset!r}", w + "custom_params.grammar_offset")
+    if not given:
+        if offset:
+            raise InvalidRequest(f"'{w}custom_params.grammar_offset' needs a constraint ('{w}json_schema', "
+                                 f"'{w}regex' or '{w}ebnf')", w + "custom_params.grammar_offset")
+        return None, 0
+    kind = given[0]
+    try:
+        return compile_grammar(kind, raw[kind]), int(offset)
+    except GrammarError as exc:
+        raise InvalidRequest(f"'{w}{kind}': {exc}", w + kind) from None
 
 
 def _token_list(value: Any, where: str, vocab_size: int) -> list[int]:

@@ -110,6 +110,10 @@ class RequestState:
     finish: dict[str, Any] | None = None
     routed_experts: Any = None
     speculation: SpeculationCounts = attrs.field(factory=SpeculationCounts)
+    #: the llguidance matcher of a constrained request (``params.grammar``), else ``None``
+    grammar: Any = None
+    #: the stop tokens the grammar allows where it may end (the request's ``stop_token_ids``)
+    grammar_stops: tuple[int, ...] = ()
 
     @property
     def prompt_len(self) -> int:

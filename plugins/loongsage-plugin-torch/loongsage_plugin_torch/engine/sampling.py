@@ -40,6 +40,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     stop: tuple[str, ...] = ()
     no_stop_trim: bool = False
+    #: llguidance's serialized grammar the output must follow (constrained decoding), else ``None``
+    grammar: str | None = None
+    #: how many of the prompt's last tokens were generated under ``grammar`` already (a resumed turn)
+    grammar_offset: int = 0
 
     @property
     def greedy(self) -> bool:

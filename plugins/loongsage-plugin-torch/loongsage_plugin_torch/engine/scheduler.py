@@ -32,6 +32,7 @@ import attrs
 from .batch_step import BatchStepMixin
 from .kv_cache import PrefixCache
 from .protocol import GenerateItem
+from .request_checks import InvalidRequest
 from .request_state import (
     EngineStats,
     EngineStopped,
@@ -78,6 +79,8 @@ class Scheduler(BatchStepMixin):
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.decode: Callable[[list[int]], str] | None = None  # for stop strings (set by the engine)
+        #: the tokenizer as llguidance sees it, for constrained requests (set by an engine with a tokenizer)
+        self.token_grammar: Any = None
         self.drafter = PromptLookup(settings.speculative) if settings.speculative is not None else None
 
     # ------------------------------------------------------------------------------------------
@@ -126,6 +129,29 @@ class Scheduler(BatchStepMixin):
             run()
         return fut
 
+    def _start_grammar(self, req: RequestState) -> None:
+        """Give a constrained request its grammar matcher, advanced over the prompt's last
+        ``grammar_offset`` tokens (generated under it before an abort); a grammar this tokenizer
+        cannot follow, or tokens it does not allow, are a 400 naming the field."""
+        from loongsage_core.backend_api.grammar import GrammarError
+
+        p = req.item.params
+        if self.token_grammar is None:
+            raise InvalidRequest("constrained decoding ('json_schema', 'regex', 'ebnf') needs the engine's "
+                                 "tokenizer, and this engine has none", "sampling_params")
+        try:
+            req.grammar = self.token_grammar.matcher(p.grammar)
+        except GrammarError as exc:
+            raise InvalidRequest(f"the constraint cannot be followed with this tokenizer: {exc}",
+                                 "sampling_params") from None
+        req.grammar_stops = p.stop_token_ids or tuple(sorted(req.stop_ids))
+        done = req.item.input_ids[len(req.item.input_ids) - p.grammar_offset:] if p.grammar_offset else []
+        for token in done:
+            if token not in req.grammar_stops and not req.grammar.consume_token(int(token)):
+                raise InvalidRequest(f"'sampling_params.custom_params.grammar_offset': token {token} of the "
+                                     "prompt's last tokens does not follow the constraint",
+                                     "sampling_params.custom_params.grammar_offset")
+
     def submit(self, items: Sequence[GenerateItem],
                progress: Callable[[GenerationResult], None] | None = None) -> list[concurrent.futures.Future]:
         """Queue generation requests; each future resolves to a :class:`GenerationResult`.
@@ -141,8 +167,11 @@ class Scheduler(BatchStepMixin):
             gen = None
             if not p.greedy:
                 gen = self._torch.Generator().manual_seed(p.seed) if p.seed is not None else self._generator
-            requests.append(RequestState(item=item, tokens=list(item.input_ids), stop_ids=stop, generator=gen,
-                                     future=concurrent.futures.Future(), created=now, progress=progress))
+            req = RequestState(item=item, tokens=list(item.input_ids), stop_ids=stop, generator=gen,
+                               future=concurrent.futures.Future(), created=now, progress=progress)
+            if p.grammar is not None:
+                self._start_grammar(req)
+            requests.append(req)
 
         def enqueue() -> None:
             active = {r.item.rid for r in self.running} | {r.item.rid for r in self.waiting}

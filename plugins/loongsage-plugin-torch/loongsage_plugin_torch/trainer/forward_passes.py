@@ -22,6 +22,7 @@ import torch
 
 from loongsage_hookspecs import Batch
 
+from .grammar_replay import GrammarReplay, padded_positions
 from .logits import logprobs_and_entropy, next_token_logits
 from .packing import PackedRows, canonical_order, packed_token_outputs, plan_micro_batches, prompt_groups
 from .router_replay import RouterReplay
@@ -49,6 +50,8 @@ class ForwardPassMixin:
     _route_mode: tuple[bool, bool] = (True, False)
     #: the last forward's flat tokens ``[N]`` back in the micro-batch's ``[b, T]`` layout
     _route_layout: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: scores constrained turns under their grammars (:mod:`.grammar_replay`), set by the worker
+    grammar_replay: GrammarReplay | None = None
 
     def _to_device(self, micro: Batch) -> Batch:
         return Batch(tensors={k: v.to(self.device, non_blocking=True) for k, v in micro.tensors.items()},
@@ -76,6 +79,7 @@ class ForwardPassMixin:
         # (SFT) keep their own positions
         packable = not keep_logits and "position_ids" not in micro and bool(attention.any())
         one_row = bool(self.max_tokens_per_micro_batch)
+        constrain = self.grammar_replay.filter_for(micro.meta, ids) if self.grammar_replay is not None else None
         groups = self._prompt_groups(ids, attention, scored, one_row=one_row, routes=routes) if packable else None
         self._count_prompt_tokens(attention, groups)
         if packable:
@@ -83,7 +87,8 @@ class ForwardPassMixin:
                 packed_logprobs, packed_entropy = packed_token_outputs(
                     self.model, ids, attention, compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
                     entropy_grad=entropy_grad, scored=scored, groups=groups, one_row=one_row,
-                    on_packed=None if routes is None else lambda packed: self._route_packed(packed, routes))
+                    on_packed=None if routes is None else lambda packed: self._route_packed(packed, routes),
+                    logit_filter=constrain)
                 return packed_logprobs, packed_entropy, None
         width = int(attention.sum(dim=1).max()) if ids.shape[0] else 0
         full_width = ids.shape[1]
@@ -97,6 +102,9 @@ class ForwardPassMixin:
         logits = next_token_logits(self.model, ids[:, :width], attention[:, :width],
                                    compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
                                    position_ids=None if positions is None else positions[:, :width], scored=scored)
+        if constrain is not None:  # constrained turns: the engine's allowed sets, replayed
+            rows, cols = padded_positions(scored, (ids.shape[0], width))
+            logits = constrain(logits.reshape(-1, logits.shape[-1]), rows, cols).view(logits.shape)
         logprobs, entropy = logprobs_and_entropy(logits, ids[:, :width], entropy_grad=entropy_grad, scored=scored)
         assert entropy is not None
         real = attention[:, :width] > 0

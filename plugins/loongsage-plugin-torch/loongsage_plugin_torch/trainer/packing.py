@@ -29,6 +29,8 @@ from .prompt_tree import PromptTreeLayout, Segment, prompt_tree_attention, uses_
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .grammar_replay import LogitFilter
+
 
 TREE_PAIRS_PER_TOKEN = 256
 """Below this many query-key pairs saved per packed token the masked attention is kept: the per-row
@@ -320,6 +322,7 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
                          one_row: bool = True,
                          on_packed: "Callable[[PackedRows], None] | None" = None,
                          tree_attention: bool | None = None,
+                         logit_filter: "LogitFilter | None" = None,
                          ) -> "tuple[torch.Tensor, torch.Tensor]":
     """Log-probs and entropies ``[b, T]`` of right-padded rows from one packed forward (the
     padded path's ``logprobs[:, t] = log p(ids[t] | ids[:t])``, 0 at position 0 and on padding;
@@ -332,7 +335,9 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
     alike, such as the experts Router Replay replays). ``tree_attention``: whether rows packed
     together attend per row through :mod:`.prompt_tree` (each over its shared prompt and itself)
     instead of a mask over each whole packed sequence, which costs its length squared (``None``:
-    where :meth:`PackedRows.tree_saves`; see :meth:`PackedRows.attention`)."""
+    where :meth:`PackedRows.tree_saves`; see :meth:`PackedRows.attention`). ``logit_filter``
+    ``(logits [K, V], rows, cols) -> logits`` rewrites the logits predicting ``input_ids[rows,
+    cols]`` before they are scored (constrained turns, :mod:`.grammar_replay`)."""
     from .logits import decoder_hidden, output_logits, picked_logprobs_and_entropy
 
     real = attention_mask > 0
@@ -345,6 +350,8 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
                                 position_ids=packed.position_ids, **attention_kwargs)
     states, rows, cols = packed.predicting_states(hidden, wanted)
     logits = output_logits(model, states, compute_dtype=compute_dtype, fp32_lm_head=fp32_lm_head)
+    if logit_filter is not None:
+        logits = logit_filter(logits, rows, cols)
     picked, entropy = picked_logprobs_and_entropy(logits, input_ids[rows, cols], entropy_grad=entropy_grad)
     assert entropy is not None
 

@@ -35,11 +35,12 @@ from loongsage_core.backend_api.loss import LossPipeline
 from loongsage_hookspecs import TrainWorkerContext
 
 from .. import lora as lora_lib
-from ..modeling import load_model, torch_dtype
+from ..modeling import load_model, load_tokenizer, torch_dtype
 from . import distributed
 from .backend_options import BackendOptions, resolve_device
 from .checkpoint import seed_everything
 from .checkpoint_io import CheckpointMixin
+from .grammar_replay import GrammarReplay
 from .placement import PlacementMixin
 from .router_replay import RouterReplay
 from .training_step import TrainingStepMixin
@@ -115,6 +116,7 @@ class TorchTrainWorker(TrainingStepMixin, WeightIOMixin, CheckpointMixin, Placem
         process group of a trainable data-parallel role, and the seed."""
         job = ctx.job
         self.job = job
+        self.grammar_replay = GrammarReplay(lambda: load_tokenizer(job))
         self.role = ctx.role
         self.rank = int(ctx.rank)
         self.world_size = int(ctx.world_size)
