@@ -26,7 +26,7 @@ import uuid
 from typing import Any, Mapping
 
 from .errors import RouterError, anthropic_error_body, bad_request
-from .openai_api import MAX_TOKENS_LIMIT, STRUCTURED_OUTPUT_REFUSED
+from .openai_api import MAX_TOKENS_LIMIT, parse_response_format
 from .protocol import json_response, read_json, serve_turn
 from .streaming import BlockStream
 
@@ -235,12 +235,18 @@ def chat_request(body: Any, *, counting: bool = False) -> dict[str, Any]:
     if tools:
         chat["tools"] = tools
     choice = chat_tool_choice(body.get("tool_choice"))
-    if choice is not None and (tools or choice != "none"):  # any / tool: refused when the chat request is read
+    if choice is not None and (tools or choice != "none"):  # any / tool: enforced by constrained decoding
         chat["tool_choice"] = choice
     output_config = body.get("output_config")
-    if isinstance(output_config, Mapping) and output_config.get("format") is not None:
-        raise bad_request(f"output_config.format: not supported: {STRUCTURED_OUTPUT_REFUSED}",
-                          param="output_config.format")
+    fmt = output_config.get("format") if isinstance(output_config, Mapping) else None
+    if fmt is not None:  # structured output: {"type": "json_schema", "schema": {...}}
+        schema = fmt.get("schema") if isinstance(fmt, Mapping) else None
+        if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema" or not isinstance(schema, Mapping):
+            raise bad_request("output_config.format: expected {\"type\": \"json_schema\", \"schema\": {...}}",
+                              param="output_config.format")
+        chat["response_format"] = parse_response_format(
+            {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}},
+            param="output_config.format")
     return chat
 
 

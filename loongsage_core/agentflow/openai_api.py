@@ -26,7 +26,7 @@ from .streaming import SSEStream
 _SUPPORTED = {
     "messages", "model", "temperature", "top_p", "n", "stream", "stream_options", "stop",
     "max_tokens", "max_completion_tokens", "seed", "logprobs", "top_logprobs", "tools",
-    "tool_choice", "presence_penalty", "frequency_penalty",
+    "tool_choice", "presence_penalty", "frequency_penalty", "response_format",
 }
 # OpenAI fields accepted but without effect on generation (bookkeeping for the provider side).
 _IGNORED = {
@@ -36,7 +36,6 @@ _IGNORED = {
 # OpenAI fields accepted only at their neutral value; anything else cannot be honoured.
 _NEUTRAL = {
     "logit_bias": lambda v: v is None or v == {},
-    "response_format": lambda v: v is None or (isinstance(v, Mapping) and v.get("type") == "text"),
     "modalities": lambda v: v is None or v == ["text"],
     "audio": lambda v: v is None,
     "prediction": lambda v: v is None,
@@ -75,6 +74,11 @@ class ChatRequest:
     top_logprobs: int = 0
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    """``None``, ``"auto"``, ``"none"``, ``"required"`` or ``{"type": "function", "function": {"name"}}``
+    (the last two are enforced by constrained decoding, :mod:`.constraints`)."""
+    response_format: dict[str, Any] | None = None
+    """``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {"name", "schema"}}``
+    (enforced by constrained decoding); ``None`` for plain text."""
     chat_template_kwargs: dict[str, Any] = attrs.field(factory=dict)
     continue_final_message: bool = False
     """The last message is an assistant prefill the model continues (vLLM's extension; what an
@@ -223,17 +227,9 @@ def parse_tools(tools: Any, function_of: Callable[[Any, str], dict[str, Any]] = 
         or None
 
 
-FORCED_CALLS_REFUSED = ("the router does not constrain decoding, so it cannot make the model call a tool; "
-                        "send tool_choice 'auto' (or 'none') and check the answer for tool calls")
-"""Why ``tool_choice`` ``required`` / a named function is refused (see :func:`_tool_choice`)."""
-STRUCTURED_OUTPUT_REFUSED = ("the router does not constrain decoding, so it cannot make the answer follow a "
-                             "JSON schema; ask for JSON in the prompt and validate the answer")
-"""Why structured output (``response_format``, ``text.format``, ``output_config.format``) is refused."""
-
-
 def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
-    """``none`` / ``auto``; ``required`` and a named function are refused with a 400 rather than
-    silently ignored: only constrained decoding could enforce them, and the engines sample freely."""
+    """``none`` / ``auto`` / ``required`` / a named function (one of ``tools``); the last two are
+    enforced by constrained decoding (:mod:`.constraints`)."""
     if value is None or value in ("auto", "none"):
         return value
     if value == "required" or (isinstance(value, Mapping) and isinstance(value.get("function"), Mapping)):
@@ -242,12 +238,37 @@ def _tool_choice(value: Any, tools: list[dict[str, Any]] | None) -> Any:
             if name not in {t["function"]["name"] for t in tools or []}:
                 raise bad_request(f"tool_choice names function {shown(name)}, which is not in 'tools'",
                                   param="tool_choice", code="invalid_value")
-        elif not tools:
+            return {"type": "function", "function": {"name": name}}
+        if not tools:
             raise bad_request("tool_choice 'required' needs 'tools'", param="tool_choice", code="invalid_value")
-        raise bad_request(f"tool_choice {shown(value)} is not supported: {FORCED_CALLS_REFUSED}",
-                          param="tool_choice", code="unsupported_value")
+        return value
     raise bad_request("tool_choice must be 'none', 'auto', 'required' or {\"type\": \"function\", ...}",
                       param="tool_choice", code="invalid_value")
+
+
+def parse_response_format(value: Any, param: str = "response_format") -> dict[str, Any] | None:
+    """A chat ``response_format``: ``None`` for text, else ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name", "schema"[, "strict", "description"]}}``
+    (a 400 naming ``param`` for anything else)."""
+    if value is None:
+        return None
+    kind = value.get("type") if isinstance(value, Mapping) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind != "json_schema":
+        raise bad_request(f"'{param}.type' must be 'text', 'json_object' or 'json_schema', got "
+                          f"{shown(kind)}", param=f"{param}.type", code="invalid_value")
+    spec = value.get("json_schema")
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str) or not spec["name"]:
+        raise bad_request(f"'{param}.json_schema.name' is required", param=f"{param}.json_schema.name",
+                          code="missing_required_parameter")
+    schema = spec.get("schema")
+    if schema is not None and not isinstance(schema, Mapping):
+        raise bad_request(f"'{param}.json_schema.schema' must be a JSON schema object",
+                          param=f"{param}.json_schema.schema", code="invalid_type")
+    return {"type": "json_schema", "json_schema": dict(spec)}
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -260,9 +281,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
                               code="unknown_parameter")
     for key, neutral in _NEUTRAL.items():
         if key in body and not neutral(body[key]):
-            why = f": {STRUCTURED_OUTPUT_REFUSED}" if key == "response_format" else ""
-            raise bad_request(f"'{key}' is not supported by this endpoint{why}", param=key,
-                              code="unsupported_parameter")
+            raise bad_request(f"'{key}' is not supported by this endpoint", param=key, code="unsupported_parameter")
     n = _number(body, "n", lo=1, integer=True)
     if n not in (None, 1):
         raise bad_request("only n=1 is supported; sample several trajectories instead", param="n",
@@ -322,6 +341,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         top_logprobs=top_logprobs,
         tools=tools,
         tool_choice=_tool_choice(body.get("tool_choice"), tools),
+        response_format=parse_response_format(body.get("response_format")),
         chat_template_kwargs=dict(kwargs or {}),
         continue_final_message=continue_final,
     )

@@ -14,7 +14,7 @@ map to chat tools; other tool types and other input items are a clear 400. The a
 ``reasoning_content``, ``content`` and ``tool_calls`` become ``reasoning``, ``message`` and
 ``function_call`` output items, in the ``response`` object and event stream of
 :mod:`.responses_answer` (the OpenResponses specification). ``tool_choice`` ``required`` or a named
-function and a ``text.format`` other than text are a 400: only constrained decoding could honour them.
+function and a ``text.format`` of ``json_object`` / ``json_schema`` are enforced by constrained decoding.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import json
 from typing import Any, Mapping
 
 from .errors import bad_request
-from .openai_api import MAX_TOKENS_LIMIT, STRUCTURED_OUTPUT_REFUSED, parse_chat_request, parse_tools, shown
+from .openai_api import MAX_TOKENS_LIMIT, parse_chat_request, parse_response_format, parse_tools, shown
 from .protocol import read_json, serve_turn
 from .responses_answer import ResponseBuilder, ResponsesStream
 from .sampling import sampling_used
@@ -160,6 +160,17 @@ def chat_tool_choice(value: Any) -> Any:
                       param="tool_choice", code="unsupported_value")
 
 
+def chat_response_format(fmt: Any) -> dict[str, Any] | None:
+    """The chat ``response_format`` of a Responses ``text.format`` (``text``, ``json_object`` or
+    ``json_schema`` with ``name``/``schema``/``strict`` beside ``type``); ``None`` for text."""
+    if fmt is None:
+        return None
+    if isinstance(fmt, Mapping) and fmt.get("type") == "json_schema":
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return parse_response_format({"type": "json_schema", "json_schema": spec}, param="text.format")
+    return parse_response_format(fmt, param="text.format")
+
+
 def chat_request(body: Any, history: list[dict[str, Any]]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The chat-completions body for a Responses request, and its conversation without instructions."""
     if not isinstance(body, Mapping):
@@ -173,11 +184,9 @@ def chat_request(body: Any, history: list[dict[str, Any]]) -> tuple[dict[str, An
     if "input" not in body:
         raise bad_request("Missing required parameter: 'input'.", param="input", code="missing_required_parameter")
     text = body.get("text")
-    fmt = text.get("format") if isinstance(text, Mapping) else None
-    if text is not None and (not isinstance(text, Mapping) or (fmt is not None and (
-            not isinstance(fmt, Mapping) or fmt.get("type") != "text"))):
-        raise bad_request(f"only text.format {{\"type\": \"text\"}} is supported: {STRUCTURED_OUTPUT_REFUSED}",
-                          param="text.format", code="unsupported_value")
+    if text is not None and not isinstance(text, Mapping):
+        raise bad_request("'text' must be an object", param="text", code="invalid_type")
+    response_format = chat_response_format(text.get("format") if text else None)
     reasoning = body.get("reasoning")
     if reasoning is not None and (not isinstance(reasoning, Mapping) or any(
             reasoning.get(key) is not None and not isinstance(reasoning[key], str) for key in ("effort", "summary"))):
@@ -204,8 +213,10 @@ def chat_request(body: Any, history: list[dict[str, Any]]) -> tuple[dict[str, An
     if tools:
         chat["tools"] = tools
     choice = chat_tool_choice(body.get("tool_choice"))
-    if choice is not None:  # required / a named function: refused when the chat request is read
+    if choice is not None:  # required / a named function: enforced by constrained decoding
         chat["tool_choice"] = choice
+    if response_format is not None:
+        chat["response_format"] = response_format
     return chat, conversation
 
 

@@ -21,9 +21,11 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import attrs
 
-from loongsage_hookspecs import RoutedExperts, TrajectoryStatus
+from loongsage_hookspecs import GrammarSpan, RoutedExperts, TrajectoryStatus
 
+from ..grammar import TokenGrammar, token_grammar
 from ._request_keys import MAX_NEW_TOKENS
+from .constraints import TurnConstraint, turn_constraint
 from .conversation import TurnPlan
 from .engines import EngineBalancer, EngineOutput, EnginePool
 from .errors import RouterError, bad_request, not_found
@@ -103,6 +105,7 @@ class TurnRunner:
         self.stats = {"requests": 0, "errors": 0, "engine_calls": 0, "completion_tokens": 0, "engine_retries": 0}
         self._engine_ctx: dict[str, int | None] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._token_grammar: TokenGrammar | None = None
 
     # ------------------------------------------------------------------------ engine plumbing
     def abort_at_engine(self, url: str, rid: str) -> None:
@@ -176,6 +179,17 @@ class TurnRunner:
         except TemplateError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
 
+    async def _constraint(self, req: ChatRequest, body: dict[str, Any]) -> TurnConstraint | None:
+        """The turn's constraint (:mod:`.constraints`); the tokenizer's grammar view is built on a
+        worker thread the first time a turn needs one."""
+        if req.response_format is None and req.tool_choice != "required" and not isinstance(req.tool_choice, dict):
+            return None
+        if self._token_grammar is None:
+            tokenizer = self.renderer.tokenizer
+            self._token_grammar = await asyncio.get_running_loop().run_in_executor(
+                self.render_pool, token_grammar, tokenizer, len(tokenizer))
+        return turn_constraint(req, body, self.middlewares, self._token_grammar)
+
     async def _complete(self, entry: LiveTrajectory, req: ChatRequest, body: dict[str, Any],
                         stream: Any = None, request: Any = None) -> dict[str, Any]:
         """Plan, generate, run response middleware, commit: one turn. The tokens the turn may
@@ -183,6 +197,7 @@ class TurnRunner:
         on ``request`` for the answer's ``x-loongsage-max-new-tokens`` header."""
         rec = entry.record
         started = time.perf_counter()
+        constraint = await self._constraint(req, body)
         plan = await self._plan(entry, req)
         engine_ctx = await self._engine_context(self.balancer.pick(rec.trajectory_id))
         # planning awaited: an abort that landed meanwhile must not be overwritten by GENERATING below
@@ -204,7 +219,8 @@ class TurnRunner:
 
         if max_new > 0:
             rec.status = TrajectoryStatus.GENERATING
-            gen = await self._generate(entry, plan, req, max_new, on_tokens if streamer is not None else None)
+            gen = await self._generate(entry, plan, req, max_new, on_tokens if streamer is not None else None,
+                                       constraint)
             gen.content, matched_stop = cut_at_stop(self.renderer.content_of(gen.ids), req.stop)
             if matched_stop is not None:
                 gen.finish_reason = "stop"
@@ -225,7 +241,10 @@ class TurnRunner:
                                        f"{type(response).__name__}, expected a dict", type="server_error")
         message = response["choices"][0]["message"]
         if max_new > 0:
-            entry.tracker.commit(plan, gen.ids, gen.logprobs, gen.versions, message, gen.routed_experts)
+            seg = entry.tracker.commit(plan, gen.ids, gen.logprobs, gen.versions, message, gen.routed_experts)
+            if constraint is not None and gen.ids:  # the trainer replays the grammar over these tokens
+                start, end = seg.turns[-1]
+                seg.constraints.append(GrammarSpan(start, end, constraint.grammar, self._stop_ids(entry)))
             versions = [v for v in gen.versions if v >= 0] or [-1]
             rec.turns.append(TurnInfo(segment=plan.segment_index, prompt_tokens=len(plan.context),
                                       new_prompt_tokens=len(plan.delta), completion_tokens=len(gen.ids),
@@ -243,12 +262,18 @@ class TurnRunner:
                 await stream.delta(rest)
         return response
 
+    def _stop_ids(self, entry: LiveTrajectory) -> list[int]:
+        """The stop tokens every turn of ``entry`` is sent (what a grammar allows where it may end)."""
+        return list(dict.fromkeys([*self.renderer.turn_end_ids, *entry.sampling.stop_token_ids]))
+
     async def _generate(self, entry: LiveTrajectory, plan: TurnPlan, req: ChatRequest, max_new: int,
-                        on_tokens: Callable[[list[int]], Awaitable[None]] | None = None) -> Generation:
+                        on_tokens: Callable[[list[int]], Awaitable[None]] | None = None,
+                        constraint: TurnConstraint | None = None) -> Generation:
         """Generate one turn, resuming after engine aborts (weight updates) up to a limit.
 
         With ``on_tokens`` the engine streams, and ``on_tokens`` gets all tokens of the turn so
-        far after every engine update.
+        far after every engine update. A ``constraint`` is sent with every call, a resumed call
+        saying how many of its prompt's tokens the turn generated under it already.
         """
         tid = entry.record.trajectory_id
         url = self.balancer.pick(tid)
@@ -258,9 +283,10 @@ class TurnRunner:
         while True:
             remaining = max_new - len(gen.ids)
             rid = f"{tid}-{entry.record.attempt}-{turn}-{gen.continuations}-{uuid.uuid4().hex[:8]}"
-            call = (url, plan.context + gen.ids,
-                    engine_sampling(entry.sampling, req, turn, self.renderer.turn_end_ids, remaining), rid,
-                    req.top_logprobs)
+            params = engine_sampling(entry.sampling, req, turn, self.renderer.turn_end_ids, remaining)
+            if constraint is not None:
+                params.update(constraint.sampling_params(len(gen.ids)))
+            call = (url, plan.context + gen.ids, params, rid, req.top_logprobs)
             entry.in_flight[rid] = url
             self.balancer.acquire(url)
             self.stats["engine_calls"] += 1

@@ -98,6 +98,9 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
         meta["prompt_id"].append(traj.prompt_id)
         meta["source"].append(traj.source)
         meta["segment"].append(s_idx)
+    if any(seg.constraints for _, _, _, (_, seg) in rows):  # grammar spans the trainer replays
+        meta["constraints"] = [[(c.start, c.end, c.grammar, list(c.stop_token_ids)) for c in seg.constraints]
+                               for _, _, _, (_, seg) in rows]
     tensors = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
                "rollout_logprobs": logprobs, "weight_versions": versions, "rewards": rewards,
                "group_index": group_index, "sample_index": sample_index}

@@ -136,6 +136,9 @@ def _segment_record(seg: Any, row: int | None, token_text: Callable[[list[int]],
                            "loss_mask": list(seg.loss_mask), "rollout_logprobs": _floats(seg.logprobs),
                            "weight_versions": list(seg.weight_versions), "turns": [list(t) for t in seg.turns],
                            "parent": seg.parent, "fork_at": seg.fork_at}
+    if seg.constraints:  # spans sampled under a grammar (constrained decoding)
+        out["constraints"] = [{"start": c.start, "end": c.end, "grammar": c.grammar,
+                               "stop_token_ids": list(c.stop_token_ids)} for c in seg.constraints]
     if row is not None:
         for name, rows in row_lists.items():
             out[name] = _floats(rows[row][:n]) if name != "loss_mask" else [int(x) for x in rows[row][:n]]

@@ -149,7 +149,8 @@ def test_responses_bad_input_gets_openai_errors(engine_url, router_factory):
          "input[0].content[0].type"),
         ({"input": "x", "previous_response_id": "resp_missing"}, "previous_response_id"),
         ({"input": "x", "previous_response_id": ["resp_1"]}, "previous_response_id"),
-        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format"),
+        ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.json_schema.name"),
+        ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ]
     for body, param in cases:
         with pytest.raises(openai.BadRequestError) as info:

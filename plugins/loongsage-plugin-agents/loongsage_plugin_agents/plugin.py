@@ -14,6 +14,7 @@ from loongsage_hookspecs import (
     AgentSpec,
     BuildContext,
     Closeable,
+    ConstrainsToolCalls,
     DataSourceSpec,
     ObservingMiddleware,
     ReportsIsolation,
@@ -149,7 +150,7 @@ def loongsage_router_middlewares() -> Iterator[RouterMiddlewareSpec]:
     yield RouterMiddlewareSpec(name="tool_call_parser", factory=_tool_call_parser,
                                args_from="loongsage_plugin_agents.tool_parser:ToolCallParser",
                                description="model-written tool calls (hermes, llama3_json, mistral) -> "
-                                           "OpenAI tool_calls", capabilities=(StreamingMiddleware,))
+                                           "OpenAI tool_calls", capabilities=(StreamingMiddleware, ConstrainsToolCalls))
     yield RouterMiddlewareSpec(name="reasoning_parser", factory=_reasoning_parser,
                                args_from="loongsage_plugin_agents.reasoning_parser:ReasoningParser",
                                description="<think>...</think> -> reasoning_content",

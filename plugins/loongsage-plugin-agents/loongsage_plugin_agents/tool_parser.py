@@ -143,6 +143,16 @@ def without_markup(text: str, format: str) -> str:
     return rest if calls else text
 
 
+SYNTAX: dict[str, tuple[str, str, str, str]] = {
+    "hermes": ("<tool_call>\n", "\n</tool_call>", "\n", "arguments"),
+    "llama3_json": ("", "", "; ", "parameters"),
+    "mistral": ("[TOOL_CALLS][", "]", "", "arguments"),
+}
+"""How each format writes a call: ``(begin, end, separator, arguments key)``; a call is ``begin +
+{"name": ..., key: {...}} + end`` and several are joined by ``separator`` (empty: one call per
+answer, as a forced mistral answer is one ``[TOOL_CALLS]`` list)."""
+
+
 class ToolCallParser:
     """Router middleware: parse tool calls out of the model's text (see the module docstring).
 
@@ -160,6 +170,13 @@ class ToolCallParser:
 
     def on_request(self, trajectory_id: str, request: dict[str, Any]) -> dict[str, Any]:
         return request
+
+    def tool_call_syntax(self, request: dict[str, Any]) -> tuple[str, str, str, str] | None:
+        """How the model writes a call in this format, so the router can force one by constrained
+        decoding (``tool_choice`` ``required`` or a named function): ``(begin, end, separator,
+        arguments key)``, what :func:`parse_hermes` / :func:`parse_llama3_json` /
+        :func:`parse_mistral` read back."""
+        return SYNTAX[self.format]
 
     def stream_holdback(self, request: dict[str, Any], text: str) -> int:
         """While streaming: hold back a tool call being written (from its marker on) and a tail
