@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from typing import Any
 
 import httpx
@@ -184,5 +185,11 @@ def test_the_engine_reports_log_probs_of_the_restricted_distribution(tokenizer):
         resumed = {**sampling, "custom_params": {"grammar_offset": 2}}  # "\n" of the prompt is not "ab"/"cd"
         bad = httpx.post(url + "/generate", json={"input_ids": prompt, "sampling_params": resumed})
         assert bad.status_code == 400 and "grammar_offset" in bad.json()["error"]["param"], bad.text
+        # a turn resumed after an abort: its first tokens are the prompt's last ones, the grammar goes on
+        done = tokenizer.encode("abcd", add_special_tokens=False)
+        resumed = {**sampling, "custom_params": {"grammar_offset": len(done)}}
+        out = httpx.post(url + "/generate", json={"input_ids": prompt + done, "sampling_params": resumed},
+                         timeout=60).json()
+        assert re.fullmatch("(ab|cd)+e", "abcd" + out["text"]), out["text"]
     finally:
         engine.shutdown()
