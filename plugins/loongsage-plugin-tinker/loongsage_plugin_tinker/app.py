@@ -90,9 +90,10 @@ class TinkerApp:
         app.on_cleanup.append(lambda _app: self.service.close())
         return app
 
-    def _future(self, work: Callable[[], Awaitable[Any]], kind: str, model_id: str | None = None) -> web.Response:
+    def _future(self, work: Callable[[], Awaitable[Any]], kind: str, model_id: str | None = None,
+                **extra: Any) -> web.Response:
         request_id = self.futures.submit(work, kind)
-        body: dict[str, Any] = {"request_id": request_id}
+        body: dict[str, Any] = {"request_id": request_id, **extra}
         if model_id is not None:
             body["model_id"] = model_id
         return web.json_response(body)
@@ -294,7 +295,8 @@ class TinkerApp:
             sequences = await self.service.engines.sample(weights, tokens, int(req.num_samples), params)
             return encode_sample_response(sequences)
 
-        return self._future(work, "sample")
+        ids = [f"seq-{uuid.uuid4().hex}" for _ in range(int(req.num_samples))]
+        return self._future(work, "sample", sample_sequence_ids=ids)
 
     # -- futures ------------------------------------------------------------------------------------
 
