@@ -29,9 +29,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from loongsage_core.cli import load_job_and_host
     from loongsage_plugin_tinker.cli import DEFAULT_JOB
     from loongsage_plugin_tinker.serve import served_models, start_service
+
+    from loongsage_core.cli import load_job_and_host
 
     job, host = load_job_and_host(str(DEFAULT_JOB))
     running = start_service(job, host, served_models(job, [f"tiny={tiny_model_dir}"]),

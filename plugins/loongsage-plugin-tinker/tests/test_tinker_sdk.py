@@ -54,7 +54,7 @@ def test_rl_loop_raises_the_reward(client: Any) -> None:
     prompt = types.ModelInput.from_ints(tc.get_tokenizer().encode("count:"))
     params = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[])
     rewards = []
-    for step in range(8):
+    for _ in range(8):
         sampler = tc.save_weights_and_get_sampling_client()
         seqs = sampler.sample(prompt=prompt, num_samples=8, sampling_params=params).result().sequences
         scores = np.array([np.mean([t < vocab // 2 for t in s.tokens]) for s in seqs])
