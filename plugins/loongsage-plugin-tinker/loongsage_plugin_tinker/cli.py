@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 DEFAULT_JOB = Path(__file__).with_name("default_job.toml")
 API_KEY_ENV = "LOONGSAGE_TINKER_API_KEY"
+EXIT_USAGE = 2
 
 
 class TinkerServeCommand:
@@ -39,12 +40,21 @@ class TinkerServeCommand:
     def run(self, args: argparse.Namespace, load: Callable[[str, list[str]], tuple[Any, Any]]) -> int:
         import threading
 
+        from .batches import TinkerRequestError
         from .serve import served_models, start_service
 
         job, host = load(args.job or str(DEFAULT_JOB), list(args.overrides))
-        running = start_service(job, host, served_models(job, args.model), port=args.port,
-                                api_key=os.environ.get(API_KEY_ENV), state_dir=args.state_dir,
-                                max_engines=args.max_engines)
+        try:
+            running = start_service(job, host, served_models(job, args.model), port=args.port,
+                                    api_key=os.environ.get(API_KEY_ENV), state_dir=args.state_dir,
+                                    max_engines=args.max_engines)
+        except TinkerRequestError as exc:
+            print(f"loongsage: error: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        except OSError as exc:  # the port is taken, or not ours to bind
+            print(f"loongsage: error: tinker-serve: cannot listen on 127.0.0.1:{args.port}: {exc.strerror or exc}",
+                  file=sys.stderr)
+            return EXIT_USAGE
         print(f"Tinker service on {running.base_url} serving {', '.join(sorted(running.service.models))}")
         print(f"export TINKER_BASE_URL={running.base_url}")
         print(f"export TINKER_API_KEY={running.api_key}", flush=True)

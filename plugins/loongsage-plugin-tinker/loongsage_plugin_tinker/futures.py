@@ -33,8 +33,9 @@ class Outcome:
 class FutureStore:
     """Requests in flight and their outcomes, by request id (on the server's event loop)."""
 
-    def __init__(self, poll_s: float = 20.0) -> None:
+    def __init__(self, poll_s: float = 20.0, keep_s: float = 600.0) -> None:
         self.poll_s = poll_s
+        self.keep_s = keep_s
         self._tasks: dict[str, asyncio.Task[Outcome]] = {}
 
     def submit(self, work: Callable[[], Awaitable[dict[str, Any] | bytes]], kind: str) -> str:
@@ -58,7 +59,13 @@ class FutureStore:
         An unknown id raises :class:`KeyError`."""
         task = self._tasks[request_id]
         done, _ = await asyncio.wait({task}, timeout=self.poll_s)
-        return task.result() if done else None
+        if not done:
+            return None
+        # retrieved: kept a while longer for a client that retries the retrieve, then forgotten
+        asyncio.get_running_loop().call_later(self.keep_s, self._tasks.pop, request_id, None)
+        if task.cancelled():
+            return Outcome(error=f"request {request_id} was cancelled", category="user")
+        return task.result()
 
     def cancel(self, request_id: str) -> None:
         task = self._tasks.get(request_id)
