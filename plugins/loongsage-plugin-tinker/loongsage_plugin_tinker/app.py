@@ -19,7 +19,7 @@ from aiohttp import web
 
 from .batches import TinkerRequestError
 from .futures import FutureStore
-from .service import TinkerService
+from .service import SamplingSession, TinkerService
 from .trainer import ModelSpec
 from .wire import decode_forward_backward, encode_forward_backward_output, encode_sample_response
 
@@ -83,6 +83,7 @@ class TinkerApp:
         post("/api/v1/save_weights_for_sampler", self.save_weights_for_sampler)
         post("/api/v1/create_sampling_session", self.create_sampling_session)
         post("/api/v1/asample", self.asample)
+        get("/api/v1/samplers/{sampler_id}", self.get_sampler)
         post("/api/v1/retrieve_future", self.retrieve_future)
         post("/api/v1/cancel_future", self.cancel_future)
         post("/api/v1/unload_model", self.unload_model)
@@ -235,7 +236,9 @@ class TinkerApp:
             path, directory = await self.service.save_for_sampler(req.model_id, req.seq_id, req.path)
             if req.path is not None:
                 return {"path": path, "type": "save_weights_for_sampler"}
-            return {"path": path, "sampling_session_id": self.service.new_sampling_session(str(directory)),
+            base_model = self.service.entry(req.model_id).model.spec.name
+            session = SamplingSession(weights_dir=str(directory), base_model=base_model, model_path=path)
+            return {"path": path, "sampling_session_id": self.service.new_sampling_session(session),
                     "type": "save_weights_for_sampler"}
 
         return self._future(work, "save_weights_for_sampler", req.model_id)
@@ -258,11 +261,19 @@ class TinkerApp:
 
         req = await _parse(request, types.CreateSamplingSessionRequest)
         try:
-            weights = self.service.sampling_weights(req.base_model, req.model_path)
+            target = self.service.sampling_target(req.base_model, req.model_path)
         except TinkerRequestError as exc:
             return _error(400, str(exc))
         return web.json_response({"type": "create_sampling_session",
-                                  "sampling_session_id": self.service.new_sampling_session(weights)})
+                                  "sampling_session_id": self.service.new_sampling_session(target)})
+
+    async def get_sampler(self, request: web.Request) -> web.Response:
+        sampler_id = request.match_info["sampler_id"]
+        session = self.service.sampling_sessions.get(sampler_id)
+        if session is None:
+            return _error(404, f"sampler {sampler_id!r} is unknown")
+        return web.json_response({"sampler_id": sampler_id, "base_model": session.base_model,
+                                  "model_path": session.model_path})
 
     async def asample(self, request: web.Request) -> web.Response:
         from tinker import types
@@ -280,9 +291,9 @@ class TinkerApp:
             if req.sampling_session_id is not None:
                 if req.sampling_session_id not in self.service.sampling_sessions:
                     raise TinkerRequestError(f"sampling session {req.sampling_session_id!r} is unknown")
-                weights = self.service.sampling_sessions[req.sampling_session_id]
+                weights = self.service.sampling_sessions[req.sampling_session_id].weights_dir
             else:
-                weights = self.service.sampling_weights(req.base_model, req.model_path)
+                weights = self.service.sampling_target(req.base_model, req.model_path).weights_dir
             tokens: list[int] = []
             for chunk in req.prompt.chunks:
                 if getattr(chunk, "type", None) != "encoded_text":

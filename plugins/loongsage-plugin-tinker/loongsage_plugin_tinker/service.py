@@ -30,6 +30,16 @@ _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 _SEQ_WAIT_S = 10.0
 
 
+@attrs.define(frozen=True)
+class SamplingSession:
+    """What a sampling session samples from: a weights directory, the base model's name, and the
+    sampler checkpoint's Tinker path (``None`` for the base model itself)."""
+
+    weights_dir: str
+    base_model: str
+    model_path: str | None = None
+
+
 @attrs.define
 class ModelEntry:
     """A training model of the service and its request order."""
@@ -49,7 +59,7 @@ class TinkerService:
         self.models = dict(models)
         self.state_dir = state_dir
         self.training: dict[str, ModelEntry] = {}
-        self.sampling_sessions: dict[str, str] = {}
+        self.sampling_sessions: dict[str, SamplingSession] = {}
         self.engines = EnginePool(job, host, max_engines=max_engines)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tinker-train")
 
@@ -155,17 +165,19 @@ class TinkerService:
         await self.in_order(model_id, seq_id, save)
         return path, directory
 
-    def new_sampling_session(self, weights_dir: str) -> str:
-        session = f"sampling-{uuid.uuid4().hex}"
-        self.sampling_sessions[session] = weights_dir
-        return session
+    def new_sampling_session(self, session: SamplingSession) -> str:
+        session_id = f"sampling-{uuid.uuid4().hex}"
+        self.sampling_sessions[session_id] = session
+        return session_id
 
-    def sampling_weights(self, base_model: str | None, model_path: str | None) -> str:
-        """The directory a sampling client samples from: a sampler checkpoint or a base model."""
+    def sampling_target(self, base_model: str | None, model_path: str | None) -> SamplingSession:
+        """What a sampling client samples from: a sampler checkpoint, or a base model."""
         if model_path:
-            return str(self.checkpoint_dir(model_path, "sampler_weights"))
+            directory = self.checkpoint_dir(model_path, "sampler_weights")
+            return SamplingSession(weights_dir=str(directory), base_model=self.read_meta(directory).name,
+                                   model_path=model_path)
         if base_model:
-            return self.model_path(base_model)
+            return SamplingSession(weights_dir=self.model_path(base_model), base_model=base_model)
         raise TinkerRequestError("sampling needs a model_path (tinker://.../sampler_weights/...) or a base_model")
 
     async def unload(self, model_id: str) -> None:

@@ -108,3 +108,31 @@ def test_unsupported_requests_are_refused_clearly(client: Any) -> None:
         tc.forward_backward([bad], "cross_entropy").result()
     with pytest.raises(Exception, match="base_model 'no-such-model' is not served here"):
         client.create_lora_training_client(base_model="no-such-model", rank=4).result()
+
+
+def test_sampled_logprobs_match_the_trained_lora_model(client: Any) -> None:
+    """After LoRA steps, the engine samples from the saved (merged) weights: its log-probs of the
+    sampled tokens are the training model's own log-probs of them."""
+    from tinker import types
+
+    tc = client.create_lora_training_client(base_model="tiny", rank=8).result()
+    datum = _sft_datum(tc.get_tokenizer())
+    for _ in range(3):
+        tc.forward_backward([datum], "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    prompt = datum.model_input.to_ints()[:4]
+    sampler = tc.save_weights_and_get_sampling_client()
+    seq = sampler.sample(prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+                         sampling_params=types.SamplingParams(max_tokens=6, stop=[], seed=3)).result().sequences[0]
+    assert len(seq.tokens) == 6 and seq.stop_reason == "length"
+    tokens = prompt + list(seq.tokens)
+    scored = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    trained = tc.forward([scored], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+    np.testing.assert_allclose(trained[len(prompt) - 1:], seq.logprobs, atol=2e-4)
+    path = tc.save_weights_for_sampler("named").result().path
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/named")
+    again = client.create_sampling_client(model_path=path).sample(
+        prompt=types.ModelInput.from_ints(prompt), num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=6, stop=[], seed=3)).result().sequences[0]
+    assert list(again.tokens) == list(seq.tokens)
