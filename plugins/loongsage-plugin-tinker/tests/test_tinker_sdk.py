@@ -54,7 +54,7 @@ def test_rl_loop_raises_the_reward(client: Any) -> None:
     prompt = types.ModelInput.from_ints(tc.get_tokenizer().encode("count:"))
     params = types.SamplingParams(max_tokens=6, temperature=1.0, stop=[])
     rewards = []
-    for _ in range(8):
+    for _ in range(10):
         sampler = tc.save_weights_and_get_sampling_client()
         seqs = sampler.sample(prompt=prompt, num_samples=8, sampling_params=params).result().sequences
         scores = np.array([np.mean([t < vocab // 2 for t in s.tokens]) for s in seqs])
@@ -69,8 +69,8 @@ def test_rl_loop_raises_the_reward(client: Any) -> None:
                                 "logprobs": [0.0] * n_prompt + list(seq.logprobs),
                                 "advantages": [0.0] * n_prompt + [float(adv)] * len(seq.tokens)}))
         tc.forward_backward(data, "importance_sampling").result()
-        tc.optim_step(types.AdamParams(learning_rate=3e-2)).result()
-    assert np.mean(rewards[-2:]) > np.mean(rewards[:2]) + 0.15, rewards
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    assert np.mean(rewards[-2:]) > np.mean(rewards[:2]) + 0.25, rewards
 
 
 def test_save_and_load_state_give_identical_logprobs(client: Any) -> None:
