@@ -38,9 +38,12 @@ REQUIRED_INPUTS = {"cross_entropy": ("target_tokens", "weights"),
 
 
 def check_datums(datums: Sequence[Datum], loss_fn: str, *, forward_only: bool) -> None:
-    """Every datum has the inputs ``loss_fn`` needs, of its length, and targets that are the next
-    input tokens; raises :class:`TinkerRequestError` naming the datum and key otherwise."""
-    needed = ("target_tokens",) if forward_only else REQUIRED_INPUTS[loss_fn]
+    """Every datum has the inputs ``loss_fn`` needs (a forward pass only ``target_tokens``), of its
+    length, and targets that are the next input tokens; raises :class:`TinkerRequestError` naming
+    the datum and key otherwise. Inputs the loss does not read are left alone (a client-side
+    custom loss may carry its own)."""
+    used = REQUIRED_INPUTS[loss_fn]
+    needed = ("target_tokens",) if forward_only else used
     for i, datum in enumerate(datums):
         n = len(datum.tokens)
         if n == 0:
@@ -49,7 +52,7 @@ def check_datums(datums: Sequence[Datum], loss_fn: str, *, forward_only: bool) -
             if key not in datum.inputs:
                 raise TinkerRequestError(f"data[{i}].loss_fn_inputs has no {key!r}, which loss_fn {loss_fn!r} needs")
         for key, value in datum.inputs.items():
-            if value.ndim != 1 or value.shape[0] != n:
+            if key in used and (value.ndim != 1 or value.shape[0] != n):
                 raise TinkerRequestError(f"data[{i}].loss_fn_inputs[{key!r}] has shape {list(value.shape)}; "
                                          f"expected [{n}] (one value per model_input token)")
         targets = datum.inputs["target_tokens"].astype(np.int64)
@@ -96,10 +99,16 @@ def per_datum(values: Any, datums: Sequence[Datum]) -> list[np.ndarray]:
 
 
 def datum_loss(loss_fn: str, datum: Datum, logprobs: np.ndarray, config: dict[str, float]) -> float:
-    """The datum's share of the Tinker loss at the current weights (reported as ``loss:sum``)."""
+    """The datum's share of the Tinker loss at the current weights (reported as ``loss:sum``).
+
+    A forward pass may lack the loss's inputs: cross_entropy then weighs every token 1, the
+    policy-gradient losses count 0."""
     lp = logprobs.astype(np.float64)
     if loss_fn == "cross_entropy":
-        return float(-(datum.inputs["weights"].astype(np.float64) * lp).sum())
+        weights = datum.inputs.get("weights")
+        return float(-(lp if weights is None else weights.astype(np.float64) * lp).sum())
+    if "advantages" not in datum.inputs or "logprobs" not in datum.inputs:
+        return 0.0
     adv = datum.inputs["advantages"].astype(np.float64)
     ratio = np.exp(lp - datum.inputs["logprobs"].astype(np.float64))
     if loss_fn == "importance_sampling":

@@ -97,7 +97,7 @@ class TrainingModel:
 
     def forward_backward(self, data: Sequence[Datum], loss_fn: str, config: dict[str, float], *,
                          forward_only: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
-        """Per-datum ``logprobs`` and ``elementwise_loss`` at the current weights, and ``loss:sum``;
+        """Per-datum ``logprobs`` of the targets at the current weights, and ``loss:sum``;
         without ``forward_only`` the call's gradients are added to the model's."""
         from loongsage_hookspecs import AggregationNorm
 
@@ -109,11 +109,8 @@ class TrainingModel:
         logprobs = per_datum(self.worker.forward(batch)["logprobs"], data)
         outputs, total = [], 0.0
         for datum, lp in zip(data, logprobs):
-            loss = datum_loss(loss_fn, datum, lp, config) if not forward_only or loss_fn in LOSSES else 0.0
-            total += loss
-            weights = datum.inputs.get("weights")
-            elementwise = -lp * weights if loss_fn == "cross_entropy" and weights is not None else -lp
-            outputs.append({"logprobs": lp, "elementwise_loss": elementwise.astype(np.float32)})
+            total += datum_loss(loss_fn, datum, lp, config)
+            outputs.append({"logprobs": lp})
         metrics = {"loss:sum": total}
         if not forward_only:
             self.worker.pipeline = self._pipeline(loss_fn, config)

@@ -80,3 +80,18 @@ def test_sampling_refuses_prompt_logprobs(client: Any) -> None:
     with pytest.raises(tinker.RequestFailedError, match="prompt_logprobs is not supported"):
         sampler.sample(prompt=types.ModelInput.from_ints([5, 6, 7]), num_samples=1,
                        sampling_params=types.SamplingParams(max_tokens=2), include_prompt_logprobs=True).result()
+
+
+def test_forward_needs_only_the_targets(client: Any) -> None:
+    """A forward pass (what a client-side custom loss runs first) takes datums with only
+    ``target_tokens``; cross_entropy then weighs each token 1."""
+    from tinker import types
+
+    tc = client.create_lora_training_client(base_model="tiny", rank=4).result()
+    tokens = tc.get_tokenizer().encode("only the targets")
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:]})
+    out = tc.forward([datum], "cross_entropy").result()
+    logprobs = out.loss_fn_outputs[0]["logprobs"].to_numpy()
+    assert len(logprobs) == len(tokens) - 1 and (logprobs < 0).all()
+    assert out.metrics["loss:sum"] == pytest.approx(-float(logprobs.sum()), rel=1e-5)
