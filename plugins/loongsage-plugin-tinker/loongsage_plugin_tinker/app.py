@@ -72,6 +72,7 @@ class TinkerApp:
         post("/api/v1/client/dynamic_config", self.dynamic_config)
         post("/api/v1/create_session", self.create_session)
         post("/api/v1/session_heartbeat", self.heartbeat)
+        post("/api/v1/sessions/{session_id}/finish", self.finish_session)
         post("/api/v1/telemetry", self.telemetry)
         get("/api/v1/get_server_capabilities", self.capabilities)
         post("/api/v1/create_model", self.create_model)
@@ -117,6 +118,14 @@ class TinkerApp:
 
     async def heartbeat(self, request: web.Request) -> web.Response:
         return web.json_response({"type": "session_heartbeat"})
+
+    async def finish_session(self, request: web.Request) -> web.Response:
+        """The client closed its session: its training models are unloaded (their checkpoints stay)."""
+        session_id = request.match_info["session_id"]
+        self.sessions.discard(session_id)
+        for model_id in [m for m in self.service.training if m.startswith(f"{session_id}:train:")]:
+            await self.service.unload(model_id)
+        return web.json_response({})
 
     async def telemetry(self, request: web.Request) -> web.Response:
         return web.json_response({"status": "accepted"})

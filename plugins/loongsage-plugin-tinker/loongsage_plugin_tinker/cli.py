@@ -59,12 +59,25 @@ class TinkerServeCommand:
         print(f"export TINKER_BASE_URL={running.base_url}")
         print(f"export TINKER_API_KEY={running.api_key}", flush=True)
         try:
+            _stop_on_signals()
             threading.Event().wait()
         except KeyboardInterrupt:
             print("tinker-serve: stopping", file=sys.stderr)
         finally:
             running.stop()
         return 0
+
+
+def _stop_on_signals() -> None:
+    """SIGINT and SIGTERM raise KeyboardInterrupt, so the service stops its engines and workers
+    (SIGINT too when the shell started the command in the background with SIGINT ignored)."""
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, stop)
 
 
 COMMAND = TinkerServeCommand()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import re
 import uuid
 from pathlib import Path
@@ -25,6 +26,7 @@ from .sampling import EnginePool
 from .trainer import ModelSpec, TrainingModel
 
 T = TypeVar("T")
+log = logging.getLogger("loongsage.tinker")
 
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 _SEQ_WAIT_S = 10.0
@@ -91,7 +93,8 @@ class TinkerService:
                 try:
                     await asyncio.wait_for(entry.turn.wait_for(lambda: entry.next_seq >= seq_id), _SEQ_WAIT_S)
                 except TimeoutError:
-                    pass
+                    log.warning("tinker: %s request %d ran without request %d..%d, which never arrived", model_id,
+                                seq_id, entry.next_seq, seq_id - 1)
             try:
                 return await self.on_trainer(lambda: fn(entry))
             finally:

@@ -136,3 +136,21 @@ def test_sampled_logprobs_match_the_trained_lora_model(client: Any) -> None:
         prompt=types.ModelInput.from_ints(prompt), num_samples=1,
         sampling_params=types.SamplingParams(max_tokens=6, stop=[], seed=3)).result().sequences[0]
     assert list(again.tokens) == list(seq.tokens)
+
+
+def test_closing_the_service_client_unloads_its_models(service: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ServiceClient`` as a context manager finishes its session: its training models are freed,
+    what it saved stays loadable."""
+    import tinker
+
+    monkeypatch.setenv("TINKER_BASE_URL", service.base_url)
+    monkeypatch.setenv("TINKER_API_KEY", service.api_key)
+    with tinker.ServiceClient() as client:
+        tc = client.create_lora_training_client(base_model="tiny", rank=4).result()
+        path = tc.save_state("before_close").result().path
+        model_id = tc.model_id
+        assert model_id in service.service.training
+    assert model_id not in service.service.training
+    with tinker.ServiceClient() as client:
+        fresh = client.create_training_client_from_state(path).result()
+        assert fresh.model_id in service.service.training
