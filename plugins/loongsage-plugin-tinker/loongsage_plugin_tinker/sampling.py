@@ -5,7 +5,8 @@ A sampler checkpoint is a Hugging Face directory (:meth:`TrainingModel.save_for_
 engine for it is started on first use and kept, the oldest stopped once more than
 ``max_engines`` are running, so a sampling client always samples from the weights it was made
 for (Tinker's snapshot semantics) and a training loop that saves new sampler weights every step
-holds only the newest engines.
+holds only the newest engines. An engine serving a request is not stopped: the pool then runs
+more than ``max_engines`` until those requests finish.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .batches import TinkerRequestError
 class _Engine:
     engine: Any
     client: Any
+    in_use: int = 0
 
 
 class EnginePool:
@@ -47,24 +49,36 @@ class EnginePool:
         url = engine.start()
         return _Engine(engine=engine, client=EngineClient(url))
 
-    async def _engine(self, path: str) -> _Engine:
+    async def _acquire(self, path: str) -> _Engine:
+        """The engine for ``path`` (started if need be), marked in use."""
         async with self._lock:
-            if path in self._engines:
-                self._engines.move_to_end(path)
-                return self._engines[path]
-            while len(self._engines) >= self.max_engines:
-                _, old = self._engines.popitem(last=False)
-                await old.client.aclose()
-                await asyncio.to_thread(old.engine.shutdown)
-            self._engines[path] = await asyncio.to_thread(self._start, path)
-            return self._engines[path]
+            if path not in self._engines:
+                await self._evict(self.max_engines - 1)
+                self._engines[path] = await asyncio.to_thread(self._start, path)
+            self._engines.move_to_end(path)
+            engine = self._engines[path]
+            engine.in_use += 1
+            return engine
+
+    async def _evict(self, keep: int) -> None:
+        """Stop the least recently used idle engines until at most ``keep`` run (under the lock)."""
+        for path in [p for p, e in self._engines.items() if e.in_use == 0]:
+            if len(self._engines) <= keep:
+                break
+            old = self._engines.pop(path)
+            await old.client.aclose()
+            await asyncio.to_thread(old.engine.shutdown)
 
     async def sample(self, path: str, prompt: list[int], num_samples: int,
                      params: dict[str, Any]) -> list[tuple[list[int], list[float], str]]:
         """``num_samples`` continuations of ``prompt`` with Tinker ``SamplingParams``: each its tokens,
         their log-probs and ``"stop"`` or ``"length"``."""
-        engine = await self._engine(path)
-        results = await engine.client.generate([prompt] * num_samples, engine_params(params))
+        sampling_params = engine_params(params)
+        engine = await self._acquire(path)
+        try:
+            results = await engine.client.generate([prompt] * num_samples, sampling_params)
+        finally:
+            engine.in_use -= 1
         out = []
         for r in results:
             logprobs = [float(x) if x is not None else 0.0 for x in (r.logprobs or [])]
@@ -73,10 +87,14 @@ class EnginePool:
 
     async def close(self) -> None:
         async with self._lock:
-            while self._engines:
-                _, old = self._engines.popitem(last=False)
-                await old.client.aclose()
-                await asyncio.to_thread(old.engine.shutdown)
+            for engine in self._engines.values():
+                engine.in_use = 0
+            await self._evict(0)
+
+    @property
+    def running(self) -> list[str]:
+        """The weights directories with a running engine, least recently used first."""
+        return list(self._engines)
 
 
 def engine_params(params: dict[str, Any]) -> dict[str, Any]:

@@ -44,9 +44,10 @@ def test_sft_loop_lowers_the_loss(client: Any) -> None:
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_rl_loop_raises_the_reward(client: Any) -> None:
+def test_rl_loop_raises_the_reward(client: Any, service: Any) -> None:
     """Sample, score (the share of tokens in the lower half of the vocabulary), train with
-    importance_sampling on group-centred advantages: the mean reward rises."""
+    importance_sampling on group-centred advantages: the mean reward rises. Each step samples
+    from new weights; only the newest engines keep running."""
     from tinker import types
 
     tc = client.create_lora_training_client(base_model="tiny", rank=0).result()  # rank 0: full fine-tuning
@@ -71,6 +72,8 @@ def test_rl_loop_raises_the_reward(client: Any) -> None:
         tc.forward_backward(data, "importance_sampling").result()
         tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
     assert np.mean(rewards[-2:]) > np.mean(rewards[:2]) + 0.25, rewards
+    running = service.service.engines.running
+    assert len(running) == 2 and running[-1].endswith("sampler_000010")
 
 
 def test_save_and_load_state_give_identical_logprobs(client: Any) -> None:
