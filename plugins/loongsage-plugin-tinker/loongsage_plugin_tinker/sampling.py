@@ -73,10 +73,13 @@ class EnginePool:
                      params: dict[str, Any]) -> list[tuple[list[int], list[float], str]]:
         """``num_samples`` continuations of ``prompt`` with Tinker ``SamplingParams``: each its tokens,
         their log-probs and ``"stop"`` or ``"length"``."""
-        sampling_params = engine_params(params)
+        base = engine_params(params)
+        # with a seed, sample i draws with seed + i: reproducible, and not n copies of one sample
+        per_sample = [dict(base, sampling_seed=base["sampling_seed"] + i) if "sampling_seed" in base else base
+                      for i in range(num_samples)]
         engine = await self._acquire(path)
         try:
-            results = await engine.client.generate([prompt] * num_samples, sampling_params)
+            results = await engine.client.generate([prompt] * num_samples, per_sample)
         finally:
             engine.in_use -= 1
         out = []

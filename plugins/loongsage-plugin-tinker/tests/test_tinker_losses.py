@@ -95,3 +95,18 @@ def test_forward_needs_only_the_targets(client: Any) -> None:
     logprobs = out.loss_fn_outputs[0]["logprobs"].to_numpy()
     assert len(logprobs) == len(tokens) - 1 and (logprobs < 0).all()
     assert out.metrics["loss:sum"] == pytest.approx(-float(logprobs.sum()), rel=1e-5)
+
+
+def test_seeded_samples_are_reproducible_and_distinct(client: Any) -> None:
+    from tinker import types
+
+    sampler = client.create_sampling_client(base_model="tiny")
+    params = types.SamplingParams(max_tokens=8, stop=[], seed=11)
+
+    def draw() -> list[list[int]]:
+        out = sampler.sample(prompt=types.ModelInput.from_ints([5, 6, 7]), num_samples=3, sampling_params=params)
+        return [list(s.tokens) for s in out.result().sequences]
+
+    first = draw()
+    assert first == draw()
+    assert len({tuple(t) for t in first}) == 3
