@@ -92,6 +92,10 @@ class TrainingModel:
         if unknown:
             raise TinkerRequestError(f"loss_fn {loss_fn!r}: unknown loss_fn_config keys {unknown} "
                                      f"(accepted: {list(LOSS_CONFIG_KEYS[loss_fn]) or 'none'})")
+        low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
+        if loss_fn == "ppo" and not 0.0 <= low <= 1.0 <= high:
+            raise TinkerRequestError(f"loss_fn 'ppo': loss_fn_config needs 0 <= clip_low_threshold <= 1 <= "
+                                     f"clip_high_threshold, got {low} and {high}")
 
     # -- operations ----------------------------------------------------------------------------------
 

@@ -105,6 +105,10 @@ def test_unsupported_requests_are_refused_clearly(client: Any) -> None:
     datum = _sft_datum(tc.get_tokenizer())
     with pytest.raises(tinker.RequestFailedError, match="loss_fn 'cispo' is not supported"):
         tc.forward_backward([datum], "cispo").result()
+    with pytest.raises(tinker.RequestFailedError, match="unknown loss_fn_config keys"):
+        tc.forward_backward([datum], "cross_entropy", {"temperature": 2.0}).result()
+    with pytest.raises(tinker.RequestFailedError, match="clip_low_threshold <= 1 <= clip_high_threshold"):
+        tc.forward_backward([datum], "ppo", {"clip_high_threshold": 0.5}).result()
     bad = types.Datum(model_input=datum.model_input,
                       loss_fn_inputs={"target_tokens": datum.loss_fn_inputs["target_tokens"]})
     with pytest.raises(tinker.RequestFailedError, match="has no 'weights'"):
