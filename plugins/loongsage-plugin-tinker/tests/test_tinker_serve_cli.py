@@ -69,3 +69,16 @@ def test_a_missing_model_directory_is_one_line(tmp_path: Path) -> None:
                                                "(no config.json)"]
 
 
+
+
+def test_the_job_files_model_is_served_beside_the_command_lines(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from loongsage_plugin_tinker.serve import served_models
+
+    from loongsage_core.cli import load_job_and_host
+
+    job_file = tmp_path / "serve.toml"
+    job_file.write_text(f'[plugins]\nenable = ["torch", "tinker"]\n[model]\npath = "{tiny_model_dir}"\n')
+    job, _ = load_job_and_host(str(job_file))
+    models = served_models(job, [f"alias={tiny_model_dir}"])
+    assert models == {str(tiny_model_dir.resolve()): str(tiny_model_dir.resolve()),
+                      "alias": str(tiny_model_dir.resolve())}
