@@ -1,5 +1,5 @@
 """The ``loongsage`` command line: ``run``, ``eval``, ``sft``, ``validate``, ``plugins``, ``recipes``,
-``serve``, ``view``.
+``serve``, ``view``, and the commands installed plugins add (:data:`COMMANDS_GROUP`).
 
 Imports stay lazy so ``loongsage --help`` answers instantly; bad input is reported as one line
 naming the file and key at fault, with exit code 2 and no traceback.
@@ -14,6 +14,12 @@ from typing import Any, Sequence
 
 EXIT_USAGE = 2
 EXIT_RUN_FAILED = 1
+
+COMMANDS_GROUP = "loongsage.commands"
+"""Entry-point group of the subcommands plugins add. Each entry point names an object with ``help``
+(one line), ``add_arguments(parser)`` and ``run(args, load) -> int``, where ``load(job, overrides)``
+returns the job file (a path or recipe name) loaded, with its plugin host: ``(job, host)``. The
+object's module is imported whenever the parser is built, so it must import nothing heavy."""
 
 
 def _add_job_args(p: argparse.ArgumentParser) -> None:
@@ -70,7 +76,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dirs", nargs="+", metavar="DIR", help="run directories (several are overlaid)")
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: any free port)")
     p.add_argument("--open", action="store_true", help="open the page in the default browser")
+    for name, command in plugin_commands().items():
+        p = sub.add_parser(name, help=command.help)
+        command.add_arguments(p)
+        p.set_defaults(plugin_command=command)
     return parser
+
+
+def plugin_commands() -> dict[str, Any]:
+    """The subcommands of installed plugins (:data:`COMMANDS_GROUP`), by name; a built-in name wins."""
+    from importlib.metadata import entry_points
+
+    builtin = {"run", "eval", "sft", "validate", "plugins", "recipes", "serve", "view"}
+    return {ep.name: ep.load() for ep in entry_points(group=COMMANDS_GROUP) if ep.name not in builtin}
+
+
+def load_job_and_host(job: str, overrides: Sequence[str] = ()) -> tuple[Any, Any]:
+    """A plugin command's job file (a path or a recipe name), loaded, and the plugin host of its
+    ``[plugins]`` table."""
+    from .config import load_job
+    from .plugins import PluginHost
+    from .recipes import find_job
+
+    loaded = load_job(find_job(job), list(overrides))
+    return loaded, PluginHost.from_job(loaded)
 
 
 def _load(args: argparse.Namespace) -> Any:
@@ -201,6 +230,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .errors import USER_ERRORS, RunError
 
     try:
+        command = getattr(args, "plugin_command", None)
+        if command is not None:
+            return int(command.run(args, load_job_and_host))
         return COMMANDS[args.command](args)
     except USER_ERRORS as exc:
         print(f"loongsage: error: {exc}", file=sys.stderr)

@@ -40,7 +40,8 @@ from typing import Any
 
 SUBMODULES: dict[str, tuple[str, ...]] = {
     "loss": ("LossPipeline", "LossPipelineError", "MetricAccumulator", "compute_norm", "old_from_training_forward"),
-    "schema": ("JobConfig", "ModelConfig", "RunConfig", "TrainConfig", "structure_args"),
+    "schema": ("AlgorithmConfig", "JobConfig", "LoraConfig", "ModelConfig", "RunConfig", "TrainConfig",
+               "structure_args"),
     "models": ("ModelLoadError", "load_causal_lm"),
     "training": ("lr_factor", "make_scheduler"),
     "engines": ("EngineClient",),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..config import JobConfig, ModelConfig, RunConfig, TrainConfig, structure_args
+from ..config import AlgorithmConfig, JobConfig, LoraConfig, ModelConfig, RunConfig, TrainConfig, structure_args
 
 if TYPE_CHECKING:  # pragma: no cover
     from loongsage_hookspecs import JobSettings
@@ -15,4 +15,4 @@ if TYPE_CHECKING:  # pragma: no cover
         return job
 
 
-__all__ = ["JobConfig", "ModelConfig", "RunConfig", "TrainConfig", "structure_args"]
+__all__ = ["AlgorithmConfig", "JobConfig", "LoraConfig", "ModelConfig", "RunConfig", "TrainConfig", "structure_args"]

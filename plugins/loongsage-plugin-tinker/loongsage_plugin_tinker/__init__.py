@@ -1,0 +1,1 @@
+"""A Tinker-compatible service on LoongSage: ``loongsage tinker-serve`` (see README.md)."""

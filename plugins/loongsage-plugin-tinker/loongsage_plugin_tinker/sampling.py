@@ -1,0 +1,123 @@
+"""Sampling for Tinker clients on the job's rollout engine (``[rollout] engine``, bound through the
+plugin host), one engine per set of weights.
+
+A sampler checkpoint is a Hugging Face directory (:meth:`TrainingModel.save_for_sampler`); the
+engine for it is started on first use and kept, the oldest stopped once more than
+``max_engines`` are running, so a sampling client always samples from the weights it was made
+for (Tinker's snapshot semantics) and a training loop that saves new sampler weights every step
+holds only the newest engines. An engine serving a request is not stopped: the pool then runs
+more than ``max_engines`` until those requests finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Any
+
+import attrs
+
+from .batches import TinkerRequestError
+
+
+@attrs.define
+class _Engine:
+    engine: Any
+    client: Any
+    in_use: int = 0
+
+
+class EnginePool:
+    """Engines by weights directory; :meth:`sample` generates on the one for a directory."""
+
+    def __init__(self, job: Any, host: Any, *, max_engines: int = 2) -> None:
+        self.job = job
+        self.host = host
+        self.max_engines = max(1, int(max_engines))
+        self._engines: OrderedDict[str, _Engine] = OrderedDict()
+        self._lock = asyncio.Lock()
+
+    def _start(self, path: str) -> _Engine:
+        """Start an engine on ``path`` (blocking: loads the model)."""
+        from loongsage_core.backend_api.engines import EngineClient
+        from loongsage_hookspecs import ComponentRef, EngineContext
+
+        job = attrs.evolve(self.job, model=attrs.evolve(self.job.model, path=path, tokenizer=path, config={}),
+                           train=attrs.evolve(self.job.train, lora=None))
+        ref = ComponentRef("rollout_engine", job.rollout.engine, where="[rollout] engine")
+        engine = self.host.bind(ref, EngineContext(where=ref.where, job=job, components=self.host))
+        url = engine.start()
+        return _Engine(engine=engine, client=EngineClient(url))
+
+    async def _acquire(self, path: str) -> _Engine:
+        """The engine for ``path`` (started if need be), marked in use."""
+        async with self._lock:
+            if path not in self._engines:
+                await self._evict(self.max_engines - 1)
+                self._engines[path] = await asyncio.to_thread(self._start, path)
+            self._engines.move_to_end(path)
+            engine = self._engines[path]
+            engine.in_use += 1
+            return engine
+
+    async def _evict(self, keep: int) -> None:
+        """Stop the least recently used idle engines until at most ``keep`` run (under the lock)."""
+        for path in [p for p, e in self._engines.items() if e.in_use == 0]:
+            if len(self._engines) <= keep:
+                break
+            old = self._engines.pop(path)
+            await old.client.aclose()
+            await asyncio.to_thread(old.engine.shutdown)
+
+    async def sample(self, path: str, prompt: list[int], num_samples: int,
+                     params: dict[str, Any]) -> list[tuple[list[int], list[float], str]]:
+        """``num_samples`` continuations of ``prompt`` with Tinker ``SamplingParams``: each its tokens,
+        their log-probs and ``"stop"`` or ``"length"``."""
+        base = engine_params(params)
+        # with a seed, sample i draws with seed + i: reproducible, and not n copies of one sample
+        per_sample = [dict(base, sampling_seed=base["sampling_seed"] + i) if "sampling_seed" in base else base
+                      for i in range(num_samples)]
+        engine = await self._acquire(path)
+        try:
+            results = await engine.client.generate([prompt] * num_samples, per_sample)
+        finally:
+            engine.in_use -= 1
+        out = []
+        for r in results:
+            logprobs = [float(x) if x is not None else 0.0 for x in (r.logprobs or [])]
+            out.append((list(r.output_ids), logprobs, "length" if r.finish_reason == "length" else "stop"))
+        return out
+
+    async def close(self) -> None:
+        async with self._lock:
+            for engine in self._engines.values():
+                engine.in_use = 0
+            await self._evict(0)
+
+    @property
+    def running(self) -> list[str]:
+        """The weights directories with a running engine, least recently used first."""
+        return list(self._engines)
+
+
+def engine_params(params: dict[str, Any]) -> dict[str, Any]:
+    """Tinker ``SamplingParams`` as the engine's ``sampling_params``."""
+    out: dict[str, Any] = {"temperature": float(params.get("temperature", 1.0)),
+                           "top_p": float(params.get("top_p", 1.0)), "top_k": int(params.get("top_k", -1))}
+    if params.get("max_tokens") is not None:
+        out["max_new_tokens"] = int(params["max_tokens"])
+    if params.get("seed") is not None:
+        out["sampling_seed"] = int(params["seed"])
+    stop = params.get("stop")
+    if isinstance(stop, str):
+        out["stop"] = [stop]
+    elif isinstance(stop, list) and stop and all(isinstance(s, str) for s in stop):
+        out["stop"] = stop
+    elif isinstance(stop, list) and stop and all(isinstance(s, int) for s in stop):
+        out["stop_token_ids"] = stop
+    elif isinstance(stop, list) and not stop:
+        out["ignore_eos"] = True
+    elif stop is not None:
+        raise TinkerRequestError(f"sampling_params.stop must be a string, a list of strings or of token ids, "
+                                 f"got {stop!r}")
+    return out

@@ -1,0 +1,51 @@
+"""A tiny random Qwen3 model directory and a running Tinker service on it, with the SDK pointed at it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+TOKENIZER_DIR = REPO / "tests" / "data" / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+    cfg = transformers.Qwen3Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                   max_position_embeddings=512, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny_model")
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from loongsage_plugin_tinker.cli import DEFAULT_JOB
+    from loongsage_plugin_tinker.serve import served_models, start_service
+
+    from loongsage_core.cli import load_job_and_host
+
+    job, host = load_job_and_host(str(DEFAULT_JOB))
+    running = start_service(job, host, served_models(job, [f"tiny={tiny_model_dir}"]),
+                            state_dir=str(tmp_path_factory.mktemp("tinker_state")))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(service: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """A ``tinker.ServiceClient`` of the service (through the SDK's own environment variables)."""
+    import tinker
+
+    monkeypatch.setenv("TINKER_BASE_URL", service.base_url)
+    monkeypatch.setenv("TINKER_API_KEY", service.api_key)
+    return tinker.ServiceClient()
