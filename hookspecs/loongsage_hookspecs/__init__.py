@@ -32,6 +32,7 @@ from .capabilities import (
     SharesPrompts,
     SourcePicker,
     StepTruncation,
+    StepwiseTraining,
     StreamingMiddleware,
     TrajectoryLogger,
     is_capability,

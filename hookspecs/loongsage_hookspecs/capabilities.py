@@ -77,6 +77,23 @@ class LoraTrainer(Protocol):
 
 
 @runtime_checkable
+class StepwiseTraining(Protocol):
+    """A train worker whose step a caller drives in parts, as a training API does (the
+    Tinker-compatible service): the gradients of several ``accumulate_gradients`` calls add up,
+    each under the loss ``pipeline`` the caller gives (a ``LossPipeline``; ``None``: the job's);
+    ``optimizer_step`` then takes one step with the caller's ``hyperparameters`` (any of ``lr``,
+    ``beta1``, ``beta2``, ``eps``, ``weight_decay``, ``grad_clip``; the rest as configured);
+    ``reset_optimizer_state`` forgets the optimizer's moments (weights loaded without them).
+    A backend without it cannot serve such a service (refused when a model is created)."""
+
+    def accumulate_gradients(self, batch: "Batch", norm: Any, *, pipeline: Any = None) -> dict[str, float]: ...
+
+    def optimizer_step(self, *, hyperparameters: Mapping[str, float] | None = None) -> dict[str, float]: ...
+
+    def reset_optimizer_state(self) -> None: ...
+
+
+@runtime_checkable
 class ReusesTrainingLogprobs(Protocol):
     """A train worker that keeps the detached log-probs its first training pass computed.
 

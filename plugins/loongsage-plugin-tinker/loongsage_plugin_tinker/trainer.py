@@ -2,11 +2,11 @@
 
 Tinker splits a step into ``forward_backward`` calls (gradients add up) and an ``optim_step``
 with the step's Adam hyperparameters. The train backend's worker (``[train] backend``, bound
-through the plugin host) does the same work in :meth:`accumulate_gradients` (the loss pipeline of
-the call's ``loss_fn``, see :mod:`.losses`) and :meth:`optimizer_step`; the step's learning
-rate, betas, eps and weight decay are set on its AdamW parameter groups and its gradient clipping
-on its ``[train] grad_clip`` before the step. A backend without those methods (one that only
-trains whole mini-batches) cannot serve Tinker clients and is refused when the model is created.
+through the plugin host) does the same work through its ``StepwiseTraining`` capability:
+``accumulate_gradients`` under the loss pipeline of the call's ``loss_fn`` (see :mod:`.losses`)
+and ``optimizer_step`` with the step's learning rate, betas, eps, weight decay and gradient
+clipping. A backend without it (one that only trains whole mini-batches) cannot serve Tinker
+clients and is refused when the model is created.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from typing import Any, Sequence
 import attrs
 import numpy as np
 
+from loongsage_hookspecs import StepwiseTraining
+
 from .batches import Datum, TinkerRequestError, check_datums, datum_loss, make_batch, per_datum
 from .losses import LOSS_CONFIG_KEYS, LOSSES, SUM
 
-_NEEDED = ("forward", "accumulate_gradients", "optimizer_step", "save_checkpoint", "load_checkpoint", "save_hf")
+_NEEDED = ("forward", "save_checkpoint", "load_checkpoint", "save_hf")
 
 
 @attrs.define
@@ -60,9 +62,11 @@ class TrainingModel:
         ref = ComponentRef("train_backend", self.job.train.backend, where="[train] backend")
         self.worker = host.bind(ref, TrainWorkerContext(where=ref.where, job=self.job, components=host))
         missing = [m for m in _NEEDED if not callable(getattr(self.worker, m, None))]
-        if missing or getattr(self.worker, "optimizer", None) is None:
+        if not isinstance(self.worker, StepwiseTraining):
+            missing.append("the StepwiseTraining capability (steps driven call by call)")
+        if missing:
             raise TinkerRequestError(f"[train] backend {self.job.train.backend!r} cannot serve Tinker: its worker "
-                                     f"lacks {', '.join(missing) or 'an optimizer'}")
+                                     f"lacks {', '.join(missing)}")
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(spec.path)
@@ -117,23 +121,19 @@ class TrainingModel:
             outputs.append({"logprobs": lp})
         metrics = {"loss:sum": total}
         if not forward_only:
-            self.worker.pipeline = self._pipeline(loss_fn, config)
             mask = batch["loss_mask"]
             norm = AggregationNorm(num_tokens=float(mask.sum()), num_sequences=float(len(batch)),
                                    max_response_length=float(mask.sum(dim=1).max()))
-            self.worker.accumulate_gradients(batch, norm)
+            self.worker.accumulate_gradients(batch, norm, pipeline=self._pipeline(loss_fn, config))
         return outputs, metrics
 
     def optim_step(self, params: dict[str, Any]) -> dict[str, float]:
         """One AdamW step on the gradients accumulated since the last, with ``params`` (AdamParams)."""
         lr = float(params.get("learning_rate", 1e-4))
-        betas = (float(params.get("beta1", 0.9)), float(params.get("beta2", 0.95)))
-        for group in self.worker.optimizer.param_groups:
-            group.update(lr=lr, betas=betas, eps=float(params.get("eps", 1e-12)),
-                         weight_decay=float(params.get("weight_decay", 0.0)))
-        clip = float(params.get("grad_clip_norm", 0.0))
-        self.worker.job = attrs.evolve(self.worker.job, train=attrs.evolve(self.worker.job.train, grad_clip=clip))
-        out = self.worker.optimizer_step()
+        out = self.worker.optimizer_step(hyperparameters={
+            "lr": lr, "beta1": float(params.get("beta1", 0.9)), "beta2": float(params.get("beta2", 0.95)),
+            "eps": float(params.get("eps", 1e-12)), "weight_decay": float(params.get("weight_decay", 0.0)),
+            "grad_clip": float(params.get("grad_clip_norm", 0.0))})
         self.steps += 1
         return {"grad_norm:mean": float(out.get("train/grad_norm", 0.0)), "learning_rate:mean": lr}
 
@@ -144,7 +144,7 @@ class TrainingModel:
         """The weights (and the optimizer state when ``optimizer``) of a :meth:`save_state` directory."""
         self.worker.load_checkpoint(str(directory))
         if not optimizer:
-            self.worker.optimizer.state.clear()
+            self.worker.reset_optimizer_state()
 
     def save_for_sampler(self, directory: Path) -> None:
         """A Hugging Face directory of the current weights (LoRA merged) for the sampling engines."""

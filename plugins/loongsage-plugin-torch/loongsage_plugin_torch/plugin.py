@@ -17,6 +17,7 @@ from loongsage_hookspecs import (
     ReusesTrainingLogprobs,
     RolloutEngineSpec,
     SharesPrompts,
+    StepwiseTraining,
     TrainBackendSpec,
     WeightTransportSpec,
     hookimpl,
@@ -46,7 +47,7 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
                                        "torch.distributed; LoRA through PEFT)", supports_lora=True,
                            check_job=check_job,
                            capabilities=(Offloadable, OnDevice, ReusesTrainingLogprobs, SharesPrompts, LoadsWeights,
-                                         Closeable))
+                                         Closeable, StepwiseTraining))
 
 
 @hookimpl

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import attrs
 import torch
@@ -203,13 +203,18 @@ class TorchCriticWorker(TorchTrainWorker):
     def _aggregate(self, loss: torch.Tensor, mask: torch.Tensor, norm: AggregationNorm) -> torch.Tensor:
         return self.aggregation(loss, mask, norm)
 
-    def accumulate_gradients(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
+    def accumulate_gradients(self, batch: Batch, norm: AggregationNorm, *,
+                             pipeline: Any = None) -> dict[str, float]:
         """Forward and backward of ``loss_coef * clipped value loss`` over ``batch`` in micro-batches.
 
         ``batch`` needs ``values`` (the critic's values when the rows were collected) and
         ``returns`` (the targets from the advantage estimator). Returns ``train/critic_loss``,
         ``train/value_mean`` and ``train/value_clip_frac`` of the whole mini-batch (all ranks).
+        The critic's loss is its value loss: a policy ``pipeline`` is refused.
         """
+        if pipeline is not None:
+            raise ValueError("TorchCriticWorker.accumulate_gradients: the critic trains its value loss, not a "
+                             "policy loss pipeline")
         self._require_trainable("accumulate_gradients")
         for key in ("values", "returns", "loss_mask"):
             if key not in batch:
@@ -228,9 +233,9 @@ class TorchCriticWorker(TorchTrainWorker):
             acc.add(metrics, micro["loss_mask"])
         return self._finish_accumulation(acc)
 
-    def optimizer_step(self) -> dict[str, float]:
+    def optimizer_step(self, *, hyperparameters: Mapping[str, float] | None = None) -> dict[str, float]:
         """The policy's optimizer step (clip, AdamW, schedule); metrics named ``train/critic_*``."""
-        out = super().optimizer_step()
+        out = super().optimizer_step(hyperparameters=hyperparameters)
         return {k.replace("train/", "train/critic_", 1): v for k, v in out.items()}
 
     # ------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ keeps the same optimizer step and overrides the loss, as it did when everything 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
@@ -62,13 +62,16 @@ class TrainingStepMixin(ForwardPassMixin):
             raise RuntimeError(f"TorchTrainWorker.{what}: the worker is offloaded; call onload() first")
         return self.optimizer, self.pipeline
 
-    def accumulate_gradients(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
+    def accumulate_gradients(self, batch: Batch, norm: AggregationNorm, *,
+                             pipeline: LossPipeline | None = None) -> dict[str, float]:
         """Forward and backward over ``batch`` in micro-batches, then sum gradients over ranks.
 
         Gradients are added to the parameters' ``.grad`` (no optimizer step); returns the
-        ``train/*`` loss metrics of the whole mini-batch (all ranks).
+        ``train/*`` loss metrics of the whole mini-batch (all ranks). ``pipeline``: the loss to
+        use instead of the job's (a caller driving steps in parts, ``StepwiseTraining``).
         """
-        _, pipeline = self._require_trainable("accumulate_gradients")
+        _, own = self._require_trainable("accumulate_gradients")
+        pipeline = own if pipeline is None else pipeline
         self.model.train()
         entropy_grad = pipeline.entropy_coef != 0.0
         acc = MetricAccumulator()
@@ -107,8 +110,17 @@ class TrainingStepMixin(ForwardPassMixin):
         acc.reduce()
         return acc.result()
 
-    def optimizer_step(self) -> dict[str, float]:
+    def reset_optimizer_state(self) -> None:
+        """Forget AdamW's moments and step counts (weights loaded without their optimizer state)."""
+        optimizer, _ = self._require_trainable("reset_optimizer_state")
+        optimizer.state.clear()
+
+    def optimizer_step(self, *, hyperparameters: Mapping[str, float] | None = None) -> dict[str, float]:
         """Clip the accumulated gradients, take one AdamW step, advance the LR schedule.
+
+        ``hyperparameters`` (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``,
+        ``grad_clip``; a caller driving steps in parts) are set on the optimizer's parameter
+        groups before this step and stay; a ``grad_clip`` there replaces ``[train] grad_clip``.
 
         A step whose gradient norm is not finite is skipped (``train/skipped_step`` = 1); the
         schedule still advances so resumed and uninterrupted runs stay aligned. A step whose
@@ -117,11 +129,23 @@ class TrainingStepMixin(ForwardPassMixin):
         ``train/skipped_step`` = 1), unless ``backend_args.rollback_overflow = false``.
         """
         optimizer, _ = self._require_trainable("optimizer_step")
+        given = dict(hyperparameters or {})
+        unknown = sorted(set(given) - {"lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip"})
+        if unknown:
+            raise ValueError(f"TorchTrainWorker.optimizer_step: unknown hyperparameters {', '.join(unknown)}")
+        for group in optimizer.param_groups:
+            if "lr" in given:
+                group["lr"] = float(given["lr"])
+            beta1, beta2 = group["betas"]
+            group["betas"] = (float(given.get("beta1", beta1)), float(given.get("beta2", beta2)))
+            for key in ("eps", "weight_decay"):
+                if key in given:
+                    group[key] = float(given[key])
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        clip = self.job.train.grad_clip
+        clip = float(given.get("grad_clip", self.job.train.grad_clip))
         grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
         lr = float(optimizer.param_groups[0]["lr"])
         finite = bool(torch.isfinite(grad_norm))
