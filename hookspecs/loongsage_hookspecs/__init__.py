@@ -87,6 +87,7 @@ from .records import (
     RoutedExperts,
     SamplingParams,
     Segment,
+    SegmentImage,
     TeacherOutputs,
     TensorMeta,
     Trajectory,

@@ -136,6 +136,8 @@ def _segment_record(seg: Any, row: int | None, token_text: Callable[[list[int]],
                            "loss_mask": list(seg.loss_mask), "rollout_logprobs": _floats(seg.logprobs),
                            "weight_versions": list(seg.weight_versions), "turns": [list(t) for t in seg.turns],
                            "parent": seg.parent, "fork_at": seg.fork_at}
+    if getattr(seg, "images", None):  # a conversation with images: each image's hash and placeholder tokens
+        out["images"] = [{"sha256": i.sha256, "start": i.start, "length": i.length} for i in seg.images]
     if row is not None:
         for name, rows in row_lists.items():
             out[name] = _floats(rows[row][:n]) if name != "loss_mask" else [int(x) for x in rows[row][:n]]
@@ -245,6 +247,8 @@ def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_versio
             "metadata": metadata,
             "segments": segments,
         })
+        if getattr(traj, "images", None):  # stored once per trajectory: sha256 -> base64 bytes
+            records[-1]["images"] = dict(traj.images)
     return records
 
 

@@ -98,5 +98,7 @@ class Batch:
                 width = max(p.shape[1] for p in parts)
                 parts = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
             tensors[k] = torch.cat(parts, 0)
-        meta = {k: [x for b in batches for x in b.meta[k]] for k in batches[0].meta}
+        # a key some batches lack (e.g. ``images``: only rows with images have it) is None on their rows
+        meta_keys = dict.fromkeys(k for b in batches for k in b.meta)
+        meta = {k: [x for b in batches for x in b.meta.get(k, [None] * len(b))] for k in meta_keys}
         return Batch(tensors=tensors, meta=meta)
