@@ -135,7 +135,7 @@ class BatchStepMixin:
                     end = min(len(req.tokens), start + budget)
                     logits = self.runner.forward(torch.tensor(req.tokens[start:end]), req.slot,
                                                  torch.tensor([start]), torch.tensor([end - start]),
-                                                 adapter_rows=self._adapter_rows([req]))
+                                                 adapter_rows=self._adapter_rows([req]), vision=self._vision([req]))
                     start = end
                 out.append(logits)
                 i += 1
@@ -149,7 +149,7 @@ class BatchStepMixin:
             starts = torch.tensor([r.kv_len for r in group])
             counts = torch.tensor([len(r.tokens) - r.kv_len for r in group])
             out.append(self.runner.forward(torch.tensor(flat), group[0].slot, starts, counts,
-                                           adapter_rows=self._adapter_rows(group)))
+                                           adapter_rows=self._adapter_rows(group), vision=self._vision(group)))
         return torch.cat(out, 0)
 
     def _decode(self) -> None:
@@ -165,7 +165,7 @@ class BatchStepMixin:
             ids = torch.tensor([r.tokens[-1] for r in reqs])
             starts = torch.tensor([r.kv_len for r in reqs])
             logits = self.runner.forward(ids, 0, starts, torch.ones(len(reqs), dtype=torch.long),
-                                         adapter_rows=self._adapter_rows(reqs))
+                                         adapter_rows=self._adapter_rows(reqs), vision=self._vision(reqs))
             for req in reqs:
                 req.kv_len += 1
             if drafts is not None:
@@ -203,7 +203,8 @@ class BatchStepMixin:
         counts = [1 + len(d) for d in drafts]
         flat = [t for req, d in zip(reqs, drafts) for t in (req.tokens[-1], *d)]
         logits = self.runner.forward(torch.tensor(flat), 0, torch.tensor([r.kv_len for r in reqs]),
-                                     torch.tensor(counts), all_logits=True, adapter_rows=self._adapter_rows(reqs))
+                                     torch.tensor(counts), all_logits=True, adapter_rows=self._adapter_rows(reqs),
+                                     vision=self._vision(reqs))
         ends = torch.tensor(counts).cumsum(0)
         plain = [i for i, d in enumerate(drafts) if not d]
         if plain:
@@ -249,9 +250,24 @@ class BatchStepMixin:
                                  routes=self.runner.cache.read_routes(req.slot, len(tokens)) or None)
 
     def _kv_namespace(self, req: RequestState) -> str | None:
-        """The adapter whose KV ``req`` computes: its ``lora_path`` when adapters apply per
-        request, else ``None`` (a merged adapter is in every request's weights)."""
-        return req.item.lora_path if self.settings.lora_mode == "unmerged" else None
+        """What besides its tokens ``req``'s KV depends on: its ``lora_path`` when adapters apply
+        per request (a merged adapter is in every request's weights) and its images (by hash: an
+        image token's KV is the image's); ``None`` when neither."""
+        adapter = req.item.lora_path if self.settings.lora_mode == "unmerged" else None
+        vision = req.item.vision
+        if vision is None:
+            return adapter
+        return f"{adapter or ''}|images:{vision.digest}"
+
+    def _vision(self, reqs: Sequence[RequestState]) -> "list[Any] | None":
+        """Each request's images for the runner, the vision encoder run on those not yet encoded
+        (``None`` when no request has images)."""
+        if not any(r.item.vision is not None for r in reqs):
+            return None
+        for req in reqs:
+            if req.item.vision is not None:
+                req.item.vision.ensure_embeddings(self.runner.model)
+        return [r.item.vision for r in reqs]
 
     def _adapter_rows(self, reqs: Sequence[RequestState]) -> "torch.Tensor | None":
         """Which of ``reqs`` the runner's unmerged adapter applies to (``None``: it holds none)."""
