@@ -258,7 +258,12 @@ class RolloutManager:
 
     def encode_prompt(self, prompt: Prompt, max_new_tokens: int) -> list[int]:
         """The prompt's chat-template tokens; too long to leave room for ``max_new_tokens`` is an error."""
-        tokens = self.renderer.prompt_tokens(self.fast_path_messages(prompt))
+        messages = self.fast_path_messages(prompt)
+        if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                          for p in m["content"]) for m in messages):
+            raise ConfigError(f"prompt '{prompt.prompt_id}' has images, but the policy takes none (its tokenizer "
+                              "directory has no image processor, preprocessor_config.json)")
+        tokens = self.renderer.prompt_tokens(messages)
         limit = self.job.rollout.max_context_length - int(max_new_tokens)
         if len(tokens) > limit:
             raise ConfigError(f"prompt '{prompt.prompt_id}' has {len(tokens)} tokens, more than the "

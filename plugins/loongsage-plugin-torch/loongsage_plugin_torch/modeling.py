@@ -93,6 +93,8 @@ TINY_QWEN2_VL: dict[str, Any] = {
         "max_position_embeddings": 1024,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
         "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
     },
     "vision_config": {
         "depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4,
