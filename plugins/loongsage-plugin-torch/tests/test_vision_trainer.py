@@ -9,13 +9,35 @@ from pathlib import Path
 import torch
 from loongsage_plugin_torch.modeling import TINY_QWEN2_VL
 from PIL import Image
-from test_trainer import Components, make_job
 
 from loongsage_core.algorithms import compute_norm
-from loongsage_hookspecs import Batch, TrainWorkerContext
+from loongsage_core.config import AlgorithmConfig, JobConfig, ModelConfig, TrainConfig
+from loongsage_core.plugins import PluginHost
+from loongsage_hookspecs import AggregationSpec, Batch, PolicyLossOutput, PolicyLossSpec, TrainWorkerContext
 
 VLM_DIR = str(Path(__file__).resolve().parents[3] / "tests" / "data" / "vlm")
 IMAGE = TINY_QWEN2_VL["image_token_id"]
+
+
+def ratio_pg(x):
+    return PolicyLossOutput(loss=-x.advantages * torch.exp(x.logprobs - x.old_logprobs))
+
+
+def token_mean(loss, mask, norm):
+    return (loss * mask).sum() / norm.num_tokens
+
+
+def make_job() -> JobConfig:
+    return JobConfig(model=ModelConfig(config=dict(TINY_QWEN2_VL), tokenizer=VLM_DIR),
+                     train=TrainConfig(lr=1e-2, micro_batch_size=2),
+                     algorithm=AlgorithmConfig(policy_loss="ratio_pg", loss_agg="token_mean"))
+
+
+def components() -> PluginHost:
+    """The real registry (the torch plugin) with this file's loss and aggregation."""
+    host = PluginHost.create(enable=["torch"])
+    host.register_specs(PolicyLossSpec(name="ratio_pg", fn=ratio_pg), AggregationSpec(name="token_mean", fn=token_mean))
+    return host
 
 
 def png_b64(colour: str, size: tuple[int, int]) -> str:
@@ -65,10 +87,9 @@ def reference(model, batch: Batch) -> torch.Tensor:
 
 
 def test_trainer_logprobs_with_images_match_transformers_and_training_moves_the_vision_encoder():
-    job = make_job(model={"config": TINY_QWEN2_VL, "tokenizer": VLM_DIR})
     from loongsage_plugin_torch.trainer import create_train_worker
 
-    worker = create_train_worker(TrainWorkerContext(job=job, components=Components()))
+    worker = create_train_worker(TrainWorkerContext(job=make_job(), components=components()))
     batch = image_batch()
     got = worker.forward(batch)["logprobs"]
     want = reference(worker.model, batch)
