@@ -88,3 +88,37 @@ def test_a_vision_language_policy_trains_on_image_conversations(ray_cluster, tmp
         png = base64.b64decode(rec["images"][image["sha256"]])
         assert Image.open(io.BytesIO(png)).size[1] == 24
         assert sum(seg["loss_mask"]) > 0
+        # the conversation refers to the image by hash: its bytes are in the record once
+        parts = [p for m in rec["messages"] if isinstance(m["content"], list) for p in m["content"]]
+        assert {"type": "image", "sha256": image["sha256"]} in parts
+        assert not any(p.get("type") == "image_url" for p in parts)
+    shows_images_inline(tmp_path / "run", records[0])
+
+
+def shows_images_inline(run: Path, record: dict) -> None:
+    """``loongsage view``'s trajectory page draws the conversation's image (a real headless browser)."""
+    import shutil
+
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from loongsage_core.viewer import ViewerServer
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium") or shutil.which("chromium-browser")
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-proxy-server"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(executable_path=shutil.which("chromedriver")), options=options)
+    server = ViewerServer([str(run)])
+    try:
+        driver.get(server.start() + f"#/traj/0/{record['step']}/{record['index']}")
+        size = WebDriverWait(driver, 30, poll_frequency=0.2).until(lambda d: d.execute_script(
+            "const i = document.querySelector('#traj-messages img');"
+            "return i && i.complete && i.naturalWidth ? [i.naturalWidth, i.naturalHeight] : null"))
+        (sha,) = [p["sha256"] for m in record["messages"] if isinstance(m["content"], list) for p in m["content"]
+                  if p.get("type") == "image"]
+        assert size == list(Image.open(io.BytesIO(base64.b64decode(record["images"][sha]))).size)
+    finally:
+        driver.quit()
+        server.stop()
