@@ -112,7 +112,7 @@ def test_engine_logprobs_match_transformers_with_images_also_after_a_weight_upda
             vlm_engine.load_weights(updated, 1)
 
 
-def test_engine_prefix_cache_tells_images_apart(vlm_engine):
+def test_engine_prefix_cache_tells_images_apart_and_serves_the_next_turn(vlm_engine):
     ids = [1, 21, 512] + [IMAGE_TOKEN] * 15 + [513, 41]
     red = generate(vlm_engine.base_url, ids, [png("red")], temperature=0)
     blue = generate(vlm_engine.base_url, ids, [png("blue")], temperature=0)
@@ -121,6 +121,18 @@ def test_engine_prefix_cache_tells_images_apart(vlm_engine):
     assert again["meta_info"]["cached_tokens"] == len(ids) - 1
     first = [out["meta_info"]["output_token_logprobs"][0][0] for out in (red, blue, again)]
     assert first[2] == pytest.approx(first[0], abs=1e-6) and abs(first[1] - first[0]) > 1e-4
+    # the next turn (the answer, more text, a second image) reuses the first turn's KV, image included
+    turn2 = ids + red["output_ids"] + [42, 512] + [IMAGE_TOKEN] * 15 + [513, 43]
+    out = generate(vlm_engine.base_url, turn2, [png("red"), png("blue")], temperature=0)
+    assert out["meta_info"]["cached_tokens"] >= len(ids)
+    ref = reference_logprobs(vlm_engine.model, turn2, [png("red"), png("blue")], out["output_ids"])
+    assert (torch.tensor([t[0] for t in out["meta_info"]["output_token_logprobs"]]) - ref).abs().max() < 1e-5
+    # the same tokens with the images swapped: whatever KV it reuses (the blue request's), its
+    # log-probs are those of its own images
+    swapped = generate(vlm_engine.base_url, turn2, [png("blue"), png("red")], temperature=0)
+    assert swapped["meta_info"]["cached_tokens"] <= len(ids) + len(red["output_ids"])  # not the red-first turn's
+    ref = reference_logprobs(vlm_engine.model, turn2, [png("blue"), png("red")], swapped["output_ids"])
+    assert (torch.tensor([t[0] for t in swapped["meta_info"]["output_token_logprobs"]]) - ref).abs().max() < 1e-5
 
 
 def test_engine_refuses_images_that_do_not_fit_the_prompt(vlm_engine):

@@ -74,12 +74,13 @@ class BatchStepMixin:
                 self._deliver(req)
                 continue
             namespace = self._kv_namespace(req)
-            key = (namespace, *req.tokens)
+            key = (namespace, *self._cache_tokens(req))
             twin = by_tokens.get(key)
             if twin is not None:
                 dups.append((req, twin))
             else:
-                entry, cached = self.prefix_cache.lookup(req.tokens, self.version, len(req.tokens) - 1, namespace)
+                entry, cached = self.prefix_cache.lookup(self._cache_tokens(req), self.version, len(req.tokens) - 1,
+                                                         namespace)
                 n = len(req.tokens) - cached
                 if reps and new_tokens + n > budget:
                     break
@@ -106,7 +107,7 @@ class BatchStepMixin:
             self.stats.prefill_tokens += len(req.tokens) - req.cached_tokens
             self.stats.cached_tokens += req.cached_tokens
             if self.prefix_cache.capacity_tokens:
-                self._remember_prefix(req, req.tokens)
+                self._remember_prefix(req, self._cache_tokens(req))
         row_of = {id(r): i for i, (r, _, _) in enumerate(reps)}
         for req, twin in dups:
             self.runner.cache.move(twin.slot, req.slot, twin.kv_len)
@@ -250,14 +251,18 @@ class BatchStepMixin:
                                  routes=self.runner.cache.read_routes(req.slot, len(tokens)) or None)
 
     def _kv_namespace(self, req: RequestState) -> str | None:
-        """What besides its tokens ``req``'s KV depends on: its ``lora_path`` when adapters apply
-        per request (a merged adapter is in every request's weights) and its images (by hash: an
-        image token's KV is the image's); ``None`` when neither."""
-        adapter = req.item.lora_path if self.settings.lora_mode == "unmerged" else None
+        """The adapter whose KV ``req`` computes: its ``lora_path`` when adapters apply per
+        request, else ``None`` (a merged adapter is in every request's weights)."""
+        return req.item.lora_path if self.settings.lora_mode == "unmerged" else None
+
+    @staticmethod
+    def _cache_tokens(req: RequestState) -> list[int]:
+        """``req``'s tokens as the prefix cache keys them: an image's placeholder tokens stand for
+        that image (:attr:`~.vision.VisionInputs.key_tokens`), since their KV is the image's."""
         vision = req.item.vision
         if vision is None:
-            return adapter
-        return f"{adapter or ''}|images:{vision.digest}"
+            return req.tokens
+        return vision.key_tokens + req.tokens[len(vision.key_tokens):]
 
     def _vision(self, reqs: Sequence[RequestState]) -> "list[Any] | None":
         """Each request's images for the runner, the vision encoder run on those not yet encoded
@@ -336,7 +341,7 @@ class BatchStepMixin:
             if req.item.return_routed_experts:  # the experts of every position the model ran
                 req.routed_experts = self.runner.routed_experts(req.slot, req.kv_len)
             if self.prefix_cache.capacity_tokens and req.kv_len >= self.prefix_cache.block:
-                self._remember_prefix(req, req.tokens[: req.kv_len])
+                self._remember_prefix(req, self._cache_tokens(req)[: req.kv_len])
         n = len(alive)
         holes = sorted(r.slot for r in done if r.slot < n)
         movers = [r for r in alive if r.slot >= n]

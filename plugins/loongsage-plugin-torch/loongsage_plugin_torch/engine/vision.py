@@ -11,7 +11,10 @@ then puts the vision embeddings in place of the placeholder tokens' embeddings a
 queries and keys by the 3-D positions (:meth:`~.runner.ModelRunner.forward`).
 
 The KV of an image token depends on the image, not on the token id, so the prefix cache keys a
-request's KV by the sha256 of its images as well (:attr:`VisionInputs.digest`).
+request's KV by :attr:`VisionInputs.key_tokens`: the prompt with each image's placeholder tokens
+replaced by a negative number drawn from that image's sha256. Two requests share cached KV exactly
+as far as their tokens and images agree, so the next turn of a conversation with images reuses the
+previous turn's KV, and the same tokens with another image never do.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class VisionInputs:
     ``pixel_values`` / ``grid_thw``: the image processor's output; ``positions`` ``[3, L]``: the
     multimodal rotary positions of the prompt's ``L`` tokens; ``delta``: what a token after the
     prompt adds to its index to get its (1-D) rotary position; ``embed_row`` ``[L]``: for each
-    prompt position, the row of the vision embeddings that replaces its token embedding (-1: none).
+    prompt position, the row of the vision embeddings that replaces its token embedding (-1: none);
+    ``key_tokens``: the prompt as the prefix cache keys it (see the module docstring).
     """
 
     pixel_values: Any
@@ -53,7 +57,7 @@ class VisionInputs:
     positions: Any
     delta: int
     embed_row: Any
-    digest: str
+    key_tokens: list[int]
     embeddings: Any = None
 
     def ensure_embeddings(self, model: Any) -> None:
@@ -118,10 +122,10 @@ class VisionPreprocessor:
         import torch
         from PIL import Image, UnidentifiedImageError
 
-        pictures, digest = [], hashlib.sha256()
+        pictures, keys = [], []
         for i, value in enumerate(images):
             data = _image_bytes(value, f"{where}[{i}]")
-            digest.update(hashlib.sha256(data).digest())
+            keys.append(-1 - int(hashlib.sha256(data).hexdigest()[:15], 16))
             try:
                 pictures.append(Image.open(io.BytesIO(data)).convert("RGB"))
             except (UnidentifiedImageError, OSError, ValueError) as exc:
@@ -139,5 +143,8 @@ class VisionPreprocessor:
         positions, delta = self.model.model.get_rope_index(ids, mm_token_type_ids=is_image.int(), image_grid_thw=grid)
         embed_row = torch.full((ids.shape[1],), -1, dtype=torch.long)
         embed_row[is_image[0]] = torch.arange(found)
+        per_image = (grid.prod(-1) // (merge * merge)).tolist()
+        image_keys = iter([key for key, count in zip(keys, per_image) for _ in range(count)])
+        key_tokens = [next(image_keys) if t == self.image_token_id else int(t) for t in input_ids]
         return VisionInputs(pixel_values=processed["pixel_values"], grid_thw=grid, positions=positions[:, 0],
-                            delta=int(delta.reshape(-1)[0]), embed_row=embed_row, digest=digest.hexdigest())
+                            delta=int(delta.reshape(-1)[0]), embed_row=embed_row, key_tokens=key_tokens)
