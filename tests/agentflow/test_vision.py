@@ -161,7 +161,8 @@ def test_chat_completions_with_images_record_them_token_exactly(vlm_router):
     follow = first + [{"role": "assistant", "content": answer.choices[0].message.content},
                       {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(png("blue"))}},
                                                    {"type": "text", "text": "And this?"}]}]
-    client.chat.completions.create(model="p", messages=follow)
+    streamed = client.chat.completions.create(model="p", messages=follow, stream=True)  # the streaming path too
+    assert [chunk for chunk in streamed]
     record = vlm_router.blocking.get("img-chat")
     assert len(record.segments) == 1  # the second turn extends the first: one token-exact segment
     spans = image_spans(record)
