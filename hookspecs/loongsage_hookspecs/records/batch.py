@@ -37,7 +37,10 @@ BATCH_FIELDS: Mapping[str, str] = {
                       "each token to, layer by layer (-1: no record); the trainer replays them with "
                       "[algorithm] router_replay",
 }
-"""Documented tensor names of :class:`Batch`; components may add their own keys."""
+"""Documented tensor names of :class:`Batch`; components may add their own keys. Per-row values
+that are not tensors live in ``Batch.meta`` (``trajectory_id``, ``source``, ...; ``images``: for
+rows of a vision-language policy's conversations, the base64 bytes of the row's images in token
+order, ``None`` on rows without)."""
 
 
 @attrs.define
