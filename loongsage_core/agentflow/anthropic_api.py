@@ -90,6 +90,21 @@ def _user_content(parts: list[dict[str, Any]]) -> Any:
     return "".join(p["text"] for p in parts)
 
 
+def _tool_result(block: Mapping[str, Any], param: str) -> Any:
+    """A ``tool_result`` block's content as a tool message's: its text (``Error: `` first when
+    ``is_error``), or, when it holds ``image`` blocks (a screenshot), text and image parts."""
+    result = block.get("content", "")
+    items = _blocks(result, param) if result else []
+    if not any(item["type"] == "image" for item in items):
+        text = _text_of(result, param) if result else ""
+        return f"Error: {text}" if block.get("is_error") else text
+    parts = [{"type": "text", "text": "Error: "}] if block.get("is_error") else []
+    for k, item in enumerate(items):
+        parts.append(_image_part(item, f"{param}.{k}") if item["type"] == "image"
+                     else {"type": "text", "text": _text_of([item], f"{param}.{k}")})
+    return parts
+
+
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """Chat messages for Anthropic ``messages`` (roles ``user`` and ``assistant``; ``system`` after the first)."""
     if not isinstance(messages, list) or not messages:
@@ -125,11 +140,8 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                     if not isinstance(block.get("tool_use_id"), str):
                         raise bad_request(f"{p}.content.{j}.tool_use_id: Field required",
                                           param=f"{p}.content.{j}.tool_use_id")
-                    result = block.get("content", "")
-                    text = _text_of(result, f"{p}.content.{j}.content") if result else ""
-                    if block.get("is_error"):
-                        text = f"Error: {text}"
-                    out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+                    content = _tool_result(block, f"{p}.content.{j}.content")
+                    out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
                 else:
                     raise bad_request(f"{p}.content.{j}: content blocks of type {json.dumps(kind)} are not supported "
                                       "in user messages (supported: text, image, tool_result)",

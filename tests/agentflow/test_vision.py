@@ -194,6 +194,19 @@ def test_anthropic_image_block(vlm_router):
     record = vlm_router.blocking.get("img-anth")
     (span,) = image_spans(record)
     assert base64.b64decode(record.images[span[0]]) == png("red", fmt="JPEG")
+    # a tool result with a screenshot: its image is recorded like the user's
+    url2 = vlm_router.blocking.register("img-anth-tool", sampling={"max_new_tokens": 3})
+    client = anthropic.Anthropic(base_url=url2.removesuffix("/v1"), api_key="k", max_retries=0)
+    screenshot = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                              "data": base64.b64encode(png("green")).decode()}}
+    client.messages.create(model="p", max_tokens=3, messages=[
+        {"role": "user", "content": "Take a screenshot."},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "screenshot", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "here:"}, screenshot]}]}])
+    record = vlm_router.blocking.get("img-anth-tool")
+    (span,) = image_spans(record)
+    assert base64.b64decode(record.images[span[0]]) == png("green")
 
 
 def bad_chat(url: str, parts: list[dict[str, Any]]) -> dict[str, Any]:
