@@ -172,16 +172,19 @@ class EngineClient:
     async def generate(self, input_ids: Sequence[Sequence[int]] | Sequence[int],
                        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                        *, return_logprob: bool = True, rids: Sequence[str] | None = None,
-                       top_logprobs_num: int = 0) -> list[GenerationResult]:
-        """Generate for every prompt of ``input_ids``; results in prompt order."""
+                       top_logprobs_num: int = 0, image_data: Sequence[str] | None = None) -> list[GenerationResult]:
+        """Generate for every prompt of ``input_ids``; results in prompt order. ``image_data``
+        (one prompt only): its images in token order, base64 (SGLang's ``image_data``)."""
         payload = self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
                                                            rids=rids, top_logprobs_num=top_logprobs_num))
+        if image_data:
+            payload["image_data"] = list(image_data)
         body = await self._request("POST", "/generate", payload)
         return self._results(body, self._rid_list(payload))
 
     async def generate_stream(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
-                              *, rid: str, return_logprob: bool = True,
-                              top_logprobs_num: int = 0) -> AsyncGenerator[GenerationResult, None]:
+                              *, rid: str, return_logprob: bool = True, top_logprobs_num: int = 0,
+                              image_data: Sequence[str] | None = None) -> AsyncGenerator[GenerationResult, None]:
         """Generate for one prompt with ``stream: true``; yields the whole generation so far after
         every chunk (SGLang's server-sent events), the last one with its finish reason.
 
@@ -191,6 +194,8 @@ class EngineClient:
         payload = {**self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
                                                               rids=[rid], top_logprobs_num=top_logprobs_num)),
                    "stream": True}
+        if image_data:
+            payload["image_data"] = list(image_data)
         out: GenerationResult | None = None
         async with self._aclient().stream("POST", "/generate", json=payload) as resp:
             if resp.status_code >= 400:

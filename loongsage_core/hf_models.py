@@ -40,6 +40,15 @@ class ModelLoadError(ValueError):
     """The model cannot be built from what was given; the message names the key at fault."""
 
 
+def _auto_class(hf_config: Any) -> Any:
+    """The transformers auto class for ``hf_config``: a vision-language model (its config has a
+    ``vision_config``, e.g. Qwen2-VL) is an image-text-to-text model, anything else a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if getattr(hf_config, "vision_config", None) is not None \
+        else AutoModelForCausalLM
+
+
 def load_causal_lm(path: str | None, config: dict[str, Any] | None, dtype: "torch.dtype", seed: int, *,
                    path_key: str, config_key: str, owner: str) -> Any:
     """The causal LM in ``path`` (a directory) or, without one, built from ``config`` with its
@@ -50,14 +59,15 @@ def load_causal_lm(path: str | None, config: dict[str, Any] | None, dtype: "torc
     ``[model] config``, ``[model]``).
     """
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if path:
         directory = Path(path).expanduser()
         if not (directory / "config.json").is_file():
             raise ModelLoadError(f"{path_key}: no config.json in model directory '{directory}'")
         try:
-            return AutoModelForCausalLM.from_pretrained(str(directory), dtype=dtype)
+            auto = _auto_class(AutoConfig.from_pretrained(str(directory)))
+            return auto.from_pretrained(str(directory), dtype=dtype)
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{path_key}: cannot load model from '{directory}': {exc}") from None
     if config:
@@ -71,5 +81,5 @@ def load_causal_lm(path: str | None, config: dict[str, Any] | None, dtype: "torc
             raise ModelLoadError(f"{config_key}: {exc}") from None
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+            return _auto_class(hf_config).from_config(hf_config, dtype=dtype)
     raise ModelLoadError(f"{owner}: set 'path' (a Hugging Face directory) or 'config'")

@@ -47,6 +47,24 @@ def job(tmp_path: Path) -> Path:
     return path
 
 
+def _vlm_model(tmp_path: Path) -> Path:
+    """A model directory holding the tiny Qwen2-VL (with the test VLM's tokenizer files)."""
+    import shutil
+
+    from loongsage_plugin_torch.modeling import TINY_QWEN2_VL
+    from safetensors.torch import save_model
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    conf = dict(TINY_QWEN2_VL)
+    out = tmp_path / "vlm"
+    config = AutoConfig.for_model(conf.pop("model_type"), **conf)
+    config.save_pretrained(str(out))
+    save_model(AutoModelForImageTextToText.from_config(config), str(out / "model.safetensors"))
+    for f in (Path(__file__).resolve().parent / "data" / "vlm").iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
 def _bad_model(tmp_path: Path) -> Path:
     d = tmp_path / "bad_model"
     d.mkdir()
@@ -175,6 +193,9 @@ CASES = {
                                           "from: broadcast, inprocess, shm"),
     "auto's table for a transport that is not a table": (lambda t: ["rollout.weight_transport_args={shm=4}"],
                                                          "rollout.weight_transport_args.shm: expected a table"),
+    "megatron with a vision-language model": (lambda t: [*MEGATRON, f"model.path={_vlm_model(t)}"],
+                                              "is a vision-language model (model_type 'qwen2_vl'); the megatron "
+                                              "backend trains text models only"),
     "megatron backend_args key misspelt": (lambda t: [*MEGATRON, "train.backend_args={tpp=2}"],
                                            "[train] backend_args: unknown keys ['tpp'] for the megatron backend"),
     "router replay on a dense model": (lambda t: ["algorithm.router_replay=true"],

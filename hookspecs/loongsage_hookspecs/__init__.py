@@ -90,6 +90,7 @@ from .records import (
     RoutedExperts,
     SamplingParams,
     Segment,
+    SegmentImage,
     TeacherOutputs,
     TensorMeta,
     Trajectory,

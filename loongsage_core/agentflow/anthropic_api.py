@@ -67,6 +67,44 @@ def _text_of(content: Any, param: str) -> str:
     return "".join(out)
 
 
+def _image_part(block: Mapping[str, Any], param: str) -> dict[str, Any]:
+    """An Anthropic ``image`` block as a chat-completions ``image_url`` part (a base64 data URL);
+    a ``url`` source is refused (the router never fetches)."""
+    source = block.get("source")
+    if not isinstance(source, Mapping):
+        raise bad_request(f"{param}.source: Field required", param=f"{param}.source")
+    if source.get("type") == "url":
+        raise bad_request(f"{param}.source: remote image URLs are not fetched; send the image as a base64 source",
+                          param=f"{param}.source", code="remote_image_url")
+    if source.get("type") != "base64" or not isinstance(source.get("data"), str) \
+            or not isinstance(source.get("media_type"), str):
+        raise bad_request(f"{param}.source: an image source must be {{type: 'base64', media_type, data}}",
+                          param=f"{param}.source")
+    return {"type": "image_url", "image_url": {"url": f"data:{source['media_type']};base64,{source['data']}"}}
+
+
+def _user_content(parts: list[dict[str, Any]]) -> Any:
+    """A user message's content: the text when there is no image, else the list of parts."""
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
+
+
+def _tool_result(block: Mapping[str, Any], param: str) -> Any:
+    """A ``tool_result`` block's content as a tool message's: its text (``Error: `` first when
+    ``is_error``), or, when it holds ``image`` blocks (a screenshot), text and image parts."""
+    result = block.get("content", "")
+    items = _blocks(result, param) if result else []
+    if not any(item["type"] == "image" for item in items):
+        text = _text_of(result, param) if result else ""
+        return f"Error: {text}" if block.get("is_error") else text
+    parts = [{"type": "text", "text": "Error: "}] if block.get("is_error") else []
+    for k, item in enumerate(items):
+        parts.append(_image_part(item, f"{param}.{k}") if item["type"] == "image"
+                     else {"type": "text", "text": _text_of([item], f"{param}.{k}")})
+    return parts
+
+
 def chat_messages(messages: Any) -> list[dict[str, Any]]:
     """Chat messages for Anthropic ``messages`` (roles ``user`` and ``assistant``; ``system`` after the first)."""
     if not isinstance(messages, list) or not messages:
@@ -88,28 +126,28 @@ def chat_messages(messages: Any) -> list[dict[str, Any]]:
                               "system prompts in the top-level 'system' field)", param=f"{p}.role")
         blocks = _blocks(msg.get("content"), f"{p}.content")
         if role == "user":
-            texts: list[str] = []
+            texts: list[dict[str, Any]] = []
             for j, block in enumerate(blocks):
                 kind = block["type"]
                 if kind == "text":
-                    texts.append(_text_of([block], f"{p}.content"))
+                    texts.append({"type": "text", "text": _text_of([block], f"{p}.content")})
+                elif kind == "image":
+                    texts.append(_image_part(block, f"{p}.content.{j}"))
                 elif kind == "tool_result":
                     if texts:  # text before a result: keep the order
-                        out.append({"role": "user", "content": "".join(texts)})
+                        out.append({"role": "user", "content": _user_content(texts)})
                         texts = []
                     if not isinstance(block.get("tool_use_id"), str):
                         raise bad_request(f"{p}.content.{j}.tool_use_id: Field required",
                                           param=f"{p}.content.{j}.tool_use_id")
-                    result = block.get("content", "")
-                    text = _text_of(result, f"{p}.content.{j}.content") if result else ""
-                    if block.get("is_error"):
-                        text = f"Error: {text}"
-                    out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": text})
+                    content = _tool_result(block, f"{p}.content.{j}.content")
+                    out.append({"role": "tool", "tool_call_id": block["tool_use_id"], "content": content})
                 else:
                     raise bad_request(f"{p}.content.{j}: content blocks of type {json.dumps(kind)} are not supported "
-                                      "in user messages (supported: text, tool_result)", param=f"{p}.content.{j}.type")
+                                      "in user messages (supported: text, image, tool_result)",
+                                      param=f"{p}.content.{j}.type")
             if texts:
-                out.append({"role": "user", "content": "".join(texts)})
+                out.append({"role": "user", "content": _user_content(texts)})
             continue
         answer: dict[str, Any] = {"role": "assistant", "content": None}
         for j, block in enumerate(blocks):

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import attrs
 
-from loongsage_hookspecs import RoutedExperts, Segment
+from loongsage_hookspecs import RoutedExperts, Segment, SegmentImage
 
 from .messages import same_messages
 from .tito import ChatRenderer
@@ -98,6 +98,8 @@ class TurnPlan:
     """The last message is an open assistant message (a prefill) the model continues."""
     parent: int | None = None
     fork_at: int | None = None
+    images: list[SegmentImage] = attrs.field(factory=list)
+    """The images of ``context`` in token order (set by the router, see :mod:`.images`)."""
 
     def answered(self, assistant_message: Mapping[str, Any]) -> list[dict[str, Any]]:
         """The conversation once the model answered: the answer appended, or, continuing a
@@ -223,6 +225,8 @@ class ConversationTracker:
         if generated:
             seg.append(list(generated), generated=True, logprobs=list(logprobs), weight_version=list(weight_versions))
         seg.record_routes(routed_experts)
+        if plan.images:  # the context's images cover the whole segment (it is the context plus the answer)
+            seg.images = list(plan.images)
         last = int(generated[-1]) if generated else None
         self.history[plan.segment_index].append(SegmentState(
             messages=plan.answered(assistant_message), tools=plan.tools, template_kwargs=plan.template_kwargs,

@@ -190,11 +190,12 @@ class EnginePool:
         return self._clients[url]
 
     async def generate(self, url: str, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
-                       top_logprobs_num: int = 0) -> EngineOutput:
-        """One generation (errors become 400/502/503 :class:`RouterError`)."""
+                       top_logprobs_num: int = 0, image_data: list[str] | None = None) -> EngineOutput:
+        """One generation (errors become 400/502/503 :class:`RouterError`); ``image_data``: the
+        prompt's images in token order (base64)."""
         try:
             (res,) = await self.client(url).generate(input_ids, sampling_params, rids=[rid],
-                                                     top_logprobs_num=top_logprobs_num)
+                                                     top_logprobs_num=top_logprobs_num, image_data=image_data)
         except (EngineError, httpx.HTTPError, OSError) as exc:
             raise as_router_error(exc, url) from exc
         out = engine_output(res, url)
@@ -202,11 +203,12 @@ class EnginePool:
         return out
 
     async def generate_stream(self, url: str, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
-                              top_logprobs_num: int = 0) -> AsyncIterator[EngineOutput]:
+                              top_logprobs_num: int = 0, image_data: list[str] | None = None
+                              ) -> AsyncIterator[EngineOutput]:
         """One streamed generation: the whole generation so far after every chunk; the last item
         has the finish reason. Leaving early closes the connection (the engine aborts the request)."""
         stream = self.client(url).generate_stream(input_ids, sampling_params, rid=rid,
-                                                  top_logprobs_num=top_logprobs_num)
+                                                  top_logprobs_num=top_logprobs_num, image_data=image_data)
         try:
             async for res in stream:
                 yield engine_output(res, url)

@@ -25,6 +25,23 @@ def _canonical_arguments(args: Any) -> str:
     return json.dumps(args, sort_keys=True, default=str)
 
 
+def content_key(content: Any) -> Any:
+    """``content`` in hashable form: a string as it is, a list of parts as ``(kind, text)`` pairs
+    (an image by its sha256, so two different images of one size are different content)."""
+    if not isinstance(content, list):
+        return content or ""
+    return tuple((part.get("type"), part.get("sha256") or part.get("text") or "") for part in content)
+
+
+def content_text(content: Any) -> str:
+    """The text a chat template renders for ``content``: a string as it is; a list of parts
+    joined, each image by its placeholder tokens (see :mod:`.images`)."""
+    if not isinstance(content, list):
+        return content or ""
+    return "".join(part.get("placeholder", "") if part.get("type") == "image" else part.get("text", "")
+                   for part in content)
+
+
 def message_key(msg: Mapping[str, Any]) -> tuple[Any, ...]:
     """A hashable summary of a message that ignores presentation-only differences.
 
@@ -34,7 +51,7 @@ def message_key(msg: Mapping[str, Any]) -> tuple[Any, ...]:
     role = msg.get("role")
     if role == "developer":
         role = "system"
-    content = msg.get("content") or ""
+    content = content_key(msg.get("content"))
     calls = tuple(
         (str(c.get("id") or ""), c["function"]["name"], _canonical_arguments(c["function"].get("arguments", "")))
         for c in (msg.get("tool_calls") or [])
@@ -50,12 +67,14 @@ def same_messages(a: Sequence[Mapping[str, Any]], b: Sequence[Mapping[str, Any]]
 def template_message(msg: Mapping[str, Any]) -> dict[str, Any]:
     """``msg`` in the shape chat templates expect.
 
-    ``developer`` becomes ``system``; ``content`` is always a string; tool-call arguments that are
+    ``developer`` becomes ``system``; ``content`` is always a string (images as their placeholder
+    tokens); tool-call arguments that are
     JSON objects are passed as dicts (templates such as Llama 3's need a mapping; the Qwen and
     Hermes templates serialise either).
     """
     role = msg["role"]
-    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": msg.get("content") or ""}
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                           "content": content_text(msg.get("content"))}
     if msg.get("tool_calls"):
         calls = []
         for call in msg["tool_calls"]:

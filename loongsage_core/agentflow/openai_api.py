@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping
 import attrs
 
 from .errors import RouterError, bad_request
+from .images import image_url_of
 from .protocol import json_response, read_json, serve_turn
 from .streaming import SSEStream
 
@@ -126,23 +127,32 @@ def _bool(body: Mapping[str, Any], key: str) -> bool | None:
     return value
 
 
-def _text_content(content: Any, param: str) -> str | None:
-    """Plain text of a message ``content`` (a string, ``None`` or a list of text parts)."""
+def _text_content(content: Any, param: str, images: bool = False) -> str | list[dict[str, Any]] | None:
+    """Plain text of a message ``content`` (a string, ``None`` or a list of text parts). With
+    ``images`` (user and tool messages), ``image_url`` parts are allowed too, and content that has
+    one stays a list of ``text`` and ``image_url`` parts (the router resolves the images:
+    :class:`~.images.ImageInputs`)."""
     if content is None or isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
+        parts: list[dict[str, Any]] = []
         for j, part in enumerate(content):
-            if not isinstance(part, Mapping) or part.get("type") not in ("text", "input_text"):
-                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-                raise bad_request(f"{param}[{j}]: only text content parts are supported, got '{kind}'",
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            if images and kind == "image_url":
+                parts.append({"type": "image_url", "image_url": {"url": image_url_of(part, f"{param}[{j}]")}})
+                continue
+            if kind not in ("text", "input_text"):
+                allowed = "text and image_url" if images else "text"
+                raise bad_request(f"{param}[{j}]: only {allowed} content parts are supported, got '{kind}'",
                                   param=f"{param}[{j}]", code="unsupported_content")
             text = part.get("text")
             if not isinstance(text, str):
                 raise bad_request(f"{param}[{j}].text must be a string", param=f"{param}[{j}].text",
                                   code="invalid_type")
-            parts.append(text)
-        return "".join(parts)
+            parts.append({"type": "text", "text": text})
+        if any(p["type"] == "image_url" for p in parts):
+            return parts
+        return "".join(p["text"] for p in parts)
     raise bad_request(f"{param} must be a string or a list of content parts", param=param, code="invalid_type")
 
 
@@ -177,7 +187,8 @@ def parse_messages(messages: Any) -> list[dict[str, Any]]:
         if role not in ROLES:
             raise bad_request(f"{p}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
                               param=f"{p}.role", code="invalid_value")
-        clean: dict[str, Any] = {"role": role, "content": _text_content(msg.get("content"), f"{p}.content")}
+        clean: dict[str, Any] = {"role": role, "content": _text_content(msg.get("content"), f"{p}.content",
+                                                                        images=role in ("user", "tool"))}
         if role == "assistant":
             if msg.get("tool_calls"):
                 clean["tool_calls"] = _tool_calls(msg["tool_calls"], f"{p}.tool_calls")

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 import attrs
 
-from loongsage_hookspecs import GrammarSpan, RoutedExperts, Segment, TrajectoryStatus
+from loongsage_hookspecs import GrammarSpan, RoutedExperts, Segment, SegmentImage, TrajectoryStatus
 
 SEED_RANGE = (-(2**63), 2**63 - 1)
 """Seeds the router accepts (a signed 64-bit integer, what engines can seed a generator with)."""
@@ -147,6 +147,8 @@ class TrajectoryRecord:
     max_context_length: int | None = None
     metadata: dict[str, Any] = attrs.field(factory=dict)
     created_at: float = attrs.field(factory=time.time)
+    images: dict[str, str] = attrs.field(factory=dict)
+    """The conversation's images, once each: sha256 -> base64 bytes (segments refer to them by hash)."""
 
     @property
     def response_tokens(self) -> int:
@@ -188,7 +190,8 @@ class TrajectoryRecord:
                                     routed_experts=(None if s.get("routed_experts") is None
                                                     else RoutedExperts.from_json(s["routed_experts"])),
                                     parent=s.get("parent"), fork_at=s.get("fork_at"),
-                                    constraints=[GrammarSpan(**c) for c in s.get("constraints", [])])
+                                    constraints=[GrammarSpan(**c) for c in s.get("constraints", [])],
+                                    images=[SegmentImage(**i) for i in s.get("images", [])])
                             for s in data.get("segments", [])]
         data["turns"] = [TurnInfo(**{**t, "weight_versions": tuple(t["weight_versions"])})
                          for t in data.get("turns", [])]

@@ -63,6 +63,25 @@ def _text(content: Any, param: str, kinds: tuple[str, ...]) -> str:
     return "".join(out)
 
 
+def _parts_with_images(parts: list[Any], param: str) -> list[dict[str, Any]]:
+    """A user message's ``input_text`` and ``input_image`` parts as chat-completions ``text`` and
+    ``image_url`` parts; an image must be an inline data URL (``file_id`` and remote URLs are refused)."""
+    out: list[dict[str, Any]] = []
+    for j, part in enumerate(parts):
+        if part.get("type") == "input_image":
+            if part.get("file_id") is not None:
+                raise bad_request(f"{param}[{j}].file_id: uploaded files are not supported; send the image as a "
+                                  "base64 data URL in 'image_url'", param=f"{param}[{j}].file_id",
+                                  code="unsupported_content")
+            if not isinstance(part.get("image_url"), str):
+                raise bad_request(f"{param}[{j}].image_url must be a data URL string", param=f"{param}[{j}].image_url",
+                                  code="invalid_type")
+            out.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
+        else:
+            out.append({"type": "text", "text": _text([part], f"{param}[{j}]", ("input_text", "text"))})
+    return out
+
+
 def _reasoning_text(item: Mapping[str, Any], param: str) -> str:
     parts = item.get("content") or item.get("summary") or []
     if not isinstance(parts, list):
@@ -110,6 +129,9 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 msg["content"] = (msg["content"] or "") + text
                 if msg.get("tool_calls"):
                     msg["_closed"] = True
+            elif role == "user" and isinstance(item.get("content"), list) and any(
+                    isinstance(c, Mapping) and c.get("type") == "input_image" for c in item["content"]):
+                messages.append({"role": role, "content": _parts_with_images(item["content"], f"{p}.content")})
             else:
                 messages.append({"role": role, "content": _text(item.get("content"), f"{p}.content", kinds)})
         elif kind == "function_call":

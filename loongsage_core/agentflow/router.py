@@ -42,6 +42,7 @@ from ..http_server import BlockingView, ThreadedServer
 from .access_log import AccessLog
 from .app import build_app
 from .engines import EngineBalancer, EnginePool
+from .images import ImageInputs, ImageLimits
 from .record import TrajectoryRecord
 from .registry import TrajectoryRegistry, check_trajectory_id
 from .tito import ChatRenderer
@@ -93,6 +94,9 @@ class AgentFlowRouter:
             ``engine_wait_s`` for one. Nothing of the failed call is recorded (a streamed turn
             keeps the tokens the agent was already shown, as after an abort), so the turn's
             record stays token-exact.
+        image_processor: the model's transformers image processor (a vision-language model, see
+            :mod:`.images`): image parts are accepted within ``image_limits``; without one they
+            are a 400.
 
     Stop strings go to the engine (``sampling_params.stop``, which SGLang and the embedded engine
     honour): the turn ends at the token that completes one, and the content ends before it.
@@ -108,7 +112,8 @@ class AgentFlowRouter:
                  turn_end_ids: Sequence[int] | None = None, access_log_path: str | None = None,
                  lora_path: str | None = None, return_routed_experts: bool = False,
                  on_engine_lost: Callable[[str], None] | None = None, engine_retries: int = 0,
-                 engine_wait_s: float = 300.0) -> None:
+                 engine_wait_s: float = 300.0, image_processor: Any = None,
+                 image_limits: ImageLimits | None = None) -> None:
         self.tokenizer = _load_tokenizer(tokenizer)
         self.renderer = ChatRenderer(self.tokenizer, chat_template=chat_template, turn_end_ids=turn_end_ids)
         self.balancer = EngineBalancer(engine_urls)
@@ -131,8 +136,9 @@ class AgentFlowRouter:
         self.engines = EnginePool(secret, engine_timeout_s, lora_path, return_routed_experts)
         limits = TurnLimits(max_prompt_chars=max_prompt_chars, max_continuations=max_continuations,
                             engine_retries=engine_retries, engine_wait_s=engine_wait_s)
+        images = None if image_processor is None else ImageInputs(image_processor, self.tokenizer, image_limits)
         self.turns = TurnRunner(self.registry, self.renderer, self.balancer, self.engines, middlewares, model_name,
-                                limits, self._render_pool, on_engine_lost)
+                                limits, self._render_pool, on_engine_lost, images)
         self.server = ThreadedServer(self._build_app(), host=host, port=port, name="agentflow-router",
                                      handler_cancellation=True)  # a client that goes away cancels its turn
         self.blocking = BlockingView(self, self.server.call)

@@ -136,6 +136,7 @@ def speculation_of(turns: list[Any]) -> dict[str, Any]:
 def _fill(trajectory: Trajectory, record: Any, result: AgentResult | None, error: str | None, attempt: int) -> None:
     """Copy the router's record and the agent's result into ``trajectory`` and set its status."""
     trajectory.segments = record.segments if record is not None else []
+    trajectory.images = dict(record.images) if record is not None else {}
     trajectory.finish_reason = record.finish_reason if record is not None else None
     trajectory.messages = (result.messages if result is not None and result.messages
                            else (record.messages if record is not None else []))

@@ -21,7 +21,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import attrs
 
-from loongsage_hookspecs import GrammarSpan, RoutedExperts, TrajectoryStatus
+from loongsage_hookspecs import GrammarSpan, RoutedExperts, SegmentImage, TrajectoryStatus
 
 from ..grammar import TokenGrammar, token_grammar
 from ._request_keys import MAX_NEW_TOKENS
@@ -29,6 +29,7 @@ from .constraints import TurnConstraint, turn_constraint
 from .conversation import TurnPlan
 from .engines import EngineBalancer, EngineOutput, EnginePool
 from .errors import RouterError, bad_request, not_found
+from .images import ImageInputs, image_spans, images_in_order, refuse_images
 from .openai_api import ChatRequest, completion_body, new_completion_id, parse_chat_request
 from .record import TurnInfo
 from .registry import LiveTrajectory, TrajectoryRegistry
@@ -92,7 +93,7 @@ class TurnRunner:
     def __init__(self, registry: TrajectoryRegistry, renderer: ChatRenderer, balancer: EngineBalancer,
                  engines: EnginePool, middlewares: Sequence[Any], model_name: str, limits: TurnLimits,
                  render_pool: concurrent.futures.Executor,
-                 on_engine_lost: Callable[[str], None] | None = None) -> None:
+                 on_engine_lost: Callable[[str], None] | None = None, images: ImageInputs | None = None) -> None:
         self.registry = registry
         self.renderer = renderer
         self.balancer = balancer
@@ -102,6 +103,8 @@ class TurnRunner:
         self.limits = limits
         self.render_pool = render_pool
         self.on_engine_lost = on_engine_lost
+        self.images = images
+        """The model's image handling (``None``: a text-only model, image parts are a 400)."""
         self.stats = {"requests": 0, "errors": 0, "engine_calls": 0, "completion_tokens": 0, "engine_retries": 0}
         self._engine_ctx: dict[str, int | None] = {}
         self._background: set[asyncio.Task[Any]] = set()
@@ -136,6 +139,7 @@ class TurnRunner:
         """Tokens the chat-completions ``body`` would send to the engine (nothing is recorded)."""
         entry = self.lookup(request)
         req = parse_chat_request(body)
+        self._resolve_images(entry, req)
         return len((await self._plan(entry, req)).context)
 
     async def run_turn(self, request: Any, body: Any, stream: Any = None) -> tuple[ChatRequest, dict[str, Any]]:
@@ -160,6 +164,7 @@ class TurnRunner:
                 raise RouterError(500, f"middleware {type(mw).__name__}.on_request returned "
                                        f"{type(body).__name__}, expected a dict", type="server_error")
         req = parse_chat_request(body)
+        self._resolve_images(entry, req)
         async with entry.lock:
             refuse_if_aborted(entry)
             refuse_if_failed(entry)
@@ -169,15 +174,37 @@ class TurnRunner:
         return req, response
 
     # ------------------------------------------------------------------------ one turn
+    def _resolve_images(self, entry: LiveTrajectory, req: ChatRequest) -> None:
+        """Decode and check the request's images, keep their bytes with the trajectory and put
+        their placeholders in the messages (:class:`~.images.ImageInputs`); a 400 for a model
+        that takes no images."""
+        if self.images is None:
+            refuse_images(req.messages)
+        else:
+            self.images.resolve(req.messages, entry.record.images)
+
     async def _plan(self, entry: LiveTrajectory, req: ChatRequest) -> TurnPlan:
-        """The turn plan, rendered and tokenized on a worker thread after the size check."""
+        """The turn plan, rendered and tokenized on a worker thread after the size check; the
+        images of its context are placed on their placeholder tokens."""
         check_prompt_size(req.messages, req.offered_tools, self.limits.max_prompt_chars)
         work = functools.partial(entry.tracker.plan, req.messages, req.offered_tools, req.chat_template_kwargs,
                                  req.continue_final_message)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.render_pool, work)
+            plan = await asyncio.get_running_loop().run_in_executor(self.render_pool, work)
         except TemplateError as exc:
             raise bad_request(str(exc), param="messages", code="chat_template_error") from None
+        if self.images is not None:
+            hashes = images_in_order(plan.messages)
+            spans = image_spans(plan.context, self.images.image_token_id)
+            if len(spans) != len(hashes):
+                raise bad_request(f"the chat template rendered {len(spans)} image placeholders for the "
+                                  f"conversation's {len(hashes)} images", param="messages", code="chat_template_error")
+            plan.images = [SegmentImage(h, start, length) for h, (start, length) in zip(hashes, spans)]
+        return plan
+
+    def _image_data(self, entry: LiveTrajectory, plan: TurnPlan) -> list[str] | None:
+        """The base64 bytes of the plan's images in token order, for the engine (``None``: none)."""
+        return [entry.record.images[image.sha256] for image in plan.images] or None
 
     async def _constraint(self, req: ChatRequest, body: dict[str, Any]) -> TurnConstraint | None:
         """The turn's constraint (:mod:`.constraints`); the tokenizer's grammar view is built on a
@@ -286,7 +313,7 @@ class TurnRunner:
             params = engine_sampling(entry.sampling, req, turn, self.renderer.turn_end_ids, remaining)
             if constraint is not None:
                 params.update(constraint.sampling_params(len(gen.ids)))
-            call = (url, plan.context + gen.ids, params, rid, req.top_logprobs)
+            call = (url, plan.context + gen.ids, params, rid, req.top_logprobs, self._image_data(entry, plan))
             entry.in_flight[rid] = url
             self.balancer.acquire(url)
             self.stats["engine_calls"] += 1

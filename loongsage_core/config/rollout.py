@@ -147,6 +147,12 @@ class AgentFlowConfig:
     access_log: str = ""
     """A JSON-lines file the router appends one line per request to (method, path, status, ms); empty: kept in
     memory only."""
+    max_image_bytes: int = attrs.field(default=10 * 1024 * 1024, validator=at_least_one)
+    """Largest image (decoded bytes) a request may carry to a vision-language policy; larger ones get a 400."""
+    max_image_pixels: int = attrs.field(default=4096 * 4096, validator=at_least_one)
+    """Most pixels (width x height) of one image; larger ones get a 400 before their pixels are decoded."""
+    max_images_per_request: int = attrs.field(default=16, validator=at_least_one)
+    """Most images in one request (its whole conversation); more get a 400."""
 
 
 @attrs.define

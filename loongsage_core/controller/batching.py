@@ -80,6 +80,7 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
     sample_index = torch.zeros(n, dtype=torch.long)
     routes = routed_experts_tensor([seg for _, _, _, (_, seg) in rows], width)
     meta: dict[str, list[Any]] = {"trajectory_id": [], "prompt_id": [], "source": [], "segment": []}
+    images: list[list[str] | None] = []
     for i, (g_idx, sample, traj, (s_idx, seg)) in enumerate(rows):
         L = len(seg.tokens)
         input_ids[i, :L] = torch.tensor(seg.tokens, dtype=torch.long)
@@ -98,15 +99,29 @@ def build_batch(groups: Sequence[TrajectoryGroup], pad_id: int = 0, *, mask_stal
         meta["prompt_id"].append(traj.prompt_id)
         meta["source"].append(traj.source)
         meta["segment"].append(s_idx)
-    if any(seg.constraints for _, _, _, (_, seg) in rows):  # grammar spans the trainer replays
-        meta["constraints"] = [[(c.start, c.end, c.grammar, list(c.stop_token_ids)) for c in seg.constraints]
-                               for _, _, _, (_, seg) in rows]
+        images.append(segment_images(traj, seg))
     tensors = {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
                "rollout_logprobs": logprobs, "weight_versions": versions, "rewards": rewards,
                "group_index": group_index, "sample_index": sample_index}
     if routes is not None:
         tensors["routed_experts"] = routes
+    if any(images):  # rows of a vision-language policy's conversations with images
+        meta["images"] = images
+    if any(seg.constraints for _, _, _, (_, seg) in rows):  # grammar spans the trainer replays
+        meta["constraints"] = [[(c.start, c.end, c.grammar, list(c.stop_token_ids)) for c in seg.constraints]
+                               for _, _, _, (_, seg) in rows]
     return Batch(tensors=tensors, meta=meta)
+
+
+def segment_images(traj: Trajectory, seg: Segment) -> list[str] | None:
+    """The base64 bytes of ``seg``'s images in token order (``None``: it has none), from the
+    trajectory's image store; the trainer rebuilds the vision inputs from them."""
+    if not seg.images:
+        return None
+    missing = [image.sha256[:12] for image in seg.images if image.sha256 not in traj.images]
+    if missing:
+        raise ValueError(f"trajectory {traj.id}: its segments refer to images {missing} it does not store")
+    return [traj.images[image.sha256] for image in seg.images]
 
 
 def routed_experts_tensor(segments: Sequence[Segment], width: int) -> torch.Tensor | None:

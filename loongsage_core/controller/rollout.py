@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import logging
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable, Sequence
 
 import attrs
@@ -79,9 +80,17 @@ def takes_fast_path(job: JobConfig, source: DataConfig, components: ComponentReg
     ``single_turn`` agent), no router middleware (it sees
     and may rewrite the router's requests and responses), no agent ``request_args`` (extra
     request fields such as stop strings that only the router applies) and no sandbox (the
-    trajectory's lifecycle creates it, and rewards such as ``code_tests`` run in it)."""
+    trajectory's lifecycle creates it, and rewards such as ``code_tests`` run in it), and not for a
+    vision-language policy (the router decodes, checks and records a prompt's images)."""
     return (components.get("agent", source.agent).fast_path and not job.agentflow.middleware
-            and not source.agent_args.get("request_args") and not source.sandbox)
+            and not source.agent_args.get("request_args") and not source.sandbox and not takes_images(job))
+
+
+def takes_images(job: JobConfig) -> bool:
+    """Whether the policy is a vision-language model: its tokenizer directory has an image
+    processor (``preprocessor_config.json``)."""
+    source = job.model.tokenizer or job.model.path
+    return source is not None and (Path(job.resolve_path(source)) / "preprocessor_config.json").is_file()
 
 
 def sampling_params(job: JobConfig, source: DataConfig) -> dict[str, Any]:
@@ -171,7 +180,7 @@ class RolloutManager:
                                           access_log_path=af.access_log or None, lora_path=self.lora_path,
                                           return_routed_experts=self.return_routed_experts,
                                           on_engine_lost=self.on_engine_lost, engine_retries=self.engine_retries,
-                                          engine_wait_s=self.engine_wait_s)
+                                          engine_wait_s=self.engine_wait_s, **router_images(self.job))
             self.router.start()
         return str(self.router.base_url)
 
@@ -249,7 +258,12 @@ class RolloutManager:
 
     def encode_prompt(self, prompt: Prompt, max_new_tokens: int) -> list[int]:
         """The prompt's chat-template tokens; too long to leave room for ``max_new_tokens`` is an error."""
-        tokens = self.renderer.prompt_tokens(self.fast_path_messages(prompt))
+        messages = self.fast_path_messages(prompt)
+        if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") == "image_url"
+                                                          for p in m["content"]) for m in messages):
+            raise ConfigError(f"prompt '{prompt.prompt_id}' has images, but the policy takes none (its tokenizer "
+                              "directory has no image processor, preprocessor_config.json)")
+        tokens = self.renderer.prompt_tokens(messages)
         limit = self.job.rollout.max_context_length - int(max_new_tokens)
         if len(tokens) > limit:
             raise ConfigError(f"prompt '{prompt.prompt_id}' has {len(tokens)} tokens, more than the "
@@ -346,3 +360,16 @@ class RolloutManager:
         if self.router is not None:
             self.router.shutdown()
             self.router = None
+
+
+def router_images(job: Any) -> dict[str, Any]:
+    """The AgentFlow router's image arguments for ``job``: the policy's image processor (saved
+    next to its tokenizer: a vision-language model) and the ``[agentflow]`` image limits; no
+    processor (a text model): image parts are a 400."""
+    from ..agentflow.images import ImageLimits, image_processor_for
+
+    source = job.model.tokenizer or job.model.path
+    af = job.agentflow
+    return {"image_processor": image_processor_for(job.resolve_path(source) if source else None),
+            "image_limits": ImageLimits(max_bytes=af.max_image_bytes, max_pixels=af.max_image_pixels,
+                                        max_images=af.max_images_per_request)}

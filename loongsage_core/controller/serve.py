@@ -22,6 +22,7 @@ from ..hf_models import load_tokenizer
 from ..resolve import ResolvedJob
 from ..security import new_secret, set_process_secret, write_secret_file
 from .placement import Actors, create_actors, init_ray, start_engine_router
+from .rollout import router_images
 from .signals import stop_on_signals
 
 
@@ -64,7 +65,8 @@ def start_serving(resolved: ResolvedJob, port: int = 0, output_dir: str | Path |
     router = AgentFlowRouter(tokenizer, generate_urls, middlewares,
                              port=port or af.port, max_context_length=job.rollout.max_context_length,
                              secret=secret, max_request_bytes=af.max_request_bytes,
-                             max_prompt_chars=af.max_prompt_chars, access_log_path=af.access_log or None)
+                             max_prompt_chars=af.max_prompt_chars, access_log_path=af.access_log or None,
+                             **router_images(job))
     router.start()
     tid = f"debug-{uuid.uuid4().hex[:8]}"
     url = router.blocking.register(tid, max_response_tokens=af.max_response_tokens or None)

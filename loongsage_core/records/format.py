@@ -9,6 +9,9 @@ that breaks a reader raises :data:`FORMAT_VERSION`.
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import json
 import math
 import random
@@ -129,6 +132,34 @@ def _row_index(batch: Any) -> dict[tuple[str, int], int]:
     return {(tid, int(seg)): i for i, (tid, seg) in enumerate(zip(meta["trajectory_id"], meta["segment"]))}
 
 
+def _image_part(part: Any, images: Mapping[str, str]) -> Any:
+    """A message content part as the records keep it: an image the trajectory stores (by the
+    router's ``image`` part, or the agent's own ``image_url`` data URL of the same bytes) becomes
+    ``{"type": "image", "sha256": ...}``, so its bytes are written once, in the record's ``images``."""
+    if not isinstance(part, Mapping):
+        return part
+    if part.get("type") == "image" and part.get("sha256") in images:
+        return {"type": "image", "sha256": part["sha256"]}
+    url = part.get("image_url")
+    url = url.get("url") if isinstance(url, Mapping) else url
+    if part.get("type") == "image_url" and isinstance(url, str) and url.startswith("data:") and "," in url:
+        try:
+            digest = hashlib.sha256(base64.b64decode(url.partition(",")[2], validate=True)).hexdigest()
+        except (binascii.Error, ValueError):
+            return part
+        if digest in images:
+            return {"type": "image", "sha256": digest}
+    return part
+
+
+def _messages_with_image_refs(messages: list[Any], images: Mapping[str, str]) -> list[Any]:
+    """``messages`` with every stored image's parts replaced by a reference (:func:`_image_part`)."""
+    if not images:
+        return messages
+    return [{**m, "content": [_image_part(p, images) for p in m["content"]]}
+            if isinstance(m, Mapping) and isinstance(m.get("content"), list) else m for m in messages]
+
+
 def _segment_record(seg: Any, row: int | None, token_text: Callable[[list[int]], list[str]],
                     row_lists: Mapping[str, Any]) -> dict[str, Any]:
     n = len(seg.tokens)
@@ -139,6 +170,8 @@ def _segment_record(seg: Any, row: int | None, token_text: Callable[[list[int]],
     if seg.constraints:  # spans sampled under a grammar (constrained decoding)
         out["constraints"] = [{"start": c.start, "end": c.end, "grammar": c.grammar,
                                "stop_token_ids": list(c.stop_token_ids)} for c in seg.constraints]
+    if getattr(seg, "images", None):  # a conversation with images: each image's hash and placeholder tokens
+        out["images"] = [{"sha256": i.sha256, "start": i.start, "length": i.length} for i in seg.images]
     if row is not None:
         for name, rows in row_lists.items():
             out[name] = _floats(rows[row][:n]) if name != "loss_mask" else [int(x) for x in rows[row][:n]]
@@ -212,7 +245,7 @@ def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_versio
         segments = [_segment_record(seg, rows.get((traj.id, s)), token_text, row_lists)
                     for s, seg in enumerate(traj.segments)]
         versions = [v for seg in traj.segments for v, m in zip(seg.weight_versions, seg.loss_mask) if m and v >= 0]
-        messages = jsonable(list(traj.messages))
+        messages = jsonable(_messages_with_image_refs(list(traj.messages), getattr(traj, "images", None) or {}))
         calls = tool_calls_of(messages)
         metadata = jsonable(dict(traj.metadata))
         timing = metadata.pop("timing", {}) if isinstance(metadata, dict) else {}
@@ -248,6 +281,8 @@ def build_records(step: int, groups: Sequence[Any], batch: Any, *, policy_versio
             "metadata": metadata,
             "segments": segments,
         })
+        if getattr(traj, "images", None):  # stored once per trajectory: sha256 -> base64 bytes
+            records[-1]["images"] = dict(traj.images)
     return records
 
 

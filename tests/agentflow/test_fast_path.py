@@ -135,3 +135,24 @@ def test_fast_path_only_where_it_is_equivalent(engine_url, tokenizer):
     # a sandbox is created by the trajectory's lifecycle (rewards such as code_tests run in it)
     boxed = manager(engine_url, tokenizer, source={"sandbox": "local"})
     assert not takes_fast_path(boxed.job, boxed.job.data[0], boxed.components)
+
+
+def test_image_prompts_never_take_the_fast_path(engine_url, tokenizer):
+    """A vision-language policy's prompts go through the router (which checks and records their
+    images); a text policy's fast path refuses a prompt with an image instead of dropping it."""
+    from loongsage_plugin_torch.modeling import TINY_QWEN2_VL
+
+    from loongsage_core.config import ConfigError
+
+    vlm_dir = Path(__file__).resolve().parents[1] / "data" / "vlm"
+    vlm = resolve_job(structure_job({
+        "plugins": {"enable": ["torch", "rl", "rewards", "agents", "loggers"]},
+        "model": {"config": TINY_QWEN2_VL, "tokenizer": str(vlm_dir)},
+        "data": [{"name": "shapes", "generator": "arithmetic", "agent": "single_turn"}]}))
+    assert not takes_fast_path(vlm.job, vlm.job.data[0], vlm.host)
+    text = manager(engine_url, tokenizer, samples=1)
+    url = "data:image/png;base64,iVBORw0KGgo="
+    prompt = Prompt(prompt_id="img", source="math", label="1", metadata={}, prompt=[{"role": "user", "content": [
+        {"type": "text", "text": "How many?"}, {"type": "image_url", "image_url": {"url": url}}]}])
+    with pytest.raises(ConfigError, match="prompt 'img' has images, but the policy takes none"):
+        text.encode_prompt(prompt, 4)

@@ -55,8 +55,10 @@ def test_full_request_maps_to_fields():
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].tool_call_id"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+    ({"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}]},
      "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content[0].image_url.url"),
 ])
 def test_invalid_fields_name_the_parameter(body, param):
     assert error_of(body).param == param

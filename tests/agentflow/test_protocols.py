@@ -146,6 +146,8 @@ def test_responses_bad_input_gets_openai_errors(engine_url, router_factory):
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
         ({"input": [{"type": "message", "role": "tool", "content": "x"}]}, "input[0].role"),
         ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image"}]}]},
+         "input[0].content[0].image_url"),
+        ({"input": [{"type": "message", "role": "system", "content": [{"type": "input_image"}]}]},
          "input[0].content[0].type"),
         ({"input": "x", "previous_response_id": "resp_missing"}, "previous_response_id"),
         ({"input": "x", "previous_response_id": ["resp_1"]}, "previous_response_id"),

@@ -37,7 +37,10 @@ BATCH_FIELDS: Mapping[str, str] = {
                       "each token to, layer by layer (-1: no record); the trainer replays them with "
                       "[algorithm] router_replay",
 }
-"""Documented tensor names of :class:`Batch`; components may add their own keys."""
+"""Documented tensor names of :class:`Batch`; components may add their own keys. Per-row values
+that are not tensors live in ``Batch.meta`` (``trajectory_id``, ``source``, ...; ``images``: for
+rows of a vision-language policy's conversations, the base64 bytes of the row's images in token
+order, ``None`` on rows without)."""
 
 
 @attrs.define
@@ -101,6 +104,7 @@ class Batch:
                 width = max(p.shape[1] for p in parts)
                 parts = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts]
             tensors[k] = torch.cat(parts, 0)
-        names = list(dict.fromkeys(k for b in batches for k in b.meta))
-        meta = {k: [x for b in batches for x in (b.meta[k] if k in b.meta else [None] * len(b))] for k in names}
+        # a key some batches lack (e.g. ``images``: only rows with images have it) is None on their rows
+        meta_keys = dict.fromkeys(k for b in batches for k in b.meta)
+        meta = {k: [x for b in batches for x in b.meta.get(k, [None] * len(b))] for k in meta_keys}
         return Batch(tensors=tensors, meta=meta)

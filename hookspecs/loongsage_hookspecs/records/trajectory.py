@@ -94,6 +94,18 @@ class GrammarSpan:
 
 
 @attrs.define
+class SegmentImage:
+    """One image inside a segment: the sha256 of its bytes (a key of :attr:`Trajectory.images`)
+    and the span of placeholder tokens that stand for it (``tokens[start:start + length]``, the
+    model's image token repeated once per vision embedding). The trainer rebuilds the vision
+    inputs from the bytes, so its forward sees what the rollout engine saw."""
+
+    sha256: str
+    start: int
+    length: int
+
+
+@attrs.define
 class Segment:
     """One contiguous token sequence of a trajectory; each trainable segment is one training row.
 
@@ -110,6 +122,10 @@ class Segment:
     (:meth:`record_routes`). ``constraints`` lists the spans sampled under a grammar
     (:class:`GrammarSpan`); the trainer replays them so it scores the distribution the engine
     sampled.
+
+    ``images`` (a conversation with images, on a vision-language model) lists the images of the
+    segment in token order with the span of their placeholder tokens (:class:`SegmentImage`);
+    those tokens always have loss mask 0.
 
     ``parent`` and ``fork_at`` place the segment in its trajectory's tree: the segment shares its
     first ``fork_at`` tokens with ``trajectory.segments[parent]`` (``tokens[:fork_at] ==
@@ -128,6 +144,7 @@ class Segment:
     parent: int | None = None
     fork_at: int | None = None
     constraints: list[GrammarSpan] = attrs.field(factory=list)
+    images: list[SegmentImage] = attrs.field(factory=list)
 
     def __attrs_post_init__(self) -> None:
         if (self.parent is None) != (self.fork_at is None):
@@ -146,6 +163,10 @@ class Segment:
                 f"tokens={len(self.tokens)} loss_mask={len(self.loss_mask)} "
                 f"logprobs={len(self.logprobs)} weight_versions={len(self.weight_versions)}{routes}"
             )
+        for image in self.images:
+            if image.start < 0 or image.length < 1 or image.start + image.length > len(self.tokens):
+                raise ValueError(f"Segment image {image.sha256[:12]} spans tokens [{image.start}, "
+                                 f"{image.start + image.length}) outside the segment's {len(self.tokens)} tokens")
 
     def record_routes(self, routes: RoutedExperts | None) -> None:
         """Keep the engine's routing of this segment's tokens: the latest engine call's, whose
@@ -215,6 +236,9 @@ class Trajectory:
     reward: Reward | None = None
     error: str | None = None
     failure: FailureClass | None = None
+    images: dict[str, str] = attrs.field(factory=dict)
+    """The images of the conversation, stored once each: sha256 of the bytes -> the bytes in
+    base64 (PNG, JPEG, ... as the agent sent them); segments refer to them by hash."""
 
     @property
     def response_length(self) -> int:

@@ -142,8 +142,37 @@ function renderTrajectory() {
     : [el("p", {class: "muted", text: "no model turns were recorded"})]));
   $("traj-messages").replaceChildren(...(rec.messages || []).map(m => el("details", {},
     el("summary", {text: `${m.role}${m.tool_calls ? ` (${m.tool_calls.length} tool calls)` : ""}: ` +
-      String(m.content ?? "").slice(0, 120)}),
-    el("pre", {text: typeof m.content === "string" ? m.content : JSON.stringify(m, null, 1)}))));
+      contentSummary(m.content).slice(0, 120)}),
+    ...messageBody(m, rec.images || {}))));
+}
+
+// A message's content as the page shows it: text as text; a list of parts one by one, each image
+// the record stores (``{"type": "image", "sha256"}``) drawn inline from the record's ``images``.
+function contentSummary(content) {
+  if (!Array.isArray(content)) return String(content ?? "");
+  return content.map(p => p && p.type === "image" ? "[image]" : (p && p.text) || "").join("");
+}
+
+function messageBody(m, images) {
+  if (!Array.isArray(m.content)) {
+    return [el("pre", {text: typeof m.content === "string" ? m.content : JSON.stringify(m, null, 1)})];
+  }
+  return m.content.map(p => {
+    if (p && p.type === "image" && images[p.sha256]) {
+      return el("figure", {class: "msg-image"},
+        el("img", {src: `data:${imageMime(images[p.sha256])};base64,${images[p.sha256]}`, alt: `image ${p.sha256}`}),
+        el("figcaption", {class: "muted", text: `image ${p.sha256.slice(0, 12)}`}));
+    }
+    return el("pre", {text: p && typeof p.text === "string" ? p.text : JSON.stringify(p, null, 1)});
+  });
+}
+
+// The MIME type of base64 image bytes, from their first bytes (PNG, JPEG, GIF, WEBP, BMP).
+function imageMime(b64) {
+  const kinds = [["iVBOR", "image/png"], ["/9j/", "image/jpeg"], ["R0lG", "image/gif"], ["UklG", "image/webp"],
+    ["Qk", "image/bmp"]];
+  const hit = kinds.find(([prefix]) => b64.startsWith(prefix));
+  return hit ? hit[1] : "application/octet-stream";
 }
 
 async function loadTrajectory(run, step, index) {

@@ -43,6 +43,10 @@ def job_layout(job: Any, model_path: str, world_size: int, role: str, *, cuda: b
     if not config_file.is_file():
         raise ValueError(f"[model] path: no config.json in model directory '{model_path}'")
     hf_config = layout.read_hf_config(config_file)
+    if "vision_config" in hf_config:
+        raise ValueError(f"[model] path: '{model_path}' is a vision-language model (model_type "
+                         f"{hf_config.get('model_type')!r}); the megatron backend trains text models only: "
+                         "use [train] backend = \"torch\"")
     num_experts = layout.hf_num_experts(hf_config)
     tp, pp, dp, ep = layout.parallel_sizes(options, world_size, num_experts)
     layout.check_layout(options, role, tp, pp, hf_config, num_experts, cuda=cuda)

@@ -79,3 +79,32 @@ TINY_QWEN3: dict[str, Any] = {
     "rope_theta": 10000.0,
 }
 """A tiny Qwen3 configuration matching the vocabulary of tests/data/tokenizer (used by tests)."""
+
+
+TINY_QWEN2_VL: dict[str, Any] = {
+    "model_type": "qwen2_vl",
+    "text_config": {
+        "vocab_size": 516,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+        "tie_word_embeddings": True,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+    },
+    "vision_config": {
+        "depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2, "mlp_ratio": 2, "patch_size": 4,
+        "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3,
+    },
+    "vision_start_token_id": 512,
+    "vision_end_token_id": 513,
+    "image_token_id": 514,
+    "video_token_id": 515,
+    "tie_word_embeddings": True,
+}
+"""A tiny Qwen2-VL (vision encoder of one block, 4-pixel patches, the text model of :data:`TINY_QWEN3`'s
+size) matching tests/data/vlm (the test tokenizer plus the vision tokens, and its image processor)."""

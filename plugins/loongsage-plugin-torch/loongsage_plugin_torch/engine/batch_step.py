@@ -78,12 +78,13 @@ class BatchStepMixin:
                 self._deliver(req)
                 continue
             namespace = self._kv_namespace(req)
-            key = (namespace, *req.tokens)
+            key = (namespace, *self._cache_tokens(req))
             twin = by_tokens.get(key)
             if twin is not None:
                 dups.append((req, twin))
             else:
-                entry, cached = self.prefix_cache.lookup(req.tokens, self.version, len(req.tokens) - 1, namespace)
+                entry, cached = self.prefix_cache.lookup(self._cache_tokens(req), self.version, len(req.tokens) - 1,
+                                                         namespace)
                 n = len(req.tokens) - cached
                 if reps and new_tokens + n > budget:
                     break
@@ -110,7 +111,7 @@ class BatchStepMixin:
             self.stats.prefill_tokens += len(req.tokens) - req.cached_tokens
             self.stats.cached_tokens += req.cached_tokens
             if self.prefix_cache.capacity_tokens:
-                self._remember_prefix(req, req.tokens)
+                self._remember_prefix(req, self._cache_tokens(req))
         row_of = {id(r): i for i, (r, _, _) in enumerate(reps)}
         for req, twin in dups:
             self.runner.cache.move(twin.slot, req.slot, twin.kv_len)
@@ -139,7 +140,7 @@ class BatchStepMixin:
                     end = min(len(req.tokens), start + budget)
                     logits = self.runner.forward(torch.tensor(req.tokens[start:end]), req.slot,
                                                  torch.tensor([start]), torch.tensor([end - start]),
-                                                 adapter_rows=self._adapter_rows([req]))
+                                                 adapter_rows=self._adapter_rows([req]), vision=self._vision([req]))
                     start = end
                 out.append(logits)
                 i += 1
@@ -153,7 +154,7 @@ class BatchStepMixin:
             starts = torch.tensor([r.kv_len for r in group])
             counts = torch.tensor([len(r.tokens) - r.kv_len for r in group])
             out.append(self.runner.forward(torch.tensor(flat), group[0].slot, starts, counts,
-                                           adapter_rows=self._adapter_rows(group)))
+                                           adapter_rows=self._adapter_rows(group), vision=self._vision(group)))
         return torch.cat(out, 0)
 
     def _decode(self) -> None:
@@ -169,7 +170,7 @@ class BatchStepMixin:
             ids = torch.tensor([r.tokens[-1] for r in reqs])
             starts = torch.tensor([r.kv_len for r in reqs])
             logits = self.runner.forward(ids, 0, starts, torch.ones(len(reqs), dtype=torch.long),
-                                         adapter_rows=self._adapter_rows(reqs))
+                                         adapter_rows=self._adapter_rows(reqs), vision=self._vision(reqs))
             for req in reqs:
                 req.kv_len += 1
             if drafts is not None:
@@ -210,7 +211,8 @@ class BatchStepMixin:
         counts = [1 + len(d) for d in drafts]
         flat = [t for req, d in zip(reqs, drafts) for t in (req.tokens[-1], *d)]
         logits = self.runner.forward(torch.tensor(flat), 0, torch.tensor([r.kv_len for r in reqs]),
-                                     torch.tensor(counts), all_logits=True, adapter_rows=self._adapter_rows(reqs))
+                                     torch.tensor(counts), all_logits=True, adapter_rows=self._adapter_rows(reqs),
+                                     vision=self._vision(reqs))
         ends = torch.tensor(counts).cumsum(0)
         plain = [i for i, d in enumerate(drafts) if not d]
         if plain:
@@ -259,6 +261,25 @@ class BatchStepMixin:
         """The adapter whose KV ``req`` computes: its ``lora_path`` when adapters apply per
         request, else ``None`` (a merged adapter is in every request's weights)."""
         return req.item.lora_path if self.settings.lora_mode == "unmerged" else None
+
+    @staticmethod
+    def _cache_tokens(req: RequestState) -> list[int]:
+        """``req``'s tokens as the prefix cache keys them: an image's placeholder tokens stand for
+        that image (:attr:`~.vision.VisionInputs.key_tokens`), since their KV is the image's."""
+        vision = req.item.vision
+        if vision is None:
+            return req.tokens
+        return vision.key_tokens + req.tokens[len(vision.key_tokens):]
+
+    def _vision(self, reqs: Sequence[RequestState]) -> "list[Any] | None":
+        """Each request's images for the runner, the vision encoder run on those not yet encoded
+        (``None`` when no request has images)."""
+        if not any(r.item.vision is not None for r in reqs):
+            return None
+        for req in reqs:
+            if req.item.vision is not None:
+                req.item.vision.ensure_embeddings(self.runner.model)
+        return [r.item.vision for r in reqs]
 
     def _adapter_rows(self, reqs: Sequence[RequestState]) -> "torch.Tensor | None":
         """Which of ``reqs`` the runner's unmerged adapter applies to (``None``: it holds none)."""
@@ -341,7 +362,7 @@ class BatchStepMixin:
             if req.item.return_routed_experts:  # the experts of every position the model ran
                 req.routed_experts = self.runner.routed_experts(req.slot, req.kv_len)
             if self.prefix_cache.capacity_tokens and req.kv_len >= self.prefix_cache.block:
-                self._remember_prefix(req, req.tokens[: req.kv_len])
+                self._remember_prefix(req, self._cache_tokens(req)[: req.kv_len])
         n = len(alive)
         holes = sorted(r.slot for r in done if r.slot < n)
         movers = [r for r in alive if r.slot >= n]

@@ -21,12 +21,13 @@ from loongsage_core.backend_api.serving import check_listen_address
 from loongsage_hookspecs import ComponentRef, EngineContext, WeightTransportContext
 
 from ..lora import lora_scaling
-from ..modeling import ModelLoadError, load_model, load_tokenizer, torch_dtype
+from ..modeling import ModelLoadError, load_model, load_tokenizer, tokenizer_path, torch_dtype
 from .adapter import ADAPTER_NAME, AdapterUpdater
 from .protocol import InvalidRequest
 from .runner import ModelRunner
 from .scheduler import Scheduler
 from .settings import EngineSettings
+from .vision import VisionPreprocessor
 from .weights import DIRECT_FORMAT, decode_direct
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,6 +86,9 @@ class EmbeddedEngine:
                                   fp32_lm_head=bool(job.model.fp32_lm_head),
                                   packed_weights=self.settings.packed_weights)
         self.vocab_size = self.runner.vocab_size
+        self.vision = VisionPreprocessor.for_model(
+            self.model, tokenizer_path(job) if (job.model.tokenizer or job.model.path) else None)
+        """Image preprocessing of a vision-language model (``None``: a text model)."""
         self.scheduler = Scheduler(self.runner, self.settings, _eos_ids(self.model, self.tokenizer, self.vocab_size))
         if self.tokenizer is not None:  # stop strings are matched on decoded text
             self.scheduler.decode = lambda ids: self.decode(ids, skip_special_tokens=False)

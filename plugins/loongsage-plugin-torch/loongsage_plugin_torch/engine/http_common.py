@@ -57,6 +57,7 @@ class ServedEngine(Protocol):
     vocab_size: int
     model_path: str | None
     tokenizer_path: str | None
+    vision: Any  # a vision-language model's image preprocessing (.vision), else None
 
     @property
     def weight_groups(self) -> Any: ...

@@ -48,6 +48,10 @@ class GenerateItem:
     stream: bool = False
     lora_path: str | None = None
     return_routed_experts: bool = False
+    image_data: tuple[str, ...] = ()
+    """The prompt's images in token order (base64), for a vision-language model."""
+    vision: Any = None
+    """The images prepared for the model (:class:`~.vision.VisionInputs`), set by the server."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -56,7 +60,7 @@ class GenerateItem:
 
 GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
                    "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "lora_path",
-                   "return_routed_experts"}
+                   "return_routed_experts", "image_data"}
 GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "log_metrics": lambda v: isinstance(v, bool) or v is None,
     # fields sglang-router adds to every request it forwards
@@ -69,7 +73,7 @@ GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "conversation_id": lambda v: v is None or isinstance(v, str),
     "session_id": lambda v: v is None or isinstance(v, str),
     "no_logs": lambda v: isinstance(v, bool) or v is None,
-    "input_embeds": is_none, "image_data": is_none, "video_data": is_none, "audio_data": is_none,
+    "input_embeds": is_none, "video_data": is_none, "audio_data": is_none,
     "token_ids_logprob": is_none, "return_hidden_states": is_none_or_false, "return_routed_experts": is_none_or_false,
     "return_entropy": is_none_or_false, "lora_id": is_none, "session_params": is_none,
     "custom_logit_processor": is_none, "modalities": is_none, "bootstrap_host": is_none,
@@ -243,11 +247,12 @@ def _read_lora_paths(value: Any, count: int, adapters: Sequence[str]) -> list[st
 
 def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Callable[[str], list[int]] | None,
                    can_decode: bool = True, adapters: Sequence[str] = (),
-                   routes_experts: bool = False) -> tuple[list[GenerateItem], bool]:
+                   routes_experts: bool = False, takes_images: bool = False) -> tuple[list[GenerateItem], bool]:
     """Validate a ``/generate`` body; returns the items and whether the input was a single prompt.
 
     ``adapters``: the LoRA adapter names a request's ``lora_path`` may give; ``routes_experts``:
-    the model has mixture-of-experts layers, so ``return_routed_experts`` may be asked."""
+    the model has mixture-of-experts layers, so ``return_routed_experts`` may be asked;
+    ``takes_images``: the model is a vision-language model, so ``image_data`` may be sent."""
     body = require_object(body, "/generate")
     check_unknown(body, GENERATE_FIELDS, GENERATE_NEUTRAL)
     stream = read_bool(body, "stream", False, "")
@@ -317,6 +322,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
         raise InvalidRequest("'return_routed_experts': the served model has no mixture-of-experts layers",
                              "return_routed_experts")
     lora_paths = _read_lora_paths(body.get("lora_path"), count, adapters)
+    images = _read_image_data(body.get("image_data"), count, single, takes_images)
     items = []
     for i, prompt in enumerate(prompts):
         where_ids = "input_ids" if single else f"input_ids[{i}]"
@@ -334,5 +340,31 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
         items.append(GenerateItem(rid=rids[i], input_ids=list(prompt), params=params, return_logprob=ret_lp,
                                   return_text_in_logprobs=read_bool(body, "return_text_in_logprobs", False, ""),
                                   parent_rid=parent, top_logprobs_num=top_n, stream=stream,
-                                  lora_path=lora_paths[i], return_routed_experts=routed[i]))
+                                  lora_path=lora_paths[i], return_routed_experts=routed[i],
+                                  image_data=images[i]))
     return items, single
+
+
+def _read_image_data(value: Any, count: int, single: bool, takes_images: bool) -> list[tuple[str, ...]]:
+    """Each item's images: SGLang's ``image_data``, a list of base64 strings for a single prompt
+    or one such list (or ``null``) per prompt of a batch."""
+    empty: tuple[str, ...] = ()
+    if value is None or value == []:
+        return [empty] * count
+    if not takes_images:
+        raise InvalidRequest("'image_data': the served model takes no images (not a vision-language model)",
+                             "image_data")
+    rows = [value] if single else value
+    if not isinstance(rows, list) or len(rows) != count:
+        raise InvalidRequest(f"'image_data' must be a list of images (one list per prompt of a batch of {count})",
+                             "image_data")
+    out: list[tuple[str, ...]] = []
+    for i, row in enumerate(rows):
+        where = "image_data" if single else f"image_data[{i}]"
+        if row is None:
+            out.append(empty)
+            continue
+        if not isinstance(row, list) or not all(isinstance(x, str) for x in row):
+            raise InvalidRequest(f"'{where}' must be a list of base64 strings", where)
+        out.append(tuple(row))
+    return out

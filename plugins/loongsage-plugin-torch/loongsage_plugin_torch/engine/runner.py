@@ -38,11 +38,14 @@ import attrs
 
 from .kv_cache import SlotKVCache
 from .packed_linear import PackedWeight, packing_works
+from .vision import VISION_MODEL_TYPES, VisionInputs
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "qwen3_moe", "mixtral", "qwen2_vl")
+"""The families the runner runs; ``qwen2_vl`` is a vision-language model (:mod:`.vision`): its text
+model runs here with multimodal rotary positions, its vision encoder as the model has it."""
 FUSED_DECODE_KEYS = 4096
 """From this many keys a decode step's attention uses the fused SDPA kernel, which splits the keys
 across threads (a 6-layer, 384-wide model decoding 4 rows at 20K keys on 2 threads: 57 ms a step
@@ -201,26 +204,29 @@ class ModelRunner:
             raise UnsupportedModelError(
                 f"embedded engine: model_type {model_type!r} is not supported "
                 f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-        self.windows = _attention_windows(config)
+        self.vision = model_type in VISION_MODEL_TYPES
+        text_config = config.get_text_config() if self.vision else config
+        self.windows = _attention_windows(text_config)
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
         self._torch = torch
         self.model = model
         self.config = config
-        base = model.model
+        self.text_config = text_config
+        base = model.model.language_model if self.vision else model.model
         self.embed = base.embed_tokens
         self.rotary = base.rotary_emb
         self.final_norm = _norm_of(base.norm)
         self.lm_head = model.lm_head
         self.fp32_lm_head = fp32_lm_head
-        decoder_layers = list(base.layers[: config.num_hidden_layers])
+        decoder_layers = list(base.layers[: text_config.num_hidden_layers])
         attn0 = decoder_layers[0].self_attn
         self.head_dim = int(attn0.head_dim)
         self.scaling = float(attn0.scaling)
-        self.num_heads = int(config.num_attention_heads)
-        self.kv_heads = int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
-        self.vocab_size = int(config.vocab_size)
+        self.num_heads = int(text_config.num_attention_heads)
+        self.kv_heads = int(getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads)
+        self.vocab_size = int(text_config.vocab_size)
         self.dtype = next(model.parameters()).dtype
         self._check_conventions(decoder_layers[0])
         # the fused matrix, column offset and width of every projection weight, by its HF name
@@ -228,8 +234,8 @@ class ModelRunner:
         self._parts: dict[str, tuple[_Linear, int, int]] = {}
         self.has_unmerged_adapter = False
         self.fused_decode_keys = FUSED_DECODE_KEYS
-        self.packed_weights = bool(packed_weights and model.device.type == "cpu"
-                                   and packing_works(self.dtype, config.hidden_size, self.num_heads * self.head_dim))
+        self.packed_weights = bool(packed_weights and model.device.type == "cpu" and packing_works(
+            self.dtype, text_config.hidden_size, self.num_heads * self.head_dim))
         self.layers = [self._prepare(layer) for layer in decoder_layers]
         self._packed_head = (PackedWeight(lambda: self.lm_head.weight, [self.lm_head.weight])
                              if self.packed_weights and getattr(self.lm_head, "bias", None) is None else None)
@@ -323,7 +329,7 @@ class ModelRunner:
         gen = torch.Generator().manual_seed(0)
         tol = 1e-5 if self.dtype == torch.float32 else 3e-2  # half precision rounds the two paths apart
         with torch.no_grad():
-            x = torch.randn(2, 3, self.config.hidden_size, generator=gen, dtype=self.dtype)
+            x = torch.randn(2, 3, self.text_config.hidden_size, generator=gen, dtype=self.dtype)
             ref = layer.input_layernorm(x)
             got = self._rms(x, _norm_of(layer.input_layernorm))
             if not torch.allclose(ref, got, atol=tol, rtol=tol):
@@ -355,13 +361,16 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------
     def forward(self, tokens: "torch.Tensor", slot_start: int, starts: "torch.Tensor",
                 counts: "torch.Tensor", *, all_logits: bool = False,
-                adapter_rows: "torch.Tensor | None" = None) -> "torch.Tensor":
+                adapter_rows: "torch.Tensor | None" = None,
+                vision: "Sequence[VisionInputs | None] | None" = None) -> "torch.Tensor":
         """Append new tokens to slots ``slot_start .. slot_start + P - 1``.
 
         ``tokens`` ``[N]`` holds the new tokens of all rows back to back (``counts[i]`` of row
         ``i``, ``N = counts.sum()``); row ``i``'s KV already holds ``starts[i]`` positions. Returns
         float32 logits of each row's last new token ``[P, V]``, or of every new token ``[N, V]``.
         ``adapter_rows`` (bool ``[P]``): the rows the unmerged adapter applies to (none if unset).
+        ``vision`` (a vision-language model): per row, its images (:class:`~.vision.VisionInputs`,
+        embeddings computed) or ``None``; see :meth:`_vision_inputs`.
 
         Projections and MLPs run on the ``N`` packed tokens (no padding); only attention uses a
         padded ``[P, T]`` layout, where queries past a row's count are computed and discarded.
@@ -395,7 +404,10 @@ class ModelRunner:
         masks = {window: self._attention_mask(qpos, key_len, window, decode) for window in set(self.windows)}
 
         hidden = self.embed(tokens)
-        cos, sin = self.rotary(hidden, pos[None, :])
+        rope_pos = pos[None, :]
+        if self.vision:
+            hidden, rope_pos = self._vision_inputs(hidden, pos, row, vision)
+        cos, sin = self.rotary(hidden, rope_pos)
         cos, sin_signed = cos[0].unsqueeze(1), self._signed_sin(sin[0]).unsqueeze(1)
         q_size, kv_size = H * D, KV * D
         routes = iter(self.cache.routes)
@@ -445,6 +457,26 @@ class ModelRunner:
         if not all_logits and not decode:
             hidden = hidden[torch.cumsum(counts, 0) - 1]
         return self.output_logits(hidden)
+
+    def _vision_inputs(self, hidden: "torch.Tensor", pos: "torch.Tensor", row: "torch.Tensor",
+                       vision: "Sequence[VisionInputs | None] | None") -> "tuple[torch.Tensor, torch.Tensor]":
+        """The token embeddings with each image token's replaced by its vision embedding, and the
+        ``[3, 1, N]`` multimodal rotary positions (a text-only row: its index on all three axes,
+        as the model's own rule gives)."""
+        rope_pos = pos.expand(3, -1).clone()
+        for i, inputs in enumerate(vision or ()):
+            if inputs is None:
+                continue
+            sel = (row == i).nonzero()[:, 0]
+            p = pos[sel]
+            rope_pos[:, sel] = inputs.rope_positions(p)
+            inside = p < inputs.embed_row.shape[0]
+            embed_row = self._torch.full_like(p, -1)
+            embed_row[inside] = inputs.embed_row[p[inside]]
+            hit = embed_row >= 0
+            if bool(hit.any()):  # the embeddings are a fresh tensor: replaced in place
+                hidden[sel[hit]] = inputs.embeddings[embed_row[hit]].to(hidden.dtype)
+        return hidden, rope_pos[:, None, :]
 
     def routed_experts(self, slot: int, length: int) -> Any:
         """The expert ids of the first ``length`` positions of ``slot`` as an int32 array

@@ -146,7 +146,13 @@ class EngineServer(WeightEndpointsMixin):
         items, single = parse_generate(body, vocab_size=engine.vocab_size,
                                        max_context=engine.settings.max_context_length, encode=engine.encode,
                                        can_decode=engine.tokenizer is not None, adapters=engine.adapter_names,
-                                       routes_experts=bool(engine.runner.moe_layers))
+                                       routes_experts=bool(engine.runner.moe_layers),
+                                       takes_images=engine.vision is not None)
+        for i, item in enumerate(items):
+            if item.image_data:
+                assert engine.vision is not None
+                item.vision = engine.vision.prepare(item.input_ids, item.image_data,
+                                                    "image_data" if single else f"image_data[{i}]")
         if items[0].stream:
             return await self._generate_stream(request, items[0])
         futures = engine.scheduler.submit(items)

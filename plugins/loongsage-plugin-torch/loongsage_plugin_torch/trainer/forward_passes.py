@@ -26,6 +26,7 @@ from .grammar_replay import GrammarReplay, padded_positions
 from .logits import logprobs_and_entropy, next_token_logits
 from .packing import PackedRows, canonical_order, packed_token_outputs, plan_micro_batches, prompt_groups
 from .router_replay import RouterReplay
+from .vision_inputs import VisionBatchInputs
 
 
 class ForwardPassMixin:
@@ -52,6 +53,8 @@ class ForwardPassMixin:
     _route_layout: Callable[[torch.Tensor], torch.Tensor] | None = None
     #: scores constrained turns under their grammars (:mod:`.grammar_replay`), set by the worker
     grammar_replay: GrammarReplay | None = None
+    #: a vision-language policy's image inputs (:mod:`.vision_inputs`), else ``None``
+    vision_inputs: VisionBatchInputs | None = None
 
     def _to_device(self, micro: Batch) -> Batch:
         return Batch(tensors={k: v.to(self.device, non_blocking=True) for k, v in micro.tensors.items()},
@@ -77,7 +80,9 @@ class ForwardPassMixin:
             self._clear_routes()  # no record: the routers route on their own
         # padding-free micro-batches and shared prompts (.packing); rows that are already packed
         # (SFT) keep their own positions
-        packable = not keep_logits and "position_ids" not in micro and bool(attention.any())
+        images = micro.meta.get("images")
+        with_images = self.vision_inputs is not None and images is not None and any(images)
+        packable = not keep_logits and "position_ids" not in micro and bool(attention.any()) and not with_images
         one_row = bool(self.max_tokens_per_micro_batch)
         constrain = self.grammar_replay.filter_for(micro.meta, ids) if self.grammar_replay is not None else None
         groups = self._prompt_groups(ids, attention, scored, one_row=one_row, routes=routes) if packable else None
@@ -99,9 +104,14 @@ class ForwardPassMixin:
         if scored is not None:
             scored = scored[:, :width] & (attention[:, :width] > 0)
         positions = micro.get("position_ids")  # packed rows (SFT): attention stays within each sequence
+        vision = None
+        if with_images:  # the record's images, as the engine saw them (.vision_inputs)
+            assert self.vision_inputs is not None and images is not None
+            vision = self.vision_inputs.kwargs(ids[:, :width], attention[:, :width], images)
         logits = next_token_logits(self.model, ids[:, :width], attention[:, :width],
                                    compute_dtype=self.compute_dtype, fp32_lm_head=self.fp32_lm_head,
-                                   position_ids=None if positions is None else positions[:, :width], scored=scored)
+                                   position_ids=None if positions is None else positions[:, :width], scored=scored,
+                                   vision=vision)
         if constrain is not None:  # constrained turns: the engine's allowed sets, replayed
             rows, cols = padded_positions(scored, (ids.shape[0], width))
             logits = constrain(logits.reshape(-1, logits.shape[-1]), rows, cols).view(logits.shape)

@@ -28,7 +28,8 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor",
                       attention_mask: "torch.Tensor | dict[str, torch.Tensor] | None", *,
                       compute_dtype: "torch.dtype", fp32_lm_head: bool,
                       position_ids: "torch.Tensor | None" = None,
-                      scored: "torch.Tensor | None" = None) -> "torch.Tensor":
+                      scored: "torch.Tensor | None" = None,
+                      vision: "dict[str, torch.Tensor] | None" = None) -> "torch.Tensor":
     """Float32 logits ``[B, T-1, V]``: position ``t`` scores token ``t + 1``.
 
     ``scored`` (bool ``[B, T]``) names the tokens whose log-probs are wanted (a batch's
@@ -45,9 +46,12 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor",
     When the parameters are stored in a wider dtype than ``compute_dtype`` (float32 master weights
     with bfloat16 compute), the decoder runs under autocast. The output projection runs in
     float32 when ``fp32_lm_head`` is set, else in ``compute_dtype``.
+
+    ``vision`` (a vision-language model, padded rows): the image inputs of the rows
+    (:mod:`.vision_inputs`), passed to the decoder.
     """
     hidden = decoder_hidden(model, input_ids, attention_mask, compute_dtype=compute_dtype,
-                            position_ids=position_ids)[:, :-1]
+                            position_ids=position_ids, vision=vision)[:, :-1]
     if scored is not None:
         hidden = hidden[scored[:, 1:]]
     return output_logits(model, hidden, compute_dtype=compute_dtype, fp32_lm_head=fp32_lm_head)
@@ -56,7 +60,7 @@ def next_token_logits(model: Any, input_ids: "torch.Tensor",
 def decoder_hidden(model: Any, input_ids: "torch.Tensor",
                    attention_mask: "torch.Tensor | dict[str, torch.Tensor] | None", *,
                    compute_dtype: "torch.dtype", position_ids: "torch.Tensor | None" = None,
-                   **attention_kwargs: Any) -> "torch.Tensor":
+                   vision: "dict[str, torch.Tensor] | None" = None, **attention_kwargs: Any) -> "torch.Tensor":
     """The decoder's last hidden states ``[B, T, H]`` (see :func:`next_token_logits` for the
     masks and positions it takes, and the autocast it runs under); ``attention_kwargs`` reach the
     attention function of every layer (the ``prompt_tree`` layout of :mod:`.prompt_tree`)."""
@@ -67,7 +71,8 @@ def decoder_hidden(model: Any, input_ids: "torch.Tensor",
                 if compute_dtype != param_dtype else contextlib.nullcontext())
     with autocast:
         if position_ids is None:
-            out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                                    **(vision or {}))
         elif isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.dim() == 4):
             # explicit packed mask(s), one per layer type for a model with sliding windows
             out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -35,7 +35,7 @@ from loongsage_core.backend_api.loss import LossPipeline
 from loongsage_hookspecs import TrainWorkerContext
 
 from .. import lora as lora_lib
-from ..modeling import load_model, load_tokenizer, torch_dtype
+from ..modeling import load_model, load_tokenizer, tokenizer_path, torch_dtype
 from . import distributed
 from .backend_options import BackendOptions, resolve_device
 from .checkpoint import seed_everything
@@ -44,6 +44,7 @@ from .grammar_replay import GrammarReplay
 from .placement import PlacementMixin
 from .router_replay import RouterReplay
 from .training_step import TrainingStepMixin
+from .vision_inputs import VisionBatchInputs
 from .weight_io import WeightIOMixin
 
 
@@ -83,6 +84,9 @@ class TorchTrainWorker(TrainingStepMixin, WeightIOMixin, CheckpointMixin, Placem
             self.peft_model = lora_lib.apply_lora(model, self.lora)
             model = self.peft_model.get_base_model()
         self.model: Any = model
+        # a vision-language policy rebuilds each row's image inputs from the record (.vision_inputs)
+        self.vision_inputs = VisionBatchInputs.for_model(
+            model, tokenizer_path(job) if (job.model.tokenizer or job.model.path) else None)
         # a mixture-of-experts policy replays the engine's routing ([algorithm] router_replay)
         algorithm = job.algorithm
         self.router_replay = RouterReplay(model) if algorithm.router_replay else None
