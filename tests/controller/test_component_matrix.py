@@ -189,6 +189,8 @@ VERIFIERS_SOURCE = {"plugins": {"enable": ["torch", "rl", "rewards", "agents", "
                     "data": [{"name": "src", "generator": "verifiers",
                               "generator_args": {"env": "vf_arithmetic", "num_samples": 32},
                               "agent": "verifiers", "reward": ["verifiers"]}]}
+# the Tinker-compatible service's losses, as any job can name them
+TINKER = {"plugins": {"enable": ["torch", "rl", "rewards", "agents", "tinker"]}}
 CODE_SOURCE = {**SANDBOXED, "data": [{"name": "src", "path": str(CODE_TASKS), "sandbox": "local",
                                       "reward": ["code_tests"]}]}
 
@@ -213,6 +215,12 @@ MATRIX: dict[tuple[str, str], Entry] = {
                                    differs("train/grad_norm")),
     ("policy_loss", "cispo"): Entry(alg(policy_loss="cispo"), differs("train/pg_loss")),
     ("policy_loss", "reinforce"): Entry(alg(policy_loss="reinforce"), differs("train/pg_loss")),
+    ("policy_loss", "tinker_cross_entropy"): Entry({**TINKER, **alg(policy_loss="tinker_cross_entropy")},
+                                                   differs("train/pg_loss")),
+    ("policy_loss", "tinker_importance_sampling"): Entry({**TINKER, **alg(policy_loss="tinker_importance_sampling")},
+                                                         differs("train/pg_loss")),
+    ("policy_loss", "tinker_ppo"): Entry({**TINKER, **alg(policy_loss="tinker_ppo", policy_loss_args={
+        "clip_low_threshold": 1 - 1e-4, "clip_high_threshold": 1 + 1e-4})}, differs("train/grad_norm")),
     # KL to the reference model, in the loss (the policy leaves the reference after step 0)
     **{("kl", name): Entry(alg(kl=name, kl_coef=0.5), both(
         metric("train/kl", lambda v: v != 0.0, step=1), differs("train/grad_norm")))
@@ -232,6 +240,7 @@ MATRIX: dict[tuple[str, str], Entry] = {
     # loss aggregation: the same per-token losses, other denominators
     ("loss_aggregation", "token_mean"): Entry(alg(loss_agg="token_mean"), token_mean_check),
     ("loss_aggregation", "seq_mean_token_sum"): Entry(alg(loss_agg="seq_mean_token_sum"), differs("train/grad_norm")),
+    ("loss_aggregation", "tinker_sum"): Entry({**TINKER, **alg(loss_agg="tinker_sum")}, differs("train/grad_norm")),
     ("loss_aggregation", "seq_mean_token_mean"): Entry(alg(loss_agg="seq_mean_token_mean"),
                                                        differs("train/grad_norm")),
     ("loss_aggregation", "seq_mean_token_sum_norm"): Entry(alg(loss_agg="seq_mean_token_sum_norm"),
