@@ -15,10 +15,12 @@ The async modes (``--modes``, see :data:`MODES`):
 * ``windowed_fifo``, ``window_gated``: no trained token more than 1 version old (its oldest
   token), nothing dropped;
 * ``no_window``: the same bound on the oldest token, enforced by dropping groups (waste);
-* ``partial``: partial rollout with oversampling (``no_window``, ``staleness = "newest"``,
-  ``oversample = 0.25``): generations interrupted by an update continue under the new weights
-  and a trajectory is trained within 1 version of its last token; its older tokens keep their
-  versions and behaviour log-probs (``rollout_logprobs``) for the off-policy correction.
+* ``partial``: partial rollout (``no_window``, ``staleness = "newest"``, ``fill = "trainable"``):
+  generations interrupted by an update continue under the new weights and a trajectory is
+  trained within 1 version of its last token; its older tokens keep their versions and behaviour
+  log-probs (``rollout_logprobs``) for the off-policy correction; nothing is dropped;
+* ``partial_oversample``: the same with ``oversample = 0.25`` (a quarter more groups per step:
+  what a filter drops is replaced at once; without filters, as here, the extra groups are waste).
 
 Prints JSON: per mode and round the steady trained samples/s (steps after the first), its ratio
 to the same round's sync run (``throughput_vs_sync``: mean, min, max over the rounds), the
@@ -90,7 +92,8 @@ MODES: dict[str, tuple[str, str]] = {  # mode -> (scheduler, scheduler_args as T
     "windowed_fifo": ("windowed_fifo", "{}"),
     "window_gated": ("window_gated", "{}"),
     "no_window": ("no_window", "{}"),
-    "partial": ("no_window", '{ staleness = "newest", oversample = 0.25 }'),
+    "partial": ("no_window", '{ staleness = "newest", fill = "trainable" }'),
+    "partial_oversample": ("no_window", '{ staleness = "newest", fill = "trainable", oversample = 0.25 }'),
 }
 LENGTH_KS_LIMIT = 0.05  # largest sampled vs trained KS distance that counts as unbiased
 LENGTH_MEAN_LIMIT = 0.95  # smallest trained / sampled mean response length that counts as unbiased
@@ -185,6 +188,10 @@ def main() -> None:
         parser.error(f"--modes: unknown mode(s) {unknown}; choose from {sorted(MODES)}")
     import ray
 
+    from loongsage_core.controller.placement import bind_ray_to_loopback, keep_workers_at_driver_priority
+
+    bind_ray_to_loopback()
+    keep_workers_at_driver_priority()  # Ray's default niceness 15 would let any other busy process starve the run
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     rounds: list[dict[str, dict[str, float | bool]]] = []

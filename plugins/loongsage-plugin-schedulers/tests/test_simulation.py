@@ -159,6 +159,10 @@ IDLE_CASES = [
     ("sync o=0.25", SyncScheduler, 0, 0.25),
     ("window_gated s=1 o=0.25", WindowGatedScheduler, 1, 0.25),
     ("windowed_fifo s=1 o=0.25", WindowedFifoScheduler, 1, 0.25),
+    ("no_window s=1 trainable", functools.partial(NoWindowScheduler, fill="trainable"), 1, 0.0),
+    ("no_window s=1 trainable newest", functools.partial(NoWindowScheduler, fill="trainable", staleness="newest"),
+     1, 0.0),
+    ("no_window s=1 newest", functools.partial(NoWindowScheduler, staleness="newest"), 1, 0.0),
 ]
 
 
@@ -180,7 +184,7 @@ def test_async_schedulers_idle_the_trainer_less_than_sync(sim, sim_config, alpha
     with capsys.disabled():
         print(f"\ntrainer idle fraction, Pareto alpha={alpha} (idle, mean staleness, dropped+aborted)")
         for name, (idle, stale, dropped) in table.items():
-            print(f"  {name:26s} {idle:6.3f} {stale:5.2f} {dropped:6d}")
+            print(f"  {name:32s} {idle:6.3f} {stale:5.2f} {dropped:6d}")
     sync_idle = table["sync"][0]
     for name, (idle, _, _) in table.items():
         if name != "sync" and "o=" not in name:
