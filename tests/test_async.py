@@ -144,13 +144,19 @@ sampling = {{ max_new_tokens = 64 }}
 """
 
 
-@pytest.mark.parametrize("scheduler", ["windowed_fifo", "window_gated"])
-def test_windowed_run_trains_the_long_generations_within_the_bound(ray_cluster, tmp_path, scheduler):
+PARTIAL = 'async.scheduler_args={staleness="newest", fill="trainable"}'
+
+
+@pytest.mark.parametrize("scheduler", ["windowed_fifo", "window_gated", "no_window"])
+def test_heavy_tailed_run_trains_the_long_generations_within_the_bound(ray_cluster, tmp_path, scheduler):
     # a randomly initialised model rarely stops, so "long" samples run 16 times as long as "short"
     # ones: a scheduler that drops or postpones slow groups trains fewer long samples than it
-    # generated (no_window, which evicts what got older than the bound, fails these checks); the
-    # windows train every generated group within one version, and waste nothing
-    job = load_job(write_job(tmp_path, HEAVY_TAIL_JOB), [f"async.scheduler={scheduler}"])
+    # generated (plain no_window, which evicts what got older than the bound, fails these checks).
+    # The windows train every generated group within one version of its oldest token; partial
+    # rollout (no_window by the newest token, trainable fill) within one version of its last
+    # token, the generations continuing across updates. None wastes anything.
+    partial = [PARTIAL] if scheduler == "no_window" else []
+    job = load_job(write_job(tmp_path, HEAVY_TAIL_JOB), [f"async.scheduler={scheduler}", *partial])
     history = run_job(resolve_job(job), output_dir=str(tmp_path / "run"))
     assert len(history) == 6
     assert all(m["rollout/staleness_max"] <= 1.0 for m in history)
