@@ -18,7 +18,8 @@ every group whose generation finished and reports, as run totals in each step's 
   generations pushes it up).
 
 Lengths are kept as counts per length (bounded by ``max_new_tokens``), so the ledger stays small
-over long runs.
+over long runs. The totals are the loop's, not the checkpoint's: a resumed run counts from the
+resume.
 """
 
 from __future__ import annotations
