@@ -21,6 +21,8 @@ The async modes (``--modes``, see :data:`MODES`):
   generations interrupted by an update continue under the new weights and a trajectory is
   trained within 1 version of its last token; its older tokens keep their versions and behaviour
   log-probs (``rollout_logprobs``) for the off-policy correction; nothing is dropped;
+* ``partial_ahead``: the same with ``fill = "ahead"`` (new groups start beside generations that
+  outlived an update; a little waste for less waiting);
 * ``partial_oversample``: the same with ``oversample = 0.25`` (a quarter more groups per step:
   what a filter drops is replaced at once; without filters, as here, the extra groups are waste).
 
@@ -95,6 +97,7 @@ MODES: dict[str, tuple[str, str]] = {  # mode -> (scheduler, scheduler_args as T
     "window_gated": ("window_gated", "{}"),
     "no_window": ("no_window", "{}"),
     "partial": ("no_window", '{ staleness = "newest", fill = "trainable" }'),
+    "partial_ahead": ("no_window", '{ staleness = "newest", fill = "ahead" }'),
     "partial_oversample": ("no_window", '{ staleness = "newest", fill = "trainable", oversample = 0.25 }'),
 }
 LENGTH_KS_LIMIT = 0.05  # largest sampled vs trained KS distance that counts as unbiased

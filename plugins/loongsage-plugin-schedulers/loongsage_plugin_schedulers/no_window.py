@@ -21,18 +21,23 @@ the first groups of each source up to its quota.
   version then always has a place in time; only a generation that outlives the bound is evicted
   (with ``staleness = "newest"`` and partial rollout, one that continued under newer weights
   counts by its last token and is kept).
+* ``"ahead"``: as ``"trainable"``, but a group still generating after a weight update (dispatched
+  at an older version) no longer holds a place: with ``staleness = "newest"`` it will count by
+  its last token whenever it finishes, so the producer starts new groups beside the slow ones
+  (within ``capacity``). Groups that then finish together beyond the places are evicted: a little
+  waste for less waiting on slow generations.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import BaseScheduler, GroupRecord
+from .base import BaseScheduler, GroupRecord, GroupState
 
 if TYPE_CHECKING:  # pragma: no cover
     from loongsage_hookspecs import SchedulerContext
 
-FILL_MODES = ("capacity", "trainable")
+FILL_MODES = ("capacity", "trainable", "ahead")
 
 
 class NoWindowScheduler(BaseScheduler):
@@ -48,10 +53,13 @@ class NoWindowScheduler(BaseScheduler):
         self.fill = fill
 
     def _may_dispatch(self, t: int, in_flight: int, buffered: int, source: str | None) -> bool:
-        if self.fill == "trainable":
+        if self.fill != "capacity":
             first = t + 1 if self._selected_at == t else t  # the step at t has taken its batch already
             places = sum(self.seats(v, source) for v in range(first, t + self.bound + 1))
-            return self.live_count(source) < places
+            holding = [r for r in self._records.values() if r.source == source]
+            if self.fill == "ahead":  # generations that outlived an update will be fresh when they finish
+                holding = [r for r in holding if not (r.state is GroupState.IN_FLIGHT and r.version < t)]
+            return len(holding) < places
         if not self.has_quota:
             return True  # capacity is the only limit (checked by the base class)
         cap = sum(self.seats(v, source) for v in range(t, t + self.bound + 1))

@@ -246,6 +246,25 @@ def test_no_window_trainable_fill_starts_only_what_the_open_steps_can_train():
         make(NoWindowScheduler, batch_size=2, fill="full")
 
 
+def test_no_window_ahead_fill_starts_new_groups_beside_generations_that_outlived_an_update():
+    trainable = Driver(make(NoWindowScheduler, batch_size=2, stale_steps=1, staleness="newest", fill="trainable"))
+    ahead = Driver(make(NoWindowScheduler, batch_size=2, stale_steps=1, staleness="newest", fill="ahead"))
+    for d in (trainable, ahead):
+        assert d.dispatch_all() == ["g0", "g1", "g2", "g3"]
+        d.finish("g0")
+        d.finish("g1")
+        assert d.select() == ["g0", "g1"]
+        d.step()  # version 1; g2 and g3 still generating, started under version 0
+        assert d.dispatch_all() == ["g4", "g5"]  # capacity 4
+        d.finish("g3", [0, 1])
+        d.finish("g4", 1)
+        assert d.select() == ["g3", "g4"]
+    # the step at 1 took its batch: only the step at 2 (2 places) can train a group started now;
+    # g5 holds one, and g2, generating since version 0, the other, except with "ahead"
+    assert trainable.dispatch_all() == []
+    assert ahead.dispatch_all() == ["g6"]
+
+
 # ------------------------------------------------------------------------ windowed strategies
 
 

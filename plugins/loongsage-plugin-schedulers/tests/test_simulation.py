@@ -163,6 +163,7 @@ IDLE_CASES = [
     ("no_window s=1 trainable newest", functools.partial(NoWindowScheduler, fill="trainable", staleness="newest"),
      1, 0.0),
     ("no_window s=1 newest", functools.partial(NoWindowScheduler, staleness="newest"), 1, 0.0),
+    ("no_window s=1 ahead newest", functools.partial(NoWindowScheduler, fill="ahead", staleness="newest"), 1, 0.0),
 ]
 
 
@@ -212,3 +213,7 @@ def test_partial_rollout_no_window_trains_every_group_within_the_bound(sim, sim_
     filled = sim(functools.partial(NoWindowScheduler, staleness="newest"), cfg)
     assert len(filled.dropped) > 0  # the capacity fill makes groups that can only train too late
     assert res.idle_fraction < sim(WindowedFifoScheduler, cfg).idle_fraction
+    # the ahead fill waits less still, for a few groups that finish together beyond the places
+    ahead = sim(functools.partial(NoWindowScheduler, staleness="newest", fill="ahead"), cfg)
+    assert ahead.idle_fraction < res.idle_fraction
+    assert 0 < len(ahead.dropped) + ahead.aborted <= 0.05 * ahead.dispatched
