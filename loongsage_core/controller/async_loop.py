@@ -44,6 +44,7 @@ from ..resolve import check_async_scheduler
 from .data import Prompt
 from .metrics import rollout_metrics
 from .mixing import StepQuotas
+from .rollout_ledger import RolloutLedger
 from .runtime import Run, final_evaluation
 
 log = logging.getLogger("loongsage")
@@ -109,6 +110,7 @@ class AsyncLoop:
         self.dispatched = 0
         self.changed = asyncio.Event()
         self.discarded = 0
+        self.ledger = RolloutLedger()  # waste and sampled vs trained lengths, run totals
         self.stopping = False
         self.updating = False
 
@@ -177,6 +179,8 @@ class AsyncLoop:
         _, prompt = self.inflight.pop(group_id)
         self.changed.set()
         if task.cancelled() or task.exception() is not None:
+            if task.cancelled() and not self.stopping:
+                self.ledger.aborted()
             if not task.cancelled():
                 log.warning("group %s failed: %r; its prompt is dispatched again", group_id, task.exception())
                 self.run.faults.suspect = True  # a dead engine? _run asks Ray before dispatching again
@@ -185,13 +189,16 @@ class AsyncLoop:
             return
         group = task.result()
         group.group_id = group_id
+        self.ledger.finished(group)
         if any(t.status == TrajectoryStatus.ABORTED for t in group.trajectories):
             # aborted at a weight update (partial = false): generate the prompt again
+            self.ledger.dropped(group)
             self.scheduler.on_discard(group_id)
             self.requeue.append(prompt)
             return
         if not self.run.filters.accept([group]):
             self.discarded += 1
+            self.ledger.dropped(group)
             self.scheduler.on_discard(group_id)
             return
         self.group_prompts[group_id] = prompt
@@ -211,6 +218,7 @@ class AsyncLoop:
                 entry[0].cancel()
         for group in self.scheduler.evict(self.buffer, self.run.version):
             self.buffer.remove(group)
+            self.ledger.dropped(group)
             self.requeue.append(self.group_prompts.pop(group.group_id))
 
     # ------------------------------------------------------------------ trainer
@@ -269,7 +277,9 @@ class AsyncLoop:
         for g in groups:
             self.group_prompts.pop(g.group_id, None)
         self.run.record_trained(step, groups)
+        self.ledger.trained(groups)
         metrics.update(self.scheduler.metrics())
+        metrics.update(self.ledger.metrics())
         step_time = time.perf_counter() - t0
         metrics.update({
             "rollout/pipeline_buf_size": float(len(self.buffer)),

@@ -132,7 +132,7 @@ class Learner:
             return metrics, 0.0
         alg = self.job.algorithm
         policy = self.policy
-        run_pass, _ = old_logprob_pass(self.job, batch, version=self.run.version, needed_before_training=(
+        run_pass, _ = old_logprob_pass(self.job, batch, needed_before_training=(
             self.run.algorithm.needs_old_logprobs_before_training or self.run.teachers is not None))
         metrics["perf/old_logprob_pass_skipped"] = float(alg.recompute_old_logprobs and not run_pass)
         needs_forward = run_pass or self.run.needs_reference or self.run.critic is not None

@@ -32,6 +32,12 @@ def test_async_steps_filter_requeue_and_update_weights(controller_factory):
         assert m["train/num_mini_batches"] == 1.0 and m["train/adv_abs_mean"] > 0
         assert m["rollout/reward_mean"] == pytest.approx(0.5)  # only groups with a signal were trained
     assert history[-1]["rollout/filter_drop"] == 2  # the two groups without a signal
+    # the filtered groups' tokens were generated and never trained: the run's waste
+    last = history[-1]
+    trained_tokens = sum(m["rollout/response_length_mean"] * m["rollout/num_trajectories"] for m in history)
+    assert last["rollout/wasted_tokens_total"] >= 2 * 4  # two groups of 4 samples, >= 1 token each
+    assert last["rollout/waste_ratio"] == pytest.approx(
+        last["rollout/wasted_tokens_total"] / (last["rollout/wasted_tokens_total"] + trained_tokens))
     assert c.run.version == 2
     # each update: engines paused, weights pushed, engines resumed, in that order
     updates = [e for e in c.events if e.startswith(("engine0.pause", "trainer.push", "engine0.resume"))]
@@ -90,6 +96,10 @@ def test_surplus_groups_are_evicted_and_their_prompts_requeued(controller_factor
     requeued = {p.prompt_id for p in c.requeue}
     assert requeued.isdisjoint({g.prompt_id for g in chosen})
     assert set(c.group_prompts) == {g.group_id for g in chosen}  # evicted groups forgotten, chosen kept
+    # the evicted surplus is waste: every finished token but the chosen groups'
+    ledger = c.ledger.metrics()
+    chosen_tokens = sum(t.response_length for g in chosen for t in g.trajectories)
+    assert ledger["rollout/wasted_tokens_total"] == ledger["rollout/generated_tokens_total"] - chosen_tokens > 0
     # the chosen groups train as a normal step
     metrics, tokens = c.run.learner.learn(chosen, 0)
     assert tokens > 0 and metrics["train/num_mini_batches"] == 1.0

@@ -62,30 +62,36 @@ def test_recompute_off_uses_rollout_logprobs_and_no_pass(controller_factory):
     assert torch.equal(c.run.learner.last_batch["old_logprobs"], c.run.learner.last_batch["rollout_logprobs"])
 
 
-def test_stale_samples_need_the_pass(controller_factory):
-    # the async loop trains on samples of older weights: their log-probs are not this forward's
-    c = controller_factory()
-    groups, _, _ = c.collect(0)
+def test_stale_samples_skip_the_pass_with_the_same_update(controller_factory):
+    # the async loop trains on samples of older weights (whole groups, or a partial rollout's older
+    # prefix): the pass would score them with the trainer's current weights, which is what the
+    # training forward does, so skipping it gives the same update
+    skipped = controller_factory()
+    forced = controller_factory({"algorithm": {"force_old_logprob_pass": True}})
+    groups, _, _ = skipped.collect(0)
+    for c in (skipped, forced):
+        c.run.version = 3  # the samples above came from version 0
     batch = build_batch(groups)
-    job = make_job()
-    assert old_logprob_pass(job, batch, version=0, needed_before_training=False)[0] is False
-    run, why = old_logprob_pass(job, batch, version=1, needed_before_training=False)
-    assert run and "stale" in why
-    # one stale token is enough (a partial rollout's older prefix)
-    mixed = build_batch(groups)
-    row, col = (mixed["loss_mask"] > 0).nonzero()[0].tolist()
-    mixed.tensors["weight_versions"][row, col] = 5
-    assert old_logprob_pass(job, mixed, version=0, needed_before_training=False)[0] is True
-    c.run.version = 1  # the controller's own check: the samples above came from version 0
-    metrics, _ = c.run.learner.learn(groups, 0)
-    assert metrics["perf/old_logprob_pass_skipped"] == 0.0
+    assert int(batch["weight_versions"][batch["loss_mask"] > 0].max()) == 0
+    before = _weights(skipped)
+    a, _ = skipped.run.learner.learn(groups, 0)
+    b, _ = forced.run.learner.learn(groups, 0)
+    assert a["perf/old_logprob_pass_skipped"] == 1.0 and b["perf/old_logprob_pass_skipped"] == 0.0
+    torch.testing.assert_close(skipped.run.learner.last_batch["old_logprobs"],
+                               forced.run.learner.last_batch["old_logprobs"], rtol=1e-5, atol=1e-6)
+    for key in ("train/loss", "train/pg_loss", "train/grad_norm", "train/is_approx_k3_kl"):
+        assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    after_a, after_b = _weights(skipped), _weights(forced)
+    assert max(float((after_a[k] - before[k]).abs().max()) for k in before) > 1e-4
+    for k in before:
+        torch.testing.assert_close(after_a[k], after_b[k], rtol=1e-5, atol=1e-6)
 
 
 def test_needed_before_training_keeps_the_pass(controller_factory):
     c = controller_factory()
     groups, _, _ = c.collect(0)
     batch = build_batch(groups)
-    run, why = old_logprob_pass(make_job(), batch, version=0, needed_before_training=True)
+    run, why = old_logprob_pass(make_job(), batch, needed_before_training=True)
     assert run and "before training" in why
 
 
@@ -96,12 +102,12 @@ def test_router_replay_comparison_keeps_the_pass_and_reports_on_the_rows(control
     groups, _, _ = c.collect(0)
     batch = build_batch(groups)
     replay = make_job({"algorithm": {"router_replay": True}})
-    assert old_logprob_pass(replay, batch, version=0, needed_before_training=False)[0] is False  # no routes
+    assert old_logprob_pass(replay, batch, needed_before_training=False)[0] is False  # no routes
     batch.tensors["routed_experts"] = torch.zeros((*batch["input_ids"].shape, 4), dtype=torch.int16)
-    run, why = old_logprob_pass(replay, batch, version=0, needed_before_training=False)
+    run, why = old_logprob_pass(replay, batch, needed_before_training=False)
     assert run and "router_replay_compare" in why
     quiet = make_job({"algorithm": {"router_replay": True, "router_replay_compare": False}})
-    assert old_logprob_pass(quiet, batch, version=0, needed_before_training=False)[0] is False
+    assert old_logprob_pass(quiet, batch, needed_before_training=False)[0] is False
 
     # agreement over the tokens with a record (-1: none, padding never counts); the unreplayed gap
     # over the loss mask, against the rollout log-probs

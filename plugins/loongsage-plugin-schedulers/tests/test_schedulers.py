@@ -228,6 +228,43 @@ def test_no_window_newest_token_definition_keeps_mixed_groups():
     assert newest.evict() == [] and newest.select() == ["g1"]
 
 
+def test_no_window_trainable_fill_starts_only_what_the_open_steps_can_train():
+    capacity = Driver(make(NoWindowScheduler, batch_size=2, stale_steps=1))
+    trainable = Driver(make(NoWindowScheduler, batch_size=2, stale_steps=1, fill="trainable"))
+    for d in (capacity, trainable):
+        assert len(d.dispatch_all()) == 4  # before the step at 0 takes its batch: steps 0 and 1
+        for gid in ("g0", "g1", "g2", "g3"):
+            d.finish(gid)
+        assert d.select() == ["g0", "g1"]
+    # the step at 0 took its batch: a group started now can only be trained by the step at 1,
+    # which g2 and g3 fill already; "capacity" starts two more, which could only train at 2 (stale)
+    assert capacity.dispatch_all() == ["g4", "g5"]
+    assert trainable.dispatch_all() == []
+    trainable.step()  # version 1: steps 1 and 2 are open
+    assert trainable.dispatch_all() == ["g4", "g5"]
+    with pytest.raises(ValueError, match="fill: unknown mode 'full'"):
+        make(NoWindowScheduler, batch_size=2, fill="full")
+
+
+def test_no_window_ahead_fill_starts_new_groups_beside_generations_that_outlived_an_update():
+    trainable = Driver(make(NoWindowScheduler, batch_size=2, stale_steps=1, staleness="newest", fill="trainable"))
+    ahead = Driver(make(NoWindowScheduler, batch_size=2, stale_steps=1, staleness="newest", fill="ahead"))
+    for d in (trainable, ahead):
+        assert d.dispatch_all() == ["g0", "g1", "g2", "g3"]
+        d.finish("g0")
+        d.finish("g1")
+        assert d.select() == ["g0", "g1"]
+        d.step()  # version 1; g2 and g3 still generating, started under version 0
+        assert d.dispatch_all() == ["g4", "g5"]  # capacity 4
+        d.finish("g3", [0, 1])
+        d.finish("g4", 1)
+        assert d.select() == ["g3", "g4"]
+    # the step at 1 took its batch: only the step at 2 (2 places) can train a group started now;
+    # g5 holds one, and g2, generating since version 0, the other, except with "ahead"
+    assert trainable.dispatch_all() == []
+    assert ahead.dispatch_all() == ["g6"]
+
+
 # ------------------------------------------------------------------------ windowed strategies
 
 

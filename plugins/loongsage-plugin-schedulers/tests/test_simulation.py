@@ -6,6 +6,7 @@ derandomized so the suite is deterministic."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -158,6 +159,11 @@ IDLE_CASES = [
     ("sync o=0.25", SyncScheduler, 0, 0.25),
     ("window_gated s=1 o=0.25", WindowGatedScheduler, 1, 0.25),
     ("windowed_fifo s=1 o=0.25", WindowedFifoScheduler, 1, 0.25),
+    ("no_window s=1 trainable", functools.partial(NoWindowScheduler, fill="trainable"), 1, 0.0),
+    ("no_window s=1 trainable newest", functools.partial(NoWindowScheduler, fill="trainable", staleness="newest"),
+     1, 0.0),
+    ("no_window s=1 newest", functools.partial(NoWindowScheduler, staleness="newest"), 1, 0.0),
+    ("no_window s=1 ahead newest", functools.partial(NoWindowScheduler, fill="ahead", staleness="newest"), 1, 0.0),
 ]
 
 
@@ -179,7 +185,7 @@ def test_async_schedulers_idle_the_trainer_less_than_sync(sim, sim_config, alpha
     with capsys.disabled():
         print(f"\ntrainer idle fraction, Pareto alpha={alpha} (idle, mean staleness, dropped+aborted)")
         for name, (idle, stale, dropped) in table.items():
-            print(f"  {name:26s} {idle:6.3f} {stale:5.2f} {dropped:6d}")
+            print(f"  {name:32s} {idle:6.3f} {stale:5.2f} {dropped:6d}")
     sync_idle = table["sync"][0]
     for name, (idle, _, _) in table.items():
         if name != "sync" and "o=" not in name:
@@ -190,3 +196,24 @@ def test_async_schedulers_idle_the_trainer_less_than_sync(sim, sim_config, alpha
     assert table["no_window s=1"][0] <= min(table["window_gated s=1"][0], table["windowed_fifo s=1"][0])
     # Oversampling lets window_gated take the first groups to finish instead of waiting for the slowest.
     assert table["window_gated s=1 o=0.25"][0] < table["window_gated s=1"][0]
+
+
+@pytest.mark.parametrize("alpha", [1.5, 3.0])
+def test_partial_rollout_no_window_trains_every_group_within_the_bound(sim, sim_config, alpha):
+    # no_window with partial rollout (staleness by the newest token) and the trainable fill: every
+    # generated group is trained within one version of its last token, none is dropped, and the
+    # trainer waits less than with the windows, which hold each group to its dispatch version
+    cfg = sim_config(batch_size=8, stale_steps=1, steps=IDLE_STEPS, alpha=alpha, mean_duration=1.0,
+                     train_time=1.0, update_time=0.1, seed=2024)
+    partial = functools.partial(NoWindowScheduler, staleness="newest", fill="trainable")
+    res = sim(partial, cfg)
+    assert res.dropped == [] and res.aborted == 0
+    assert max(m["rollout/staleness_max"] for m in res.metrics) == 1.0  # by the newest token
+    assert res.dispatched - sum(map(len, res.batches)) <= res.capacity  # the rest: still live at the end
+    filled = sim(functools.partial(NoWindowScheduler, staleness="newest"), cfg)
+    assert len(filled.dropped) > 0  # the capacity fill makes groups that can only train too late
+    assert res.idle_fraction < sim(WindowedFifoScheduler, cfg).idle_fraction
+    # the ahead fill waits less still, for a few groups that finish together beyond the places
+    ahead = sim(functools.partial(NoWindowScheduler, staleness="newest", fill="ahead"), cfg)
+    assert ahead.idle_fraction < res.idle_fraction
+    assert 0 < len(ahead.dropped) + ahead.aborted <= 0.05 * ahead.dispatched

@@ -104,6 +104,22 @@ def test_every_step_trains_each_sources_quota_within_the_bound(cls, oversample):
             assert sched.bound == 0 or any(group_staleness(g, v) == 1 for v, b in trained for g in b)
 
 
+def test_partial_rollout_fill_keeps_every_quota_and_drops_nothing():
+    # no_window by the newest token with the trainable fill: the slow, heavy-tailed source "a"
+    # continues across updates, every step still trains each source's quota within one version of
+    # each group's last token, and no group is evicted (filter discards are replaced, not dropped)
+    for seed in range(3):
+        sched = make(NoWindowScheduler, batch_size=5, stale_steps=1, quota=quota, staleness="newest",
+                     fill="trainable")
+        trained = simulate(sched, steps=12, seed=seed)
+        for version, batch in trained:
+            assert {s: sum(g.source == s for g in batch) for s in SOURCES} == quota(version)
+            assert max(group_staleness(g, version, "newest") for g in batch) <= 1
+        m = sched.metrics()
+        assert m["rollout/dropped_stale_total"] == m["rollout/dropped_surplus_total"] == 0.0
+        assert any(group_staleness(g, v) > 1 for v, b in trained for g in b if g.source == "a")  # spans updates
+
+
 @pytest.mark.parametrize("cls", ALL)
 def test_next_source_follows_the_free_places_and_dispatch_checks_the_source(cls):
     sched = make(cls, batch_size=5, stale_steps=0, quota=quota)
