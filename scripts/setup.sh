@@ -27,6 +27,11 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-dev.txt
 # Megatron-Core backend: megatron-bridge declares GPU-only packages it does not need here
 PYTHON=.venv/bin/python bash scripts/install_megatron.sh
+# tinker-cookbook, whose recipes run against `loongsage tinker-serve` (the plugin's cookbook test): its
+# imports pinned, then the cookbook without its declared tml-renderers>=0.4.1 (`pip check` reports that
+# one pin only; its recipes run with tml-renderers 0.2.1)
+.venv/bin/python -m pip install -q --disable-pip-version-check -r plugins/loongsage-plugin-tinker/requirements-cookbook.txt
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps tinker-cookbook==0.6.1 tml-renderers==0.2.1
 # the black-box agent CLIs (agents `codex`, `claude_code`, `opencode`), pinned, into .tools/npm
 bash scripts/install_agent_clis.sh || echo "warning: could not install the agent CLIs; see scripts/install_agent_clis.sh" >&2
 echo "LoongSage installed in .venv ($(.venv/bin/python --version))"
