@@ -5,12 +5,19 @@
   (answer ``1`` .. ``4``) or ``What colour are the squares?`` (``red``, ``green``, ``blue``,
   ``yellow``); each row's prompt is one user message with the picture as a base64 data URL, as an
   agent sends it to the AgentFlow router.
+* ``configs/recipes/vision_count/heldout_count.jsonl`` and ``heldout_colour.jsonl``: the held-out
+  evaluation, 64 pictures each (other seeds than the training rows and the warm start), one
+  question per file so each has its own curve.
 * ``configs/recipes/vision_count/model/``: a tiny Qwen2-VL (``TINY_QWEN2_VL``) with the tokenizer
-  and image processor of tests/data/vlm, trained briefly on the right answers of other pictures
-  (``--epochs``) so that it knows the answer format and samples the right answer some of the
-  time; RL then has something to sharpen. The prompts are rendered to tokens by the router's own
-  code (chat template, image placeholders) and the pixels by the image processor the engine and
-  trainer use, so the warm start saw what a run shows the model.
+  and image processor of tests/data/vlm, warm-started (``--epochs``) on other pictures. By default
+  (``--warm-start format``) each warm picture's answer is a random answer of the asked kind, so the
+  model learns the answer format (a digit for the count, a colour name for the colour) and samples
+  each answer about a quarter of the time, but has not learned to read the picture: what the RL run
+  then gains is the reward's doing. ``--warm-start answers`` trains on the right answers instead
+  (then the colour is mostly learned before RL starts and the count stays at chance). The prompts
+  are rendered to tokens by the router's own code (chat template, image placeholders) and the
+  pixels by the image processor the engine and trainer use, so the warm start saw what a run shows
+  the model.
 
 Seeded, one CPU thread: ``python scripts/make_vision_count.py`` rewrites the same files.
 """
@@ -46,19 +53,30 @@ def picture(count: int, colour: str, rng: random.Random) -> bytes:
     return out.getvalue()
 
 
-def make_rows(n: int, seed: int) -> list[dict[str, Any]]:
+def make_rows(n: int, seed: int, ask: str = "either", exclude: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """``n`` seeded rows; ``ask`` is ``count``, ``colour`` or ``either`` (each row draws one).
+
+    A picture whose PNG is in ``exclude`` (base64 data URLs) is drawn again: there are few distinct
+    pictures with one or two squares, so another seed alone would repeat some of them."""
     rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
+    rows: list[dict[str, Any]] = []
+    while len(rows) < n:
         count, colour = rng.randint(1, 4), rng.choice(sorted(COLOURS))
         png = picture(count, colour, rng)
-        ask_count = rng.random() < 0.5
+        ask_count = rng.random() < 0.5 if ask == "either" else ask == "count"
         question = "How many squares?" if ask_count else "What colour are the squares?"
         url = "data:image/png;base64," + base64.b64encode(png).decode()
+        if url in exclude:
+            continue
         rows.append({"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                              {"type": "text", "text": question}]}],
                      "label": str(count) if ask_count else colour})
     return rows
+
+
+def row_picture(row: dict[str, Any]) -> str:
+    """The data URL of a row's picture."""
+    return str(row["prompt"][0]["content"][0]["image_url"]["url"])
 
 
 class Examples:
@@ -116,8 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rows", type=int, default=600, help="rows of the shipped data")
     parser.add_argument("--warm-rows", type=int, default=400, help="other pictures the warm start trains on")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=5)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warm-start", choices=("answers", "format"), default="format",
+                        help="answers: the right answers of the warm pictures; format: a random answer of "
+                             "the asked kind for each, so the model learns the answer format, not the pictures")
+    parser.add_argument("--heldout-rows", type=int, default=64, help="held-out rows per question")
     args = parser.parse_args(argv)
 
     import torch
@@ -129,21 +151,34 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     rows = make_rows(args.rows, args.seed)
     (OUT / "shapes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    warm_rows = make_rows(args.warm_rows, args.seed + 1)
+    seen = frozenset(row_picture(r) for r in rows + warm_rows)
+    held_out_rows = {ask: make_rows(args.heldout_rows, args.seed + 2 + i, ask, seen)
+                     for i, ask in enumerate(("count", "colour"))}
+    for ask, held in held_out_rows.items():
+        (OUT / f"heldout_{ask}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
     tokenizer = AutoTokenizer.from_pretrained(str(VLM))
     processor = AutoImageProcessor.from_pretrained(str(VLM))
     conf = dict(TINY_QWEN2_VL)
     model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(conf.pop("model_type"), **conf))
     examples = Examples(tokenizer, processor)
     image_token = TINY_QWEN2_VL["image_token_id"]
-    warm = [examples.encode(r) for r in make_rows(args.warm_rows, args.seed + 1)]
-    held_out = examples.batch([examples.encode(r) for r in rows[:64]], image_token)
+    if args.warm_start == "format":
+        label_rng = random.Random(args.seed + 1)
+        for row in warm_rows:
+            kind = [str(n) for n in range(1, 5)] if row["label"].isdigit() else sorted(COLOURS)
+            row["label"] = label_rng.choice(kind)
+    warm = [examples.encode(r) for r in warm_rows]
+    held_out = {ask: examples.batch([examples.encode(r) for r in held], image_token)
+                for ask, held in held_out_rows.items()}
 
-    def accuracy() -> float:
-        """Expected exact-match accuracy of sampling at temperature 1 on held-out rows."""
+    def accuracy() -> str:
+        """Expected exact-match accuracy of sampling at temperature 1 on the held-out rows, per question."""
         with torch.no_grad():
-            return float(answer_logprob(model, held_out).exp().mean())
+            return ", ".join(f"{ask} {float(answer_logprob(model, batch).exp().mean()):.3f}"
+                             for ask, batch in held_out.items())
 
-    print(f"vision_count: before warm start, expected sampled accuracy {accuracy():.3f}", flush=True)
+    print(f"vision_count: before warm start, expected sampled accuracy: {accuracy()}", flush=True)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rng = random.Random(args.seed)
     for epoch in range(args.epochs):
@@ -153,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             optim.zero_grad()
             loss.backward()
             optim.step()
-        print(f"vision_count: epoch {epoch + 1}, expected sampled accuracy {accuracy():.3f}", flush=True)
+        print(f"vision_count: epoch {epoch + 1} ({args.warm_start}), expected sampled accuracy: {accuracy()}",
+              flush=True)
     model.save_pretrained(str(OUT / "model"))
     for f in VLM.iterdir():
         shutil.copy(f, OUT / "model" / f.name)

@@ -238,15 +238,26 @@ def test_verifiers_recipe_runs_two_steps_and_evaluates_the_held_out_split(ray_cl
 
 def test_vision_count_recipe_runs_two_steps(ray_cluster, tmp_path):
     """The vision-language recipe: picture prompts through the router, image records, the trainer on
-    the rebuilt pixels (its old log-probs agree with the engine's), a reward that is not stuck at 0."""
+    the rebuilt pixels (its old log-probs agree with the engine's), a reward that is not stuck at 0,
+    and the held-out evaluation per question on pictures that training never shows."""
+    folder = RECIPES / "vision_count"
+    pictures = {name: {json.loads(line)["prompt"][0]["content"][0]["image_url"]["url"]
+                       for line in (folder / f"{name}.jsonl").read_text().splitlines()}
+                for name in ("shapes", "heldout_count", "heldout_colour")}
+    assert not pictures["shapes"] & (pictures["heldout_count"] | pictures["heldout_colour"])
     out = tmp_path / "vision_count"
-    job = load_job(RECIPES / "vision_count" / "vision_count.toml", [*SMALL, "run.checkpoint_every=0",
-                                                                    "run.save_hf_at_end=false"])
+    job = load_job(folder / "vision_count.toml", [*SMALL, "run.checkpoint_every=0", "run.save_hf_at_end=false",
+                                                  "eval.max_prompts=4", "eval.samples=2"])
     run_job(resolve_job(job), output_dir=str(out))
     metrics = read_metrics(out)
-    assert [m["step"] for m in metrics] == [0, 1]
-    assert all(m["rollout/num_rows"] == 16.0 and m["train/is_approx_k3_kl"] < 1e-6 for m in metrics)
-    # the warm-started model answers some pictures right
-    assert max(m["rollout_per_source/shapes/reward/exact_match/score"] for m in metrics) > 0.0
+    assert [m["step"] for m in metrics] == [0, 1, 2]  # step 2: the evaluation after the last step
+    assert all(m["rollout/num_rows"] == 16.0 and m["train/is_approx_k3_kl"] < 1e-6 for m in metrics[:2])
+    # the format-only warm start samples the right answer some of the time
+    assert max(m["rollout_per_source/shapes/reward/exact_match/score"] for m in metrics[:2]) > 0.0
+    for m in (metrics[0], metrics[2]):
+        for source in ("count", "colour"):
+            assert m[f"eval/{source}/prompts"] == 4.0 and m[f"eval/{source}/failed_ratio"] == 0.0
+            assert 0.0 <= m[f"eval/{source}/pass@1"] <= 1.0
     records = [r for step in (0, 1) for r in read_rollouts(out, step)]
+    assert any(r.get("eval") for r in records) and any(not r.get("eval") for r in records)
     assert all(len(r["images"]) == 1 and r["segments"][0]["images"] for r in records)
