@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -9,6 +14,37 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[3]
 TOKENIZER_DIR = REPO / "tests" / "data" / "tokenizer"
+
+
+@contextlib.contextmanager
+def _tinker_serve(key: str, model: str, state: Path, cwd: Path | None = None) -> Iterator[dict[str, str]]:
+    """``loongsage tinker-serve --model MODEL`` as a subprocess (API key ``key``, run from ``cwd``):
+    the variables it prints (``export NAME=VALUE``); it is stopped with SIGINT afterwards and must
+    exit 0. The caller checks the variables (stderr comes with a failed check)."""
+    env = {**os.environ, "LOONGSAGE_TINKER_API_KEY": key}
+    command = [sys.executable, "-m", "loongsage_core", "tinker-serve", "--model", model, "--state-dir", str(state)]
+    proc = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    exports: dict[str, str] = {}
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("export "):
+            name, _, value = line[len("export "):].strip().partition("=")
+            exports[name] = value
+        if "TINKER_API_KEY" in exports:
+            break
+    try:
+        if "TINKER_API_KEY" not in exports:
+            raise AssertionError(f"tinker-serve printed no TINKER_API_KEY: {proc.stderr.read() if proc.stderr else ''}")
+        yield exports
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="session")
+def tinker_serve() -> Any:
+    """:func:`_tinker_serve`: ``with tinker_serve(key, "name=path", state_dir[, cwd]) as exports``."""
+    return _tinker_serve
 
 
 @pytest.fixture(scope="module")

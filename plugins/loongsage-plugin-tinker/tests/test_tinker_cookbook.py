@@ -12,11 +12,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -37,27 +36,12 @@ def workdir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 
 
 @pytest.fixture(scope="module")
-def served(workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+def served(workdir: Path, tmp_path_factory: pytest.TempPathFactory, tinker_serve: Any) -> Iterator[tuple[str, Path]]:
     """``loongsage tinker-serve`` serving the tiny model as ``Qwen/Qwen3-8B``: (base URL, state directory)."""
-    env = {**os.environ, "LOONGSAGE_TINKER_API_KEY": KEY}
     state = tmp_path_factory.mktemp("cookbook_state")
-    command = [sys.executable, "-m", "loongsage_core", "tinker-serve", "--model", f"{REGISTRY_NAME}={REGISTRY_NAME}",
-               "--state-dir", str(state)]
-    proc = subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    exports: dict[str, str] = {}
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("export "):
-            name, _, value = line[len("export "):].strip().partition("=")
-            exports[name] = value
-        if "TINKER_API_KEY" in exports:
-            break
-    try:
-        assert exports.get("TINKER_API_KEY") == KEY, proc.stderr.read() if proc.stderr else ""
+    with tinker_serve(KEY, f"{REGISTRY_NAME}={REGISTRY_NAME}", state, cwd=workdir) as exports:
+        assert exports["TINKER_API_KEY"] == KEY
         yield exports["TINKER_BASE_URL"], state
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
 
 
 def test_sl_basic_runs_unmodified_against_the_service(served: tuple[str, Path], workdir: Path,

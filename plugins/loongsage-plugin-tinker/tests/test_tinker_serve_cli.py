@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
@@ -17,26 +15,11 @@ KEY = "tml-a-key-chosen-by-the-user"
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    env = {**os.environ, "LOONGSAGE_TINKER_API_KEY": KEY}
-    state = tmp_path_factory.mktemp("cli_state")
-    command = [sys.executable, "-m", "loongsage_core", "tinker-serve", "--model", f"tiny={tiny_model_dir}",
-               "--state-dir", str(state)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    exports: dict[str, str] = {}
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("export "):
-            name, _, value = line[len("export "):].strip().partition("=")
-            exports[name] = value
-        if "TINKER_API_KEY" in exports:
-            break
-    try:
-        assert set(exports) == {"TINKER_BASE_URL", "TINKER_API_KEY"}, proc.stderr.read() if proc.stderr else ""
+def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+           tinker_serve: Any) -> Iterator[dict[str, str]]:
+    with tinker_serve(KEY, f"tiny={tiny_model_dir}", tmp_path_factory.mktemp("cli_state")) as exports:
+        assert set(exports) == {"TINKER_BASE_URL", "TINKER_API_KEY"}, exports
         yield exports
-    finally:
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
 
 
 def test_the_printed_variables_reach_the_service(served: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
