@@ -1,23 +1,28 @@
-"""Build the data and the warm-started tiny vision-language model of the ``vision_count`` recipe.
+"""Build the data and the partly-trained tiny vision-language model of the ``vision_count`` recipe.
 
-* ``configs/recipes/vision_count/shapes.jsonl``: Pillow-drawn pictures (32x32, 1 to 4 filled
-  squares of one colour on white) with a question about them, either ``How many squares?``
-  (answer ``1`` .. ``4``) or ``What colour are the squares?`` (``red``, ``green``, ``blue``,
-  ``yellow``); each row's prompt is one user message with the picture as a base64 data URL, as an
-  agent sends it to the AgentFlow router.
+* Pictures: Pillow-drawn, 32x32, 1 to 4 filled squares of one colour on white, each square 4 to 6
+  pixels wide at a random position (squares never touch), so there are far more distinct pictures
+  than any file uses and every held-out picture is new. Questions: ``How many squares?`` (answer
+  ``1`` .. ``4``) and ``Colour of the squares: r, g, b or y?`` (``r``ed, ``g``reen, ``b``lue,
+  ``y``ellow); every answer is one token of the tokenizer, so the reward's gradient goes into the
+  choice of answer, not into spelling it. Each row's prompt is one user message with the picture as
+  a base64 data URL, as an agent sends it to the AgentFlow router.
+* ``configs/recipes/vision_count/shapes_count.jsonl`` and ``shapes_colour.jsonl``: the training
+  rows, one file (one ``[[data]]`` source) per question.
 * ``configs/recipes/vision_count/heldout_count.jsonl`` and ``heldout_colour.jsonl``: the held-out
-  evaluation, 64 pictures each (other seeds than the training rows and the warm start), one
-  question per file so each has its own curve.
+  evaluation, ``--heldout-rows`` pictures per question drawn with other seeds and never among the
+  training or warm-start pictures; the asked labels are balanced (each answer a quarter of the
+  rows), so a shift of the answer prior alone cannot raise held-out accuracy above chance.
 * ``configs/recipes/vision_count/model/``: a tiny Qwen2-VL (``TINY_QWEN2_VL``) with the tokenizer
-  and image processor of tests/data/vlm, warm-started (``--epochs``) on other pictures. By default
-  (``--warm-start format``) each warm picture's answer is a random answer of the asked kind, so the
-  model learns the answer format (a digit for the count, a colour name for the colour) and samples
-  each answer about a quarter of the time, but has not learned to read the picture: what the RL run
-  then gains is the reward's doing. ``--warm-start answers`` trains on the right answers instead
-  (then the colour is mostly learned before RL starts and the count stays at chance). The prompts
-  are rendered to tokens by the router's own code (chat template, image placeholders) and the
-  pixels by the image processor the engine and trainer use, so the warm start saw what a run shows
-  the model.
+  and image processor of tests/data/vlm, warm-started (``--epochs``) on other pictures whose answer
+  is right with probability ``--right-prob`` and otherwise a random answer of the asked kind. With
+  the default 0.4 the model learns the answer format and a partial, noisy reading of the pictures:
+  held-out accuracy starts above chance (0.25) but well below 1, and what the RL run adds on
+  held-out pictures is the reward's doing. ``--right-prob 0`` is a format-only warm start (the
+  model samples each answer about a quarter of the time), ``--right-prob 1`` trains on the right
+  answers. The prompts are rendered to tokens by the router's own code (chat template, image
+  placeholders) and the pixels by the image processor the engine and trainer use, so the warm start
+  saw what a run shows the model.
 
 Seeded, one CPU thread: ``python scripts/make_vision_count.py`` rewrites the same files.
 """
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import copy
 import io
 import json
 import random
@@ -36,41 +42,50 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "configs" / "recipes" / "vision_count"
 VLM = ROOT / "tests" / "data" / "vlm"
-COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 200, 20)}
+COLOURS = {"r": (220, 30, 30), "g": (30, 170, 30), "b": (30, 60, 220), "y": (230, 200, 20)}
+QUESTIONS = {"count": ("How many squares?", ["1", "2", "3", "4"]),
+             "colour": ("Colour of the squares: r, g, b or y?", sorted(COLOURS))}
 
 
 def picture(count: int, colour: str, rng: random.Random) -> bytes:
-    """A 32x32 PNG with ``count`` non-overlapping 7x7 squares of ``colour`` on white."""
+    """A 32x32 PNG with ``count`` squares of ``colour`` on white: each square 4 to 6 pixels wide at a
+    random place inside its own cell of a 4x4 grid of 8-pixel cells (so squares never touch, and
+    each lies in one 8x8 block, the area one image token of the model covers)."""
     from PIL import Image, ImageDraw
 
     image = Image.new("RGB", (32, 32), "white")
     draw = ImageDraw.Draw(image)
-    cells = rng.sample([(x, y) for x in range(4) for y in range(4)], count)
-    for x, y in cells:
-        draw.rectangle((x * 8, y * 8, x * 8 + 6, y * 8 + 6), fill=COLOURS[colour])
+    for cell in rng.sample(range(16), count):
+        side = rng.randint(5, 7)
+        x, y = cell % 4 * 8 + rng.randint(0, 7 - side), cell // 4 * 8 + rng.randint(0, 7 - side)
+        draw.rectangle((x, y, x + side - 1, y + side - 1), fill=COLOURS[colour])
     out = io.BytesIO()
     image.save(out, "PNG")
     return out.getvalue()
 
 
-def make_rows(n: int, seed: int, ask: str = "either", exclude: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
-    """``n`` seeded rows; ``ask`` is ``count``, ``colour`` or ``either`` (each row draws one).
+def make_rows(n: int, seed: int, ask: str, exclude: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
+    """``n`` seeded rows asking ``ask`` (``count`` or ``colour``), the asked answers balanced (row
+    ``i`` has the ``i % 4``-th answer) and the other attribute random.
 
-    A picture whose PNG is in ``exclude`` (base64 data URLs) is drawn again: there are few distinct
-    pictures with one or two squares, so another seed alone would repeat some of them."""
+    A picture whose PNG is in ``exclude`` (base64 data URLs) is drawn again, so no picture repeats
+    between files."""
     rng = random.Random(seed)
+    question, answers = QUESTIONS[ask]
     rows: list[dict[str, Any]] = []
+    seen = set(exclude)
     while len(rows) < n:
-        count, colour = rng.randint(1, 4), rng.choice(sorted(COLOURS))
-        png = picture(count, colour, rng)
-        ask_count = rng.random() < 0.5 if ask == "either" else ask == "count"
-        question = "How many squares?" if ask_count else "What colour are the squares?"
-        url = "data:image/png;base64," + base64.b64encode(png).decode()
-        if url in exclude:
+        label = answers[len(rows) % len(answers)]
+        count = int(label) if ask == "count" else rng.randint(1, 4)
+        colour = label if ask == "colour" else rng.choice(sorted(COLOURS))
+        url = "data:image/png;base64," + base64.b64encode(picture(count, colour, rng)).decode()
+        if url in seen:
             continue
+        seen.add(url)
         rows.append({"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                              {"type": "text", "text": question}]}],
-                     "label": str(count) if ask_count else colour})
+                     "label": label})
+    rng.shuffle(rows)
     return rows
 
 
@@ -129,18 +144,57 @@ def answer_logprob(model: Any, batch: dict[str, Any]) -> Any:
     return (lp * target[:, 1:]).sum(1)
 
 
+def recipe_config(tiny: dict[str, Any], width: int = 128) -> dict[str, Any]:
+    """``TINY_QWEN2_VL`` twice as wide (``width``-wide text model and vision output, 16-wide
+    attention heads; 0.5 M parameters, 2 MB): the 64-wide model stays at the answer prior for
+    thousands of warm-start steps on these pictures, this one learns to read them in about a
+    thousand."""
+    conf = copy.deepcopy(tiny)
+    conf["text_config"].update(hidden_size=width, intermediate_size=2 * width,
+                               num_attention_heads=width // 16, num_key_value_heads=width // 32)
+    conf["vision_config"].update(hidden_size=width, embed_dim=width // 2)
+    return dict(conf)
+
+
+def partly_right_loss(model: Any, batch: dict[str, Any], choices: Any, right: Any, right_prob: float) -> Any:
+    """The warm start's loss: the expected negative log-likelihood of a label that is the right
+    answer with probability ``right_prob`` and otherwise a uniformly random answer of the asked kind.
+
+    ``choices`` holds each row's candidate answer tokens (one token each), ``right`` the index of the
+    right one. Taking the expectation over the random labels (instead of drawing them) gives the
+    same minimum, a model that puts ``right_prob + (1 - right_prob) / 4`` on the right answer when it
+    reads the picture, with far less gradient noise; the turn end after the answer is learned as in
+    plain fine-tuning."""
+    import torch
+
+    target = batch["target"][:, 1:]
+    inputs = {k: v for k, v in batch.items() if k != "target"}
+    lp = torch.log_softmax(model(**inputs).logits[:, :-1].float(), -1)
+    rows = torch.arange(len(right))
+    first = target.int().argmax(1)  # where each row's answer token is predicted
+    token_lp = lp.gather(-1, batch["input_ids"][:, 1:, None])[..., 0] * target
+    weights = torch.full(choices.shape, (1 - right_prob) / choices.shape[1])
+    weights[rows, right] += right_prob
+    answer = (lp[rows, first].gather(1, choices) * weights).sum(1)
+    return -(answer + token_lp.sum(1) - token_lp[rows, first]).mean()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--rows", type=int, default=600, help="rows of the shipped data")
-    parser.add_argument("--warm-rows", type=int, default=400, help="other pictures the warm start trains on")
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--warm-start", choices=("answers", "format"), default="format",
-                        help="answers: the right answers of the warm pictures; format: a random answer of "
-                             "the asked kind for each, so the model learns the answer format, not the pictures")
-    parser.add_argument("--heldout-rows", type=int, default=64, help="held-out rows per question")
+    parser.add_argument("--rows", type=int, default=1000, help="training rows per question")
+    parser.add_argument("--warm-rows", type=int, default=1000, help="warm-start pictures per question")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--right-prob", type=float, default=0.4,
+                        help="probability that a warm-start answer is the right one (else a random answer of "
+                             "the asked kind): 0 teaches the answer format only, 1 the right answers")
+    parser.add_argument("--heldout-rows", type=int, default=128, help="held-out rows per question (a multiple of 4)")
     args = parser.parse_args(argv)
+    if not 0.0 <= args.right_prob <= 1.0:
+        parser.error(f"--right-prob {args.right_prob} is not a probability")
+    if args.heldout_rows % 4:
+        parser.error(f"--heldout-rows {args.heldout_rows} is not a multiple of 4 (the held-out answers are balanced)")
 
     import torch
     from loongsage_plugin_torch.modeling import TINY_QWEN2_VL
@@ -149,51 +203,64 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     torch.manual_seed(args.seed)
     OUT.mkdir(parents=True, exist_ok=True)
-    rows = make_rows(args.rows, args.seed)
-    (OUT / "shapes.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    warm_rows = make_rows(args.warm_rows, args.seed + 1)
-    seen = frozenset(row_picture(r) for r in rows + warm_rows)
-    held_out_rows = {ask: make_rows(args.heldout_rows, args.seed + 2 + i, ask, seen)
-                     for i, ask in enumerate(("count", "colour"))}
-    for ask, held in held_out_rows.items():
-        (OUT / f"heldout_{ask}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in held))
+    seen: frozenset[str] = frozenset()
+    files: dict[str, list[dict[str, Any]]] = {}
+    for i, (prefix, n) in enumerate((("heldout", args.heldout_rows), ("shapes", args.rows), ("warm", args.warm_rows))):
+        for j, ask in enumerate(QUESTIONS):
+            files[f"{prefix}_{ask}"] = rows = make_rows(n, args.seed + 2 * i + j, ask, seen)
+            seen = seen | {row_picture(r) for r in rows}
+    for name, rows in files.items():
+        if not name.startswith("warm"):
+            (OUT / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    warm_rows = files["warm_count"] + files["warm_colour"]
     tokenizer = AutoTokenizer.from_pretrained(str(VLM))
     processor = AutoImageProcessor.from_pretrained(str(VLM))
-    conf = dict(TINY_QWEN2_VL)
+    conf = recipe_config(TINY_QWEN2_VL)
     model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(conf.pop("model_type"), **conf))
     examples = Examples(tokenizer, processor)
     image_token = TINY_QWEN2_VL["image_token_id"]
-    if args.warm_start == "format":
-        label_rng = random.Random(args.seed + 1)
-        for row in warm_rows:
-            kind = [str(n) for n in range(1, 5)] if row["label"].isdigit() else sorted(COLOURS)
-            row["label"] = label_rng.choice(kind)
-    warm = [examples.encode(r) for r in warm_rows]
-    held_out = {ask: examples.batch([examples.encode(r) for r in held], image_token)
-                for ask, held in held_out_rows.items()}
+    answers = {ask: [tokenizer.convert_tokens_to_ids(a) for a in QUESTIONS[ask][1]] for ask in QUESTIONS}
+    warm = [(examples.encode(r), answers[ask], QUESTIONS[ask][1].index(r["label"]))
+            for r in warm_rows for ask in ["count" if r["label"].isdigit() else "colour"]]
+    held_out = {ask: files[f"heldout_{ask}"] for ask in QUESTIONS}
+    candidates = {ask: [examples.batch([examples.encode(dict(r, label=a)) for r in rows], image_token)
+                        for a in QUESTIONS[ask][1]] for ask, rows in held_out.items()}
 
     def accuracy() -> str:
-        """Expected exact-match accuracy of sampling at temperature 1 on the held-out rows, per question."""
+        """Per question on the held-out rows: the expected accuracy of sampling at temperature 1 and
+        the accuracy of the most likely answer."""
+        parts = []
         with torch.no_grad():
-            return ", ".join(f"{ask} {float(answer_logprob(model, batch).exp().mean()):.3f}"
-                             for ask, batch in held_out.items())
+            for ask, rows in held_out.items():
+                lp = torch.stack([answer_logprob(model, batch) for batch in candidates[ask]], 1)
+                right = torch.tensor([QUESTIONS[ask][1].index(r["label"]) for r in rows])
+                sampled = float(lp.gather(1, right[:, None]).exp().mean())
+                greedy = float((lp.argmax(1) == right).float().mean())
+                parts.append(f"{ask} sampled {sampled:.3f} most-likely {greedy:.3f}")
+        return ", ".join(parts)
 
-    print(f"vision_count: before warm start, expected sampled accuracy: {accuracy()}", flush=True)
+    print(f"vision_count: before warm start, held-out accuracy: {accuracy()}", flush=True)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rng = random.Random(args.seed)
     for epoch in range(args.epochs):
         rng.shuffle(warm)
+        losses = []
         for i in range(0, len(warm), 16):
-            loss = -answer_logprob(model, examples.batch(warm[i:i + 16], image_token)).mean()
+            chunk = warm[i:i + 16]
+            loss = partly_right_loss(model, examples.batch([e for e, _, _ in chunk], image_token),
+                                     torch.tensor([c for _, c, _ in chunk]), torch.tensor([r for _, _, r in chunk]),
+                                     args.right_prob)
             optim.zero_grad()
             loss.backward()
             optim.step()
-        print(f"vision_count: epoch {epoch + 1} ({args.warm_start}), expected sampled accuracy: {accuracy()}",
-              flush=True)
+            losses.append(float(loss.detach()))
+        print(f"vision_count: epoch {epoch + 1} (right answers p={args.right_prob}), loss "
+              f"{sum(losses) / len(losses):.3f}, held-out accuracy: "
+              f"{accuracy()}", flush=True)
     model.save_pretrained(str(OUT / "model"))
     for f in VLM.iterdir():
         shutil.copy(f, OUT / "model" / f.name)
-    print(f"wrote {OUT / 'shapes.jsonl'} ({len(rows)} rows) and {OUT / 'model'}")
+    print(f"wrote {OUT}: shapes_*.jsonl ({args.rows} rows per question), heldout_*.jsonl, model/")
     return 0
 
 

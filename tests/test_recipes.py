@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -238,13 +239,18 @@ def test_verifiers_recipe_runs_two_steps_and_evaluates_the_held_out_split(ray_cl
 
 def test_vision_count_recipe_runs_two_steps(ray_cluster, tmp_path):
     """The vision-language recipe: picture prompts through the router, image records, the trainer on
-    the rebuilt pixels (its old log-probs agree with the engine's), a reward that is not stuck at 0,
-    and the held-out evaluation per question on pictures that training never shows."""
+    the rebuilt pixels (its old log-probs agree with the engine's), one training source per question
+    with a reward that is not stuck at 0, and the held-out evaluation per question on label-balanced
+    pictures that training never shows."""
     folder = RECIPES / "vision_count"
-    pictures = {name: {json.loads(line)["prompt"][0]["content"][0]["image_url"]["url"]
-                       for line in (folder / f"{name}.jsonl").read_text().splitlines()}
-                for name in ("shapes", "heldout_count", "heldout_colour")}
-    assert not pictures["shapes"] & (pictures["heldout_count"] | pictures["heldout_colour"])
+    rows = {name: [json.loads(line) for line in (folder / f"{name}.jsonl").read_text().splitlines()]
+            for name in ("shapes_count", "shapes_colour", "heldout_count", "heldout_colour")}
+    pictures = {name: {r["prompt"][0]["content"][0]["image_url"]["url"] for r in got} for name, got in rows.items()}
+    trained = pictures["shapes_count"] | pictures["shapes_colour"]
+    assert not trained & (pictures["heldout_count"] | pictures["heldout_colour"])
+    for name, answers in (("heldout_count", "1234"), ("heldout_colour", "bgry")):
+        labels = Counter(r["label"] for r in rows[name])  # balanced: a shifted answer prior scores 0.25
+        assert sorted(labels) == list(answers) and len(set(labels.values())) == 1, labels
     out = tmp_path / "vision_count"
     job = load_job(folder / "vision_count.toml", [*SMALL, "run.checkpoint_every=0", "run.save_hf_at_end=false",
                                                   "eval.max_prompts=4", "eval.samples=2"])
@@ -252,8 +258,9 @@ def test_vision_count_recipe_runs_two_steps(ray_cluster, tmp_path):
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [0, 1, 2]  # step 2: the evaluation after the last step
     assert all(m["rollout/num_rows"] == 16.0 and m["train/is_approx_k3_kl"] < 1e-6 for m in metrics[:2])
-    # the format-only warm start samples the right answer some of the time
-    assert max(m["rollout_per_source/shapes/reward/exact_match/score"] for m in metrics[:2]) > 0.0
+    # the partly-right warm start samples the right answer about half the time, on each question
+    for source in ("count", "colour"):
+        assert max(m[f"rollout_per_source/{source}/reward/exact_match/score"] for m in metrics[:2]) > 0.0
     for m in (metrics[0], metrics[2]):
         for source in ("count", "colour"):
             assert m[f"eval/{source}/prompts"] == 4.0 and m[f"eval/{source}/failed_ratio"] == 0.0
