@@ -1,8 +1,8 @@
 """Build the data and the partly-trained tiny vision-language model of the ``vision_count`` recipe.
 
 * Pictures: Pillow-drawn, 32x32, 1 to 4 filled squares of one colour on white, each square 4 to 6
-  pixels wide at a random position (squares never touch), so there are far more distinct pictures
-  than any file uses and every held-out picture is new. Questions: ``How many squares?`` (answer
+  pixels wide at a random place in its own 8x8 cell (so squares never touch), so there are far more
+  distinct pictures than any file uses and every held-out picture is new. Questions: ``How many squares?`` (answer
   ``1`` .. ``4``) and ``Colour of the squares: r, g, b or y?`` (``r``ed, ``g``reen, ``b``lue,
   ``y``ellow); every answer is one token of the tokenizer, so the reward's gradient goes into the
   choice of answer, not into spelling it. Each row's prompt is one user message with the picture as
@@ -13,16 +13,18 @@
   evaluation, ``--heldout-rows`` pictures per question drawn with other seeds and never among the
   training or warm-start pictures; the asked labels are balanced (each answer a quarter of the
   rows), so a shift of the answer prior alone cannot raise held-out accuracy above chance.
-* ``configs/recipes/vision_count/model/``: a tiny Qwen2-VL (``TINY_QWEN2_VL``) with the tokenizer
-  and image processor of tests/data/vlm, warm-started (``--epochs``) on other pictures whose answer
-  is right with probability ``--right-prob`` and otherwise a random answer of the asked kind. With
-  the default 0.4 the model learns the answer format and a partial, noisy reading of the pictures:
-  held-out accuracy starts above chance (0.25) but well below 1, and what the RL run adds on
-  held-out pictures is the reward's doing. ``--right-prob 0`` is a format-only warm start (the
-  model samples each answer about a quarter of the time), ``--right-prob 1`` trains on the right
-  answers. The prompts are rendered to tokens by the router's own code (chat template, image
-  placeholders) and the pixels by the image processor the engine and trainer use, so the warm start
-  saw what a run shows the model.
+* ``configs/recipes/vision_count/model/``: a tiny Qwen2-VL (``TINY_QWEN2_VL`` made twice as wide,
+  see :func:`recipe_config`) with the tokenizer and image processor of tests/data/vlm, warm-started
+  (``--epochs``) on other pictures whose answer is right with probability ``--right-prob`` and
+  otherwise a random answer of the asked kind. With the default 0.4 the model learns the answer
+  format and a reading of the pictures that it does not trust: its most likely answer is right on
+  the held-out pictures, but it samples it only about half the time; turning that into answers is
+  left to the RL run. ``--right-prob 0`` is a format-only warm start (the model samples each answer
+  about a quarter of the time), ``--right-prob 1`` trains on the right answers. The loss is the
+  expectation over such labels (:func:`partly_right_loss`), not a draw of them: the same minimum
+  with far less gradient noise. The prompts are rendered to tokens by the router's own code (chat
+  template, image placeholders) and the pixels by the image processor the engine and trainer use,
+  so the warm start saw what a run shows the model.
 
 Seeded, one CPU thread: ``python scripts/make_vision_count.py`` rewrites the same files.
 """
