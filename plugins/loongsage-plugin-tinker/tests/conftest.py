@@ -78,10 +78,12 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture
-def client(service: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A ``tinker.ServiceClient`` of the service (through the SDK's own environment variables)."""
+def client(service: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A ``tinker.ServiceClient`` of the service (through the SDK's own environment variables),
+    its session finished after the test, so that no heartbeat outlives the service."""
     import tinker
 
     monkeypatch.setenv("TINKER_BASE_URL", service.base_url)
     monkeypatch.setenv("TINKER_API_KEY", service.api_key)
-    return tinker.ServiceClient()
+    with tinker.ServiceClient() as client:
+        yield client
