@@ -21,6 +21,27 @@ from .batches import TinkerRequestError
 
 
 @attrs.define
+class SampledSequence:
+    """One sampled continuation: its tokens, their log-probs, ``"stop"`` or ``"length"``, and the
+    most likely tokens at each position (``(token, log-prob)``; ``None`` unless asked)."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str
+    top: list[list[tuple[int, float]]] | None = None
+
+
+@attrs.define
+class Sampled:
+    """What one ``sample`` request returns: the sequences and, when asked, the prompt's scores
+    (one entry per prompt token, ``None`` where not scored)."""
+
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top: list[list[tuple[int, float]] | None] | None = None
+
+
+@attrs.define
 class _Engine:
     engine: Any
     client: Any
@@ -69,23 +90,38 @@ class EnginePool:
             await old.client.aclose()
             await asyncio.to_thread(old.engine.shutdown)
 
-    async def sample(self, path: str, prompt: list[int], num_samples: int,
-                     params: dict[str, Any]) -> list[tuple[list[int], list[float], str]]:
-        """``num_samples`` continuations of ``prompt`` with Tinker ``SamplingParams``: each its tokens,
-        their log-probs and ``"stop"`` or ``"length"``."""
+    async def sample(self, path: str, prompt: list[int], num_samples: int, params: dict[str, Any], *,
+                     prompt_from: int | None = None, top_k: int = 0) -> Sampled:
+        """``num_samples`` continuations of ``prompt`` with Tinker ``SamplingParams``: each its
+        tokens, their log-probs, ``"stop"`` or ``"length"`` and (``top_k``) the ``top_k`` most
+        likely tokens at each; with ``prompt_from``, the log-probs (and ``top_k`` most likely tokens)
+        of the prompt's tokens from that position on, scored once, by the first sample's prefill."""
         base = engine_params(params)
         # with a seed, sample i draws with seed + i: reproducible, and not n copies of one sample
         per_sample = [dict(base, sampling_seed=base["sampling_seed"] + i) if "sampling_seed" in base else base
                       for i in range(num_samples)]
+        starts = None if prompt_from is None else [prompt_from] + [-1] * (num_samples - 1)
         engine = await self._acquire(path)
         try:
-            results = await engine.client.generate([prompt] * num_samples, per_sample)
+            results = await engine.client.generate([prompt] * num_samples, per_sample, top_logprobs_num=top_k,
+                                                   logprob_start_len=starts)
         finally:
             engine.in_use -= 1
-        out = []
+        out = Sampled(sequences=[])
         for r in results:
             logprobs = [float(x) if x is not None else 0.0 for x in (r.logprobs or [])]
-            out.append((list(r.output_ids), logprobs, "length" if r.finish_reason == "length" else "stop"))
+            top = [[(int(t), float(lp)) for lp, t in row] for row in r.top_logprobs] if top_k and r.top_logprobs \
+                else None
+            out.sequences.append(SampledSequence(list(r.output_ids), logprobs,
+                                                 "length" if r.finish_reason == "length" else "stop", top))
+        if prompt_from is not None:
+            meta = results[0].meta_info
+            scored = meta.get("input_token_logprobs") or []
+            out.prompt_logprobs = [None] * prompt_from + [None if e[0] is None else float(e[0]) for e in scored]
+            if top_k:
+                rows = meta.get("input_top_logprobs") or []
+                out.prompt_top = [None] * prompt_from + [
+                    None if row is None else [(int(e[1]), float(e[0])) for e in row] for row in rows]
         return out
 
     async def close(self) -> None:
@@ -121,3 +157,27 @@ def engine_params(params: dict[str, Any]) -> dict[str, Any]:
         raise TinkerRequestError(f"sampling_params.stop must be a string, a list of strings or of token ids, "
                                  f"got {stop!r}")
     return out
+
+
+MAX_TOPK = 1000
+"""The most likely tokens a request may ask for per position (the embedded engine's bound)."""
+
+
+def prompt_scores_from(req: Any, prompt_len: int) -> int | None:
+    """The first prompt position a ``SampleRequest`` wants scored: ``None`` when it asks for no
+    prompt log-probs, 0 for the whole prompt (``prompt_logprobs`` or ``topk_prompt_logprobs``),
+    ``len(prompt) - N`` with ``prompt_logprobs_last_n`` = N; a bad request is a
+    :class:`TinkerRequestError` naming the field."""
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs"):
+        k = int(getattr(req, name) or 0)
+        if not 0 <= k <= MAX_TOPK:
+            raise TinkerRequestError(f"sample: {name} must be between 0 and {MAX_TOPK}, got {k}")
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None:
+        if not req.prompt_logprobs:
+            raise TinkerRequestError("sample: prompt_logprobs_last_n requires prompt_logprobs")
+        if not 1 <= int(last_n) <= prompt_len - 1:
+            raise TinkerRequestError(f"sample: prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = "
+                                     f"{prompt_len - 1}, got {last_n}")
+        return prompt_len - int(last_n)
+    return 0 if req.prompt_logprobs or int(req.topk_prompt_logprobs or 0) > 0 else None

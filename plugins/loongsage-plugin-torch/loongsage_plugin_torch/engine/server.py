@@ -41,7 +41,9 @@ with ``--api-key`` and ``--admin-api-key`` does, and gets a 401 otherwise.
 ``completion_tokens``, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
 ``weight_versions`` (spans ``{"version", "start", "end"}`` over the output tokens), the
 ``output_token_logprobs`` triples when asked, ``output_top_logprobs`` (per token the
-``top_logprobs_num`` most likely ``[logprob, token_id, null]``) when asked, ``routed_experts``
+``top_logprobs_num`` most likely ``[logprob, token_id, null]``) when asked, with
+``logprob_start_len`` >= 0 also ``input_token_logprobs`` (the prompt's tokens from that position
+on, ``null`` at position 0) and ``input_top_logprobs`` (:mod:`.prompt_logprobs`), ``routed_experts``
 (a mixture-of-experts model, when asked: base64 of int32 ``[positions, layers, top_k]`` expert
 ids, row-major, for every position the model ran, the prompt and the output but its last token;
 -1 in dense layers; ``routed_experts_dtype`` says ``"int32"``; with the final answer only), and
