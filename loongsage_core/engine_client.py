@@ -253,6 +253,18 @@ class EngineClient:
         await self._request("POST", "/update_weight_version",
                             {"new_version": str(version), "abort_all_requests": abort_all_requests})
 
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: int | str | None = None,
+                                       flush_cache: bool = True) -> dict[str, Any]:
+        """SGLang's ``/update_weights_from_disk``: the engine loads the weights of the Hugging Face
+        directory ``model_path`` (on its machine; the served model's architecture) in place."""
+        body: dict[str, Any] = {"model_path": str(model_path), "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        out = await self._request("POST", "/update_weights_from_disk", body, timeout=None)
+        if isinstance(out, Mapping) and out.get("success") is False:  # SGLang's failure shape
+            raise EngineError(400, str(out.get("message") or "failed"), "/update_weights_from_disk")
+        return dict(out) if isinstance(out, Mapping) else {}
+
     async def update_weights_from_tensor(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         """POST an ``UpdateWeightsFromTensorReqInput`` body (``serialized_named_tensors``, ``load_format``,
         ``flush_cache``, ``weight_version``); integer versions are sent as strings, as SGLang expects."""

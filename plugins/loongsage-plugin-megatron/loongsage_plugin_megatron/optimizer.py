@@ -153,10 +153,6 @@ def nonfinite_weights(chunks: list[Any], device: torch.device) -> int:
     return int(flag.item())
 
 
-HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip")
-"""What a caller driving steps in parts may set per step (``StepwiseTraining.optimizer_step``)."""
-
-
 def _inner_optimizers(optimizer: Any) -> list[Any]:
     """The Megatron optimizers a (possibly chained) Megatron optimizer steps."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
@@ -164,26 +160,17 @@ def _inner_optimizers(optimizer: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def step_hyperparameters(optimizer: Any, hyperparameters: Mapping[str, float] | None) -> Iterator[None]:
-    """Steps inside use ``hyperparameters`` (any of :data:`HYPERPARAMETERS`).
+    """Steps inside use ``hyperparameters`` (any of ``STEP_HYPERPARAMETERS``, ``backend_api.training``).
 
     ``lr``, ``beta1``, ``beta2``, ``eps`` and ``weight_decay`` are set on every parameter group
     of the torch Adam inside Megatron's optimizer and stay (the learning-rate schedule sets ``lr``
     again after the step); ``grad_clip`` replaces ``clip_grad`` of Megatron's optimizer config
     (which its ``step()`` clips to) for the steps inside only, ``0`` meaning no clipping.
     """
-    given = dict(hyperparameters or {})
-    unknown = sorted(set(given) - set(HYPERPARAMETERS))
-    if unknown:
-        raise ValueError(f"MegatronTrainWorker.optimizer_step: unknown hyperparameters {', '.join(unknown)} "
-                         f"(accepted: {', '.join(HYPERPARAMETERS)})")
-    for group in optimizer.param_groups:
-        if "lr" in given:
-            group["lr"] = float(given["lr"])
-        beta1, beta2 = group["betas"]
-        group["betas"] = (float(given.get("beta1", beta1)), float(given.get("beta2", beta2)))
-        for key in ("eps", "weight_decay"):
-            if key in given:
-                group[key] = float(given[key])
+    from loongsage_core.backend_api.training import apply_step_hyperparameters
+
+    given = apply_step_hyperparameters(optimizer.param_groups, hyperparameters,
+                                       where="MegatronTrainWorker.optimizer_step")
     configs = {id(inner.config): inner.config for inner in _inner_optimizers(optimizer)}.values()
     saved = [(config, config.clip_grad) for config in configs]
     if "grad_clip" in given:

@@ -2,22 +2,29 @@
 plugin host), one engine per set of weights.
 
 A sampler checkpoint is a Hugging Face directory (:meth:`TrainingModel.save_for_sampler`); the
-engine for it is started on first use and kept, the oldest stopped once more than
-``max_engines`` are running, so a sampling client always samples from the weights it was made
-for (Tinker's snapshot semantics) and a training loop that saves new sampler weights every step
-holds only the newest engines. An engine serving a request is not stopped: the pool then runs
-more than ``max_engines`` until those requests finish.
+engine for it is started on first use and kept, so a sampling client always samples from the
+weights it was made for (Tinker's snapshot semantics). Once ``max_engines`` are running, new
+weights go into the least recently used idle engine of the same architecture
+(``/update_weights_from_disk``, SGLang's and the embedded engine's) rather than a new engine: a
+training loop that saves sampler weights every step starts its engines once. Otherwise the oldest
+idle engine is stopped. An engine serving a request is neither reloaded nor stopped: the pool
+then runs more than ``max_engines`` until those requests finish.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from .batches import TinkerRequestError
+
+log = logging.getLogger(__name__)
 
 
 @attrs.define
@@ -45,7 +52,18 @@ class Sampled:
 class _Engine:
     engine: Any
     client: Any
+    model: str  # :func:`model_fingerprint` of the weights it serves
     in_use: int = 0
+
+
+_NOT_ARCHITECTURE = ("_name_or_path", "transformers_version", "torch_dtype", "dtype")
+
+
+def model_fingerprint(path: str) -> str:
+    """The architecture of the Hugging Face directory ``path`` (its ``config.json`` without the
+    keys that name no shape): weights with the same fingerprint load into each other's engines."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return json.dumps({k: v for k, v in config.items() if k not in _NOT_ARCHITECTURE}, sort_keys=True)
 
 
 class EnginePool:
@@ -57,6 +75,8 @@ class EnginePool:
         self.max_engines = max(1, int(max_engines))
         self._engines: OrderedDict[str, _Engine] = OrderedDict()
         self._lock = asyncio.Lock()
+        self.started = 0  # engines started, and weights loaded into a running one instead
+        self.reloaded = 0
 
     def _start(self, path: str) -> _Engine:
         """Start an engine on ``path`` (blocking: loads the model)."""
@@ -68,18 +88,40 @@ class EnginePool:
         ref = ComponentRef("rollout_engine", job.rollout.engine, where="[rollout] engine")
         engine = self.host.bind(ref, EngineContext(where=ref.where, job=job, components=self.host))
         url = engine.start()
-        return _Engine(engine=engine, client=EngineClient(url))
+        self.started += 1
+        return _Engine(engine=engine, client=EngineClient(url), model=model_fingerprint(path))
 
     async def _acquire(self, path: str) -> _Engine:
-        """The engine for ``path`` (started if need be), marked in use."""
+        """The engine for ``path`` (reloaded or started if need be), marked in use."""
         async with self._lock:
-            if path not in self._engines:
+            if path not in self._engines and not (len(self._engines) >= self.max_engines
+                                                  and await self._reload_idle(path)):
                 await self._evict(self.max_engines - 1)
                 self._engines[path] = await asyncio.to_thread(self._start, path)
             self._engines.move_to_end(path)
             engine = self._engines[path]
             engine.in_use += 1
             return engine
+
+    async def _reload_idle(self, path: str) -> bool:
+        """Load ``path``'s weights into the least recently used idle engine of the same
+        architecture (SGLang's ``/update_weights_from_disk``, which the embedded engine serves too)
+        instead of stopping it and starting another: a loop that saves sampler weights every step
+        keeps its engines (an SGLang server starts once). False when no engine could take them."""
+        model = model_fingerprint(path)
+        for old, engine in list(self._engines.items()):
+            if engine.in_use or engine.model != model:
+                continue
+            try:
+                await engine.client.update_weights_from_disk(path)
+            except Exception as exc:  # an engine that cannot load them is stopped and replaced instead
+                log.warning("tinker sampling: reloading an engine with %s failed (%s); starting a new one", path, exc)
+                return False
+            del self._engines[old]
+            self._engines[path] = engine
+            self.reloaded += 1
+            return True
+        return False
 
     async def _evict(self, keep: int) -> None:
         """Stop the least recently used idle engines until at most ``keep`` run (under the lock)."""

@@ -75,24 +75,15 @@ def test_sft_loop_on_megatron_lowers_the_loss(megatron_client: Any, rank: int) -
     assert losses[-1] < losses[0] - 1.0, losses
 
 
-def test_megatron_state_round_trip_and_sampling_from_its_weights(megatron_client: Any) -> None:
+def test_megatron_state_round_trip_and_sampling_from_its_weights(megatron_client: Any,
+                                                                 state_round_trip: Any) -> None:
     """``save_state`` / ``load_state_with_optimizer`` give bit-identical log-probs; the engine
     samples from the Megatron model's exported (LoRA merged) weights with its log-probs."""
     from tinker import types
 
     tc = megatron_client.create_lora_training_client(base_model="tiny", rank=4).result()
     datum = _datum(tc.get_tokenizer())
-    tc.forward_backward([datum], "cross_entropy").result()
-    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-    path = tc.save_state("round_trip").result().path
-    saved = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-    tc.forward_backward([datum], "cross_entropy").result()
-    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
-    moved = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-    assert not np.allclose(moved, saved)
-    tc.load_state_with_optimizer(path).result()
-    restored = tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
-    np.testing.assert_array_equal(restored, saved)
+    state_round_trip(tc, datum)
 
     prompt = datum.model_input.to_ints()[:4]
     sampler = tc.save_weights_and_get_sampling_client()

@@ -20,6 +20,8 @@ Paths and JSON fields follow SGLang so that one client drives both engines:
 ``POST /update_weight_version`` ``{"new_version", "abort_all_requests"}``
 ``POST /update_weights_from_tensor``  ``{"serialized_named_tensors", "load_format",
                                "flush_cache", "weight_version"}``
+``POST /update_weights_from_disk``  ``{"model_path", "load_format", "flush_cache",
+                               "weight_version"}``: the weights of a Hugging Face directory
 ``POST /init_weights_update_group``  ``{"master_address", "master_port", "rank_offset",
                                "world_size", "group_name", "backend"}`` (joins a broadcast group)
 ``POST /update_weights_from_distributed``  ``{"names", "dtypes", "shapes", "group_name",
@@ -101,6 +103,7 @@ class EngineServer(WeightEndpointsMixin):
         r.add_post("/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)
