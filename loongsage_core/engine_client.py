@@ -123,10 +123,16 @@ class EngineClient:
     def generate_payload(input_ids: Sequence[Sequence[int]] | Sequence[int],
                          sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                          *, return_logprob: bool = True, rids: Sequence[str] | None = None,
-                         top_logprobs_num: int = 0) -> dict[str, Any]:
+                         top_logprobs_num: int = 0,
+                         logprob_start_len: int | Sequence[int] | None = None) -> dict[str, Any]:
         """The ``/generate`` body for a batch (a single prompt is sent as a batch of one);
-        ``top_logprobs_num`` asks for that many most likely tokens per position."""
-        extra = {"top_logprobs_num": top_logprobs_num} if top_logprobs_num else {}
+        ``top_logprobs_num`` asks for that many most likely tokens per position;
+        ``logprob_start_len`` (one for all prompts or one per prompt; -1: none) for the log-probs of
+        the prompt's tokens from that position on (``meta_info.input_token_logprobs``)."""
+        extra: dict[str, Any] = {"top_logprobs_num": top_logprobs_num} if top_logprobs_num else {}
+        if logprob_start_len is not None:
+            extra["logprob_start_len"] = logprob_start_len if isinstance(logprob_start_len, int) \
+                else [int(x) for x in logprob_start_len]
         rows: Any = input_ids
         batch = [[int(t) for t in p] for p in rows] if rows and isinstance(rows[0], (list, tuple)) \
             else [[int(t) for t in rows]]
@@ -142,6 +148,8 @@ class EngineClient:
         if len(batch) == 1:
             # a batch of one goes unbatched: SGLang routers accept only a string rid
             single = params[0] if isinstance(params, list) else params
+            if isinstance(extra.get("logprob_start_len"), list):
+                extra["logprob_start_len"] = extra["logprob_start_len"][0]
             return {"input_ids": batch[0], "sampling_params": single, "return_logprob": return_logprob,
                     "rid": rids[0], **extra}
         return {"input_ids": batch, "sampling_params": params, "return_logprob": return_logprob,
@@ -172,11 +180,15 @@ class EngineClient:
     async def generate(self, input_ids: Sequence[Sequence[int]] | Sequence[int],
                        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                        *, return_logprob: bool = True, rids: Sequence[str] | None = None,
-                       top_logprobs_num: int = 0, image_data: Sequence[str] | None = None) -> list[GenerationResult]:
+                       top_logprobs_num: int = 0, image_data: Sequence[str] | None = None,
+                       logprob_start_len: int | Sequence[int] | None = None) -> list[GenerationResult]:
         """Generate for every prompt of ``input_ids``; results in prompt order. ``image_data``
-        (one prompt only): its images in token order, base64 (SGLang's ``image_data``)."""
+        (one prompt only): its images in token order, base64 (SGLang's ``image_data``);
+        ``logprob_start_len``: see :meth:`generate_payload` (the scores are in each result's
+        ``meta_info``)."""
         payload = self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
-                                                           rids=rids, top_logprobs_num=top_logprobs_num))
+                                                           rids=rids, top_logprobs_num=top_logprobs_num,
+                                                           logprob_start_len=logprob_start_len))
         if image_data:
             payload["image_data"] = list(image_data)
         body = await self._request("POST", "/generate", payload)
@@ -240,6 +252,18 @@ class EngineClient:
     async def update_weight_version(self, version: int | str, *, abort_all_requests: bool = False) -> None:
         await self._request("POST", "/update_weight_version",
                             {"new_version": str(version), "abort_all_requests": abort_all_requests})
+
+    async def update_weights_from_disk(self, model_path: str, *, weight_version: int | str | None = None,
+                                       flush_cache: bool = True) -> dict[str, Any]:
+        """SGLang's ``/update_weights_from_disk``: the engine loads the weights of the Hugging Face
+        directory ``model_path`` (on its machine; the served model's architecture) in place."""
+        body: dict[str, Any] = {"model_path": str(model_path), "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        out = await self._request("POST", "/update_weights_from_disk", body, timeout=None)
+        if isinstance(out, Mapping) and out.get("success") is False:  # SGLang's failure shape
+            raise EngineError(400, str(out.get("message") or "failed"), "/update_weights_from_disk")
+        return dict(out) if isinstance(out, Mapping) else {}
 
     async def update_weights_from_tensor(self, payload: Mapping[str, Any]) -> dict[str, Any]:
         """POST an ``UpdateWeightsFromTensorReqInput`` body (``serialized_named_tensors``, ``load_format``,

@@ -122,3 +122,48 @@ def shows_images_inline(run: Path, record: dict) -> None:
     finally:
         driver.quit()
         server.stop()
+
+
+def test_a_tool_that_answers_with_an_image_trains_end_to_end(ray_cluster, tmp_path):
+    """The ``tool_agent`` with the ``crop`` tool, its call forced (``tool_choice`` naming ``crop``:
+    constrained decoding in the model's own hermes syntax), two turns: the tool's zoomed picture
+    goes back to the policy as an image part of the tool message, the router records it beside the
+    prompt's picture, and the trainer scores the whole conversation on the rebuilt pixels."""
+    write_rows(tmp_path / "shapes.jsonl")
+    agent_args = {"tools": ["loongsage_plugin_agents.image_tools:crop"], "max_turns": 2,
+                  "request_args": {"tool_choice": {"type": "function", "function": {"name": "crop"}},
+                                   "max_tokens": 120}}
+    job = {
+        "plugins": {"enable": ["torch", "rl", "rewards", "loggers", "agents"]},
+        "model": {"tokenizer": str(VLM_DIR), "config": TINY_QWEN2_VL},
+        "train": {"lr": 1e-3, "total_steps": 1, "mini_batch_size": 4, "micro_batch_size": 2},
+        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 400, "max_context_length": 1024,
+                    "temperature": 1.0},
+        "agentflow": {"middleware": ["tool_call_parser"],
+                      "middleware_args": {"tool_call_parser": {"format": "hermes"}}},
+        "placement": {"colocate": False},
+        "run": {"seed": 5, "checkpoint_every": 0, "save_hf_at_end": False},
+        "data": [{"name": "zoom", "path": str(tmp_path / "shapes.jsonl"), "agent": "tool_agent",
+                  "agent_args": agent_args, "reward": ["exact_match"]}],
+    }
+    (tmp_path / "job.toml").write_text(tomli_w.dumps(job))
+    controller = Run(resolve_job(load_job(tmp_path / "job.toml")), tmp_path / "run")
+    try:
+        controller.start()
+        metrics = SyncLoop(controller).run_step(0)
+        assert metrics["rollout/num_rows"] == 4.0 and metrics["rollout/failed_ratio"] == 0.0
+        assert metrics["train/is_approx_k3_kl"] < 1e-6
+    finally:
+        controller.close()
+    records = [rec for step in rollout_steps(tmp_path / "run") for rec in read_rollouts(tmp_path / "run", step)]
+    zoomed = 0
+    for rec in records:
+        tool_images = [p["sha256"] for m in rec["messages"] if m["role"] == "tool" and isinstance(m["content"], list)
+                       for p in m["content"] if p.get("type") == "image"]
+        recorded = {img["sha256"] for seg in rec["segments"] for img in seg["images"]}
+        assert set(tool_images) <= recorded and set(tool_images) <= set(rec["images"])
+        for sha in tool_images:  # the crop, twice as large as its box: a picture of its own
+            size = Image.open(io.BytesIO(base64.b64decode(rec["images"][sha]))).size
+            assert size[0] % 2 == 0 and size[1] % 2 == 0
+        zoomed += len(tool_images)
+    assert zoomed > 0, [m for rec in records for m in rec["messages"] if m["role"] == "tool"]

@@ -7,8 +7,9 @@ tool call, when a turn ends with ``finish_reason="length"`` (a budget is spent),
 non-zero exit) are reported to the model as the tool's output, never raised: they are part of
 the episode the policy learns from.
 
-Tools: Python functions given by import path (see :mod:`.python_tools`) and, when the trajectory
-has a sandbox, a shell tool (``bash``) that runs a command in it.
+Tools: Python functions given by import path (see :mod:`.python_tools`; a tool may return
+images, which the model sees in its tool message, e.g. :func:`.image_tools.crop`) and, when the
+trajectory has a sandbox, a shell tool (``bash``) that runs a command in it.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class ToolAgent:
             raise ValueError("tool_agent: shell_tool=true needs a sandbox (set the data source's sandbox)")
         return self.schemas + ([SHELL_TOOL] if shell else [])
 
-    async def _run_call(self, call: Any, ctx: AgentContext) -> str:
+    async def _run_call(self, call: Any, ctx: AgentContext) -> str | list[dict[str, Any]]:
         name = call.function.name
         try:
             args = json.loads(call.function.arguments or "{}")
@@ -108,8 +109,13 @@ class ToolAgent:
             return f"Error: bad arguments for {name}: {exc}"
         except Exception as exc:
             return f"Error: {name} failed: {type(exc).__name__}: {exc}"
+        if isinstance(out, list):  # text and images (a screenshot): the text parts are cut
+            return [dict(part, text=self._cut(part["text"])) if part["type"] == "text" else part for part in out]
+        return self._cut(out)
+
+    def _cut(self, text: str) -> str:
         limit = self.max_tool_output_chars
-        return out if len(out) <= limit else out[:limit] + f"\n[... {len(out) - limit} more characters]"
+        return text if len(text) <= limit else text[:limit] + f"\n[... {len(text) - limit} more characters]"
 
     async def run(self, ctx: AgentContext) -> AgentResult:
         messages = prompt_messages(ctx.prompt, self.system_prompt)

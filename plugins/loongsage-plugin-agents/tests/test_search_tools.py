@@ -87,6 +87,6 @@ def test_a_jsonl_corpus_file(tmp_path):
 def test_the_schemas_the_model_sees():
     assert function_schema(search_tools.search)["function"] == {
         "name": "search", "description": "Search the documents.",
-        "parameters": {"type": "object", "required": ["query"],
+        "parameters": {"type": "object", "required": ["query"], "additionalProperties": False,
                        "properties": {"query": {"type": "string", "description": "words to look for"}}}}
     assert function_schema(search_tools.open)["function"]["parameters"]["required"] == ["title"]

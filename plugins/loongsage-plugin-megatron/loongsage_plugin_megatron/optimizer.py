@@ -21,7 +21,8 @@ the run resumes from its last checkpoint.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -120,6 +121,8 @@ def optimizer_step(optimizer: Any, scheduler: Any, chunks: list[Any], device: to
     if grads_finite(chunks, device):
         try:
             updated, grad_norm, _ = optimizer.step()
+            if grad_norm is None:  # no clipping (``clip_grad`` 0): the norm was not computed
+                grad_norm = optimizer.get_grad_norm()
             if not updated:  # the mixed-precision optimizer's own overflow check (already done above)
                 grad_norm = float("nan")
         except RuntimeError as exc:  # a step size beyond float range: torch stops part-way through
@@ -148,3 +151,58 @@ def nonfinite_weights(chunks: list[Any], device: torch.device) -> int:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+def _inner_optimizers(optimizer: Any) -> list[Any]:
+    """The Megatron optimizers a (possibly chained) Megatron optimizer steps."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+@contextlib.contextmanager
+def step_hyperparameters(optimizer: Any, hyperparameters: Mapping[str, float] | None) -> Iterator[None]:
+    """Steps inside use ``hyperparameters`` (any of ``STEP_HYPERPARAMETERS``, ``backend_api.training``).
+
+    ``lr``, ``beta1``, ``beta2``, ``eps`` and ``weight_decay`` are set on every parameter group
+    of the torch Adam inside Megatron's optimizer and stay (the learning-rate schedule sets ``lr``
+    again after the step); ``grad_clip`` replaces ``clip_grad`` of Megatron's optimizer config
+    (which its ``step()`` clips to) for the steps inside only, ``0`` meaning no clipping.
+    """
+    from loongsage_core.backend_api.training import apply_step_hyperparameters
+
+    given = apply_step_hyperparameters(optimizer.param_groups, hyperparameters,
+                                       where="MegatronTrainWorker.optimizer_step")
+    configs = {id(inner.config): inner.config for inner in _inner_optimizers(optimizer)}.values()
+    saved = [(config, config.clip_grad) for config in configs]
+    if "grad_clip" in given:
+        for config in configs:
+            config.clip_grad = max(0.0, float(given["grad_clip"]))
+    try:
+        yield
+    finally:
+        for config, clip in saved:
+            config.clip_grad = clip
+
+
+ADAM_STATE = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step")
+"""The per-parameter Adam state :func:`reset_adam_state` zeroes."""
+
+
+def reset_adam_state(optimizer: Any) -> None:
+    """Zero Adam's moments and step counts in place: the next step is the first of a fresh Adam.
+
+    In place rather than dropped, so the state keeps the layout Megatron's optimizers (and their
+    checkpoints, sharded ones included) expect; zero moments and step count are exactly the state
+    Adam starts from. The float32 master weights of 16-bit parameters are kept.
+    """
+    for inner in _inner_optimizers(optimizer):
+        torch_optimizer = inner.optimizer
+        for state in torch_optimizer.state.values():
+            for key in ADAM_STATE:
+                value = state.get(key)
+                if torch.is_tensor(value):
+                    value.zero_()
+                elif value is not None:
+                    state[key] = 0
+        for group in torch_optimizer.param_groups:
+            if "step" in group:  # optimizers that count steps per group (fused Adam)
+                group["step"] = 0

@@ -14,6 +14,7 @@ from loongsage_hookspecs import (
     Offloadable,
     OnDevice,
     ResidentTeacher,
+    StepwiseTraining,
     TeacherContext,
     TeacherSpec,
     TrainBackendSpec,
@@ -50,7 +51,7 @@ def loongsage_train_backends() -> Iterator[TrainBackendSpec]:
                                        "LoRA through Megatron-Bridge's PEFT (dense models); vocabulary-level KL "
                                        "and distillation terms (full logits)",
                            supports_lora=True, check_job=check_job,
-                           capabilities=(ModelParallel, Offloadable, OnDevice, Closeable))
+                           capabilities=(ModelParallel, Offloadable, OnDevice, Closeable, StepwiseTraining))
 
 
 @hookimpl

@@ -61,13 +61,8 @@ group (``dp / ep`` ranks) by Megatron DDP's expert buffers, dense ones over the 
 group, so a step equals EP = 1's on the same global batch (the load-balancing loss: :mod:`.model`).
 
 Router Replay (``[algorithm] router_replay``, Mixture-of-Experts models only; a dense model is a
-clear error at construction): every forward of the worker, the no-grad scoring pass of
-:meth:`~MegatronTrainWorker.forward` and the training forwards of
-:meth:`~MegatronTrainWorker.train_mini_batch`, routes each token of a batch with ``routed_experts``
-to the experts the engine chose (its own top-k where it has no record), gating weights from the
-current router logits. The actor's :meth:`~MegatronTrainWorker.forward` with
-``[algorithm] router_replay_compare`` also reports the router agreement and scores the rows again
-without replay (``logprobs_no_replay``, ``router_agreement_no_replay``). See :mod:`.router_replay`.
+clear error at construction) routes every forward's tokens to the experts the engine recorded
+(see :meth:`~MegatronTrainWorker.forward` and :mod:`.router_replay`).
 
 The ``reference`` role is forward-only (no DDP wrapper, no optimizer): the frozen reference
 model beside the policy (none in a LoRA run: the policy's adapters are disabled instead), and
@@ -78,7 +73,8 @@ the model of the ``megatron`` distillation teacher (:mod:`.teacher`), which read
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import weakref
+from typing import Any, Iterator, Mapping
 
 import attrs
 import torch
@@ -91,7 +87,10 @@ from . import lora as lora_lib
 from .job_checks import job_layout
 from .model import aux_loss_scale, build_model, model_dtype
 from .offload import HostOffload
-from .optimizer import build_optimizer, optimizer_step, wrap_ddp
+from .optimizer import build_optimizer, optimizer_step, reset_adam_state, step_hyperparameters, wrap_ddp
+
+_OPEN: "weakref.WeakSet[MegatronTrainWorker]" = weakref.WeakSet()
+"""The workers of this process not closed yet: they share its process group and parallel state."""
 
 
 class MegatronTrainWorker:
@@ -99,6 +98,8 @@ class MegatronTrainWorker:
 
     #: the policy's tokenizer, loaded when a batch holds constrained turns (:meth:`_grammar_tokenizer`)
     _tokenizer: Any = None
+    #: gradients of :meth:`accumulate_gradients` wait in the DDP buffers for :meth:`optimizer_step`
+    _accumulating: bool = False
 
     def __init__(self, ctx: Any) -> None:
         job = ctx.job
@@ -178,6 +179,7 @@ class MegatronTrainWorker:
             raise
         self._host = HostOffload(self.device, self.modules, self.chunks, self.optimizer, params_in_buffers=(
             self.optimizer is not None and self.options.use_distributed_optimizer))
+        _OPEN.add(self)
 
     # -- rows and micro-batches ------------------------------------------------------------------
 
@@ -416,30 +418,44 @@ class MegatronTrainWorker:
             for chunk in self.chunks:
                 chunk.train(was_training)
 
+    def _require_trainable(self, what: str) -> LossPipeline:
+        if self.optimizer is None or self.pipeline is None:
+            raise RuntimeError(f"MegatronTrainWorker.{what}: the {self.role!r} worker is forward-only")
+        if self.offloaded:
+            raise RuntimeError(f"MegatronTrainWorker.{what}: the worker is offloaded; call onload() first")
+        return self.pipeline
+
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
-        """One optimizer step on this rank's rows of a mini-batch with global denominators ``norm``.
+        """One optimizer step on this rank's rows of a mini-batch with global denominators ``norm``
+        (:meth:`accumulate_gradients`, :meth:`optimizer_step`): the mini-batch's ``train/*`` metrics."""
+        metrics = self.accumulate_gradients(batch, norm)
+        metrics.update(self.optimizer_step())
+        return metrics
+
+    def accumulate_gradients(self, batch: Batch, norm: AggregationNorm, *,
+                             pipeline: LossPipeline | None = None) -> dict[str, float]:
+        """Forward and backward over this rank's rows of ``batch``, the gradients added to the DDP
+        gradient buffers (no step); returns the ``train/*`` loss metrics of the whole mini-batch.
 
         The micro-batches go through Megatron-Core's forward-backward schedule (1F1B under
-        PP > 1); the last pipeline stage computes the host's loss on each micro-batch's logits.
-        A vocabulary-level KL or distillation term (``LossPipeline.needs_logits``) also gets the
-        next-token logits over the Hugging Face vocabulary (:meth:`_loss_outputs`).
+        PP > 1); the last pipeline stage computes the loss (``pipeline``, a ``LossPipeline``;
+        ``None``: the job's) on each micro-batch's logits. A vocabulary-level KL or distillation
+        term (``LossPipeline.needs_logits``) also gets the next-token logits over the Hugging Face
+        vocabulary (:meth:`_loss_outputs`). Calls add up until :meth:`optimizer_step` (``StepwiseTraining``).
         Under EP > 1 every rank of an expert-parallel group must call it (see :meth:`forward`).
         """
-        if self.optimizer is None or self.pipeline is None:
-            raise RuntimeError(f"MegatronTrainWorker.train_mini_batch: the {self.role!r} worker is forward-only")
-        if self.offloaded:
-            raise RuntimeError("MegatronTrainWorker.train_mini_batch: the worker is offloaded; call onload() first")
-        from megatron.core.distributed import finalize_model_grads
         from megatron.core.utils import get_model_config
 
         from .forward_backward import run_schedule
 
-        self._check_same_rows(batch, "train_mini_batch")
-        pipeline = self.pipeline
+        own = self._require_trainable("accumulate_gradients")
+        pipeline = own if pipeline is None else pipeline
+        self._check_same_rows(batch, "accumulate_gradients")
+        if not self._accumulating:  # the first part of a step starts from zero gradients
+            self._zero_gradients()
+            self._accumulating = True
         for chunk in self.chunks:
             chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad(set_to_none=True)
         acc = MetricAccumulator()
         entropy_grad = pipeline.entropy_coef != 0.0
         keep_logits = pipeline.needs_logits  # a vocabulary-level KL or distillation term
@@ -467,15 +483,41 @@ class MegatronTrainWorker:
         finally:
             if coeff:
                 config.moe_aux_loss_coeff = coeff
+        acc.reduce()  # only the last stage's tensor-parallel rank 0 of each data-parallel rank adds
+        return acc.result()
+
+    def optimizer_step(self, *, hyperparameters: Mapping[str, float] | None = None) -> dict[str, float]:
+        """One step of Megatron's optimizer on the gradients accumulated since the last step.
+
+        ``hyperparameters`` (``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``,
+        ``grad_clip``; a caller driving steps in parts) are set on the optimizer's parameter
+        groups before this step and stay, except ``grad_clip``, which replaces
+        ``[train] grad_clip`` for this step only (see :func:`.optimizer.step_hyperparameters`).
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        self._require_trainable("optimizer_step")
+        if not self._accumulating:  # nothing accumulated since the last step: a step on zero gradients
+            self._zero_gradients()
         # Megatron sums the gradient buffers over the data-parallel group (``finish_grad_sync``),
         # the tensor-parallel partial gradients of replicated norms (QK layernorm) and, under
         # PP > 1, the gradients of the tied embedding's two copies (first and last stage).
         finalize_model_grads(self.chunks)
-        acc.reduce()  # only the last stage's tensor-parallel rank 0 of each data-parallel rank adds
-        metrics = acc.result()
-        metrics.update(optimizer_step(self.optimizer, self.scheduler, self.chunks, self.device))
+        with step_hyperparameters(self.optimizer, hyperparameters):
+            metrics = optimizer_step(self.optimizer, self.scheduler, self.chunks, self.device)
+        self._accumulating = False
         self.global_step += 1
         return metrics
+
+    def _zero_gradients(self) -> None:  # the DDP buffers and the optimizer's own (master) gradients
+        for chunk in self.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def reset_optimizer_state(self) -> None:
+        """Forget Adam's moments and step counts (weights loaded without their optimizer state)."""
+        self._require_trainable("reset_optimizer_state")
+        reset_adam_state(self.optimizer)
 
     def _loss_outputs(self, logits: torch.Tensor, inputs: Any, *, entropy_grad: bool, keep_logits: bool,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -551,5 +593,8 @@ class MegatronTrainWorker:
         self._host.onload()
 
     def close(self) -> None:
-        """Leave model parallelism and the process group."""
-        parallel.close_parallel()
+        """Leave model parallelism and the process group, once no other worker of this process
+        (a reference beside its policy, another model of a Tinker service) still uses them."""
+        _OPEN.discard(self)
+        if not _OPEN:
+            parallel.close_parallel()

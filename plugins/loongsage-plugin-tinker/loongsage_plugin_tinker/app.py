@@ -19,6 +19,7 @@ from aiohttp import web
 
 from .batches import TinkerRequestError
 from .futures import FutureStore
+from .sampling import prompt_scores_from
 from .service import SamplingSession, TinkerService
 from .trainer import ModelSpec
 from .wire import decode_forward_backward, encode_forward_backward_output, encode_sample_response
@@ -290,10 +291,7 @@ class TinkerApp:
         req = await _parse(request, types.SampleRequest)
 
         async def work() -> bytes:
-            refused = [name for name, on in (("prompt_logprobs", req.prompt_logprobs),
-                                             ("topk_prompt_logprobs", req.topk_prompt_logprobs),
-                                             ("topk_sample_logprobs", req.topk_sample_logprobs),
-                                             ("target_prompt_logprobs", req.target_prompt_logprobs is not None),
+            refused = [name for name, on in (("target_prompt_logprobs", req.target_prompt_logprobs is not None),
                                              ("prompt_alt_tokens_k", req.prompt_alt_tokens_k)) if on]
             if refused:
                 raise TinkerRequestError(f"sample: {', '.join(refused)} is not supported by this service")
@@ -312,8 +310,12 @@ class TinkerApp:
             if not tokens:
                 raise TinkerRequestError("sample: the prompt is empty")
             params = req.sampling_params.model_dump()
-            sequences = await self.service.engines.sample(weights, tokens, int(req.num_samples), params)
-            return encode_sample_response(sequences)
+            prompt_from = prompt_scores_from(req, len(tokens))
+            top_k = max(int(req.topk_prompt_logprobs or 0), int(req.topk_sample_logprobs or 0))
+            sampled = await self.service.engines.sample(weights, tokens, int(req.num_samples), params,
+                                                        prompt_from=prompt_from, top_k=top_k)
+            return encode_sample_response(sampled, topk_sample=int(req.topk_sample_logprobs or 0),
+                                          topk_prompt=int(req.topk_prompt_logprobs or 0))
 
         ids = [f"seq-{uuid.uuid4().hex}" for _ in range(int(req.num_samples))]
         return self._future(work, "sample", sample_sequence_ids=ids)

@@ -95,12 +95,37 @@ def encode_forward_backward_output(outputs: Sequence[dict[str, np.ndarray]], met
     return bytes(out.SerializeToString())
 
 
-def encode_sample_response(sequences: Sequence[tuple[Sequence[int], Sequence[float], str]]) -> bytes:
-    """A ``SampleResponse`` message of ``(tokens, logprobs, stop_reason)`` sequences."""
+TOPK_EMPTY = (0, -99999.0)
+"""The (token id, log-prob) the SDK's dense top-k matrices hold where a position has no entry."""
+
+
+def _topk(pb: Any, rows: Sequence[Sequence[tuple[int, float]] | None], k: int) -> Any:
+    """A ``TopkLogprobs`` message: ``rows`` as dense ``[len(rows), k]`` matrices, padded with
+    :data:`TOPK_EMPTY` (a ``None`` row is all padding)."""
+    ids = np.full((len(rows), k), TOPK_EMPTY[0], dtype=np.int32)
+    values = np.full((len(rows), k), TOPK_EMPTY[1], dtype=np.float32)
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate((row or [])[:k]):
+            ids[i, j], values[i, j] = token, logprob
+    return pb.TopkLogprobs(length=len(rows), k=k, token_ids=ids.tobytes(), logprobs=values.tobytes())
+
+
+def encode_sample_response(sampled: Any, *, topk_sample: int = 0, topk_prompt: int = 0) -> bytes:
+    """A ``SampleResponse`` message of a :class:`~.sampling.Sampled` result: the sequences (with
+    their ``topk_sample`` most likely tokens per position when asked), the prompt's log-probs
+    (NaN where not scored, as the SDK reads them) and its ``topk_prompt`` most likely tokens."""
     pb = _pb()
     out = pb.SampleResponse()
-    for tokens, logprobs, stop in sequences:
-        out.sequences.add(stop_reason=pb.STOP_REASON_LENGTH if stop == "length" else pb.STOP_REASON_STOP,
-                          tokens=np.asarray(tokens, dtype=np.int32).tobytes(),
-                          logprobs=np.asarray(logprobs, dtype=np.float32).tobytes())
+    for seq in sampled.sequences:
+        msg = out.sequences.add(stop_reason=pb.STOP_REASON_LENGTH if seq.stop_reason == "length"
+                                else pb.STOP_REASON_STOP,
+                                tokens=np.asarray(seq.tokens, dtype=np.int32).tobytes(),
+                                logprobs=np.asarray(seq.logprobs, dtype=np.float32).tobytes())
+        if topk_sample:
+            msg.topk_sampled_logprobs.CopyFrom(_topk(pb, seq.top or [None] * len(seq.tokens), topk_sample))
+    if sampled.prompt_logprobs is not None:
+        values = [np.nan if lp is None else lp for lp in sampled.prompt_logprobs]
+        out.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+    if topk_prompt and sampled.prompt_top is not None:
+        out.topk_prompt_logprobs.CopyFrom(_topk(pb, sampled.prompt_top, topk_prompt))
     return bytes(out.SerializeToString())

@@ -78,10 +78,40 @@ def service(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 
 @pytest.fixture
-def client(service: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """A ``tinker.ServiceClient`` of the service (through the SDK's own environment variables)."""
+def client(service: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A ``tinker.ServiceClient`` of the service (through the SDK's own environment variables),
+    its session finished after the test, so that no heartbeat outlives the service."""
     import tinker
 
     monkeypatch.setenv("TINKER_BASE_URL", service.base_url)
     monkeypatch.setenv("TINKER_API_KEY", service.api_key)
-    return tinker.ServiceClient()
+    with tinker.ServiceClient() as client:
+        yield client
+
+
+def _logprobs_of(tc: Any, datum: Any) -> Any:
+    return tc.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].to_numpy()
+
+
+def _state_round_trip(tc: Any, datum: Any) -> str:
+    """A step, ``save_state``, another step (the log-probs move), ``load_state_with_optimizer``:
+    the log-probs are bit for bit those saved. Returns the state's path."""
+    import numpy as np
+    from tinker import types
+
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    path = tc.save_state("round_trip").result().path
+    saved = _logprobs_of(tc, datum)
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    assert not np.allclose(_logprobs_of(tc, datum), saved)
+    tc.load_state_with_optimizer(path).result()
+    np.testing.assert_array_equal(_logprobs_of(tc, datum), saved)
+    return path
+
+
+@pytest.fixture(scope="session")
+def state_round_trip() -> Any:
+    """:func:`_state_round_trip`: ``state_round_trip(training_client, datum) -> path``."""
+    return _state_round_trip

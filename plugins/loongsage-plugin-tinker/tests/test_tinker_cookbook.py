@@ -1,4 +1,5 @@
-"""An unmodified ``tinker-cookbook`` recipe (supervised ``sl_basic``) trains on ``loongsage tinker-serve``.
+"""Unmodified ``tinker-cookbook`` recipes train on ``loongsage tinker-serve``: the supervised
+``sl_basic`` and the RL ``math_rl`` (its generated arithmetic problems).
 
 The cookbook is installed by ``scripts/setup.sh`` (``requirements-cookbook.txt``, then the cookbook
 itself without its declared dependencies). Its recipe looks the model up by a registry name: the chat
@@ -84,3 +85,27 @@ def test_sl_basic_runs_unmodified_against_the_service(served: tuple[str, Path], 
     assert set(trained) == set(base)
     moved = {name for name in base if not bool((trained[name] == base[name]).all())}
     assert moved == {name for name in base if name.endswith("_proj.weight")}, sorted(moved)
+
+
+def test_math_rl_runs_unmodified_against_the_service(served: tuple[str, Path], workdir: Path) -> None:
+    """The cookbook's RL recipe on its generated arithmetic problems (no download): sampling,
+    rewards, ``importance_sampling`` steps and, with ``compute_post_kl``, the sampler's
+    ``compute_logprobs`` of the trained tokens. Its ``optim/kl_sample_train_v2`` (the sampling
+    engine's log-probs against the trainer's on the same tokens) is rounding-small: the engine
+    samples the weights the trainer trains."""
+    base_url, _ = served
+    log_path = workdir / "runs" / "math_rl"
+    command = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={REGISTRY_NAME}",
+               f"base_url={base_url}", f"log_path={log_path}", "env=arithmetic", "loss_fn=importance_sampling",
+               f"max_steps={STEPS}", "groups_per_batch=4", "group_size=4", "lora_rank=8", "renderer_name=qwen3",
+               "eval_every=0", "save_every=0", "compute_post_kl=True", "behavior_if_log_dir_exists=delete"]
+    env = {**os.environ, "TINKER_API_KEY": KEY, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    env.pop("TINKER_BASE_URL", None)
+    out = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-4000:]
+    rows = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [row for row in rows if "optim/kl_sample_train_v2" in row]
+    assert [row["step"] for row in trained] == list(range(STEPS)), rows
+    for row in trained:
+        assert abs(row["optim/kl_sample_train_v2"]) < 1e-6, row
+        assert math.isfinite(row["kl_pre_post_v2"]) and math.isfinite(row["env/all/reward/total"]), row

@@ -72,14 +72,48 @@ def test_a_client_side_custom_loss_trains(client: Any) -> None:
     assert losses[-1] < losses[0], losses
 
 
-def test_sampling_refuses_prompt_logprobs(client: Any) -> None:
+def test_compute_logprobs_scores_the_prompt_with_the_sampled_weights(client: Any) -> None:
+    """``SamplingClient.compute_logprobs`` (a sample request with ``prompt_logprobs``): each prompt
+    token's log-prob given the tokens before it, ``None`` first, equal to the training model's own
+    log-probs of the same tokens; with ``prompt_logprobs_last_n`` only the last N are scored; the
+    top-k of prompt and sampled positions come with their tokens, the most likely first."""
     import tinker
     from tinker import types
 
-    sampler = client.create_sampling_client(base_model="tiny")
-    with pytest.raises(tinker.RequestFailedError, match="prompt_logprobs is not supported"):
-        sampler.sample(prompt=types.ModelInput.from_ints([5, 6, 7]), num_samples=1,
-                       sampling_params=types.SamplingParams(max_tokens=2), include_prompt_logprobs=True).result()
+    tc = client.create_lora_training_client(base_model="tiny", rank=4).result()
+    tokens = tc.get_tokenizer().encode("the scores of a prompt under the sampled weights")
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    tc.forward_backward([datum], "cross_entropy").result()
+    tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints(tokens)
+    scores = sampler.compute_logprobs(prompt).result()
+    trained = _logprobs(tc, tokens)
+    assert len(scores) == len(tokens) and scores[0] is None
+    np.testing.assert_allclose(np.array(scores[1:], dtype=np.float64), trained, atol=2e-4)
+    last = sampler.compute_logprobs(prompt, prompt_logprobs_last_n=3).result()
+    assert last[:-3] == [None] * (len(tokens) - 3)
+    np.testing.assert_allclose(np.array(last[-3:], dtype=np.float64), trained[-3:], atol=2e-4)
+
+    out = sampler.sample(prompt=prompt, num_samples=2, include_prompt_logprobs=True, topk_prompt_logprobs=3,
+                         sampling_params=types.SamplingParams(max_tokens=4, seed=1, stop=[])).result()
+    assert out.prompt_logprobs[1:] == pytest.approx(scores[1:], abs=1e-5)
+    top = out.topk_prompt_logprobs
+    assert len(top) == len(tokens) and top[0] is None
+    for row, token, score in zip(top[1:], tokens[1:], scores[1:]):
+        assert len(row) == 3 and row[0][1] >= row[1][1] >= row[2][1] >= score - 1e-5
+        assert all(lp == pytest.approx(score, abs=1e-5) for t, lp in row if t == token)
+    sampled = sampler.sample(prompt=prompt, num_samples=2, topk_sample_logprobs=2,
+                             sampling_params=types.SamplingParams(max_tokens=4, seed=1, stop=[])).result()
+    assert sampled.prompt_logprobs is None
+    for seq in sampled.sequences:
+        assert len(seq.topk_logprobs) == 4
+        for row, token, lp in zip(seq.topk_logprobs, seq.tokens, seq.logprobs):
+            assert len(row) == 2 and row[0][1] >= row[1][1] and row[0][1] >= lp - 1e-5
+            assert all(value == pytest.approx(lp, abs=1e-5) for t, value in row if t == token)
+    with pytest.raises(tinker.RequestFailedError, match="prompt_logprobs_last_n must be between 1 and"):
+        sampler.compute_logprobs(prompt, prompt_logprobs_last_n=len(tokens)).result()
 
 
 def test_forward_needs_only_the_targets(client: Any) -> None:

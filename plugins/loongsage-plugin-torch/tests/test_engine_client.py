@@ -43,6 +43,10 @@ def test_generate_payload_batches_with_request_ids():
     assert payload["rid"] == ["a", "b"] and payload["sampling_params"][1] == {"top_k": 5}
     with pytest.raises(ValueError, match="rids"):
         EngineClient.generate_payload([[1], [2]], rids=["only-one"])
+    # logprob_start_len: one for all, or one per prompt (a batch of one sends its own, unbatched)
+    assert EngineClient.generate_payload([[1], [2]], logprob_start_len=[0, -1])["logprob_start_len"] == [0, -1]
+    assert EngineClient.generate_payload([[1, 2]], logprob_start_len=[1])["logprob_start_len"] == 1
+    assert "logprob_start_len" not in EngineClient.generate_payload([1, 2])
 
 
 def test_a_malformed_generate_answer_is_a_protocol_error():

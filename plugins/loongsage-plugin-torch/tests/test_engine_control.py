@@ -279,6 +279,37 @@ def test_bad_weight_updates_are_rejected_by_name(served):
     assert ask(client, lambda c: c.weight_version()) == version
 
 
+def test_weight_update_from_disk_loads_a_hugging_face_directory(served, tmp_path):
+    """SGLang's ``/update_weights_from_disk``: a saved model's weights replace the engine's in place
+    (its log-probs are the saved model's); a bad directory, a model of another shape and an unknown
+    field get a 400 naming what is wrong, and leave the weights as they were."""
+    engine, client, _ = served
+    prompt = [61, 62, 63, 64]
+    sampled = {"temperature": 1.0, "sampling_seed": 9, "max_new_tokens": 12, "ignore_eos": True}
+    before = client.generate_sync([prompt], sampled)[0]
+    other, _ = perturbed(engine, seed=3)
+    other.save_pretrained(tmp_path / "other")
+    out = ask(client, lambda c: c.update_weights_from_disk(str(tmp_path / "other"), weight_version=30))
+    assert out["success"] and ask(client, lambda c: c.weight_version()) == 30
+    after = client.generate_sync([prompt], sampled)[0]
+    assert after.output_ids != before.output_ids and after.weight_versions == [30] * 12
+    expected = sequence_logprobs(other, prompt + after.output_ids)[len(prompt) - 1:]
+    assert max(abs(a - b) for a, b in zip(expected, after.logprobs)) < 1e-5
+
+    wide = load_model(structure_job({"model": {"config": {**TINY_QWEN3, "intermediate_size": 96}}}))
+    wide.save_pretrained(tmp_path / "wide")
+    for body, param, words in (({"model_path": str(tmp_path / "missing")}, None, "not a directory of safetensors"),
+                               ({"model_path": str(tmp_path / "wide")}, None, "shape"),
+                               ({"model_path": 3}, "model_path", "Hugging Face directory"),
+                               ({"model_path": str(tmp_path / "other"), "bogus": 1}, "bogus", "unknown field")):
+        resp = httpx.post(client.base_url + "/update_weights_from_disk", json=body)
+        assert resp.status_code == 400 and words in resp.json()["error"]["message"], body
+        assert resp.json()["error"].get("param") == param, body
+    assert client.generate_sync([prompt], sampled)[0].output_ids == after.output_ids
+    original = [(n, p.detach().clone()) for n, p in load_model(make_job()).named_parameters()]
+    engine.load_weights(original, version=31)
+
+
 def test_in_place_update_reports_versions_per_token(served):
     engine, client, pool = served
     fut = paused_while_running(client, pool, [61, 62, 63], "spans", "in_place")
@@ -343,6 +374,9 @@ BAD_REQUESTS = [
     ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "sampling_params.stop", "stop_token_ids"),
     ({"input_ids": [[1], [2]], "stream": True}, "stream", "single prompt"),
     ({"input_ids": [1, 2], "top_logprobs_num": -1}, "top_logprobs_num", "integer"),
+    ({"input_ids": [1, 2], "logprob_start_len": 2}, "logprob_start_len", "prompt position in [0, 1]"),
+    ({"input_ids": [[1, 2], [3]], "logprob_start_len": [0, 1]}, "logprob_start_len[1]", "[0, 0]"),
+    ({"input_ids": [1, 2], "logprob_start_len": "0"}, "logprob_start_len", "-1"),
     ({"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob", "boolean"),
     ({"input_ids": [[1], [2]], "rid": ["a", "a"]}, "rid", "duplicate"),
     ({"input_ids": [1, 2], "rid": 5}, "rid", "string"),

@@ -288,6 +288,43 @@ def test_top_logprobs_num_lists_the_most_likely_tokens(served):
         assert row[0][1] == tok and row[0][0] == pytest.approx(lp, abs=1e-5)  # greedy took the top token
 
 
+@pytest.mark.parametrize("start", [0, 1, 37])
+def test_logprob_start_len_scores_the_prompt_tokens(served, start):
+    """SGLang's ``input_token_logprobs``: each prompt token from ``logprob_start_len`` on, scored
+    by a full forward of the model (``null`` at position 0), with ``input_top_logprobs``; the
+    100-token prompt is prefilled in chunks of 48, after a first request put its first 60
+    tokens in the prefix cache (which must not hide the positions to score)."""
+    _, client, ref = served
+    (prompt,) = prompts(100, seed=11)
+    client.generate_sync([prompt[:60]], {**GREEDY, "max_new_tokens": 1})
+    out = httpx.post(client.base_url + "/generate", json={
+        "input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 3}, "return_logprob": True,
+        "logprob_start_len": start, "top_logprobs_num": 2}, timeout=60).json()
+    meta = out["meta_info"]
+    scored = meta["input_token_logprobs"]
+    assert [t for _, t, _ in scored] == prompt[start:]
+    full = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    expected = [None] * (start == 0) + full[max(start - 1, 0):-1].gather(
+        -1, torch.tensor(prompt[max(start, 1):])[:, None])[:, 0].tolist()
+    assert (scored[0][0] is None) == (start == 0)
+    assert [lp for lp, _, _ in scored[start == 0:]] == pytest.approx(expected[start == 0:], abs=1e-4)
+    top = meta["input_top_logprobs"]
+    assert len(top) == len(scored) and (top[0] is None) == (start == 0)
+    row = top[-1]
+    assert [t for _, t, _ in row] == full[-2].topk(2).indices.tolist()
+    assert len(meta["output_token_logprobs"]) == 3 and meta["prompt_tokens"] == 100
+
+
+def test_without_logprob_start_len_no_prompt_scores_are_sent(served):
+    _, client, _ = served
+    (prompt,) = prompts(8, seed=12)
+    for extra in ({}, {"logprob_start_len": -1}):
+        out = httpx.post(client.base_url + "/generate", json={
+            "input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": 2}, "return_logprob": True,
+            **extra}, timeout=60).json()
+        assert "input_token_logprobs" not in out["meta_info"] and len(out["meta_info"]["output_token_logprobs"]) == 2
+
+
 def test_stop_strings_end_generation_on_the_token_that_completes_them(served):
     _, client, _ = served
     tok = load_tokenizer(make_job())

@@ -32,6 +32,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from .kv_cache import PrefixCache
+from .prompt_logprobs import PromptScorer
 from .request_state import EngineStats, GenerationResult, RequestState, finish_json
 from .sampling import sample
 from .settings import EngineSettings
@@ -79,12 +80,14 @@ class BatchStepMixin:
                 continue
             namespace = self._kv_namespace(req)
             key = (namespace, *self._cache_tokens(req))
-            twin = by_tokens.get(key)
+            twin = None if req.scores_prompt else by_tokens.get(key)  # a scored prompt runs its own prefill
             if twin is not None:
                 dups.append((req, twin))
             else:
-                entry, cached = self.prefix_cache.lookup(self._cache_tokens(req), self.version, len(req.tokens) - 1,
-                                                         namespace)
+                # positions from logprob_start_len - 1 on must run: their logits score the prompt
+                limit = min(len(req.tokens) - 1, max(req.item.logprob_start_len - 1, 0)) if req.scores_prompt \
+                    else len(req.tokens) - 1
+                entry, cached = self.prefix_cache.lookup(self._cache_tokens(req), self.version, limit, namespace)
                 n = len(req.tokens) - cached
                 if reps and new_tokens + n > budget:
                     break
@@ -126,7 +129,7 @@ class BatchStepMixin:
         """Run the new tokens of ``reqs`` (slots assigned, contiguous); logits ``[len(reqs), V]``.
 
         Rows are packed up to ``max_prefill_tokens`` new tokens per forward; a row longer than
-        that is prefilled alone, in chunks.
+        that, or one whose prompt is scored (``logprob_start_len``), is prefilled alone, in chunks.
         """
         torch = self._torch
         budget = self.settings.max_prefill_tokens
@@ -134,14 +137,21 @@ class BatchStepMixin:
         i = 0
         while i < len(reqs):
             req = reqs[i]
-            if len(req.tokens) - req.kv_len > budget:  # one long prompt: prefill it in chunks
+            if len(req.tokens) - req.kv_len > budget or req.scores_prompt:  # alone, in chunks
+                scorer = PromptScorer(req) if req.scores_prompt else None
                 start = req.kv_len
                 while start < len(req.tokens):
                     end = min(len(req.tokens), start + budget)
                     logits = self.runner.forward(torch.tensor(req.tokens[start:end]), req.slot,
                                                  torch.tensor([start]), torch.tensor([end - start]),
+                                                 all_logits=scorer is not None,
                                                  adapter_rows=self._adapter_rows([req]), vision=self._vision([req]))
+                    if scorer is not None:
+                        scorer.add(logits, start)
+                        logits = logits[-1:]
                     start = end
+                if scorer is not None:
+                    scorer.finish()
                 out.append(logits)
                 i += 1
                 continue
@@ -396,4 +406,5 @@ class BatchStepMixin:
             cached_tokens=req.cached_tokens, latency_s=time.monotonic() - req.created,
             top_logprobs=[list(row) for row in req.top_logprobs] if req.item.top_logprobs_num else None,
             routed_experts=req.routed_experts,
-            speculative=req.speculation.as_dict() if self.drafter is not None else None)
+            speculative=req.speculation.as_dict() if self.drafter is not None else None,
+            prompt_logprobs=req.prompt_logprobs, prompt_top_logprobs=req.prompt_top_logprobs)

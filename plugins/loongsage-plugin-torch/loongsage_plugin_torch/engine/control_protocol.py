@@ -2,10 +2,11 @@
 
 The field names are SGLang's (``AbortReq``, ``PauseGenerationReqInput``,
 ``UpdateWeightsFromTensorReqInput``, ``InitWeightsUpdateGroupReqInput``,
-``UpdateWeightsFromDistributedReqInput``, ``UpdateWeightVersionReqInput``, the memory occupation
-requests), checked as :mod:`.protocol` checks ``/generate``: every problem raises
-:class:`~.request_checks.InvalidRequest` naming the field. Kept apart from ``/generate`` because
-these bodies are what the trainer side sends between rollouts, not what rollouts send.
+``UpdateWeightsFromDistributedReqInput``, ``UpdateWeightFromDiskReqInput``,
+``UpdateWeightVersionReqInput``, the memory occupation requests), checked as :mod:`.protocol`
+checks ``/generate``: every problem raises :class:`~.request_checks.InvalidRequest` naming the
+field. Kept apart from ``/generate`` because these bodies are what the trainer side sends between
+rollouts, not what rollouts send.
 """
 
 from __future__ import annotations
@@ -82,6 +83,37 @@ def parse_update_weights(body: Any) -> WeightUpdate:
     return WeightUpdate(load_format=fmt, payload=body, flush_cache=read_bool(body, "flush_cache", True, ""),
                         abort_all_requests=read_bool(body, "abort_all_requests", False, ""),
                         weight_version=None if version is None else parse_version(version, "weight_version"))
+
+
+@attrs.define
+class DiskUpdate:
+    """A validated ``/update_weights_from_disk`` body (SGLang's ``UpdateWeightFromDiskReqInput``)."""
+
+    model_path: str
+    flush_cache: bool
+    abort_all_requests: bool
+    weight_version: int | None
+
+
+def parse_update_from_disk(body: Any) -> DiskUpdate:
+    """``/update_weights_from_disk``: ``model_path`` (a Hugging Face directory of the served
+    model's architecture, on the engine's machine), ``load_format`` (``auto`` or ``safetensors``),
+    ``weight_version``, ``flush_cache``, ``abort_all_requests``."""
+    body = require_object(body, "/update_weights_from_disk")
+    flag = lambda v: v in (None, True, False)  # noqa: E731
+    check_unknown(body, {"model_path", "load_format", "flush_cache", "abort_all_requests", "weight_version"},
+                  {"is_async": is_none_or_false, "torch_empty_cache": flag, "recapture_cuda_graph": flag,
+                   "token_step": lambda v: v is None or is_int(v)})
+    path = body.get("model_path")
+    if not isinstance(path, str) or not path:
+        raise InvalidRequest("'model_path' must name a Hugging Face directory", "model_path")
+    fmt = body.get("load_format")
+    if fmt not in (None, "auto", "safetensors"):
+        raise InvalidRequest(f"'load_format' must be 'auto' or 'safetensors', got {fmt!r}", "load_format")
+    version = body.get("weight_version")
+    return DiskUpdate(model_path=path, flush_cache=read_bool(body, "flush_cache", True, ""),
+                      abort_all_requests=read_bool(body, "abort_all_requests", False, ""),
+                      weight_version=None if version is None else parse_version(version, "weight_version"))
 
 
 @attrs.define

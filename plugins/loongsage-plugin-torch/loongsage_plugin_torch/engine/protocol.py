@@ -52,6 +52,9 @@ class GenerateItem:
     """The prompt's images in token order (base64), for a vision-language model."""
     vision: Any = None
     """The images prepared for the model (:class:`~.vision.VisionInputs`), set by the server."""
+    logprob_start_len: int = -1
+    """SGLang's ``logprob_start_len``: with ``return_logprob``, the log-probs of the prompt's tokens
+    from this position on are returned too (``input_token_logprobs``); -1: output tokens only."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -256,10 +259,6 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
     body = require_object(body, "/generate")
     check_unknown(body, GENERATE_FIELDS, GENERATE_NEUTRAL)
     stream = read_bool(body, "stream", False, "")
-    start = body.get("logprob_start_len")
-    if start not in (None, -1):
-        raise InvalidRequest("'logprob_start_len' is not supported (only output-token log-probs are returned); "
-                             "omit it or send -1", "logprob_start_len")
     top_n = body.get("top_logprobs_num")
     if top_n is None:
         top_n = 0
@@ -322,6 +321,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
         raise InvalidRequest("'return_routed_experts': the served model has no mixture-of-experts layers",
                              "return_routed_experts")
     lora_paths = _read_lora_paths(body.get("lora_path"), count, adapters)
+    starts = _per_item(body.get("logprob_start_len"), count, "logprob_start_len")
     images = _read_image_data(body.get("image_data"), count, single, takes_images)
     items = []
     for i, prompt in enumerate(prompts):
@@ -337,12 +337,24 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
             ret_lp = False
         if not isinstance(ret_lp, bool):
             raise InvalidRequest(f"'return_logprob' must be a boolean, got {ret_lp!r}", "return_logprob")
+        start = _logprob_start(starts[i], len(prompt), "logprob_start_len" if single else f"logprob_start_len[{i}]")
         items.append(GenerateItem(rid=rids[i], input_ids=list(prompt), params=params, return_logprob=ret_lp,
                                   return_text_in_logprobs=read_bool(body, "return_text_in_logprobs", False, ""),
                                   parent_rid=parent, top_logprobs_num=top_n, stream=stream,
                                   lora_path=lora_paths[i], return_routed_experts=routed[i],
-                                  image_data=images[i]))
+                                  image_data=images[i], logprob_start_len=start))
     return items, single
+
+
+def _logprob_start(value: Any, prompt_len: int, where: str) -> int:
+    """One item's ``logprob_start_len``: -1 (or unset) for output-token log-probs only, else the
+    first prompt position whose token's log-prob is returned (0 .. prompt length - 1)."""
+    if value is None:
+        return -1
+    if not is_int(value) or not -1 <= value < prompt_len:
+        raise InvalidRequest(f"'{where}' must be -1 (output tokens only) or a prompt position in "
+                             f"[0, {prompt_len - 1}], got {value!r}", where)
+    return int(value)
 
 
 def _read_image_data(value: Any, count: int, single: bool, takes_images: bool) -> list[tuple[str, ...]]:

@@ -57,6 +57,10 @@ class GenerationResult:
     #: with speculative decoding: ``verify_forwards`` (decode forwards), ``draft_tokens``,
     #: ``accepted_tokens`` and ``emitted_tokens`` (the tokens those forwards produced)
     speculative: dict[str, int] | None = None
+    #: ``logprob_start_len`` >= 0: the log-prob of each prompt token from that position on (``None``
+    #: for position 0, which nothing precedes), and with ``top_logprobs_num`` its most likely tokens
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[float, int]] | None] | None = None
 
 
 @attrs.define
@@ -114,6 +118,14 @@ class RequestState:
     grammar: Any = None
     #: the stop tokens the grammar allows where it may end (the request's ``stop_token_ids``)
     grammar_stops: tuple[int, ...] = ()
+    #: the prompt's token log-probs (``logprob_start_len``), computed by its prefill
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether the next prefill must score the prompt's tokens (``logprob_start_len``)."""
+        return self.item.return_logprob and self.item.logprob_start_len >= 0 and self.prompt_logprobs is None
 
     @property
     def prompt_len(self) -> int:

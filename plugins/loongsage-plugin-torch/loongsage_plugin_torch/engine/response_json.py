@@ -12,6 +12,8 @@ from __future__ import annotations
 import base64
 from typing import TYPE_CHECKING, Any, Sequence
 
+from .prompt_logprobs import input_logprob_fields
+
 if TYPE_CHECKING:  # pragma: no cover
     from .http_common import ServedEngine
     from .request_state import GenerationResult
@@ -68,6 +70,11 @@ def response_body(engine: "ServedEngine", item: Any, res: "GenerationResult") ->
         meta["output_token_logprobs"] = token_logprob_triples(res.logprobs, res.output_ids, texts)
         if res.top_logprobs is not None:
             meta["output_top_logprobs"] = top_logprob_rows(res.top_logprobs)
+        decode_one = None
+        if item.return_text_in_logprobs and engine.tokenizer is not None:
+            def decode_one(t: int) -> str:
+                return engine.decode([t], skip_special_tokens=False)
+        meta.update(input_logprob_fields(item, res, decode_one))
     if res.routed_experts is not None:  # SGLang: base64 of int32 [positions, layers, top_k], row-major
         meta["routed_experts"] = base64.b64encode(res.routed_experts.astype("<i4").tobytes()).decode("ascii")
         meta["routed_experts_dtype"] = "int32"

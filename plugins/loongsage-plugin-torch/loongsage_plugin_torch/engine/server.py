@@ -20,6 +20,8 @@ Paths and JSON fields follow SGLang so that one client drives both engines:
 ``POST /update_weight_version`` ``{"new_version", "abort_all_requests"}``
 ``POST /update_weights_from_tensor``  ``{"serialized_named_tensors", "load_format",
                                "flush_cache", "weight_version"}``
+``POST /update_weights_from_disk``  ``{"model_path", "load_format", "flush_cache",
+                               "weight_version"}``: the weights of a Hugging Face directory
 ``POST /init_weights_update_group``  ``{"master_address", "master_port", "rank_offset",
                                "world_size", "group_name", "backend"}`` (joins a broadcast group)
 ``POST /update_weights_from_distributed``  ``{"names", "dtypes", "shapes", "group_name",
@@ -41,7 +43,9 @@ with ``--api-key`` and ``--admin-api-key`` does, and gets a 401 otherwise.
 ``completion_tokens``, ``cached_tokens``, ``e2e_latency``, ``weight_version`` and
 ``weight_versions`` (spans ``{"version", "start", "end"}`` over the output tokens), the
 ``output_token_logprobs`` triples when asked, ``output_top_logprobs`` (per token the
-``top_logprobs_num`` most likely ``[logprob, token_id, null]``) when asked, ``routed_experts``
+``top_logprobs_num`` most likely ``[logprob, token_id, null]``) when asked, with
+``logprob_start_len`` >= 0 also ``input_token_logprobs`` (the prompt's tokens from that position
+on, ``null`` at position 0) and ``input_top_logprobs`` (:mod:`.prompt_logprobs`), ``routed_experts``
 (a mixture-of-experts model, when asked: base64 of int32 ``[positions, layers, top_k]`` expert
 ids, row-major, for every position the model ran, the prompt and the output but its last token;
 -1 in dense layers; ``routed_experts_dtype`` says ``"int32"``; with the final answer only), and
@@ -99,6 +103,7 @@ class EngineServer(WeightEndpointsMixin):
         r.add_post("/get_weights_by_name", self.get_weights_by_name)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/update_weights_from_tensor", self.update_weights_from_tensor)
+        r.add_post("/update_weights_from_disk", self.update_weights_from_disk)
         r.add_post("/init_weights_update_group", self.init_weights_update_group)
         r.add_post("/update_weights_from_distributed", self.update_weights_from_distributed)
         r.add_post("/destroy_weights_update_group", self.destroy_weights_update_group)

@@ -1,7 +1,8 @@
 """The weight endpoints of the embedded engine: versions, tensor updates and broadcast groups.
 
 :class:`WeightEndpointsMixin` answers what the trainer side sends between rollouts:
-``/get_weight_version``, ``/get_weights_by_name``, ``/update_weight_version``, ``/update_weights_from_tensor`` and the
+``/get_weight_version``, ``/get_weights_by_name``, ``/update_weight_version``, ``/update_weights_from_tensor``,
+``/update_weights_from_disk`` and the
 broadcast group's ``/init_weights_update_group``, ``/update_weights_from_distributed`` and
 ``/destroy_weights_update_group`` (see ``transport.broadcast``). Kept apart from generation in
 :mod:`.server`, which mixes it into :class:`~.server.EngineServer` and routes the paths to it.
@@ -10,7 +11,7 @@ broadcast group's ``/init_weights_update_group``, ``/update_weights_from_distrib
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, Callable, Iterable
 
 from aiohttp import web
 
@@ -18,12 +19,14 @@ from .control_protocol import (
     parse_destroy_weights_group,
     parse_init_weights_group,
     parse_update_distributed,
+    parse_update_from_disk,
     parse_update_version,
     parse_update_weights,
     parse_weights_by_name,
 )
 from .http_common import EngineEndpoints, read_json_body
 from .request_checks import InvalidRequest
+from .weights import safetensors_dir_tensors
 
 
 class WeightEndpointsMixin(EngineEndpoints):
@@ -60,16 +63,17 @@ class WeightEndpointsMixin(EngineEndpoints):
         return web.json_response({"success": True, "message": f"Weight version updated to {version}",
                                   "new_version": str(version)})
 
-    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        update = parse_update_weights(await read_json_body(request))
-        engine = self.engine
-        named = engine.named_tensors_from(update.load_format, update.payload)
-        sched = engine.scheduler
+    async def _load_between_steps(self, named: Callable[[], Iterable[tuple[str, Any]]], update: Any,
+                                  path: str) -> web.Response:
+        """Copy the tensors ``named()`` gives into the model between two engine steps (after
+        aborting everything with ``update.abort_all_requests``), set ``update.weight_version``,
+        flush the prefix cache with ``update.flush_cache``; SGLang's answer."""
+        sched = self.engine.scheduler
 
         def apply() -> int:
             if update.abort_all_requests:
-                sched.abort(None, True, "aborted by update_weights_from_tensor")
-            count = sched.load_weights(named, update.weight_version)
+                sched.abort(None, True, f"aborted by {path}")
+            count = sched.load_weights(named(), update.weight_version)
             if update.flush_cache:
                 sched.flush_cache()
             return count
@@ -78,6 +82,19 @@ class WeightEndpointsMixin(EngineEndpoints):
         version = sched.version
         return web.json_response({"success": True, "message": f"Updated {count} tensors. "
                                   f"Weight version updated to {version}.", "weight_version": str(version)})
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        update = parse_update_weights(await read_json_body(request))
+        named = self.engine.named_tensors_from(update.load_format, update.payload)
+        return await self._load_between_steps(lambda: named, update, "update_weights_from_tensor")
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        """SGLang's ``/update_weights_from_disk``: the model's weights from a Hugging Face directory
+        on this machine (the same architecture), copied in place between two engine steps."""
+        update = parse_update_from_disk(await read_json_body(request))
+        return await self._load_between_steps(
+            lambda: safetensors_dir_tensors(update.model_path, self.engine.runner.named_tensors()), update,
+            "update_weights_from_disk")
 
     # -- broadcast groups (the trainer is rank 0; see transport.broadcast) ----------------------
     async def init_weights_update_group(self, request: web.Request) -> web.Response:

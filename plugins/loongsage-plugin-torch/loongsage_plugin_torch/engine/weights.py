@@ -131,3 +131,39 @@ def copy_named_tensors(targets: Mapping[str, "torch.Tensor"],
             target.copy_(tensor)
             count += 1
     return count
+
+
+def safetensors_dir_tensors(path: str, targets: Mapping[str, "torch.Tensor"]) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """The ``(name, tensor)`` pairs of a Hugging Face directory's safetensors files, one tensor at
+    a time (what ``/update_weights_from_disk`` copies into the model). Every name and shape is
+    checked against ``targets`` (the model's tensors) from the files' headers before the first
+    tensor is read, so a directory of another model changes nothing; it, and a directory without
+    safetensors files, is a :class:`WeightUpdateError` naming what is wrong."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else []
+    if not files:
+        raise WeightUpdateError(f"update_weights_from_disk: {path!r} is not a directory of safetensors files")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                target = targets.get(name)
+                if target is None:
+                    raise WeightUpdateError(f"update_weights_from_disk: {file.name} holds '{name}', which the "
+                                            "served model has no parameter for")
+                shape = tuple(f.get_slice(name).get_shape())
+                if shape != tuple(target.shape):
+                    raise WeightUpdateError(f"update_weights_from_disk: '{name}' in {file.name} has shape {shape}, "
+                                            f"the served model's is {tuple(target.shape)}")
+    return _read_tensors(files)
+
+
+def _read_tensors(files: list[Any]) -> Iterator[tuple[str, "torch.Tensor"]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

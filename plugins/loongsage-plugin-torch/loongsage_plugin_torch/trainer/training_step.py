@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import torch
 
 from loongsage_core.backend_api.loss import LossPipeline, MetricAccumulator, old_from_training_forward
-from loongsage_core.backend_api.training import make_scheduler
+from loongsage_core.backend_api.training import apply_step_hyperparameters, make_scheduler
 from loongsage_hookspecs import AggregationNorm, Batch
 
 from . import distributed
@@ -129,18 +129,8 @@ class TrainingStepMixin(ForwardPassMixin):
         ``train/skipped_step`` = 1), unless ``backend_args.rollback_overflow = false``.
         """
         optimizer, _ = self._require_trainable("optimizer_step")
-        given = dict(hyperparameters or {})
-        unknown = sorted(set(given) - {"lr", "beta1", "beta2", "eps", "weight_decay", "grad_clip"})
-        if unknown:
-            raise ValueError(f"TorchTrainWorker.optimizer_step: unknown hyperparameters {', '.join(unknown)}")
-        for group in optimizer.param_groups:
-            if "lr" in given:
-                group["lr"] = float(given["lr"])
-            beta1, beta2 = group["betas"]
-            group["betas"] = (float(given.get("beta1", beta1)), float(given.get("beta2", beta2)))
-            for key in ("eps", "weight_decay"):
-                if key in given:
-                    group[key] = float(given[key])
+        given = apply_step_hyperparameters(optimizer.param_groups, hyperparameters,
+                                           where="TorchTrainWorker.optimizer_step")
         params = [p for p in self.model.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
