@@ -20,12 +20,11 @@ world (the ``fictional_qa`` data source) by calling ``search`` over the world's 
    tool-call format, to copy the question's entity into ``search``, the second hop's entity out
    of the results, and a fact into the answer (names it has not seen: it cannot memorise them).
    *Noisy*: ``--noisy-steps`` more steps from that model on fresh transcripts of
-   which only ``--p-correct`` are right (the rest stop after one search on two-hop questions or
-   answer another fact of the results), at ``--noisy-lr``: the policy keeps the skills but
-   samples the right behaviour only some of the time, which is what RL has to sharpen. The
-   phase is off by default (``--noisy-steps 0``): it is only worth running once the clean phase
-   answers most held-out questions right, which the shipped model does not (see the recipe's
-   README: it copies names, but exactly in only about half of its turns).
+   which only ``--p-correct`` are right, at ``--noisy-lr``; the rest are what ``warm_start.toml``'s
+   ``wrong_answer`` says (``"entity"``: one search short, answering the name the missing search
+   would have looked up). The policy keeps the skills but searches enough only some of the time,
+   which is what RL has to select. Run it once the clean phase answers most held-out questions
+   right (the check below says so), from that model with ``--clean-model``.
 
 Then the recipe's held-out evaluation (``search.toml``'s ``[eval]``: the held-out split through
 the real engine, router and ``tool_agent``) runs on the new model, as ``loongsage eval`` does, and
@@ -177,19 +176,25 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the clean phase from this model directory instead of a random initialisation")
     parser.add_argument("--clean-model", type=Path, default=None,
                         help="skip the clean phase: start the noisy one from this model directory")
-    parser.add_argument("--p-correct", type=float, default=0.3, help="share of right transcripts when noisy")
+    parser.add_argument("--tokenizer", action="store_true",
+                        help="rebuild the recipe's tokenizer/ too (a model continued with --from-model or"
+                             " --clean-model keeps its own; a random initialisation always builds it)")
+    parser.add_argument("--p-correct", type=float, default=0.25, help="share of right transcripts when noisy")
     parser.add_argument("--noisy-steps", type=int, default=0, help="steps of the noisy phase (0: none)")
-    parser.add_argument("--noisy-lr", type=float, default=1e-3, help="learning rate of the noisy phase")
+    parser.add_argument("--noisy-lr", type=float, default=2e-4, help="learning rate of the noisy phase")
     parser.add_argument("--eval-prompts", type=int, default=64, help="held-out questions of the check (0: none)")
     parser.add_argument("--eval-samples", type=int, default=4)
     parser.add_argument("overrides", nargs="*", help="key=value overrides of warm_start.toml")
     args = parser.parse_args(argv)
+    args.from_model = args.from_model and args.from_model.resolve()  # job paths resolve against the job file
+    args.clean_model = args.clean_model and args.clean_model.resolve()
 
     import torch
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    build_tokenizer(RECIPE / "tokenizer", args.vocab_size)
+    if args.tokenizer or args.tokenizer_only or (args.from_model is None and args.clean_model is None):
+        build_tokenizer(RECIPE / "tokenizer", args.vocab_size)
     if args.tokenizer_only:
         return 0
     with tempfile.TemporaryDirectory(prefix="search-sft-") as tmp:

@@ -6,7 +6,7 @@
 * the recipe's job files validate by name and agree with each other (the held-out job is the
   training job on the held-out split; the ablation only lacks ``search``);
 * the shipped warm-started policy, run through the real engine, router, ``tool_call_parser`` and
-  ``tool_agent``, calls ``search`` and its trajectories are token for token what ``loongsage sft``
+  ``tool_agent``, calls ``search`` on two-hop questions and its trajectories are token for token what ``loongsage sft``
   renders for the same conversation (the warm-start data and RL turns agree);
 * two GRPO steps of ``search.toml`` run end to end on a local Ray cluster.
 """
@@ -157,7 +157,9 @@ def test_the_policy_searches_and_sft_renders_its_trajectories_token_for_token(se
     job = load_job(RECIPE / "heldout.toml")
     src = job.data[0]
     host = PluginHost.create(["agents"])
-    rows = fictional_qa_rows(split="heldout", top_k=2, num_samples=4)
+    # two-hop questions: the warm start searches at least once on them (on one-hop ones it mostly
+    # answers without searching, the error RL is there to fix)
+    rows = fictional_qa_rows(split="heldout", hops=[2], top_k=2, num_samples=4)
     trajectories = []
     for i, row in enumerate(rows):
         traj = Trajectory(id=f"search-{i}", prompt_id=str(i), group_id=str(i), prompt=row["prompt"],
@@ -206,8 +208,10 @@ def test_search_recipe_runs_two_steps(ray_cluster, tmp_path):
     assert "eval/heldout_one_hop/pass@1" in steps[0] and "eval/heldout_two_hop/pass@1" in final_eval
     assert "rollout/num_trajectories" not in final_eval
     for m in steps:
-        # dynamic sampling draws groups of 2 until one has a signal, 1 + max_filter_retries rounds at most
-        assert m["rollout/num_trajectories"] in (4.0, 8.0, 12.0, 16.0, 20.0)
+        # dynamic sampling draws 2 prompts, then as many as it dropped, 1 + max_filter_retries rounds at most
+        rounds, kept = m["rollout/filter_attempts"], m["rollout/groups_trained"]
+        assert 1 <= rounds <= 5 and 0 <= kept <= 2
+        assert 4 <= m["rollout/num_trajectories"] <= 4 + 2 * 2 * (rounds - 1) and m["rollout/num_trajectories"] % 2 == 0
         assert m["rollout/agent_failed_ratio"] == 0.0
         assert m["rollout/tool_calls_mean"] > 0.0 and m["rollout/turns_mean"] > 1.0  # it calls tools, over turns
         assert "rollout_per_source/one_hop/reward_mean" in m or "rollout_per_source/two_hop/reward_mean" in m

@@ -17,8 +17,17 @@ policy that never does gives it no signal. So a share of the transcripts is righ
   for where the results have one (where the person lives instead of where they were born, a
   namesake's city, another company's year), else any (the company's city instead of its year).
 
+With ``wrong_answer = "entity"`` the wrong transcripts answer a *name* instead, one fixed name per
+question, so the only thing that is wrong is *whether* the policy searches: two-hop ones stop
+after one search and answer the entity the second hop should have looked up (``stop_early``),
+one-hop ones answer the question's own entity without searching (``no_search``). A policy
+trained on them copies names as exactly as on right transcripts (each answer is one name, not a
+draw among several facts, which a tiny model learns as a blur of them) and errs only in a choice
+that the reward can select.
+
 Each row's ``metadata`` says which (``behaviour``), with the question's ``kind``, ``hops``,
-``answer`` and its world's seed. The draws are seeded: the same arguments give the same rows.
+``answer``, ``path`` (the titles a right transcript searches) and its world's seed. The draws are
+seeded: the same arguments give the same rows.
 
 A warm start that must *copy* names (from the question into a search, from the results into the
 answer) rather than recall them learns from many worlds (``worlds``): each name is then seen a few
@@ -93,6 +102,7 @@ def fictional_qa_transcripts(
     tools: list[str] | None = None,
     p_correct: float = 1.0,
     p_stop_early: float = 0.5,
+    wrong_answer: str = "fact",
     worlds: int = 1,
     heldout_of: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
@@ -107,6 +117,9 @@ def fictional_qa_transcripts(
             transcripts call ``search`` only, so one of them must be a ``search`` tool.
         p_correct: share of transcripts that search every hop and answer right.
         p_stop_early: share of the wrong two-hop transcripts that answer after one search.
+        wrong_answer: ``"fact"`` (another fact of the results, the default) or ``"entity"`` (a
+            name: two-hop ones stop early and answer the bridge entity, one-hop ones answer the
+            question's entity without searching; ``p_stop_early`` is then unused).
         worlds: transcripts of this many worlds: ``world`` and the ones whose seeds follow its seed
             (the same sizes; ``num_samples`` questions of each). Names of many worlds, each seen a
             few times, cannot be memorised: a policy trained on them must copy names from the
@@ -116,11 +129,13 @@ def fictional_qa_transcripts(
             left out, so that split stays unseen by a model trained on these rows.
 
     Returns:
-        Rows ``{"messages", "tools", "metadata": {"behaviour", "kind", "hops", "answer", "world"}}``.
+        Rows ``{"messages", "tools", "metadata": {"behaviour", "kind", "hops", "answer", "path", "world"}}``.
     """
     for name, value in (("p_correct", p_correct), ("p_stop_early", p_stop_early)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
             raise WorldError(f"fictional_qa_sft: '{name}' must be a number in [0, 1], got {value!r}")
+    if wrong_answer not in ("fact", "entity"):
+        raise WorldError(f"fictional_qa_sft: 'wrong_answer' must be 'fact' or 'entity', got {wrong_answer!r}")
     if isinstance(worlds, bool) or not isinstance(worlds, int) or worlds < 1:
         raise WorldError(f"fictional_qa_sft: 'worlds' must be an integer >= 1, got {worlds!r}")
     paths = list(tools) if tools is not None else list(DEFAULT_TOOLS)
@@ -139,7 +154,8 @@ def fictional_qa_transcripts(
         spec = attrs.evolve(base, seed=base.seed + n).as_dict()
         for row in _world_transcripts(spec, seed=seed + n, split=split, hops=hops, kinds=kinds,
                                       num_samples=num_samples, top_k=top_k, snippet_chars=snippet_chars,
-                                      schemas=schemas, p_correct=p_correct, p_stop_early=p_stop_early):
+                                      schemas=schemas, p_correct=p_correct, p_stop_early=p_stop_early,
+                                      wrong_answer=wrong_answer):
             if forbidden and forbidden & _words(row["messages"]):
                 continue
             out.append(row)
@@ -161,7 +177,7 @@ def _words(messages: list[dict[str, Any]]) -> set[str]:
 def _world_transcripts(world: dict[str, Any], *, seed: int, split: str, hops: list[int] | None,
                        kinds: list[str] | None, num_samples: int, top_k: int, snippet_chars: int,
                        schemas: list[dict[str, Any]], p_correct: float, p_stop_early: float,
-                       ) -> list[dict[str, Any]]:
+                       wrong_answer: str = "fact") -> list[dict[str, Any]]:
     """The transcripts of one world (see :func:`fictional_qa_transcripts`)."""
     rows = fictional_qa_rows(None, seed=seed, split=split, world=world, hops=hops, kinds=kinds,
                              num_samples=num_samples, top_k=top_k, snippet_chars=snippet_chars)
@@ -173,14 +189,19 @@ def _world_transcripts(world: dict[str, Any], *, seed: int, split: str, hops: li
         path = list(meta["path"])
         behaviour = "correct"
         if rng.random() >= p_correct:
-            behaviour = "stop_early" if len(path) > 1 and rng.random() < p_stop_early else "wrong_fact"
-        searched = path[:1] if behaviour == "stop_early" else path
+            if wrong_answer == "entity":
+                behaviour = "stop_early" if len(path) > 1 else "no_search"
+            else:
+                behaviour = "stop_early" if len(path) > 1 and rng.random() < p_stop_early else "wrong_fact"
+        searched = {"stop_early": path[:1], "no_search": []}.get(behaviour, path)
         messages: list[dict[str, Any]] = [{"role": "user", "content": row["prompt"]}]
         for n, query in enumerate(searched, 1):
             messages.append(_call(n, query))
             messages.append({"role": "tool", "tool_call_id": f"call_{n}",
                              "content": search(query, ctx=_RowContext(meta))})
-        if behaviour != "correct":
+        if wrong_answer == "entity" and behaviour != "correct":
+            answer = path[len(searched)]  # the entity the next search should have looked up
+        elif behaviour != "correct":
             wrong = [f for f in _facts_in_results(searched[-1], meta, docs) if f[1] != answer]
             alike = [f for f in wrong if f[0] == QUESTION_CLASS[meta["kind"]]]
             if wrong:
@@ -190,5 +211,5 @@ def _world_transcripts(world: dict[str, Any], *, seed: int, split: str, hops: li
         messages.append({"role": "assistant", "content": answer})
         out.append({"messages": messages, "tools": schemas,
                     "metadata": {"behaviour": behaviour, "kind": meta["kind"], "hops": meta["hops"],
-                                 "answer": row["label"], "world": world["seed"]}})
+                                 "answer": row["label"], "path": path, "world": world["seed"]}})
     return out

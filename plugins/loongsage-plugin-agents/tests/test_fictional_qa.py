@@ -126,6 +126,25 @@ def test_transcripts_search_every_hop_when_right_and_err_as_configured():
     assert [t["function"]["name"] for t in rows[0]["tools"]] == ["search", "open"]
 
 
+def test_entity_transcripts_err_only_in_whether_they_search():
+    rows = fictional_qa_transcripts(world=SMALL, seed=0, p_correct=0.3, wrong_answer="entity")
+    behaviours = {(r["metadata"]["behaviour"], r["metadata"]["hops"]) for r in rows}
+    assert behaviours == {("correct", 1), ("correct", 2), ("no_search", 1), ("stop_early", 2)}
+    for row in rows:
+        messages, meta = row["messages"], row["metadata"]
+        calls = [m for m in messages if m.get("tool_calls")]
+        final = messages[-1]["content"]
+        if meta["behaviour"] == "correct":
+            assert final == meta["answer"] and len(calls) == meta["hops"]
+            continue
+        assert final != meta["answer"] and len(calls) == meta["hops"] - 1  # one search short
+        queried = [json.loads(c["tool_calls"][0]["function"]["arguments"])["query"] for c in calls]
+        assert queried + [final] == meta["path"][:len(calls) + 1]  # the name the next search would look up
+        assert final in (messages[-2]["content"] if calls else messages[0]["content"])  # copied, not made up
+    with pytest.raises(WorldError, match="'wrong_answer' must be 'fact' or 'entity'"):
+        fictional_qa_transcripts(world=SMALL, wrong_answer="guess")
+
+
 def test_transcripts_of_many_worlds_follow_the_given_seed():
     one = fictional_qa_transcripts(world={**SMALL, "seed": 7}, seed=3, num_samples=10)
     many = fictional_qa_transcripts(world={**SMALL, "seed": 7}, seed=3, num_samples=10, worlds=3)
