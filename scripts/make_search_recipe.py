@@ -35,7 +35,11 @@ Usage::
     python scripts/make_search_recipe.py                   # tokenizer + warm start + held-out check
     python scripts/make_search_recipe.py --tokenizer-only
 
-Seeded and on one CPU thread: the same arguments write the same files.
+Seeded and on one CPU thread, so the same arguments and the same world generator write the same
+files. The shipped tokenizer was trained on transcripts of an earlier revision of the world
+generator: rebuilding it (``--tokenizer``, or a run from a random start) today gives a different
+vocabulary, so a model built from ``--from-model``/``--clean-model`` keeps the tokenizer that came
+with it.
 """
 
 from __future__ import annotations
