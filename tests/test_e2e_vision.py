@@ -50,20 +50,28 @@ def write_rows(path: Path) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def test_a_vision_language_policy_trains_on_image_conversations(ray_cluster, tmp_path):
+def vision_run(tmp_path: Path, *, steps: int, seed: int, max_new_tokens: int, context: int,
+               source: dict, **tables: dict) -> Run:
+    """The run of a job training the tiny Qwen2-VL on :func:`write_rows`' pictures, with ``source``
+    as its one ``[[data]]`` table (its ``path`` added) and ``tables`` added to the job."""
     write_rows(tmp_path / "shapes.jsonl")
     job = {
         "plugins": {"enable": ["torch", "rl", "rewards", "loggers", "agents"]},
         "model": {"tokenizer": str(VLM_DIR), "config": TINY_QWEN2_VL},
-        "train": {"lr": 1e-3, "total_steps": 2, "mini_batch_size": 4, "micro_batch_size": 2},
-        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 5, "max_context_length": 256,
-                    "temperature": 1.0},
+        "train": {"lr": 1e-3, "total_steps": steps, "mini_batch_size": 4, "micro_batch_size": 2},
+        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": max_new_tokens,
+                    "max_context_length": context, "temperature": 1.0},
         "placement": {"colocate": False},
-        "run": {"seed": 3, "checkpoint_every": 0, "save_hf_at_end": False},
-        "data": [{"name": "shapes", "path": str(tmp_path / "shapes.jsonl"), "reward": ["exact_match"]}],
+        "run": {"seed": seed, "checkpoint_every": 0, "save_hf_at_end": False},
+        "data": [{**source, "path": str(tmp_path / "shapes.jsonl"), "reward": ["exact_match"]}],
+        **tables,
     }
     (tmp_path / "job.toml").write_text(tomli_w.dumps(job))
-    controller = Run(resolve_job(load_job(tmp_path / "job.toml")), tmp_path / "run")
+    return Run(resolve_job(load_job(tmp_path / "job.toml")), tmp_path / "run")
+
+
+def test_a_vision_language_policy_trains_on_image_conversations(ray_cluster, tmp_path):
+    controller = vision_run(tmp_path, steps=2, seed=3, max_new_tokens=5, context=256, source={"name": "shapes"})
     loop = SyncLoop(controller)
     try:
         controller.start()
@@ -129,25 +137,13 @@ def test_a_tool_that_answers_with_an_image_trains_end_to_end(ray_cluster, tmp_pa
     constrained decoding in the model's own hermes syntax), two turns: the tool's zoomed picture
     goes back to the policy as an image part of the tool message, the router records it beside the
     prompt's picture, and the trainer scores the whole conversation on the rebuilt pixels."""
-    write_rows(tmp_path / "shapes.jsonl")
     agent_args = {"tools": ["loongsage_plugin_agents.image_tools:crop"], "max_turns": 2,
                   "request_args": {"tool_choice": {"type": "function", "function": {"name": "crop"}},
                                    "max_tokens": 120}}
-    job = {
-        "plugins": {"enable": ["torch", "rl", "rewards", "loggers", "agents"]},
-        "model": {"tokenizer": str(VLM_DIR), "config": TINY_QWEN2_VL},
-        "train": {"lr": 1e-3, "total_steps": 1, "mini_batch_size": 4, "micro_batch_size": 2},
-        "rollout": {"prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 400, "max_context_length": 1024,
-                    "temperature": 1.0},
-        "agentflow": {"middleware": ["tool_call_parser"],
-                      "middleware_args": {"tool_call_parser": {"format": "hermes"}}},
-        "placement": {"colocate": False},
-        "run": {"seed": 5, "checkpoint_every": 0, "save_hf_at_end": False},
-        "data": [{"name": "zoom", "path": str(tmp_path / "shapes.jsonl"), "agent": "tool_agent",
-                  "agent_args": agent_args, "reward": ["exact_match"]}],
-    }
-    (tmp_path / "job.toml").write_text(tomli_w.dumps(job))
-    controller = Run(resolve_job(load_job(tmp_path / "job.toml")), tmp_path / "run")
+    controller = vision_run(tmp_path, steps=1, seed=5, max_new_tokens=400, context=1024,
+                            source={"name": "zoom", "agent": "tool_agent", "agent_args": agent_args},
+                            agentflow={"middleware": ["tool_call_parser"],
+                                       "middleware_args": {"tool_call_parser": {"format": "hermes"}}})
     try:
         controller.start()
         metrics = SyncLoop(controller).run_step(0)
