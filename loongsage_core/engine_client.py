@@ -253,13 +253,22 @@ class EngineClient:
         await self._request("POST", "/update_weight_version",
                             {"new_version": str(version), "abort_all_requests": abort_all_requests})
 
+    @staticmethod
+    def update_weights_from_disk_body(model_path: str, *, load_format: str | None = None,
+                                      weight_version: int | str | None = None, flush_cache: bool = True,
+                                      abort_all_requests: bool = False) -> dict[str, Any]:
+        """SGLang's ``UpdateWeightFromDiskReqInput`` as JSON (fields left at ``None`` are not sent:
+        the engine uses its defaults; versions are sent as strings, SGLang's type)."""
+        fields = {"model_path": str(model_path), "load_format": load_format,
+                  "weight_version": None if weight_version is None else str(weight_version),
+                  "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+        return {key: value for key, value in fields.items() if value is not None}
+
     async def update_weights_from_disk(self, model_path: str, *, weight_version: int | str | None = None,
                                        flush_cache: bool = True) -> dict[str, Any]:
         """SGLang's ``/update_weights_from_disk``: the engine loads the weights of the Hugging Face
         directory ``model_path`` (on its machine; the served model's architecture) in place."""
-        body: dict[str, Any] = {"model_path": str(model_path), "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
+        body = self.update_weights_from_disk_body(model_path, weight_version=weight_version, flush_cache=flush_cache)
         out = await self._request("POST", "/update_weights_from_disk", body, timeout=None)
         if isinstance(out, Mapping) and out.get("success") is False:  # SGLang's failure shape
             raise EngineError(400, str(out.get("message") or "failed"), "/update_weights_from_disk")

@@ -59,9 +59,13 @@ def _body(**fields: Any) -> dict[str, Any]:
 def update_weights_from_disk_body(model_path: str, *, load_format: str | None = None,
                                   weight_version: int | str | None = None, flush_cache: bool = True,
                                   abort_all_requests: bool = False) -> dict[str, Any]:
-    """``UpdateWeightFromDiskReqInput`` as JSON."""
-    return _body(model_path=str(model_path), load_format=load_format, weight_version=_version(weight_version),
-                 flush_cache=flush_cache, abort_all_requests=abort_all_requests)
+    """``UpdateWeightFromDiskReqInput`` as JSON: the host's engine client's body, which the
+    embedded engine's ``/update_weights_from_disk`` reads too."""
+    from loongsage_core.backend_api.engines import EngineClient
+
+    return EngineClient.update_weights_from_disk_body(model_path, load_format=load_format,
+                                                      weight_version=weight_version, flush_cache=flush_cache,
+                                                      abort_all_requests=abort_all_requests)
 
 
 def load_lora_adapter_body(lora_name: str, lora_path: str, *, pinned: bool | None = None) -> dict[str, Any]:
