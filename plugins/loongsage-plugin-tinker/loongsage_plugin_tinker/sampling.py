@@ -114,8 +114,11 @@ class EnginePool:
                 continue
             try:
                 await engine.client.update_weights_from_disk(path)
-            except Exception as exc:  # an engine that cannot load them is stopped and replaced instead
+            except Exception as exc:  # it may hold part of them: stopped, and a new engine started instead
                 log.warning("tinker sampling: reloading an engine with %s failed (%s); starting a new one", path, exc)
+                del self._engines[old]
+                await engine.client.aclose()
+                await asyncio.to_thread(engine.engine.shutdown)
                 return False
             del self._engines[old]
             self._engines[path] = engine
