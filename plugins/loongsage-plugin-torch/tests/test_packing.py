@@ -326,13 +326,13 @@ def test_the_prompt_tree_attention_gives_the_masked_attention_outputs_and_gradie
         groups = worker._prompt_groups(ids, attention, scored, one_row=bool(max_tokens))
         assert groups is not None
     masks_built: list[int | None] = []
-    real_mask = prompt_tree.PromptTreeLayout.mask
+    real_sdpa = prompt_tree.banded_sdpa
 
-    def spy_mask(self, window):  # calls through: counts the layers the tree attention served
+    def spy_sdpa(*args, window, **kwargs):  # calls through: counts the layers the tree attention served
         masks_built.append(window)
-        return real_mask(self, window)
+        return real_sdpa(*args, window=window, **kwargs)
 
-    monkeypatch.setattr(prompt_tree.PromptTreeLayout, "mask", spy_mask)
+    monkeypatch.setattr(prompt_tree, "banded_sdpa", spy_sdpa)
     outputs, grads = {}, {}
     for tree in (True, False):
         worker.model.zero_grad(set_to_none=True)
@@ -363,10 +363,10 @@ def test_the_prompt_tree_layout_lists_each_row_with_its_prompt_keys():
     assert layout.q_index.tolist() == [[0, 1, 2, 3], [4, 5, 6, 0]]
     assert layout.q_valid.tolist() == [[True] * 4, [True, True, True, False]]
     assert layout.k_index.tolist() == [[0, 1, 2, 3, 0], [0, 1, 4, 5, 6]]
-    mask = layout.mask(None)[:, 0]
+    mask = layout.banded.mask(0, 4, 0, 5, None)[:, 0]
     assert mask[1].int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]
     assert mask[0, 3].int().tolist() == [1, 1, 1, 1, 0]  # the anchor's last token: its 4 keys, not the padding
-    assert layout.mask(2)[1, 0, 2].int().tolist() == [0, 0, 0, 1, 1]  # window 2: positions 3 and 4 only
+    assert layout.banded.mask(0, 4, 0, 5, 2)[1, 0, 2].int().tolist() == [0, 0, 0, 1, 1]  # window 2: positions 3, 4
 
 
 def test_rows_attend_per_row_where_the_masked_attention_wastes_the_most_pairs():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any
 
+from .banded_attention import BandedLayout, banded_attention_for, uses_banded
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -69,6 +71,13 @@ def decoder_hidden(model: Any, input_ids: "torch.Tensor",
     param_dtype = model.get_output_embeddings().weight.dtype
     autocast = (torch.autocast(device_type=input_ids.device.type, dtype=compute_dtype)
                 if compute_dtype != param_dtype else contextlib.nullcontext())
+    config = getattr(model, "config", None)
+    if position_ids is None and vision is None and isinstance(attention_mask, torch.Tensor) \
+            and attention_mask.dim() == 2 and uses_banded(config, input_ids.shape[1]):
+        # long padded rows: attention block by block over the keys each block sees, no L x L mask
+        with autocast, banded_attention_for(config):
+            return decoder_of(model)(input_ids=input_ids, use_cache=False,
+                                     banded=BandedLayout.padded(attention_mask)).last_hidden_state
     with autocast:
         if position_ids is None:
             out = decoder_of(model)(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,

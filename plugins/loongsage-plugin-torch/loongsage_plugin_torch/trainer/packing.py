@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from . import banded_attention
 from .prompt_tree import PromptTreeLayout, Segment, prompt_tree_attention, uses_tree
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -265,10 +266,14 @@ class PackedRows:
         mask and keyword arguments to pass the decoder inside the block. Where a sequence holds
         several rows and the model attends through SDPA or eager attention, each row attends over
         its shared prompt and itself (:mod:`.prompt_tree`: no mask, a ``prompt_tree`` layout)
-        when :meth:`tree_saves` (``tree`` ``None``) or always (``True``); else (``tree`` off, flash
-        kernels) :meth:`attention_mask` over the whole sequence."""
+        when :meth:`tree_saves` (``tree`` ``None``) or always (``True``); so does a sequence longer
+        than one :data:`.banded_attention.BLOCK`, whose rows then attend block by block instead of
+        through an ``L x L`` mask. Else (``tree`` off, flash kernels) :meth:`attention_mask` over
+        the whole sequence."""
         several = len(self.segments) > self.input_ids.shape[0]
-        if several and uses_tree(config) and (self.tree_saves() if tree is None else tree):
+        long = self.input_ids.shape[1] > banded_attention.BLOCK
+        wanted = tree if tree is not None else long or (several and self.tree_saves())
+        if (several or long) and uses_tree(config) and wanted:
             layout = PromptTreeLayout.build(self.segments, self.input_ids.shape[1], self.input_ids.device)
             with prompt_tree_attention(config):
                 yield None, {"prompt_tree": layout}

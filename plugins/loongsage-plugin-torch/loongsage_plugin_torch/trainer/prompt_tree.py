@@ -12,13 +12,16 @@ prompt's packed tokens and its own as keys. The attention function registered he
 (:data:`PROMPT_TREE_ATTENTION`, a transformers ``AttentionInterface``) gathers each segment's
 queries, keys and values, runs one batched, causally masked SDPA over the segments
 (``[segments, heads, 24, 38]`` in the example: about 6x fewer pairs) and scatters the outputs
-back, so every token gets the attention output of the masked path (tested).
+back, so every token gets the attention output of the masked path (tested). A long segment (a
+coding agent's 30K-token prompt) attends block by block over the keys each block can see
+(:mod:`.banded_attention`), never through a segment-long mask.
 
 The layout reaches the attention of every layer as the keyword argument ``prompt_tree`` of the
 decoder's forward (transformers passes extra keyword arguments down to the attention function);
 :func:`prompt_tree_attention` switches the model to this attention for one forward
 (:meth:`.packing.PackedRows.attention` does both). A layer with a sliding window
-(``sliding_window`` from the model's attention module) also masks keys older than its window.
+(``sliding_window`` from the model's attention module) also masks keys older than its window, and
+a long segment's blocks then read only the keys inside it.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import contextlib
 from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import attrs
+
+from .banded_attention import BandedLayout, banded_sdpa
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -58,16 +63,13 @@ class PromptTreeLayout:
 
     ``q_index`` ``[S, Q]`` and ``k_index`` ``[S, K]`` index the flattened ``R * L`` packed
     positions (0 where a segment is shorter: masked out); ``q_valid`` ``[S, Q]`` marks real
-    queries; ``q_pos`` / ``k_pos`` are the positions in the row (keys: the prompt's ``0 ..
-    shared - 1``, then the row's own)."""
+    queries. ``banded`` places them: a segment's keys are at positions ``0 .. shared - 1`` (the
+    prompt), then its own tokens, whose queries start at position ``shared``."""
 
     q_index: "torch.Tensor"
     q_valid: "torch.Tensor"
     k_index: "torch.Tensor"
-    q_pos: "torch.Tensor"
-    k_pos: "torch.Tensor"
-    k_valid: "torch.Tensor"
-    _masks: dict = attrs.field(factory=dict)
+    banded: BandedLayout
 
     @classmethod
     def build(cls, segments: Sequence[Segment], cols: int, device: Any = None) -> "PromptTreeLayout":
@@ -86,25 +88,9 @@ class PromptTreeLayout:
         own_col = start[:, None] + (k - shared[:, None])
         k_index = torch.where(in_prompt, anchor[:, None] + k, own_col) + base[:, None]
         q_index = base[:, None] + start[:, None] + q
+        banded = BandedLayout(q_offset=shared.to(device), q_valid=q_valid.to(device), k_valid=k_valid.to(device))
         return cls(q_index=torch.where(q_valid, q_index, 0).to(device), q_valid=q_valid.to(device),
-                   k_index=torch.where(k_valid, k_index, 0).to(device),
-                   q_pos=(shared[:, None] + q).to(device), k_pos=k.expand(len(segments), -1).to(device),
-                   k_valid=k_valid.to(device))
-
-    def mask(self, window: int | None) -> "torch.Tensor":
-        """``[S, 1, Q, K]`` (True: attend): causal within the row, inside ``window`` when set; a
-        padded query sees key 0 alone (its output is dropped), so no row of the softmax is empty."""
-        import torch
-
-        if window not in self._masks:
-            q_pos, k_pos = self.q_pos[:, :, None], self.k_pos[:, None, :]
-            visible = (k_pos <= q_pos) & self.k_valid[:, None, :]
-            if window is not None:
-                visible &= k_pos > q_pos - int(window)
-            first = k_pos == 0
-            visible = torch.where(self.q_valid[:, :, None], visible, first)
-            self._masks[window] = visible[:, None]
-        return self._masks[window]
+                   k_index=torch.where(k_valid, k_index, 0).to(device), banded=banded)
 
 
 def tree_attention(module: Any, query: "torch.Tensor", key: "torch.Tensor", value: "torch.Tensor",
@@ -114,8 +100,6 @@ def tree_attention(module: Any, query: "torch.Tensor", key: "torch.Tensor", valu
     ``value`` ``[R, KV, L, D]`` of the packed sequences; returns ``[R, L, H, D]`` as
     transformers' SDPA attention does. Without a ``prompt_tree`` keyword (a forward not packed
     by rows) it is transformers' SDPA attention."""
-    import torch.nn.functional as F
-
     layout: PromptTreeLayout | None = kwargs.pop("prompt_tree", None)
     if layout is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -130,10 +114,7 @@ def tree_attention(module: Any, query: "torch.Tensor", key: "torch.Tensor", valu
     q = flat_q[layout.q_index].transpose(1, 2)  # [S, H, Q, D]
     k = flat_k[layout.k_index].transpose(1, 2)  # [S, KV, K, D]
     v = flat_v[layout.k_index].transpose(1, 2)
-    window = kwargs.get("sliding_window")
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask(window), scale=scaling,
-                                         dropout_p=dropout,
-                                         enable_gqa=kv_heads != H)
+    out = banded_sdpa(q, k, v, layout.banded, window=kwargs.get("sliding_window"), scaling=scaling, dropout=dropout)
     picked = out.transpose(1, 2)[layout.q_valid]  # [N, H, D] of the real queries
     result = flat_q.new_zeros(R * L, H, D).index_put((layout.q_index[layout.q_valid],), picked)
     return result.view(R, L, H, D), None
