@@ -140,14 +140,17 @@ FOLDER_RECIPES = ("math_dapo", "mopd", "swe", "opencode", "moe_r3", "verifiers",
 
 
 @pytest.mark.slow
-def test_folder_recipes_validate_by_name_and_ship_their_files():
-    for name in FOLDER_RECIPES:
+def test_folder_recipes_validate_by_name_and_ship_their_files(capsys, monkeypatch):
+    from loongsage_core.cli import main
+
+    monkeypatch.chdir(REPO)
+    for name in FOLDER_RECIPES:  # `loongsage validate recipes/NAME`, in this process
         folder = RECIPES / name
         assert (folder / "README.md").is_file() and (folder / f"{name}.png").is_file(), name
-        out = subprocess.run([sys.executable, "-m", "loongsage_core", "validate", f"recipes/{name}"],
-                             capture_output=True, text=True, cwd=REPO)
-        assert out.returncode == 0, f"{name}: {out.stderr or out.stdout}"
-        assert f"recipes/{name}: OK" in out.stdout, out.stdout
+        code = main(["validate", f"recipes/{name}"])
+        out = capsys.readouterr()
+        assert code == 0, f"{name}: {out.err or out.out}"
+        assert f"recipes/{name}: OK" in out.out, out.out
     dapo = load_job(RECIPES / "math_dapo" / "math_dapo.toml")
     assert Path(dapo.resolve_path(dapo.model.path)) == RECIPES / "math_dapo" / "model"
     assert dapo.algorithm.filters == ["dynamic_sampling"] and dapo.algorithm.policy_loss_args["clip_high"] == 0.28
