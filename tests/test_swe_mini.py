@@ -47,6 +47,8 @@ def test_the_generator_is_deterministic_and_draws_every_kind():
         mini_repos("test", 3)
     with pytest.raises(MiniRepoError, match="'kinds'"):
         mini_repos("train", 3, kinds=["typo"])
+    with pytest.raises(MiniRepoError, match="held-out split has 64"):
+        mini_repos("heldout", 65)
 
 
 def test_the_shipped_rows_are_what_the_generator_writes(tmp_path):

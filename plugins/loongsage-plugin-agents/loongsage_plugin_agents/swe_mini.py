@@ -43,6 +43,8 @@ AMOUNTS = ("step", "extra", "offset", "delta", "n", "count")
 ELEMENTS = ("v", "x", "item", "val", "e", "p")
 HELDOUT_SEED = 7919
 """The held-out split's words are drawn from this seed; no training repository uses one of them."""
+HELDOUT_SIZE = 64
+"""How many words the held-out split reserves (at most that many held-out repositories)."""
 
 
 class MiniRepoError(ValueError):
@@ -129,7 +131,7 @@ def _word(rng: random.Random) -> str:
 
 def heldout_words(num: int) -> list[str]:
     """The first ``num`` distinct words of the held-out split (the same for every seed)."""
-    rng, out = random.Random(HELDOUT_SEED), []
+    rng, out = random.Random(HELDOUT_SEED), list[str]()
     while len(out) < num:
         word = _word(rng)
         if word not in out:
@@ -171,14 +173,16 @@ def mini_repos(split: str = "train", num: int = 64, seed: int = 0, kinds: list[s
     if unknown or not chosen:
         raise MiniRepoError(f"swe_mini: 'kinds' must name bugs of {sorted(BUGS)}, got {chosen!r}")
     rng = random.Random(f"swe-mini-{split}-{seed}")
-    held = set(heldout_words(max(num, 64) if split == "heldout" else 64))
+    held = heldout_words(HELDOUT_SIZE)
     if split == "heldout":
-        return [_repo(word, rng, chosen) for word in heldout_words(num)]
+        if num > HELDOUT_SIZE:
+            raise MiniRepoError(f"swe_mini: the held-out split has {HELDOUT_SIZE} repositories, asked for {num}")
+        return [_repo(word, rng, chosen) for word in held[:num]]
     out: list[MiniRepo] = []
     seen: set[str] = set()
     while len(out) < num:
         word = _word(rng)
-        if word in held or word in seen:
+        if word in seen or word in held:
             continue
         seen.add(word)
         out.append(_repo(word, rng, chosen))
