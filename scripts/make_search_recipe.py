@@ -111,8 +111,9 @@ def tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(out: Path, vocab_size: int) -> None:
-    """Train the recipe's BPE tokenizer and write it (with the chat template) to ``out``."""
+def build_tokenizer(out: Path, vocab_size: int, corpus: list[str] | None = None) -> None:
+    """Train a BPE tokenizer on ``corpus`` (default: the search recipe's, :func:`tokenizer_corpus`)
+    and write it (with :data:`CHAT_TEMPLATE`) to ``out``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -122,7 +123,7 @@ def build_tokenizer(out: Path, vocab_size: int) -> None:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(tokenizer_corpus(), trainer=trainer)
+    tok.train_from_iterator(corpus if corpus is not None else tokenizer_corpus(), trainer=trainer)
     out.mkdir(parents=True, exist_ok=True)
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "eos_token": "<|im_end|>",
@@ -149,19 +150,20 @@ def run_phase(name: str, job: Any, work: Path) -> Path:
     return out / "final_hf"
 
 
-def warm_start(args: argparse.Namespace, work: Path) -> Path:
-    """The clean phase (``warm_start.toml``), then the noisy one from its model; returns the latter's model."""
+def warm_start(args: argparse.Namespace, work: Path, recipe: Path = RECIPE) -> Path:
+    """The clean phase (``recipe``'s ``warm_start.toml``), then the noisy one from its model (the same
+    job with ``p_correct`` and ``seed`` of its first data source's generator set); returns the latter's model."""
     from loongsage_core.config import load_job
 
     clean = args.clean_model
     if clean is None:
-        job = load_job(RECIPE / "warm_start.toml", list(args.overrides))
+        job = load_job(recipe / "warm_start.toml", list(args.overrides))
         if args.from_model is not None:  # continue that model: its config and tokenizer, not the file's
             job.model.path, job.model.config, job.model.tokenizer = str(args.from_model), {}, None
         clean = run_phase("clean", job, work)
     if args.noisy_steps == 0:
         return clean
-    noisy = load_job(RECIPE / "warm_start.toml", list(args.overrides))
+    noisy = load_job(recipe / "warm_start.toml", list(args.overrides))
     noisy.model.path, noisy.model.config, noisy.model.tokenizer = str(clean), {}, None
     noisy.data[0].generator_args.update(p_correct=args.p_correct, seed=noisy.run.seed + 1)
     noisy.train.lr, noisy.train.lr_warmup_steps = args.noisy_lr, 0

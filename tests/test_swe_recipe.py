@@ -1,7 +1,9 @@
 """The ``swe`` and ``opencode`` recipes (configs/recipes/swe, configs/recipes/opencode): they
 validate by name, and two GRPO steps of each run end to end on the tiny agent model (real Ray,
 router, engine, sandboxes, swe_tests in each sandbox; the real OpenCode CLI in the second), with the
-per-step sandbox and agent metrics the recipes document."""
+per-step sandbox and agent metrics the recipes document. The learning job (``recipes/swe/repair``:
+the warm-started policy of model/ on generated repositories) runs two steps with its held-out
+``[eval]``, and its policy views and edits through the real tools."""
 
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ METRICS = ("rollout/sandbox_create_s", "rollout/sandbox_teardown_s", "rollout/to
 
 
 def test_swe_recipes_validate_by_name_and_ship_their_files():
-    for name in ("recipes/swe", "recipes/opencode"):
+    for name in ("recipes/swe", "recipes/opencode", "recipes/swe/repair", "recipes/swe/warm_start"):
         out = subprocess.run([sys.executable, "-m", "loongsage_core", "validate", name], capture_output=True,
                              text=True, cwd=REPO)
         assert out.returncode == 0, f"{name}: {out.stderr or out.stdout}"
@@ -59,6 +61,30 @@ def test_swe_recipe_runs_two_steps(ray_cluster, tmp_path):
         why = r["metadata"]["swe_tests"]
         assert why["instance_id"].startswith("loongsage-mini__") and why["outcomes"]
         assert r["metadata"]["sandbox"]["isolation"] in ("bwrap", "netns", "none")
+
+
+def test_swe_repair_job_runs_two_steps_with_its_heldout_eval(ray_cluster, tmp_path):
+    """Two GRPO steps of repair.toml (tiny sizes) with its ``[eval]`` on two held-out repositories at
+    the start and the end: the warm-started policy views the module and edits it through the real
+    tools in each sandbox, and swe_tests grades every trajectory."""
+    out = tmp_path / "repair"
+    small = (*SMALL, "rollout.samples_per_prompt=4", "train.mini_batch_size=8", "train.micro_batch_size=8",
+             "eval.max_prompts=2", "eval.samples=2", "eval.every=0", "algorithm.filters=[]",
+             "algorithm.max_filter_retries=0")
+    history = run_job(resolve_job(load_job(SWE / "repair.toml", small)), output_dir=str(out))
+    steps = [m for m in history if "rollout/num_trajectories" in m]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["rollout/num_trajectories"] == 8.0 and m["rollout/agent_failed_ratio"] == 0.0
+        assert m["rollout/tool_calls_mean"] >= 1.0  # the warm start calls the file tools
+        assert "rollout_per_source/swe_mini/reward/swe_tests/resolved" in m
+    evals = [m for m in history if "eval/heldout/pass@1" in m]
+    assert len(evals) == 2 and all(0.0 <= m["eval/heldout/pass@1"] <= 1.0 for m in evals)
+    records = [json.loads(line) for line in gzip.open(out / "rollouts" / "step_000000.jsonl.gz", "rt")]
+    names = [c["function"]["name"] for r in records for m in r["messages"] for c in (m.get("tool_calls") or [])]
+    assert "view" in names and "edit" in names and "bash" not in names
+    for r in records:
+        assert r["metadata"]["swe_tests"]["instance_id"].startswith("loongsage-mini__")
 
 
 def test_opencode_recipe_runs_a_step(ray_cluster, tmp_path):

@@ -57,6 +57,28 @@ def write_commands(path: str, text: str, chunk: int = CHUNK_BYTES) -> list[str]:
     return out
 
 
+def format_view(path: str, text: str, start_line: int = 1, end_line: int = 0) -> str:
+    """What :func:`view` shows of a file whose content is ``text``: numbered lines (a pure function,
+    so warm-start transcripts can hold the tool's exact output without a sandbox)."""
+    lines = text.splitlines()
+    first = max(1, int(start_line))
+    last = len(lines) if int(end_line) <= 0 else min(len(lines), int(end_line))
+    last = min(last, first + MAX_VIEW_LINES - 1)
+    shown = [f"{n:6d}\t{lines[n - 1]}" for n in range(first, last + 1)]
+    more = f"\n[... {len(lines) - last} more lines]" if last < len(lines) else ""
+    return ("\n".join(shown) + more) if shown else f"{path}: no lines in {first}..{last} ({len(lines)} lines)"
+
+
+def apply_edit(path: str, text: str, old_text: str, new_text: str) -> tuple[str | None, str]:
+    """What :func:`edit` does to an existing file's ``text``: ``(new content or None, the reply)``."""
+    count = text.count(old_text)
+    if count != 1:
+        return None, (f"Error: old_text occurs {count} times in {path}; it must occur exactly once "
+                      "(copy it exactly, or include more surrounding lines)")
+    line = text[: text.index(old_text)].count("\n") + 1
+    return text.replace(old_text, new_text), f"Edited {path} at line {line}"
+
+
 async def view(path: str, start_line: int = 1, end_line: int = 0, sandbox: Any = None) -> str:
     """Show a file with line numbers, or list a directory.
 
@@ -75,13 +97,7 @@ async def view(path: str, start_line: int = 1, end_line: int = 0, sandbox: Any =
         if res.exit_code == 0 and res.stdout.strip():
             return res.stdout.rstrip()
         return f"Error: {path} does not exist"
-    lines = text.splitlines()
-    first = max(1, int(start_line))
-    last = len(lines) if int(end_line) <= 0 else min(len(lines), int(end_line))
-    last = min(last, first + MAX_VIEW_LINES - 1)
-    shown = [f"{n:6d}\t{lines[n - 1]}" for n in range(first, last + 1)]
-    more = f"\n[... {len(lines) - last} more lines]" if last < len(lines) else ""
-    return ("\n".join(shown) + more) if shown else f"{path}: no lines in {first}..{last} ({len(lines)} lines)"
+    return format_view(path, text, start_line, end_line)
 
 
 async def edit(path: str, old_text: str, new_text: str, sandbox: Any = None) -> str:
@@ -103,10 +119,7 @@ async def edit(path: str, old_text: str, new_text: str, sandbox: Any = None) -> 
         return f"Created {path} ({len(new_text.splitlines())} lines)"
     if text is None:
         return f"Error: {path} does not exist"
-    count = text.count(old_text)
-    if count != 1:
-        return (f"Error: old_text occurs {count} times in {path}; it must occur exactly once "
-                "(copy it exactly, or include more surrounding lines)")
-    await _write(sandbox, path, text.replace(old_text, new_text))
-    line = text[: text.index(old_text)].count("\n") + 1
-    return f"Edited {path} at line {line}"
+    new, reply = apply_edit(path, text, old_text, new_text)
+    if new is not None:
+        await _write(sandbox, path, new)
+    return reply

@@ -91,6 +91,12 @@ def _fictional_qa_sft(ctx: BuildContext, **args: Any) -> Any:
     return fictional_qa_transcripts(ctx, **args)
 
 
+def _swe_mini_sft(ctx: BuildContext, **args: Any) -> Any:
+    from .swe_mini import mini_repair_transcripts
+
+    return mini_repair_transcripts(ctx, **args)
+
+
 def _local_sandbox(ctx: BuildContext, **args: Any) -> Any:
     from .local_sandbox import LocalSandboxProvider
 
@@ -169,3 +175,6 @@ def loongsage_data_sources() -> Iterator[DataSourceSpec]:
     yield DataSourceSpec(name="fictional_qa_sft", factory=_fictional_qa_sft,
                          description="tool-use transcripts of fictional_qa questions for a loongsage sft warm "
                                      "start, a share of them wrong (p_correct)")
+    yield DataSourceSpec(name="swe_mini_sft", factory=_swe_mini_sft,
+                         description="view-then-edit repair transcripts of generated one-function repositories "
+                                     "for a loongsage sft warm start, a share with a wrong fix (p_correct)")

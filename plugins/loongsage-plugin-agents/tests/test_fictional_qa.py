@@ -182,9 +182,9 @@ def test_transcript_argument_errors():
         fictional_qa_transcripts(tools=["loongsage_plugin_agents.search_tools:open"])
 
 
-def test_the_plugin_registers_both_data_sources():
+def test_the_plugin_registers_its_data_sources():
     sources = {s.name: s for s in plugin.loongsage_data_sources()}
-    assert set(sources) == {"fictional_qa", "fictional_qa_sft"}
+    assert set(sources) == {"fictional_qa", "fictional_qa_sft", "swe_mini_sft"}
     rows = sources["fictional_qa"].factory(None, world=SMALL, num_samples=2)
     assert len(rows) == 2
     agents = {s.name: s for s in plugin.loongsage_agents()}

@@ -1,0 +1,134 @@
+"""Build the learning job of the ``swe`` recipe: its tasks, its tokenizer and its warm-started tiny policy.
+
+Everything lands in configs/recipes/swe/ (the job is ``repair.toml``):
+
+1. **Tasks** (``mini/train.jsonl``, ``mini/heldout.jsonl``, ``mini/repos/*.tar.gz``): the generated
+   one-function repositories of ``loongsage_plugin_agents.swe_mini`` (``--train-tasks`` of the
+   training split, ``--heldout-tasks`` of the held-out one, whose words no training repository or
+   transcript uses), as SWE-bench-shaped rows with ``FAIL_TO_PASS`` / ``PASS_TO_PASS`` measured by
+   running their tests on the buggy and on the fixed code (``make_swe_tasks.build_row``, the same
+   as the hand-written tasks). Deterministic: the same arguments write the same bytes.
+2. **Tokenizer** (``tokenizer/``): a byte-level BPE of ``--vocab-size`` tokens trained on rendered
+   repair transcripts of *other* seeds (``TOKENIZER_SEEDS``), with the search recipe's compact
+   chat template (``make_search_recipe.CHAT_TEMPLATE``: the tools one line each).
+3. **Warm start** (``model/``): ``warm_start.toml``'s clean ``loongsage sft`` phase (all edits
+   right), then a noisy phase (``--noisy-steps``, ``--p-correct`` of the edits right, the rest the
+   bug's wrong fix), the two phases of ``make_search_recipe.warm_start``.
+4. **Held-out check**: ``repair.toml``'s ``[eval]`` (the held-out repositories through the real
+   engine, router, ``tool_agent``, ``local`` sandbox and ``swe_tests``) on the new model.
+
+Usage::
+
+    python scripts/make_swe_mini.py --tasks-only             # the task files only (seconds)
+    python scripts/make_swe_mini.py                          # tasks, tokenizer, clean phase, held-out check
+    python scripts/make_swe_mini.py --clean-model runs/clean --noisy-steps 100   # the noisy phase -> model/
+
+Seeded, on one CPU thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECIPE = ROOT / "configs" / "recipes" / "swe"
+MINI = RECIPE / "mini"
+TOKENIZER_SEEDS = (1001, 1002)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from make_search_recipe import CHAT_TEMPLATE, TEST_TOKENIZER, build_tokenizer, warm_start  # noqa: E402
+from make_swe_tasks import build_row  # noqa: E402
+from swe_task_specs import Spec  # noqa: E402
+
+
+def write_tasks(out: Path, train: int, heldout: int, seed: int = 0) -> dict[str, int]:
+    """Write ``train.jsonl``, ``heldout.jsonl`` and ``repos/`` under ``out``; returns the row counts."""
+    from loongsage_plugin_agents.swe_mini import mini_repos
+
+    (out / "repos").mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split, num in (("train", train), ("heldout", heldout)):
+        rows = []
+        for repo in mini_repos(split, num, seed=seed):
+            tests = {p: t for p, t in repo.files.items() if p.startswith("tests/")}
+            spec = Spec(name=repo.name, bug=repo.bug, problem=repo.problem, files={repo.path: repo.files[repo.path]},
+                        tests=tests, hidden_tests=repo.hidden_tests, fix=[(repo.path, repo.buggy, repo.fix)])
+            row, tar = build_row(spec)
+            (out / "repos" / f"{repo.name}.tar.gz").write_bytes(tar)
+            rows.append({**row, "split": split})
+        with open(out / f"{split}.jsonl", "w", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False, sort_keys=True) + "\n")
+        counts[split] = len(rows)
+    return counts
+
+
+def tokenizer_corpus() -> list[str]:
+    """Rendered repair transcripts (right and wrong fixes) of the tokenizer's own seeds."""
+    from loongsage_plugin_agents.swe_mini import mini_repair_transcripts
+    from transformers import AutoTokenizer
+
+    renderer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER))
+    return [renderer.apply_chat_template(row["messages"], tools=row["tools"], tokenize=False,
+                                         chat_template=CHAT_TEMPLATE)
+            for seed in TOKENIZER_SEEDS for row in mini_repair_transcripts(seed=seed, num_samples=500,
+                                                                            p_correct=0.5)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks-only", action="store_true", help="write the task files and stop")
+    parser.add_argument("--train-tasks", type=int, default=64)
+    parser.add_argument("--heldout-tasks", type=int, default=32)
+    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser.add_argument("--out", type=Path, default=RECIPE / "model", help="where the warm-started model goes")
+    parser.add_argument("--work-dir", type=Path, default=None, help="keep the SFT runs here (default: a temp dir)")
+    parser.add_argument("--from-model", type=Path, default=None,
+                        help="run the clean phase from this model directory instead of a random initialisation")
+    parser.add_argument("--clean-model", type=Path, default=None,
+                        help="skip the clean phase: start the noisy one from this model directory")
+    parser.add_argument("--p-correct", type=float, default=0.25, help="share of right edits when noisy")
+    parser.add_argument("--noisy-steps", type=int, default=0, help="steps of the noisy phase (0: none)")
+    parser.add_argument("--noisy-lr", type=float, default=2e-4, help="learning rate of the noisy phase")
+    parser.add_argument("--eval-prompts", type=int, default=32, help="held-out tasks of the check (0: none)")
+    parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("overrides", nargs="*", help="key=value overrides of warm_start.toml")
+    args = parser.parse_args(argv)
+    args.from_model = args.from_model and args.from_model.resolve()
+    args.clean_model = args.clean_model and args.clean_model.resolve()
+
+    import torch
+
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    print(json.dumps(write_tasks(MINI, args.train_tasks, args.heldout_tasks)), flush=True)
+    if args.tasks_only:
+        return 0
+    if args.from_model is None and args.clean_model is None:
+        build_tokenizer(RECIPE / "tokenizer", args.vocab_size, tokenizer_corpus())
+    with tempfile.TemporaryDirectory(prefix="swe-sft-") as tmp:
+        final = warm_start(args, args.work_dir or Path(tmp), recipe=RECIPE)
+        if args.out.exists():
+            shutil.rmtree(args.out)
+        shutil.copytree(final, args.out)
+    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f}s", flush=True)
+    if args.eval_prompts:  # repair.toml's own [eval] (held-out repositories) on the new model
+        from loongsage_core.config import load_job
+        from loongsage_core.controller.eval_job import evaluate_job, format_table
+        from loongsage_core.resolve import resolve_job
+
+        overrides = [f"model.path={args.out.resolve()}", f"eval.max_prompts={args.eval_prompts}",
+                     f"eval.samples={args.eval_samples}"]
+        job = load_job(RECIPE / "repair.toml", overrides)
+        print(format_table(evaluate_job(resolve_job(job), checkpoint=str(args.out))), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
