@@ -78,7 +78,8 @@ CHAT_TEMPLATE = (
     "{%- set f = tc['function'] if tc['function'] is defined else tc %}"
     "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
     "{{- '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
-    "{%- if f['arguments'] is string %}{{- f['arguments'] }}{%- else %}{{- f['arguments'] | tojson }}{%- endif %}"
+    "{%- if f['arguments'] is string %}{{- f['arguments'] }}"
+    "{%- else %}{{- f['arguments'] | tojson(separators=(',', ':')) }}{%- endif %}"
     "{{- '}</tool_call>' }}"
     "{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message['role'] == 'tool' %}"
@@ -87,7 +88,8 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-"""ChatML with hermes tool calls; each tool one line, ``name(params): first line of its description``
+"""ChatML with hermes tool calls (arguments as compact JSON, the way OpenCode sends them back);
+each tool one line, ``name(params): first line of its description``
 (OpenCode's own descriptions run to paragraphs), to keep the prompt short."""
 
 
@@ -173,13 +175,30 @@ def transcript(rng: random.Random, name: str, text: str, right: bool) -> list[di
     ]
 
 
+def fresh_words(seed: int, avoid: set[str]) -> Any:
+    """An endless supply of invented words outside ``avoid``: a transcript's names are new to the
+    policy, so it learns to copy them rather than memorise a word list."""
+    rng = random.Random(f"opencode-learn-fresh-{seed}")
+    while True:
+        syllables = rng.choice((2, 2, 3))
+        word = "".join(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) for _ in range(syllables))
+        if 4 <= len(word) <= 10 and word not in avoid:
+            yield word
+
+
 def transcripts(split: str, count: int, seed: int, p_correct: float) -> list[dict[str, Any]]:
+    """Warm-start transcripts; ``split="train"`` draws fresh words (never a held-out one) for each."""
     tools = json.loads((RECIPE / "opencode_tools.json").read_text())
     rng = random.Random(f"opencode-learn-sft-{split}-{seed}")
-    vocab = words(split)
     rows = []
+    if split == "train":
+        supply = fresh_words(seed, set(words("heldout")))
+    else:
+        vocab = words(split)
+        supply = iter(lambda: rng.choice(vocab), None)
     for _ in range(count):
-        name, text = make_task(rng, vocab)
+        name = f"{next(supply)}_{next(supply)}.{rng.choice(EXTENSIONS)}"
+        text = " ".join(next(supply) for _ in range(rng.randint(2, 4)))
         rows.append({"messages": transcript(rng, name, text, rng.random() < p_correct), "tools": tools})
     return rows
 
