@@ -53,7 +53,8 @@ AGENT_PROMPT = ("You create files. Call the write tool once with the file name a
                 "then answer Done.")
 """The recipe's ``agent.build.prompt`` (``opencode_learn.toml``): OpenCode puts it first in its system prompt."""
 MODEL_NAME = "policy"
-EXTENSIONS = ("txt", "md", "csv", "log", "ini", "cfg")
+EXTENSIONS = ("txt",)
+"""The files' extension: one, since the warm start does not learn to copy it (it guesses among several)."""
 ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "kr", "st", "tr", "sh")
 VOWELS = ("a", "e", "i", "o", "u", "ai", "ou")
 CODAS = ("", "", "", "n", "l", "r", "s", "k")
