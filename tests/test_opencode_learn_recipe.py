@@ -53,6 +53,11 @@ def test_recipe_validates_and_its_held_out_tasks_use_unseen_words():
 
     assert not words(train) & words(heldout)
     assert not words(heldout) & set(script.words("train")) and not words(heldout) & set(script.words("tokenizer"))
+    # the warm start's transcripts never name a held-out word either
+    calls = [tc for r in script.transcripts("train", 300, 0, 0.5) for m in r["messages"]
+             for tc in m.get("tool_calls") or []]
+    sft = {w for tc in calls for w in re.split(r'[ _."{}:,]', tc["function"]["arguments"])}
+    assert len(sft) > 500 and not words(heldout) & sft
     job = load_job(RECIPE / "opencode_learn.toml")
     build = job.data[0].agent_args["config"]["agent"]["build"]
     assert build["prompt"] == script.AGENT_PROMPT == job.eval.data[0].agent_args["config"]["agent"]["build"]["prompt"]
