@@ -300,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
 
     write_jsonl(RECIPE / "train.jsonl", task_rows("train", args.train_tasks, 0))
     write_jsonl(RECIPE / "heldout.jsonl", task_rows("heldout", args.heldout_tasks, 0))
+    # a small sample, so that warm_start.toml runs as it is (the phases below write their own)
+    write_jsonl(RECIPE / "transcripts.jsonl", transcripts("train", 16, 0, 1.0))
     if args.tasks_only:
         return 0
     import torch

@@ -41,9 +41,10 @@ def rows(name: str) -> list[dict]:
 
 
 def test_recipe_validates_and_its_held_out_tasks_use_unseen_words():
-    out = subprocess.run([sys.executable, "-m", "loongsage_core", "validate", "recipes/opencode_learn"],
-                         capture_output=True, text=True, cwd=REPO)
-    assert out.returncode == 0 and "recipes/opencode_learn: OK" in out.stdout, out.stderr or out.stdout
+    for name in ("recipes/opencode_learn", "recipes/opencode_learn/warm_start"):
+        out = subprocess.run([sys.executable, "-m", "loongsage_core", "validate", name],
+                             capture_output=True, text=True, cwd=REPO)
+        assert out.returncode == 0 and f"{name}: OK" in out.stdout, out.stderr or out.stdout
     script = build_script()
     train, heldout = rows("train.jsonl"), rows("heldout.jsonl")
     assert train == script.task_rows("train", len(train), 0) and heldout == script.task_rows("heldout", len(heldout), 0)
