@@ -136,7 +136,7 @@ def test_critic_resources_are_checked_before_starting(tmp_path):
         check_critic_resources(load_job(RECIPES / "ppo_critic.toml", ["critic.gpus=1"]), {"CPU": 8.0})
 
 
-FOLDER_RECIPES = ("math_dapo", "mopd", "swe", "opencode", "moe_r3", "verifiers", "vision_count")
+FOLDER_RECIPES = ("math_dapo", "mopd", "swe", "opencode", "opencode_learn", "moe_r3", "verifiers", "vision_count")
 
 
 @pytest.mark.slow

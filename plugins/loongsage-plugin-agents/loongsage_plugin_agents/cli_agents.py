@@ -16,6 +16,8 @@ home, pointing it at the trajectory's base URL, and reads the final answer from 
   OpenAI-compatible provider (the AI SDK's chat completions) at the trajectory's ``.../v1`` with
   the model's context window; auto-update, sharing, model-list fetches, LSP downloads and external
   plugins off; tools allowed without prompts. The answer is the text of ``--format json`` events.
+  ``config`` (an agent argument) is deep-merged into that file: the user's own settings, e.g. an
+  agent's short ``prompt`` and the ``tools`` it may use (see :mod:`.opencode_config`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 from loongsage_hookspecs import AgentContext
 
 from .cli_runner import CliAgent, CliAgentError
+from .opencode_config import check_opencode_config, deep_merge
 
 
 def _toml_str(value: str) -> str:
@@ -135,11 +138,24 @@ class ClaudeCodeAgent(CliAgent):
 
 
 class OpenCodeAgent(CliAgent):
-    """OpenCode over chat completions (``opencode run``)."""
+    """OpenCode over chat completions (``opencode run``). Extra argument: ``config``, OpenCode
+    settings (``opencode.json`` keys) deep-merged over the agent's own: e.g. ``{"agent": {"build":
+    {"prompt": "...", "tools": {"*": false, "write": true}}}}`` gives the default agent a short
+    system prompt and only the ``write`` tool (and ``edit``, which OpenCode grants with it). The
+    provider's endpoint and key stay the trajectory's; a key OpenCode does not know is an error."""
 
     name = "opencode"
     binary_name = "opencode"
     package = "opencode-ai"
+
+    def __init__(self, *args: Any, config: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.config = check_opencode_config(config)
+
+    @classmethod
+    def check_extra_args(cls, args: dict[str, Any]) -> None:
+        """What ``loongsage validate`` checks beyond the argument names: the ``config`` it would merge."""
+        check_opencode_config(args.get("config"))
 
     def configure(self, home: str, ctx: AgentContext, workdir: str) -> dict[str, str]:
         config_dir = os.path.join(home, ".config", "opencode")
@@ -157,6 +173,7 @@ class OpenCodeAgent(CliAgent):
             "autoupdate": False, "share": "disabled",
             "permission": {"edit": "allow", "bash": "allow", "webfetch": "deny"},
         }
+        config = deep_merge(config, self.config)
         path = os.path.join(config_dir, "opencode.json")
         with open(path, "w", encoding="utf-8") as f:
             json.dump(config, f, indent=2)

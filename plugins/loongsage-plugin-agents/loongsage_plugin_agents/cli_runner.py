@@ -300,4 +300,7 @@ def check_cli_args(agent_cls: type[CliAgent], args: dict[str, Any]) -> None:
     if unknown:
         raise ValueError(f"unknown argument(s) {', '.join(unknown)} of the {agent_cls.name} agent; "
                          f"valid: {', '.join(sorted(valid))}")
+    extra = getattr(agent_cls, "check_extra_args", None)
+    if extra is not None:
+        extra(args)
     find_cli(agent_cls.binary_name, agent_cls.package, args.get("binary"))

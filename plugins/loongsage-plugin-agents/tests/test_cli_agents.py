@@ -92,6 +92,28 @@ def test_opencode_config_is_an_openai_compatible_provider_and_its_answer_is_the_
         agent.answer(json.dumps({"type": "error", "error": {"name": "APIError"}}), "", "")
 
 
+def test_opencode_config_argument_is_deep_merged_and_a_bad_key_is_a_clear_error(tmp_path):
+    short = {"agent": {"build": {"prompt": "Write files.", "tools": {"*": False, "write": True}}},
+             "permission": {"bash": "deny"}, "provider": {"loongsage": {"options": {"timeout": 5}}}}
+    agent = OpenCodeAgent(binary=fake_cli(tmp_path, "exit 0"), config=short)
+    config = json.loads(Path(agent.configure(str(tmp_path), ctx(), str(tmp_path))["OPENCODE_CONFIG"]).read_text())
+    assert config["agent"] == short["agent"]
+    # merged key by key: the agent's other permissions and provider options stay
+    assert config["permission"] == {"edit": "allow", "bash": "deny", "webfetch": "deny"}
+    assert config["provider"]["loongsage"]["options"] == {"baseURL": BASE, "apiKey": "k", "maxRetries": 0,
+                                                          "timeout": 5}
+    assert config["provider"]["loongsage"]["npm"] == "@ai-sdk/openai-compatible"
+    with pytest.raises(ValueError, match=r"agent_args.config.agnet is not an OpenCode config key"):
+        OpenCodeAgent(binary=fake_cli(tmp_path, "exit 0"), config={"agnet": {}})
+    with pytest.raises(ValueError, match=r"agent_args.config.provider.loongsage.options.baseURL is the trajectory"):
+        OpenCodeAgent(binary=fake_cli(tmp_path, "exit 0"),
+                      config={"provider": {"loongsage": {"options": {"baseURL": "http://elsewhere/v1"}}}})
+    with pytest.raises(ValueError, match="agent_args.config must be a table"):
+        OpenCodeAgent(binary=fake_cli(tmp_path, "exit 0"), config=["agent"])
+    with pytest.raises(ValueError, match="agent_args.config.tools must be a table"):  # what validate checks too
+        check_cli_args(OpenCodeAgent, {"binary": fake_cli(tmp_path, "exit 0"), "config": {"tools": "write"}})
+
+
 def test_a_run_hands_the_answer_and_changed_files_to_the_reward(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
