@@ -155,7 +155,13 @@ def test_the_right_fix_resolves_every_heldout_task_and_no_edit_or_a_wrong_one_do
     cases += [(row, change, repo, 0.0) for row, repo in one_per_kind.values() for change in (None, repo.wrong_fix)]
 
     async def all_cases() -> list[float]:
-        return await asyncio.gather(*(_resolve(provider, rewards, row, change, repo) for row, change, repo, _ in cases))
+        at_once = asyncio.Semaphore(4)  # a few sandboxes at a time: 42 test runs at once overrun a loaded 2-core box
+
+        async def one(row: dict, change: str | None, repo) -> float:
+            async with at_once:
+                return await _resolve(provider, rewards, row, change, repo)
+
+        return await asyncio.gather(*(one(row, change, repo) for row, change, repo, _ in cases))
 
     try:
         scores = asyncio.run(all_cases())
