@@ -47,8 +47,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "recipes" / "opencode_learn"
 TEST_TOKENIZER = ROOT / "tests" / "data" / "tokenizer"
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
-            "</tool_response>"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import make_search_recipe as search_recipe  # noqa: E402  (the tokenizer trainer and the sft phase runner)
+
 AGENT_PROMPT = ("You create files. Call the write tool once with the file name and the exact content, "
                 "then answer Done.")
 """The recipe's ``agent.build.prompt`` (``opencode_learn.toml``): OpenCode puts it first in its system prompt."""
@@ -210,45 +212,14 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
 
 
 def build_tokenizer(out: Path, vocab_size: int) -> None:
-    """Train the recipe's BPE on rendered transcripts of the tokenizer's own words; write it with the template."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    """The recipe's tokenizer: byte-level BPE trained on transcripts of the tokenizer's own words
+    (never a held-out one), every space a piece of its own, with :data:`CHAT_TEMPLATE`."""
     from transformers import AutoTokenizer
 
     renderer = AutoTokenizer.from_pretrained(str(TEST_TOKENIZER))
     texts = [renderer.apply_chat_template(r["messages"], tools=r["tools"], tokenize=False, chat_template=CHAT_TEMPLATE)
              for r in transcripts("tokenizer", 3000, 0, 0.5)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(" "), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(texts, trainer=trainer)
-    out.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "eos_token": "<|im_end|>",
-              "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
-              "additional_special_tokens": SPECIALS[1:], "chat_template": CHAT_TEMPLATE}
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    print(f"wrote {out} (vocabulary {tok.get_vocab_size()})", flush=True)
-
-
-def run_phase(name: str, job: Any, work: Path) -> Path:
-    """Run one ``loongsage sft`` phase; print its loss; return its ``final_hf`` directory."""
-    from loongsage_core.resolve import resolve_sft_job
-    from loongsage_core.sft.run import run_sft
-
-    out = work / name
-    resolved = resolve_sft_job(job)
-    history = run_sft(resolved.job, resolved.host, str(out))
-    every = max(1, len(history) // 10)
-    for i in range(every - 1, len(history), every):
-        window = history[i + 1 - every:i + 1]
-        evals = [m["sft/eval_loss"] for m in window if "sft/eval_loss" in m]
-        print(f"  {name} step {i + 1}/{len(history)} loss {sum(m['sft/loss'] for m in window) / len(window):.4f}"
-              + (f" eval_loss {evals[-1]:.4f}" if evals else ""), flush=True)
-    return out / "final_hf"
+    search_recipe.build_tokenizer(out, vocab_size, texts, split=" ", chat_template=CHAT_TEMPLATE)
 
 
 def phase_job(args: argparse.Namespace, work: Path, name: str, p_correct: float, seed: int, rows: int) -> Any:
@@ -266,14 +237,14 @@ def warm_start(args: argparse.Namespace, work: Path) -> Path:
         job = phase_job(args, work, "clean", 1.0, args.seed, args.clean_rows)
         if args.from_model is not None:
             job.model.path, job.model.config, job.model.tokenizer = str(args.from_model), {}, None
-        clean = run_phase("clean", job, work)
+        clean = search_recipe.run_phase("clean", job, work)
     if args.noisy_steps == 0:
         return clean
     noisy = phase_job(args, work, "noisy", args.p_correct, args.seed + 1, args.noisy_steps * 16)
     noisy.model.path, noisy.model.config, noisy.model.tokenizer = str(clean), {}, None
     noisy.train.lr, noisy.train.lr_warmup_steps = args.noisy_lr, 0
     noisy.sft.max_steps, noisy.sft.eval_every = args.noisy_steps, 0
-    return run_phase("noisy", noisy, work)
+    return search_recipe.run_phase("noisy", noisy, work)
 
 
 def main(argv: list[str] | None = None) -> int:

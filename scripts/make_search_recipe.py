@@ -111,14 +111,16 @@ def tokenizer_corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(out: Path, vocab_size: int, corpus: list[str] | None = None) -> None:
-    """Train a BPE tokenizer on ``corpus`` (default: the search recipe's, :func:`tokenizer_corpus`)
-    and write it (with :data:`CHAT_TEMPLATE`) to ``out``."""
+def build_tokenizer(out: Path, vocab_size: int, corpus: list[str] | None = None, *, split: str = NAME_SPACE,
+                    chat_template: str = CHAT_TEMPLATE) -> None:
+    """Train a BPE tokenizer on ``corpus`` (default: the search recipe's, :func:`tokenizer_corpus`),
+    each space matching ``split`` a piece of its own (default: a space before a capital or a digit),
+    and write it with ``chat_template`` to ``out``."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(NAME_SPACE), behavior="isolated"),
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
@@ -128,7 +130,7 @@ def build_tokenizer(out: Path, vocab_size: int, corpus: list[str] | None = None)
     tok.save(str(out / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "eos_token": "<|im_end|>",
               "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
-              "additional_special_tokens": SPECIALS[1:], "chat_template": CHAT_TEMPLATE}
+              "additional_special_tokens": SPECIALS[1:], "chat_template": chat_template}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     print(f"wrote {out} (vocabulary {tok.get_vocab_size()})", flush=True)
 
