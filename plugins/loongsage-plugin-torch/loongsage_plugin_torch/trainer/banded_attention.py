@@ -138,7 +138,8 @@ def banded_attention(module: Any, query: "torch.Tensor", key: "torch.Tensor", va
 def uses_banded(config: Any, length: int) -> bool:
     """Whether a forward of ``length`` tokens by a model with ``config`` attends in blocks: a
     sequence longer than one :data:`BLOCK` on the SDPA or eager attention path."""
-    return length > BLOCK and str(getattr(config, "_attn_implementation", None) or "eager") in BANDED_BASES
+    return (config is not None and length > BLOCK
+            and str(getattr(config, "_attn_implementation", None) or "eager") in BANDED_BASES)
 
 
 @contextlib.contextmanager
