@@ -248,26 +248,14 @@ def warm_start(args: argparse.Namespace, work: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--vocab-size", type=int, default=1024)
+    parser = search_recipe.warm_start_parser(__doc__.split("\n\n")[0], RECIPE / "model", eval_prompts=32,
+                                             eval_samples=2)
     parser.add_argument("--tasks-only", action="store_true", help="write train.jsonl and heldout.jsonl and stop")
     parser.add_argument("--train-tasks", type=int, default=256)
     parser.add_argument("--heldout-tasks", type=int, default=64)
-    parser.add_argument("--out", type=Path, default=RECIPE / "model")
-    parser.add_argument("--work-dir", type=Path, default=None, help="keep the SFT runs here (default: a temp dir)")
-    parser.add_argument("--from-model", type=Path, default=None, help="run the clean phase from this model")
-    parser.add_argument("--clean-model", type=Path, default=None, help="skip the clean phase: start from this model")
     parser.add_argument("--clean-rows", type=int, default=8000, help="transcripts of the clean phase")
-    parser.add_argument("--p-correct", type=float, default=0.25, help="share of right transcripts when noisy")
-    parser.add_argument("--noisy-steps", type=int, default=0, help="steps of the noisy phase (0: none)")
-    parser.add_argument("--noisy-lr", type=float, default=2e-4)
     parser.add_argument("--seed", type=int, default=0, help="seed of the transcripts")
-    parser.add_argument("--eval-prompts", type=int, default=32, help="held-out tasks of the check (0: none)")
-    parser.add_argument("--eval-samples", type=int, default=2)
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of warm_start.toml")
-    args = parser.parse_args(argv)
-    args.from_model = args.from_model and args.from_model.resolve()
-    args.clean_model = args.clean_model and args.clean_model.resolve()
+    args = search_recipe.parse_warm_start_args(parser, argv)
 
     write_jsonl(RECIPE / "train.jsonl", task_rows("train", args.train_tasks, 0))
     write_jsonl(RECIPE / "heldout.jsonl", task_rows("heldout", args.heldout_tasks, 0))

@@ -174,28 +174,42 @@ def warm_start(args: argparse.Namespace, work: Path, recipe: Path = RECIPE) -> P
     return run_phase("noisy", noisy, work)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def warm_start_parser(description: str, out: Path, *, eval_prompts: int, eval_samples: int) -> argparse.ArgumentParser:
+    """The options every warm-start script of a recipe takes (this one's, the swe and opencode_learn
+    recipes'): the tokenizer's size, where the model goes, the clean and noisy phases, the held-out
+    check and ``key=value`` overrides of ``warm_start.toml``; a script adds its own."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--vocab-size", type=int, default=1024)
-    parser.add_argument("--tokenizer-only", action="store_true", help="write the tokenizer and stop")
-    parser.add_argument("--out", type=Path, default=RECIPE / "model", help="where the warm-started model goes")
+    parser.add_argument("--out", type=Path, default=out, help="where the warm-started model goes")
     parser.add_argument("--work-dir", type=Path, default=None, help="keep the SFT runs here (default: a temp dir)")
     parser.add_argument("--from-model", type=Path, default=None,
                         help="run the clean phase from this model directory instead of a random initialisation")
     parser.add_argument("--clean-model", type=Path, default=None,
                         help="skip the clean phase: start the noisy one from this model directory")
-    parser.add_argument("--tokenizer", action="store_true",
-                        help="rebuild the recipe's tokenizer/ too (a model continued with --from-model or"
-                             " --clean-model keeps its own; a random initialisation always builds it)")
     parser.add_argument("--p-correct", type=float, default=0.25, help="share of right transcripts when noisy")
     parser.add_argument("--noisy-steps", type=int, default=0, help="steps of the noisy phase (0: none)")
     parser.add_argument("--noisy-lr", type=float, default=2e-4, help="learning rate of the noisy phase")
-    parser.add_argument("--eval-prompts", type=int, default=64, help="held-out questions of the check (0: none)")
-    parser.add_argument("--eval-samples", type=int, default=4)
+    parser.add_argument("--eval-prompts", type=int, default=eval_prompts, help="held-out prompts to check (0: none)")
+    parser.add_argument("--eval-samples", type=int, default=eval_samples)
     parser.add_argument("overrides", nargs="*", help="key=value overrides of warm_start.toml")
+    return parser
+
+
+def parse_warm_start_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments, the model directories absolute (job paths resolve against the job file)."""
     args = parser.parse_args(argv)
-    args.from_model = args.from_model and args.from_model.resolve()  # job paths resolve against the job file
+    args.from_model = args.from_model and args.from_model.resolve()
     args.clean_model = args.clean_model and args.clean_model.resolve()
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = warm_start_parser(__doc__.split("\n\n")[0], RECIPE / "model", eval_prompts=64, eval_samples=4)
+    parser.add_argument("--tokenizer-only", action="store_true", help="write the tokenizer and stop")
+    parser.add_argument("--tokenizer", action="store_true",
+                        help="rebuild the recipe's tokenizer/ too (a model continued with --from-model or"
+                             " --clean-model keeps its own; a random initialisation always builds it)")
+    args = parse_warm_start_args(parser, argv)
 
     import torch
 

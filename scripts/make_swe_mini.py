@@ -28,7 +28,6 @@ Seeded, on one CPU thread.
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 import sys
@@ -42,7 +41,14 @@ MINI = RECIPE / "mini"
 TOKENIZER_SEEDS = (1001, 1002)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from make_search_recipe import CHAT_TEMPLATE, TEST_TOKENIZER, build_tokenizer, warm_start  # noqa: E402
+from make_search_recipe import (  # noqa: E402
+    CHAT_TEMPLATE,
+    TEST_TOKENIZER,
+    build_tokenizer,
+    parse_warm_start_args,
+    warm_start,
+    warm_start_parser,
+)
 from make_swe_tasks import build_row  # noqa: E402
 from swe_task_specs import Spec  # noqa: E402
 
@@ -82,26 +88,11 @@ def tokenizer_corpus() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = warm_start_parser(__doc__.split("\n\n")[0], RECIPE / "model", eval_prompts=32, eval_samples=4)
     parser.add_argument("--tasks-only", action="store_true", help="write the task files and stop")
     parser.add_argument("--train-tasks", type=int, default=64)
     parser.add_argument("--heldout-tasks", type=int, default=32)
-    parser.add_argument("--vocab-size", type=int, default=1024)
-    parser.add_argument("--out", type=Path, default=RECIPE / "model", help="where the warm-started model goes")
-    parser.add_argument("--work-dir", type=Path, default=None, help="keep the SFT runs here (default: a temp dir)")
-    parser.add_argument("--from-model", type=Path, default=None,
-                        help="run the clean phase from this model directory instead of a random initialisation")
-    parser.add_argument("--clean-model", type=Path, default=None,
-                        help="skip the clean phase: start the noisy one from this model directory")
-    parser.add_argument("--p-correct", type=float, default=0.25, help="share of right edits when noisy")
-    parser.add_argument("--noisy-steps", type=int, default=0, help="steps of the noisy phase (0: none)")
-    parser.add_argument("--noisy-lr", type=float, default=2e-4, help="learning rate of the noisy phase")
-    parser.add_argument("--eval-prompts", type=int, default=32, help="held-out tasks of the check (0: none)")
-    parser.add_argument("--eval-samples", type=int, default=4)
-    parser.add_argument("overrides", nargs="*", help="key=value overrides of warm_start.toml")
-    args = parser.parse_args(argv)
-    args.from_model = args.from_model and args.from_model.resolve()
-    args.clean_model = args.clean_model and args.clean_model.resolve()
+    args = parse_warm_start_args(parser, argv)
 
     import torch
 
