@@ -101,6 +101,34 @@ def test_fused_weights_follow_in_place_updates_of_the_hf_parameters(packed, fami
     assert max(abs(a - b) for a, b in zip(sequence_logprobs(other, seq), lp)) < 1e-5
 
 
+def test_auto_packing_follows_the_measured_rule():
+    """``"auto"`` packs bfloat16 models and float32 ones from 16M parameters (where oneDNN's packed
+    product measured faster); a small float32 model keeps the plain product."""
+    from loongsage_plugin_torch.engine.packed_linear import FP32_PACK_MIN_PARAMETERS, worth_packing
+
+    assert worth_packing(torch.bfloat16, 1_000) and worth_packing(torch.float32, FP32_PACK_MIN_PARAMETERS)
+    assert not worth_packing(torch.float32, FP32_PACK_MIN_PARAMETERS - 1)
+    config = FAMILIES["qwen3"]
+    assert not ModelRunner(model_of(config), num_slots=1, packed_weights="auto").packed_weights
+    assert ModelRunner(model_of(config).to(torch.bfloat16), num_slots=1, packed_weights="auto").packed_weights
+    assert ModelRunner(model_of(config), num_slots=1, packed_weights=True).packed_weights
+
+
+def test_a_float32_one_row_product_takes_the_plain_weight():
+    """float32 packed weights multiply a single row with the plain weight (the faster matrix-vector
+    path), more rows packed; both give the plain product to float rounding."""
+    from loongsage_plugin_torch.engine.packed_linear import PackedWeight
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(48, 32, generator=gen)
+    packed = PackedWeight(lambda: weight, [weight], plain_single_row=True)
+    one, many = torch.randn(1, 32, generator=gen), torch.randn(5, 32, generator=gen)
+    assert torch.equal(packed.linear(one, None), torch.nn.functional.linear(one, weight))
+    assert packed.packed is None  # nothing was packed for the single row
+    assert torch.allclose(packed.linear(many, None), many @ weight.T, atol=1e-5)
+    assert packed.packed is not None
+
+
 def test_unsupported_architectures_are_refused_by_name():
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -196,10 +224,10 @@ def test_engine_args_are_validated_by_name():
         EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"max_batchsize": 4}}}))
     with pytest.raises(EngineConfigError, match="max_prefill_tokens"):
         EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"max_prefill_tokens": 0}}}))
-    assert ok.packed_weights  # on by default
+    assert ok.packed_weights == "auto"  # packed where measured faster, by default
     off = EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"packed_weights": False}}}))
-    assert not off.packed_weights
-    with pytest.raises(EngineConfigError, match="packed_weights must be true or false"):
+    assert off.packed_weights is False
+    with pytest.raises(EngineConfigError, match='packed_weights must be "auto", true or false'):
         EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"packed_weights": 1}}}))
 
 

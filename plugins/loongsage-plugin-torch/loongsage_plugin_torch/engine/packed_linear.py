@@ -1,16 +1,26 @@
-"""Projection weights pre-packed for oneDNN's matrix product, for the engine's small products.
+"""Projection weights pre-packed for oneDNN's matrix product, where that is the faster product.
 
-A decode step multiplies a few rows (one per running request) by every weight of the model. At
-that shape torch's default CPU matrix product reads the weight in its plain layout and reaches
-about half the machine's matmul rate; oneDNN with the weight reordered once into its blocked
-layout (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile`` uses on x86 CPUs)
-runs the same products about twice as fast (``benchmarks/engine_throughput.py``), and prefill's
-large products no slower. The results equal the plain product to float rounding (checked when a
-runner starts, see :func:`packing_works`).
+A decode step multiplies a few rows (one per running request) by every weight of the model.
+oneDNN with the weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile`` uses on x86 CPUs) is not
+always the faster product at that shape. Measured decode steps of the embedded engine (1, 4 and
+32 running requests; 2-core AVX-512/AMX machine, torch 2.13, one thread):
 
-The packed copy must follow the weights: :class:`PackedWeight` remembers the version counters of
-the parameters it was packed from and packs again before the first product after any of them
-changed in place (a weight update, a merged LoRA adapter).
+* bfloat16: packed products are 1.2-2.7x faster than ``torch.mm`` at every shape (oneDNN uses
+  the AMX tiles): every bfloat16 model is packed.
+* float32, models of at least :data:`FP32_PACK_MIN_PARAMETERS` parameters: the weights stream
+  from memory at every step, and the blocked layout streams faster: a 135M-parameter model
+  decodes 4 / 32 requests in 68 / 144 ms packed against 87 / 171 ms plain (a 27M one: 15 / 30
+  against 17 / 30 ms). One row at a time ``torch.mm``'s matrix-vector path is faster
+  (50 against 70 ms), so a one-row product uses the plain weight.
+* float32, smaller models: their weights stay in the caches, and the packed call's fixed cost
+  (about 15 us, more than a small product itself) dominates: a 4-layer, 128-wide model decodes
+  4 requests in 1.1 ms plain against 1.8 ms packed. They are not packed.
+
+The results equal the plain product to float rounding (checked when a runner starts, see
+:func:`packing_works`). The packed copy must follow the weights: :class:`PackedWeight` remembers
+the version counters of the parameters it was packed from and packs again before the first
+product after any of them changed in place (a weight update, a merged LoRA adapter).
 """
 
 from __future__ import annotations
@@ -22,6 +32,17 @@ if TYPE_CHECKING:  # pragma: no cover
 
 BATCH_HINT = 32
 """The row count oneDNN chooses the packed layout for (it serves any count)."""
+
+FP32_PACK_MIN_PARAMETERS = 16_000_000
+"""The smallest float32 model (parameters, 64 MB) whose weights are worth packing."""
+
+
+def worth_packing(dtype: "torch.dtype", num_parameters: int) -> bool:
+    """Whether a model of this precision and size decodes faster with packed weights (see the
+    module docstring): every bfloat16 model; float32 ones from :data:`FP32_PACK_MIN_PARAMETERS` on."""
+    import torch
+
+    return dtype != torch.float32 or num_parameters >= FP32_PACK_MIN_PARAMETERS
 
 
 def packing_available(dtype: "torch.dtype") -> bool:
@@ -38,9 +59,14 @@ class PackedWeight:
     """``x @ weight.T + bias`` with ``weight`` (``[out, in]``, from ``weight_of()``) packed for
     oneDNN, packed again when a tensor in ``sources`` was changed in place since."""
 
-    def __init__(self, weight_of: Callable[[], "torch.Tensor"], sources: Sequence["torch.Tensor"]) -> None:
+    def __init__(self, weight_of: Callable[[], "torch.Tensor"], sources: Sequence["torch.Tensor"], *,
+                 plain_single_row: bool = False) -> None:
+        """``weight_of()`` gives the ``[out, in]`` weight (a view is fine); ``sources``: the
+        parameters it is made of; ``plain_single_row``: a one-row product uses the plain weight
+        (float32, where ``torch.mm``'s matrix-vector path beats the packed one)."""
         self.weight_of = weight_of
         self.sources = list(sources)
+        self.plain_single_row = plain_single_row
         self.version = -1
         self.packed: Any = None
 
@@ -50,6 +76,8 @@ class PackedWeight:
     def linear(self, x: "torch.Tensor", bias: "torch.Tensor | None") -> "torch.Tensor":
         import torch
 
+        if self.plain_single_row and x.shape[0] == 1:
+            return torch.nn.functional.linear(x, self.weight_of(), bias)
         version = self._current()
         if version != self.version:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight_of().contiguous(), BATCH_HINT)

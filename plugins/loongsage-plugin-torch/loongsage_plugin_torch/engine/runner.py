@@ -9,7 +9,8 @@ path built for many short decode steps:
   matrix products with few rows); the model's parameters become (transposed) views into that
   storage, so an in-place weight update of ``...q_proj.weight`` updates what the runner uses;
   with ``packed_weights`` the products use a copy packed for oneDNN (:mod:`.packed_linear`),
-  about twice as fast at decode's few rows, packed again after the parameters change in place;
+  faster for bfloat16 and for large float32 models, packed again after the parameters change in
+  place;
 * keys and values go into :class:`~.kv_cache.SlotKVCache` rows and every query attends to its own
   row with a causal, length-aware mask; a sliding-window layer (``layer_types`` /
   ``sliding_window``, as transformers reads them) also masks keys older than its window and reads
@@ -37,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 import attrs
 
 from .kv_cache import SlotKVCache
-from .packed_linear import PackedWeight, packing_works
+from .packed_linear import PackedWeight, packing_works, worth_packing
 from .vision import VISION_MODEL_TYPES, VisionInputs
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -191,11 +192,12 @@ class ModelRunner:
     """Owns the model and the slot KV cache; computes next-token logits for batches of slots."""
 
     def __init__(self, model: Any, *, num_slots: int, fp32_lm_head: bool = False,
-                 packed_weights: bool = False) -> None:
+                 packed_weights: bool | str = False) -> None:
         """``fp32_lm_head`` computes the output layer in float32 on a half-precision model (the
         trainer's ``[model] fp32_lm_head``), so sampled log-probs match the trainer's more closely.
         ``packed_weights`` multiplies by weights packed for oneDNN (:mod:`.packed_linear`) where
-        this torch build does that right; else by the plain weights."""
+        this torch build does that right (``"auto"``: only where that is faster for this model's
+        precision and size, :func:`~.packed_linear.worth_packing`); else by the plain weights."""
         import torch
 
         config = model.config
@@ -234,10 +236,14 @@ class ModelRunner:
         self._parts: dict[str, tuple[_Linear, int, int]] = {}
         self.has_unmerged_adapter = False
         self.fused_decode_keys = FUSED_DECODE_KEYS
-        self.packed_weights = bool(packed_weights and model.device.type == "cpu" and packing_works(
-            self.dtype, text_config.hidden_size, self.num_heads * self.head_dim))
+        if packed_weights == "auto":
+            packed_weights = worth_packing(self.dtype, sum(p.numel() for p in model.parameters()))
+        self.packed_weights = bool(
+            packed_weights and model.device.type == "cpu"
+            and packing_works(self.dtype, text_config.hidden_size, self.num_heads * self.head_dim))
         self.layers = [self._prepare(layer) for layer in decoder_layers]
-        self._packed_head = (PackedWeight(lambda: self.lm_head.weight, [self.lm_head.weight])
+        self._packed_head = (PackedWeight(lambda: self.lm_head.weight, [self.lm_head.weight],
+                                          plain_single_row=self.dtype == torch.float32)
                              if self.packed_weights and getattr(self.lm_head, "bias", None) is None else None)
         #: the decoder layers with experts (their routing is kept with the KV, see :meth:`routed_experts`)
         self.moe_layers = [i for i, layer in enumerate(self.layers) if layer.experts is not None]
@@ -282,7 +288,8 @@ class ModelRunner:
             self._parts[self._module_names[id(lin)] + ".weight"] = (fused, offset, rows)
         if self.packed_weights:  # packed again when any of the parts' parameters changes in place
             sources = [t for lin in linears for t in (lin.weight, lin.bias) if t is not None]
-            fused.packed = PackedWeight(lambda: fused.weight_t.t(), sources)
+            fused.packed = PackedWeight(lambda: fused.weight_t.t(), sources,
+                                        plain_single_row=self.dtype == self._torch.float32)
         return fused
 
     # ------------------------------------------------------------------------------------------

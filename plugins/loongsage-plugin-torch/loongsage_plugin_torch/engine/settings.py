@@ -75,9 +75,11 @@ class EngineSettings:
     base weights and applies the adapter per request, to the requests whose ``lora_path`` names
     it (the others get the base model), at the cost of two small extra matrix products per
     adapted projection.
-    ``packed_weights`` (default on): multiply by weights packed for oneDNN on x86 CPUs (about
-    twice the plain product's speed at decode's few rows; one extra copy of the weights, packed
-    again after each weight update); off, or where the torch build cannot, the plain product.
+    ``packed_weights``: ``"auto"`` (the default) multiplies by weights packed for oneDNN on x86
+    CPUs where that measured faster (every bfloat16 model, float32 models from 16M parameters;
+    see :mod:`.packed_linear`), ``true`` always packs, ``false`` never; packing costs one extra
+    copy of the weights, packed again after each weight update. Where the torch build cannot
+    pack, the plain product is used.
     ``dtype``: the engine's own precision, ``"float32"`` or ``"bfloat16"`` (unset: ``[model]
     dtype``, the trainer's), as a production engine runs in bf16 next to an fp32 trainer; weight
     updates are cast to it.
@@ -94,7 +96,7 @@ class EngineSettings:
     seed: int = 0
     max_request_mb: int = 4096
     lora_mode: str = "merged"
-    packed_weights: bool = True
+    packed_weights: bool | str = "auto"
     dtype: str | None = None
     speculative: SpeculativeSettings | None = None
 
@@ -117,9 +119,9 @@ class EngineSettings:
                 values[key] = value
                 continue
             if key == "packed_weights":
-                if not isinstance(value, bool):
+                if not isinstance(value, bool) and value != "auto":
                     raise EngineConfigError(
-                        f"[rollout] engine_args.packed_weights must be true or false, got {value!r}")
+                        f"[rollout] engine_args.packed_weights must be \"auto\", true or false, got {value!r}")
                 values[key] = value
                 continue
             if key == "speculative":
