@@ -181,22 +181,27 @@ class EngineClient:
                        sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                        *, return_logprob: bool = True, rids: Sequence[str] | None = None,
                        top_logprobs_num: int = 0, image_data: Sequence[str] | None = None,
-                       logprob_start_len: int | Sequence[int] | None = None) -> list[GenerationResult]:
+                       logprob_start_len: int | Sequence[int] | None = None,
+                       priority: int | None = None) -> list[GenerationResult]:
         """Generate for every prompt of ``input_ids``; results in prompt order. ``image_data``
         (one prompt only): its images in token order, base64 (SGLang's ``image_data``);
         ``logprob_start_len``: see :meth:`generate_payload` (the scores are in each result's
-        ``meta_info``)."""
+        ``meta_info``); ``priority``: SGLang's request priority, larger admitted sooner (SGLang
+        honours it with ``--enable-priority-scheduling``, the embedded engine always)."""
         payload = self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
                                                            rids=rids, top_logprobs_num=top_logprobs_num,
                                                            logprob_start_len=logprob_start_len))
         if image_data:
             payload["image_data"] = list(image_data)
+        if priority is not None:
+            payload["priority"] = int(priority)
         body = await self._request("POST", "/generate", payload)
         return self._results(body, self._rid_list(payload))
 
     async def generate_stream(self, input_ids: Sequence[int], sampling_params: Mapping[str, Any] | None = None,
                               *, rid: str, return_logprob: bool = True, top_logprobs_num: int = 0,
-                              image_data: Sequence[str] | None = None) -> AsyncGenerator[GenerationResult, None]:
+                              image_data: Sequence[str] | None = None,
+                              priority: int | None = None) -> AsyncGenerator[GenerationResult, None]:
         """Generate for one prompt with ``stream: true``; yields the whole generation so far after
         every chunk (SGLang's server-sent events), the last one with its finish reason.
 
@@ -208,6 +213,8 @@ class EngineClient:
                    "stream": True}
         if image_data:
             payload["image_data"] = list(image_data)
+        if priority is not None:
+            payload["priority"] = int(priority)
         out: GenerationResult | None = None
         async with self._aclient().stream("POST", "/generate", json=payload) as resp:
             if resp.status_code >= 400:
@@ -316,7 +323,10 @@ class EngineClient:
     # ------------------------------------------------------------------------------------------
     def generate_sync(self, input_ids: Sequence[Sequence[int]] | Sequence[int],
                       sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
-                      *, return_logprob: bool = True, rids: Sequence[str] | None = None) -> list[GenerationResult]:
+                      *, return_logprob: bool = True, rids: Sequence[str] | None = None,
+                      priority: int | None = None) -> list[GenerationResult]:
         payload = self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
                                                            rids=rids))
+        if priority is not None:
+            payload["priority"] = int(priority)
         return self._results(self._request_sync("POST", "/generate", payload), self._rid_list(payload))

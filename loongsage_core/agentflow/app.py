@@ -29,7 +29,7 @@ from .turns import TurnRunner
 log = logging.getLogger(__name__)
 
 REGISTER_FIELDS = frozenset({"trajectory_id", "attempt", "sampling", "max_response_tokens", "max_context_length",
-                             "metadata"})
+                             "metadata", "priority"})
 """The fields of ``POST /admin/trajectories``."""
 
 
@@ -159,7 +159,7 @@ def build_app(router: ServedRouter) -> Any:
         try:
             tid = check_trajectory_id(body.get("trajectory_id"))
             registry.register(tid, attempt, body.get("sampling"), body.get("max_response_tokens"),
-                              body.get("max_context_length"), body.get("metadata"))
+                              body.get("max_context_length"), body.get("metadata"), body.get("priority"))
         except (ValueError, TypeError) as exc:
             raise bad_request(str(exc)) from None
         return json_response({"trajectory_id": tid, "attempt": attempt, "base_url": router.url_for(tid, attempt),

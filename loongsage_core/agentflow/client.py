@@ -57,19 +57,21 @@ class RouterClient:
     @staticmethod
     def _register_body(trajectory_id: str, attempt: int, sampling: Mapping[str, Any] | None,
                        max_response_tokens: int | None, max_context_length: int | None,
-                       metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+                       metadata: Mapping[str, Any] | None, priority: int | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"trajectory_id": trajectory_id, "attempt": attempt}
         for key, value in (("sampling", sampling), ("max_response_tokens", max_response_tokens),
-                           ("max_context_length", max_context_length), ("metadata", metadata)):
+                           ("max_context_length", max_context_length), ("metadata", metadata),
+                           ("priority", priority)):
             if value is not None:
                 body[key] = dict(value) if isinstance(value, Mapping) else value
         return body
 
     async def aregister(self, trajectory_id: str, *, attempt: int = 0, sampling: Mapping[str, Any] | None = None,
                         max_response_tokens: int | None = None, max_context_length: int | None = None,
-                        metadata: Mapping[str, Any] | None = None) -> str:
+                        metadata: Mapping[str, Any] | None = None, priority: int | None = None) -> str:
         """Register a trajectory; returns its base URL (see ``AgentFlowRouter.aregister``)."""
-        body = self._register_body(trajectory_id, attempt, sampling, max_response_tokens, max_context_length, metadata)
+        body = self._register_body(trajectory_id, attempt, sampling, max_response_tokens, max_context_length, metadata,
+                                   priority)
         return (await self._arequest("POST", "/admin/trajectories", body))["base_url"]
 
     async def aget(self, trajectory_id: str) -> TrajectoryRecord:

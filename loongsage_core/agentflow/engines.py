@@ -190,12 +190,14 @@ class EnginePool:
         return self._clients[url]
 
     async def generate(self, url: str, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
-                       top_logprobs_num: int = 0, image_data: list[str] | None = None) -> EngineOutput:
+                       top_logprobs_num: int = 0, image_data: list[str] | None = None,
+                       priority: int | None = None) -> EngineOutput:
         """One generation (errors become 400/502/503 :class:`RouterError`); ``image_data``: the
-        prompt's images in token order (base64)."""
+        prompt's images in token order (base64); ``priority``: SGLang's (larger runs sooner)."""
         try:
             (res,) = await self.client(url).generate(input_ids, sampling_params, rids=[rid],
-                                                     top_logprobs_num=top_logprobs_num, image_data=image_data)
+                                                     top_logprobs_num=top_logprobs_num, image_data=image_data,
+                                                     priority=priority)
         except (EngineError, httpx.HTTPError, OSError) as exc:
             raise as_router_error(exc, url) from exc
         out = engine_output(res, url)
@@ -203,12 +205,13 @@ class EnginePool:
         return out
 
     async def generate_stream(self, url: str, input_ids: list[int], sampling_params: dict[str, Any], rid: str,
-                              top_logprobs_num: int = 0, image_data: list[str] | None = None
-                              ) -> AsyncIterator[EngineOutput]:
+                              top_logprobs_num: int = 0, image_data: list[str] | None = None,
+                              priority: int | None = None) -> AsyncIterator[EngineOutput]:
         """One streamed generation: the whole generation so far after every chunk; the last item
         has the finish reason. Leaving early closes the connection (the engine aborts the request)."""
         stream = self.client(url).generate_stream(input_ids, sampling_params, rid=rid,
-                                                  top_logprobs_num=top_logprobs_num, image_data=image_data)
+                                                  top_logprobs_num=top_logprobs_num, image_data=image_data,
+                                                  priority=priority)
         try:
             async for res in stream:
                 yield engine_output(res, url)

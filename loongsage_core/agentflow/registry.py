@@ -49,6 +49,7 @@ class LiveTrajectory:
     in_flight: dict[str, str] = attrs.field(factory=dict)  # rid -> engine url
     aborted: bool = False
     protocol_state: dict[str, Any] = attrs.field(factory=dict)  # per-protocol stores (e.g. stored responses)
+    priority: int | None = None  # sent with each engine call (SGLang's ``priority``: larger runs sooner)
 
 
 class TrajectoryRegistry:
@@ -90,8 +91,9 @@ class TrajectoryRegistry:
 
     def register(self, trajectory_id: str, attempt: int, sampling: Mapping[str, Any] | SamplingParams | None,
                  max_response_tokens: int | None, max_context_length: int | None,
-                 metadata: Mapping[str, Any] | None) -> None:
-        """Register (or replace: the old attempt is aborted) a trajectory; bad values are ValueErrors."""
+                 metadata: Mapping[str, Any] | None, priority: int | None = None) -> None:
+        """Register (or replace: the old attempt is aborted) a trajectory; bad values are ValueErrors.
+        ``priority`` goes with every engine call of the trajectory (SGLang's: larger runs sooner)."""
         check_trajectory_id(trajectory_id)
         if isinstance(sampling, SamplingParams):
             sampling = attrs.asdict(sampling)
@@ -100,6 +102,8 @@ class TrajectoryRegistry:
         for name, value in (("max_response_tokens", max_response_tokens), ("max_context_length", max_context_length)):
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         old = self._live.get(trajectory_id)
         if old is not None:
             self.abort_entry(old)
@@ -108,7 +112,7 @@ class TrajectoryRegistry:
                                   max_context_length=max_context_length if max_context_length is not None
                                   else self.max_context_length, metadata=dict(metadata or {}))
         self._live[trajectory_id] = LiveTrajectory(record, ConversationTracker(self.renderer, record.segments),
-                                                   SamplingDefaults.from_dict(merged))
+                                                   SamplingDefaults.from_dict(merged), priority=priority)
 
     def entry(self, trajectory_id: str) -> LiveTrajectory:
         """The live trajectory (KeyError if unknown)."""

@@ -211,7 +211,7 @@ class AgentFlowRouter:
     async def aregister(self, trajectory_id: str, *, attempt: int = 0,
                         sampling: Mapping[str, Any] | SamplingParams | None = None,
                         max_response_tokens: int | None = None, max_context_length: int | None = None,
-                        metadata: Mapping[str, Any] | None = None) -> str:
+                        metadata: Mapping[str, Any] | None = None, priority: int | None = None) -> str:
         """Register a trajectory and return its OpenAI base URL.
 
         ``sampling`` holds defaults in SGLang names (``temperature``, ``top_p``, ``top_k``,
@@ -220,10 +220,12 @@ class AgentFlowRouter:
         ``max_context_length`` the tokens of a segment; a turn that hits either ends with
         ``finish_reason="length"``. Registering an id again (a retry, usually with
         ``attempt + 1``) aborts and replaces the old record; requests to the old attempt get 404.
+        ``priority`` goes with every engine call of the trajectory (SGLang's ``priority``: larger is
+        admitted sooner; an asynchronous run gives a group's by its deadline).
         """
         def register() -> str:
             self.registry.register(trajectory_id, attempt, sampling, max_response_tokens, max_context_length,
-                                   metadata)
+                                   metadata, priority)
             return self.url_for(trajectory_id, attempt)
 
         return await self.server.on_loop(register)

@@ -43,7 +43,7 @@ async def run_agent_trajectory(router: Any, agent: Agent, sandbox_provider: Any 
                                max_response_tokens: int | None = None, max_context_length: int | None = None,
                                timeout_s: float | None = None, api_key: str | None = None,
                                needs_sandbox: bool = False, row: Mapping[str, Any] | None = None,
-                               score: ScoreFn | None = None) -> Trajectory:
+                               score: ScoreFn | None = None, priority: int | None = None) -> Trajectory:
     """Run ``agent`` for ``trajectory`` through ``router`` and fill in what happened.
 
     This is the one place of a trajectory's life: register with the router -> create the sandbox
@@ -67,13 +67,16 @@ async def run_agent_trajectory(router: Any, agent: Agent, sandbox_provider: Any 
         row: the data row the sandbox is prepared from (default: the trajectory's prompt, label
             and metadata).
         score: called for a completed trajectory, before the sandbox is destroyed.
+        priority: sent with every engine call of the trajectory (SGLang's ``priority``: larger is
+            admitted sooner).
     """
     if not isinstance(agent, Agent):
         raise TypeError(f"agent {type(agent).__name__!r} has no async run(ctx) method")
     wants_sandbox = needs_sandbox or sandbox_provider is not None
     tid = trajectory.id
     base_url = await router.aregister(tid, attempt=attempt, sampling=sampling, max_response_tokens=max_response_tokens,
-                                      max_context_length=max_context_length, metadata={"source": trajectory.source})
+                                      max_context_length=max_context_length, metadata={"source": trajectory.source},
+                                      **({} if priority is None else {"priority": priority}))
     if api_key is None:
         api_key = router.trajectory_key(tid, attempt)
     trajectory.status = TrajectoryStatus.GENERATING

@@ -313,7 +313,8 @@ class TurnRunner:
             params = engine_sampling(entry.sampling, req, turn, self.renderer.turn_end_ids, remaining)
             if constraint is not None:
                 params.update(constraint.sampling_params(len(gen.ids)))
-            call = (url, plan.context + gen.ids, params, rid, req.top_logprobs, self._image_data(entry, plan))
+            call = (url, plan.context + gen.ids, params, rid, req.top_logprobs, self._image_data(entry, plan),
+                    entry.priority)
             entry.in_flight[rid] = url
             self.balancer.acquire(url)
             self.stats["engine_calls"] += 1

@@ -78,6 +78,20 @@ def per_source_metrics(groups: list[TrajectoryGroup], version: int) -> dict[str,
     return out
 
 
+def group_priority(scheduler: Any, group_id: str, version: int) -> int:
+    """The engine priority of a group dispatched now: earliest deadline first.
+
+    Engines admit requests of a larger priority first (SGLang's convention), so a group gets its
+    deadline negated: the last trainer version allowed to train it, when the scheduler gives one
+    (``deadline_of``), else the version it is dispatched at (oldest first). A step waits for the
+    groups due at its version; the engines finish those before they start the next step's, and
+    the embedded engine, with ``strict_priority``, decodes them in a batch of their own.
+    """
+    deadline_of = getattr(scheduler, "deadline_of", None)
+    deadline = deadline_of(group_id) if deadline_of is not None else None
+    return -(version if deadline is None else int(deadline))
+
+
 class AsyncLoop:
     """The RL loop with rollout and training overlapped (``[async] enable = true``) over a
     :class:`.runtime.Run`, which it reaches through its public methods."""
@@ -170,7 +184,8 @@ class AsyncLoop:
                 self.scheduler.on_dispatch(group_id, self.run.version)
             else:
                 self.scheduler.on_dispatch(group_id, self.run.version, source=source)
-            task = asyncio.ensure_future(self.run.rollout.group(prompt, index, self.run.version))
+            priority = group_priority(self.scheduler, group_id, self.run.version)
+            task = asyncio.ensure_future(self.run.rollout.group(prompt, index, self.run.version, priority=priority))
             self.inflight[group_id] = (task, prompt)
             task.add_done_callback(functools.partial(self._on_done, group_id))
 

@@ -201,7 +201,8 @@ class RolloutManager:
                 attrs.evolve(ref, args=sandbox_args(self.job, source)), ctx)
         return self._sandboxes[source.name]
 
-    async def _agent_group(self, prompt: Prompt, index: int, step: int | str, n: int) -> TrajectoryGroup:
+    async def _agent_group(self, prompt: Prompt, index: int, step: int | str, n: int,
+                           priority: int | None = None) -> TrajectoryGroup:
         from ..agentflow import run_agent_trajectory
 
         self.start_router()
@@ -242,7 +243,7 @@ class RolloutManager:
                     sampling=params, max_response_tokens=af.max_response_tokens or None,
                     max_context_length=self.job.rollout.max_context_length, timeout_s=af.agent_timeout_s,
                     row={"prompt": prompt.prompt, "label": prompt.label, "metadata": dict(prompt.metadata)},
-                    score=score)
+                    score=score, priority=priority)
             timing.setdefault("agent_s", time.perf_counter() - t0)
             traj.metadata["timing"] = {"reward_s": 0.0, **timing}
             return traj
@@ -272,7 +273,7 @@ class RolloutManager:
         return tokens
 
     async def _group(self, client: EngineClient, prompt: Prompt, index: int, step: int | str,
-                     n: int) -> TrajectoryGroup:
+                     n: int, priority: int | None = None) -> TrajectoryGroup:
         source = self.sources[prompt.source]
         base = sampling_params(self.job, source)
         tokens = self.encode_prompt(prompt, base["max_new_tokens"])
@@ -286,11 +287,12 @@ class RolloutManager:
         rids = [f"{group_id}:{j}" for j in range(n)]
         t0 = time.perf_counter()
         if self.one_request_per_sample:
-            answers = await asyncio.gather(*(client.generate([tokens], params[j], return_logprob=True, rids=[rids[j]])
+            answers = await asyncio.gather(*(client.generate([tokens], params[j], return_logprob=True, rids=[rids[j]],
+                                                             priority=priority)
                                              for j in range(n)))
             results = [a[0] for a in answers]
         else:
-            results = await client.generate([tokens] * n, params, return_logprob=True, rids=rids)
+            results = await client.generate([tokens] * n, params, return_logprob=True, rids=rids, priority=priority)
         generate_s = time.perf_counter() - t0
         group = TrajectoryGroup(group_id=group_id, prompt_id=prompt.prompt_id, source=prompt.source)
         messages = self.fast_path_messages(prompt)
@@ -322,22 +324,23 @@ class RolloutManager:
         return group
 
     def group(self, prompt: Prompt, index: int, step: int | str, *, via_router: bool | None = None,
-              samples: int | None = None) -> Awaitable[TrajectoryGroup]:
+              samples: int | None = None, priority: int | None = None) -> Awaitable[TrajectoryGroup]:
         """The coroutine producing group ``index`` of ``step`` (a step number, or a name such as an
         evaluation's: it keys the trajectory ids and sampling seeds), ``samples`` answers (default
         ``[rollout] samples_per_prompt``): the single-turn fast path on engine ``index`` (round
         robin), or the source's agent through the router.
 
         ``via_router`` forces one path (``True``: the router, ``False``: the fast path, which then
-        ignores the source's agent); ``None`` picks by :func:`takes_fast_path`.
+        ignores the source's agent); ``None`` picks by :func:`takes_fast_path`. ``priority`` goes
+        with every engine call of the group (SGLang's: larger is admitted sooner).
         """
         n = self.job.rollout.samples_per_prompt if samples is None else int(samples)
         fast = (takes_fast_path(self.job, self.sources[prompt.source], self.components) if via_router is None
                 else not via_router)
         if fast:
             clients = self.generate_clients
-            return self._group(clients[index % len(clients)], prompt, index, step, n)
-        return self._agent_group(prompt, index, step, n)
+            return self._group(clients[index % len(clients)], prompt, index, step, n, priority)
+        return self._agent_group(prompt, index, step, n, priority)
 
     async def generate(self, prompts: Sequence[Prompt], step: int, offset: int = 0) -> list[TrajectoryGroup]:
         """All groups for ``prompts``; groups are spread round-robin over the engines."""

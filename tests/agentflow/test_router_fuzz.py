@@ -90,7 +90,7 @@ def register_bodies() -> st.SearchStrategy[Any]:
                                  optional={"attempt": numbers | json_values, "sampling": sampling,
                                            "max_response_tokens": numbers | json_values,
                                            "max_context_length": numbers | json_values, "metadata": json_values,
-                                           "extra": json_values})
+                                           "priority": numbers | json_values, "extra": json_values})
     return near | json_values
 
 

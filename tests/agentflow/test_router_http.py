@@ -212,8 +212,9 @@ def test_budgets_end_turns_with_length(engine_url, router_factory, renderer):
 def test_admin_api_over_http(engine_url, router_factory):
     router = router_factory([engine_url])
     admin = RouterClient(router.base_url)
-    url = admin.blocking.register("adm-1", sampling={"max_new_tokens": 4}, metadata={"k": 1})
+    url = admin.blocking.register("adm-1", sampling={"max_new_tokens": 4}, metadata={"k": 1}, priority=-3)
     assert url == router.url_for("adm-1")
+    assert router.registry.entry("adm-1").priority == -3  # sent with each of its engine calls
     openai.OpenAI(base_url=url, api_key="k", max_retries=0).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "x"}])
     record = admin.blocking.pop("adm-1")
@@ -222,6 +223,8 @@ def test_admin_api_over_http(engine_url, router_factory):
     assert TrajectoryRecord.from_dict(record.to_dict()) == record
     bad = httpx.post(router.base_url + "/admin/trajectories", json={"trajectory_id": "a/b"})
     assert bad.status_code == 400 and "'/'" in bad.json()["error"]["message"]
+    bad = httpx.post(router.base_url + "/admin/trajectories", json={"trajectory_id": "p", "priority": "high"})
+    assert bad.status_code == 400 and "priority must be an integer" in bad.json()["error"]["message"]
     assert httpx.delete(router.base_url + "/admin/trajectories/adm-1").status_code == 404
 
 

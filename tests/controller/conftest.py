@@ -79,12 +79,14 @@ class FakeEngine:
         self.name = name
         self.version = 0
         self.requests = 0
+        self.priorities: list[int | None] = []  # the ``priority`` of each generate call
 
     async def generate(self, input_ids: Any, sampling_params: Any, *, return_logprob: bool = True,
-                       rids: Any = None, **_: Any) -> list[GenerationResult]:
+                       rids: Any = None, priority: int | None = None, **_: Any) -> list[GenerationResult]:
         # the rollout's fast path sends a batch of prompts, the router one prompt (a list of ids)
         prompts = [list(input_ids)] if input_ids and isinstance(input_ids[0], int) else [list(p) for p in input_ids]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
+        self.priorities.append(priority)
         out = []
         for i, (tokens, p) in enumerate(zip(prompts, params)):
             self.requests += 1

@@ -103,3 +103,40 @@ def test_surplus_groups_are_evicted_and_their_prompts_requeued(controller_factor
     # the chosen groups train as a normal step
     metrics, tokens = c.run.learner.learn(chosen, 0)
     assert tokens > 0 and metrics["train/num_mini_batches"] == 1.0
+
+
+@pytest.mark.parametrize("scheduler,via_router", [("windowed_fifo", False), ("windowed_fifo", True),
+                                                  ("no_window", False)],
+                         ids=["windowed-fast-path", "windowed-router", "no-window"])
+def test_every_engine_call_carries_its_groups_deadline_as_priority(controller_factory, scheduler, via_router):
+    """Earliest deadline first: a group's engine calls carry minus the last version allowed to
+    train it (a windowed scheduler's deadline; without one, its dispatch version), so the engines
+    finish what the next step waits for before what a later step needs."""
+    from loongsage_core.controller.async_loop import group_priority
+
+    overrides: dict = {"async": {"enable": True, "scheduler": scheduler, "stale_steps": 1}}
+    if via_router:  # an agent request field only the router applies: the groups go through the router
+        overrides["data"] = [{"name": "add", "generator": "arithmetic", "generator_args": {"num_samples": 32},
+                              "reward": ["exact_match"], "agent": "single_turn",
+                              "agent_args": {"request_args": {"max_tokens": 32}}}]
+    c = controller_factory(overrides)
+    seen: dict[str, int] = {}
+    dispatch = c.scheduler.on_dispatch
+
+    def on_dispatch(group_id: str, version: int, *args: object, **kw: object) -> None:
+        dispatch(group_id, version, *args, **kw)
+        seen[group_id] = group_priority(c.scheduler, group_id, version)
+
+    c.scheduler.on_dispatch = on_dispatch
+    c.fit()
+    expected = [seen[g] for g in seen]  # dispatch order
+    if scheduler == "windowed_fifo":  # 2 groups per slot: deadlines 0, 0, 1, 1, then 2, 2 after an update
+        assert expected[:6] == [0, 0, -1, -1, -2, -2]
+    else:  # the dispatch version: the first window's groups at version 0, then one per update
+        assert expected[:4] == [0, 0, 0, 0] and min(expected) < 0
+    # every engine call carried its group's priority: one batched call per group on the fast path,
+    # one call per sample (each its own trajectory) through the router
+    per_group = 4 if via_router else 1
+    calls = c.engine.priorities
+    assert None not in calls and set(calls) <= set(expected)
+    assert calls.count(0) >= 2 * per_group and calls.count(-1) >= 2 * per_group  # the two trained steps' groups

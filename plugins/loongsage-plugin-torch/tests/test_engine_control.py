@@ -383,6 +383,7 @@ BAD_REQUESTS = [
     ({"input_ids": [1, 2], "lora_path": "x"}, "lora_path", "no [train] lora"),
     ({"input_ids": [[1], [2]], "lora_path": ["policy"]}, "lora_path", "batch of 2"),
     ({"text": "hello"}, "text", "tokenizer"),
+    ({"input_ids": [1, 2], "priority": "high"}, "priority", "integer"),
 ]
 
 
@@ -394,6 +395,27 @@ def test_bad_generate_requests_get_400_naming_the_field(served, body, param, wor
     err = resp.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param
     assert words in err["message"] and param.split(".")[-1].split("[")[0] in err["message"]
+
+
+def test_a_more_urgent_request_is_admitted_first_and_holds_back_the_others(served):
+    """Admission follows SGLang's ``priority`` (larger first); with ``strict_priority`` (the
+    default) a request waits while a more urgent one runs, and starts once none does."""
+    _, client, pool = served
+    short = {"temperature": 0.0, "max_new_tokens": 2, "ignore_eos": True}
+    held_before = state(client)["priority_held_requests"]
+    urgent = pool.submit(client.generate_sync, [[5, 6, 7]], {"temperature": 0.0, "max_new_tokens": UNTIL_ABORTED,
+                                                             "ignore_eos": True}, rids=["urgent"], priority=5)
+    started(client)
+    low = pool.submit(client.generate_sync, [[1, 2, 3]], short, rids=["low"], priority=1)
+    wait_for(lambda: state(client)["priority_held_requests"] == held_before + 1)
+    # a more urgent request than the running one is admitted beside it at once and finishes
+    assert client.generate_sync([[8, 9]], short, rids=["higher"], priority=9)[0].finish_reason == "length"
+    now = state(client)
+    assert (now["running"], now["waiting"]) == (1, 1) and not low.done()  # the low one still waits
+    ask(client, lambda c: c.abort("urgent"))
+    assert urgent.result(timeout=120)[0].finish_reason == "abort"
+    assert low.result(timeout=120)[0].finish_reason == "length"  # admitted once nothing more urgent runs
+    assert state(client)["priority_held_requests"] == held_before + 1  # counted once, however long it waited
 
 
 def test_client_raises_engine_error_with_the_engine_message(served):

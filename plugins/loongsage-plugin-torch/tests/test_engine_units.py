@@ -229,6 +229,9 @@ def test_engine_args_are_validated_by_name():
     assert off.packed_weights is False
     with pytest.raises(EngineConfigError, match='packed_weights must be "auto", true or false'):
         EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"packed_weights": 1}}}))
+    assert ok.strict_priority  # a waiting request does not join a more urgent batch, by default
+    with pytest.raises(EngineConfigError, match="strict_priority must be true or false"):
+        EngineSettings.from_job(structure_job({"rollout": {"engine_args": {"strict_priority": "yes"}}}))
 
 
 def test_generate_bodies_follow_sglang_shapes():

@@ -4,6 +4,12 @@
 the batch, apart from the loop's threading and commands, so each reads on its own. Everything
 here runs in the loop thread.
 
+Admission takes waiting requests in priority order (SGLang's ``priority``: larger first, then
+first come, first served). With ``strict_priority`` (the default) a request is not admitted while
+a more urgent one is running: on a CPU every extra row lengthens each decode step, so the
+requests a trainer is waiting for (an asynchronous run gives a group's priority by its deadline)
+decode at the speed of their own batch, and the others start when they are done.
+
 Admission shares work across requests: requests with identical token sequences in the same
 admission round (the samples of one group) are prefilled once and the others copy the KV row;
 a request whose tokens start with a sequence in the :class:`~.kv_cache.PrefixCache` (the prompt
@@ -71,8 +77,18 @@ class BatchStepMixin:
         dups: list[tuple[RequestState, RequestState]] = []  # (request, the identical request prefilled for it)
         by_tokens: dict[tuple[Any, ...], RequestState] = {}  # (namespace, *tokens) -> request
         new_tokens = 0
+        # the queue is in priority order (see Scheduler.submit); with strict priority a request
+        # waits while a more urgent one runs, so the urgent ones decode in a batch of their own
+        urgent = max((r.item.priority for r in self.running), default=None) \
+            if self.settings.strict_priority else None
         while self.waiting and free > 0:
             req = self.waiting[0]
+            if urgent is not None and req.item.priority < urgent:
+                for held in self.waiting:
+                    if held.item.priority < urgent and not held.held:
+                        held.held = True
+                        self.stats.priority_held_requests += 1
+                break
             if req.num_output >= req.item.params.max_new_tokens:  # max_new_tokens == 0
                 self.waiting.popleft()
                 req.finish = finish_json("length", length=req.item.params.max_new_tokens)

@@ -55,6 +55,8 @@ class GenerateItem:
     logprob_start_len: int = -1
     """SGLang's ``logprob_start_len``: with ``return_logprob``, the log-probs of the prompt's tokens
     from this position on are returned too (``input_token_logprobs``); -1: output tokens only."""
+    priority: int = 0
+    """SGLang's request ``priority``: a larger value is admitted sooner (unset: 0)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -63,14 +65,13 @@ class GenerateItem:
 
 GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "return_logprob", "rid", "stream",
                    "return_text_in_logprobs", "logprob_start_len", "top_logprobs_num", "lora_path",
-                   "return_routed_experts", "image_data"}
+                   "return_routed_experts", "image_data", "priority"}
 GENERATE_NEUTRAL: dict[str, Callable[[Any], bool]] = {
     "log_metrics": lambda v: isinstance(v, bool) or v is None,
     # fields sglang-router adds to every request it forwards
     "model": lambda v: v is None or isinstance(v, str),
     "background": lambda v: v is None or v is False,
     "return_bytes": lambda v: v is None or v is False,
-    "priority": lambda v: v is None or is_int(v),
     "custom_labels": lambda v: v is None or isinstance(v, dict),
     "routing_key": lambda v: v is None or isinstance(v, str),
     "conversation_id": lambda v: v is None or isinstance(v, str),
@@ -323,6 +324,11 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
     lora_paths = _read_lora_paths(body.get("lora_path"), count, adapters)
     starts = _per_item(body.get("logprob_start_len"), count, "logprob_start_len")
     images = _read_image_data(body.get("image_data"), count, single, takes_images)
+    priority = body.get("priority")
+    if priority is None:
+        priority = 0
+    elif not is_int(priority):
+        raise InvalidRequest(f"'priority' must be an integer, got {priority!r}", "priority")
     items = []
     for i, prompt in enumerate(prompts):
         where_ids = "input_ids" if single else f"input_ids[{i}]"
@@ -342,7 +348,7 @@ def parse_generate(body: Any, *, vocab_size: int, max_context: int, encode: Call
                                   return_text_in_logprobs=read_bool(body, "return_text_in_logprobs", False, ""),
                                   parent_rid=parent, top_logprobs_num=top_n, stream=stream,
                                   lora_path=lora_paths[i], return_routed_experts=routed[i],
-                                  image_data=images[i], logprob_start_len=start))
+                                  image_data=images[i], logprob_start_len=start, priority=priority))
     return items, single
 
 

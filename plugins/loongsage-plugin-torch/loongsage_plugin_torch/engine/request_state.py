@@ -121,6 +121,8 @@ class RequestState:
     #: the prompt's token log-probs (``logprob_start_len``), computed by its prefill
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    #: whether admission held it back for a more urgent running request (counted once)
+    held: bool = False
 
     @property
     def scores_prompt(self) -> bool:
@@ -153,3 +155,4 @@ class EngineStats:
     prefill_seconds: float = 0.0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    priority_held_requests: int = 0

@@ -183,10 +183,19 @@ class Scheduler(BatchStepMixin):
                 elif req.item.rid in active:
                     req.future.set_exception(RidInUse(f"rid '{req.item.rid}' is already in use"))
                 else:
-                    self.waiting.append(req)
+                    self._queue(req)
 
         self.call(enqueue)
         return [r.future for r in requests]
+
+    def _queue(self, req: RequestState) -> None:
+        """Put ``req`` in the waiting queue behind every request of its priority or higher."""
+        waiting = self.waiting
+        if not waiting or waiting[-1].item.priority >= req.item.priority:
+            waiting.append(req)  # the usual case: equal priorities, first come first served
+            return
+        at = next(i for i, r in enumerate(waiting) if r.item.priority < req.item.priority)
+        waiting.insert(at, req)
 
     # ------------------------------------------------------------------------------------------
     # commands (run in the loop thread through ``call``)
@@ -212,8 +221,11 @@ class Scheduler(BatchStepMixin):
         elif mode == "retract":
             for req in self.running:
                 req.slot, req.kv_len = -1, 0
-            self.waiting.extendleft(reversed(self.running))
-            self.running = []
+            retracted, self.running = self.running, []
+            for req in sorted(retracted, key=lambda r: -r.item.priority):  # ahead of their priority's waiters
+                at = next((i for i, r in enumerate(self.waiting) if r.item.priority <= req.item.priority),
+                          len(self.waiting))
+                self.waiting.insert(at, req)
         self.paused = True
 
     def resume(self) -> None:

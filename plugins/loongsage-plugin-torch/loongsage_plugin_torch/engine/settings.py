@@ -83,6 +83,9 @@ class EngineSettings:
     ``dtype``: the engine's own precision, ``"float32"`` or ``"bfloat16"`` (unset: ``[model]
     dtype``, the trainer's), as a production engine runs in bf16 next to an fp32 trainer; weight
     updates are cast to it.
+    ``strict_priority`` (default on): a waiting request is not admitted while a running one has a
+    larger ``priority`` (requests without one all have priority 0, so this changes nothing for
+    them); off, priorities only order the waiting queue, as SGLang's priority scheduling does.
     ``speculative`` (unset: off): speculative decoding by prompt lookup, a
     :class:`SpeculativeSettings` table, e.g. ``{ method = "prompt_lookup", num_draft = 4, ngram = 3 }``.
     ``max_context_length`` comes from ``[rollout] max_context_length``.
@@ -99,6 +102,7 @@ class EngineSettings:
     packed_weights: bool | str = "auto"
     dtype: str | None = None
     speculative: SpeculativeSettings | None = None
+    strict_priority: bool = True
 
     @classmethod
     def from_job(cls, job: JobSettings) -> "EngineSettings":
@@ -116,6 +120,12 @@ class EngineSettings:
                 if value not in choices:
                     raise EngineConfigError(f"[rollout] engine_args.{key} must be one of "
                                             f"{', '.join(repr(c) for c in choices)}, got {value!r}")
+                values[key] = value
+                continue
+            if key == "strict_priority":
+                if not isinstance(value, bool):
+                    raise EngineConfigError(
+                        f"[rollout] engine_args.strict_priority must be true or false, got {value!r}")
                 values[key] = value
                 continue
             if key == "packed_weights":
