@@ -221,11 +221,10 @@ class Scheduler(BatchStepMixin):
         elif mode == "retract":
             for req in self.running:
                 req.slot, req.kv_len = -1, 0
-            retracted, self.running = self.running, []
-            for req in sorted(retracted, key=lambda r: -r.item.priority):  # ahead of their priority's waiters
-                at = next((i for i, r in enumerate(self.waiting) if r.item.priority <= req.item.priority),
-                          len(self.waiting))
-                self.waiting.insert(at, req)
+            # back to the queue ahead of the waiters of their priority, in their order (a stable sort
+            # of a queue already in priority order)
+            queue = sorted([*self.running, *self.waiting], key=lambda r: -r.item.priority)
+            self.waiting, self.running = collections.deque(queue), []
         self.paused = True
 
     def resume(self) -> None:
