@@ -124,12 +124,17 @@ class EngineClient:
                          sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
                          *, return_logprob: bool = True, rids: Sequence[str] | None = None,
                          top_logprobs_num: int = 0,
-                         logprob_start_len: int | Sequence[int] | None = None) -> dict[str, Any]:
+                         logprob_start_len: int | Sequence[int] | None = None,
+                         priority: int | None = None) -> dict[str, Any]:
         """The ``/generate`` body for a batch (a single prompt is sent as a batch of one);
         ``top_logprobs_num`` asks for that many most likely tokens per position;
         ``logprob_start_len`` (one for all prompts or one per prompt; -1: none) for the log-probs of
-        the prompt's tokens from that position on (``meta_info.input_token_logprobs``)."""
+        the prompt's tokens from that position on (``meta_info.input_token_logprobs``);
+        ``priority``: SGLang's request priority, larger admitted sooner (SGLang honours it with
+        ``--enable-priority-scheduling``, the embedded engine always)."""
         extra: dict[str, Any] = {"top_logprobs_num": top_logprobs_num} if top_logprobs_num else {}
+        if priority is not None:
+            extra["priority"] = int(priority)
         if logprob_start_len is not None:
             extra["logprob_start_len"] = logprob_start_len if isinstance(logprob_start_len, int) \
                 else [int(x) for x in logprob_start_len]
@@ -186,15 +191,12 @@ class EngineClient:
         """Generate for every prompt of ``input_ids``; results in prompt order. ``image_data``
         (one prompt only): its images in token order, base64 (SGLang's ``image_data``);
         ``logprob_start_len``: see :meth:`generate_payload` (the scores are in each result's
-        ``meta_info``); ``priority``: SGLang's request priority, larger admitted sooner (SGLang
-        honours it with ``--enable-priority-scheduling``, the embedded engine always)."""
+        ``meta_info``); ``priority``: see :meth:`generate_payload`."""
         payload = self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
                                                            rids=rids, top_logprobs_num=top_logprobs_num,
-                                                           logprob_start_len=logprob_start_len))
+                                                           logprob_start_len=logprob_start_len, priority=priority))
         if image_data:
             payload["image_data"] = list(image_data)
-        if priority is not None:
-            payload["priority"] = int(priority)
         body = await self._request("POST", "/generate", payload)
         return self._results(body, self._rid_list(payload))
 
@@ -209,12 +211,11 @@ class EngineClient:
         A stream that breaks off or carries an error is an :class:`EngineProtocolError`.
         """
         payload = {**self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
-                                                              rids=[rid], top_logprobs_num=top_logprobs_num)),
+                                                              rids=[rid], top_logprobs_num=top_logprobs_num,
+                                                              priority=priority)),
                    "stream": True}
         if image_data:
             payload["image_data"] = list(image_data)
-        if priority is not None:
-            payload["priority"] = int(priority)
         out: GenerationResult | None = None
         async with self._aclient().stream("POST", "/generate", json=payload) as resp:
             if resp.status_code >= 400:
@@ -326,7 +327,5 @@ class EngineClient:
                       *, return_logprob: bool = True, rids: Sequence[str] | None = None,
                       priority: int | None = None) -> list[GenerationResult]:
         payload = self._with_adapter(self.generate_payload(input_ids, sampling_params, return_logprob=return_logprob,
-                                                           rids=rids))
-        if priority is not None:
-            payload["priority"] = int(priority)
+                                                           rids=rids, priority=priority))
         return self._results(self._request_sync("POST", "/generate", payload), self._rid_list(payload))

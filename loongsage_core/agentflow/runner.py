@@ -76,7 +76,7 @@ async def run_agent_trajectory(router: Any, agent: Agent, sandbox_provider: Any 
     tid = trajectory.id
     base_url = await router.aregister(tid, attempt=attempt, sampling=sampling, max_response_tokens=max_response_tokens,
                                       max_context_length=max_context_length, metadata={"source": trajectory.source},
-                                      **({} if priority is None else {"priority": priority}))
+                                      priority=priority)
     if api_key is None:
         api_key = router.trajectory_key(tid, attempt)
     trajectory.status = TrajectoryStatus.GENERATING
