@@ -17,6 +17,7 @@ from . import hookspecs
 from .capabilities import (
     Closeable,
     ConstrainsToolCalls,
+    DeadlineScheduler,
     LoadsWeights,
     LoraAwareSender,
     LoraTrainer,

@@ -226,6 +226,17 @@ class SourcePicker(Protocol):
 
 
 @runtime_checkable
+class DeadlineScheduler(Protocol):
+    """An asynchronous scheduler that gives each live group a deadline: ``deadline_of(group_id)``
+    is the last trainer version allowed to train it (``None``: it has none, its tokens alone
+    decide). The host sends minus the deadline as the group's engine ``priority`` (larger runs
+    sooner: earliest deadline first); without this capability, or for a group without a
+    deadline, minus the version the group was dispatched at."""
+
+    def deadline_of(self, group_id: str) -> int | None: ...
+
+
+@runtime_checkable
 class StreamingMiddleware(Protocol):
     """A router middleware that can rewrite a response while it streams: ``stream_holdback``
     says how many trailing characters of ``text`` to hold back (a tool call or a reasoning block

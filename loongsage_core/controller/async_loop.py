@@ -33,6 +33,7 @@ import attrs
 
 from loongsage_hookspecs import (
     CheckpointableScheduler,
+    DeadlineScheduler,
     SchedulerContext,
     SourcePicker,
     TrajectoryGroup,
@@ -83,12 +84,12 @@ def group_priority(scheduler: Any, group_id: str, version: int) -> int:
 
     Engines admit requests of a larger priority first (SGLang's convention), so a group gets its
     deadline negated: the last trainer version allowed to train it, when the scheduler gives one
-    (``deadline_of``), else the version it is dispatched at (oldest first). A step waits for the
-    groups due at its version; the engines finish those before they start the next step's, and
-    the embedded engine, with ``strict_priority``, decodes them in a batch of their own.
+    (a :class:`~loongsage_hookspecs.DeadlineScheduler`), else the version it is dispatched at
+    (oldest first). A step waits for the groups due at its version; the engines finish those
+    before they start the next step's, and the embedded engine, with ``strict_priority``, decodes
+    them in a batch of their own.
     """
-    deadline_of = getattr(scheduler, "deadline_of", None)
-    deadline = deadline_of(group_id) if deadline_of is not None else None
+    deadline = scheduler.deadline_of(group_id) if isinstance(scheduler, DeadlineScheduler) else None
     return -(version if deadline is None else int(deadline))
 
 

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from loongsage_hookspecs import CheckpointableScheduler, SchedulerSpec, SourcePicker, hookimpl
+from loongsage_hookspecs import CheckpointableScheduler, DeadlineScheduler, SchedulerSpec, SourcePicker, hookimpl
 
 from .no_window import NoWindowScheduler
 from .sync import SyncScheduler
 from .windowed import WindowedFifoScheduler, WindowGatedScheduler
 
 _COMMON = "args batch_size, stale_steps, oversample, staleness"
-# every shipped scheduler keeps per-source quotas and survives a checkpoint (the shared base)
-_CAPABILITIES = (SourcePicker, CheckpointableScheduler)
+# every shipped scheduler keeps per-source quotas, survives a checkpoint and tells a group's
+# deadline, if it has one (the shared base)
+_CAPABILITIES = (SourcePicker, CheckpointableScheduler, DeadlineScheduler)
 
 
 @hookimpl
