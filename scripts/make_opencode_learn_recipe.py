@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import string
 import sys
 import tempfile
@@ -62,35 +61,7 @@ VOWELS = ("a", "e", "i", "o", "u", "ai", "ou")
 CODAS = ("", "", "", "n", "l", "r", "s", "k")
 WORLD_SEEDS = {"train": 1, "heldout": 2, "tokenizer": 3}
 
-CHAT_TEMPLATE = (
-    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
-    "{%- if system is not none or tools %}{{- '<|im_start|>system\\n' }}"
-    "{%- if system is not none %}{{- system }}{%- if tools %}{{- '\\n' }}{%- endif %}{%- endif %}"
-    "{%- if tools %}{{- 'Tools:' }}"
-    "{%- for tool in tools %}{%- set f = tool['function'] if tool['function'] is defined else tool %}"
-    "{{- '\\n' + f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + '): '"
-    " + (f['description'] or '').split('\\n')[0] }}"
-    "{%- endfor %}"
-    "{{- '\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>' }}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
-    "{%- for tc in message.get('tool_calls') or [] %}"
-    "{%- set f = tc['function'] if tc['function'] is defined else tc %}"
-    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
-    "{%- if f['arguments'] is string %}{{- f['arguments'] }}"
-    "{%- else %}{{- f['arguments'] | tojson(separators=(',', ':')) }}{%- endif %}"
-    "{{- '}</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
+CHAT_TEMPLATE = search_recipe.hermes_chat_template(first_description_line=True, compact_arguments=True)
 """ChatML with hermes tool calls (arguments as compact JSON, the way OpenCode sends them back);
 each tool one line, ``name(params): first line of its description``
 (OpenCode's own descriptions run to paragraphs), to keep the prompt short."""
@@ -271,19 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         build_tokenizer(RECIPE / "tokenizer", args.vocab_size)
     with tempfile.TemporaryDirectory(prefix="opencode-learn-sft-") as tmp:
         work = args.work_dir.resolve() if args.work_dir else Path(tmp)
-        final = warm_start(args, work)
-        if args.out.exists():
-            shutil.rmtree(args.out)
-        shutil.copytree(final, args.out)
-    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f}s", flush=True)
-    if args.eval_prompts:
-        from loongsage_core.config import load_job
-        from loongsage_core.controller.eval_job import evaluate_job, format_table
-        from loongsage_core.resolve import resolve_job
-
-        job = load_job(RECIPE / "opencode_learn.toml", [f"eval.max_prompts={args.eval_prompts}",
-                                                        f"eval.samples={args.eval_samples}"])
-        print(format_table(evaluate_job(resolve_job(job), checkpoint=str(args.out))), flush=True)
+        search_recipe.install_model(warm_start(args, work), args.out, t0)
+    search_recipe.heldout_check(args, RECIPE / "opencode_learn.toml")
     return 0
 
 

@@ -51,7 +51,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "configs" / "recipes" / "search"
@@ -62,36 +62,49 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</too
 NAME_SPACE = r" (?=[A-Z0-9])"
 """A space before a capital letter or a digit: split off as a token of its own."""
 
-CHAT_TEMPLATE = (
-    "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
-    "{%- if system is not none or tools %}{{- '<|im_start|>system\\n' }}"
-    "{%- if system is not none %}{{- system }}{%- if tools %}{{- '\\n' }}{%- endif %}{%- endif %}"
-    "{%- if tools %}{{- 'Tools:' }}"
-    "{%- for tool in tools %}{%- set f = tool['function'] if tool['function'] is defined else tool %}"
-    "{{- '\\n' + f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + '): ' + f['description'] }}"
-    "{%- endfor %}"
-    "{{- '\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>' }}{%- endif %}"
-    "{{- '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}"
-    "{%- if message['role'] == 'user' %}{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
-    "{%- for tc in message.get('tool_calls') or [] %}"
-    "{%- set f = tc['function'] if tc['function'] is defined else tc %}"
-    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
-    "{{- '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
-    "{%- if f['arguments'] is string %}{{- f['arguments'] }}{%- else %}{{- f['arguments'] | tojson }}{%- endif %}"
-    "{{- '}</tool_call>' }}"
-    "{%- endfor %}{{- '<|im_end|>\\n' }}"
-    "{%- elif message['role'] == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
-    "{%- endif %}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-"""ChatML with hermes tool calls: the tools as ``name(params): description`` lines in the system
-turn, a call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a result as a user
-turn wrapped in ``<tool_response>``."""
+def hermes_chat_template(*, first_description_line: bool = False, compact_arguments: bool = False) -> str:
+    """ChatML with hermes tool calls: the tools as ``name(params): description`` lines in the
+    system turn, a call as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, a result as
+    a user turn wrapped in ``<tool_response>``. ``first_description_line``: only the first line of
+    each tool's description; ``compact_arguments``: arguments given as objects are written as
+    compact JSON (no spaces), the way OpenCode sends them back."""
+    description = ("f['description']" if not first_description_line
+                   else "(f['description'] or '').split('\\n')[0]")
+    arguments = "f['arguments'] | tojson" + ("(separators=(',', ':'))" if compact_arguments else "")
+    return (
+        "{%- set system = messages[0]['content'] if messages and messages[0]['role'] == 'system' else none %}"
+        "{%- if system is not none or tools %}{{- '<|im_start|>system\\n' }}"
+        "{%- if system is not none %}{{- system }}{%- if tools %}{{- '\\n' }}{%- endif %}{%- endif %}"
+        "{%- if tools %}{{- 'Tools:' }}"
+        "{%- for tool in tools %}{%- set f = tool['function'] if tool['function'] is defined else tool %}"
+        "{{- '\\n' + f['name'] + '(' + (f['parameters']['properties'] | list | join(', ')) + '): '"
+        " + " + description + " }}"
+        "{%- endfor %}"
+        "{{- '\\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>' }}{%- endif %}"
+        "{{- '<|im_end|>\\n' }}{%- endif %}"
+        "{%- for message in messages %}"
+        "{%- if message['role'] == 'user' %}{{- '<|im_start|>user\\n' + message['content'] + '<|im_end|>\\n' }}"
+        "{%- elif message['role'] == 'assistant' %}{{- '<|im_start|>assistant\\n' }}"
+        "{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
+        "{%- for tc in message.get('tool_calls') or [] %}"
+        "{%- set f = tc['function'] if tc['function'] is defined else tc %}"
+        "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+        "{{- '<tool_call>{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+        "{%- if f['arguments'] is string %}{{- f['arguments'] }}"
+        "{%- else %}{{- " + arguments + " }}{%- endif %}"
+        "{{- '}</tool_call>' }}"
+        "{%- endfor %}{{- '<|im_end|>\\n' }}"
+        "{%- elif message['role'] == 'tool' %}"
+        "{{- '<|im_start|>user\\n<tool_response>' + message['content'] + '</tool_response><|im_end|>\\n' }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+
+
+CHAT_TEMPLATE = hermes_chat_template()
+"""The recipe's chat template (:func:`hermes_chat_template`, full descriptions), baked into its
+tokenizer."""
 
 
 def tokenizer_corpus() -> list[str]:
@@ -203,6 +216,27 @@ def parse_warm_start_args(parser: argparse.ArgumentParser, argv: list[str] | Non
     return args
 
 
+def install_model(final: Path, out: Path, t0: float) -> None:
+    """Put the warm-started model directory ``final`` at ``out`` (replacing what is there)."""
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(final, out)
+    print(f"wrote {out} in {time.perf_counter() - t0:.0f}s", flush=True)
+
+
+def heldout_check(args: argparse.Namespace, job_file: Path, overrides: Sequence[str] = ()) -> None:
+    """With ``--eval-prompts``: the recipe's own ``[eval]`` (its held-out split, what
+    ``loongsage eval`` runs) of ``job_file`` on the model at ``--out``, printed as a table."""
+    if not args.eval_prompts:
+        return
+    from loongsage_core.config import load_job
+    from loongsage_core.controller.eval_job import evaluate_job, format_table
+    from loongsage_core.resolve import resolve_job
+
+    job = load_job(job_file, [*overrides, f"eval.max_prompts={args.eval_prompts}", f"eval.samples={args.eval_samples}"])
+    print(format_table(evaluate_job(resolve_job(job), checkpoint=str(args.out))), flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = warm_start_parser(__doc__.split("\n\n")[0], RECIPE / "model", eval_prompts=64, eval_samples=4)
     parser.add_argument("--tokenizer-only", action="store_true", help="write the tokenizer and stop")
@@ -221,19 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     with tempfile.TemporaryDirectory(prefix="search-sft-") as tmp:
         work = args.work_dir or Path(tmp)
-        final = warm_start(args, work)
-        if args.out.exists():
-            shutil.rmtree(args.out)
-        shutil.copytree(final, args.out)
-    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f}s", flush=True)
-    if args.eval_prompts:  # the recipe's own [eval] (held-out split) on the new model: `loongsage eval`
-        from loongsage_core.config import load_job
-        from loongsage_core.controller.eval_job import evaluate_job, format_table
-        from loongsage_core.resolve import resolve_job
-
-        job = load_job(RECIPE / "search.toml", [f"eval.max_prompts={args.eval_prompts}",
-                                                f"eval.samples={args.eval_samples}"])
-        print(format_table(evaluate_job(resolve_job(job), checkpoint=str(args.out))), flush=True)
+        install_model(warm_start(args, work), args.out, t0)
+    heldout_check(args, RECIPE / "search.toml")
     return 0
 
 

@@ -29,7 +29,6 @@ Seeded, on one CPU thread.
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 import time
@@ -45,6 +44,8 @@ from make_search_recipe import (  # noqa: E402
     CHAT_TEMPLATE,
     TEST_TOKENIZER,
     build_tokenizer,
+    heldout_check,
+    install_model,
     parse_warm_start_args,
     warm_start,
     warm_start_parser,
@@ -104,20 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_model is None and args.clean_model is None:
         build_tokenizer(RECIPE / "tokenizer", args.vocab_size, tokenizer_corpus())
     with tempfile.TemporaryDirectory(prefix="swe-sft-") as tmp:
-        final = warm_start(args, args.work_dir or Path(tmp), recipe=RECIPE)
-        if args.out.exists():
-            shutil.rmtree(args.out)
-        shutil.copytree(final, args.out)
-    print(f"wrote {args.out} in {time.perf_counter() - t0:.0f}s", flush=True)
-    if args.eval_prompts:  # repair.toml's own [eval] (held-out repositories) on the new model
-        from loongsage_core.config import load_job
-        from loongsage_core.controller.eval_job import evaluate_job, format_table
-        from loongsage_core.resolve import resolve_job
-
-        overrides = [f"model.path={args.out.resolve()}", f"eval.max_prompts={args.eval_prompts}",
-                     f"eval.samples={args.eval_samples}"]
-        job = load_job(RECIPE / "repair.toml", overrides)
-        print(format_table(evaluate_job(resolve_job(job), checkpoint=str(args.out))), flush=True)
+        install_model(warm_start(args, args.work_dir or Path(tmp), recipe=RECIPE), args.out, t0)
+    heldout_check(args, RECIPE / "repair.toml", [f"model.path={args.out.resolve()}"])  # held-out repositories
     return 0
 
 
