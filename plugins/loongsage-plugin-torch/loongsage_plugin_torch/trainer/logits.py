@@ -113,20 +113,11 @@ def output_logits(model: Any, hidden: "torch.Tensor", *, compute_dtype: "torch.d
 def picked_logprobs_and_entropy(logits: "torch.Tensor", targets: "torch.Tensor", *, with_entropy: bool = True,
                                 entropy_grad: bool = True) -> "tuple[torch.Tensor, torch.Tensor | None]":
     """``log p(target)`` and the entropy of each row of ``logits`` ``[..., V]`` (``targets``
-    ``[...]``), from ``logsumexp`` and a gather rather than a full ``log_softmax``; the entropy is
-    ``lse - sum(softmax * logits)``, without autograd history when ``entropy_grad`` is off (no
-    loss term uses it)."""
-    import torch
+    ``[...]``), in one blocked pass over the logits (:mod:`.token_scores`); the entropy has no
+    gradient when ``entropy_grad`` is off (no loss term uses it)."""
+    from .token_scores import token_scores
 
-    lse = torch.logsumexp(logits, dim=-1)
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    if not with_entropy:
-        return picked, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        src = logits if entropy_grad else logits.detach()
-        lse_e = lse if entropy_grad else lse.detach()
-        entropy = lse_e - (torch.softmax(src, dim=-1) * src).sum(-1)
-    return picked, entropy
+    return token_scores(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
 def logprobs_and_entropy(logits: "torch.Tensor", input_ids: "torch.Tensor", *, with_entropy: bool = True,
@@ -135,9 +126,8 @@ def logprobs_and_entropy(logits: "torch.Tensor", input_ids: "torch.Tensor", *, w
     """Token log-probs and entropies ``[B, T]`` from next-token ``logits`` ``[B, T-1, V]`` (or
     ``[K, V]`` of the ``scored`` tokens, see :func:`next_token_logits`: 0 at every other token).
 
-    Uses ``logsumexp`` and a gather rather than a full ``log_softmax``; the entropy is
-    ``lse - sum(softmax * logits)``. ``entropy_grad=False`` computes it without autograd history
-    (when no loss term uses it).
+    See :func:`picked_logprobs_and_entropy`. ``entropy_grad=False`` computes the entropy without
+    autograd history (when no loss term uses it).
     """
     import torch.nn.functional as F
 
