@@ -437,6 +437,77 @@ def test_an_update_that_makes_weights_infinite_is_rolled_back():
         assert_same_bits(after, before)
 
 
+def test_steps_that_cannot_overflow_take_no_snapshot_and_those_that_might_do(monkeypatch):
+    """The copy that takes a step back (three times the weights' bytes) is made only for a step
+    whose weight bound comes near the float range; a huge lr still gets it, and is rolled back."""
+    from loongsage_plugin_torch.trainer import rollback, training_step
+
+    taken = []
+
+    class CountedSnapshot(rollback.StepSnapshot):  # the real snapshot, counted
+        def __init__(self, *args, **kwargs):
+            taken.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(training_step, "StepSnapshot", CountedSnapshot)
+    worker = make_worker(make_job(train={"lr": 1e-3}))
+    for seed in (1, 2):
+        batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=seed))
+        assert worker.train_mini_batch(batch, compute_norm(batch))["train/skipped_step"] == 0.0
+    assert taken == []
+    params = {n: p.detach().clone() for n, p in worker.model.named_parameters()}
+    worker.optimizer.param_groups[0]["lr"] = 1e39
+    batch = with_old_logprobs(worker, make_batch(rows=4, width=16, seed=3))
+    assert worker.train_mini_batch(batch, compute_norm(batch))["train/rolled_back_step"] == 1.0
+    assert taken == [1]
+    assert_same_bits({n: p.detach() for n, p in worker.model.named_parameters()}, params)
+
+
+@pytest.mark.parametrize("lr,eps,decay,betas", [(1e-3, 1e-8, 0.01, (0.9, 0.999)), (10.0, 1e-12, 0.5, (0.5, 0.9)),
+                                                (1e-5, 1e-6, 0.0, (0.0, 0.99)), (3.0, 1e-3, 2.0, (0.99, 0.999))])
+def test_the_adamw_weight_bound_holds_for_the_fused_kernel(lr, eps, decay, betas):
+    """Over several steps of torch's fused AdamW with gradients of bounded size (moments built up
+    on the way), no weight ever exceeds the bound computed before its step."""
+    from loongsage_plugin_torch.trainer.rollback import adamw_weight_bound
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 7, generator=g) * 3), torch.nn.Parameter(torch.randn(11, generator=g))]
+    opt = torch.optim.AdamW(params, lr=lr, eps=eps, weight_decay=decay, betas=betas, fused=True)
+    for step in range(6):
+        largest_grad = 10.0 ** (step % 3 - 1)
+        for p in params:  # gradients of every sign, as large as allowed in places
+            p.grad = (torch.rand(p.shape, generator=g) * 2 - 1) * largest_grad
+            p.grad.view(-1)[0] = largest_grad
+        bound = adamw_weight_bound(opt, largest_grad)
+        opt.step()
+        assert 0 < max(float(p.detach().abs().max()) for p in params) <= bound
+
+
+def test_the_adamw_weight_bound_refuses_what_it_does_not_cover():
+    from loongsage_plugin_torch.trainer.rollback import adamw_step_cannot_overflow, adamw_weight_bound
+
+    def adamw(**kwargs):
+        p = torch.nn.Parameter(torch.ones(4))
+        p.grad = torch.full((4,), 0.5)
+        return p, torch.optim.AdamW([p], **{"lr": 1e-3, **kwargs})
+
+    p, opt = adamw()
+    assert adamw_step_cannot_overflow(opt, 0.5) and adamw_weight_bound(opt, 0.5) < 1e6
+    assert not adamw_step_cannot_overflow(opt, float("inf")) and not adamw_step_cannot_overflow(opt, 1e19)
+    assert not adamw_step_cannot_overflow(adamw(lr=1e39)[1], 0.5)  # the update alone overflows
+    assert not adamw_step_cannot_overflow(adamw(lr=1e-3, weight_decay=1e40)[1], 0.5)  # the decay does
+    assert adamw_weight_bound(adamw(eps=0.0)[1], 0.5) == float("inf")  # no floor under the denominator
+    with torch.no_grad():
+        p[2] = float("nan")
+    assert adamw_weight_bound(opt, 0.5) == float("inf")
+    p, opt = adamw()
+    opt.step()
+    opt.state[p]["exp_avg"][1] = float("inf")  # a broken first moment
+    assert adamw_weight_bound(opt, 0.5) == float("inf")
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    assert adamw_weight_bound(sgd, 0.5) == float("inf")  # another optimizer: the snapshot is taken
+
+
 def test_nonfinite_count_counts_parameters_holding_inf_or_nan_and_not_huge_finite_ones():
     from loongsage_plugin_torch.trainer.rollback import nonfinite_count
 

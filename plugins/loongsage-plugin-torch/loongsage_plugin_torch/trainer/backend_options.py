@@ -12,8 +12,9 @@ place (the worker, the critic and the README point here).
 * ``dist_backend``: ``"auto"`` (NCCL on CUDA, Gloo on CPU), ``"gloo"`` or ``"nccl"``;
 * ``grad_sync_bucket_mb``: size of the flat gradient buckets all-reduced across ranks (64);
 * ``rollback_overflow``: take back an optimizer step whose update made a weight non-finite
-  (default ``true``: the parameters and optimizer state are copied before each step, see
-  :mod:`.rollback`); ``false`` saves that copy, and such a step ends the run;
+  (default ``true``: the parameters and optimizer state are copied before each step that might
+  overflow, see :mod:`.rollback`); ``false`` skips the check and the copy, and such a step ends
+  the run;
 * ``share_prompts``: rows of a micro-batch that begin with the same prompt (a GRPO group) run it
   once, each completion attending to the one copy (default ``true``, see
   :func:`.packing.prompt_groups`); the same log-probs, loss and gradients within float32

@@ -21,7 +21,7 @@ from loongsage_hookspecs import AggregationNorm, Batch
 from . import distributed
 from .backend_options import BackendOptions
 from .forward_passes import ForwardPassMixin
-from .rollback import StepSnapshot, is_overflow_error, nonfinite_count
+from .rollback import StepSnapshot, adamw_step_cannot_overflow, is_overflow_error, nonfinite_count
 
 
 class TrainingStepMixin(ForwardPassMixin):
@@ -126,7 +126,9 @@ class TrainingStepMixin(ForwardPassMixin):
         schedule still advances so resumed and uninterrupted runs stay aligned. A step whose
         update made a weight non-finite (``train/nonfinite_weights`` tensors) is taken back: the
         parameters and optimizer state are restored bit for bit (``train/rolled_back_step`` = 1,
-        ``train/skipped_step`` = 1), unless ``backend_args.rollback_overflow = false``.
+        ``train/skipped_step`` = 1), unless ``backend_args.rollback_overflow = false``. The copy
+        that takes it back is made only for a step that might overflow
+        (:func:`.rollback.adamw_step_cannot_overflow`).
         """
         optimizer, _ = self._require_trainable("optimizer_step")
         given = apply_step_hyperparameters(optimizer.param_groups, hyperparameters,
@@ -142,7 +144,12 @@ class TrainingStepMixin(ForwardPassMixin):
         nonfinite_weights = 0
         rolled_back = False
         if finite:
-            snapshot = StepSnapshot(params, optimizer) if self.options.rollback_overflow else None
+            # no gradient element exceeds the clipped total norm: with it, most steps provably
+            # cannot overflow and need no copy to take them back (.rollback)
+            largest_grad = min(float(grad_norm), clip) if clip > 0 else float(grad_norm)
+            snapshot = (StepSnapshot(params, optimizer)
+                        if self.options.rollback_overflow and not adamw_step_cannot_overflow(optimizer, largest_grad)
+                        else None)
             try:
                 optimizer.step()
             except RuntimeError as exc:  # a step size beyond float range: torch stops half-way through
