@@ -357,6 +357,46 @@ def test_health_and_model_info(served):
     assert idle["running"] == 0 and idle["kv_slots"] == 0  # an idle engine holds no KV memory
 
 
+def test_an_idle_loop_thread_retires_and_the_next_call_starts_another(served):
+    """An idle engine keeps no thread that holds an OpenMP team (a colocated trainer's parallel
+    operators slow down beside one): the loop ends after ``IDLE_RETIRE_SECONDS`` without work,
+    the engine stays healthy, and requests, commands and a request paused in place while the loop
+    retired all run on a new one, with the same results."""
+    from loongsage_plugin_torch.engine.scheduler import IDLE_RETIRE_SECONDS
+
+    engine, client, pool = served
+    scheduler = engine.scheduler
+    greedy = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    first = client.generate_sync([[5, 6, 7]], greedy)[0]
+    wait_for(lambda: not scheduler.loop_running, timeout=30 * IDLE_RETIRE_SECONDS + 10)
+    assert ask(client, lambda c: c.health()) and scheduler.alive
+    assert client.generate_sync([[5, 6, 7]], greedy)[0].output_ids == first.output_ids
+    wait_for(lambda: not scheduler.loop_running, timeout=30 * IDLE_RETIRE_SECONDS + 10)
+    assert state(client)["running"] == 0  # a command (server info) runs on a new loop too
+    fut = paused_while_running(client, pool, [31, 32, 33], "kept", "in_place")
+    wait_for(lambda: not scheduler.loop_running, timeout=30 * IDLE_RETIRE_SECONDS + 10)
+    assert not fut.done()
+    ask(client, lambda c: c.resume())
+    res = fut.result(timeout=120)[0]
+    assert res.finish_reason == "length" and len(res.output_ids) == 300
+
+
+def test_an_engine_whose_loop_retired_shuts_down_and_fails_what_stayed_paused():
+    engine = create_engine(EngineContext(job=make_job(), components=registry()))
+    client = EngineClient(engine.start())
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        fut = paused_while_running(client, pool, [41, 42], "left", "in_place")
+        wait_for(lambda: not engine.scheduler.loop_running)
+        engine.shutdown()
+        assert not engine.scheduler.alive
+        with pytest.raises(EngineError):
+            fut.result(timeout=60)
+    finally:
+        pool.shutdown(wait=True)
+        client.close()
+
+
 BAD_REQUESTS = [
     ({"sampling_params": {"max_new_tokens": 3}}, "input_ids", "required"),
     ({"input_ids": [1, 2], "bogus": 1}, "bogus", "unknown field"),
