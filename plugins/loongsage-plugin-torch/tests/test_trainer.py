@@ -495,6 +495,8 @@ def test_the_adamw_weight_bound_refuses_what_it_does_not_cover():
     assert adamw_step_cannot_overflow(opt, 0.5) and adamw_weight_bound(opt, 0.5) < 1e6
     assert not adamw_step_cannot_overflow(opt, float("inf")) and not adamw_step_cannot_overflow(opt, 1e19)
     assert not adamw_step_cannot_overflow(adamw(lr=1e39)[1], 0.5)  # the update alone overflows
+    assert not adamw_step_cannot_overflow(adamw(lr=1e39)[1], 0.0)  # a zero update times an inf step size
+    assert not adamw_step_cannot_overflow(adamw(lr=1e-3, weight_decay=1e40)[1], 0.0)
     assert not adamw_step_cannot_overflow(adamw(lr=1e-3, weight_decay=1e40)[1], 0.5)  # the decay does
     assert adamw_weight_bound(adamw(eps=0.0)[1], 0.5) == float("inf")  # no floor under the denominator
     with torch.no_grad():

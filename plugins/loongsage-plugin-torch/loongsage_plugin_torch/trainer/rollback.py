@@ -82,7 +82,8 @@ def adamw_weight_bound(optimizer: torch.optim.Optimizer, grad_bound: float) -> f
 
     because ``|m| <= b1 M + (1 - b1) G``, the bias correction ``1 - b1^t >= 1 - b1`` and the
     denominator is at least ``eps`` (the second moments AdamW keeps are never negative). ``inf``
-    for another optimizer, ``eps <= 0``, ``b1`` outside ``[0, 1)``, a non-finite weight, moment or
+    when the step size ``lr / (1 - b1^t)`` or ``lr wd`` itself nears the float range (times a zero
+    update it makes ``nan``), for another optimizer, ``eps <= 0``, ``b1`` outside ``[0, 1)``, a non-finite weight, moment or
     hyperparameter, or a ``G`` whose square overflows float32.
     """
     if not isinstance(optimizer, torch.optim.AdamW) or not math.isfinite(grad_bound) or grad_bound > 1e18:
@@ -96,6 +97,8 @@ def adamw_weight_bound(optimizer: torch.optim.Optimizer, grad_bound: float) -> f
         beta1 = float(group["betas"][0])
         if not (eps > 0.0 and 0.0 <= beta1 < 1.0 and math.isfinite(lr) and math.isfinite(decay)):
             return math.inf
+        if abs(lr) / (1.0 - beta1) >= SAFE_WEIGHT_BOUND or abs(lr * decay) >= SAFE_WEIGHT_BOUND:
+            return math.inf  # the kernel's own step size or decay factor overflows (inf * 0 is nan)
         weights = _largest_magnitude(params)
         moments = _largest_magnitude(optimizer.state[p]["exp_avg"] for p in params
                                      if "exp_avg" in optimizer.state.get(p, {}))
