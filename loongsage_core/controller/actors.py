@@ -8,6 +8,11 @@ thread of the actor and is reached by URL like any SGLang server. The engine lis
 address (Ray's node IP: loopback on a local cluster, the machine's address on a multi-node one)
 and its URL carries that address.
 
+A colocated actor (trainer and engine in one process) gives back the trainer thread's idle
+OpenMP workers after each call that computes (:mod:`loongsage_core.openmp`): the engine then
+decodes as fast as alone, and the engine's loop thread ends when idle, so the trainer trains as
+fast as alone.
+
 The run secret comes in as a constructor argument (never through the environment): the engine
 requires it on its endpoints, and weight transports and engine clients built in the actor send it
 (:func:`loongsage_core.security.set_process_secret`).
@@ -15,9 +20,10 @@ requires it on its endpoints, and weight transports and engine clients built in 
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from loongsage_hookspecs import (
     AggregationNorm,
@@ -35,9 +41,27 @@ from loongsage_hookspecs import (
 )
 
 from ..config import JobConfig, component_ref
+from ..openmp import release_idle_threads
 from ..plugins import PluginHost
 from ..rendezvous import Rendezvous, host_rendezvous, reachable_address
 from ..security import set_process_secret
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def computes(method: F) -> F:
+    """A :class:`ModelActor` method that runs the trainer's operators: in a colocated actor, the
+    calling thread's idle OpenMP workers are given back when it returns (module docstring)."""
+
+    @functools.wraps(method)
+    def run(self: "ModelActor", *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            if self.engine is not None and self.worker is not None:
+                release_idle_threads()
+
+    return run  # type: ignore[return-value]
 
 
 class ModelActor:
@@ -76,6 +100,7 @@ class ModelActor:
         self.rendezvous = host_rendezvous()
         return self.rendezvous.address, self.rendezvous.port
 
+    @computes
     def start(self, master_addr: str, master_port: int) -> None:
         """Build the trainer worker (joining the group at ``master_addr:master_port``), the
         reference worker and the engine this actor holds."""
@@ -110,14 +135,17 @@ class ModelActor:
             info["dp_size"] = int(self.worker.data_parallel_size if parallel else self.world_size)
         return info
 
+    @computes
     def forward(self, batch: Batch) -> dict[str, Any]:
         return self.worker.forward(batch)
 
+    @computes
     def reference_forward(self, batch: Batch) -> dict[str, Any]:
         if self.reference is None:  # the policy scores its own reference (LoRA: the adapter disabled)
             return self.worker.reference_forward(batch)
         return self.reference.forward(batch)
 
+    @computes
     def train_mini_batch(self, batch: Batch, norm: AggregationNorm) -> dict[str, float]:
         return self.worker.train_mini_batch(batch, norm)
 
@@ -131,6 +159,7 @@ class ModelActor:
         """:meth:`train_mini_batch` on rows ``rows`` of the step's shared batch."""
         return self.train_mini_batch(batch.select(rows), norm)
 
+    @computes
     def peak_flops(self) -> dict[str, Any]:
         """The peak FLOP/s of this trainer rank's device (``[train] peak_tflops``, the accelerator
         table, or a matmul probe here), the device type, and whether the worker runs a group's
@@ -147,6 +176,7 @@ class ModelActor:
         were the step's old log-probs (the separate pass was skipped), else ``None``."""
         return self.worker.training_forward_logprobs if isinstance(self.worker, ReusesTrainingLogprobs) else None
 
+    @computes
     def offload(self) -> None:
         """Move the trainer's (and the reference model's) state off the accelerator, when the
         backend can (colocated runs, while the engine generates)."""
@@ -154,16 +184,19 @@ class ModelActor:
             if isinstance(worker, Offloadable):
                 worker.offload()
 
+    @computes
     def onload(self) -> None:
         """Bring back what :meth:`offload` moved (before training)."""
         for worker in (self.worker, self.reference):
             if isinstance(worker, Offloadable):
                 worker.onload()
 
+    @computes
     def refresh_reference(self) -> None:
         """Copy the current policy weights into the frozen reference model."""
         self.reference.load_weights(self.worker.named_weights())
 
+    @computes
     def push_weights(self, version: int, targets: list[Any] | None) -> dict[str, float]:
         """Send this rank's weights with the job's transport; ``None`` targets the local engine.
 
@@ -187,15 +220,19 @@ class ModelActor:
         stats.setdefault("seconds", time.perf_counter() - start)
         return stats
 
+    @computes
     def save_checkpoint(self, path: str) -> None:
         self.worker.save_checkpoint(path)
 
+    @computes
     def load_checkpoint(self, path: str) -> None:
         self.worker.load_checkpoint(path)
 
+    @computes
     def save_hf(self, path: str) -> None:
         self.worker.save_hf(path)
 
+    @computes
     def save_adapter(self, path: str) -> None:
         self.worker.save_adapter(path)
 
