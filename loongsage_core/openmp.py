@@ -21,13 +21,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+from typing import Callable
 
 OMP_PAUSE_SOFT = 1
 """``omp_pause_soft`` of the OpenMP 5.0 ``omp_pause_resource_t`` enumeration."""
 
 
 @functools.cache
-def _pause_all() -> "ctypes._CFuncPtr | None":
+def _pause_all() -> Callable[[int], int] | None:
     """``omp_pause_resource_all`` of the libgomp this process has loaded, or ``None``."""
     if not sys.platform.startswith("linux"):
         return None
@@ -44,7 +45,8 @@ def _pause_all() -> "ctypes._CFuncPtr | None":
         return None
     fn.argtypes = [ctypes.c_int]
     fn.restype = ctypes.c_int
-    return fn
+    pause: Callable[[int], int] = fn
+    return pause
 
 
 def release_idle_threads() -> bool:

@@ -82,9 +82,10 @@ def adamw_weight_bound(optimizer: torch.optim.Optimizer, grad_bound: float) -> f
 
     because ``|m| <= b1 M + (1 - b1) G``, the bias correction ``1 - b1^t >= 1 - b1`` and the
     denominator is at least ``eps`` (the second moments AdamW keeps are never negative). ``inf``
-    when the step size ``lr / (1 - b1^t)`` or ``lr wd`` itself nears the float range (times a zero
-    update it makes ``nan``), for another optimizer, ``eps <= 0``, ``b1`` outside ``[0, 1)``, a non-finite weight, moment or
-    hyperparameter, or a ``G`` whose square overflows float32.
+    when the step size ``lr / (1 - b1^t)`` or ``lr wd`` itself nears the float range (times a
+    zero update it makes ``nan``), for another optimizer, ``eps <= 0``, ``b1`` outside
+    ``[0, 1)``, a non-finite weight, moment or hyperparameter, or a ``G`` whose square overflows
+    float32.
     """
     if not isinstance(optimizer, torch.optim.AdamW) or not math.isfinite(grad_bound) or grad_bound > 1e18:
         return math.inf
