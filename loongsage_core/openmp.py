@@ -54,6 +54,7 @@ def release_idle_threads() -> bool:
     this process has no libgomp loaded yet or it cannot pause (it is then a no-op)."""
     pause = _pause_all()
     if pause is None:
-        _pause_all.cache_clear()  # torch may load it later
+        if "torch" not in sys.modules:  # torch loads the runtime: ask again once it is here, then no more
+            _pause_all.cache_clear()
         return False
     return pause(OMP_PAUSE_SOFT) == 0
