@@ -110,29 +110,21 @@ def output_logits(model: Any, hidden: "torch.Tensor", *, compute_dtype: "torch.d
     return logits.float()
 
 
-def picked_logprobs_and_entropy(logits: "torch.Tensor", targets: "torch.Tensor", *, with_entropy: bool = True,
-                                entropy_grad: bool = True) -> "tuple[torch.Tensor, torch.Tensor | None]":
-    """``log p(target)`` and the entropy of each row of ``logits`` ``[..., V]`` (``targets``
-    ``[...]``), in one blocked pass over the logits (:mod:`.token_scores`); the entropy has no
-    gradient when ``entropy_grad`` is off (no loss term uses it)."""
-    from .token_scores import token_scores
-
-    return token_scores(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
-
-
 def logprobs_and_entropy(logits: "torch.Tensor", input_ids: "torch.Tensor", *, with_entropy: bool = True,
                          entropy_grad: bool = True, scored: "torch.Tensor | None" = None,
                          ) -> "tuple[torch.Tensor, torch.Tensor | None]":
     """Token log-probs and entropies ``[B, T]`` from next-token ``logits`` ``[B, T-1, V]`` (or
     ``[K, V]`` of the ``scored`` tokens, see :func:`next_token_logits`: 0 at every other token).
 
-    See :func:`picked_logprobs_and_entropy`. ``entropy_grad=False`` computes the entropy without
-    autograd history (when no loss term uses it).
+    Both come from one blocked pass over the logits (:mod:`.token_scores`). ``entropy_grad=False``
+    computes the entropy without autograd history (when no loss term uses it).
     """
     import torch.nn.functional as F
 
+    from .token_scores import token_scores
+
     targets = input_ids[:, 1:] if scored is None else input_ids[:, 1:][scored[:, 1:]]
-    picked, ent = picked_logprobs_and_entropy(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
+    picked, ent = token_scores(logits, targets, with_entropy=with_entropy, entropy_grad=entropy_grad)
 
     def per_token(values: "torch.Tensor") -> "torch.Tensor":
         if scored is not None:  # back to [B, T-1], 0 at the tokens not scored

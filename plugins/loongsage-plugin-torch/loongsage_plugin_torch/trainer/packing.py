@@ -343,7 +343,8 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
     where :meth:`PackedRows.tree_saves`; see :meth:`PackedRows.attention`). ``logit_filter``
     ``(logits [K, V], rows, cols) -> logits`` rewrites the logits predicting ``input_ids[rows,
     cols]`` before they are scored (constrained turns, :mod:`.grammar_replay`)."""
-    from .logits import decoder_hidden, output_logits, picked_logprobs_and_entropy
+    from .logits import decoder_hidden, output_logits
+    from .token_scores import token_scores
 
     real = attention_mask > 0
     wanted = real if scored is None else scored & real
@@ -357,7 +358,7 @@ def packed_token_outputs(model: Any, input_ids: "torch.Tensor", attention_mask: 
     logits = output_logits(model, states, compute_dtype=compute_dtype, fp32_lm_head=fp32_lm_head)
     if logit_filter is not None:
         logits = logit_filter(logits, rows, cols)
-    picked, entropy = picked_logprobs_and_entropy(logits, input_ids[rows, cols], entropy_grad=entropy_grad)
+    picked, entropy = token_scores(logits, input_ids[rows, cols], entropy_grad=entropy_grad)
     assert entropy is not None
 
     def per_token(values: "torch.Tensor") -> "torch.Tensor":
