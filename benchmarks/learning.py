@@ -98,8 +98,11 @@ def main() -> None:
         parser.error("no recipe has an [eval] table")
     import ray
 
+    from loongsage_core.controller.placement import quiet_tokenizers_in_workers
+
+    quiet_tokenizers_in_workers()
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False,
-             _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+             _node_ip_address="127.0.0.1")
     results: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:

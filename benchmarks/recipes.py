@@ -103,9 +103,12 @@ def main() -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     import ray
 
+    from loongsage_core.controller.placement import quiet_tokenizers_in_workers
+
+    quiet_tokenizers_in_workers()
     # room for the largest recipe (ppo_critic: trainer + critic); logical CPUs, the runs take turns
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False,
-             _node_ip_address="127.0.0.1", runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+             _node_ip_address="127.0.0.1")
     results: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -1,8 +1,17 @@
-"""Starting the local Ray cluster on a saturated machine: Ray gives its node a fixed 30 s to come
-up; ``init_ray`` starts it again when that ran out (Ray's own start-up timeout cannot be provoked
-on demand, so ``ray.init`` is replaced by one that fails the way Ray does, then succeeds)."""
+"""Starting the local Ray cluster.
+
+On a saturated machine: Ray gives its node a fixed 30 s to come up; ``init_ray`` starts it again
+when that ran out (Ray's own start-up timeout cannot be provoked on demand, so ``ray.init`` is
+replaced by one that fails the way Ray does, then succeeds). The workers' environment comes from
+the driver, not a job ``runtime_env``, so actors take the idle workers Ray starts with the
+cluster (checked on a real cluster in a child process)."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -60,3 +69,61 @@ def test_other_start_up_errors_and_the_last_timeout_are_raised(monkeypatch):
     with pytest.raises(RayStartError, match="the local Ray cluster did not start: ValueError: .*too small"):
         placement.init_ray(structure_job({}))
     assert len(attempts) == 1
+
+
+def test_a_local_cluster_passes_the_workers_environment_without_a_job_runtime_env(monkeypatch):
+    """The workers of a local cluster get ``TOKENIZERS_PARALLELISM=false`` from the driver's
+    environment, not from a job ``runtime_env`` (with one, no actor could take an idle worker);
+    a value the user set is kept."""
+    import ray
+
+    seen: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.append(kwargs))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    placement.init_ray(structure_job({}))
+    assert "runtime_env" not in seen[0] and os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    placement.init_ray(structure_job({}))
+    assert os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+ACTOR_ON_AN_IDLE_WORKER = """
+import json, os, subprocess, sys, time
+import ray
+from loongsage_core.config import structure_job
+from loongsage_core.controller import placement
+
+placement.init_ray(structure_job({"run": {"ray_num_cpus": 2, "ray_object_store_mb": 80}}))
+def idle():
+    return set(subprocess.run(["pgrep", "-f", "^ray::IDLE"], capture_output=True, text=True).stdout.split())
+deadline = time.monotonic() + 60
+while len(idle()) < 2 and time.monotonic() < deadline:  # the workers Ray starts with the cluster
+    time.sleep(0.2)
+time.sleep(1.0)  # registered with the raylet
+before = idle()
+
+@ray.remote(num_cpus=1)
+class Probe:
+    def where(self):
+        return os.getpid(), os.environ.get("TOKENIZERS_PARALLELISM"), ray.get_runtime_context().runtime_env
+
+pid, tokenizers, runtime_env = ray.get(Probe.remote().where.remote())
+print(json.dumps({"idle_before": sorted(before), "actor_pid": str(pid), "tokenizers": tokenizers,
+                  "runtime_env": dict(runtime_env)}))
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_an_actor_of_a_local_cluster_takes_a_worker_ray_started_ahead(tmp_path):
+    """``init_ray``'s local cluster: an actor runs in one of the idle workers Ray started with the
+    cluster (no new interpreter to wait for), and sees ``TOKENIZERS_PARALLELISM=false``."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "TOKENIZERS_PARALLELISM")}
+    done = subprocess.run([sys.executable, "-c", ACTOR_ON_AN_IDLE_WORKER], capture_output=True, text=True,
+                          env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["tokenizers"] == "false" and not got["runtime_env"]
+    assert len(got["idle_before"]) >= 2 and got["actor_pid"] in got["idle_before"], got

@@ -62,14 +62,14 @@ def ray_cluster(slow_fixture):
     this module (the plugin's own test environment)."""
     import ray
 
-    from loongsage_core.controller.placement import keep_workers_at_driver_priority
+    from loongsage_core.controller.placement import keep_workers_at_driver_priority, quiet_tokenizers_in_workers
 
     started = not ray.is_initialized()
     if started:
         keep_workers_at_driver_priority()
+        quiet_tokenizers_in_workers()
         ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                 _node_ip_address="127.0.0.1", log_to_driver=False)
     yield ray
     if started:
         ray.shutdown()
