@@ -50,16 +50,10 @@ def ray_cluster(slow_fixture):
     """One local Ray cluster for the whole test session: loopback, small object store, no dashboard."""
     import ray
 
-    from loongsage_core.controller.placement import (
-        bind_ray_to_loopback,
-        keep_workers_at_driver_priority,
-        quiet_tokenizers_in_workers,
-    )
+    from loongsage_core.controller.placement import prepare_local_cluster
 
     if not ray.is_initialized():
-        bind_ray_to_loopback()
-        keep_workers_at_driver_priority()
-        quiet_tokenizers_in_workers()
+        prepare_local_cluster()
         ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False,
                  _node_ip_address="127.0.0.1", log_to_driver=False)
     yield ray

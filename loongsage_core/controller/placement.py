@@ -103,6 +103,16 @@ def quiet_tokenizers_in_workers() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def prepare_local_cluster() -> None:
+    """Everything the next local Ray cluster needs before ``ray.init``: loopback only
+    (:func:`bind_ray_to_loopback`), workers at the driver's priority
+    (:func:`keep_workers_at_driver_priority`) and their environment
+    (:func:`quiet_tokenizers_in_workers`)."""
+    bind_ray_to_loopback()
+    keep_workers_at_driver_priority()
+    quiet_tokenizers_in_workers()
+
+
 def init_ray(job: JobConfig) -> None:
     """Start (or join) the Ray cluster: one node on loopback, capped object store, no dashboard
     unless ``run.ray_dashboard`` asks for one (then on loopback too). ``run.ray_address`` (else the
@@ -131,9 +141,7 @@ def init_ray(job: JobConfig) -> None:
             raise ray_start_error(exc, address) from None
         return
     cpus = job.run.ray_num_cpus or max(os.cpu_count() or 1, int(required_resources(job)["CPU"] + 0.999))
-    bind_ray_to_loopback()
-    keep_workers_at_driver_priority()
-    quiet_tokenizers_in_workers()  # not a runtime_env: actors then take the workers Ray starts ahead
+    prepare_local_cluster()  # its environment, not a runtime_env: actors then take the workers Ray starts ahead
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
             ray.init(num_cpus=cpus, include_dashboard=bool(job.run.ray_dashboard), dashboard_host="127.0.0.1",
