@@ -207,12 +207,9 @@ def main() -> None:
         parser.error(f"--modes: unknown mode(s) {unknown}; choose from {sorted(MODES)}")
     import ray
 
-    from loongsage_core.controller.placement import bind_ray_to_loopback, keep_workers_at_driver_priority
+    from loongsage_core.controller.placement import start_local_cluster
 
-    bind_ray_to_loopback()
-    keep_workers_at_driver_priority()  # Ray's default niceness 15 would let any other busy process starve the run
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    start_local_cluster(num_cpus=2, object_store_mb=128)  # the cluster (and worker priority) a run gets
     rounds: list[dict[str, dict[str, float | bool]]] = []
     loads: list[dict[str, list[float]]] = []
     with tempfile.TemporaryDirectory() as tmp:

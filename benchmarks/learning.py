@@ -98,11 +98,9 @@ def main() -> None:
         parser.error("no recipe has an [eval] table")
     import ray
 
-    from loongsage_core.controller.placement import quiet_tokenizers_in_workers
+    from loongsage_core.controller.placement import start_local_cluster
 
-    quiet_tokenizers_in_workers()
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    start_local_cluster(num_cpus=4, object_store_mb=256)
     results: dict[str, Any] = {}
     try:
         with tempfile.TemporaryDirectory() as tmp:

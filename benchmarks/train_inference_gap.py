@@ -58,11 +58,11 @@ def main() -> None:
     import ray
 
     from loongsage_core.config import load_job
+    from loongsage_core.controller.placement import start_local_cluster
     from loongsage_core.controller.run import run_job
     from loongsage_core.resolve import resolve_job
 
-    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=128 * 2**20, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    start_local_cluster(num_cpus=2, object_store_mb=128)
     out: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.settings.split(","):

@@ -243,12 +243,13 @@ def main() -> None:
     args = parser.parse_args()
     import ray
 
+    from loongsage_core.controller.placement import start_local_cluster
+
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         prompts = write_prompts(work, PROMPTS_PER_STEP * (args.steps + 1))
-        ray.init(num_cpus=max(args.threads, 2), include_dashboard=False, object_store_memory=256 * 2**20,
-                 log_to_driver=False, _node_ip_address="127.0.0.1")
+        start_local_cluster(num_cpus=max(args.threads, 2), object_store_mb=256)
         try:
             for name in [w.strip() for w in args.workloads.split(",") if w.strip()]:
                 if name not in WORKLOADS:

@@ -50,12 +50,10 @@ def ray_cluster(slow_fixture):
     """One local Ray cluster for the whole test session: loopback, small object store, no dashboard."""
     import ray
 
-    from loongsage_core.controller.placement import prepare_local_cluster
+    from loongsage_core.controller.placement import start_local_cluster
 
     if not ray.is_initialized():
-        prepare_local_cluster()
-        ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
+        start_local_cluster(num_cpus=4, object_store_mb=128)
     yield ray
     ray.shutdown()
 

@@ -141,17 +141,34 @@ def init_ray(job: JobConfig) -> None:
             raise ray_start_error(exc, address) from None
         return
     cpus = job.run.ray_num_cpus or max(os.cpu_count() or 1, int(required_resources(job)["CPU"] + 0.999))
-    prepare_local_cluster()  # its environment, not a runtime_env: actors then take the workers Ray starts ahead
+    start_local_cluster(num_cpus=cpus, object_store_mb=job.run.ray_object_store_mb,
+                        dashboard=bool(job.run.ray_dashboard), log_to_driver=True)
+
+
+def start_local_cluster(*, num_cpus: int, object_store_mb: int, dashboard: bool = False,
+                        log_to_driver: bool = False) -> None:
+    """Start a one-node Ray cluster of this machine, prepared by :func:`prepare_local_cluster`
+    (loopback only, workers at the driver's priority, their environment set here rather than in a
+    job ``runtime_env``), with ``num_cpus`` logical CPUs, an object store of ``object_store_mb``
+    MiB and a dashboard (on loopback) only when asked. The controller (:func:`init_ray`), the
+    tests' clusters and the benchmarks all start theirs here, so they run on the cluster a user's
+    run gets.
+
+    Ray gives its raylet a fixed 30 s to register with the GCS; on a machine whose cores are all
+    busy that can run out ("The current node timed out during startup"): what it started is
+    stopped and started again, up to :data:`LOCAL_START_ATTEMPTS` times. Any other failure, or
+    the last time-out, is a one-line :class:`~.resource_errors.RayStartError`.
+    """
+    import ray
+
+    prepare_local_cluster()
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
-            ray.init(num_cpus=cpus, include_dashboard=bool(job.run.ray_dashboard), dashboard_host="127.0.0.1",
-                     object_store_memory=job.run.ray_object_store_mb * 2**20, ignore_reinit_error=True,
-                     _node_ip_address="127.0.0.1", log_to_driver=True)
+            ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",
+                     object_store_memory=object_store_mb * 2**20, ignore_reinit_error=True,
+                     _node_ip_address="127.0.0.1", log_to_driver=log_to_driver)
             return
         except Exception as exc:
-            # Ray gives its raylet a fixed 30 s to register with the GCS; on a machine whose cores
-            # are all busy that can run out ("The current node timed out during startup"). Stop
-            # what it started and start again, a few times, before giving up.
             if "timed out during startup" not in str(exc) or attempt == LOCAL_START_ATTEMPTS:
                 raise ray_start_error(exc, None) from None
             log.warning("the local Ray cluster did not start in time (attempt %d of %d, the machine is busy); "
@@ -160,7 +177,7 @@ def init_ray(job: JobConfig) -> None:
 
 
 LOCAL_START_ATTEMPTS = 3
-"""How many times :func:`init_ray` starts a local cluster whose node timed out during start-up."""
+"""How many times :func:`start_local_cluster` starts a local cluster whose node timed out during start-up."""
 
 CONNECT_TIMEOUT_S = 10.0
 """How long :func:`check_reachable` waits for a Ray cluster's address to accept a connection."""

@@ -62,14 +62,11 @@ def ray_cluster(slow_fixture):
     this module (the plugin's own test environment)."""
     import ray
 
-    from loongsage_core.controller.placement import keep_workers_at_driver_priority, quiet_tokenizers_in_workers
+    from loongsage_core.controller.placement import start_local_cluster
 
     started = not ray.is_initialized()
     if started:
-        keep_workers_at_driver_priority()
-        quiet_tokenizers_in_workers()
-        ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
+        start_local_cluster(num_cpus=4, object_store_mb=128)
     yield ray
     if started:
         ray.shutdown()

@@ -23,13 +23,11 @@ def ray_local(slow_fixture):
     """The session's Ray cluster when one is up, else a small local one for the module."""
     import ray
 
-    from loongsage_core.controller.placement import keep_workers_at_driver_priority
+    from loongsage_core.controller.placement import start_local_cluster
 
     started = not ray.is_initialized()
     if started:
-        keep_workers_at_driver_priority()
-        ray.init(num_cpus=4, object_store_memory=128 * 2**20, include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=False)
+        start_local_cluster(num_cpus=4, object_store_mb=128)
     yield ray
     if started:
         ray.shutdown()
