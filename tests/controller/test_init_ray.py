@@ -127,3 +127,22 @@ def test_an_actor_of_a_local_cluster_takes_a_worker_ray_started_ahead(tmp_path):
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["tokenizers"] == "false" and not got["runtime_env"]
     assert len(got["idle_before"]) >= 2 and got["actor_pid"] in got["idle_before"], got
+
+
+def test_every_ray_cluster_of_the_repository_is_started_by_placement():
+    """The controller, the test fixtures, the benchmarks and the scripts start (or join) Ray only
+    through :mod:`loongsage_core.controller.placement`, so a test or a benchmark measures the
+    cluster a user's run gets (loopback only, workers at the driver's priority, their environment)."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    tracked = subprocess.run(["git", "ls-files", "*.py"], capture_output=True, text=True, cwd=repo, check=True)
+    callers = set()
+    for name in tracked.stdout.split():
+        path = repo / name
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "init"
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == "ray"):
+                callers.add(path.relative_to(repo).as_posix())
+    assert callers == {"loongsage_core/controller/placement.py"}, callers
