@@ -105,8 +105,9 @@ def measure(name: str, steps: int, meter: TrafficMeter) -> dict[str, Any]:
     from loongsage_core.resolve import resolve_job
 
     path, overrides = JOBS[name]
+    # the training loop's traffic alone: the quickstart's held-out evaluation ("eval.data=[]") would add its own
     job = load_job(REPO / path, [*overrides, f"train.total_steps={steps}", "run.checkpoint_every=0",
-                                 "run.save_hf_at_end=false"])
+                                 "run.save_hf_at_end=false", "eval.data=[]"])
     job.loggers = []
     fit = SyncLoop.fit
 
