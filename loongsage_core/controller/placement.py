@@ -100,17 +100,13 @@ def quiet_tokenizers_in_workers() -> None:
     0.37 s) while the idle ones are left unused. The driver keeps it too (it forks agents and
     sandboxes as well). A value the user set is kept.
     """
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    for name, value in WORKER_ENV_VARS.items():
+        os.environ.setdefault(name, value)
 
 
-def prepare_local_cluster() -> None:
-    """Everything the next local Ray cluster needs before ``ray.init``: loopback only
-    (:func:`bind_ray_to_loopback`), workers at the driver's priority
-    (:func:`keep_workers_at_driver_priority`) and their environment
-    (:func:`quiet_tokenizers_in_workers`)."""
-    bind_ray_to_loopback()
-    keep_workers_at_driver_priority()
-    quiet_tokenizers_in_workers()
+WORKER_ENV_VARS = {"TOKENIZERS_PARALLELISM": "false"}
+"""The environment every worker of a run gets: through the driver's environment on a local cluster
+(:func:`quiet_tokenizers_in_workers`), through the job's ``runtime_env`` on an existing one."""
 
 
 def init_ray(job: JobConfig) -> None:
@@ -136,7 +132,7 @@ def init_ray(job: JobConfig) -> None:
             check_reachable(address)
             # the job's runtime_env: the workers of other nodes inherit their own node's environment
             ray.init(address=address, ignore_reinit_error=True, log_to_driver=True,
-                     runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+                     runtime_env={"env_vars": dict(WORKER_ENV_VARS)})
         except Exception as exc:
             raise ray_start_error(exc, address) from None
         return
@@ -147,10 +143,11 @@ def init_ray(job: JobConfig) -> None:
 
 def start_local_cluster(*, num_cpus: int, object_store_mb: int, dashboard: bool = False,
                         log_to_driver: bool = False) -> None:
-    """Start a one-node Ray cluster of this machine, prepared by :func:`prepare_local_cluster`
-    (loopback only, workers at the driver's priority, their environment set here rather than in a
-    job ``runtime_env``), with ``num_cpus`` logical CPUs, an object store of ``object_store_mb``
-    MiB and a dashboard (on loopback) only when asked. The controller (:func:`init_ray`), the
+    """Start a one-node Ray cluster of this machine: loopback only (:func:`bind_ray_to_loopback`),
+    workers at the driver's priority (:func:`keep_workers_at_driver_priority`), their environment
+    set here rather than in a job ``runtime_env`` (:func:`quiet_tokenizers_in_workers`);
+    ``num_cpus`` logical CPUs, an object store of ``object_store_mb`` MiB and a dashboard (on
+    loopback) only when asked. The controller (:func:`init_ray`), the
     tests' clusters and the benchmarks all start theirs here, so they run on the cluster a user's
     run gets.
 
@@ -161,7 +158,9 @@ def start_local_cluster(*, num_cpus: int, object_store_mb: int, dashboard: bool 
     """
     import ray
 
-    prepare_local_cluster()
+    bind_ray_to_loopback()
+    keep_workers_at_driver_priority()
+    quiet_tokenizers_in_workers()
     for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
         try:
             ray.init(num_cpus=num_cpus, include_dashboard=dashboard, dashboard_host="127.0.0.1",

@@ -8,10 +8,12 @@ cluster (checked on a real cluster in a child process)."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -133,9 +135,6 @@ def test_every_ray_cluster_of_the_repository_is_started_by_placement():
     """The controller, the test fixtures, the benchmarks and the scripts start (or join) Ray only
     through :mod:`loongsage_core.controller.placement`, so a test or a benchmark measures the
     cluster a user's run gets (loopback only, workers at the driver's priority, their environment)."""
-    import ast
-    from pathlib import Path
-
     repo = Path(__file__).resolve().parents[2]
     tracked = subprocess.run(["git", "ls-files", "*.py"], capture_output=True, text=True, cwd=repo, check=True)
     callers = set()
