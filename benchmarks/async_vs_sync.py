@@ -121,6 +121,9 @@ LENGTH_MEAN_LIMIT = 0.95  # smallest trained / sampled mean response length that
 BOUNDS = ("any_overlap_vs_sync", "overlapped_phases_vs_sync", "windowed_bound_vs_sync")
 """What overlapping would give, from the sync runs' phases (module docstring), in the sync entry."""
 
+RATIOS_TO_SYNC = {"steady_samples_per_s": "throughput_vs_sync", "train_s_mean": "train_phase_vs_sync"}
+"""Per async mode: a figure of its run (key) over that of the sync runs either side (value)."""
+
 SOURCES = [("short", 8, 0.55), ("medium", 32, 0.25), ("long", 96, 0.15), ("tail", 256, 0.05)]
 
 
@@ -254,10 +257,9 @@ def main() -> None:
             for j, mode in enumerate(modes):
                 results[mode] = run_mode(args.steps, mode, work)
                 syncs.append(run_mode(args.steps, None, work / f"s{j + 1}"))
-                around = (float(syncs[-2]["steady_samples_per_s"]) + float(syncs[-1]["steady_samples_per_s"])) / 2
-                results[mode]["throughput_vs_sync"] = float(results[mode]["steady_samples_per_s"]) / around
-                sync_train = (float(syncs[-2]["train_s_mean"]) + float(syncs[-1]["train_s_mean"])) / 2
-                results[mode]["train_phase_vs_sync"] = float(results[mode]["train_s_mean"]) / sync_train
+                for key, ratio in RATIOS_TO_SYNC.items():
+                    around = (float(syncs[-2][key]) + float(syncs[-1][key])) / 2  # the sync runs either side
+                    results[mode][ratio] = float(results[mode][key]) / around
             rates = [float(x["steady_samples_per_s"]) for x in syncs]
             results["sync"] = {"steady_samples_per_s": statistics.fmean(rates), "throughput_vs_sync": 1.0,
                                **{bound: statistics.fmean(float(x[bound]) for x in syncs) for bound in BOUNDS},
